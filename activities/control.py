@@ -1,0 +1,40 @@
+"""Control activities: the replica workflow's door to the fleet entity.
+
+A workflow cannot send an update to another workflow, so placement goes
+through this activity, which does it with a client. The fleet update is
+idempotent per replica, so an activity retry cannot double-book a GPU.
+"""
+
+from temporalio import activity
+from temporalio.client import Client
+
+from activities import names
+from llmgw.queues import FLEET_WORKFLOW_ID
+from llmgw.types import PlaceRequest, PlaceResult, ReleaseRequest, ReleaseResult
+
+
+class ControlActivities:
+    """Activities served on the control queue; built with a Temporal client."""
+
+    def __init__(self, client: Client) -> None:
+        self._client = client
+
+    @activity.defn(name=names.PLACE_REPLICA)
+    async def place_replica(self, request: PlaceRequest) -> PlaceResult:
+        """Ask the fleet to place a replica."""
+        handle = self._client.get_workflow_handle(FLEET_WORKFLOW_ID)
+        result: PlaceResult = await handle.execute_update("place", request, result_type=PlaceResult)
+        if result.placement:
+            activity.logger.info(
+                "replica %s placed on %s", request.replica_id, result.placement.node_id
+            )
+        return result
+
+    @activity.defn(name=names.RELEASE_REPLICA)
+    async def release_replica(self, request: ReleaseRequest) -> ReleaseResult:
+        """Give a replica's allocation back to the fleet."""
+        handle = self._client.get_workflow_handle(FLEET_WORKFLOW_ID)
+        result: ReleaseResult = await handle.execute_update(
+            "release", request, result_type=ReleaseResult
+        )
+        return result

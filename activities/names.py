@@ -1,0 +1,12 @@
+"""Activity names, shared by the workflows that call them and the workers that
+serve them, so neither has to import the other's code."""
+
+# Control queue
+PLACE_REPLICA = "place_replica"
+RELEASE_REPLICA = "release_replica"
+
+# Node queues (node-<id>)
+LAUNCH_SHARD = "launch_shard"
+WAIT_SHARD_READY = "wait_shard_ready"
+WATCH_SHARD = "watch_shard"
+STOP_SHARD = "stop_shard"

@@ -1,0 +1,5 @@
+"""``python -m llmgw`` is the ``llmgw`` CLI."""
+
+from llmgw.cli import app
+
+app()

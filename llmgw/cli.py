@@ -1,0 +1,179 @@
+"""The ``llmgw`` command line."""
+
+import asyncio
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from llmgw import replicas
+from llmgw.errors import LlmgwError
+from llmgw.settings import UpSettings, _Common
+from llmgw.store import Store
+from llmgw.temporal import connect
+from llmgw.types import ReplicaMemo
+
+app = typer.Typer(
+    help="llmgw: LLM inference control plane and OpenAI gateway", no_args_is_help=True
+)
+keys_app = typer.Typer(help="Client API keys", no_args_is_help=True)
+app.add_typer(keys_app, name="keys")
+console = Console(stderr=True)
+out = Console()
+
+
+class CliSettings(_Common):
+    """Settings of one-shot CLI commands (same LLMGW_* variables)."""
+
+
+def _fail(message: str) -> None:
+    console.print(f"[red]error:[/red] {message}")
+    raise typer.Exit(1)
+
+
+@app.command()
+def up(
+    router_port: Annotated[int | None, typer.Option(help="router port")] = None,
+    temporal_port: Annotated[int | None, typer.Option(help="Temporal gRPC port")] = None,
+    ui_port: Annotated[int | None, typer.Option(help="Temporal web UI port")] = None,
+) -> None:
+    """Run the whole system on this machine and serve the default model."""
+    from llmgw.up import run_up  # noqa: PLC0415 - heavy imports only for this command
+
+    overrides = {
+        k: v
+        for k, v in {
+            "router_port": router_port,
+            "temporal_port": temporal_port,
+            "ui_port": ui_port,
+        }.items()
+        if v is not None
+    }
+    settings = UpSettings().model_copy(update=overrides)
+
+    def say(line: str) -> None:
+        console.print(f"[dim]llmgw up:[/dim] {line}")
+
+    def announce(endpoint: str, ui: str, key: str) -> None:
+        out.print(
+            f"\n[bold green]llmgw is serving[/bold green]\n"
+            f"  OpenAI endpoint : {endpoint}\n"
+            f"  Temporal UI     : {ui}\n"
+            f"  API key         : {key}  (also in {settings.work_dir}/dev-api-key)\n"
+            f"  Ctrl-C stops everything.\n"
+        )
+        out.file.flush()
+
+    try:
+        asyncio.run(run_up(settings, say, announce))
+    except LlmgwError as exc:
+        _fail(str(exc))
+
+
+@app.command()
+def control() -> None:
+    """Run the control-plane worker (task queue ``control``)."""
+    from workflows.worker import main  # noqa: PLC0415
+
+    main()
+
+
+@app.command()
+def agent() -> None:
+    """Run the node agent for this machine (task queue ``node-<id>``)."""
+    from worker_agent.main import main  # noqa: PLC0415
+
+    main()
+
+
+@app.command()
+def router() -> None:
+    """Run the OpenAI-compatible router."""
+    from router.main import main  # noqa: PLC0415
+
+    main()
+
+
+@app.command()
+def deploy(
+    model: str,
+    replicas_: Annotated[
+        int, typer.Option("--replicas", "-n", min=1, help="how many replicas")
+    ] = 1,
+    wait: Annotated[bool, typer.Option(help="wait until ready, showing progress")] = True,
+    timeout: Annotated[float, typer.Option(help="seconds to wait")] = 600.0,
+) -> None:
+    """Start replicas of a catalog model."""
+    settings = CliSettings()
+    store = Store(settings.resolved_store_url())
+    store.migrate()
+    spec = store.get_model(model)
+    if spec is None:
+        have = ", ".join(store.model_names()) or "none"
+        _fail(f"model {model!r} is not in the catalog (have: {have})")
+        return
+
+    async def go() -> None:
+        client = await connect(settings.temporal_address, settings.temporal_namespace)
+        ids = [await replicas.start_replica(client, spec) for _ in range(replicas_)]
+        for rid in ids:
+            console.print(f"started replica [bold]{rid}[/bold] (workflow replica/{rid})")
+        if not wait:
+            return
+        with console.status("waiting for replicas") as status:
+
+            def show(memo: ReplicaMemo) -> None:
+                status.update(f"{memo.replica_id}: {memo.phase} {memo.node_id}")
+                console.print(f"  {memo.replica_id}: {memo.phase} {memo.node_id}")
+
+            await asyncio.gather(*(replicas.wait_ready(client, r, timeout, show) for r in ids))
+        console.print("[green]ready[/green]")
+
+    try:
+        asyncio.run(go())
+    except LlmgwError as exc:
+        _fail(str(exc))
+
+
+@app.command()
+def status(
+    all_: Annotated[bool, typer.Option("--all", help="include stopped replicas")] = False,
+) -> None:
+    """Replicas and their states, read from Temporal."""
+    settings = CliSettings()
+
+    async def go() -> list[ReplicaMemo]:
+        client = await connect(settings.temporal_address, settings.temporal_namespace)
+        return await replicas.list_replicas(client, include_closed=all_)
+
+    rows = asyncio.run(go())
+    table = Table("replica", "model", "state", "node", "endpoint")
+    for m in rows:
+        table.add_row(m.replica_id, m.model, m.phase.value, m.node_id, m.endpoint)
+    out.print(table)
+
+
+@app.command()
+def stop(replica_id: str, timeout: float = 60.0) -> None:
+    """Drain and stop one replica."""
+    settings = CliSettings()
+
+    async def go() -> None:
+        client = await connect(settings.temporal_address, settings.temporal_namespace)
+        final = await replicas.stop_replica(client, replica_id, "llmgw stop", timeout)
+        console.print(f"{replica_id}: {final.phase}")
+
+    try:
+        asyncio.run(go())
+    except LlmgwError as exc:
+        _fail(str(exc))
+
+
+@keys_app.command("create")
+def keys_create(name: str) -> None:
+    """Create a client API key; it is printed once and stored hashed."""
+    settings = CliSettings()
+    store = Store(settings.resolved_store_url())
+    store.migrate()
+    out.print(store.create_api_key(name))

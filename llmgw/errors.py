@@ -1,0 +1,67 @@
+"""The llmgw error hierarchy.
+
+::
+
+    LlmgwError                    base of everything raised on purpose
+    ├── ConfigError               bad settings or input; retrying cannot help
+    ├── StoreError                the store could not answer
+    ├── PlacementError            no node can take a replica (carries reasons)
+    └── EngineError               an engine shard misbehaved
+        ├── EngineLaunchError     it could not be started
+        ├── EngineExitedError     it exited (exit code and log tail in message)
+        └── EngineNotReadyError   it did not become ready in time
+
+Errors that cross Temporal are raised as ``ApplicationError`` with ``type``
+set to the class name and ``non_retryable`` from the class, so a workflow can
+tell "try again" from "give up" without importing process code.
+"""
+
+from temporalio.exceptions import ApplicationError
+
+
+class LlmgwError(Exception):
+    """Base class of every error llmgw raises on purpose."""
+
+    retryable: bool = True
+
+    def to_application_error(self) -> ApplicationError:
+        """This error as Temporal carries it: a string type and a retry verdict."""
+        return ApplicationError(
+            str(self), type=type(self).__name__, non_retryable=not self.retryable
+        )
+
+
+class ConfigError(LlmgwError):
+    """Bad settings or bad input: retrying cannot help."""
+
+    retryable = False
+
+
+class StoreError(LlmgwError):
+    """The store could not answer."""
+
+
+class PlacementError(LlmgwError):
+    """No node can take the replica; the message lists each node's reason."""
+
+
+class EngineError(LlmgwError):
+    """An engine shard misbehaved."""
+
+
+class EngineLaunchError(EngineError):
+    """The engine could not be started (binary missing, bad model path...)."""
+
+    retryable = False
+
+
+class EngineExitedError(EngineError):
+    """The engine exited; the message carries the exit code and its log tail."""
+
+    retryable = False
+
+
+class EngineNotReadyError(EngineError):
+    """The engine did not become ready before its deadline."""
+
+    retryable = False

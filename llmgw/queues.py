@@ -1,0 +1,19 @@
+"""Task queue names: built here only, so a typo cannot split a node in two."""
+
+CONTROL_QUEUE = "control"
+"""The control plane's task queue: workflows and control activities."""
+
+FLEET_WORKFLOW_ID = "fleet"
+"""The one fleet entity workflow: node inventory and the allocation ledger."""
+
+
+def node_queue(node_id: str) -> str:
+    """The task queue a node agent serves its activities on."""
+    if not node_id or any(c.isspace() for c in node_id):
+        raise ValueError(f"invalid node id {node_id!r}")
+    return f"node-{node_id}"
+
+
+def replica_workflow_id(replica_id: str) -> str:
+    """The workflow id of a replica's lifecycle."""
+    return f"replica/{replica_id}"

@@ -1,0 +1,135 @@
+"""Client-side replica operations used by the CLI: deploy, watch, list, stop."""
+
+import asyncio
+import re
+import secrets
+from collections.abc import Callable
+from datetime import timedelta
+
+from temporalio.client import Client, WorkflowExecutionStatus
+from temporalio.common import SearchAttributePair, TypedSearchAttributes
+from temporalio.service import RPCError
+
+from llmgw import search_attributes as sa
+from llmgw.errors import EngineError
+from llmgw.queues import CONTROL_QUEUE, replica_workflow_id
+from llmgw.types import (
+    TERMINAL_PHASES,
+    ModelSpec,
+    ReplicaInput,
+    ReplicaMemo,
+    ReplicaPhase,
+    ReplicaStatus,
+    ReplicaTimeouts,
+    StopReplicaInput,
+)
+
+PhaseCallback = Callable[[ReplicaMemo], None]
+
+
+def new_replica_id(model: str) -> str:
+    """``<model>-<8 hex>``, safe in workflow ids, file names and log lines."""
+    safe = re.sub(r"[^A-Za-z0-9._-]+", "-", model).strip("-") or "model"
+    return f"{safe}-{secrets.token_hex(4)}"
+
+
+async def start_replica(
+    client: Client, spec: ModelSpec, timeouts: ReplicaTimeouts | None = None
+) -> str:
+    """Start one replica's workflow; returns the replica id."""
+    replica_id = new_replica_id(spec.name)
+    await client.start_workflow(
+        "Replica",
+        ReplicaInput(replica_id=replica_id, model=spec, timeouts=timeouts or ReplicaTimeouts()),
+        id=replica_workflow_id(replica_id),
+        task_queue=CONTROL_QUEUE,
+        search_attributes=TypedSearchAttributes(
+            [
+                SearchAttributePair(sa.REPLICA_MODEL, spec.name),
+                SearchAttributePair(sa.REPLICA_STATE, ReplicaPhase.PLACING.value),
+            ]
+        ),
+    )
+    return replica_id
+
+
+async def replica_memo(client: Client, replica_id: str) -> ReplicaMemo | None:
+    """A replica's published state, from describe + memo (cheap, needs no worker)."""
+    desc = await client.get_workflow_handle(replica_workflow_id(replica_id)).describe(
+        rpc_timeout=timedelta(seconds=5)
+    )
+    raw = (await desc.memo()).get("replica")
+    return ReplicaMemo.model_validate(raw) if isinstance(raw, dict) else None
+
+
+async def wait_ready(
+    client: Client,
+    replica_id: str,
+    timeout_s: float,
+    on_change: PhaseCallback | None = None,
+    poll_s: float = 0.25,
+) -> ReplicaMemo:
+    """Wait until the replica is ready; raise EngineError with the reason if it fails."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    last: ReplicaPhase | None = None
+    while True:
+        memo = await replica_memo(client, replica_id)
+        if memo is not None and memo.phase != last:
+            last = memo.phase
+            if on_change:
+                on_change(memo)
+        if memo is not None and memo.phase is ReplicaPhase.READY:
+            return memo
+        if memo is not None and memo.phase in TERMINAL_PHASES:
+            status = await status_of(client, replica_id)
+            raise EngineError(
+                f"replica {replica_id} {memo.phase}: {status.reason if status else ''}"
+            )
+        if asyncio.get_running_loop().time() > deadline:
+            raise EngineError(f"replica {replica_id} not ready after {timeout_s:.0f}s")
+        await asyncio.sleep(poll_s)
+
+
+async def status_of(client: Client, replica_id: str) -> ReplicaStatus | None:
+    """The full state by query while running, else the workflow's result."""
+    handle = client.get_workflow_handle(replica_workflow_id(replica_id), result_type=ReplicaStatus)
+    desc = await handle.describe(rpc_timeout=timedelta(seconds=5))
+    if desc.status == WorkflowExecutionStatus.RUNNING:
+        # Bounded: a query blocks ~30 s when no control worker is up.
+        status: ReplicaStatus = await handle.query(
+            "status", result_type=ReplicaStatus, rpc_timeout=timedelta(seconds=5)
+        )
+        return status
+    if desc.status == WorkflowExecutionStatus.COMPLETED:
+        final: ReplicaStatus = await handle.result()
+        return final
+    return None
+
+
+async def list_replicas(client: Client, include_closed: bool = False) -> list[ReplicaMemo]:
+    """Replicas as their memos say, newest first."""
+    query = 'WorkflowType="Replica"'
+    if not include_closed:
+        query += ' AND ExecutionStatus="Running"'
+    found: list[ReplicaMemo] = []
+    async for wf in client.list_workflows(query, rpc_timeout=timedelta(seconds=5)):
+        raw = (await wf.memo()).get("replica")
+        if isinstance(raw, dict):
+            found.append(ReplicaMemo.model_validate(raw))
+    return found
+
+
+async def stop_replica(
+    client: Client, replica_id: str, reason: str, timeout_s: float
+) -> ReplicaStatus:
+    """Ask a replica to drain and stop; returns once it has stopped."""
+    handle = client.get_workflow_handle(replica_workflow_id(replica_id))
+    try:
+        return await asyncio.wait_for(
+            handle.execute_update(
+                "stop", StopReplicaInput(reason=reason), result_type=ReplicaStatus
+            ),
+            timeout_s,
+        )
+    except RPCError as exc:
+        raise EngineError(f"cannot stop {replica_id}: {exc}") from exc

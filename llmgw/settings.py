@@ -1,0 +1,83 @@
+"""Settings: one class per process, read from ``LLMGW_*`` environment variables.
+
+Each entry point builds its own settings object and passes it down; nothing
+reads the environment anywhere else.
+"""
+
+import socket
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+DEFAULT_WORK_DIR = Path(".llmgw")
+
+
+def default_store_url(work_dir: Path) -> str:
+    """The embedded default store: a SQLite file in the work dir."""
+    return f"sqlite:///{work_dir.resolve() / 'llmgw.db'}"
+
+
+class _Common(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="LLMGW_", extra="ignore")
+
+    temporal_address: str = "127.0.0.1:7233"
+    temporal_namespace: str = "default"
+    work_dir: Path = DEFAULT_WORK_DIR
+    store_url: str = ""
+    log_level: str = "INFO"
+
+    def resolved_store_url(self) -> str:
+        """The store URL, defaulting to SQLite in the work dir."""
+        return self.store_url or default_store_url(self.work_dir)
+
+
+class ControlSettings(_Common):
+    """The control-plane worker (task queue ``control``)."""
+
+    # A SIGKILLed worker's sticky queue holds its workflows' next task until
+    # this passes; the server default (10 s) stalls every in-flight start.
+    sticky_schedule_to_start_s: float = 2.0
+    graceful_shutdown_s: float = 10.0
+
+
+class AgentSettings(_Common):
+    """The node agent (task queue ``node-<node_id>``)."""
+
+    node_id: str = Field(default_factory=socket.gethostname)
+    # Where engines listen and where the router reaches them. Loopback is
+    # right on one machine; a cluster sets the node's private address.
+    engine_host: str = "127.0.0.1"
+    port_range_start: int = 18000
+    port_range_end: int = 18999
+    max_cpu_replicas: int = 4
+    engine_threads: int = 0
+    graceful_shutdown_s: float = 5.0
+    register_interval_s: float = 30.0
+    engine_cache_dir: Path | None = None
+
+    def resolved_engine_cache_dir(self) -> Path:
+        """Where engine binaries are installed or built (cached per CPU)."""
+        return self.engine_cache_dir or self.work_dir / "engines"
+
+
+class RouterSettings(_Common):
+    """The router (OpenAI API)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    refresh_interval_s: float = 1.0
+    upstream_connect_timeout_s: float = 5.0
+    upstream_read_timeout_s: float = 600.0
+
+
+class UpSettings(_Common):
+    """``llmgw up``: the whole system on one machine."""
+
+    temporal_port: int = 7233
+    ui_port: int = 8233
+    router_port: int = 8000
+    port_range_start: int = 18000
+    default_model: str = "tiny"
+    ready_timeout_s: float = 300.0
+    stop_timeout_s: float = 30.0

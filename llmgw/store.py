@@ -1,0 +1,177 @@
+"""The store: catalog, client API keys (hashed) and the engine-key secret.
+
+SQLite by default, PostgreSQL by URL. Temporal holds what runs where; the
+store holds configuration and accounting, never the same fact twice.
+The class is synchronous (SQLModel sessions); async callers go through a
+thread, which keeps one code path for both databases.
+"""
+
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime
+from pathlib import Path
+
+from sqlalchemy import event
+from sqlalchemy.engine import Engine
+from sqlalchemy.exc import IntegrityError, OperationalError
+from sqlmodel import Field, Session, SQLModel, create_engine, select
+
+from llmgw.errors import StoreError
+from llmgw.keys import hash_api_key, new_api_key, new_secret
+from llmgw.types import EngineKind, ModelSpec
+
+ENGINE_KEY_SECRET = "engine-key-secret"
+
+
+class Secret(SQLModel, table=True):
+    """A named secret (today: the engine-key secret)."""
+
+    name: str = Field(primary_key=True)
+    value: str
+
+
+class ApiKey(SQLModel, table=True):
+    """A client API key; only its hash is kept."""
+
+    id: int | None = Field(default=None, primary_key=True)
+    name: str
+    key_hash: str = Field(unique=True, index=True)
+    prefix: str
+    created_at: datetime
+    revoked: bool = False
+
+
+class ModelRecord(SQLModel, table=True):
+    """A model in the catalog."""
+
+    name: str = Field(primary_key=True)
+    engine: str
+    source: str
+    gpus: int = 0
+    context_length: int = 512
+    engine_args_json: str = "[]"
+
+    def spec(self) -> ModelSpec:
+        """The catalog entry as a start needs it."""
+        return ModelSpec(
+            name=self.name,
+            engine=EngineKind(self.engine),
+            source=self.source,
+            gpus=self.gpus,
+            context_length=self.context_length,
+            engine_args=json.loads(self.engine_args_json),
+        )
+
+
+def sqlite_url(path: Path) -> str:
+    """The SQLAlchemy URL of a SQLite file."""
+    return f"sqlite:///{path}"
+
+
+def _sqlite_pragmas(dbapi_conn: object, _record: object) -> None:
+    # WAL lets the router read while the agent or CLI writes; the busy
+    # timeout turns "database is locked" into a short wait.
+    cursor = dbapi_conn.cursor()  # type: ignore[attr-defined]
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute("PRAGMA busy_timeout=5000")
+    cursor.close()
+
+
+class Store:
+    """Access to the store; build one per process and pass it down."""
+
+    def __init__(self, url: str) -> None:
+        self._engine: Engine = create_engine(url, pool_pre_ping=True)
+        if url.startswith("sqlite"):
+            event.listen(self._engine, "connect", _sqlite_pragmas)
+
+    def migrate(self) -> None:
+        """Create missing tables."""
+        try:
+            SQLModel.metadata.create_all(self._engine)
+        except OperationalError as exc:
+            raise StoreError(f"cannot migrate the store: {exc}") from exc
+
+    def close(self) -> None:
+        """Release pooled connections."""
+        self._engine.dispose()
+
+    @contextmanager
+    def _session(self) -> Iterator[Session]:
+        try:
+            with Session(self._engine) as session:
+                yield session
+        except OperationalError as exc:
+            raise StoreError(f"store unavailable: {exc}") from exc
+
+    def engine_key_secret(self) -> str:
+        """The engine-key secret, made on first use.
+
+        Two processes may race to make it; the primary key lets one win and
+        the other reads the winner's value, so all agree on one secret.
+        """
+        with self._session() as session:
+            row = session.get(Secret, ENGINE_KEY_SECRET)
+            if row is not None:
+                return row.value
+            session.add(Secret(name=ENGINE_KEY_SECRET, value=new_secret()))
+            try:
+                session.commit()
+            except IntegrityError:
+                session.rollback()
+            row = session.get(Secret, ENGINE_KEY_SECRET)
+            assert row is not None
+            return row.value
+
+    def create_api_key(self, name: str) -> str:
+        """Create a client key and return it in clear: the only time it is shown."""
+        key = new_api_key()
+        with self._session() as session:
+            session.add(
+                ApiKey(
+                    name=name,
+                    key_hash=hash_api_key(key),
+                    prefix=key[:14],
+                    created_at=datetime.now(UTC),
+                )
+            )
+            session.commit()
+        return key
+
+    def find_api_key(self, key: str) -> ApiKey | None:
+        """The live key record matching a presented key, or None.
+
+        The lookup is by hash, so no stored value is compared byte by byte
+        against attacker input.
+        """
+        with self._session() as session:
+            row = session.exec(select(ApiKey).where(ApiKey.key_hash == hash_api_key(key))).first()
+            if row is None or row.revoked:
+                return None
+            return row
+
+    def put_model(self, spec: ModelSpec) -> None:
+        """Add or replace a catalog entry."""
+        with self._session() as session:
+            row = session.get(ModelRecord, spec.name) or ModelRecord(
+                name=spec.name, engine=spec.engine.value, source=spec.source
+            )
+            row.engine = spec.engine.value
+            row.source = spec.source
+            row.gpus = spec.gpus
+            row.context_length = spec.context_length
+            row.engine_args_json = json.dumps(spec.engine_args)
+            session.add(row)
+            session.commit()
+
+    def get_model(self, name: str) -> ModelSpec | None:
+        """A catalog entry by name."""
+        with self._session() as session:
+            row = session.get(ModelRecord, name)
+            return row.spec() if row else None
+
+    def model_names(self) -> list[str]:
+        """Every model in the catalog."""
+        with self._session() as session:
+            return sorted(r.name for r in session.exec(select(ModelRecord)).all())

@@ -1,0 +1,261 @@
+"""Types that cross process boundaries: Temporal inputs, results, queries, memos.
+
+Every workflow, update, query and activity takes one of these and returns one,
+so fields can be added later without breaking running histories. They are
+pydantic models carried by ``pydantic_data_converter``.
+"""
+
+from enum import StrEnum
+
+from pydantic import BaseModel, Field
+
+
+class EngineKind(StrEnum):
+    """The inference engines llmgw can run."""
+
+    LLAMA_CPP = "llama.cpp"
+    VLLM = "vllm"
+    SGLANG = "sglang"
+
+
+class ModelSpec(BaseModel):
+    """What a replica serves and how: the part of the catalog a start needs."""
+
+    name: str = Field(min_length=1, description="served model id (what clients send)")
+    engine: EngineKind = EngineKind.LLAMA_CPP
+    source: str = Field(min_length=1, description="weights: a file or directory on the node")
+    gpus: int = Field(default=0, ge=0, description="GPUs per replica; 0 runs on CPU")
+    context_length: int = Field(default=512, ge=16)
+    engine_args: list[str] = Field(default_factory=list)
+
+
+class GpuInfo(BaseModel):
+    """One GPU as the agent saw it."""
+
+    index: int
+    uuid: str
+    name: str
+    memory_mib: int
+    healthy: bool = True
+
+
+class NodeInventory(BaseModel):
+    """What an agent reports when it registers: the scheduler's view of a node."""
+
+    node_id: str
+    hostname: str
+    address: str = Field(description="address engines on this node are reached at")
+    cpu_count: int
+    memory_mib: int
+    gpus: list[GpuInfo] = Field(default_factory=list)
+    gpu_discovery: str = Field(default="", description="why the GPU list is what it is")
+    max_cpu_replicas: int = Field(default=4, ge=0)
+
+
+class RegisterNodeResult(BaseModel):
+    """Answer to a registration."""
+
+    node_count: int
+
+
+class Rejection(BaseModel):
+    """Why a node was turned down for a replica."""
+
+    node_id: str
+    reason: str
+
+
+class Placement(BaseModel):
+    """Where a replica runs: recorded in the fleet's allocation ledger."""
+
+    replica_id: str
+    model: str
+    node_id: str
+    gpu_indices: list[int] = Field(default_factory=list)
+
+
+class PlaceRequest(BaseModel):
+    """Ask the fleet for a node for a replica (idempotent per replica id)."""
+
+    replica_id: str
+    model: ModelSpec
+
+
+class PlaceResult(BaseModel):
+    """The fleet's answer: a placement, or every candidate's rejection."""
+
+    placement: Placement | None = None
+    rejections: list[Rejection] = Field(default_factory=list)
+
+
+class ReleaseRequest(BaseModel):
+    """Give back a replica's allocation (a no-op when it holds none)."""
+
+    replica_id: str
+
+
+class ReleaseResult(BaseModel):
+    """Whether an allocation was actually released."""
+
+    released: bool
+
+
+class FleetSnapshot(BaseModel):
+    """The fleet's full state: query result and continue-as-new carrier."""
+
+    nodes: dict[str, NodeInventory] = Field(default_factory=dict)
+    allocations: dict[str, Placement] = Field(default_factory=dict)
+
+
+class ShardSpec(BaseModel):
+    """Everything an agent needs to start one shard of a replica."""
+
+    replica_id: str
+    rank: int = 0
+    model: ModelSpec
+    gpu_indices: list[int] = Field(default_factory=list)
+
+
+class ShardRef(BaseModel):
+    """Names a shard on a node."""
+
+    replica_id: str
+    rank: int = 0
+
+
+class LaunchShardInput(BaseModel):
+    """Input of ``launch_shard``."""
+
+    spec: ShardSpec
+
+
+class ShardHandle(BaseModel):
+    """A running shard: result of ``launch_shard``."""
+
+    replica_id: str
+    rank: int
+    pid: int
+    port: int
+    endpoint: str
+    already_running: bool = Field(
+        default=False, description="true when a repeated launch found the engine running"
+    )
+
+
+class WaitReadyInput(BaseModel):
+    """Input of ``wait_shard_ready``."""
+
+    shard: ShardRef
+    timeout_s: float = 600.0
+    poll_interval_s: float = 0.25
+
+
+class WaitReadyResult(BaseModel):
+    """The engine answered ``/health`` and listed its model."""
+
+    model_ids: list[str]
+
+
+class WatchShardInput(BaseModel):
+    """Input of ``watch_shard``: returns only when the shard exits."""
+
+    shard: ShardRef
+    poll_interval_s: float = 1.0
+
+
+class ShardExit(BaseModel):
+    """How a shard ended."""
+
+    exit_code: int | None
+    reason: str
+    log_tail: list[str] = Field(default_factory=list)
+
+
+class StopShardInput(BaseModel):
+    """Input of ``stop_shard``: no-op on a stopped shard."""
+
+    shard: ShardRef
+    grace_s: float = 10.0
+
+
+class StopShardResult(BaseModel):
+    """Result of ``stop_shard``."""
+
+    was_running: bool
+    exit_code: int | None = None
+
+
+class ReplicaPhase(StrEnum):
+    """A replica's lifecycle. Starting (process spawned) is distinct from
+    Loading (weights loading): a big model legitimately loads for minutes."""
+
+    PLACING = "placing"
+    STARTING = "starting"
+    LOADING = "loading"
+    READY = "ready"
+    DRAINING = "draining"
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+    FAILED = "failed"
+
+
+TERMINAL_PHASES = frozenset({ReplicaPhase.STOPPED, ReplicaPhase.FAILED})
+
+
+class ReplicaTimeouts(BaseModel):
+    """Timer lengths, passed as input so tests can use short ones."""
+
+    schedule_to_start_s: float = 30.0
+    launch_s: float = 120.0
+    ready_s: float = 600.0
+    heartbeat_s: float = 10.0
+    stop_grace_s: float = 10.0
+    place_retry_s: float = 5.0
+    place_attempts: int = 12
+
+
+class ReplicaInput(BaseModel):
+    """Input of the replica workflow."""
+
+    replica_id: str
+    model: ModelSpec
+    timeouts: ReplicaTimeouts = Field(default_factory=ReplicaTimeouts)
+
+
+class PhaseChange(BaseModel):
+    """One step of a replica's history, as shown by ``llmgw status``."""
+
+    phase: ReplicaPhase
+    at: str
+    detail: str = ""
+
+
+class ReplicaStatus(BaseModel):
+    """A replica's full state: the query result and the workflow result."""
+
+    replica_id: str
+    model: str
+    phase: ReplicaPhase
+    node_id: str = ""
+    endpoint: str = ""
+    pid: int | None = None
+    reason: str = ""
+    log_tail: list[str] = Field(default_factory=list)
+    history: list[PhaseChange] = Field(default_factory=list)
+
+
+class ReplicaMemo(BaseModel):
+    """What the router reads from a replica's memo: small and stable."""
+
+    replica_id: str
+    model: str
+    phase: ReplicaPhase
+    node_id: str = ""
+    endpoint: str = ""
+
+
+class StopReplicaInput(BaseModel):
+    """Update ``stop``: drain (stop routing first) then stop the engine."""
+
+    reason: str = "requested"
+    drain: bool = True

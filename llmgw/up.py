@@ -1,0 +1,243 @@
+"""``llmgw up``: the whole system on this machine, stopped cleanly on Ctrl-C.
+
+Order on the way up: Temporal dev server → control worker → node agent →
+router → the default model's replica → one real completion through the
+router. Only then is the endpoint printed. On SIGINT/SIGTERM the replicas are
+stopped through their workflows (so engines exit the normal way and GPUs are
+released in the ledger), then the processes in reverse order, and finally any
+engine still recorded in the agent's spec files is killed as a safety net.
+"""
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+from temporalio.client import Client
+
+from llmgw import replicas
+from llmgw.engine_install import ensure_llama_cpp
+from llmgw.errors import LlmgwError
+from llmgw.procs import Child, wait_for
+from llmgw.settings import UpSettings
+from llmgw.store import Store
+from llmgw.temporal import connect
+from llmgw.tinymodel import generate_tiny_model
+from llmgw.types import EngineKind, ModelSpec, ReplicaMemo, ReplicaPhase
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEVSERVER = REPO_ROOT / "temporal-dev" / "devserver.py"
+
+Say = Callable[[str], None]
+
+
+def port_open(host: str, port: int) -> bool:
+    """Whether something accepts TCP connections on host:port."""
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex((host, port)) == 0
+
+
+def child_env(settings: UpSettings) -> dict[str, str]:
+    """The environment every child runs with: the settings, spelled as LLMGW_*."""
+    env = dict(os.environ)
+    env.update(
+        {
+            "LLMGW_TEMPORAL_ADDRESS": f"127.0.0.1:{settings.temporal_port}",
+            "LLMGW_WORK_DIR": str(settings.work_dir.resolve()),
+            "LLMGW_STORE_URL": settings.resolved_store_url(),
+            "LLMGW_PORT": str(settings.router_port),
+            "LLMGW_PORT_RANGE_START": str(settings.port_range_start),
+            "LLMGW_PORT_RANGE_END": str(settings.port_range_start + 999),
+            "LLMGW_LOG_LEVEL": settings.log_level,
+            "LLMGW_ENGINE_CACHE_DIR": str(settings.work_dir.resolve() / "engines"),
+        }
+    )
+    return env
+
+
+def dev_api_key(store: Store, path: Path) -> str:
+    """The development key: reused from ``path`` while valid, else made anew."""
+    if path.exists():
+        key = path.read_text().strip()
+        if store.find_api_key(key) is not None:
+            return key
+    key = store.create_api_key("dev")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(key + "\n")
+    return key
+
+
+class Up:
+    """Brings the system up and down; one instance per ``llmgw up``."""
+
+    def __init__(self, settings: UpSettings, say: Say) -> None:
+        self.s = settings
+        self.say = say
+        self.work = settings.work_dir.resolve()
+        self.children: list[Child] = []
+
+    def prepare(self) -> ModelSpec:
+        """Engine binary, tiny model, store, catalog entry."""
+        self.work.mkdir(parents=True, exist_ok=True)
+        ensure_llama_cpp(self.work / "engines", progress=self.say)
+        self.say("generating the tiny test model")
+        tiny = generate_tiny_model(self.work / "models" / "tiny")
+        spec = ModelSpec(
+            name=self.s.default_model, engine=EngineKind.LLAMA_CPP, source=str(tiny.model_path)
+        )
+        store = Store(self.s.resolved_store_url())
+        store.migrate()
+        store.put_model(spec)
+        store.close()
+        return spec
+
+    def _spawn(self, name: str, argv: list[str]) -> Child:
+        child = Child(name, argv, child_env(self.s), self.work / "logs" / f"{name}.log")
+        self.children.append(child)
+        return child
+
+    def start_processes(self) -> None:
+        """Temporal, control worker, agent, router; each checked before the next."""
+        if port_open("127.0.0.1", self.s.temporal_port):
+            raise LlmgwError(f"port {self.s.temporal_port} is taken: is another llmgw up running?")
+        self.say("starting Temporal dev server")
+        temporal = self._spawn(
+            "temporal",
+            [
+                sys.executable,
+                str(DEVSERVER),
+                "--db",
+                str(self.work / "temporal.db"),
+                "--port",
+                str(self.s.temporal_port),
+                "--ui-port",
+                str(self.s.ui_port),
+            ],
+        )
+        if not wait_for(
+            lambda: port_open("127.0.0.1", self.s.temporal_port) or not temporal.alive(), 30
+        ):
+            raise LlmgwError("Temporal did not start listening in 30s")
+        if not temporal.alive():
+            raise LlmgwError(f"Temporal exited:\n{temporal.log_tail()}")
+        for name in ("control", "agent"):
+            self.say(f"starting {name}")
+            self._spawn(name, [sys.executable, "-m", "llmgw", name])
+        self.say("starting router")
+        router = self._spawn("router", [sys.executable, "-m", "llmgw", "router"])
+        if not wait_for(
+            lambda: port_open("127.0.0.1", self.s.router_port) or not router.alive(), 60
+        ):
+            raise LlmgwError("router did not start listening in 60s")
+        for child in self.children:
+            if not child.alive():
+                raise LlmgwError(f"{child.name} exited:\n{child.log_tail()}")
+
+    async def ensure_replica(self, client: Client, spec: ModelSpec) -> str:
+        """Reuse a live replica of the default model, or start one and wait."""
+        for memo in await replicas.list_replicas(client):
+            if memo.model == spec.name and memo.phase is not ReplicaPhase.FAILED:
+                self.say(f"replica {memo.replica_id} exists ({memo.phase})")
+                replica_id = memo.replica_id
+                break
+        else:
+            replica_id = await replicas.start_replica(client, spec)
+            self.say(f"deploying {spec.name} as replica {replica_id}")
+
+        def show(memo: ReplicaMemo) -> None:
+            self.say(f"replica {memo.replica_id}: {memo.phase} {memo.node_id}")
+
+        await replicas.wait_ready(client, replica_id, self.s.ready_timeout_s, show)
+        return replica_id
+
+    async def first_completion(self, key: str, model: str) -> str:
+        """One real completion through the router: the proof it all works."""
+        url = f"http://127.0.0.1:{self.s.router_port}/v1/completions"
+        body = {"model": model, "prompt": "Hello", "max_tokens": 8, "temperature": 0}
+        async with httpx.AsyncClient(timeout=30) as http:
+            for _ in range(100):
+                resp = await http.post(url, json=body, headers={"Authorization": f"Bearer {key}"})
+                if resp.status_code == 200:
+                    return str(resp.json()["choices"][0]["text"])
+                # 503 until the router's table refresh has seen the replica ready.
+                await asyncio.sleep(0.2)
+        raise LlmgwError(f"no completion through the router: {resp.status_code} {resp.text}")
+
+    async def shutdown(self, client: Client | None) -> None:
+        """Stop replicas through Temporal, then the processes, then stragglers."""
+        if client is not None and any(c.name == "control" and c.alive() for c in self.children):
+            try:
+                running = await replicas.list_replicas(client)
+                await asyncio.gather(
+                    *(
+                        replicas.stop_replica(
+                            client, m.replica_id, "llmgw up stopping", self.s.stop_timeout_s
+                        )
+                        for m in running
+                    ),
+                    return_exceptions=True,
+                )
+            except Exception as exc:
+                self.say(f"could not stop replicas through Temporal: {exc}")
+        for child in reversed(self.children):
+            child.stop()
+        for pgid in kill_recorded_engines(self.work / "agent"):
+            self.say(f"killed leftover engine process group {pgid}")
+
+
+def kill_recorded_engines(agent_dir: Path) -> list[int]:
+    """SIGKILL every engine group the agent's spec files still record."""
+    killed: list[int] = []
+    for spec_file in agent_dir.glob("*/shards/*/spec.json"):
+        try:
+            pid = int(json.loads(spec_file.read_text())["pid"])
+        except (ValueError, KeyError, json.JSONDecodeError):
+            continue
+        from worker_agent import procfs  # noqa: PLC0415 - agent code only for this sweep
+
+        recorded = json.loads(spec_file.read_text()).get("fingerprint", {})
+        current = procfs.fingerprint(pid)
+        if current is not None and current.start_time == recorded.get("start_time"):
+            try:
+                os.killpg(pid, signal.SIGKILL)
+                killed.append(pid)
+            except ProcessLookupError:
+                pass
+        spec_file.unlink(missing_ok=True)
+    return killed
+
+
+async def run_up(settings: UpSettings, say: Say, announce: Callable[[str, str, str], None]) -> None:
+    """Bring everything up, announce it, and wait for SIGINT/SIGTERM."""
+    up = Up(settings, say)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    client: Client | None = None
+    try:
+        spec = await asyncio.to_thread(up.prepare)
+        await asyncio.to_thread(up.start_processes)
+        client = await connect(f"127.0.0.1:{settings.temporal_port}")
+        await up.ensure_replica(client, spec)
+        store = Store(settings.resolved_store_url())
+        key = dev_api_key(store, up.work / "dev-api-key")
+        store.close()
+        text = await up.first_completion(key, spec.name)
+        say(f"first completion: {text!r}")
+        announce(
+            f"http://127.0.0.1:{settings.router_port}/v1",
+            f"http://127.0.0.1:{settings.ui_port}",
+            key,
+        )
+        await stop.wait()
+    finally:
+        say("stopping")
+        await up.shutdown(client)

@@ -1,0 +1,88 @@
+"""OpenAI-shaped errors: every failure the router returns goes through here."""
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+
+class OpenAIError(Exception):
+    """An error the client sees as ``{"error": {...}}`` with an HTTP status."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        code: str | None = None,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.code = code
+        self.param = param
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, object]:
+        """The JSON body OpenAI clients parse."""
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+def invalid_key() -> OpenAIError:
+    return OpenAIError(401, "Invalid API key.", code="invalid_api_key")
+
+
+def model_not_found(model: str) -> OpenAIError:
+    return OpenAIError(
+        404, f"The model `{model}` does not exist.", code="model_not_found", param="model"
+    )
+
+
+def no_ready_replica(model: str) -> OpenAIError:
+    return OpenAIError(
+        503,
+        f"No ready replica of `{model}` can take the request; retry shortly.",
+        type="service_unavailable_error",
+        code="no_ready_replica",
+        headers={"Retry-After": "1"},
+    )
+
+
+def upstream_failed(detail: str) -> OpenAIError:
+    return OpenAIError(
+        502, f"The engine failed: {detail}", type="server_error", code="upstream_error"
+    )
+
+
+def install_handlers(app: FastAPI) -> None:
+    """Map every error, ours and the framework's, to the OpenAI shape."""
+
+    async def on_openai(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, OpenAIError)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    async def on_validation(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        err = OpenAIError(400, f"{loc or 'body'}: {first.get('msg', 'invalid')}", param=loc or None)
+        return JSONResponse(err.body(), status_code=400)
+
+    async def on_http(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, StarletteHTTPException)
+        err = OpenAIError(exc.status_code, str(exc.detail), code=None)
+        return JSONResponse(err.body(), status_code=exc.status_code)
+
+    app.add_exception_handler(OpenAIError, on_openai)
+    app.add_exception_handler(RequestValidationError, on_validation)
+    app.add_exception_handler(StarletteHTTPException, on_http)

@@ -1,0 +1,42 @@
+"""Session fixtures: one Temporal dev server, the engine binary, the tiny model."""
+
+import os
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+from llmgw.engine_install import LlamaCppInstall, ensure_llama_cpp
+from temporalio.client import Client
+
+from llmgw.temporal import connect
+from llmgw.tinymodel import TinyModel, generate_tiny_model
+from tests.harness import REPO, free_port, start_devserver
+
+
+@pytest.fixture(scope="session")
+def temporal_address(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real Temporal dev server for the whole session."""
+    root = tmp_path_factory.mktemp("temporal")
+    port = free_port()
+    server = start_devserver(root / "temporal.db", port, root / "temporal.log")
+    yield f"127.0.0.1:{port}"
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+async def client(temporal_address: str) -> AsyncIterator[Client]:
+    """A client with llmgw's data converter."""
+    yield await connect(temporal_address)
+
+
+@pytest.fixture(scope="session")
+def llama() -> LlamaCppInstall:
+    """The real llama.cpp server, as the agent installs it (cached per CPU)."""
+    cache = Path(os.environ.get("LLMGW_TEST_ENGINE_CACHE", REPO / ".llmgw" / "engines"))
+    return ensure_llama_cpp(cache)
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
+    """The generated tiny model and its LoRA adapters."""
+    return generate_tiny_model(tmp_path_factory.mktemp("tiny"))

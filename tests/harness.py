@@ -1,0 +1,89 @@
+"""Real processes for tests: Temporal dev server, control worker, agent, router.
+
+Everything listens on loopback, on free ports, with its state under a test
+temp dir; every process is in its own group and is stopped at teardown.
+"""
+
+import os
+import socket
+import sys
+from pathlib import Path
+
+from llmgw.procs import Child, wait_for
+
+REPO = Path(__file__).resolve().parents[1]
+DEVSERVER = REPO / "temporal-dev" / "devserver.py"
+
+
+def free_port() -> int:
+    """A port nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def port_open(port: int) -> bool:
+    """Whether something accepts connections on 127.0.0.1:port."""
+    with socket.socket() as s:
+        s.settimeout(0.3)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def start_devserver(db: Path, port: int, log: Path) -> Child:
+    """A headless Temporal dev server on ``port`` with state in ``db``."""
+    child = Child(
+        "temporal",
+        [sys.executable, str(DEVSERVER), "--db", str(db), "--port", str(port), "--headless"],
+        os.environ,
+        log,
+    )
+    if not wait_for(lambda: port_open(port) or not child.alive(), 30):
+        child.stop()
+        raise RuntimeError("Temporal dev server did not start")
+    return child
+
+
+class System:
+    """The llmgw processes of one test, sharing a Temporal server and a store."""
+
+    def __init__(self, temporal_address: str, work_dir: Path, engine_port_start: int) -> None:
+        self.work_dir = work_dir
+        self.store_url = f"sqlite:///{work_dir / 'llmgw.db'}"
+        self.env = dict(os.environ)
+        self.env.update(
+            {
+                "LLMGW_TEMPORAL_ADDRESS": temporal_address,
+                "LLMGW_WORK_DIR": str(work_dir),
+                "LLMGW_STORE_URL": self.store_url,
+                "LLMGW_PORT_RANGE_START": str(engine_port_start),
+                "LLMGW_PORT_RANGE_END": str(engine_port_start + 99),
+                "LLMGW_REFRESH_INTERVAL_S": "0.2",
+                "LLMGW_ENGINE_THREADS": "1",
+                "LLMGW_ENGINE_CACHE_DIR": os.environ.get(
+                    "LLMGW_TEST_ENGINE_CACHE", str(REPO / ".llmgw" / "engines")
+                ),
+            }
+        )
+        self.children: list[Child] = []
+
+    def spawn(self, name: str, extra_env: dict[str, str] | None = None) -> Child:
+        """Start ``llmgw <name>`` as a child process."""
+        env = dict(self.env, **(extra_env or {}))
+        log = self.work_dir / "logs" / f"{name}-{len(self.children)}.log"
+        child = Child(name, [sys.executable, "-m", "llmgw", name], env, log)
+        self.children.append(child)
+        return child
+
+    def start_router(self, port: int) -> Child:
+        """The router on ``port``, once it accepts connections."""
+        child = self.spawn("router", {"LLMGW_PORT": str(port)})
+        if not wait_for(lambda: port_open(port) or not child.alive(), 60):
+            raise RuntimeError(f"router did not start:\n{child.log_tail()}")
+        if not child.alive():
+            raise RuntimeError(f"router exited:\n{child.log_tail()}")
+        return child
+
+    def stop(self) -> None:
+        """Stop every process this system started."""
+        for child in reversed(self.children):
+            child.stop(grace_s=10)

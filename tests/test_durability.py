@@ -1,0 +1,80 @@
+"""Killing the control plane mid-start resumes the start and never double-launches."""
+
+import asyncio
+import signal
+from collections.abc import Iterator
+
+import pytest
+from temporalio.api.enums.v1 import EventType, PendingActivityState
+from temporalio.client import Client
+
+from activities import names
+from llmgw import replicas
+from llmgw.queues import replica_workflow_id
+from llmgw.store import Store
+from llmgw.tinymodel import TinyModel
+from llmgw.types import EngineKind, ModelSpec, ReplicaPhase
+from tests.harness import System, free_port
+from tests.procs_util import pids_with_args
+
+MODEL = "tiny-durable"
+
+
+@pytest.fixture
+def system(temporal_address: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[System]:
+    sys_ = System(temporal_address, tmp_path_factory.mktemp("durable"), free_port())
+    yield sys_
+    sys_.stop()
+
+
+async def _wait_launch_started(client: Client, replica_id: str) -> None:
+    handle = client.get_workflow_handle(replica_workflow_id(replica_id))
+    async with asyncio.timeout(60):
+        while True:
+            desc = await handle.describe()
+            for act in desc.raw_description.pending_activities:
+                if (
+                    act.activity_type.name == names.LAUNCH_SHARD
+                    and act.state == PendingActivityState.PENDING_ACTIVITY_STATE_STARTED
+                ):
+                    return
+            await asyncio.sleep(0.005)
+
+
+async def test_sigkill_control_worker_mid_start(
+    system: System, client: Client, tiny: TinyModel
+) -> None:
+    store = Store(system.store_url)
+    store.migrate()
+    store.engine_key_secret()
+    store.close()
+    spec = ModelSpec(name=MODEL, engine=EngineKind.LLAMA_CPP, source=str(tiny.model_path))
+    first = system.spawn("control")
+    system.spawn("agent", {"LLMGW_NODE_ID": "durable-node"})
+    replica_id = await replicas.start_replica(client, spec)
+
+    await _wait_launch_started(client, replica_id)
+    first.signal(signal.SIGKILL)
+    first.proc.wait()
+
+    memo = await replicas.replica_memo(client, replica_id)
+    assert memo is not None and memo.phase is not ReplicaPhase.READY, "killed too late"
+
+    second = system.spawn("control")
+    ready = await replicas.wait_ready(client, replica_id, 120)
+    assert ready.phase is ReplicaPhase.READY
+    assert len(pids_with_args("--alias", MODEL)) == 1
+
+    # The start really was finished by the second worker, not the first.
+    handle = client.get_workflow_handle(replica_workflow_id(replica_id))
+    identities = {
+        e.workflow_task_completed_event_attributes.identity
+        async for e in handle.fetch_history_events()
+        if e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED
+    }
+    assert any(str(second.pid) in i for i in identities)
+    assert any(str(first.pid) in i for i in identities)
+
+    final = await replicas.stop_replica(client, replica_id, "test over", 30)
+    assert final.phase is ReplicaPhase.STOPPED
+    assert pids_with_args("--alias", MODEL) == []

@@ -1,0 +1,152 @@
+"""The whole spine with real parts: Temporal, control worker, agent with a real
+llama.cpp engine, router; the official openai client as the user."""
+
+from collections.abc import AsyncIterator, Iterator
+
+import httpx
+import openai
+import pytest
+from temporalio.client import Client
+
+from llmgw import replicas
+from llmgw.store import Store
+from llmgw.tinymodel import TinyModel
+from llmgw.types import EngineKind, ModelSpec, ReplicaPhase
+from tests.harness import System, free_port
+
+MODEL = "tiny-e2e"
+
+
+@pytest.fixture(scope="module")
+def system(temporal_address: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[System]:
+    sys_ = System(temporal_address, tmp_path_factory.mktemp("e2e"), free_port())
+    yield sys_
+    sys_.stop()
+
+
+@pytest.fixture(scope="module")
+async def served(system: System, client: Client, tiny: TinyModel) -> AsyncIterator[dict[str, str]]:
+    """A ready replica behind a running router; yields url, key and replica id."""
+    store = Store(system.store_url)
+    store.migrate()
+    spec = ModelSpec(name=MODEL, engine=EngineKind.LLAMA_CPP, source=str(tiny.model_path))
+    store.put_model(spec)
+    key = store.create_api_key("e2e")
+    system.spawn("control")
+    system.spawn("agent", {"LLMGW_NODE_ID": "e2e-node"})
+    port = free_port()
+    system.start_router(port)
+    replica_id = await replicas.start_replica(client, spec)
+    memo = await replicas.wait_ready(client, replica_id, 120)
+    base = f"http://127.0.0.1:{port}/v1"
+    async with httpx.AsyncClient() as http:
+        for _ in range(200):
+            r = await http.get(f"{base}/models", headers={"Authorization": f"Bearer {key}"})
+            if r.status_code == 200 and r.json()["data"]:
+                break
+    yield {"base": base, "key": key, "replica": replica_id, "endpoint": memo.endpoint}
+    await replicas.stop_replica(client, replica_id, "test over", 30)
+    store.close()
+
+
+@pytest.fixture
+def oai(served: dict[str, str]) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=served["base"], api_key=served["key"], max_retries=0)
+
+
+async def test_models_lists_the_ready_model(oai: openai.AsyncOpenAI) -> None:
+    models = await oai.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+async def test_chat_completion(oai: openai.AsyncOpenAI) -> None:
+    resp = await oai.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=8, temperature=0
+    )
+    assert resp.choices[0].message.content
+    assert resp.usage is not None and resp.usage.completion_tokens == 8
+
+
+async def test_completion(oai: openai.AsyncOpenAI) -> None:
+    resp = await oai.completions.create(model=MODEL, prompt="hello", max_tokens=6, temperature=0)
+    assert resp.choices[0].text.strip()
+    assert resp.usage is not None and resp.usage.completion_tokens == 6
+
+
+async def test_streamed_chat_with_usage(oai: openai.AsyncOpenAI) -> None:
+    stream = await oai.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=8,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    text, usage = "", None
+    async for chunk in stream:
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+        if chunk.usage is not None:
+            usage = chunk.usage
+    assert text.strip()
+    assert usage is not None and usage.completion_tokens == 8
+
+
+async def test_streamed_completion_matches_unstreamed(oai: openai.AsyncOpenAI) -> None:
+    plain = await oai.completions.create(model=MODEL, prompt="river", max_tokens=6, temperature=0)
+    stream = await oai.completions.create(
+        model=MODEL, prompt="river", max_tokens=6, temperature=0, stream=True
+    )
+    streamed = "".join([c.choices[0].text async for c in stream if c.choices])
+    assert streamed == plain.choices[0].text
+
+
+async def test_unknown_model_is_404(oai: openai.AsyncOpenAI) -> None:
+    with pytest.raises(openai.NotFoundError) as err:
+        await oai.completions.create(model="no-such-model", prompt="x", max_tokens=1)
+    assert err.value.code == "model_not_found"
+
+
+async def test_bad_key_is_401(served: dict[str, str]) -> None:
+    bad = openai.AsyncOpenAI(base_url=served["base"], api_key="sk-llmgw-wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as err:
+        await bad.completions.create(model=MODEL, prompt="x", max_tokens=1)
+    assert err.value.code == "invalid_api_key"
+
+
+async def test_bad_body_is_400(served: dict[str, str]) -> None:
+    async with httpx.AsyncClient() as http:
+        r = await http.post(
+            f"{served['base']}/chat/completions",
+            headers={"Authorization": f"Bearer {served['key']}"},
+            json={"model": MODEL},
+        )
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "messages"
+
+
+async def test_engine_refuses_requests_without_its_key(served: dict[str, str]) -> None:
+    async with httpx.AsyncClient() as http:
+        no_key = await http.post(
+            f"{served['endpoint']}/v1/completions", json={"prompt": "x", "max_tokens": 1}
+        )
+        client_key = await http.post(
+            f"{served['endpoint']}/v1/completions",
+            json={"prompt": "x", "max_tokens": 1},
+            headers={"Authorization": f"Bearer {served['key']}"},
+        )
+    assert no_key.status_code == 401
+    assert client_key.status_code == 401
+
+
+async def test_replica_state_is_searchable(client: Client, served: dict[str, str]) -> None:
+    query = f'ReplicaModel="{MODEL}" AND ReplicaState="ready"'
+    ids = [wf.id async for wf in client.list_workflows(query)]
+    assert ids == [f"replica/{served['replica']}"]
+    status = await replicas.status_of(client, served["replica"])
+    assert status is not None and status.phase is ReplicaPhase.READY
+    assert [h.phase for h in status.history][:3] == [
+        ReplicaPhase.STARTING,
+        ReplicaPhase.LOADING,
+        ReplicaPhase.READY,
+    ]

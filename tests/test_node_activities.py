@@ -1,0 +1,107 @@
+"""Node activities against a real llama.cpp engine, without Temporal workers."""
+
+from pathlib import Path
+
+import httpx
+from llmgw.engine_install import LlamaCppInstall
+from temporalio.testing import ActivityEnvironment
+
+from activities.node import NodeActivities
+from llmgw.keys import engine_key
+from llmgw.tinymodel import TinyModel
+from llmgw.types import (
+    EngineKind,
+    LaunchShardInput,
+    ModelSpec,
+    ShardRef,
+    ShardSpec,
+    StopShardInput,
+    WaitReadyInput,
+)
+from tests.harness import free_port
+from tests.procs_util import pids_with_args
+from worker_agent.engines import AdapterRegistry, LlamaCppAdapter
+from worker_agent.supervisor import Supervisor
+
+SECRET = "test-secret"
+
+
+def _activities(llama: LlamaCppInstall, work: Path) -> NodeActivities:
+    start = free_port()
+    return NodeActivities(
+        supervisor=Supervisor(work),
+        adapters=AdapterRegistry(
+            {EngineKind.LLAMA_CPP: LlamaCppAdapter(llama.server, llama.environment)}
+        ),
+        engine_key=lambda rid: engine_key(SECRET, rid),
+        engine_host="127.0.0.1",
+        ports=range(start, start + 50),
+        threads=1,
+    )
+
+
+async def test_launch_twice_gives_one_engine(
+    llama: LlamaCppInstall, tiny: TinyModel, tmp_path: Path
+) -> None:
+    model = ModelSpec(name="tiny-twice", engine=EngineKind.LLAMA_CPP, source=str(tiny.model_path))
+    spec = ShardSpec(replica_id="twice-1", model=model)
+    ref = ShardRef(replica_id="twice-1")
+    acts = _activities(llama, tmp_path)
+    env = ActivityEnvironment()
+
+    first = await env.run(acts.launch_shard, LaunchShardInput(spec=spec))
+    again = await env.run(acts.launch_shard, LaunchShardInput(spec=spec))
+    # An agent restarted on the same work dir finds it too.
+    restarted = await env.run(
+        _activities(llama, tmp_path).launch_shard, LaunchShardInput(spec=spec)
+    )
+    try:
+        assert not first.already_running
+        assert again.already_running and again.pid == first.pid
+        assert restarted.already_running and restarted.pid == first.pid
+        assert pids_with_args("--alias", "tiny-twice") == [first.pid]
+
+        ready = await env.run(acts.wait_shard_ready, WaitReadyInput(shard=ref, timeout_s=60))
+        assert ready.model_ids == ["tiny-twice"]
+        async with httpx.AsyncClient() as http:
+            body = {"prompt": "hi", "max_tokens": 2}
+            no_key = await http.post(f"{first.endpoint}/v1/completions", json=body)
+            keyed = await http.post(
+                f"{first.endpoint}/v1/completions",
+                json=body,
+                headers={"Authorization": f"Bearer {engine_key(SECRET, 'twice-1')}"},
+            )
+        assert no_key.status_code == 401
+        assert keyed.status_code == 200
+    finally:
+        stopped = await env.run(acts.stop_shard, StopShardInput(shard=ref, grace_s=5))
+    assert stopped.was_running
+    assert pids_with_args("--alias", "tiny-twice") == []
+    second_stop = await env.run(acts.stop_shard, StopShardInput(shard=ref, grace_s=5))
+    assert not second_stop.was_running
+
+
+def _process_and_spec_text(pid: int, work: Path) -> tuple[str, str, str]:
+    proc = Path(f"/proc/{pid}")
+    specs = "".join(p.read_text() for p in work.rglob("spec.json"))
+    return (proc / "cmdline").read_bytes().decode(), (proc / "environ").read_bytes().decode(), specs
+
+
+async def test_engine_key_is_not_in_argv_or_spec(
+    llama: LlamaCppInstall, tiny: TinyModel, tmp_path: Path
+) -> None:
+    model = ModelSpec(name="tiny-argv", engine=EngineKind.LLAMA_CPP, source=str(tiny.model_path))
+    ref = ShardRef(replica_id="argv-1")
+    acts = _activities(llama, tmp_path)
+    env = ActivityEnvironment()
+    handle = await env.run(
+        acts.launch_shard, LaunchShardInput(spec=ShardSpec(replica_id="argv-1", model=model))
+    )
+    try:
+        key = engine_key(SECRET, "argv-1")
+        cmdline, environ, spec_text = _process_and_spec_text(handle.pid, tmp_path)
+        assert key not in cmdline
+        assert spec_text and key not in spec_text
+        assert key in environ
+    finally:
+        await env.run(acts.stop_shard, StopShardInput(shard=ref, grace_s=5))

@@ -1,0 +1,87 @@
+"""Placement decisions, without Temporal."""
+
+from llmgw.types import GpuInfo, ModelSpec, NodeInventory, Placement
+from workflows.placement import choose_node
+
+
+def node(
+    node_id: str, gpus: int = 0, cpu_slots: int = 4, unhealthy: tuple[int, ...] = ()
+) -> NodeInventory:
+    return NodeInventory(
+        node_id=node_id,
+        hostname=node_id,
+        address="127.0.0.1",
+        cpu_count=8,
+        memory_mib=1024,
+        max_cpu_replicas=cpu_slots,
+        gpus=[
+            GpuInfo(
+                index=i,
+                uuid=f"GPU-{node_id}-{i}",
+                name="H100",
+                memory_mib=81559,
+                healthy=i not in unhealthy,
+            )
+            for i in range(gpus)
+        ],
+    )
+
+
+CPU = ModelSpec(name="tiny", source="/m.gguf")
+GPU2 = ModelSpec(name="big", source="/m", gpus=2)
+
+
+def test_no_nodes_says_so() -> None:
+    result = choose_node("r1", CPU, {}, {})
+    assert result.placement is None
+    assert result.rejections[0].reason == "no node has registered"
+
+
+def test_cpu_model_on_cpu_node() -> None:
+    result = choose_node("r1", CPU, {"a": node("a")}, {})
+    assert result.placement is not None and result.placement.node_id == "a"
+    assert result.placement.gpu_indices == []
+
+
+def test_placement_is_idempotent_per_replica() -> None:
+    existing = Placement(replica_id="r1", model="big", node_id="b", gpu_indices=[0, 1])
+    result = choose_node("r1", GPU2, {"a": node("a", 8), "b": node("b", 8)}, {"r1": existing})
+    assert result.placement == existing
+
+
+def test_gpus_never_handed_out_twice() -> None:
+    nodes = {"a": node("a", 4)}
+    allocs: dict[str, Placement] = {}
+    for rid in ("r1", "r2"):
+        result = choose_node(rid, GPU2, nodes, allocs)
+        assert result.placement is not None
+        allocs[rid] = result.placement
+    assert allocs["r1"].gpu_indices == [0, 1]
+    assert allocs["r2"].gpu_indices == [2, 3]
+    third = choose_node("r3", GPU2, nodes, allocs)
+    assert third.placement is None
+    assert third.rejections[0].reason == "needs 2 free healthy GPUs, has 0"
+
+
+def test_unhealthy_gpus_are_skipped() -> None:
+    result = choose_node("r1", GPU2, {"a": node("a", 3, unhealthy=(1,))}, {})
+    assert result.placement is not None and result.placement.gpu_indices == [0, 2]
+
+
+def test_bin_packs_onto_the_busier_node() -> None:
+    nodes = {"a": node("a", 8), "b": node("b", 8)}
+    allocs = {"r0": Placement(replica_id="r0", model="big", node_id="b", gpu_indices=[0, 1])}
+    result = choose_node("r1", GPU2, nodes, allocs)
+    assert result.placement is not None and result.placement.node_id == "b"
+
+
+def test_rejections_name_every_node() -> None:
+    nodes = {"a": node("a", 1), "b": node("b", cpu_slots=0)}
+    result = choose_node("r1", GPU2, nodes, {})
+    assert result.placement is None
+    assert {r.node_id: r.reason for r in result.rejections} == {
+        "a": "needs 2 free healthy GPUs, has 1",
+        "b": "needs 2 free healthy GPUs, has 0",
+    }
+    cpu = choose_node("r2", CPU, {"b": node("b", cpu_slots=0)}, {})
+    assert cpu.rejections[0].reason == "CPU replica slots full (0/0)"

@@ -1,0 +1,78 @@
+"""The supervisor with stand-in engines: process groups, fingerprints, stop."""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from llmgw.procs import wait_for
+from llmgw.types import ShardRef
+from tests.procs_util import pids_with_args
+from worker_agent import procfs
+from worker_agent.supervisor import Supervisor
+
+# A stand-in engine that forks a worker, as vLLM and SGLang do, and ignores
+# SIGTERM in the worker so only a group SIGKILL removes it.
+FORKING_ENGINE = """
+import os, signal, sys, time
+if os.fork() == 0:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    while True: time.sleep(1)
+print("leader up", flush=True)
+while True: time.sleep(1)
+"""
+
+
+def _launch(sup: Supervisor, ref: ShardRef, tag: str) -> int:
+    running = sup.launch(
+        ref, [sys.executable, "-c", FORKING_ENGINE, tag], dict(os.environ), 1, "http://x:1", {}
+    )
+    return running.pid
+
+
+def test_stop_kills_the_whole_group(tmp_path: Path) -> None:
+    sup = Supervisor(tmp_path)
+    ref = ShardRef(replica_id="grp")
+    _launch(sup, ref, "tag-grp")
+    assert wait_for(lambda: len(pids_with_args("tag-grp")) == 2, 10)
+    outcome = sup.stop(ref, grace_s=0.5)
+    assert outcome.was_running
+    assert pids_with_args("tag-grp") == []
+    assert sup.stop(ref, grace_s=0.5).was_running is False
+
+
+def test_found_again_by_a_new_supervisor(tmp_path: Path) -> None:
+    ref = ShardRef(replica_id="adopt", rank=1)
+    pid = _launch(Supervisor(tmp_path), ref, "tag-adopt")
+    again = Supervisor(tmp_path)
+    try:
+        found = again.find_running(ref)
+        assert found is not None and found.pid == pid
+    finally:
+        again.stop(ref, grace_s=0.5)
+    assert pids_with_args("tag-adopt") == []
+
+
+def test_reused_pid_is_not_adopted(tmp_path: Path) -> None:
+    sup = Supervisor(tmp_path)
+    ref = ShardRef(replica_id="reuse")
+    _launch(sup, ref, "tag-reuse")
+    spec = sup.shard_dir(ref) / "spec.json"
+    # Point the spec at another live process (this test): same pid space, other start time.
+    data = json.loads(spec.read_text())
+    real_pid = data["pid"]
+    data["pid"] = os.getpid()
+    spec.write_text(json.dumps(data))
+    assert sup.find_running(ref) is None
+    data["pid"] = real_pid
+    spec.write_text(json.dumps(data))
+    assert sup.find_running(ref) is not None
+    sup.stop(ref, grace_s=0.5)
+
+
+def test_fingerprint_reads_start_time_and_cmdline() -> None:
+    fp = procfs.fingerprint(os.getpid())
+    assert fp is not None
+    assert fp.start_time > 0
+    assert Path(fp.cmdline[0]).name.startswith("python") or "pytest" in " ".join(fp.cmdline)
+    assert procfs.fingerprint(2**22 + 7) is None

@@ -1,0 +1,57 @@
+"""Reading processes from /proc: fingerprints that survive pid reuse."""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+PROC = Path("/proc")
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """What identifies a process beyond its pid: a reused pid differs in both."""
+
+    start_time: int
+    cmdline: tuple[str, ...]
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    try:
+        raw = (PROC / str(pid) / "stat").read_text()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    # comm (field 2) may contain spaces and parentheses: split after the last ')'.
+    rest = raw[raw.rfind(")") + 2 :].split()
+    return rest
+
+
+def fingerprint(pid: int) -> Fingerprint | None:
+    """The fingerprint of a live process, or None if there is none."""
+    fields = _stat_fields(pid)
+    if fields is None:
+        return None
+    try:
+        raw_cmd = (PROC / str(pid) / "cmdline").read_bytes()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    cmdline = tuple(part.decode(errors="replace") for part in raw_cmd.split(b"\0") if part)
+    # Field 22 of stat is starttime; rest[] starts at field 3.
+    return Fingerprint(start_time=int(fields[19]), cmdline=cmdline)
+
+
+def is_zombie_or_gone(pid: int) -> bool:
+    """True when the process has exited (a zombie holds no resources but its pid)."""
+    fields = _stat_fields(pid)
+    return fields is None or fields[0] in ("Z", "X")
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) pids in a process group."""
+    members: list[int] = []
+    for entry in PROC.iterdir():
+        if not entry.name.isdigit():
+            continue
+        fields = _stat_fields(int(entry.name))
+        # rest[0] is state, rest[2] is pgrp.
+        if fields and fields[0] not in ("Z", "X") and int(fields[2]) == pgid:
+            members.append(int(entry.name))
+    return members

@@ -1,0 +1,230 @@
+"""The engine supervisor: spawn, find, watch and stop shard processes.
+
+Each shard runs in its own session and process group, because engines fork
+workers that hold (GPU) memory and outlive a signal sent only to the leader.
+For every shard a spec file records the shard, pid and a fingerprint (start
+time + command line) written atomically, so that a repeated launch - an
+activity retried after the agent finished it but before Temporal heard -
+finds the engine instead of starting a second one, and so that a restarted
+agent can find engines it did not start.
+"""
+
+import contextlib
+import json
+import logging
+import os
+import re
+import signal
+import subprocess
+import time
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from llmgw.errors import EngineLaunchError
+from llmgw.types import ShardRef
+from worker_agent import procfs
+
+log = logging.getLogger(__name__)
+
+LOG_TAIL_LINES = 200
+
+
+@dataclass(frozen=True)
+class RunningShard:
+    """A shard process the supervisor knows about."""
+
+    ref: ShardRef
+    pid: int
+    port: int
+    endpoint: str
+    log_path: Path
+
+
+@dataclass(frozen=True)
+class StopOutcome:
+    """What stopping a shard did."""
+
+    was_running: bool
+    exit_code: int | None
+
+
+def shard_key(ref: ShardRef) -> str:
+    """A filesystem-safe, unique name for a shard."""
+    safe = re.sub(r"[^A-Za-z0-9._-]", "_", ref.replica_id)
+    return f"{safe}.r{ref.rank}"
+
+
+class Supervisor:
+    """Owns the shard processes of one node agent."""
+
+    def __init__(self, work_dir: Path) -> None:
+        self._dir = work_dir / "shards"
+        self._dir.mkdir(parents=True, exist_ok=True)
+        self._children: dict[str, subprocess.Popen[bytes]] = {}
+
+    def shard_dir(self, ref: ShardRef) -> Path:
+        """Where a shard's spec and log live."""
+        return self._dir / shard_key(ref)
+
+    def _spec_path(self, ref: ShardRef) -> Path:
+        return self.shard_dir(ref) / "spec.json"
+
+    def _read_spec(self, ref: ShardRef) -> dict[str, object] | None:
+        try:
+            data: dict[str, object] = json.loads(self._spec_path(ref).read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            return None
+        return data
+
+    def find_running(self, ref: ShardRef) -> RunningShard | None:
+        """The live engine of a shard, matched by spec file and fingerprint."""
+        spec = self._read_spec(ref)
+        if spec is None:
+            return None
+        pid = int(str(spec["pid"]))
+        child = self._children.get(shard_key(ref))
+        if child is not None and child.poll() is not None:
+            return None
+        current = procfs.fingerprint(pid)
+        recorded = spec.get("fingerprint")
+        if current is None or procfs.is_zombie_or_gone(pid) or not isinstance(recorded, dict):
+            return None
+        if current.start_time != recorded.get("start_time") or list(
+            current.cmdline
+        ) != recorded.get("cmdline"):
+            # The pid was reused by an unrelated process: never touch it.
+            return None
+        return RunningShard(
+            ref=ref,
+            pid=pid,
+            port=int(str(spec["port"])),
+            endpoint=str(spec["endpoint"]),
+            log_path=self.shard_dir(ref) / "engine.log",
+        )
+
+    def used_ports(self) -> set[int]:
+        """Ports recorded by shards that still run."""
+        ports: set[int] = set()
+        for spec_file in self._dir.glob("*/spec.json"):
+            try:
+                spec = json.loads(spec_file.read_text())
+                ref = ShardRef.model_validate(spec["shard"])
+            except (json.JSONDecodeError, KeyError, ValueError):
+                continue
+            if self.find_running(ref) is not None:
+                ports.add(int(spec["port"]))
+        return ports
+
+    def launch(
+        self,
+        ref: ShardRef,
+        command: list[str],
+        env: Mapping[str, str],
+        port: int,
+        endpoint: str,
+        spec: Mapping[str, object],
+    ) -> RunningShard:
+        """Start a shard's engine in its own process group and record it."""
+        shard_dir = self.shard_dir(ref)
+        shard_dir.mkdir(parents=True, exist_ok=True)
+        log_path = shard_dir / "engine.log"
+        with open(log_path, "ab") as log_file:
+            try:
+                proc = subprocess.Popen(
+                    command,
+                    env=dict(env),
+                    stdin=subprocess.DEVNULL,
+                    stdout=log_file,
+                    stderr=subprocess.STDOUT,
+                    cwd=shard_dir,
+                    start_new_session=True,
+                )
+            except OSError as exc:
+                raise EngineLaunchError(f"cannot start {command[0]}: {exc}") from exc
+        self._children[shard_key(ref)] = proc
+        fp = procfs.fingerprint(proc.pid)
+        record = {
+            "shard": ref.model_dump(),
+            "pid": proc.pid,
+            "port": port,
+            "endpoint": endpoint,
+            "fingerprint": {
+                "start_time": fp.start_time if fp else None,
+                "cmdline": list(fp.cmdline) if fp else command,
+            },
+            "spec": dict(spec),
+        }
+        _write_atomic(self._spec_path(ref), json.dumps(record, indent=2))
+        log.info("shard %s started: pid %d port %d", shard_key(ref), proc.pid, port)
+        return RunningShard(ref=ref, pid=proc.pid, port=port, endpoint=endpoint, log_path=log_path)
+
+    def exit_code(self, ref: ShardRef) -> int | None:
+        """The exit code of a shard that has exited and that this agent started."""
+        child = self._children.get(shard_key(ref))
+        return child.poll() if child is not None else None
+
+    def log_tail(self, ref: ShardRef, lines: int = LOG_TAIL_LINES) -> list[str]:
+        """The last lines the engine wrote."""
+        path = self.shard_dir(ref) / "engine.log"
+        try:
+            with open(path, "rb") as fh:
+                fh.seek(max(0, path.stat().st_size - 64 * 1024))
+                tail = deque(fh.read().decode(errors="replace").splitlines(), maxlen=lines)
+        except FileNotFoundError:
+            return []
+        return list(tail)
+
+    def stop(self, ref: ShardRef, grace_s: float) -> StopOutcome:
+        """Stop a shard's whole process group: SIGTERM, wait, SIGKILL, confirm.
+
+        A no-op on a shard that is not running, so a retried stop is safe.
+        """
+        running = self.find_running(ref)
+        child = self._children.get(shard_key(ref))
+        if running is None:
+            self._forget(ref)
+            return StopOutcome(was_running=False, exit_code=child.poll() if child else None)
+        pgid = running.pid  # start_new_session: the leader's pid is the group id
+        _signal_group(pgid, signal.SIGTERM)
+        if not self._wait_group_gone(pgid, child, grace_s):
+            log.warning("shard %s ignored SIGTERM for %.1fs: SIGKILL", shard_key(ref), grace_s)
+            _signal_group(pgid, signal.SIGKILL)
+            if not self._wait_group_gone(pgid, child, 10.0):
+                raise EngineLaunchError(f"shard {shard_key(ref)} survived SIGKILL (pgid {pgid})")
+        code = child.poll() if child else None
+        self._forget(ref)
+        log.info("shard %s stopped (exit %s)", shard_key(ref), code)
+        return StopOutcome(was_running=True, exit_code=code)
+
+    def _forget(self, ref: ShardRef) -> None:
+        self._children.pop(shard_key(ref), None)
+        self._spec_path(ref).unlink(missing_ok=True)
+
+    @staticmethod
+    def _wait_group_gone(pgid: int, child: subprocess.Popen[bytes] | None, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while True:
+            if child is not None:
+                child.poll()  # reap the leader so it stops counting as a member
+            if not procfs.group_members(pgid):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, sig)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_suffix(".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)

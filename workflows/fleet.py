@@ -1,0 +1,62 @@
+"""The fleet: one entity workflow holding node inventory and the GPU ledger.
+
+Placement is an update, so allocations are serialised by the workflow and a
+GPU is never handed out twice; agents register by signal-with-start.
+"""
+
+from temporalio import workflow
+
+with workflow.unsafe.imports_passed_through():
+    from llmgw.types import (
+        FleetSnapshot,
+        NodeInventory,
+        PlaceRequest,
+        PlaceResult,
+        ReleaseRequest,
+        ReleaseResult,
+    )
+    from workflows.placement import choose_node
+
+
+@workflow.defn(name="Fleet")
+class FleetWorkflow:
+    """Node inventory and allocation ledger; continues as new when long."""
+
+    @workflow.init
+    def __init__(self, snapshot: FleetSnapshot) -> None:
+        # Signals delivered with the start run before run(): state must exist here.
+        self._state = snapshot
+
+    @workflow.run
+    async def run(self, snapshot: FleetSnapshot) -> FleetSnapshot:
+        """Wait until history is long, then carry the state into a new run."""
+        await workflow.wait_condition(lambda: workflow.info().is_continue_as_new_suggested())
+        await workflow.wait_condition(workflow.all_handlers_finished)
+        workflow.continue_as_new(self._state)
+
+    @workflow.signal(name="register_node")
+    def register_node(self, inventory: NodeInventory) -> None:
+        """An agent (re)registered: replace its inventory."""
+        self._state.nodes[inventory.node_id] = inventory
+        workflow.logger.info("node %s registered: %d GPUs", inventory.node_id, len(inventory.gpus))
+
+    @workflow.update(name="place")
+    def place(self, request: PlaceRequest) -> PlaceResult:
+        """Choose a node and record the allocation (idempotent per replica)."""
+        result = choose_node(
+            request.replica_id, request.model, self._state.nodes, self._state.allocations
+        )
+        if result.placement is not None:
+            self._state.allocations[request.replica_id] = result.placement
+        return result
+
+    @workflow.update(name="release")
+    def release(self, request: ReleaseRequest) -> ReleaseResult:
+        """Give back a replica's allocation."""
+        released = self._state.allocations.pop(request.replica_id, None) is not None
+        return ReleaseResult(released=released)
+
+    @workflow.query(name="snapshot")
+    def snapshot(self) -> FleetSnapshot:
+        """The whole fleet state."""
+        return self._state

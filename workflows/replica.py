@@ -1,0 +1,297 @@
+"""One replica's lifecycle: place → launch → wait ready → serve/watch → stop.
+
+Workflow id ``replica/<replica_id>``. Every phase is published as memo and
+search attributes (the router and the Temporal UI read them) and the full
+state answers the ``status`` query. Activities for the engine run on the
+node's own task queue; if the control plane dies mid-start the history
+resumes exactly where it was, and the agent's launch is idempotent, so a
+retried launch finds the engine instead of starting a second.
+"""
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable
+from datetime import timedelta
+from typing import TypeVar
+
+from temporalio import workflow
+from temporalio.common import RetryPolicy
+from temporalio.exceptions import ActivityError, ApplicationError
+
+with workflow.unsafe.imports_passed_through():
+    from activities import names
+    from llmgw import search_attributes as sa
+    from llmgw.queues import node_queue
+    from llmgw.types import (
+        LaunchShardInput,
+        Placement,
+        PlaceRequest,
+        PlaceResult,
+        ReleaseRequest,
+        ReleaseResult,
+        ReplicaInput,
+        ReplicaPhase,
+        ReplicaStatus,
+        ShardExit,
+        ShardHandle,
+        ShardRef,
+        ShardSpec,
+        StopReplicaInput,
+        StopShardInput,
+        StopShardResult,
+        WaitReadyInput,
+        WaitReadyResult,
+        WatchShardInput,
+    )
+    from workflows.replica_state import is_terminal, memo_of, transition
+
+P = ReplicaPhase
+T = TypeVar("T")
+# The watch activity lives as long as the engine; its heartbeats, not this
+# bound, are what notice a dead agent.
+WATCH_LIFETIME = timedelta(days=3650)
+
+
+class _StopRequested(Exception):
+    """Internal: a stop update arrived while waiting for something else."""
+
+
+@workflow.defn(name="Replica")
+class ReplicaWorkflow:
+    """The lifecycle of one replica."""
+
+    @workflow.init
+    def __init__(self, input: ReplicaInput) -> None:
+        self._input = input
+        self._t = input.timeouts
+        self._status = ReplicaStatus(
+            replica_id=input.replica_id, model=input.model.name, phase=P.PLACING
+        )
+        self._stop: StopReplicaInput | None = None
+        self._placement: Placement | None = None
+        self._launched = False
+
+    @workflow.run
+    async def run(self, input: ReplicaInput) -> ReplicaStatus:
+        """Drive the replica to a terminal phase and return its final state."""
+        self._publish()
+        try:
+            await self._start_and_serve()
+        except _StopRequested:
+            await self._stop_engine()
+        except ActivityError as err:
+            await self._fail(_reason(err))
+        except asyncio.CancelledError:
+            # Cancelled from the UI/CLI: still give the GPU and process back.
+            await self._stop_engine()
+            raise
+        await workflow.wait_condition(workflow.all_handlers_finished)
+        return self._status
+
+    @workflow.update(name="stop")
+    async def stop(self, request: StopReplicaInput) -> ReplicaStatus:
+        """Stop the replica (draining first) and answer once it has stopped."""
+        if self._stop is None:
+            self._stop = request
+        await workflow.wait_condition(lambda: is_terminal(self._status.phase))
+        return self._status
+
+    @workflow.query(name="status")
+    def status(self) -> ReplicaStatus:
+        """The replica's full state."""
+        return self._status
+
+    async def _start_and_serve(self) -> None:
+        placement = await self._place()
+        if placement is None:
+            return
+        handle = await self._interruptible(self._launch(placement))
+        self._status.endpoint = handle.endpoint
+        self._status.pid = handle.pid
+        self._move(P.LOADING, f"pid {handle.pid} on {handle.endpoint}")
+        ready: WaitReadyResult = await self._interruptible(
+            self._node_activity(
+                names.WAIT_SHARD_READY,
+                WaitReadyInput(shard=self._shard(), timeout_s=self._t.ready_s),
+                WaitReadyResult,
+                timedelta(seconds=self._t.ready_s + 30),
+            )
+        )
+        self._move(P.READY, f"serving {', '.join(ready.model_ids)}")
+        exit_info: ShardExit = await self._interruptible(
+            self._node_activity(
+                names.WATCH_SHARD,
+                WatchShardInput(shard=self._shard()),
+                ShardExit,
+                WATCH_LIFETIME,
+                retry=RetryPolicy(maximum_interval=timedelta(seconds=10)),
+            )
+        )
+        self._status.log_tail = exit_info.log_tail
+        self._launched = False
+        await self._fail(exit_info.reason, engine_gone=True)
+
+    async def _place(self) -> Placement | None:
+        for attempt in range(self._t.place_attempts):
+            result: PlaceResult = await workflow.execute_activity(
+                names.PLACE_REPLICA,
+                PlaceRequest(replica_id=self._input.replica_id, model=self._input.model),
+                result_type=PlaceResult,
+                start_to_close_timeout=timedelta(seconds=30),
+            )
+            if result.placement is not None:
+                self._placement = result.placement
+                self._status.node_id = result.placement.node_id
+                self._move(P.STARTING, f"placed on {result.placement.node_id}")
+                return result.placement
+            reasons = "; ".join(f"{r.node_id}: {r.reason}" for r in result.rejections)
+            self._status.reason = f"cannot place: {reasons}"
+            workflow.logger.warning(
+                "replica %s attempt %d: %s", self._input.replica_id, attempt + 1, reasons
+            )
+            if await self._stop_within(self._t.place_retry_s):
+                self._move(P.STOPPED, "stopped before placement")
+                return None
+        self._move(P.FAILED, self._status.reason)
+        return None
+
+    async def _launch(self, placement: Placement) -> ShardHandle:
+        spec = ShardSpec(
+            replica_id=self._input.replica_id,
+            model=self._input.model,
+            gpu_indices=placement.gpu_indices,
+        )
+        self._launched = True
+        return await self._node_activity(
+            names.LAUNCH_SHARD,
+            LaunchShardInput(spec=spec),
+            ShardHandle,
+            timedelta(seconds=self._t.launch_s),
+        )
+
+    async def _node_activity(
+        self,
+        name: str,
+        arg: object,
+        result_type: type[T],
+        start_to_close: timedelta,
+        retry: RetryPolicy | None = None,
+    ) -> T:
+        assert self._placement is not None
+        result: T = await workflow.execute_activity(
+            name,
+            arg,
+            result_type=result_type,
+            task_queue=node_queue(self._placement.node_id),
+            # A dead node is noticed in seconds rather than hanging the start.
+            schedule_to_start_timeout=timedelta(seconds=self._t.schedule_to_start_s),
+            start_to_close_timeout=start_to_close,
+            heartbeat_timeout=timedelta(seconds=self._t.heartbeat_s),
+            retry_policy=retry or RetryPolicy(maximum_attempts=3),
+        )
+        return result
+
+    async def _interruptible(self, aw: Awaitable[T]) -> T:
+        """Await ``aw`` unless a stop request arrives first."""
+        task = asyncio.ensure_future(aw)
+        stop = asyncio.ensure_future(workflow.wait_condition(lambda: self._stop is not None))
+        await workflow.wait([task, stop], return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            stop.cancel()
+            return task.result()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, ActivityError):
+            await task
+        raise _StopRequested
+
+    async def _stop_within(self, seconds: float) -> bool:
+        try:
+            await workflow.wait_condition(
+                lambda: self._stop is not None, timeout=timedelta(seconds=seconds)
+            )
+        except TimeoutError:
+            return False
+        return True
+
+    async def _stop_engine(self) -> None:
+        reason = self._stop.reason if self._stop else "cancelled"
+        if self._status.phase in (P.STARTING, P.LOADING, P.READY) and (
+            self._stop is None or self._stop.drain
+        ):
+            # Published first, so routers stop sending before the engine goes.
+            self._move(P.DRAINING, reason)
+        if not is_terminal(self._status.phase):
+            self._move(P.STOPPING, reason)
+        await self._stop_shard()
+        await self._release()
+        if not is_terminal(self._status.phase):
+            self._move(P.STOPPED, reason)
+
+    async def _fail(self, reason: str, *, engine_gone: bool = False) -> None:
+        self._status.reason = reason
+        if not engine_gone:
+            # Never leak a process (or its GPU) because the start went wrong.
+            await self._stop_shard()
+        await self._release()
+        if not is_terminal(self._status.phase):
+            self._move(P.FAILED, reason)
+
+    async def _stop_shard(self) -> None:
+        if not self._launched or self._placement is None:
+            return
+        try:
+            result: StopShardResult = await self._node_activity(
+                names.STOP_SHARD,
+                StopShardInput(shard=self._shard(), grace_s=self._t.stop_grace_s),
+                StopShardResult,
+                timedelta(seconds=self._t.stop_grace_s + 30),
+                retry=RetryPolicy(maximum_attempts=5),
+            )
+            self._launched = False
+            if result.was_running:
+                workflow.logger.info(
+                    "replica %s engine stopped (exit %s)", self._input.replica_id, result.exit_code
+                )
+        except ActivityError as err:
+            self._status.reason = f"{self._status.reason}; stop failed: {_reason(err)}"
+
+    async def _release(self) -> None:
+        if self._placement is None:
+            return
+        await workflow.execute_activity(
+            names.RELEASE_REPLICA,
+            ReleaseRequest(replica_id=self._input.replica_id),
+            result_type=ReleaseResult,
+            start_to_close_timeout=timedelta(seconds=30),
+        )
+        self._placement = None
+
+    def _shard(self) -> ShardRef:
+        return ShardRef(replica_id=self._input.replica_id, rank=0)
+
+    def _move(self, phase: ReplicaPhase, detail: str = "") -> None:
+        transition(self._status, phase, workflow.now().isoformat(), detail)
+        workflow.logger.info("replica %s -> %s %s", self._input.replica_id, phase, detail)
+        self._publish()
+
+    def _publish(self) -> None:
+        s = self._status
+        workflow.upsert_memo({"replica": memo_of(s).model_dump(mode="json")})
+        workflow.upsert_search_attributes(
+            [
+                sa.REPLICA_MODEL.value_set(s.model),
+                sa.REPLICA_NODE.value_set(s.node_id or "-"),
+                sa.REPLICA_STATE.value_set(s.phase.value),
+                sa.REPLICA_ENDPOINT.value_set(s.endpoint or "-"),
+            ]
+        )
+
+
+def _reason(err: BaseException) -> str:
+    """The most specific message in an activity failure chain."""
+    cause: BaseException | None = err
+    while cause is not None:
+        if isinstance(cause, ApplicationError):
+            return f"{cause.type or 'error'}: {cause.message}"
+        cause = cause.__cause__
+    return str(err)

@@ -1,0 +1,59 @@
+"""Replica lifecycle rules, as pure functions the workflow applies."""
+
+from llmgw.types import (
+    TERMINAL_PHASES,
+    PhaseChange,
+    ReplicaMemo,
+    ReplicaPhase,
+    ReplicaStatus,
+)
+
+P = ReplicaPhase
+
+ALLOWED: dict[ReplicaPhase, frozenset[ReplicaPhase]] = {
+    P.PLACING: frozenset({P.STARTING, P.STOPPED, P.FAILED}),
+    P.STARTING: frozenset({P.LOADING, P.DRAINING, P.STOPPING, P.FAILED}),
+    P.LOADING: frozenset({P.READY, P.DRAINING, P.STOPPING, P.FAILED}),
+    P.READY: frozenset({P.DRAINING, P.STOPPING, P.FAILED}),
+    P.DRAINING: frozenset({P.STOPPING, P.FAILED}),
+    P.STOPPING: frozenset({P.STOPPED, P.FAILED}),
+    P.STOPPED: frozenset(),
+    P.FAILED: frozenset(),
+}
+
+MAX_HISTORY = 50
+
+
+class IllegalTransition(ValueError):
+    """A phase change the lifecycle does not allow: a bug, never user input."""
+
+
+def transition(status: ReplicaStatus, phase: ReplicaPhase, at: str, detail: str = "") -> None:
+    """Move ``status`` to ``phase``, recording when and why."""
+    if phase not in ALLOWED[status.phase]:
+        raise IllegalTransition(f"{status.replica_id}: {status.phase} -> {phase}")
+    status.phase = phase
+    status.history.append(PhaseChange(phase=phase, at=at, detail=detail))
+    # Bounded: the status travels in every query answer.
+    del status.history[:-MAX_HISTORY]
+
+
+def is_terminal(phase: ReplicaPhase) -> bool:
+    """Whether nothing further happens to a replica in ``phase``."""
+    return phase in TERMINAL_PHASES
+
+
+def routable(phase: ReplicaPhase) -> bool:
+    """Whether the router may send new requests to a replica in ``phase``."""
+    return phase is ReplicaPhase.READY
+
+
+def memo_of(status: ReplicaStatus) -> ReplicaMemo:
+    """The part of the status the router reads off the memo."""
+    return ReplicaMemo(
+        replica_id=status.replica_id,
+        model=status.model,
+        phase=status.phase,
+        node_id=status.node_id,
+        endpoint=status.endpoint,
+    )

@@ -1,0 +1,69 @@
+"""The control-plane worker: workflows and control activities on ``control``."""
+
+import asyncio
+import logging
+from datetime import timedelta
+
+from temporalio.client import Client
+from temporalio.common import WorkflowIDConflictPolicy
+from temporalio.worker import Worker
+
+from activities.control import ControlActivities
+from llmgw.lifecycle import setup_logging, stop_event_on_signals
+from llmgw.queues import CONTROL_QUEUE, FLEET_WORKFLOW_ID
+from llmgw.settings import ControlSettings
+from llmgw.temporal import connect
+from llmgw.types import FleetSnapshot
+from workflows.fleet import FleetWorkflow
+from workflows.replica import ReplicaWorkflow
+
+log = logging.getLogger(__name__)
+
+WORKFLOWS = [FleetWorkflow, ReplicaWorkflow]
+
+
+async def ensure_fleet(client: Client) -> None:
+    """Start the fleet entity unless it runs already."""
+    await client.start_workflow(
+        FleetWorkflow.run,
+        FleetSnapshot(),
+        id=FLEET_WORKFLOW_ID,
+        task_queue=CONTROL_QUEUE,
+        id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+    )
+
+
+def build_worker(
+    client: Client, settings: ControlSettings, task_queue: str = CONTROL_QUEUE
+) -> Worker:
+    """The control worker, built from its dependencies."""
+    control = ControlActivities(client)
+    return Worker(
+        client,
+        task_queue=task_queue,
+        workflows=WORKFLOWS,
+        activities=[control.place_replica, control.release_replica],
+        sticky_queue_schedule_to_start_timeout=timedelta(
+            seconds=settings.sticky_schedule_to_start_s
+        ),
+        graceful_shutdown_timeout=timedelta(seconds=settings.graceful_shutdown_s),
+    )
+
+
+async def run(settings: ControlSettings) -> None:
+    """Serve until SIGTERM/SIGINT, then shut down gracefully."""
+    client = await connect(settings.temporal_address, settings.temporal_namespace)
+    await ensure_fleet(client)
+    worker = build_worker(client, settings)
+    stop = stop_event_on_signals()
+    log.info("control worker on %s (Temporal %s)", CONTROL_QUEUE, settings.temporal_address)
+    async with worker:
+        await stop.wait()
+        log.info("control worker shutting down")
+
+
+def main() -> None:
+    """Entry point of ``llmgw control``."""
+    settings = ControlSettings()
+    setup_logging(settings.log_level, "control")
+    asyncio.run(run(settings))

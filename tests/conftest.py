@@ -3,14 +3,17 @@
 import os
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
-from llmgw.engine_install import LlamaCppInstall, ensure_llama_cpp
 from temporalio.client import Client
 
 from llmgw.temporal import connect
 from llmgw.tinymodel import TinyModel, generate_tiny_model
 from tests.harness import REPO, free_port, start_devserver
+
+if TYPE_CHECKING:
+    from llmgw.engine_install import LlamaCppInstall
 
 
 @pytest.fixture(scope="session")
@@ -30,8 +33,10 @@ async def client(temporal_address: str) -> AsyncIterator[Client]:
 
 
 @pytest.fixture(scope="session")
-def llama() -> LlamaCppInstall:
+def llama() -> "LlamaCppInstall":
     """The real llama.cpp server, as the agent installs it (cached per CPU)."""
+    from llmgw.engine_install import ensure_llama_cpp  # noqa: PLC0415
+
     cache = Path(os.environ.get("LLMGW_TEST_ENGINE_CACHE", REPO / ".llmgw" / "engines"))
     return ensure_llama_cpp(cache)
 

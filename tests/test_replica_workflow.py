@@ -1,0 +1,204 @@
+"""The replica workflow's decisions on a real Temporal server, with fake
+activities registered under the real names (no engine, no agent process)."""
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import pytest
+from temporalio import activity
+from temporalio.client import Client, WorkflowHandle
+from temporalio.exceptions import ApplicationError
+from temporalio.worker import Worker
+
+from activities import names
+from llmgw.queues import node_queue
+from llmgw.types import (
+    LaunchShardInput,
+    ModelSpec,
+    Placement,
+    PlaceRequest,
+    PlaceResult,
+    Rejection,
+    ReleaseRequest,
+    ReleaseResult,
+    ReplicaInput,
+    ReplicaPhase,
+    ReplicaStatus,
+    ReplicaTimeouts,
+    ShardExit,
+    ShardHandle,
+    StopReplicaInput,
+    StopShardInput,
+    StopShardResult,
+    WaitReadyInput,
+    WaitReadyResult,
+    WatchShardInput,
+)
+from workflows.replica import ReplicaWorkflow
+
+P = ReplicaPhase
+
+
+@dataclass
+class Fakes:
+    """Node and control activities whose behaviour each test sets."""
+
+    node_id: str
+    place_ok: bool = True
+    ready_error: str | None = None
+    ready_gate: asyncio.Event = field(default_factory=asyncio.Event)
+    engine_exit: asyncio.Event = field(default_factory=asyncio.Event)
+    launches: int = 0
+    stops: int = 0
+    releases: int = 0
+
+    def __post_init__(self) -> None:
+        self.ready_gate.set()
+
+    @activity.defn(name=names.PLACE_REPLICA)
+    async def place(self, req: PlaceRequest) -> PlaceResult:
+        if not self.place_ok:
+            return PlaceResult(rejections=[Rejection(node_id="n1", reason="needs 8 GPUs, has 0")])
+        return PlaceResult(
+            placement=Placement(
+                replica_id=req.replica_id, model=req.model.name, node_id=self.node_id
+            )
+        )
+
+    @activity.defn(name=names.RELEASE_REPLICA)
+    async def release(self, req: ReleaseRequest) -> ReleaseResult:
+        self.releases += 1
+        return ReleaseResult(released=True)
+
+    @activity.defn(name=names.LAUNCH_SHARD)
+    async def launch(self, req: LaunchShardInput) -> ShardHandle:
+        self.launches += 1
+        return ShardHandle(
+            replica_id=req.spec.replica_id, rank=0, pid=4242, port=1, endpoint="http://127.0.0.1:1"
+        )
+
+    @activity.defn(name=names.WAIT_SHARD_READY)
+    async def wait_ready(self, req: WaitReadyInput) -> WaitReadyResult:
+        while not self.ready_gate.is_set():
+            activity.heartbeat()
+            await asyncio.sleep(0.05)
+        if self.ready_error:
+            raise ApplicationError(self.ready_error, type="EngineNotReadyError", non_retryable=True)
+        return WaitReadyResult(model_ids=["m"])
+
+    @activity.defn(name=names.WATCH_SHARD)
+    async def watch(self, req: WatchShardInput) -> ShardExit:
+        while not self.engine_exit.is_set():
+            activity.heartbeat()
+            await asyncio.sleep(0.05)
+        return ShardExit(exit_code=139, reason="engine exited with code 139", log_tail=["segfault"])
+
+    @activity.defn(name=names.STOP_SHARD)
+    async def stop(self, req: StopShardInput) -> StopShardResult:
+        self.stops += 1
+        return StopShardResult(was_running=True, exit_code=0)
+
+
+@pytest.fixture
+async def env(client: Client) -> AsyncIterator[tuple[Client, str, Fakes]]:
+    queue = f"control-test-{uuid.uuid4().hex[:8]}"
+    fakes = Fakes(node_id=f"fake-{uuid.uuid4().hex[:8]}")
+    control = Worker(
+        client,
+        task_queue=queue,
+        workflows=[ReplicaWorkflow],
+        activities=[fakes.place, fakes.release],
+    )
+    node = Worker(
+        client,
+        task_queue=node_queue(fakes.node_id),
+        activities=[fakes.launch, fakes.wait_ready, fakes.watch, fakes.stop],
+    )
+    async with control, node:
+        yield client, queue, fakes
+
+
+async def _start(client: Client, queue: str) -> WorkflowHandle[ReplicaWorkflow, ReplicaStatus]:
+    rid = f"wf-{uuid.uuid4().hex[:8]}"
+    timeouts = ReplicaTimeouts(
+        heartbeat_s=2, place_attempts=2, place_retry_s=0.1, schedule_to_start_s=5
+    )
+    return await client.start_workflow(
+        ReplicaWorkflow.run,
+        ReplicaInput(
+            replica_id=rid, model=ModelSpec(name="m", source="/m.gguf"), timeouts=timeouts
+        ),
+        id=f"replica/{rid}",
+        task_queue=queue,
+    )
+
+
+async def _phase(
+    handle: WorkflowHandle[ReplicaWorkflow, ReplicaStatus], phase: ReplicaPhase
+) -> None:
+    # Polls a remote workflow: there is no local event to wait on.
+    async with asyncio.timeout(20):
+        while True:
+            if (await handle.query(ReplicaWorkflow.status)).phase is phase:
+                return
+            await asyncio.sleep(0.05)
+
+
+async def test_ready_then_stop(env: tuple[Client, str, Fakes]) -> None:
+    client, queue, fakes = env
+    handle = await _start(client, queue)
+    await _phase(handle, P.READY)
+    final = await handle.execute_update(ReplicaWorkflow.stop, StopReplicaInput(reason="test"))
+    assert final.phase is P.STOPPED
+    assert [h.phase for h in final.history] == [
+        P.STARTING,
+        P.LOADING,
+        P.READY,
+        P.DRAINING,
+        P.STOPPING,
+        P.STOPPED,
+    ]
+    assert (fakes.launches, fakes.stops, fakes.releases) == (1, 1, 1)
+    assert (await handle.result()).phase is P.STOPPED
+
+
+async def test_engine_exit_fails_the_replica_with_its_tail(env: tuple[Client, str, Fakes]) -> None:
+    client, queue, fakes = env
+    handle = await _start(client, queue)
+    await _phase(handle, P.READY)
+    fakes.engine_exit.set()
+    final = await handle.result()
+    assert final.phase is P.FAILED
+    assert "code 139" in final.reason and final.log_tail == ["segfault"]
+    assert fakes.releases == 1 and fakes.stops == 0
+
+
+async def test_not_ready_stops_the_engine_and_releases(env: tuple[Client, str, Fakes]) -> None:
+    client, queue, fakes = env
+    fakes.ready_error = "not ready after 600s"
+    final = await (await _start(client, queue)).result()
+    assert final.phase is P.FAILED
+    assert "EngineNotReadyError" in final.reason
+    assert (fakes.stops, fakes.releases) == (1, 1)
+
+
+async def test_unplaceable_replica_fails_with_reasons(env: tuple[Client, str, Fakes]) -> None:
+    client, queue, fakes = env
+    fakes.place_ok = False
+    final = await (await _start(client, queue)).result()
+    assert final.phase is P.FAILED
+    assert "needs 8 GPUs, has 0" in final.reason
+    assert (fakes.launches, fakes.releases) == (0, 0)
+
+
+async def test_stop_while_loading(env: tuple[Client, str, Fakes]) -> None:
+    client, queue, fakes = env
+    fakes.ready_gate.clear()
+    handle = await _start(client, queue)
+    await _phase(handle, P.LOADING)
+    final = await handle.execute_update(ReplicaWorkflow.stop, StopReplicaInput(reason="abort"))
+    assert final.phase is P.STOPPED
+    assert P.READY not in [h.phase for h in final.history]
+    assert (fakes.stops, fakes.releases) == (1, 1)

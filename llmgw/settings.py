@@ -81,3 +81,8 @@ class UpSettings(_Common):
     default_model: str = "tiny"
     ready_timeout_s: float = 300.0
     stop_timeout_s: float = 30.0
+    engine_cache_dir: Path | None = None
+
+    def resolved_engine_cache_dir(self) -> Path:
+        """Where engine binaries are installed or built (cached per CPU)."""
+        return (self.engine_cache_dir or self.work_dir / "engines").resolve()

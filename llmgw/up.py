@@ -55,7 +55,7 @@ def child_env(settings: UpSettings) -> dict[str, str]:
             "LLMGW_PORT_RANGE_START": str(settings.port_range_start),
             "LLMGW_PORT_RANGE_END": str(settings.port_range_start + 999),
             "LLMGW_LOG_LEVEL": settings.log_level,
-            "LLMGW_ENGINE_CACHE_DIR": str(settings.work_dir.resolve() / "engines"),
+            "LLMGW_ENGINE_CACHE_DIR": str(settings.resolved_engine_cache_dir()),
         }
     )
     return env
@@ -86,7 +86,7 @@ class Up:
     def prepare(self) -> ModelSpec:
         """Engine binary, tiny model, store, catalog entry."""
         self.work.mkdir(parents=True, exist_ok=True)
-        ensure_llama_cpp(self.work / "engines", progress=self.say)
+        ensure_llama_cpp(self.s.resolved_engine_cache_dir(), progress=self.say)
         self.say("generating the tiny test model")
         tiny = generate_tiny_model(self.work / "models" / "tiny")
         spec = ModelSpec(

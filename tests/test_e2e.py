@@ -1,6 +1,10 @@
 """The whole spine with real parts: Temporal, control worker, agent with a real
 llama.cpp engine, router; the official openai client as the user."""
 
+import asyncio
+import re
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Iterator
 
 import httpx
@@ -50,8 +54,10 @@ async def served(system: System, client: Client, tiny: TinyModel) -> AsyncIterat
 
 
 @pytest.fixture
-def oai(served: dict[str, str]) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=served["base"], api_key=served["key"], max_retries=0)
+async def oai(served: dict[str, str]) -> AsyncIterator[openai.AsyncOpenAI]:
+    client = openai.AsyncOpenAI(base_url=served["base"], api_key=served["key"], max_retries=0)
+    yield client
+    await client.close()
 
 
 async def test_models_lists_the_ready_model(oai: openai.AsyncOpenAI) -> None:
@@ -108,9 +114,11 @@ async def test_unknown_model_is_404(oai: openai.AsyncOpenAI) -> None:
 
 
 async def test_bad_key_is_401(served: dict[str, str]) -> None:
-    bad = openai.AsyncOpenAI(base_url=served["base"], api_key="sk-llmgw-wrong", max_retries=0)
-    with pytest.raises(openai.AuthenticationError) as err:
-        await bad.completions.create(model=MODEL, prompt="x", max_tokens=1)
+    async with openai.AsyncOpenAI(
+        base_url=served["base"], api_key="sk-llmgw-wrong", max_retries=0
+    ) as bad:
+        with pytest.raises(openai.AuthenticationError) as err:
+            await bad.completions.create(model=MODEL, prompt="x", max_tokens=1)
     assert err.value.code == "invalid_api_key"
 
 
@@ -150,3 +158,41 @@ async def test_replica_state_is_searchable(client: Client, served: dict[str, str
         ReplicaPhase.LOADING,
         ReplicaPhase.READY,
     ]
+
+
+def _cli(system: System, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "llmgw", *args],
+        env=system.env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+
+
+async def test_cli_deploy_status_stop(system: System, served: dict[str, str]) -> None:
+    deployed = await asyncio.to_thread(_cli, system, "deploy", MODEL)
+    assert deployed.returncode == 0, deployed.stderr
+    match = re.search(rf"started replica ({MODEL}-[0-9a-f]+)", deployed.stderr)
+    assert match, deployed.stderr
+    new_id = match.group(1)
+    assert "ready" in deployed.stderr
+
+    listed = await asyncio.to_thread(_cli, system, "status")
+    assert listed.returncode == 0
+    rows = {line.split()[1]: line for line in listed.stdout.splitlines() if MODEL in line}
+    assert {served["replica"], new_id} <= rows.keys()
+    assert "ready" in rows[new_id]
+
+    stopped = await asyncio.to_thread(_cli, system, "stop", new_id)
+    assert stopped.returncode == 0, stopped.stderr
+    assert f"{new_id}: stopped" in stopped.stderr
+
+
+async def test_cli_deploy_unknown_model_names_the_catalog(
+    system: System, served: dict[str, str]
+) -> None:
+    result = await asyncio.to_thread(_cli, system, "deploy", "nope")
+    assert result.returncode == 1
+    assert MODEL in result.stderr and "not in the catalog" in result.stderr

@@ -2,15 +2,18 @@
 activities registered under the real names (no engine, no agent process)."""
 
 import asyncio
+import os
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 from temporalio import activity
-from temporalio.client import Client, WorkflowHandle
+from temporalio.client import Client, WorkflowHandle, WorkflowHistory
+from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.exceptions import ApplicationError
-from temporalio.worker import Worker
+from temporalio.worker import Replayer, Worker
 
 from activities import names
 from llmgw.queues import node_queue
@@ -202,3 +205,32 @@ async def test_stop_while_loading(env: tuple[Client, str, Fakes]) -> None:
     assert final.phase is P.STOPPED
     assert P.READY not in [h.phase for h in final.history]
     assert (fakes.stops, fakes.releases) == (1, 1)
+
+
+HISTORIES = Path(__file__).parent / "histories"
+
+
+async def test_fresh_history_replays_deterministically(env: tuple[Client, str, Fakes]) -> None:
+    client, queue, _ = env
+    handle = await _start(client, queue)
+    await _phase(handle, P.READY)
+    await handle.execute_update(ReplicaWorkflow.stop, StopReplicaInput(reason="replay"))
+    history = await handle.fetch_history()
+    if os.environ.get("LLMGW_RECORD_HISTORIES"):
+        (HISTORIES / "replica_ready_stop.json").write_text(history.to_json())
+    result = await Replayer(
+        workflows=[ReplicaWorkflow], data_converter=pydantic_data_converter
+    ).replay_workflow(history)
+    assert result.replay_failure is None
+
+
+async def test_stored_histories_still_replay() -> None:
+    """Histories recorded by earlier versions: a change that breaks running
+    workflows (non-determinism) fails here, not in production."""
+    files = sorted(HISTORIES.glob("*.json"))
+    assert files, "no stored histories"
+    replayer = Replayer(workflows=[ReplicaWorkflow], data_converter=pydantic_data_converter)
+    for path in files:
+        history = WorkflowHistory.from_json(path.stem, path.read_text())
+        result = await replayer.replay_workflow(history, raise_on_replay_failure=False)
+        assert result.replay_failure is None, f"{path.name}: {result.replay_failure}"

@@ -150,10 +150,9 @@ class Supervisor:
             "pid": proc.pid,
             "port": port,
             "endpoint": endpoint,
-            "fingerprint": {
-                "start_time": fp.start_time if fp else None,
-                "cmdline": list(fp.cmdline) if fp else command,
-            },
+            # The argv we exec'd, not a read of /proc: right after exec the
+            # kernel may not have published the new command line yet.
+            "fingerprint": {"start_time": fp.start_time if fp else None, "cmdline": command},
             "spec": dict(spec),
         }
         _write_atomic(self._spec_path(ref), json.dumps(record, indent=2))

@@ -153,7 +153,9 @@ async def test_ready_then_stop(env: tuple[Client, str, Fakes]) -> None:
     client, queue, fakes = env
     handle = await _start(client, queue)
     await _phase(handle, P.READY)
-    final = await handle.execute_update(ReplicaWorkflow.stop, StopReplicaInput(reason="test"))
+    final = await handle.execute_update(
+        "stop", StopReplicaInput(reason="test"), result_type=ReplicaStatus
+    )
     assert final.phase is P.STOPPED
     assert [h.phase for h in final.history] == [
         P.STARTING,
@@ -201,7 +203,9 @@ async def test_stop_while_loading(env: tuple[Client, str, Fakes]) -> None:
     fakes.ready_gate.clear()
     handle = await _start(client, queue)
     await _phase(handle, P.LOADING)
-    final = await handle.execute_update(ReplicaWorkflow.stop, StopReplicaInput(reason="abort"))
+    final = await handle.execute_update(
+        "stop", StopReplicaInput(reason="abort"), result_type=ReplicaStatus
+    )
     assert final.phase is P.STOPPED
     assert P.READY not in [h.phase for h in final.history]
     assert (fakes.stops, fakes.releases) == (1, 1)
@@ -214,7 +218,9 @@ async def test_fresh_history_replays_deterministically(env: tuple[Client, str, F
     client, queue, _ = env
     handle = await _start(client, queue)
     await _phase(handle, P.READY)
-    await handle.execute_update(ReplicaWorkflow.stop, StopReplicaInput(reason="replay"))
+    await handle.execute_update(
+        "stop", StopReplicaInput(reason="replay"), result_type=ReplicaStatus
+    )
     history = await handle.fetch_history()
     if os.environ.get("LLMGW_RECORD_HISTORIES"):
         (HISTORIES / "replica_ready_stop.json").write_text(history.to_json())

@@ -22,7 +22,7 @@ from temporalio.client import Client
 
 from llmgw import replicas
 from llmgw.engine_install import ensure_llama_cpp
-from llmgw.errors import LlmgwError
+from llmgw.errors import EngineError, LlmgwError
 from llmgw.procs import Child, wait_for
 from llmgw.settings import UpSettings
 from llmgw.store import Store
@@ -141,19 +141,23 @@ class Up:
                 raise LlmgwError(f"{child.name} exited:\n{child.log_tail()}")
 
     async def ensure_replica(self, client: Client, spec: ModelSpec) -> str:
-        """Reuse a live replica of the default model, or start one and wait."""
-        for memo in await replicas.list_replicas(client):
-            if memo.model == spec.name and memo.phase is not ReplicaPhase.FAILED:
-                self.say(f"replica {memo.replica_id} exists ({memo.phase})")
-                replica_id = memo.replica_id
-                break
-        else:
-            replica_id = await replicas.start_replica(client, spec)
-            self.say(f"deploying {spec.name} as replica {replica_id}")
+        """Reuse a live replica of the default model (one left by a previous
+        run that was killed), or start one; wait until it is ready."""
 
         def show(memo: ReplicaMemo) -> None:
             self.say(f"replica {memo.replica_id}: {memo.phase} {memo.node_id}")
 
+        for memo in await replicas.list_replicas(client):
+            if memo.model == spec.name and memo.phase is not ReplicaPhase.FAILED:
+                self.say(f"replica {memo.replica_id} exists ({memo.phase})")
+                try:
+                    await replicas.wait_ready(client, memo.replica_id, self.s.ready_timeout_s, show)
+                    return memo.replica_id
+                except EngineError as exc:
+                    self.say(f"previous replica unusable ({exc}); starting a new one")
+                break
+        replica_id = await replicas.start_replica(client, spec)
+        self.say(f"deploying {spec.name} as replica {replica_id}")
         await replicas.wait_ready(client, replica_id, self.s.ready_timeout_s, show)
         return replica_id
 

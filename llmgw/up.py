@@ -29,6 +29,7 @@ from llmgw.store import Store
 from llmgw.temporal import connect
 from llmgw.tinymodel import generate_tiny_model
 from llmgw.types import EngineKind, ModelSpec, ReplicaMemo, ReplicaPhase
+from worker_agent import procfs
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEVSERVER = REPO_ROOT / "temporal-dev" / "devserver.py"
@@ -201,12 +202,11 @@ def kill_recorded_engines(agent_dir: Path) -> list[int]:
     killed: list[int] = []
     for spec_file in agent_dir.glob("*/shards/*/spec.json"):
         try:
-            pid = int(json.loads(spec_file.read_text())["pid"])
+            spec = json.loads(spec_file.read_text())
+            pid = int(spec["pid"])
+            recorded = spec.get("fingerprint") or {}
         except (ValueError, KeyError, json.JSONDecodeError):
             continue
-        from worker_agent import procfs  # noqa: PLC0415 - agent code only for this sweep
-
-        recorded = json.loads(spec_file.read_text()).get("fingerprint", {})
         current = procfs.fingerprint(pid)
         if current is not None and current.start_time == recorded.get("start_time"):
             try:

@@ -142,6 +142,9 @@ class NodeActivities:
             await asyncio.sleep(request.poll_interval_s)
         code = self._sup.exit_code(ref)
         tail = self._sup.log_tail(ref, 30)
+        if self._sup.stopped_on_request(ref):
+            # The stop raced this watch's cancellation: not a failure.
+            return ShardExit(exit_code=code, reason="stopped on request", log_tail=tail)
         log.warning("replica %s rank %d engine exited (code %s)", ref.replica_id, ref.rank, code)
         return ShardExit(exit_code=code, reason=f"engine exited with code {code}", log_tail=tail)
 

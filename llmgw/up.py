@@ -146,7 +146,8 @@ class Up:
         run that was killed), or start one; wait until it is ready."""
 
         def show(memo: ReplicaMemo) -> None:
-            self.say(f"replica {memo.replica_id}: {memo.phase} {memo.node_id}")
+            where = f" on {memo.node_id}" if memo.node_id else ""
+            self.say(f"replica {memo.replica_id}: {memo.phase}{where}")
 
         for memo in await replicas.list_replicas(client):
             if memo.model == spec.name and memo.phase is not ReplicaPhase.FAILED:

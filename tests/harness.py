@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from llmgw.procs import Child, wait_for
+from llmgw.up import kill_recorded_engines
 
 REPO = Path(__file__).resolve().parents[1]
 DEVSERVER = REPO / "temporal-dev" / "devserver.py"
@@ -87,3 +88,5 @@ class System:
         """Stop every process this system started."""
         for child in reversed(self.children):
             child.stop(grace_s=10)
+        # A failed test must not leave engines running into the next one.
+        kill_recorded_engines(self.work_dir / "agent")

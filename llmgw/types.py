@@ -29,6 +29,14 @@ class ModelSpec(BaseModel):
     engine_args: list[str] = Field(default_factory=list)
 
 
+class GpuHealth(StrEnum):
+    """Why a GPU must not be handed out."""
+
+    ECC_UNCORRECTED = "ecc_uncorrected"
+    FOREIGN_PROCESS = "foreign_process"
+    LOST = "lost"
+
+
 class GpuInfo(BaseModel):
     """One GPU as the agent saw it."""
 
@@ -36,7 +44,66 @@ class GpuInfo(BaseModel):
     uuid: str
     name: str
     memory_mib: int
-    healthy: bool = True
+    pci_bus_id: str = ""
+    compute_capability: str = Field(default="", description='e.g. "9.0"')
+    gpu_class: str = Field(default="", description='name + GiB the driver reports, e.g. "l40s-45g"')
+    health_flags: list[GpuHealth] = Field(default_factory=list)
+    health_detail: str = ""
+
+    @property
+    def healthy(self) -> bool:
+        """Whether the GPU may be handed out."""
+        return not self.health_flags
+
+
+class LinkLayer(StrEnum):
+    """What an RDMA port runs over."""
+
+    INFINIBAND = "InfiniBand"
+    ETHERNET = "Ethernet"  # RoCE
+
+
+class Gid(BaseModel):
+    """One entry of a port's GID table."""
+
+    index: int
+    gid: str
+    type: str = Field(default="", description='"IB/RoCE v1" or "RoCE v2"')
+    netdev: str = ""
+
+
+class RdmaPort(BaseModel):
+    """One port of an InfiniBand / RoCE adapter."""
+
+    device: str
+    port: int
+    state: str = Field(description='e.g. "ACTIVE"')
+    phys_state: str = ""
+    rate_gbps: float = 0.0
+    link_layer: LinkLayer
+    netdev: str = Field(default="", description="the net device behind a RoCE port")
+    gids: list[Gid] = Field(default_factory=list)
+    roce_v2_ipv4_gid_index: int | None = Field(
+        default=None, description="the RoCE v2 GID holding an IPv4 address (NCCL_IB_GID_INDEX)"
+    )
+
+
+class FabricKind(StrEnum):
+    """How a node talks to its peers for collective operations."""
+
+    INFINIBAND = "infiniband"
+    ROCE = "roce"
+    NONE = "none"
+
+
+class NodeFabric(BaseModel):
+    """A node's high-speed fabric and management interface."""
+
+    kind: FabricKind = FabricKind.NONE
+    ports: list[RdmaPort] = Field(default_factory=list)
+    management_interface: str = ""
+    management_address: str = ""
+    island: str = Field(default="", description="nodes in one island can form multi-node replicas")
 
 
 class NodeInventory(BaseModel):
@@ -50,6 +117,7 @@ class NodeInventory(BaseModel):
     gpus: list[GpuInfo] = Field(default_factory=list)
     gpu_discovery: str = Field(default="", description="why the GPU list is what it is")
     max_cpu_replicas: int = Field(default=4, ge=0)
+    fabric: NodeFabric = Field(default_factory=NodeFabric)
 
 
 class RegisterNodeResult(BaseModel):

@@ -3,10 +3,10 @@
 from pathlib import Path
 
 import httpx
-from llmgw.engine_install import LlamaCppInstall
 from temporalio.testing import ActivityEnvironment
 
 from activities.node import NodeActivities
+from llmgw.engine_install import LlamaCppInstall
 from llmgw.keys import engine_key
 from llmgw.tinymodel import TinyModel
 from llmgw.types import (

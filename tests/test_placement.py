@@ -1,6 +1,6 @@
 """Placement decisions, without Temporal."""
 
-from llmgw.types import GpuInfo, ModelSpec, NodeInventory, Placement
+from llmgw.types import GpuHealth, GpuInfo, ModelSpec, NodeInventory, Placement
 from workflows.placement import choose_node
 
 
@@ -20,7 +20,7 @@ def node(
                 uuid=f"GPU-{node_id}-{i}",
                 name="H100",
                 memory_mib=81559,
-                healthy=i not in unhealthy,
+                health_flags=[GpuHealth.ECC_UNCORRECTED] if i in unhealthy else [],
             )
             for i in range(gpus)
         ],

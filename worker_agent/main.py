@@ -7,12 +7,12 @@ import os
 from collections.abc import Mapping
 from datetime import timedelta
 
-from llmgw.engine_install import ensure_llama_cpp
 from temporalio.client import Client
 from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.worker import Worker
 
 from activities.node import NodeActivities
+from llmgw.engine_install import ensure_llama_cpp
 from llmgw.keys import engine_key
 from llmgw.lifecycle import setup_logging, stop_event_on_signals
 from llmgw.queues import CONTROL_QUEUE, FLEET_WORKFLOW_ID, node_queue

@@ -72,6 +72,10 @@ class NodeActivities:
         self._http = http or httpx.AsyncClient(timeout=httpx.Timeout(5.0))
         self._launch_lock = asyncio.Lock()
 
+    async def aclose(self) -> None:
+        """Close the HTTP client used for readiness checks."""
+        await self._http.aclose()
+
     @activity.defn(name=names.LAUNCH_SHARD)
     async def launch_shard(self, request: LaunchShardInput) -> ShardHandle:
         """Start a shard, or return the one already running for it."""

@@ -12,9 +12,10 @@ from temporalio.service import RPCError
 
 from llmgw import search_attributes as sa
 from llmgw.errors import EngineError
-from llmgw.queues import CONTROL_QUEUE, replica_workflow_id
+from llmgw.queues import CONTROL_QUEUE, FLEET_WORKFLOW_ID, replica_workflow_id
 from llmgw.types import (
     TERMINAL_PHASES,
+    FleetSnapshot,
     ModelSpec,
     ReplicaInput,
     ReplicaMemo,
@@ -133,3 +134,26 @@ async def stop_replica(
         )
     except RPCError as exc:
         raise EngineError(f"cannot stop {replica_id}: {exc}") from exc
+
+
+async def fleet_snapshot(client: Client) -> FleetSnapshot:
+    """The fleet's inventory and allocations (a query: needs a control worker)."""
+    handle = client.get_workflow_handle(FLEET_WORKFLOW_ID)
+    snap: FleetSnapshot = await handle.query(
+        "snapshot", result_type=FleetSnapshot, rpc_timeout=timedelta(seconds=5)
+    )
+    return snap
+
+
+async def wait_node_registered(client: Client, node_id: str, timeout_s: float) -> None:
+    """Wait until ``node_id`` has registered with the fleet."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        try:
+            if node_id in (await fleet_snapshot(client)).nodes:
+                return
+        except RPCError:
+            pass  # the fleet or the control worker is not up yet
+        if asyncio.get_running_loop().time() > deadline:
+            raise EngineError(f"node {node_id} did not register within {timeout_s:.0f}s")
+        await asyncio.sleep(0.2)

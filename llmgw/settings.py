@@ -75,6 +75,7 @@ class UpSettings(_Common):
     """``llmgw up``: the whole system on one machine."""
 
     temporal_port: int = 7233
+    node_id: str = Field(default_factory=socket.gethostname)
     ui_port: int = 8233
     router_port: int = 8000
     port_range_start: int = 18000

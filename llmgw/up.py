@@ -56,6 +56,7 @@ def child_env(settings: UpSettings) -> dict[str, str]:
             "LLMGW_PORT_RANGE_START": str(settings.port_range_start),
             "LLMGW_PORT_RANGE_END": str(settings.port_range_start + 999),
             "LLMGW_LOG_LEVEL": settings.log_level,
+            "LLMGW_NODE_ID": settings.node_id,
             "LLMGW_ENGINE_CACHE_DIR": str(settings.resolved_engine_cache_dir()),
         }
     )
@@ -231,6 +232,8 @@ async def run_up(settings: UpSettings, say: Say, announce: Callable[[str, str, s
         spec = await asyncio.to_thread(up.prepare)
         await asyncio.to_thread(up.start_processes)
         client = await connect(f"127.0.0.1:{settings.temporal_port}")
+        say("waiting for the agent to register")
+        await replicas.wait_node_registered(client, settings.node_id, 120)
         await up.ensure_replica(client, spec)
         store = Store(settings.resolved_store_url())
         key = dev_api_key(store, up.work / "dev-api-key")

@@ -3,13 +3,14 @@
 import asyncio
 import signal
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
-from temporalio.api.enums.v1 import EventType, PendingActivityState
+from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client
 
-from activities import names
 from llmgw import replicas
+from llmgw.procs import Child
 from llmgw.queues import replica_workflow_id
 from llmgw.store import Store
 from llmgw.tinymodel import TinyModel
@@ -27,18 +28,25 @@ def system(temporal_address: str, tmp_path_factory: pytest.TempPathFactory) -> I
     sys_.stop()
 
 
-async def _wait_launch_started(client: Client, replica_id: str) -> None:
-    handle = client.get_workflow_handle(replica_workflow_id(replica_id))
+def _children(pid: int) -> list[int]:
+    """Direct children of ``pid``, from /proc (cheap enough to poll every ms)."""
+    found: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        found += [int(c) for c in (task / "children").read_text().split()]
+    return found
+
+
+async def _wait_engine_spawned(agent: Child) -> None:
+    """Return as soon as the agent's launch activity has spawned the engine.
+
+    The start is far too quick (tens of ms) to catch through Temporal's API;
+    the engine appearing as the agent's child is the moment the launch began.
+    """
     async with asyncio.timeout(60):
         while True:
-            desc = await handle.describe()
-            for act in desc.raw_description.pending_activities:
-                if (
-                    act.activity_type.name == names.LAUNCH_SHARD
-                    and act.state == PendingActivityState.PENDING_ACTIVITY_STATE_STARTED
-                ):
-                    return
-            await asyncio.sleep(0.005)
+            if await asyncio.to_thread(_children, agent.pid):
+                return
+            await asyncio.sleep(0.001)
 
 
 async def test_sigkill_control_worker_mid_start(
@@ -50,14 +58,18 @@ async def test_sigkill_control_worker_mid_start(
     store.close()
     spec = ModelSpec(name=MODEL, engine=EngineKind.LLAMA_CPP, source=str(tiny.model_path))
     first = system.spawn("control")
-    system.spawn("agent", {"LLMGW_NODE_ID": "durable-node"})
+    agent = system.spawn("agent", {"LLMGW_NODE_ID": "durable-node"})
+    await replicas.wait_node_registered(client, "durable-node", 60)
     replica_id = await replicas.start_replica(client, spec)
 
-    await _wait_launch_started(client, replica_id)
+    await _wait_engine_spawned(agent)
+    # Freeze the agent so the start cannot progress past the launch while
+    # the control worker dies; Ready needs the agent's readiness check.
+    agent.signal(signal.SIGSTOP)
     first.signal(signal.SIGKILL)
     first.proc.wait()
-
     memo = await replicas.replica_memo(client, replica_id)
+    agent.signal(signal.SIGCONT)
     assert memo is not None and memo.phase is not ReplicaPhase.READY, "killed too late"
 
     second = system.spawn("control")

@@ -40,14 +40,17 @@ async def served(system: System, client: Client, tiny: TinyModel) -> AsyncIterat
     system.spawn("agent", {"LLMGW_NODE_ID": "e2e-node"})
     port = free_port()
     system.start_router(port)
+    await replicas.wait_node_registered(client, "e2e-node", 60)
     replica_id = await replicas.start_replica(client, spec)
     memo = await replicas.wait_ready(client, replica_id, 120)
     base = f"http://127.0.0.1:{port}/v1"
-    async with httpx.AsyncClient() as http:
-        for _ in range(200):
+    # The router learns of the replica on its next background refresh.
+    async with httpx.AsyncClient() as http, asyncio.timeout(30):
+        while True:
             r = await http.get(f"{base}/models", headers={"Authorization": f"Bearer {key}"})
             if r.status_code == 200 and r.json()["data"]:
                 break
+            await asyncio.sleep(0.05)
     yield {"base": base, "key": key, "replica": replica_id, "endpoint": memo.endpoint}
     await replicas.stop_replica(client, replica_id, "test over", 30)
     store.close()

@@ -1,8 +1,10 @@
 """Node activities against a real llama.cpp engine, without Temporal workers."""
 
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import httpx
+import pytest
 from temporalio.testing import ActivityEnvironment
 
 from activities.node import NodeActivities
@@ -26,6 +28,23 @@ from worker_agent.supervisor import Supervisor
 SECRET = "test-secret"
 
 
+ActivitiesFactory = Callable[[Path], NodeActivities]
+
+
+@pytest.fixture
+async def make_acts(llama: LlamaCppInstall) -> AsyncIterator[ActivitiesFactory]:
+    """Builds node activities over a work dir; closes them after the test."""
+    made: list[NodeActivities] = []
+
+    def build(work: Path) -> NodeActivities:
+        made.append(_activities(llama, work))
+        return made[-1]
+
+    yield build
+    for acts in made:
+        await acts.aclose()
+
+
 def _activities(llama: LlamaCppInstall, work: Path) -> NodeActivities:
     start = free_port()
     return NodeActivities(
@@ -41,20 +60,18 @@ def _activities(llama: LlamaCppInstall, work: Path) -> NodeActivities:
 
 
 async def test_launch_twice_gives_one_engine(
-    llama: LlamaCppInstall, tiny: TinyModel, tmp_path: Path
+    make_acts: ActivitiesFactory, tiny: TinyModel, tmp_path: Path
 ) -> None:
     model = ModelSpec(name="tiny-twice", engine=EngineKind.LLAMA_CPP, source=str(tiny.model_path))
     spec = ShardSpec(replica_id="twice-1", model=model)
     ref = ShardRef(replica_id="twice-1")
-    acts = _activities(llama, tmp_path)
+    acts = make_acts(tmp_path)
     env = ActivityEnvironment()
 
     first = await env.run(acts.launch_shard, LaunchShardInput(spec=spec))
     again = await env.run(acts.launch_shard, LaunchShardInput(spec=spec))
     # An agent restarted on the same work dir finds it too.
-    restarted = await env.run(
-        _activities(llama, tmp_path).launch_shard, LaunchShardInput(spec=spec)
-    )
+    restarted = await env.run(make_acts(tmp_path).launch_shard, LaunchShardInput(spec=spec))
     try:
         assert not first.already_running
         assert again.already_running and again.pid == first.pid
@@ -88,11 +105,11 @@ def _process_and_spec_text(pid: int, work: Path) -> tuple[str, str, str]:
 
 
 async def test_engine_key_is_not_in_argv_or_spec(
-    llama: LlamaCppInstall, tiny: TinyModel, tmp_path: Path
+    make_acts: ActivitiesFactory, tiny: TinyModel, tmp_path: Path
 ) -> None:
     model = ModelSpec(name="tiny-argv", engine=EngineKind.LLAMA_CPP, source=str(tiny.model_path))
     ref = ShardRef(replica_id="argv-1")
-    acts = _activities(llama, tmp_path)
+    acts = make_acts(tmp_path)
     env = ActivityEnvironment()
     handle = await env.run(
         acts.launch_shard, LaunchShardInput(spec=ShardSpec(replica_id="argv-1", model=model))

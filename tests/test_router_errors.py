@@ -1,5 +1,6 @@
 """Router error mapping in process (ASGI): every failure is OpenAI-shaped."""
 
+import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -34,9 +35,9 @@ async def setup(tmp_path: Path) -> AsyncIterator[tuple[httpx.AsyncClient, str]]:
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://router") as http:
-            for _ in range(100):
-                if (await http.get("/healthz")).json()["routing_table_loaded"]:
-                    break
+            async with asyncio.timeout(10):
+                while not (await http.get("/healthz")).json()["routing_table_loaded"]:
+                    await asyncio.sleep(0.01)
             yield http, key
 
 

@@ -43,7 +43,8 @@ def test_stop_kills_the_whole_group(tmp_path: Path) -> None:
 
 def test_found_again_by_a_new_supervisor(tmp_path: Path) -> None:
     ref = ShardRef(replica_id="adopt", rank=1)
-    pid = _launch(Supervisor(tmp_path), ref, "tag-adopt")
+    first = Supervisor(tmp_path)  # kept: its Popen must outlive the process
+    pid = _launch(first, ref, "tag-adopt")
     again = Supervisor(tmp_path)
     try:
         found = again.find_running(ref)
@@ -51,6 +52,7 @@ def test_found_again_by_a_new_supervisor(tmp_path: Path) -> None:
     finally:
         again.stop(ref, grace_s=0.5)
     assert pids_with_args("tag-adopt") == []
+    assert first.exit_code(ref) is not None  # the original parent reaps it
 
 
 def test_reused_pid_is_not_adopted(tmp_path: Path) -> None:

@@ -14,7 +14,9 @@ from tests.harness import REPO, free_port
 from tests.procs_util import pids_with_args, pids_with_env
 
 
-def _read_until(proc: subprocess.Popen[str], marker: str, timeout: float) -> str:
+def _read_until(
+    proc: subprocess.Popen[str], marker: str, timeout: float
+) -> tuple[str, threading.Thread]:
     """Collect stdout until a line contains ``marker`` (or the process ends)."""
     seen: list[str] = []
     found = threading.Event()
@@ -30,7 +32,7 @@ def _read_until(proc: subprocess.Popen[str], marker: str, timeout: float) -> str
     reader = threading.Thread(target=pump, daemon=True)
     reader.start()
     found.wait(timeout)
-    return "".join(seen)
+    return "".join(seen), reader
 
 
 def test_up_serves_a_completion_and_ctrl_c_cleans_up(tmp_path: Path) -> None:
@@ -44,6 +46,7 @@ def test_up_serves_a_completion_and_ctrl_c_cleans_up(tmp_path: Path) -> None:
         ),
         LLMGW_PORT_RANGE_START=str(free_port()),
     )
+    stderr = open(tmp_path / "up.stderr", "w")  # noqa: SIM115 - closed in finally
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -59,12 +62,13 @@ def test_up_serves_a_completion_and_ctrl_c_cleans_up(tmp_path: Path) -> None:
         ],
         env=env,
         stdout=subprocess.PIPE,
-        stderr=open(tmp_path / "up.stderr", "w"),  # noqa: SIM115 - lives as long as the child
+        stderr=stderr,
         text=True,
         start_new_session=True,
     )
+    reader: threading.Thread | None = None
     try:
-        output = _read_until(proc, "Ctrl-C stops everything", timeout=240)
+        output, reader = _read_until(proc, "Ctrl-C stops everything", timeout=240)
         key = (work / "dev-api-key").read_text().strip()
         assert key in output, (tmp_path / "up.stderr").read_text()[-3000:]
         assert f"http://127.0.0.1:{router_port}/v1" in output
@@ -81,5 +85,10 @@ def test_up_serves_a_completion_and_ctrl_c_cleans_up(tmp_path: Path) -> None:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+        stderr.close()
+        if reader is not None:
+            reader.join(timeout=10)  # it ends at EOF, now the process is gone
+        if proc.stdout is not None:
+            proc.stdout.close()
     assert pids_with_env(f"LLMGW_WORK_DIR={work}") == []
     assert pids_with_args(str(work)) == []

@@ -1,0 +1,287 @@
+"""Engine install: CPU-flag parsing, wheel choice, cache keys and the build cache.
+
+The real source build takes minutes, so it is not run here; the cache, lock and
+marker logic around it are exercised with staged build directories instead.
+"""
+
+import fcntl
+import io
+import os
+import platform
+import subprocess
+import sys
+import tarfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from llmgw import engine_install
+from llmgw.engine_install import (
+    MARKER,
+    EngineInstallError,
+    LlamaCppInstall,
+    cache_key,
+    cpu_flags,
+    ensure_llama_cpp,
+    wheel_supported,
+)
+
+# Recorded /proc/cpuinfo excerpts (one processor each, trailing fields trimmed).
+SAPPHIRE_RAPIDS = """\
+processor\t: 0
+vendor_id\t: GenuineIntel
+cpu family\t: 6
+model\t\t: 143
+model name\t: Intel(R) Xeon(R) Platinum 8480+
+flags\t\t: fpu vme de pse tsc msr pae mce cx8 apic sep mtrr pge mca cmov pat pse36 clflush \
+dts acpi mmx fxsr sse sse2 ss ht tm pbe syscall nx pdpe1gb rdtscp lm constant_tsc art \
+arch_perfmon pebs bts rep_good nopl xtopology nonstop_tsc cpuid aperfmperf tsc_known_freq pni \
+pclmulqdq dtes64 monitor ds_cpl vmx smx est tm2 ssse3 sdbg fma cx16 xtpr pdcm pcid dca sse4_1 \
+sse4_2 x2apic movbe popcnt tsc_deadline_timer aes xsave avx f16c rdrand lahf_lm abm \
+3dnowprefetch cpuid_fault epb cat_l3 cat_l2 cdp_l3 invpcid_single intel_ppin cdp_l2 ssbd mba \
+ibrs ibpb stibp ibrs_enhanced fsgsbase tsc_adjust bmi1 avx2 smep bmi2 erms invpcid cqm rdt_a \
+avx512f avx512dq rdseed adx smap avx512ifma clflushopt clwb intel_pt avx512cd sha_ni avx512bw \
+avx512vl xsaveopt xsavec xgetbv1 xsaves split_lock_detect avx_vnni avx512_bf16 wbnoinvd dtherm \
+ida arat pln pts hwp hwp_act_window hwp_epp hwp_pkg_req avx512vbmi umip pku ospke waitpkg \
+avx512_vbmi2 gfni vaes vpclmulqdq avx512_vnni avx512_bitalg tme avx512_vpopcntdq la57 rdpid \
+bus_lock_detect cldemote movdiri movdir64b enqcmd fsrm md_clear serialize tsxldtrk pconfig \
+arch_lbr amx_bf16 avx512_fp16 amx_tile amx_int8 flush_l1d arch_capabilities
+bugs\t\t: spectre_v1 spectre_v2 spec_store_bypass swapgs eibrs_pbrsb
+bogomips\t: 4000.00
+"""
+
+COFFEE_LAKE_AVX2 = """\
+processor\t: 0
+vendor_id\t: GenuineIntel
+model name\t: Intel(R) Core(TM) i7-8700 CPU @ 3.20GHz
+flags\t\t: fpu vme de pse tsc msr pae mce cx8 apic sep mtrr pge mca cmov pat pse36 clflush \
+dts acpi mmx fxsr sse sse2 ss ht tm pbe syscall nx pdpe1gb rdtscp lm constant_tsc art \
+arch_perfmon pebs bts rep_good nopl xtopology nonstop_tsc cpuid aperfmperf pni pclmulqdq dtes64 \
+monitor ds_cpl vmx est tm2 ssse3 sdbg fma cx16 xtpr pdcm pcid sse4_1 sse4_2 x2apic movbe popcnt \
+tsc_deadline_timer aes xsave avx f16c rdrand lahf_lm abm 3dnowprefetch cpuid_fault epb \
+invpcid_single pti ssbd ibrs ibpb stibp fsgsbase tsc_adjust bmi1 avx2 smep bmi2 erms invpcid \
+mpx rdseed adx smap clflushopt intel_pt xsaveopt xsavec xgetbv1 xsaves dtherm ida arat pln pts \
+hwp hwp_notify hwp_act_window hwp_epp md_clear flush_l1d arch_capabilities
+bugs\t\t: cpu_meltdown spectre_v1 spectre_v2 spec_store_bypass l1tf mds swapgs itlb_multihit
+"""
+
+GRAVITON2_AARCH64 = """\
+processor\t: 0
+BogoMIPS\t: 243.75
+Features\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp cpuid asimdrdm \
+lrcpc dcpop asimddp ssbs
+CPU implementer\t: 0x41
+CPU architecture: 8
+CPU variant\t: 0x3
+CPU part\t: 0xd0c
+CPU revision\t: 1
+
+processor\t: 1
+BogoMIPS\t: 243.75
+Features\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp cpuid asimdrdm \
+lrcpc dcpop asimddp ssbs
+CPU implementer\t: 0x41
+"""
+
+SPR = cpu_flags(SAPPHIRE_RAPIDS)
+AVX2 = cpu_flags(COFFEE_LAKE_AVX2)
+ARM = cpu_flags(GRAVITON2_AARCH64)
+
+
+def _this_machine_wheel_ok() -> bool:
+    return sys.platform.startswith("linux") and wheel_supported(
+        platform.machine(), engine_install._read_cpu_flags()
+    )
+
+
+# --- pure functions -----------------------------------------------------------------
+
+
+def test_cpu_flags_parses_x86_flags_line() -> None:
+    assert {"avx512f", "avx512vbmi", "avx512_vnni", "avx512_bf16", "amx_int8"} <= SPR
+    assert {"avx2", "fma", "f16c"} <= AVX2
+    assert "avx512f" not in AVX2
+    # Other "key: value" lines (bugs, model name) are not flags.
+    assert "spectre_v1" not in SPR and "Intel(R)" not in SPR
+
+
+def test_cpu_flags_parses_arm_features_line() -> None:
+    assert {"fp", "asimd", "asimddp", "lrcpc"} <= ARM
+    assert "0x41" not in ARM
+
+
+def test_cpu_flags_keeps_only_what_every_processor_has() -> None:
+    text = "processor : 0\nflags : sse2 avx2 avx512f\n\nprocessor : 1\nflags : sse2 avx2\n"
+    assert cpu_flags(text) == frozenset({"sse2", "avx2"})
+    assert cpu_flags("") == frozenset()
+    assert cpu_flags("processor : 0\nmodel name : something\n") == frozenset()
+
+
+def test_wheel_only_for_x86_with_the_avx512_extensions() -> None:
+    assert wheel_supported("x86_64", SPR)
+    assert not wheel_supported("x86_64", AVX2)
+    assert not wheel_supported("aarch64", ARM)
+    # Same flags, wrong architecture: the wheel is an x86 binary.
+    assert not wheel_supported("aarch64", SPR)
+    # Ice Lake-like: VBMI and VNNI but no BF16 -> SIGILL territory.
+    assert not wheel_supported("x86_64", SPR - {"avx512_bf16"})
+    for needed in ("avx512f", "avx512vbmi", "avx512_vnni"):
+        assert not wheel_supported("x86_64", SPR - {needed}), needed
+
+
+def test_cache_key_is_stable() -> None:
+    key = cache_key("x86_64", SPR)
+    assert key == cache_key("x86_64", frozenset(sorted(SPR, reverse=True)))
+    assert key.startswith(f"x86_64-{engine_install.SOURCE_VERSION}-")
+    assert "/" not in key and len(key) < 64  # usable as one directory name
+
+
+def test_cache_key_differs_by_cpu_source_and_arch() -> None:
+    keys = {
+        cache_key("x86_64", SPR),
+        cache_key("x86_64", AVX2),
+        cache_key("x86_64", SPR - {"avx512_bf16"}),
+        cache_key("x86_64", SPR, version="1.0.0"),
+        cache_key("aarch64", ARM),
+        cache_key("aarch64", ARM - {"asimddp"}),
+    }
+    assert len(keys) == 6
+
+
+def test_cache_key_ignores_flags_that_do_not_change_code() -> None:
+    # Hypervisor, mitigations and TSC quirks change with kernels and microcode updates;
+    # they must not cost a rebuild.
+    noisy = SPR | {"hypervisor", "md_clear", "tsc_known_freq", "retbleed_mitigated"}
+    assert cache_key("x86_64", noisy) == cache_key("x86_64", SPR - {"md_clear"})
+
+
+def test_environment_returns_new_dict_and_wires_wheel_libs() -> None:
+    base = {"PATH": "/usr/bin", "LD_LIBRARY_PATH": "/opt/lib"}
+    wheel = LlamaCppInstall(Path("/w/bin/llama-server"), None, "wheel")
+    env = wheel.environment(base)
+    assert env["LD_LIBRARY_PATH"] == "/w/bin:/opt/lib"
+    assert base["LD_LIBRARY_PATH"] == "/opt/lib"  # base untouched
+    assert wheel.environment({})["LD_LIBRARY_PATH"] == "/w/bin"
+    built = LlamaCppInstall(Path("/c/bin/llama-server"), None, "build")
+    env = built.environment(base)
+    assert env == base and env is not base
+
+
+# --- the wheel on this machine -------------------------------------------------------
+
+
+@pytest.mark.skipif(not _this_machine_wheel_ok(), reason="this CPU cannot run the wheel")
+def test_wheel_chosen_here_and_runs(tmp_path: Path) -> None:
+    found = ensure_llama_cpp(tmp_path / "cache")
+    assert found.source == "wheel"
+    assert found.rpc_server is not None
+    env = found.environment(os.environ)
+    for binary, arg in ((found.server, "--version"), (found.rpc_server, "--help")):
+        run = subprocess.run(
+            [str(binary), arg], env=env, capture_output=True, text=True, timeout=60, check=False
+        )
+        assert run.returncode == 0, run.stdout + run.stderr
+    assert not (tmp_path / "cache").exists()  # the wheel needs no cache
+
+
+# --- build cache, lock and helpers (no real build) -----------------------------------
+
+
+def _stage_build(cache: Path, *, marker: bool = True) -> Path:
+    """A build dir as a finished (or interrupted) build leaves it, for this machine."""
+    key = cache_key(platform.machine(), engine_install._read_cpu_flags())
+    target = cache.resolve() / "llama.cpp" / key
+    (target / "bin").mkdir(parents=True)
+    for name in engine_install.TARGETS:
+        script = target / "bin" / name
+        script.write_text("#!/bin/sh\necho fake\n")
+        script.chmod(0o755)
+    if marker:
+        (target / MARKER).write_text("{}\n")
+    return target
+
+
+def _no_build(target: Path, progress: object) -> LlamaCppInstall:
+    raise AssertionError(f"unexpected build of {target}")
+
+
+def test_completed_build_is_reused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    target = _stage_build(tmp_path)
+    monkeypatch.setattr(engine_install, "_build", _no_build)
+    lines: list[str] = []
+    found = ensure_llama_cpp(tmp_path, force_build=True, progress=lines.append)
+    assert found == LlamaCppInstall(
+        target / "bin" / "llama-server", target / "bin" / "ggml-rpc-server", "build"
+    )
+    assert any("cached" in line for line in lines)
+
+
+def test_unmarked_build_is_not_trusted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _stage_build(tmp_path, marker=False)
+    monkeypatch.setattr(engine_install, "_build", _no_build)
+    with pytest.raises(AssertionError, match="unexpected build"):
+        ensure_llama_cpp(tmp_path, force_build=True)
+
+
+def test_waiter_reuses_the_build_finished_under_the_lock(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(engine_install, "_build", _no_build)
+    key = cache_key(platform.machine(), engine_install._read_cpu_flags())
+    (tmp_path / "llama.cpp").mkdir()
+    lock = open(tmp_path / "llama.cpp" / f"{key}.lock", "a")  # noqa: SIM115
+    fcntl.flock(lock, fcntl.LOCK_EX)  # another installer is mid-build
+
+    def finish_build() -> None:
+        time.sleep(0.5)
+        _stage_build(tmp_path)
+        fcntl.flock(lock, fcntl.LOCK_UN)
+        lock.close()
+
+    builder = threading.Thread(target=finish_build)
+    builder.start()
+    lines: list[str] = []
+    found = ensure_llama_cpp(tmp_path, force_build=True, progress=lines.append)
+    builder.join()
+    assert found.source == "build" and found.server.is_file()
+    assert any("waiting" in line for line in lines)
+
+
+def test_source_tree_is_the_llama_cpp_project(tmp_path: Path) -> None:
+    archive = tmp_path / "pkg-1.0.tar.gz"
+    files = {
+        "pkg-1.0/setup.py": "",
+        "pkg-1.0/llama.cpp/CMakeLists.txt": 'project("llama.cpp" C CXX)\n',
+        "pkg-1.0/llama.cpp/ggml/CMakeLists.txt": 'project("ggml" C CXX)\n',
+    }
+    with tarfile.open(archive, "w:gz") as tar:
+        for name, text in files.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(text.encode())
+            tar.addfile(info, io.BytesIO(text.encode()))
+    src = engine_install._source_tree(archive, tmp_path / "x")
+    assert src == tmp_path / "x" / "pkg-1.0" / "llama.cpp"
+    assert "-DLLAMA_CURL=OFF" not in engine_install._configure_command(src, tmp_path / "b")
+    (src / "CMakeLists.txt").write_text('project("llama.cpp")\noption(LLAMA_CURL "curl" ON)\n')
+    assert "-DLLAMA_CURL=OFF" in engine_install._configure_command(src, tmp_path / "b")
+
+
+def test_failed_step_reports_log_path_and_tail(tmp_path: Path) -> None:
+    log = tmp_path / "build.log"
+    cmd = [sys.executable, "-c", "print('compiler says no'); raise SystemExit(3)"]
+    with pytest.raises(EngineInstallError) as caught:
+        engine_install._run("cmake build", cmd, log)
+    message = str(caught.value)
+    assert str(log) in message and "compiler says no" in message and "exit 3" in message
+
+
+def test_main_prints_the_server_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    target = _stage_build(tmp_path)
+    monkeypatch.setattr(engine_install, "_build", _no_build)
+    assert engine_install.main(["--force-build", str(tmp_path)]) == 0
+    out = capsys.readouterr()
+    assert out.out.strip() == str(target / "bin" / "llama-server")

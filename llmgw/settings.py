@@ -48,6 +48,9 @@ class AgentSettings(_Common):
     # Where engines listen and where the router reaches them. Loopback is
     # right on one machine; a cluster sets the node's private address.
     engine_host: str = "127.0.0.1"
+    # The address the node is managed through; its interface carries NCCL's
+    # and Gloo's socket traffic. Defaults to engine_host.
+    management_address: str = ""
     port_range_start: int = 18000
     port_range_end: int = 18999
     max_cpu_replicas: int = 4

@@ -106,6 +106,15 @@ class NodeFabric(BaseModel):
     island: str = Field(default="", description="nodes in one island can form multi-node replicas")
 
 
+class ShardReport(BaseModel):
+    """An engine an agent runs, as it reports it when (re)registering."""
+
+    replica_id: str
+    rank: int
+    pid: int
+    endpoint: str
+
+
 class NodeInventory(BaseModel):
     """What an agent reports when it registers: the scheduler's view of a node."""
 
@@ -118,6 +127,7 @@ class NodeInventory(BaseModel):
     gpu_discovery: str = Field(default="", description="why the GPU list is what it is")
     max_cpu_replicas: int = Field(default=4, ge=0)
     fabric: NodeFabric = Field(default_factory=NodeFabric)
+    running: list[ShardReport] = Field(default_factory=list)
 
 
 class RegisterNodeResult(BaseModel):

@@ -1,33 +1,49 @@
-"""Node inventory: NVML where a driver exists, a CPU-only node where not."""
+"""Node inventory: recorded GPUs and fabrics, and this (GPU-less) machine."""
 
-from llmgw.types import GpuInfo
-from worker_agent.inventory import NvmlProbe, collect, memory_mib
+from pathlib import Path
 
+from llmgw.types import FabricKind
+from worker_agent.gpus import PynvmlSource, RecordedSource
+from worker_agent.inventory import Sources, collect, gpus, memory_mib
 
-class RecordedProbe:
-    """A GPU probe answering from a recorded snapshot."""
-
-    def __init__(self, gpus: list[GpuInfo]) -> None:
-        self._gpus = gpus
-
-    def gpus(self) -> tuple[list[GpuInfo], str]:
-        return self._gpus, f"recorded: {len(self._gpus)} GPUs"
+FIXTURES = Path(__file__).parent / "fixtures"
 
 
 def test_this_machine_without_driver_is_a_cpu_node() -> None:
-    gpus, note = NvmlProbe().gpus()
-    # The CI and developer machines have no NVIDIA driver: no crash, a reason.
-    assert gpus == []
+    found, note = gpus(PynvmlSource(), engine_pids=())
+    assert found == []
     assert "CPU-only" in note
 
 
-def test_collect_reports_gpus_and_cpu() -> None:
-    h100 = GpuInfo(index=0, uuid="GPU-1", name="NVIDIA H100 80GB HBM3", memory_mib=81559)
-    inv = collect("n1", "10.0.0.5", RecordedProbe([h100]), max_cpu_replicas=2)
-    assert inv.node_id == "n1" and inv.address == "10.0.0.5"
-    assert inv.gpus == [h100]
+def test_collect_from_recorded_h100_node_on_infiniband() -> None:
+    sources = Sources(
+        gpus=RecordedSource(FIXTURES / "gpus" / "8xH100-SXM.json"),
+        sys_root=FIXTURES / "sysfs" / "ib-8x-ndr",
+        interfaces={"lo": ["127.0.0.1"], "bond0": ["10.1.0.7"]},
+    )
+    inv = collect("h100-a", "10.1.0.7", sources, engine_pids=range(48213, 48221))
+    assert len(inv.gpus) == 8 and all(g.healthy for g in inv.gpus)
+    assert {g.gpu_class for g in inv.gpus} == {"h100-80g"}
+    assert inv.fabric.kind is FabricKind.INFINIBAND
+    assert inv.fabric.management_interface == "bond0"
     assert inv.cpu_count >= 1 and inv.memory_mib > 0
-    assert inv.gpu_discovery == "recorded: 1 GPUs"
+
+
+def test_foreign_processes_and_ecc_reported_in_the_note() -> None:
+    found, note = gpus(RecordedSource(FIXTURES / "gpus" / "ecc-errors.json"), engine_pids=())
+    assert [g.index for g in found if not g.healthy] == [2]
+    assert "GPU 2: 3 uncorrected ECC errors" in note
+
+
+def test_node_without_ib_is_a_single_node_island() -> None:
+    sources = Sources(
+        gpus=RecordedSource(FIXTURES / "gpus" / "4xL40S.json"),
+        sys_root=FIXTURES / "sysfs" / "none",
+        interfaces={"eth0": ["192.0.2.10"]},
+    )
+    inv = collect("l40s-a", "192.0.2.10", sources)
+    assert inv.fabric.kind is FabricKind.NONE
+    assert inv.fabric.island == "node:192.0.2.10"
 
 
 def test_meminfo_parsing() -> None:

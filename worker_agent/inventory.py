@@ -1,58 +1,46 @@
-"""What this node has: GPUs through NVML (when a driver exists), CPU and memory.
+"""What this node has: GPUs (NVML), its fabric (sysfs), CPU and memory.
 
-NVML sits behind a small protocol so tests can feed recorded snapshots; a
-node without the NVIDIA driver is a CPU node, not an error.
+NVML and sysfs sit behind injectable sources so tests feed recorded
+snapshots; a node without the NVIDIA driver is a CPU node, and a node
+without InfiniBand is a single-node island, neither an error.
 """
 
 import logging
 import os
 import socket
-from typing import Protocol
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
 
 from llmgw.types import GpuInfo, NodeInventory
+from worker_agent.fabric import discover_fabric
+from worker_agent.gpus import GpuDiscoveryUnavailable, NvmlSource, PynvmlSource, discover
 
 log = logging.getLogger(__name__)
 
 
-class GpuProbe(Protocol):
-    """Lists the node's GPUs, or explains why there are none."""
+@dataclass(frozen=True)
+class Sources:
+    """Where discovery reads from: the real machine unless a test says otherwise."""
 
-    def gpus(self) -> tuple[list[GpuInfo], str]:
-        """The GPUs, and a human-readable note on how they were found."""
-        ...
-
-
-class NvmlProbe:
-    """GPU discovery through pynvml (the nvidia-ml-py package)."""
-
-    def gpus(self) -> tuple[list[GpuInfo], str]:
-        """GPUs from NVML; an empty list with the reason when NVML is absent."""
-        try:
-            import pynvml  # noqa: PLC0415 - absent drivers are the common CPU case
-
-            pynvml.nvmlInit()
-        except Exception as exc:  # NVMLError_LibraryNotFound, DriverNotLoaded, ...
-            return [], f"no NVIDIA driver ({type(exc).__name__}): CPU-only node"
-        try:
-            found: list[GpuInfo] = []
-            for index in range(pynvml.nvmlDeviceGetCount()):
-                handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-                mem = pynvml.nvmlDeviceGetMemoryInfo(handle)
-                found.append(
-                    GpuInfo(
-                        index=index,
-                        uuid=_text(pynvml.nvmlDeviceGetUUID(handle)),
-                        name=_text(pynvml.nvmlDeviceGetName(handle)),
-                        memory_mib=int(mem.total) // (1024 * 1024),
-                    )
-                )
-            return found, f"NVML: {len(found)} GPUs"
-        finally:
-            pynvml.nvmlShutdown()
+    gpus: NvmlSource = field(default_factory=PynvmlSource)
+    sys_root: Path = Path("/sys")
+    meminfo: Path = Path("/proc/meminfo")
+    interfaces: Mapping[str, Sequence[str]] | None = None
 
 
-def _text(value: str | bytes) -> str:
-    return value.decode() if isinstance(value, bytes) else value
+def gpus(source: NvmlSource, engine_pids: Collection[int]) -> tuple[list[GpuInfo], str]:
+    """The node's GPUs with health flags, and a note on how they were found."""
+    try:
+        snapshot = source.snapshot()
+    except GpuDiscoveryUnavailable as exc:
+        return [], f"no GPUs: {exc.reason} (CPU-only node)"
+    found = discover(snapshot, engine_pids)
+    unhealthy = [g for g in found if not g.healthy]
+    note = f"NVML (driver {snapshot.driver_version}): {len(found)} GPUs"
+    if unhealthy:
+        note += "; unhealthy: " + "; ".join(f"GPU {g.index}: {g.health_detail}" for g in unhealthy)
+    return found, note
 
 
 def memory_mib(meminfo: str) -> int:
@@ -63,22 +51,37 @@ def memory_mib(meminfo: str) -> int:
     return 0
 
 
-def collect(node_id: str, address: str, probe: GpuProbe, max_cpu_replicas: int) -> NodeInventory:
+def collect(
+    node_id: str,
+    address: str,
+    sources: Sources,
+    engine_pids: Collection[int] = (),
+    max_cpu_replicas: int = 4,
+    management_address: str = "",
+) -> NodeInventory:
     """The node's inventory as the control plane sees it."""
-    gpus, note = probe.gpus()
+    found, note = gpus(sources.gpus, engine_pids)
     log.info("node %s: %s", node_id, note)
     try:
-        with open("/proc/meminfo") as fh:
-            mem = memory_mib(fh.read())
+        mem = memory_mib(sources.meminfo.read_text())
     except OSError:
         mem = 0
+    fabric = discover_fabric(sources.sys_root, management_address or address, sources.interfaces)
+    log.info(
+        "node %s: fabric %s (%d RDMA ports), management interface %s",
+        node_id,
+        fabric.kind,
+        len(fabric.ports),
+        fabric.management_interface or "unknown",
+    )
     return NodeInventory(
         node_id=node_id,
         hostname=socket.gethostname(),
         address=address,
         cpu_count=os.cpu_count() or 1,
         memory_mib=mem,
-        gpus=gpus,
+        gpus=found,
         gpu_discovery=note,
         max_cpu_replicas=max_cpu_replicas,
+        fabric=fabric,
     )

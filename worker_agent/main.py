@@ -1,4 +1,10 @@
-"""The node agent: serves this node's activities on ``node-<node_id>``."""
+"""The node agent: serves this node's activities on ``node-<node_id>``.
+
+On start it adopts the engines a previous agent left running, kills engines
+nothing describes, registers its inventory (GPUs, fabric, running shards)
+with the fleet, and then keeps re-registering; each round also stops engines
+whose replica the control plane no longer runs.
+"""
 
 import asyncio
 import contextlib
@@ -7,21 +13,23 @@ import os
 from collections.abc import Mapping
 from datetime import timedelta
 
-from temporalio.client import Client
+from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.common import WorkflowIDConflictPolicy
+from temporalio.service import RPCError, RPCStatusCode
 from temporalio.worker import Worker
 
 from activities.node import NodeActivities
 from llmgw.engine_install import ensure_llama_cpp
 from llmgw.keys import engine_key
 from llmgw.lifecycle import setup_logging, stop_event_on_signals
-from llmgw.queues import CONTROL_QUEUE, FLEET_WORKFLOW_ID, node_queue
+from llmgw.queues import CONTROL_QUEUE, FLEET_WORKFLOW_ID, node_queue, replica_workflow_id
 from llmgw.settings import AgentSettings
 from llmgw.store import Store
 from llmgw.temporal import connect
-from llmgw.types import EngineKind, FleetSnapshot, NodeInventory
+from llmgw.types import EngineKind, FleetSnapshot, NodeInventory, ShardReport
+from worker_agent.adoption import adopt
 from worker_agent.engines import AdapterRegistry, LlamaCppAdapter
-from worker_agent.inventory import NvmlProbe, collect
+from worker_agent.inventory import Sources, collect
 from worker_agent.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
@@ -40,7 +48,9 @@ async def register(client: Client, inventory: NodeInventory) -> None:
     )
 
 
-def build_activities(settings: AgentSettings, secret: str) -> NodeActivities:
+def build_activities(
+    settings: AgentSettings, secret: str, supervisor: Supervisor
+) -> NodeActivities:
     """The node's activities with their real dependencies."""
     llama = ensure_llama_cpp(
         settings.resolved_engine_cache_dir(), progress=lambda line: log.info("llama.cpp: %s", line)
@@ -51,7 +61,7 @@ def build_activities(settings: AgentSettings, secret: str) -> NodeActivities:
 
     adapters = AdapterRegistry({EngineKind.LLAMA_CPP: LlamaCppAdapter(llama.server, env_for)})
     return NodeActivities(
-        supervisor=Supervisor(settings.work_dir / "agent" / settings.node_id),
+        supervisor=supervisor,
         adapters=adapters,
         engine_key=lambda replica_id: engine_key(secret, replica_id),
         engine_host=settings.engine_host,
@@ -60,26 +70,77 @@ def build_activities(settings: AgentSettings, secret: str) -> NodeActivities:
     )
 
 
-async def _keep_registered(client: Client, inventory: NodeInventory, every_s: float) -> None:
+def inventory(settings: AgentSettings, supervisor: Supervisor, sources: Sources) -> NodeInventory:
+    """This node's inventory, with the shards it runs right now."""
+    inv = collect(
+        settings.node_id,
+        settings.engine_host,
+        sources,
+        engine_pids=supervisor.engine_pids(),
+        max_cpu_replicas=settings.max_cpu_replicas,
+        management_address=settings.management_address,
+    )
+    inv.running = [
+        ShardReport(replica_id=r.ref.replica_id, rank=r.ref.rank, pid=r.pid, endpoint=r.endpoint)
+        for r in supervisor.running()
+    ]
+    return inv
+
+
+async def replica_running(client: Client, replica_id: str) -> bool | None:
+    """Whether the replica's workflow runs; None when Temporal cannot say now."""
+    handle = client.get_workflow_handle(replica_workflow_id(replica_id))
+    try:
+        desc = await handle.describe(rpc_timeout=timedelta(seconds=5))
+    except RPCError as exc:
+        return False if exc.status == RPCStatusCode.NOT_FOUND else None
+    return desc.status == WorkflowExecutionStatus.RUNNING
+
+
+async def stop_orphans(client: Client, supervisor: Supervisor, grace_s: float) -> list[str]:
+    """Stop engines whose replica workflow has ended or never existed."""
+    stopped: list[str] = []
+    for shard in supervisor.running():
+        if await replica_running(client, shard.ref.replica_id) is False:
+            log.warning(
+                "replica %s is not running in Temporal: stopping its engine", shard.ref.replica_id
+            )
+            await asyncio.to_thread(supervisor.stop, shard.ref, grace_s)
+            stopped.append(shard.ref.replica_id)
+    return stopped
+
+
+async def _keep_registered(
+    client: Client, settings: AgentSettings, supervisor: Supervisor, sources: Sources
+) -> None:
     while True:
-        await asyncio.sleep(every_s)
+        await asyncio.sleep(settings.register_interval_s)
         try:
-            await register(client, inventory)
+            await stop_orphans(client, supervisor, grace_s=10)
+            inv = await asyncio.to_thread(inventory, settings, supervisor, sources)
+            await register(client, inv)
         except Exception as exc:  # keep serving; the next round retries
-            log.warning("re-registration failed: %s", exc)
+            log.warning("registration round failed: %s", exc)
 
 
 async def run(settings: AgentSettings) -> None:
-    """Register, then serve the node queue until SIGTERM/SIGINT."""
+    """Adopt, register, then serve the node queue until SIGTERM/SIGINT."""
     store = Store(settings.resolved_store_url())
     store.migrate()
     secret = store.engine_key_secret()
     store.close()
-    node_activities = build_activities(settings, secret)
-    client = await connect(settings.temporal_address, settings.temporal_namespace)
-    inventory = collect(
-        settings.node_id, settings.engine_host, NvmlProbe(), settings.max_cpu_replicas
+    supervisor = Supervisor(settings.work_dir / "agent" / settings.node_id, settings.node_id)
+    report = adopt(supervisor)
+    log.info(
+        "agent %s: adopted %d engines, %d shards lost, %d unidentified engines killed",
+        settings.node_id,
+        len(report.adopted),
+        len(report.lost),
+        len(report.killed),
     )
+    node_activities = build_activities(settings, secret, supervisor)
+    sources = Sources()
+    client = await connect(settings.temporal_address, settings.temporal_namespace)
     queue = node_queue(settings.node_id)
     worker = Worker(
         client,
@@ -95,16 +156,16 @@ async def run(settings: AgentSettings) -> None:
     )
     stop = stop_event_on_signals()
     async with worker:
-        await register(client, inventory)
+        await stop_orphans(client, supervisor, grace_s=10)
+        await register(client, inventory(settings, supervisor, sources))
         log.info("agent %s serving %s (pid %d)", settings.node_id, queue, os.getpid())
-        keeper = asyncio.create_task(
-            _keep_registered(client, inventory, settings.register_interval_s)
-        )
+        keeper = asyncio.create_task(_keep_registered(client, settings, supervisor, sources))
         await stop.wait()
         keeper.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await keeper
         log.info("agent %s shutting down; engines keep running", settings.node_id)
+    await node_activities.aclose()
 
 
 def main() -> None:

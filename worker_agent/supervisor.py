@@ -29,6 +29,10 @@ from worker_agent import procfs
 log = logging.getLogger(__name__)
 
 LOG_TAIL_LINES = 200
+# Set in every engine's environment to the agent's shard directory: it tells
+# this agent's engines from any other process (another agent's on the same
+# host included), so an engine whose spec file is gone can still be found.
+ENGINE_MARKER = "LLMGW_ENGINE_OF"
 
 
 @dataclass(frozen=True)
@@ -59,9 +63,11 @@ def shard_key(ref: ShardRef) -> str:
 class Supervisor:
     """Owns the shard processes of one node agent."""
 
-    def __init__(self, work_dir: Path) -> None:
+    def __init__(self, work_dir: Path, node_id: str = "") -> None:
+        self.node_id = node_id
         self._dir = work_dir / "shards"
         self._dir.mkdir(parents=True, exist_ok=True)
+        self.marker = str(self._dir.resolve())
         self._children: dict[str, subprocess.Popen[bytes]] = {}
         self._stopped: set[str] = set()
 
@@ -105,18 +111,39 @@ class Supervisor:
             log_path=self.shard_dir(ref) / "engine.log",
         )
 
+    def recorded(self) -> list[ShardRef]:
+        """Every shard a spec file records, running or not."""
+        refs: list[ShardRef] = []
+        for spec_file in sorted(self._dir.glob("*/spec.json")):
+            try:
+                refs.append(ShardRef.model_validate(json.loads(spec_file.read_text())["shard"]))
+            except (json.JSONDecodeError, KeyError, ValueError):
+                log.warning("unreadable spec file %s", spec_file)
+        return refs
+
+    def running(self) -> list[RunningShard]:
+        """Every recorded shard whose engine is alive and identified."""
+        return [r for ref in self.recorded() if (r := self.find_running(ref)) is not None]
+
     def used_ports(self) -> set[int]:
         """Ports recorded by shards that still run."""
-        ports: set[int] = set()
-        for spec_file in self._dir.glob("*/spec.json"):
-            try:
-                spec = json.loads(spec_file.read_text())
-                ref = ShardRef.model_validate(spec["shard"])
-            except (json.JSONDecodeError, KeyError, ValueError):
-                continue
-            if self.find_running(ref) is not None:
-                ports.add(int(spec["port"]))
-        return ports
+        return {r.port for r in self.running()}
+
+    def engine_pids(self) -> set[int]:
+        """Every live process in the groups of this node's running shards."""
+        return {pid for r in self.running() for pid in procfs.group_members(r.pid)}
+
+    def forget_lost(self, ref: ShardRef) -> None:
+        """Drop the spec of a shard whose engine is gone or was never ours."""
+        self._spec_path(ref).unlink(missing_ok=True)
+
+    def note_adopted(self, running: RunningShard) -> None:
+        """Say in the shard's log that a new agent took it over."""
+        with open(running.log_path, "a") as log_file:
+            log_file.write(
+                f"--- adopted by agent pid {os.getpid()} at {time.strftime('%Y-%m-%dT%H:%M:%S')};"
+                " output the engine wrote while no agent watched is above ---\n"
+            )
 
     def launch(
         self,
@@ -135,7 +162,7 @@ class Supervisor:
             try:
                 proc = subprocess.Popen(
                     command,
-                    env=dict(env),
+                    env={**env, ENGINE_MARKER: self.marker},
                     stdin=subprocess.DEVNULL,
                     stdout=log_file,
                     stderr=subprocess.STDOUT,
@@ -198,6 +225,11 @@ class Supervisor:
         self._forget(ref)
         log.info("shard %s stopped (exit %s)", shard_key(ref), code)
         return StopOutcome(was_running=True, exit_code=code)
+
+    def reap(self) -> None:
+        """Collect the exit status of children that ended by any hand."""
+        for child in self._children.values():
+            child.poll()
 
     def stopped_on_request(self, ref: ShardRef) -> bool:
         """Whether this agent stopped the shard (rather than it exiting by itself)."""

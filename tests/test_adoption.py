@@ -1,0 +1,112 @@
+"""A restarting agent adopts what it can identify and nothing else."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from llmgw.procs import wait_for
+from llmgw.types import ShardRef
+from tests.procs_util import pids_with_args
+from worker_agent import procfs
+from worker_agent.adoption import adopt
+from worker_agent.supervisor import ENGINE_MARKER, Supervisor
+
+ENGINE = """
+import os, sys, time
+if os.fork() == 0:
+    while True: time.sleep(1)
+while True: time.sleep(1)
+"""
+
+
+def _launch(sup: Supervisor, replica: str, tag: str) -> int:
+    running = sup.launch(
+        ShardRef(replica_id=replica),
+        [sys.executable, "-c", ENGINE, tag],
+        dict(os.environ),
+        1,
+        "http://127.0.0.1:1",
+        {},
+    )
+    assert wait_for(lambda: len(pids_with_args(tag)) == 2, 10)
+    return running.pid
+
+
+@pytest.fixture
+def first(tmp_path: Path) -> Iterator[Supervisor]:
+    """The agent that started the engines; kept so its Popen objects reap them."""
+    sup = Supervisor(tmp_path, "n1")
+    yield sup
+    for ref in sup.recorded():
+        sup.stop(ref, grace_s=0.5)
+    sup.reap()
+
+
+def test_restarted_agent_adopts_the_same_pids(first: Supervisor, tmp_path: Path) -> None:
+    pid_a = _launch(first, "ra", "tag-adopt-a")
+    pid_b = _launch(first, "rb", "tag-adopt-b")
+    second = Supervisor(tmp_path, "n1")
+    report = adopt(second)
+    assert sorted(r.pid for r in report.adopted) == sorted([pid_a, pid_b])
+    assert report.lost == [] and report.killed == []
+    log_text = (second.shard_dir(ShardRef(replica_id="ra")) / "engine.log").read_text()
+    assert "adopted by agent" in log_text
+    # The adopted engine is stopped by signalling its group: workers included.
+    assert second.stop(ShardRef(replica_id="ra"), grace_s=1).was_running
+    assert pids_with_args("tag-adopt-a") == []
+    assert len(pids_with_args("tag-adopt-b")) == 2
+
+
+def test_reused_pid_is_left_alone_and_the_shard_lost(first: Supervisor, tmp_path: Path) -> None:
+    _launch(first, "rr", "tag-reused")
+    spec = first.shard_dir(ShardRef(replica_id="rr")) / "spec.json"
+    stranger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        # Rewrite the spec as if the engine died and its pid went to a stranger.
+        data = json.loads(spec.read_text())
+        real = data["pid"]
+        data["pid"] = stranger.pid
+        spec.write_text(json.dumps(data))
+        report = adopt(Supervisor(tmp_path, "n1"))
+        assert report.adopted == [] and report.lost == [ShardRef(replica_id="rr")]
+        assert procfs.fingerprint(stranger.pid) is not None, "the stranger must survive"
+        # The real engine now has no spec: it is an unidentified engine, killed.
+        assert report.killed == [real]
+        assert wait_for(lambda: pids_with_args("tag-reused") == [], 5)
+    finally:
+        stranger.kill()
+        stranger.wait()
+
+
+def test_marked_engine_without_spec_is_killed(tmp_path: Path) -> None:
+    sup = Supervisor(tmp_path, "n1")
+    env = dict(os.environ, **{ENGINE_MARKER: sup.marker})
+    rogue = subprocess.Popen(
+        [sys.executable, "-c", ENGINE, "tag-rogue"], env=env, start_new_session=True
+    )
+    other_env = dict(os.environ, **{ENGINE_MARKER: "/another/agent/shards"})
+    neighbour = subprocess.Popen(
+        [sys.executable, "-c", ENGINE, "tag-neighbour"], env=other_env, start_new_session=True
+    )
+    try:
+        assert wait_for(lambda: len(pids_with_args("tag-rogue")) == 2, 10)
+        report = adopt(sup)
+        assert report.killed == [rogue.pid]
+        rogue.wait(timeout=5)
+        assert wait_for(lambda: pids_with_args("tag-rogue") == [], 5)
+        # Another agent's engine on the same host is not ours to kill.
+        assert len(pids_with_args("tag-neighbour")) == 2
+    finally:
+        for proc in (rogue, neighbour):
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        for tag in ("tag-rogue", "tag-neighbour"):
+            for pid in pids_with_args(tag):
+                os.kill(pid, signal.SIGKILL)

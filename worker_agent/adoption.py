@@ -1,0 +1,83 @@
+"""What a (re)starting agent does about engines it finds on its node.
+
+- An engine its spec file describes and whose fingerprint matches is
+  adopted: same pid, not restarted, watched by polling, stopped by signalling
+  its group. Restarting it would drop every in-flight request for nothing.
+- A spec file whose pid is gone, or now belongs to an unrelated process (the
+  fingerprint differs), is a lost shard: the spec is dropped, the process is
+  left alone - adopting or killing a stranger is worse than losing a shard.
+- A process carrying this node's engine marker that no spec file describes
+  is killed, with its group: something holding GPUs that nothing can
+  describe is worse than no process, because placement hands those GPUs out
+  again.
+"""
+
+import logging
+import os
+import signal
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from llmgw.types import ShardRef
+from worker_agent import procfs
+from worker_agent.supervisor import ENGINE_MARKER, RunningShard, Supervisor
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class AdoptionReport:
+    """What the scan found."""
+
+    adopted: list[RunningShard] = field(default_factory=list)
+    lost: list[ShardRef] = field(default_factory=list)
+    killed: list[int] = field(default_factory=list)
+
+
+def marked_engines(marker: str, proc_root: Path = procfs.PROC) -> dict[int, int]:
+    """pid → process group of every process carrying an agent's engine marker."""
+    needle = f"{ENGINE_MARKER}={marker}".encode()
+    found: dict[int, int] = {}
+    for entry in proc_root.iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if needle in environ:
+            try:
+                found[int(entry.name)] = os.getpgid(int(entry.name))
+            except ProcessLookupError:
+                continue
+    return found
+
+
+def adopt(supervisor: Supervisor) -> AdoptionReport:
+    """Adopt identified engines, drop lost shards, kill unidentified engines."""
+    report = AdoptionReport()
+    for ref in supervisor.recorded():
+        running = supervisor.find_running(ref)
+        if running is None:
+            log.warning(
+                "replica %s rank %d: engine gone or pid reused; shard lost",
+                ref.replica_id,
+                ref.rank,
+            )
+            supervisor.forget_lost(ref)
+            report.lost.append(ref)
+            continue
+        supervisor.note_adopted(running)
+        report.adopted.append(running)
+        log.info("replica %s rank %d: adopted engine pid %d", ref.replica_id, ref.rank, running.pid)
+    known_groups = {r.pid for r in report.adopted}
+    for pid, pgid in marked_engines(supervisor.marker).items():
+        if pgid in known_groups or pgid in report.killed:
+            continue
+        log.warning("engine process %d (group %d) has no spec file: killing its group", pid, pgid)
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            continue
+        report.killed.append(pgid)
+    return report

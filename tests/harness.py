@@ -4,10 +4,13 @@ Everything listens on loopback, on free ports, with its state under a test
 temp dir; every process is in its own group and is stopped at teardown.
 """
 
+import asyncio
 import os
 import socket
 import sys
 from pathlib import Path
+
+import httpx
 
 from llmgw.procs import Child, wait_for
 from llmgw.up import kill_recorded_engines
@@ -90,3 +93,13 @@ class System:
             child.stop(grace_s=10)
         # A failed test must not leave engines running into the next one.
         kill_recorded_engines(self.work_dir / "agent")
+
+
+async def wait_routable(base_url: str, key: str, model: str, timeout_s: float = 30) -> None:
+    """Wait until the router's background refresh has the model's replicas."""
+    async with httpx.AsyncClient() as http, asyncio.timeout(timeout_s):
+        while True:
+            r = await http.get(f"{base_url}/models", headers={"Authorization": f"Bearer {key}"})
+            if r.status_code == 200 and model in [m["id"] for m in r.json()["data"]]:
+                return
+            await asyncio.sleep(0.05)

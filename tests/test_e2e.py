@@ -16,7 +16,7 @@ from llmgw import replicas
 from llmgw.store import Store
 from llmgw.tinymodel import TinyModel
 from llmgw.types import EngineKind, ModelSpec, ReplicaPhase
-from tests.harness import System, free_port
+from tests.harness import System, free_port, wait_routable
 
 MODEL = "tiny-e2e"
 
@@ -44,13 +44,7 @@ async def served(system: System, client: Client, tiny: TinyModel) -> AsyncIterat
     replica_id = await replicas.start_replica(client, spec)
     memo = await replicas.wait_ready(client, replica_id, 120)
     base = f"http://127.0.0.1:{port}/v1"
-    # The router learns of the replica on its next background refresh.
-    async with httpx.AsyncClient() as http, asyncio.timeout(30):
-        while True:
-            r = await http.get(f"{base}/models", headers={"Authorization": f"Bearer {key}"})
-            if r.status_code == 200 and r.json()["data"]:
-                break
-            await asyncio.sleep(0.05)
+    await wait_routable(base, key, MODEL)
     yield {"base": base, "key": key, "replica": replica_id, "endpoint": memo.endpoint}
     await replicas.stop_replica(client, replica_id, "test over", 30)
     store.close()

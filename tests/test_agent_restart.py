@@ -1,0 +1,87 @@
+"""SIGKILL the agent while two engines serve; a new agent adopts both."""
+
+import asyncio
+import signal
+from collections.abc import Iterator
+
+import openai
+import pytest
+from temporalio.client import Client
+
+from llmgw import replicas
+from llmgw.store import Store
+from llmgw.tinymodel import TinyModel
+from llmgw.types import EngineKind, ModelSpec, ReplicaPhase
+from tests.harness import System, free_port, wait_routable
+from tests.procs_util import pids_with_args
+
+MODEL = "tiny-adopt"
+
+
+@pytest.fixture
+def system(temporal_address: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[System]:
+    sys_ = System(temporal_address, tmp_path_factory.mktemp("adopt"), free_port())
+    # Short heartbeats are not needed: the new agent serves the retried watch.
+    yield sys_
+    sys_.stop()
+
+
+async def _reported_pids(client: Client, node: str, expected: list[int]) -> list[int]:
+    """The engine pids the node last reported, once they match or after 60 s."""
+    reported: list[int] = []
+    async with asyncio.timeout(60):
+        while reported != expected:
+            snapshot = await replicas.fleet_snapshot(client)
+            if node in snapshot.nodes:
+                reported = sorted(s.pid for s in snapshot.nodes[node].running)
+            await asyncio.sleep(0.1)
+    return reported
+
+
+async def test_agent_sigkill_engines_adopted_and_keep_serving(
+    system: System, client: Client, tiny: TinyModel
+) -> None:
+    store = Store(system.store_url)
+    store.migrate()
+    spec = ModelSpec(name=MODEL, engine=EngineKind.LLAMA_CPP, source=str(tiny.model_path))
+    store.put_model(spec)
+    key = store.create_api_key("adopt")
+    store.close()
+    system.spawn("control")
+    agent = system.spawn("agent", {"LLMGW_NODE_ID": "adopt-node"})
+    port = free_port()
+    system.start_router(port)
+    await replicas.wait_node_registered(client, "adopt-node", 60)
+    ids = [await replicas.start_replica(client, spec) for _ in range(2)]
+    await asyncio.gather(*(replicas.wait_ready(client, r, 120) for r in ids))
+    await wait_routable(f"http://127.0.0.1:{port}/v1", key, MODEL)
+    pids_before = sorted(pids_with_args("--alias", MODEL))
+    assert len(pids_before) == 2
+
+    agent.signal(signal.SIGKILL)
+    agent.proc.wait()
+    oai = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0)
+    try:
+        # With no agent at all, the engines still serve through the router.
+        for _ in range(4):
+            r = await oai.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+            assert r.usage is not None and r.usage.completion_tokens == 2
+
+        system.spawn("agent", {"LLMGW_NODE_ID": "adopt-node"})
+        # The old registration (made before any engine ran) reported none;
+        # the new agent's reports the adopted engines.
+        assert await _reported_pids(client, "adopt-node", pids_before) == pids_before
+        assert sorted(pids_with_args("--alias", MODEL)) == pids_before, "not restarted"
+        for _ in range(4):
+            r = await oai.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+            assert r.usage is not None and r.usage.completion_tokens == 2
+        for rid in ids:
+            memo = await replicas.replica_memo(client, rid)
+            assert memo is not None and memo.phase is ReplicaPhase.READY
+    finally:
+        await oai.close()
+    # The new agent can stop what it adopted: the whole group goes.
+    for rid in ids:
+        final = await replicas.stop_replica(client, rid, "test over", 60)
+        assert final.phase is ReplicaPhase.STOPPED
+    assert pids_with_args("--alias", MODEL) == []

@@ -19,6 +19,8 @@ from activities import names
 from llmgw.errors import EngineExitedError, EngineLaunchError, EngineNotReadyError, LlmgwError
 from llmgw.types import (
     LaunchShardInput,
+    LogTail,
+    LogTailInput,
     ShardExit,
     ShardHandle,
     ShardRef,
@@ -157,6 +159,11 @@ class NodeActivities:
         """Stop the shard's process group; a no-op when it is not running."""
         outcome = await asyncio.to_thread(self._sup.stop, request.shard, request.grace_s)
         return StopShardResult(was_running=outcome.was_running, exit_code=outcome.exit_code)
+
+    @activity.defn(name=names.SHARD_LOG_TAIL)
+    async def shard_log_tail(self, request: LogTailInput) -> LogTail:
+        """The last lines the shard's engine wrote (bounded)."""
+        return LogTail(lines=self._sup.log_tail(request.shard, request.lines))
 
     def _running_or_raise(self, ref: ShardRef) -> RunningShard:
         running = self._sup.find_running(ref)

@@ -1,6 +1,7 @@
 """The ``llmgw`` command line."""
 
 import asyncio
+import subprocess
 from typing import Annotated
 
 import typer
@@ -79,12 +80,100 @@ def control() -> None:
     main()
 
 
-@app.command()
-def agent() -> None:
-    """Run the node agent for this machine (task queue ``node-<id>``)."""
-    from worker_agent.main import main  # noqa: PLC0415
+agent_app = typer.Typer(help="The node agent (task queue node-<id>)")
+app.add_typer(agent_app, name="agent")
+node_app = typer.Typer(help="Node preparation", no_args_is_help=True)
+app.add_typer(node_app, name="node")
 
-    main()
+
+@agent_app.callback(invoke_without_command=True)
+def agent(ctx: typer.Context) -> None:
+    """Run the node agent for this machine (task queue ``node-<id>``)."""
+    if ctx.invoked_subcommand is None:
+        from worker_agent.main import main  # noqa: PLC0415
+
+        main()
+
+
+@agent_app.command("inventory")
+def agent_inventory(
+    as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
+) -> None:
+    """What the scheduler would see for this node."""
+    from llmgw.settings import AgentSettings  # noqa: PLC0415
+    from worker_agent.inventory import sources_from  # noqa: PLC0415
+    from worker_agent.main import inventory  # noqa: PLC0415
+    from worker_agent.supervisor import Supervisor  # noqa: PLC0415
+
+    settings = AgentSettings()
+    shards = Supervisor(settings.work_dir / "agent" / settings.node_id, settings.node_id)
+    inv = inventory(settings, shards, sources_from(settings.sys_root, settings.gpu_snapshot))
+    if as_json:
+        out.print_json(inv.model_dump_json())
+        return
+    out.print(
+        f"node [bold]{inv.node_id}[/bold] ({inv.hostname}): {inv.cpu_count} CPUs, "
+        f"{inv.memory_mib} MiB, engines reached at {inv.address}"
+    )
+    out.print(f"GPUs: {inv.gpu_discovery}")
+    if inv.gpus:
+        table = Table("index", "name", "class", "memory MiB", "CC", "PCI", "health")
+        for g in inv.gpus:
+            health = "ok" if g.healthy else f"[red]{g.health_detail}[/red]"
+            table.add_row(
+                str(g.index), g.name, g.gpu_class, str(g.memory_mib),
+                g.compute_capability, g.pci_bus_id, health,
+            )  # fmt: skip
+        out.print(table)
+    fab = inv.fabric
+    out.print(
+        f"fabric: {fab.kind.value} (island {fab.island}); management interface "
+        f"{fab.management_interface or 'unknown'} ({fab.management_address or '-'})"
+    )
+    if fab.ports:
+        ports = Table("device", "port", "state", "rate Gb/s", "link", "netdev", "RoCE v2 GID")
+        for p in fab.ports:
+            gid = "-" if p.roce_v2_ipv4_gid_index is None else str(p.roce_v2_ipv4_gid_index)
+            ports.add_row(
+                p.device, str(p.port), p.state, f"{p.rate_gbps:g}",
+                p.link_layer.value, p.netdev or "-", gid,
+            )  # fmt: skip
+        out.print(ports)
+    for shard in inv.running:
+        out.print(f"running: {shard.replica_id} rank {shard.rank} pid {shard.pid} {shard.endpoint}")
+
+
+@node_app.command("setup")
+def node_setup() -> None:
+    """Create the llmgw-engine user (in the video and render groups). Needs root."""
+    from worker_agent.users import setup_node  # noqa: PLC0415
+
+    try:
+        for line in setup_node():
+            console.print(line)
+    except (OSError, RuntimeError) as exc:
+        _fail(f"node setup failed: {exc}")
+    except subprocess.CalledProcessError as exc:
+        _fail(f"node setup failed: {exc}")
+
+
+@app.command()
+def logs(
+    replica_id: str,
+    lines: Annotated[int, typer.Option("--lines", "-n", min=1, max=2000)] = 100,
+) -> None:
+    """The last lines a replica's engine wrote, fetched from its node."""
+    settings = CliSettings()
+
+    async def go() -> list[str]:
+        client = await connect(settings.temporal_address, settings.temporal_namespace)
+        return await replicas.log_tail(client, replica_id, lines)
+
+    try:
+        for line in asyncio.run(go()):
+            out.print(line, markup=False, highlight=False)
+    except LlmgwError as exc:
+        _fail(str(exc))
 
 
 @app.command()

@@ -16,12 +16,15 @@ from llmgw.queues import CONTROL_QUEUE, FLEET_WORKFLOW_ID, replica_workflow_id
 from llmgw.types import (
     TERMINAL_PHASES,
     FleetSnapshot,
+    LogTail,
     ModelSpec,
     ReplicaInput,
     ReplicaMemo,
     ReplicaPhase,
     ReplicaStatus,
     ReplicaTimeouts,
+    ShardLogsInput,
+    ShardRef,
     StopReplicaInput,
 )
 
@@ -157,3 +160,19 @@ async def wait_node_registered(client: Client, node_id: str, timeout_s: float) -
         if asyncio.get_running_loop().time() > deadline:
             raise EngineError(f"node {node_id} did not register within {timeout_s:.0f}s")
         await asyncio.sleep(0.2)
+
+
+async def log_tail(client: Client, replica_id: str, lines: int) -> list[str]:
+    """The last lines of a replica's engine log, fetched from its node."""
+    memo = await replica_memo(client, replica_id)
+    if memo is None or not memo.node_id:
+        raise EngineError(f"replica {replica_id} has not been placed on a node")
+    tail: LogTail = await client.execute_workflow(
+        "ShardLogs",
+        ShardLogsInput(node_id=memo.node_id, shard=ShardRef(replica_id=replica_id), lines=lines),
+        id=f"logs/{replica_id}/{secrets.token_hex(4)}",
+        task_queue=CONTROL_QUEUE,
+        result_type=LogTail,
+        execution_timeout=timedelta(seconds=30),
+    )
+    return tail.lines

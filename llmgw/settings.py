@@ -58,6 +58,12 @@ class AgentSettings(_Common):
     graceful_shutdown_s: float = 5.0
     register_interval_s: float = 30.0
     engine_cache_dir: Path | None = None
+    # When the agent is root, engines run as this user; empty keeps them as
+    # the agent's user.
+    engine_user: str = "llmgw-engine"
+    # Discovery sources; tests and demos point them at recorded snapshots.
+    sys_root: Path = Path("/sys")
+    gpu_snapshot: Path | None = None
 
     def resolved_engine_cache_dir(self) -> Path:
         """Where engine binaries are installed or built (cached per CPU)."""

@@ -256,6 +256,27 @@ class StopShardInput(BaseModel):
     grace_s: float = 10.0
 
 
+class LogTailInput(BaseModel):
+    """Input of ``shard_log_tail``."""
+
+    shard: ShardRef
+    lines: int = Field(default=100, ge=1, le=2000)
+
+
+class LogTail(BaseModel):
+    """The last lines a shard's engine wrote."""
+
+    lines: list[str]
+
+
+class ShardLogsInput(BaseModel):
+    """Input of the ``ShardLogs`` workflow: fetch a tail from a node."""
+
+    node_id: str
+    shard: ShardRef
+    lines: int = Field(default=100, ge=1, le=2000)
+
+
 class StopShardResult(BaseModel):
     """Result of ``stop_shard``."""
 

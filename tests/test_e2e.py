@@ -193,3 +193,10 @@ async def test_cli_deploy_unknown_model_names_the_catalog(
     result = await asyncio.to_thread(_cli, system, "deploy", "nope")
     assert result.returncode == 1
     assert MODEL in result.stderr and "not in the catalog" in result.stderr
+
+
+async def test_cli_logs_shows_the_engine_output(system: System, served: dict[str, str]) -> None:
+    result = await asyncio.to_thread(_cli, system, "logs", served["replica"], "-n", "200")
+    assert result.returncode == 0, result.stderr
+    assert "model loaded" in result.stdout
+    assert served["key"] not in result.stdout

@@ -14,7 +14,13 @@ from pathlib import Path
 
 from llmgw.types import GpuInfo, NodeInventory
 from worker_agent.fabric import discover_fabric
-from worker_agent.gpus import GpuDiscoveryUnavailable, NvmlSource, PynvmlSource, discover
+from worker_agent.gpus import (
+    GpuDiscoveryUnavailable,
+    NvmlSource,
+    PynvmlSource,
+    RecordedSource,
+    discover,
+)
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +33,12 @@ class Sources:
     sys_root: Path = Path("/sys")
     meminfo: Path = Path("/proc/meminfo")
     interfaces: Mapping[str, Sequence[str]] | None = None
+
+
+def sources_from(sys_root: Path, gpu_snapshot: Path | None) -> Sources:
+    """The real machine, or a recorded GPU snapshot / sysfs tree when given."""
+    gpu_source: NvmlSource = RecordedSource(gpu_snapshot) if gpu_snapshot else PynvmlSource()
+    return Sources(gpus=gpu_source, sys_root=sys_root)
 
 
 def gpus(source: NvmlSource, engine_pids: Collection[int]) -> tuple[list[GpuInfo], str]:

@@ -19,7 +19,7 @@ from temporalio.service import RPCError, RPCStatusCode
 from temporalio.worker import Worker
 
 from activities.node import NodeActivities
-from llmgw.engine_install import ensure_llama_cpp
+from llmgw.engine_install import LlamaCppInstall, ensure_llama_cpp
 from llmgw.keys import engine_key
 from llmgw.lifecycle import setup_logging, stop_event_on_signals
 from llmgw.queues import CONTROL_QUEUE, FLEET_WORKFLOW_ID, node_queue, replica_workflow_id
@@ -29,8 +29,9 @@ from llmgw.temporal import connect
 from llmgw.types import EngineKind, FleetSnapshot, NodeInventory, ShardReport
 from worker_agent.adoption import adopt
 from worker_agent.engines import AdapterRegistry, LlamaCppAdapter
-from worker_agent.inventory import Sources, collect
+from worker_agent.inventory import Sources, collect, sources_from
 from worker_agent.supervisor import Supervisor
+from worker_agent.users import prepare_home, resolve_run_as
 
 log = logging.getLogger(__name__)
 
@@ -49,12 +50,9 @@ async def register(client: Client, inventory: NodeInventory) -> None:
 
 
 def build_activities(
-    settings: AgentSettings, secret: str, supervisor: Supervisor
+    settings: AgentSettings, secret: str, supervisor: Supervisor, llama: LlamaCppInstall
 ) -> NodeActivities:
     """The node's activities with their real dependencies."""
-    llama = ensure_llama_cpp(
-        settings.resolved_engine_cache_dir(), progress=lambda line: log.info("llama.cpp: %s", line)
-    )
 
     def env_for(base: Mapping[str, str]) -> dict[str, str]:
         return llama.environment(base)
@@ -129,7 +127,16 @@ async def run(settings: AgentSettings) -> None:
     store.migrate()
     secret = store.engine_key_secret()
     store.close()
-    supervisor = Supervisor(settings.work_dir / "agent" / settings.node_id, settings.node_id)
+    llama = ensure_llama_cpp(
+        settings.resolved_engine_cache_dir(), progress=lambda line: log.info("llama.cpp: %s", line)
+    )
+    agent_dir = settings.work_dir / "agent" / settings.node_id
+    agent_dir.mkdir(parents=True, exist_ok=True)
+    run_as, why = resolve_run_as(settings.engine_user, agent_dir, [llama.server])
+    log.info("agent %s: %s", settings.node_id, why)
+    if run_as is not None:
+        prepare_home(run_as)
+    supervisor = Supervisor(agent_dir, settings.node_id, run_as)
     report = adopt(supervisor)
     log.info(
         "agent %s: adopted %d engines, %d shards lost, %d unidentified engines killed",
@@ -138,8 +145,8 @@ async def run(settings: AgentSettings) -> None:
         len(report.lost),
         len(report.killed),
     )
-    node_activities = build_activities(settings, secret, supervisor)
-    sources = Sources()
+    node_activities = build_activities(settings, secret, supervisor, llama)
+    sources = sources_from(settings.sys_root, settings.gpu_snapshot)
     client = await connect(settings.temporal_address, settings.temporal_namespace)
     queue = node_queue(settings.node_id)
     worker = Worker(
@@ -150,6 +157,7 @@ async def run(settings: AgentSettings) -> None:
             node_activities.wait_shard_ready,
             node_activities.watch_shard,
             node_activities.stop_shard,
+            node_activities.shard_log_tail,
         ],
         max_concurrent_activities=64,
         graceful_shutdown_timeout=timedelta(seconds=settings.graceful_shutdown_s),

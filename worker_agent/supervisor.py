@@ -25,6 +25,7 @@ from pathlib import Path
 from llmgw.errors import EngineLaunchError
 from llmgw.types import ShardRef
 from worker_agent import procfs
+from worker_agent.users import RunAs
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +64,9 @@ def shard_key(ref: ShardRef) -> str:
 class Supervisor:
     """Owns the shard processes of one node agent."""
 
-    def __init__(self, work_dir: Path, node_id: str = "") -> None:
+    def __init__(self, work_dir: Path, node_id: str = "", run_as: RunAs | None = None) -> None:
         self.node_id = node_id
+        self.run_as = run_as
         self._dir = work_dir / "shards"
         self._dir.mkdir(parents=True, exist_ok=True)
         self.marker = str(self._dir.resolve())
@@ -158,16 +160,22 @@ class Supervisor:
         shard_dir = self.shard_dir(ref)
         shard_dir.mkdir(parents=True, exist_ok=True)
         log_path = shard_dir / "engine.log"
+        user = self.run_as
         with open(log_path, "ab") as log_file:
             try:
                 proc = subprocess.Popen(
                     command,
-                    env={**env, ENGINE_MARKER: self.marker},
+                    env={**env, **(user.env() if user else {}), ENGINE_MARKER: self.marker},
                     stdin=subprocess.DEVNULL,
                     stdout=log_file,
                     stderr=subprocess.STDOUT,
-                    cwd=shard_dir,
+                    cwd=user.home if user else shard_dir,
                     start_new_session=True,
+                    # Dropped in the child between fork and exec: the engine
+                    # never runs a single instruction as root.
+                    user=user.uid if user else None,
+                    group=user.gid if user else None,
+                    extra_groups=list(user.groups) if user else None,
                 )
             except OSError as exc:
                 raise EngineLaunchError(f"cannot start {command[0]}: {exc}") from exc
@@ -244,9 +252,11 @@ class Supervisor:
     def _wait_group_gone(pgid: int, child: subprocess.Popen[bytes] | None, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
         while True:
-            if child is not None:
-                child.poll()  # reap the leader so it stops counting as a member
-            if not procfs.group_members(pgid):
+            # A multi-threaded leader shows as a zombie before its last
+            # thread is gone and only then can be reaped: wait for both, or
+            # its exit code is lost.
+            reaped = child is None or child.poll() is not None
+            if reaped and not procfs.group_members(pgid):
                 return True
             if time.monotonic() >= deadline:
                 return False

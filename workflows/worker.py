@@ -15,11 +15,12 @@ from llmgw.settings import ControlSettings
 from llmgw.temporal import connect
 from llmgw.types import FleetSnapshot
 from workflows.fleet import FleetWorkflow
+from workflows.logs import ShardLogsWorkflow
 from workflows.replica import ReplicaWorkflow
 
 log = logging.getLogger(__name__)
 
-WORKFLOWS = [FleetWorkflow, ReplicaWorkflow]
+WORKFLOWS = [FleetWorkflow, ReplicaWorkflow, ShardLogsWorkflow]
 
 
 async def ensure_fleet(client: Client) -> None:

@@ -1,0 +1,381 @@
+"""Fetching a model's weights into the node's weights cache before an engine starts.
+
+Why a per-node cache rather than pointing engines at the source:
+
+- Engines read weights only from here. The cache is under the agent's work dir and is
+  world-readable (dirs 0755, files 0644), so engines can run as a non-root user.
+- A complete entry (one with its ``COMPLETE`` marker) survives an agent or node restart
+  and is served again without copying hundreds of GiB.
+- Every copy is checksummed as it is written, so a truncated or corrupt copy is caught
+  here rather than as an engine crash or silently wrong output.
+
+Only local sources (an absolute path or a ``file://`` URL) are supported today. Remote
+sources (an object store, a model hub) will plug in later as another ``WeightSource``;
+until then ``source_for`` refuses them. The code is synchronous and knows nothing of
+Temporal: the caller runs ``fetch`` in a thread and turns progress into heartbeats.
+"""
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import stat
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Protocol
+from urllib.parse import unquote, urlsplit
+
+Progress = Callable[[int, int], None]
+"""Called with (bytes_done, bytes_total)."""
+
+CHUNK_BYTES = 2**20
+MARKER = "COMPLETE"
+KEY_HEX_CHARS = 24
+
+
+class WeightsError(Exception):
+    """A weights fetch failed; ``retryable`` tells the caller whether trying again can help."""
+
+    retryable: bool = True
+
+
+class UnsupportedSource(WeightsError):
+    """The URI names a kind of source this agent cannot fetch from."""
+
+    retryable = False
+
+
+class ChecksumMismatch(WeightsError):
+    """The weights' digest is not the one the caller expected."""
+
+    retryable = False
+
+
+class SourceMissing(WeightsError):
+    """The source path does not exist."""
+
+    retryable = False
+
+
+@dataclass(frozen=True)
+class FetchedWeights:
+    """Weights in the cache, ready for an engine to load."""
+
+    path: Path
+    sha256: str
+    size_bytes: int
+    cached: bool
+
+
+@dataclass(frozen=True)
+class SourceInfo:
+    """What a source is, cheaply: ``identity`` changes whenever the content may have."""
+
+    identity: str
+    size_bytes: int
+    is_dir: bool
+
+
+class WeightSource(Protocol):
+    """Somewhere weights can be copied from."""
+
+    def describe(self) -> SourceInfo:
+        """Identify the source without reading its content; raise SourceMissing if absent."""
+        ...
+
+    def copy_into(self, dest: Path, progress: Progress) -> str | None:
+        """Write the weights at ``dest`` (a file or a directory), reporting progress.
+
+        Return the digest if it was computed while writing (saves reading everything a
+        second time); return None and the cache reads the copy back to compute it.
+        """
+        ...
+
+
+def _tree_digest(file_shas: dict[str, str]) -> str:
+    """Directory digest: sha256 over sorted "relpath\\0filesha\\n" lines."""
+    digest = hashlib.sha256()
+    for rel in sorted(file_shas):
+        digest.update(f"{rel}\0{file_shas[rel]}\n".encode())
+    return digest.hexdigest()
+
+
+def _regular_files(root: Path) -> list[tuple[str, Path, os.stat_result]]:
+    """(posix relpath, path, stat) of each regular file at or under ``root``, by relpath.
+
+    Symlinks are followed (HF snapshot dirs link into a blob store). A directory that is
+    its own ancestor through links is not entered again, so a link loop cannot hang us.
+    """
+    if not root.is_dir():
+        return [(root.name, root, root.stat())]
+    found: list[tuple[str, Path, os.stat_result]] = []
+    above: dict[str, frozenset[tuple[int, int]]] = {}  # dirpath -> (dev, ino) of its chain
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
+        st = os.stat(dirpath)
+        chain = above.get(os.path.dirname(dirpath), frozenset())
+        if (st.st_dev, st.st_ino) in chain:
+            dirnames[:] = []
+            continue
+        above[dirpath] = chain | {(st.st_dev, st.st_ino)}
+        for name in filenames:
+            path = Path(dirpath) / name
+            try:
+                file_st = path.stat()
+            except FileNotFoundError:  # a dangling symlink is not part of the model
+                continue
+            if stat.S_ISREG(file_st.st_mode):
+                found.append((path.relative_to(root).as_posix(), path, file_st))
+    found.sort(key=lambda item: item[0])
+    return found
+
+
+def _copy_file(src: Path, dst: Path, on_bytes: Callable[[int], None]) -> str:
+    """Copy in 1 MiB chunks, hashing as we go.
+
+    The copy is fsynced: the marker written after it must not reach the disk first.
+    """
+    digest = hashlib.sha256()
+    with src.open("rb") as reader, dst.open("wb") as writer:
+        while chunk := reader.read(CHUNK_BYTES):
+            digest.update(chunk)
+            writer.write(chunk)
+            on_bytes(len(chunk))
+        writer.flush()
+        os.fsync(writer.fileno())
+    return digest.hexdigest()
+
+
+def _digest_path(path: Path) -> str:
+    """Digest of a copy already on disk, for sources that do not hash while writing."""
+    shas: dict[str, str] = {}
+    for rel, file, _ in _regular_files(path):
+        digest = hashlib.sha256()
+        with file.open("rb") as reader:
+            while chunk := reader.read(CHUNK_BYTES):
+                digest.update(chunk)
+        shas[rel] = digest.hexdigest()
+    return _tree_digest(shas) if path.is_dir() else shas[path.name]
+
+
+class LocalSource:
+    """A file or directory on a filesystem this node can read."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def describe(self) -> SourceInfo:
+        """Identity is resolved path + size + mtime(s): a rewritten source is fetched again."""
+        try:
+            resolved = self.path.resolve(strict=True)
+            st = resolved.stat()
+        except FileNotFoundError as exc:
+            raise SourceMissing(f"weights source {self.path} does not exist") from exc
+        if stat.S_ISREG(st.st_mode):
+            return SourceInfo(f"file:{resolved}:{st.st_size}:{st.st_mtime_ns}", st.st_size, False)
+        if not stat.S_ISDIR(st.st_mode):
+            raise UnsupportedSource(f"weights source {self.path} is not a file or directory")
+        # A directory's own mtime misses files rewritten in place, so fold in every file's.
+        listing = hashlib.sha256()
+        size = 0
+        for rel, _, file_st in _regular_files(resolved):
+            listing.update(f"{rel}\0{file_st.st_size}\0{file_st.st_mtime_ns}\n".encode())
+            size += file_st.st_size
+        return SourceInfo(f"dir:{resolved}:{size}:{listing.hexdigest()}", size, True)
+
+    def copy_into(self, dest: Path, progress: Progress) -> str:
+        """Copy the file or tree to ``dest`` and return its digest, computed while copying."""
+        src = self.path.resolve(strict=True)
+        files = _regular_files(src)
+        total = sum(st.st_size for _, _, st in files)
+        done = 0
+
+        def on_bytes(count: int) -> None:
+            nonlocal done
+            done += count
+            progress(done, total)
+
+        if not src.is_dir():
+            return _copy_file(src, dest, on_bytes)
+        dest.mkdir()
+        shas: dict[str, str] = {}
+        for rel, path, _ in files:
+            target = dest / rel
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shas[rel] = _copy_file(path, target, on_bytes)
+        return _tree_digest(shas)
+
+
+def source_for(uri: str) -> WeightSource:
+    """Plain absolute path or file:// URL → LocalSource; anything else → UnsupportedSource."""
+    parts = urlsplit(uri)
+    if uri.startswith("/"):
+        return LocalSource(Path(uri))
+    if parts.scheme == "file":
+        path = unquote(parts.path)
+        if parts.netloc not in ("", "localhost") or not path.startswith("/"):
+            raise UnsupportedSource(f"file URL {uri!r} must name an absolute local path")
+        return LocalSource(Path(path))
+    if not parts.scheme:
+        raise UnsupportedSource(f"weights path {uri!r} must be absolute")
+    raise UnsupportedSource(
+        f"remote weight sources are not supported yet (scheme {parts.scheme!r} in {uri!r}); "
+        "use an absolute local path or a file:// URL"
+    )
+
+
+class _Throttle:
+    """Forwards progress at start, every ``every`` bytes, and at the end, no more often.
+
+    Sources report every chunk; a heartbeat per MiB would swamp Temporal.
+    """
+
+    def __init__(self, sink: Progress | None, every: int) -> None:
+        self._sink = sink
+        self._every = every
+        self._sent: int | None = None
+        self._last = (0, 0)
+
+    def __call__(self, done: int, total: int) -> None:
+        self._last = (done, total)
+        due = self._sent is None or done >= total or done - self._sent >= self._every
+        if self._sink is not None and due and done != self._sent:
+            self._sent = done
+            self._sink(done, total)
+
+    def finish(self) -> None:
+        """Make sure the last figure reported is the final one."""
+        if self._sink is not None and self._last[0] != self._sent:
+            self._sent = self._last[0]
+            self._sink(*self._last)
+
+
+def _payload_name(uri: str) -> str:
+    return PurePosixPath(unquote(urlsplit(uri).path)).name or "weights"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _make_world_readable(root: Path) -> None:
+    """Dirs 0755, files 0644 (engines may run as another user), and fsync the dirs."""
+    for dirpath, _, filenames in os.walk(root):
+        os.chmod(dirpath, 0o755)
+        for name in filenames:
+            path = os.path.join(dirpath, name)
+            if not os.path.islink(path):  # chmod would follow it out of the cache
+                os.chmod(path, 0o644)
+        _fsync_dir(Path(dirpath))
+
+
+class WeightsCache:
+    """Weights cached under ``root``, one ``root/<key>/`` entry per source identity."""
+
+    def __init__(self, root: Path, progress_every_bytes: int = 64 * 2**20) -> None:
+        self.root = root
+        self.progress_every_bytes = progress_every_bytes
+
+    def fetch(
+        self, uri: str, expected_sha256: str | None = None, progress: Progress | None = None
+    ) -> FetchedWeights:
+        """Return the weights at ``uri`` from the cache, copying them in on a miss."""
+        source = source_for(uri)
+        info = source.describe()
+        key = hashlib.sha256(info.identity.encode()).hexdigest()[:KEY_HEX_CHARS]
+        expected = expected_sha256.strip().lower() if expected_sha256 else None
+        self.root.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(PermissionError):  # a root we do not own is set up already
+            os.chmod(self.root, 0o755)
+        with self._locked(key):
+            hit = self._lookup(key)
+            if hit is None:
+                return self._fill(key, uri, source, info, expected, progress)
+            if expected is not None and hit.sha256 != expected:
+                raise ChecksumMismatch(
+                    f"weights {uri}: expected sha256 {expected}, cached copy has {hit.sha256}"
+                )
+            return hit
+
+    @contextlib.contextmanager
+    def _locked(self, key: str) -> Iterator[None]:
+        """Serialise fetches of one source, across threads and processes alike.
+
+        flock locks belong to an open file description, so two threads that each open
+        the file exclude each other. The lock file is left behind: unlinking it would let
+        a waiter lock an orphaned inode while a newcomer locks a fresh file.
+        """
+        fd = os.open(self.root / f"{key}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # closing releases the lock
+
+    def _lookup(self, key: str) -> FetchedWeights | None:
+        """A complete entry: marker readable and payload present. Anything less is a miss."""
+        entry = self.root / key
+        try:
+            marker = json.loads((entry / MARKER).read_text())
+            name, sha, size = marker["name"], marker["sha256"], marker["size"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        if not (isinstance(name, str) and isinstance(sha, str) and isinstance(size, int)):
+            return None
+        payload = entry / name
+        if not name or not payload.exists():
+            return None
+        return FetchedWeights(payload, sha, size, cached=True)
+
+    def _fill(
+        self,
+        key: str,
+        uri: str,
+        source: WeightSource,
+        info: SourceInfo,
+        expected: str | None,
+        progress: Progress | None,
+    ) -> FetchedWeights:
+        """Copy into a temp dir beside the entry, verify, then rename it into place."""
+        entry = self.root / key
+        # Leftovers of a crashed fetch of this key; we hold its lock, so nobody is using them.
+        shutil.rmtree(entry, ignore_errors=True)
+        for stale in self.root.glob(f".tmp-{key}-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        # Same filesystem as the entry, so the final os.replace is an atomic rename.
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{key}-", dir=self.root))
+        name = _payload_name(uri)
+        try:
+            throttle = _Throttle(progress, self.progress_every_bytes)
+            throttle(0, info.size_bytes)
+            sha = source.copy_into(tmp / name, throttle) or _digest_path(tmp / name)
+            throttle.finish()
+            if expected is not None and sha != expected:
+                raise ChecksumMismatch(f"weights {uri}: expected sha256 {expected}, got {sha}")
+            size = sum(st.st_size for _, _, st in _regular_files(tmp / name))
+            _make_world_readable(tmp)
+            marker = {"uri": uri, "name": name, "sha256": sha, "size": size}
+            marker["fetched_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+            # Written last: its presence is what makes the entry complete.
+            with (tmp / MARKER).open("w") as out:
+                json.dump(marker, out)
+                out.flush()
+                os.fsync(out.fileno())
+            os.chmod(tmp / MARKER, 0o644)
+            _fsync_dir(tmp)
+            os.replace(tmp, entry)
+            _fsync_dir(self.root)
+        except BaseException as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if isinstance(exc, OSError):
+                raise WeightsError(f"fetching weights {uri} failed: {exc}") from exc
+            raise
+        return FetchedWeights(entry / name, sha, size, cached=False)

@@ -6,6 +6,7 @@ PLACE_REPLICA = "place_replica"
 RELEASE_REPLICA = "release_replica"
 
 # Node queues (node-<id>)
+FETCH_WEIGHTS = "fetch_weights"
 LAUNCH_SHARD = "launch_shard"
 WAIT_SHARD_READY = "wait_shard_ready"
 WATCH_SHARD = "watch_shard"

@@ -16,8 +16,16 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from activities import names
-from llmgw.errors import EngineExitedError, EngineLaunchError, EngineNotReadyError, LlmgwError
+from llmgw.errors import (
+    ConfigError,
+    EngineExitedError,
+    EngineLaunchError,
+    EngineNotReadyError,
+    LlmgwError,
+)
 from llmgw.types import (
+    FetchWeightsInput,
+    FetchWeightsResult,
     LaunchShardInput,
     LogTail,
     LogTailInput,
@@ -32,6 +40,7 @@ from llmgw.types import (
 )
 from worker_agent.engines import AdapterRegistry, NodeFacts, engine_base_env
 from worker_agent.supervisor import RunningShard, Supervisor
+from worker_agent.weights import WeightsCache, WeightsError
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +73,10 @@ class NodeActivities:
         ports: range,
         threads: int = 0,
         http: httpx.AsyncClient | None = None,
+        weights: WeightsCache | None = None,
     ) -> None:
         self._sup = supervisor
+        self._weights = weights
         self._adapters = adapters
         self._engine_key = engine_key
         self._host = engine_host
@@ -77,6 +88,43 @@ class NodeActivities:
     async def aclose(self) -> None:
         """Close the HTTP client used for readiness checks."""
         await self._http.aclose()
+
+    @activity.defn(name=names.FETCH_WEIGHTS)
+    async def fetch_weights(self, request: FetchWeightsInput) -> FetchWeightsResult:
+        """Bring the weights into the node's cache, verified, heartbeating progress."""
+        if self._weights is None:
+            raise ConfigError("this agent has no weights cache").to_application_error()
+        cache = self._weights
+        done = [0, 0]
+
+        def progress(copied: int, total: int) -> None:
+            done[0], done[1] = copied, total  # read by the heartbeat loop below
+
+        task = asyncio.create_task(
+            asyncio.to_thread(cache.fetch, request.source, request.sha256, progress)
+        )
+        while not task.done():
+            activity.heartbeat(f"{done[0]}/{done[1]} bytes")
+            await asyncio.wait({task}, timeout=1.0)
+        try:
+            fetched = task.result()
+        except WeightsError as err:
+            raise ApplicationError(
+                str(err), type=type(err).__name__, non_retryable=not err.retryable
+            ) from err
+        log.info(
+            "replica %s weights at %s (%d bytes, %s)",
+            request.replica_id,
+            fetched.path,
+            fetched.size_bytes,
+            "cached" if fetched.cached else "fetched",
+        )
+        return FetchWeightsResult(
+            path=str(fetched.path),
+            sha256=fetched.sha256,
+            size_bytes=fetched.size_bytes,
+            cached=fetched.cached,
+        )
 
     @activity.defn(name=names.LAUNCH_SHARD)
     async def launch_shard(self, request: LaunchShardInput) -> ShardHandle:
@@ -145,6 +193,7 @@ class NodeActivities:
                 # process resumes watching it.
                 raise ApplicationError("agent shutting down", type="AgentShutdown")
             activity.heartbeat("running")
+            self._sup.trim_log(ref)
             await asyncio.sleep(request.poll_interval_s)
         code = self._sup.exit_code(ref)
         tail = self._sup.log_tail(ref, 30)

@@ -24,6 +24,7 @@ class ModelSpec(BaseModel):
     name: str = Field(min_length=1, description="served model id (what clients send)")
     engine: EngineKind = EngineKind.LLAMA_CPP
     source: str = Field(min_length=1, description="weights: a file or directory on the node")
+    sha256: str | None = Field(default=None, description="expected digest of the weights")
     gpus: int = Field(default=0, ge=0, description="GPUs per replica; 0 runs on CPU")
     context_length: int = Field(default=512, ge=16)
     engine_args: list[str] = Field(default_factory=list)
@@ -106,6 +107,13 @@ class NodeFabric(BaseModel):
     island: str = Field(default="", description="nodes in one island can form multi-node replicas")
 
 
+class ShardRef(BaseModel):
+    """Names a shard on a node."""
+
+    replica_id: str
+    rank: int = 0
+
+
 class ShardReport(BaseModel):
     """An engine an agent runs, as it reports it when (re)registering."""
 
@@ -128,6 +136,9 @@ class NodeInventory(BaseModel):
     max_cpu_replicas: int = Field(default=4, ge=0)
     fabric: NodeFabric = Field(default_factory=NodeFabric)
     running: list[ShardReport] = Field(default_factory=list)
+    lost: list[ShardRef] = Field(
+        default_factory=list, description="shards whose engine this agent found gone at start"
+    )
 
 
 class RegisterNodeResult(BaseModel):
@@ -194,13 +205,6 @@ class ShardSpec(BaseModel):
     gpu_indices: list[int] = Field(default_factory=list)
 
 
-class ShardRef(BaseModel):
-    """Names a shard on a node."""
-
-    replica_id: str
-    rank: int = 0
-
-
 class LaunchShardInput(BaseModel):
     """Input of ``launch_shard``."""
 
@@ -218,6 +222,23 @@ class ShardHandle(BaseModel):
     already_running: bool = Field(
         default=False, description="true when a repeated launch found the engine running"
     )
+
+
+class FetchWeightsInput(BaseModel):
+    """Input of ``fetch_weights``: bring a model's weights into the node's cache."""
+
+    replica_id: str
+    source: str
+    sha256: str | None = None
+
+
+class FetchWeightsResult(BaseModel):
+    """Where the weights are on the node, verified."""
+
+    path: str
+    sha256: str
+    size_bytes: int
+    cached: bool
 
 
 class WaitReadyInput(BaseModel):
@@ -289,6 +310,7 @@ class ReplicaPhase(StrEnum):
     Loading (weights loading): a big model legitimately loads for minutes."""
 
     PLACING = "placing"
+    FETCHING = "fetching"
     STARTING = "starting"
     LOADING = "loading"
     READY = "ready"
@@ -305,6 +327,7 @@ class ReplicaTimeouts(BaseModel):
     """Timer lengths, passed as input so tests can use short ones."""
 
     schedule_to_start_s: float = 30.0
+    fetch_s: float = 6 * 3600.0
     launch_s: float = 120.0
     ready_s: float = 600.0
     heartbeat_s: float = 10.0

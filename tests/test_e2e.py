@@ -150,7 +150,8 @@ async def test_replica_state_is_searchable(client: Client, served: dict[str, str
     assert ids == [f"replica/{served['replica']}"]
     status = await replicas.status_of(client, served["replica"])
     assert status is not None and status.phase is ReplicaPhase.READY
-    assert [h.phase for h in status.history][:3] == [
+    assert [h.phase for h in status.history][:4] == [
+        ReplicaPhase.FETCHING,
         ReplicaPhase.STARTING,
         ReplicaPhase.LOADING,
         ReplicaPhase.READY,

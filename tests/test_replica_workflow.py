@@ -18,6 +18,8 @@ from temporalio.worker import Replayer, Worker
 from activities import names
 from llmgw.queues import node_queue
 from llmgw.types import (
+    FetchWeightsInput,
+    FetchWeightsResult,
     LaunchShardInput,
     ModelSpec,
     Placement,
@@ -54,6 +56,8 @@ class Fakes:
     ready_gate: asyncio.Event = field(default_factory=asyncio.Event)
     engine_exit: asyncio.Event = field(default_factory=asyncio.Event)
     launches: int = 0
+    fetches: int = 0
+    launched_sources: list[str] = field(default_factory=list)
     stops: int = 0
     releases: int = 0
 
@@ -75,9 +79,15 @@ class Fakes:
         self.releases += 1
         return ReleaseResult(released=True)
 
+    @activity.defn(name=names.FETCH_WEIGHTS)
+    async def fetch(self, req: FetchWeightsInput) -> FetchWeightsResult:
+        self.fetches += 1
+        return FetchWeightsResult(path="/cache/m.gguf", sha256="0" * 64, size_bytes=1, cached=False)
+
     @activity.defn(name=names.LAUNCH_SHARD)
     async def launch(self, req: LaunchShardInput) -> ShardHandle:
         self.launches += 1
+        self.launched_sources.append(req.spec.model.source)
         return ShardHandle(
             replica_id=req.spec.replica_id, rank=0, pid=4242, port=1, endpoint="http://127.0.0.1:1"
         )
@@ -117,7 +127,7 @@ async def env(client: Client) -> AsyncIterator[tuple[Client, str, Fakes]]:
     node = Worker(
         client,
         task_queue=node_queue(fakes.node_id),
-        activities=[fakes.launch, fakes.wait_ready, fakes.watch, fakes.stop],
+        activities=[fakes.fetch, fakes.launch, fakes.wait_ready, fakes.watch, fakes.stop],
     )
     async with control, node:
         yield client, queue, fakes
@@ -158,6 +168,7 @@ async def test_ready_then_stop(env: tuple[Client, str, Fakes]) -> None:
     )
     assert final.phase is P.STOPPED
     assert [h.phase for h in final.history] == [
+        P.FETCHING,
         P.STARTING,
         P.LOADING,
         P.READY,
@@ -166,6 +177,8 @@ async def test_ready_then_stop(env: tuple[Client, str, Fakes]) -> None:
         P.STOPPED,
     ]
     assert (fakes.launches, fakes.stops, fakes.releases) == (1, 1, 1)
+    # The engine loads the node's cached copy, never the catalog's path.
+    assert fakes.launched_sources == ["/cache/m.gguf"]
     assert (await handle.result()).phase is P.STOPPED
 
 
@@ -223,7 +236,7 @@ async def test_fresh_history_replays_deterministically(env: tuple[Client, str, F
     )
     history = await handle.fetch_history()
     if os.environ.get("LLMGW_RECORD_HISTORIES"):
-        (HISTORIES / "replica_ready_stop.json").write_text(history.to_json())
+        (HISTORIES / "replica_ready_stop_fetch.json").write_text(history.to_json())
     result = await Replayer(
         workflows=[ReplicaWorkflow], data_converter=pydantic_data_converter
     ).replay_workflow(history)

@@ -78,3 +78,16 @@ def test_fingerprint_reads_start_time_and_cmdline() -> None:
     assert fp.start_time > 0
     assert Path(fp.cmdline[0]).name.startswith("python") or "pytest" in " ".join(fp.cmdline)
     assert procfs.fingerprint(2**22 + 7) is None
+
+
+def test_log_is_trimmed_keeping_the_newest_part(tmp_path: Path) -> None:
+    sup = Supervisor(tmp_path)
+    ref = ShardRef(replica_id="chatty")
+    log_path = sup.shard_dir(ref) / "engine.log"
+    log_path.parent.mkdir(parents=True)
+    log_path.write_bytes(b"old\n" * 600_000 + b"newest line\n")
+    assert sup.trim_log(ref, max_bytes=1_000_000)
+    assert log_path.stat().st_size < 1000
+    assert (log_path.parent / "engine.log.1").read_bytes().endswith(b"newest line\n")
+    assert not sup.trim_log(ref, max_bytes=1_000_000)
+    assert sup.log_tail(ref, 1) == ["--- log trimmed; the previous 1 MiB is in engine.log.1 ---"]

@@ -208,8 +208,12 @@ def test_results_are_world_readable(tmp_path: Path, model_dir: Path) -> None:
     for path in [model_dir, *model_dir.rglob("*")]:
         if not path.is_symlink():
             path.chmod(0o700 if path.is_dir() else 0o600)
-    cache = WeightsCache(tmp_path / "cache")
-    fetched = cache.fetch(str(model_dir))
+    # A strict umask too: new files would otherwise come out 0644 by luck.
+    old_umask = os.umask(0o077)
+    try:
+        fetched = WeightsCache(tmp_path / "cache").fetch(str(model_dir))
+    finally:
+        os.umask(old_umask)
     try:
         for path in [fetched.path.parent, fetched.path, *fetched.path.parent.rglob("*")]:
             mode = stat.S_IMODE(path.stat().st_mode)

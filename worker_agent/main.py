@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
 
 from temporalio.client import Client, WorkflowExecutionStatus
@@ -26,12 +26,13 @@ from llmgw.queues import CONTROL_QUEUE, FLEET_WORKFLOW_ID, node_queue, replica_w
 from llmgw.settings import AgentSettings
 from llmgw.store import Store
 from llmgw.temporal import connect
-from llmgw.types import EngineKind, FleetSnapshot, NodeInventory, ShardReport
+from llmgw.types import EngineKind, FleetSnapshot, NodeInventory, ShardRef, ShardReport
 from worker_agent.adoption import adopt
 from worker_agent.engines import AdapterRegistry, LlamaCppAdapter
 from worker_agent.inventory import Sources, collect, sources_from
 from worker_agent.supervisor import Supervisor
 from worker_agent.users import prepare_home, resolve_run_as
+from worker_agent.weights import WeightsCache
 
 log = logging.getLogger(__name__)
 
@@ -65,10 +66,16 @@ def build_activities(
         engine_host=settings.engine_host,
         ports=range(settings.port_range_start, settings.port_range_end + 1),
         threads=settings.engine_threads,
+        weights=WeightsCache(supervisor.work_dir / "weights"),
     )
 
 
-def inventory(settings: AgentSettings, supervisor: Supervisor, sources: Sources) -> NodeInventory:
+def inventory(
+    settings: AgentSettings,
+    supervisor: Supervisor,
+    sources: Sources,
+    lost: Sequence[ShardRef] = (),
+) -> NodeInventory:
     """This node's inventory, with the shards it runs right now."""
     inv = collect(
         settings.node_id,
@@ -82,6 +89,7 @@ def inventory(settings: AgentSettings, supervisor: Supervisor, sources: Sources)
         ShardReport(replica_id=r.ref.replica_id, rank=r.ref.rank, pid=r.pid, endpoint=r.endpoint)
         for r in supervisor.running()
     ]
+    inv.lost = list(lost)
     return inv
 
 
@@ -153,6 +161,7 @@ async def run(settings: AgentSettings) -> None:
         client,
         task_queue=queue,
         activities=[
+            node_activities.fetch_weights,
             node_activities.launch_shard,
             node_activities.wait_shard_ready,
             node_activities.watch_shard,
@@ -165,7 +174,7 @@ async def run(settings: AgentSettings) -> None:
     stop = stop_event_on_signals()
     async with worker:
         await stop_orphans(client, supervisor, grace_s=10)
-        await register(client, inventory(settings, supervisor, sources))
+        await register(client, inventory(settings, supervisor, sources, report.lost))
         log.info("agent %s serving %s (pid %d)", settings.node_id, queue, os.getpid())
         keeper = asyncio.create_task(_keep_registered(client, settings, supervisor, sources))
         await stop.wait()

@@ -30,6 +30,10 @@ from worker_agent.users import RunAs
 log = logging.getLogger(__name__)
 
 LOG_TAIL_LINES = 200
+# Engine logs are trimmed past this size, keeping the newest part, so a
+# chatty engine cannot fill the node's disk.
+LOG_MAX_BYTES = 16 * 2**20
+LOG_KEEP_BYTES = 2**20
 # Set in every engine's environment to the agent's shard directory: it tells
 # this agent's engines from any other process (another agent's on the same
 # host included), so an engine whose spec file is gone can still be found.
@@ -67,6 +71,7 @@ class Supervisor:
     def __init__(self, work_dir: Path, node_id: str = "", run_as: RunAs | None = None) -> None:
         self.node_id = node_id
         self.run_as = run_as
+        self.work_dir = work_dir
         self._dir = work_dir / "shards"
         self._dir.mkdir(parents=True, exist_ok=True)
         self.marker = str(self._dir.resolve())
@@ -211,6 +216,30 @@ class Supervisor:
         except FileNotFoundError:
             return []
         return list(tail)
+
+    def trim_log(self, ref: ShardRef, max_bytes: int = LOG_MAX_BYTES) -> bool:
+        """Keep only the newest part of a log grown past ``max_bytes``.
+
+        The engine writes with O_APPEND (the agent opened the file so), so
+        truncating in place is safe: its next write lands at the new end.
+        The older part goes to ``engine.log.1``, replacing the previous one.
+        """
+        path = self.shard_dir(ref) / "engine.log"
+        try:
+            size = path.stat().st_size
+            if size <= max_bytes:
+                return False
+            with open(path, "r+b") as fh:
+                fh.seek(size - LOG_KEEP_BYTES)
+                newest = fh.read()
+                (path.parent / "engine.log.1").write_bytes(newest)
+                fh.seek(0)
+                fh.truncate(0)
+                fh.write(b"--- log trimmed; the previous 1 MiB is in engine.log.1 ---\n")
+        except OSError as exc:
+            log.warning("cannot trim %s: %s", path, exc)
+            return False
+        return True
 
     def stop(self, ref: ShardRef, grace_s: float) -> StopOutcome:
         """Stop a shard's whole process group: SIGTERM, wait, SIGKILL, confirm.

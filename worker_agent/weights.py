@@ -238,20 +238,12 @@ class _Throttle:
         self._sink = sink
         self._every = every
         self._sent: int | None = None
-        self._last = (0, 0)
 
     def __call__(self, done: int, total: int) -> None:
-        self._last = (done, total)
         due = self._sent is None or done >= total or done - self._sent >= self._every
         if self._sink is not None and due and done != self._sent:
             self._sent = done
             self._sink(done, total)
-
-    def finish(self) -> None:
-        """Make sure the last figure reported is the final one."""
-        if self._sink is not None and self._last[0] != self._sent:
-            self._sent = self._last[0]
-            self._sink(*self._last)
 
 
 def _payload_name(uri: str) -> str:
@@ -261,7 +253,7 @@ def _payload_name(uri: str) -> str:
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
-        os.fsync(fd)
+        os.fsync(fd)  # makes the names in it durable, not just the files' bytes
     finally:
         os.close(fd)
 
@@ -357,10 +349,10 @@ class WeightsCache:
             throttle = _Throttle(progress, self.progress_every_bytes)
             throttle(0, info.size_bytes)
             sha = source.copy_into(tmp / name, throttle) or _digest_path(tmp / name)
-            throttle.finish()
             if expected is not None and sha != expected:
                 raise ChecksumMismatch(f"weights {uri}: expected sha256 {expected}, got {sha}")
             size = sum(st.st_size for _, _, st in _regular_files(tmp / name))
+            throttle(size, size)  # a no-op unless the source never reported its end
             _make_world_readable(tmp)
             marker = {"uri": uri, "name": name, "sha256": sha, "size": size}
             marker["fetched_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())

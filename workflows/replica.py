@@ -23,7 +23,10 @@ with workflow.unsafe.imports_passed_through():
     from llmgw import search_attributes as sa
     from llmgw.queues import node_queue
     from llmgw.types import (
+        FetchWeightsInput,
+        FetchWeightsResult,
         LaunchShardInput,
+        ModelSpec,
         Placement,
         PlaceRequest,
         PlaceResult,
@@ -47,6 +50,7 @@ with workflow.unsafe.imports_passed_through():
 
 P = ReplicaPhase
 T = TypeVar("T")
+FETCH_WEIGHTS_PATCH = "fetch-weights-v1"
 # The watch activity lives as long as the engine; its heartbeats, not this
 # bound, are what notice a dead agent.
 WATCH_LIFETIME = timedelta(days=3650)
@@ -70,6 +74,7 @@ class ReplicaWorkflow:
         self._stop: StopReplicaInput | None = None
         self._placement: Placement | None = None
         self._launched = False
+        self._fetches = False
 
     @workflow.run
     async def run(self, input: ReplicaInput) -> ReplicaStatus:
@@ -105,7 +110,22 @@ class ReplicaWorkflow:
         placement = await self._place()
         if placement is None:
             return
-        handle = await self._interruptible(self._launch(placement))
+        model = self._input.model
+        if self._fetches:
+            fetched: FetchWeightsResult = await self._interruptible(
+                self._node_activity(
+                    names.FETCH_WEIGHTS,
+                    FetchWeightsInput(
+                        replica_id=self._input.replica_id, source=model.source, sha256=model.sha256
+                    ),
+                    FetchWeightsResult,
+                    timedelta(seconds=self._t.fetch_s),
+                )
+            )
+            model = model.model_copy(update={"source": fetched.path})
+            how = "from the node's cache" if fetched.cached else "fetched"
+            self._move(P.STARTING, f"weights {how}: {fetched.size_bytes} bytes")
+        handle = await self._interruptible(self._launch(placement, model))
         self._status.endpoint = handle.endpoint
         self._status.pid = handle.pid
         self._move(P.LOADING, f"pid {handle.pid} on {handle.endpoint}")
@@ -142,7 +162,10 @@ class ReplicaWorkflow:
             if result.placement is not None:
                 self._placement = result.placement
                 self._status.node_id = result.placement.node_id
-                self._move(P.STARTING, f"placed on {result.placement.node_id}")
+                # Histories from before the fetch step replay without it.
+                self._fetches = workflow.patched(FETCH_WEIGHTS_PATCH)
+                first = P.FETCHING if self._fetches else P.STARTING
+                self._move(first, f"placed on {result.placement.node_id}")
                 return result.placement
             reasons = "; ".join(f"{r.node_id}: {r.reason}" for r in result.rejections)
             self._status.reason = f"cannot place: {reasons}"
@@ -155,10 +178,10 @@ class ReplicaWorkflow:
         self._move(P.FAILED, self._status.reason)
         return None
 
-    async def _launch(self, placement: Placement) -> ShardHandle:
+    async def _launch(self, placement: Placement, model: ModelSpec) -> ShardHandle:
         spec = ShardSpec(
             replica_id=self._input.replica_id,
-            model=self._input.model,
+            model=model,
             gpu_indices=placement.gpu_indices,
         )
         self._launched = True

@@ -9,12 +9,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from temporalio.client import Client
 
 from llmgw.procs import wait_for
 from llmgw.types import ShardRef
 from tests.procs_util import pids_with_args
 from worker_agent import procfs
 from worker_agent.adoption import adopt
+from worker_agent.main import stop_orphans
 from worker_agent.supervisor import ENGINE_MARKER, Supervisor
 
 ENGINE = """
@@ -110,3 +112,12 @@ def test_marked_engine_without_spec_is_killed(tmp_path: Path) -> None:
         for tag in ("tag-rogue", "tag-neighbour"):
             for pid in pids_with_args(tag):
                 os.kill(pid, signal.SIGKILL)
+
+
+async def test_engine_of_an_unknown_replica_is_stopped(first: Supervisor, client: Client) -> None:
+    """The control plane has no workflow for this replica: nothing will ever
+    route to its engine, which only holds resources, so the agent stops it."""
+    _launch(first, "ghost-replica", "tag-ghost")
+    stopped = await stop_orphans(client, first, grace_s=1)
+    assert stopped == ["ghost-replica"]
+    assert pids_with_args("tag-ghost") == []

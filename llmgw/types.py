@@ -25,7 +25,8 @@ class ModelSpec(BaseModel):
     engine: EngineKind = EngineKind.LLAMA_CPP
     source: str = Field(min_length=1, description="weights: a file or directory on the node")
     sha256: str | None = Field(default=None, description="expected digest of the weights")
-    gpus: int = Field(default=0, ge=0, description="GPUs per replica; 0 runs on CPU")
+    gpus: int = Field(default=0, ge=0, description="GPUs per node; 0 runs on CPU")
+    nodes: int = Field(default=1, ge=1, description="nodes one replica spans")
     context_length: int = Field(default=512, ge=16)
     engine_args: list[str] = Field(default_factory=list)
 
@@ -154,13 +155,31 @@ class Rejection(BaseModel):
     reason: str
 
 
+class ShardPlacement(BaseModel):
+    """Where one rank of a multi-node replica runs."""
+
+    rank: int
+    node_id: str
+    gpu_indices: list[int] = Field(default_factory=list)
+
+
 class Placement(BaseModel):
-    """Where a replica runs: recorded in the fleet's allocation ledger."""
+    """Where a replica runs: recorded in the fleet's allocation ledger.
+
+    ``node_id``/``gpu_indices`` are rank 0 (the leader); ``workers`` the other
+    ranks of a multi-node replica, one node each.
+    """
 
     replica_id: str
     model: str
     node_id: str
     gpu_indices: list[int] = Field(default_factory=list)
+    workers: list[ShardPlacement] = Field(default_factory=list)
+
+    def shards(self) -> list[ShardPlacement]:
+        """Every rank, leader first."""
+        leader = ShardPlacement(rank=0, node_id=self.node_id, gpu_indices=self.gpu_indices)
+        return [leader, *self.workers]
 
 
 class PlaceRequest(BaseModel):

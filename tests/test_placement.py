@@ -1,6 +1,14 @@
 """Placement decisions, without Temporal."""
 
-from llmgw.types import GpuHealth, GpuInfo, ModelSpec, NodeInventory, Placement
+from llmgw.types import (
+    FabricKind,
+    GpuHealth,
+    GpuInfo,
+    ModelSpec,
+    NodeFabric,
+    NodeInventory,
+    Placement,
+)
 from workflows.placement import choose_node
 
 
@@ -85,3 +93,42 @@ def test_rejections_name_every_node() -> None:
     }
     cpu = choose_node("r2", CPU, {"b": node("b", cpu_slots=0)}, {})
     assert cpu.rejections[0].reason == "CPU replica slots full (0/0)"
+
+
+def on_island(n: NodeInventory, island: str) -> NodeInventory:
+    n.fabric = NodeFabric(kind=FabricKind.INFINIBAND, island=island)
+    return n
+
+
+TWO_NODE = ModelSpec(name="huge", source="/m", gpus=8, nodes=2)
+
+
+def test_multi_node_replica_stays_in_one_island() -> None:
+    nodes = {
+        "a": on_island(node("a", 8), "fabric:ib-1"),
+        "b": on_island(node("b", 8), "fabric:ib-2"),
+        "c": on_island(node("c", 8), "fabric:ib-2"),
+    }
+    result = choose_node("r1", TWO_NODE, nodes, {})
+    assert result.placement is not None
+    ranks = [(s.rank, s.node_id, len(s.gpu_indices)) for s in result.placement.shards()]
+    assert ranks == [(0, "c", 8), (1, "b", 8)]
+    assert {r.node_id: r.reason for r in result.rejections} == {
+        "a": "island fabric:ib-1 has 1 usable nodes, needs 2"
+    }
+
+
+def test_multi_node_ranks_hold_gpus_on_every_node() -> None:
+    nodes = {n: on_island(node(n, 8), "fabric:ib") for n in ("a", "b")}
+    first = choose_node("r1", TWO_NODE, nodes, {})
+    assert first.placement is not None
+    second = choose_node("r2", TWO_NODE, nodes, {"r1": first.placement})
+    assert second.placement is None
+    assert {r.reason for r in second.rejections} == {"needs 8 free healthy GPUs, has 0"}
+
+
+def test_nodes_without_fabric_are_islands_of_their_own() -> None:
+    nodes = {n: node(n, 8) for n in ("a", "b")}
+    result = choose_node("r1", TWO_NODE, nodes, {})
+    assert result.placement is None
+    assert all("needs 2" in r.reason for r in result.rejections)

@@ -1,36 +1,54 @@
-"""Placement: a pure filter-then-score choice of a node for a replica.
+"""Placement: a pure filter-then-score choice of nodes for a replica.
 
 Each filter says why it turned a node down, so "cannot be placed" always
 comes with reasons. Bin-packing (prefer the busiest node that still fits)
-keeps whole nodes free for large models.
+keeps whole nodes free for large models. A replica spanning nodes is placed
+inside one fabric island: ranks on different fabrics cannot reach each
+other's adapters, and NCCL then hangs rather than fails.
 """
 
 from collections.abc import Callable, Mapping
 
-from llmgw.types import ModelSpec, NodeInventory, Placement, PlaceResult, Rejection
+from llmgw.types import (
+    ModelSpec,
+    NodeInventory,
+    Placement,
+    PlaceResult,
+    Rejection,
+    ShardPlacement,
+)
 
-Filter = Callable[[NodeInventory, ModelSpec, list[Placement]], str | None]
+Filter = Callable[[NodeInventory, ModelSpec, list[ShardPlacement]], str | None]
 
 
-def free_gpu_indices(node: NodeInventory, allocations: list[Placement]) -> list[int]:
+def by_node(allocations: Mapping[str, Placement]) -> dict[str, list[ShardPlacement]]:
+    """Every rank the ledger holds, grouped by node."""
+    grouped: dict[str, list[ShardPlacement]] = {}
+    for alloc in allocations.values():
+        for shard in alloc.shards():
+            grouped.setdefault(shard.node_id, []).append(shard)
+    return grouped
+
+
+def free_gpu_indices(node: NodeInventory, held: list[ShardPlacement]) -> list[int]:
     """Healthy GPUs on ``node`` that no allocation holds."""
-    taken = {i for a in allocations for i in a.gpu_indices}
+    taken = {i for s in held for i in s.gpu_indices}
     return [g.index for g in node.gpus if g.healthy and g.index not in taken]
 
 
-def _enough_gpus(node: NodeInventory, model: ModelSpec, allocs: list[Placement]) -> str | None:
+def _enough_gpus(node: NodeInventory, model: ModelSpec, held: list[ShardPlacement]) -> str | None:
     if model.gpus == 0:
         return None
-    free = free_gpu_indices(node, allocs)
+    free = free_gpu_indices(node, held)
     if len(free) < model.gpus:
         return f"needs {model.gpus} free healthy GPUs, has {len(free)}"
     return None
 
 
-def _cpu_slots(node: NodeInventory, model: ModelSpec, allocs: list[Placement]) -> str | None:
+def _cpu_slots(node: NodeInventory, model: ModelSpec, held: list[ShardPlacement]) -> str | None:
     if model.gpus > 0:
         return None
-    cpu_replicas = sum(1 for a in allocs if not a.gpu_indices)
+    cpu_replicas = sum(1 for s in held if not s.gpu_indices)
     if cpu_replicas >= node.max_cpu_replicas:
         return f"CPU replica slots full ({cpu_replicas}/{node.max_cpu_replicas})"
     return None
@@ -39,10 +57,57 @@ def _cpu_slots(node: NodeInventory, model: ModelSpec, allocs: list[Placement]) -
 FILTERS: tuple[Filter, ...] = (_enough_gpus, _cpu_slots)
 
 
-def _score(node: NodeInventory, allocs: list[Placement]) -> tuple[int, str]:
-    # Bin-pack: more replicas already on the node scores higher; the node id
+def _score(node: NodeInventory, held: list[ShardPlacement]) -> tuple[int, str]:
+    # Bin-pack: more ranks already on the node scores higher; the node id
     # breaks ties so the choice is deterministic (workflow code replays it).
-    return (len(allocs), node.node_id)
+    return (len(held), node.node_id)
+
+
+def island_of(node: NodeInventory) -> str:
+    """The fabric island a node belongs to (itself alone when unknown)."""
+    return node.fabric.island or f"node:{node.node_id}"
+
+
+def _candidates(
+    model: ModelSpec, nodes: Mapping[str, NodeInventory], held: dict[str, list[ShardPlacement]]
+) -> tuple[list[NodeInventory], list[Rejection]]:
+    passed: list[NodeInventory] = []
+    rejections: list[Rejection] = []
+    for node in sorted(nodes.values(), key=lambda n: n.node_id):
+        mine = held.get(node.node_id, [])
+        reason = next((r for f in FILTERS if (r := f(node, model, mine)) is not None), None)
+        if reason is None:
+            passed.append(node)
+        else:
+            rejections.append(Rejection(node_id=node.node_id, reason=reason))
+    return passed, rejections
+
+
+def _pick_island(
+    model: ModelSpec, passed: list[NodeInventory], held: dict[str, list[ShardPlacement]]
+) -> tuple[list[NodeInventory], list[Rejection]]:
+    islands: dict[str, list[NodeInventory]] = {}
+    for node in passed:
+        islands.setdefault(island_of(node), []).append(node)
+    rejections: list[Rejection] = []
+    fits = []
+    for name, members in sorted(islands.items()):
+        if len(members) >= model.nodes:
+            ranked = sorted(members, key=lambda n: _score(n, held.get(n.node_id, [])), reverse=True)
+            fits.append(ranked[: model.nodes])
+        else:
+            rejections += [
+                Rejection(
+                    node_id=n.node_id,
+                    reason=f"island {name} has {len(members)} usable nodes, needs {model.nodes}",
+                )
+                for n in members
+            ]
+    if not fits:
+        return [], rejections
+    # Prefer the island whose chosen nodes are busiest (bin-packing again).
+    best = max(fits, key=lambda ns: (sum(len(held.get(n.node_id, [])) for n in ns), ns[0].node_id))
+    return best, rejections
 
 
 def choose_node(
@@ -51,33 +116,34 @@ def choose_node(
     nodes: Mapping[str, NodeInventory],
     allocations: Mapping[str, Placement],
 ) -> PlaceResult:
-    """Pick a node for ``replica_id``; idempotent when it is already placed."""
+    """Choose nodes for ``replica_id``; idempotent when it is already placed."""
     existing = allocations.get(replica_id)
     if existing is not None:
         return PlaceResult(placement=existing)
-    by_node: dict[str, list[Placement]] = {n: [] for n in nodes}
-    for alloc in allocations.values():
-        by_node.setdefault(alloc.node_id, []).append(alloc)
-    rejections: list[Rejection] = []
-    candidates: list[NodeInventory] = []
-    for node in sorted(nodes.values(), key=lambda n: n.node_id):
-        reason = next(
-            (r for f in FILTERS if (r := f(node, model, by_node[node.node_id])) is not None),
-            None,
-        )
-        if reason is None:
-            candidates.append(node)
-        else:
-            rejections.append(Rejection(node_id=node.node_id, reason=reason))
-    if not candidates:
-        if not nodes:
-            rejections.append(Rejection(node_id="*", reason="no node has registered"))
+    held = by_node(allocations)
+    passed, rejections = _candidates(model, nodes, held)
+    if not nodes:
+        rejections.append(Rejection(node_id="*", reason="no node has registered"))
+    chosen, more = _pick_island(model, passed, held)
+    rejections += more
+    if not chosen:
         return PlaceResult(rejections=rejections)
-    best = max(candidates, key=lambda n: _score(n, by_node[n.node_id]))
-    gpus = free_gpu_indices(best, by_node[best.node_id])[: model.gpus]
+    shards = [
+        ShardPlacement(
+            rank=rank,
+            node_id=node.node_id,
+            gpu_indices=free_gpu_indices(node, held.get(node.node_id, []))[: model.gpus],
+        )
+        for rank, node in enumerate(chosen)
+    ]
+    leader, workers = shards[0], shards[1:]
     return PlaceResult(
         placement=Placement(
-            replica_id=replica_id, model=model.name, node_id=best.node_id, gpu_indices=gpus
+            replica_id=replica_id,
+            model=model.name,
+            node_id=leader.node_id,
+            gpu_indices=leader.gpu_indices,
+            workers=workers,
         ),
         rejections=rejections,
     )

@@ -1,0 +1,76 @@
+"""What every engine adapter shares: the interface, the base environment, small parsers."""
+
+from collections.abc import Mapping
+from typing import Protocol
+
+from worker_agent.adapters.nccl import OWNED_ENV
+from worker_agent.adapters.spec import (
+    Endpoint,
+    LaunchValidationError,
+    Rendezvous,
+    ShardPlan,
+    ShardRequest,
+)
+
+# The agent's own settings (the store URL may carry a database password).
+_PRIVATE_PREFIXES = ("LLMGW_",)
+
+# Set by adapters when wanted; inherited from the agent they would be wrong
+# (another node's address, another replica's key or Ray cluster).
+_ENGINE_OWNED = frozenset(
+    {
+        "VLLM_API_KEY",
+        "LLAMA_API_KEY",
+        "VLLM_HOST_IP",
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING",
+        "VLLM_CPU_OMP_THREADS_BIND",
+        "RAY_ADDRESS",
+    }
+)
+
+
+class EngineAdapter(Protocol):
+    """Builds the plan of one shard for one engine kind."""
+
+    def plan(self, request: ShardRequest, key: str, base_env: Mapping[str, str]) -> ShardPlan:
+        """The commands and environment of ``request``'s shard.
+
+        ``key`` is the engine key ("" for none); ``base_env`` the agent's
+        environment, of which only what engines may see is kept.
+        """
+        ...
+
+
+def engine_base_env(agent_env: Mapping[str, str]) -> dict[str, str]:
+    """The agent's environment minus its private settings and what plans decide."""
+    return {
+        k: v
+        for k, v in agent_env.items()
+        if not k.startswith(_PRIVATE_PREFIXES) and k not in OWNED_ENV | _ENGINE_OWNED
+    }
+
+
+def require_rendezvous(request: ShardRequest) -> Rendezvous:
+    """The request's rendezvous; a multi-node shard without one cannot start."""
+    if request.rendezvous is None:
+        raise LaunchValidationError(
+            [f"{request.model.name}: a {request.profile.nodes}-node replica needs a rendezvous"]
+        )
+    return request.rendezvous
+
+
+def leader_endpoint(rdv: Rendezvous, port: int) -> Endpoint:
+    """The leader's rendezvous point on ``port``, bounded by the rendezvous timeout."""
+    if not rdv.leader_address or port <= 0:
+        raise LaunchValidationError(
+            ["the rendezvous needs the leader's address and port for worker ranks to join"]
+        )
+    return Endpoint(host=rdv.leader_address, port=port, timeout_s=rdv.timeout_s)
+
+
+def split_host_port(hostport: str) -> tuple[str, int]:
+    """``"10.0.0.2:50052"`` or ``"[fd00::2]:50052"`` -> (host, port)."""
+    host, sep, port = hostport.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise LaunchValidationError([f"{hostport!r} is not host:port"])
+    return host.strip("[]"), int(port)

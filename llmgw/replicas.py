@@ -153,7 +153,9 @@ async def wait_node_registered(client: Client, node_id: str, timeout_s: float) -
     deadline = asyncio.get_running_loop().time() + timeout_s
     while True:
         try:
-            if node_id in (await fleet_snapshot(client)).nodes:
+            snap = await fleet_snapshot(client)
+            seen = snap.liveness.get(node_id)
+            if node_id in snap.nodes and (seen is None or seen.up):
                 return
         except RPCError:
             pass  # the fleet or the control worker is not up yet

@@ -208,11 +208,28 @@ class ReleaseResult(BaseModel):
     released: bool
 
 
+class NodeLiveness(BaseModel):
+    """When the fleet last heard from a node, and whether it said goodbye."""
+
+    last_seen: str
+    up: bool = True
+
+
+class NodeRef(BaseModel):
+    """Names a node (signal ``deregister_node``)."""
+
+    node_id: str
+
+
 class FleetSnapshot(BaseModel):
     """The fleet's full state: query result and continue-as-new carrier."""
 
     nodes: dict[str, NodeInventory] = Field(default_factory=dict)
+    liveness: dict[str, NodeLiveness] = Field(default_factory=dict)
     allocations: dict[str, Placement] = Field(default_factory=dict)
+    # Agents re-register every 30 s by default; silence for this long means
+    # the node is not offered to placement (its allocations stay recorded).
+    stale_after_s: float = 120.0
 
 
 class ShardSpec(BaseModel):

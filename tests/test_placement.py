@@ -1,15 +1,19 @@
 """Placement decisions, without Temporal."""
 
+from datetime import UTC, datetime, timedelta
+
 from llmgw.types import (
     FabricKind,
+    FleetSnapshot,
     GpuHealth,
     GpuInfo,
     ModelSpec,
     NodeFabric,
     NodeInventory,
+    NodeLiveness,
     Placement,
 )
-from workflows.placement import choose_node
+from workflows.placement import choose_node, split_live
 
 
 def node(
@@ -132,3 +136,21 @@ def test_nodes_without_fabric_are_islands_of_their_own() -> None:
     result = choose_node("r1", TWO_NODE, nodes, {})
     assert result.placement is None
     assert all("needs 2" in r.reason for r in result.rejections)
+
+
+def test_silent_and_deregistered_nodes_are_not_offered() -> None:
+    now = datetime(2026, 12, 2, 12, 0, tzinfo=UTC)
+    state = FleetSnapshot(
+        nodes={n: node(n) for n in ("fresh", "silent", "gone")},
+        liveness={
+            "fresh": NodeLiveness(last_seen=(now - timedelta(seconds=20)).isoformat()),
+            "silent": NodeLiveness(last_seen=(now - timedelta(seconds=600)).isoformat()),
+            "gone": NodeLiveness(last_seen=now.isoformat(), up=False),
+        },
+    )
+    live, down = split_live(state, now)
+    assert list(live) == ["fresh"]
+    assert {r.node_id: r.reason for r in down} == {
+        "silent": "agent silent for 600s",
+        "gone": "agent shut down (deregistered)",
+    }

@@ -26,7 +26,14 @@ from llmgw.queues import CONTROL_QUEUE, FLEET_WORKFLOW_ID, node_queue, replica_w
 from llmgw.settings import AgentSettings
 from llmgw.store import Store
 from llmgw.temporal import connect
-from llmgw.types import EngineKind, FleetSnapshot, NodeInventory, ShardRef, ShardReport
+from llmgw.types import (
+    EngineKind,
+    FleetSnapshot,
+    NodeInventory,
+    NodeRef,
+    ShardRef,
+    ShardReport,
+)
 from worker_agent.adoption import adopt
 from worker_agent.engines import AdapterRegistry, LlamaCppAdapter
 from worker_agent.inventory import Sources, collect, sources_from
@@ -182,6 +189,11 @@ async def run(settings: AgentSettings) -> None:
         with contextlib.suppress(asyncio.CancelledError):
             await keeper
         log.info("agent %s shutting down; engines keep running", settings.node_id)
+        try:
+            fleet = client.get_workflow_handle(FLEET_WORKFLOW_ID)
+            await fleet.signal("deregister_node", NodeRef(node_id=settings.node_id))
+        except RPCError as exc:
+            log.warning("could not deregister: %s", exc)
     await node_activities.aclose()
 
 

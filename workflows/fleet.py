@@ -10,12 +10,14 @@ with workflow.unsafe.imports_passed_through():
     from llmgw.types import (
         FleetSnapshot,
         NodeInventory,
+        NodeLiveness,
+        NodeRef,
         PlaceRequest,
         PlaceResult,
         ReleaseRequest,
         ReleaseResult,
     )
-    from workflows.placement import choose_node
+    from workflows.placement import choose_node, split_live
 
 
 @workflow.defn(name="Fleet")
@@ -37,16 +39,30 @@ class FleetWorkflow:
     @workflow.signal(name="register_node")
     def register_node(self, inventory: NodeInventory) -> None:
         """An agent (re)registered: replace its inventory."""
+        first = inventory.node_id not in self._state.liveness
         self._state.nodes[inventory.node_id] = inventory
-        workflow.logger.info("node %s registered: %d GPUs", inventory.node_id, len(inventory.gpus))
+        self._state.liveness[inventory.node_id] = NodeLiveness(last_seen=workflow.now().isoformat())
+        if first:
+            workflow.logger.info(
+                "node %s registered: %d GPUs", inventory.node_id, len(inventory.gpus)
+            )
+
+    @workflow.signal(name="deregister_node")
+    def deregister_node(self, node: NodeRef) -> None:
+        """An agent shut down cleanly: offer its node to no new replica."""
+        seen = self._state.liveness.get(node.node_id)
+        if seen is not None:
+            seen.up = False
+            workflow.logger.info("node %s deregistered", node.node_id)
 
     @workflow.update(name="place")
     def place(self, request: PlaceRequest) -> PlaceResult:
         """Choose a node and record the allocation (idempotent per replica)."""
-        result = choose_node(
-            request.replica_id, request.model, self._state.nodes, self._state.allocations
-        )
-        if result.placement is not None:
+        live, down = split_live(self._state, workflow.now())
+        result = choose_node(request.replica_id, request.model, live, self._state.allocations)
+        if result.placement is None:
+            result.rejections += down
+        else:
             self._state.allocations[request.replica_id] = result.placement
         return result
 

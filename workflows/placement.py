@@ -8,8 +8,10 @@ other's adapters, and NCCL then hangs rather than fails.
 """
 
 from collections.abc import Callable, Mapping
+from datetime import datetime
 
 from llmgw.types import (
+    FleetSnapshot,
     ModelSpec,
     NodeInventory,
     Placement,
@@ -108,6 +110,27 @@ def _pick_island(
     # Prefer the island whose chosen nodes are busiest (bin-packing again).
     best = max(fits, key=lambda ns: (sum(len(held.get(n.node_id, [])) for n in ns), ns[0].node_id))
     return best, rejections
+
+
+def split_live(
+    state: FleetSnapshot, now: datetime
+) -> tuple[dict[str, NodeInventory], list[Rejection]]:
+    """Nodes placement may use, and why the others are left out."""
+    live: dict[str, NodeInventory] = {}
+    down: list[Rejection] = []
+    for node_id, node in state.nodes.items():
+        seen = state.liveness.get(node_id)
+        if seen is None:
+            live[node_id] = node  # registered before liveness was tracked
+            continue
+        silent = (now - datetime.fromisoformat(seen.last_seen)).total_seconds()
+        if not seen.up:
+            down.append(Rejection(node_id=node_id, reason="agent shut down (deregistered)"))
+        elif silent > state.stale_after_s:
+            down.append(Rejection(node_id=node_id, reason=f"agent silent for {silent:.0f}s"))
+        else:
+            live[node_id] = node
+    return live, down
 
 
 def choose_node(

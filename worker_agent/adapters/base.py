@@ -41,6 +41,18 @@ class EngineAdapter(Protocol):
         ...
 
 
+class EnvHook(Protocol):
+    """Adds what an engine install needs to run (e.g. its library path)."""
+
+    def __call__(self, base: Mapping[str, str]) -> dict[str, str]: ...
+
+
+def start_env(base_env: Mapping[str, str], hook: EnvHook | None) -> dict[str, str]:
+    """The environment a plan starts from: the agent's, filtered, then the install's additions."""
+    env = engine_base_env(base_env)
+    return hook(env) if hook else env
+
+
 def engine_base_env(agent_env: Mapping[str, str]) -> dict[str, str]:
     """The agent's environment minus its private settings and what plans decide."""
     return {

@@ -19,13 +19,13 @@ is passed even when the leader itself has no GPU.
 
 from collections.abc import Mapping
 
-from worker_agent.adapters.base import engine_base_env, split_host_port
+from worker_agent.adapters.base import EnvHook, split_host_port, start_env
 from worker_agent.adapters.nccl import gpu_env
 from worker_agent.adapters.spec import (
     CommandSpec,
     Endpoint,
-    LaunchValidationError,
     Launchers,
+    LaunchValidationError,
     ReadyProbe,
     ShardPlan,
     ShardRequest,
@@ -38,12 +38,13 @@ ALL_LAYERS = "999"
 class LlamaCppAdapter:
     """Plans llama.cpp shards: ``llama-server`` (rank 0) and ``ggml-rpc-server`` workers."""
 
-    def __init__(self, launchers: Launchers | None = None) -> None:
+    def __init__(self, launchers: Launchers | None = None, env_hook: EnvHook | None = None) -> None:
         self._launch = launchers or Launchers()
+        self._env_hook = env_hook
 
     def plan(self, request: ShardRequest, key: str, base_env: Mapping[str, str]) -> ShardPlan:
         """The rank's command: the server on rank 0, an RPC worker elsewhere."""
-        env = engine_base_env(base_env) | gpu_env(request.node.gpu_indices)
+        env = start_env(base_env, self._env_hook) | gpu_env(request.node.gpu_indices)
         if not request.leader:
             return ShardPlan(commands=(self._rpc_worker(request),), env=env, serves_http=False)
         if key:

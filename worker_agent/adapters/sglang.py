@@ -19,12 +19,13 @@ serving rank gets it.
 
 from collections.abc import Mapping
 
-from worker_agent.adapters.base import engine_base_env, leader_endpoint, require_rendezvous
+from worker_agent.adapters.base import EnvHook, leader_endpoint, require_rendezvous, start_env
 from worker_agent.adapters.nccl import fabric_env, gpu_env
 from worker_agent.adapters.spec import (
     CommandSpec,
-    LaunchValidationError,
+    Endpoint,
     Launchers,
+    LaunchValidationError,
     ReadyProbe,
     ShardPlan,
     ShardRequest,
@@ -34,8 +35,9 @@ from worker_agent.adapters.spec import (
 class SglangAdapter:
     """Plans SGLang shards. ``launchers.sglang`` is the launch_server prefix."""
 
-    def __init__(self, launchers: Launchers | None = None) -> None:
+    def __init__(self, launchers: Launchers | None = None, env_hook: EnvHook | None = None) -> None:
         self._launch = launchers or Launchers()
+        self._env_hook = env_hook
 
     def plan(self, request: ShardRequest, key: str, base_env: Mapping[str, str]) -> ShardPlan:
         """SGLang's command and environment for ``request``'s rank."""
@@ -44,7 +46,7 @@ class SglangAdapter:
                 ["LoRA adapters are not wired up for SGLang in llmgw: use vLLM or llama.cpp"]
             )
         node, profile = request.node, request.profile
-        env = engine_base_env(base_env) | gpu_env(node.gpu_indices)
+        env = start_env(base_env, self._env_hook) | gpu_env(node.gpu_indices)
         argv = [*self._launch.sglang, "--model-path", request.model.source]
         argv += ["--tp-size", str(profile.tp)]
         if profile.pp > 1:
@@ -53,7 +55,7 @@ class SglangAdapter:
             argv += ["--dtype", profile.dtype]
         if profile.quantization:
             argv += ["--quantization", profile.quantization]
-        wait_for = ()
+        wait_for: tuple[Endpoint, ...] = ()
         if request.multi_node:
             env |= fabric_env(node, allow_tcp=profile.allow_tcp)
             rdv = require_rendezvous(request)

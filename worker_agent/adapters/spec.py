@@ -8,7 +8,7 @@ written to a spec file as JSON. Nothing here starts a process.
 from collections.abc import Iterable, Sequence
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from llmgw.types import FabricKind, GpuInfo, ModelSpec, RdmaPort
 
@@ -143,6 +143,12 @@ class ShardRequest(_Frozen):
     node: NodeFacts
     rendezvous: Rendezvous | None = None
     loras: tuple[LoraAdapter, ...] = ()
+
+    @model_validator(mode="after")
+    def _rank_in_range(self) -> "ShardRequest":
+        if self.rank >= self.profile.nodes:
+            raise ValueError(f"rank {self.rank} of a {self.profile.nodes}-node replica")
+        return self
 
     @property
     def multi_node(self) -> bool:

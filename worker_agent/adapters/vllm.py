@@ -21,13 +21,13 @@ Checked against (see ``CHECKED_AGAINST``):
 
 from collections.abc import Mapping
 
-from worker_agent.adapters.base import engine_base_env, leader_endpoint, require_rendezvous
+from worker_agent.adapters.base import EnvHook, leader_endpoint, require_rendezvous, start_env
 from worker_agent.adapters.nccl import fabric_env, gpu_env
 from worker_agent.adapters.spec import (
     VLLM_API_SERVER_MODULE,
     CommandSpec,
-    LaunchValidationError,
     Launchers,
+    LaunchValidationError,
     ReadyProbe,
     ShardPlan,
     ShardRequest,
@@ -45,13 +45,14 @@ def lora_enabled(request: ShardRequest) -> bool:
 class VllmAdapter:
     """Plans vLLM shards. ``launchers.vllm`` is the serve prefix (see ``Launchers``)."""
 
-    def __init__(self, launchers: Launchers | None = None) -> None:
+    def __init__(self, launchers: Launchers | None = None, env_hook: EnvHook | None = None) -> None:
         self._launch = launchers or Launchers()
+        self._env_hook = env_hook
 
     def plan(self, request: ShardRequest, key: str, base_env: Mapping[str, str]) -> ShardPlan:
         """vLLM's commands and environment for ``request``'s rank."""
         node, profile = request.node, request.profile
-        env = engine_base_env(base_env)
+        env = start_env(base_env, self._env_hook)
         env |= gpu_env(node.gpu_indices if profile.device == "cuda" else ())
         if profile.device == "cpu":
             # It pins compute threads to core 0 by default: two servers would share it.
@@ -167,4 +168,3 @@ class VllmAdapter:
         # The operator's engine_args last, so they can override llmgw's defaults.
         argv += [*request.model.engine_args, *request.profile.engine_args]
         return CommandSpec(name="vllm", argv=tuple(argv))
-

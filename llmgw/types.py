@@ -296,6 +296,13 @@ class LaunchShardInput(BaseModel):
     spec: ShardSpec
 
 
+class PortReservation(BaseModel):
+    """A port an agent set aside for a shard that peers must find."""
+
+    host: str
+    port: int
+
+
 class ShardHandle(BaseModel):
     """A running shard: result of ``launch_shard``."""
 

@@ -12,8 +12,14 @@ from pathlib import Path
 
 import httpx
 
+from activities.node import NodeActivities
+from llmgw.engine_install import LlamaCppInstall
+from llmgw.keys import engine_key
 from llmgw.procs import Child, wait_for
+from llmgw.types import NodeInventory
 from llmgw.up import kill_recorded_engines
+from worker_agent.main import engine_adapters
+from worker_agent.supervisor import Supervisor
 
 REPO = Path(__file__).resolve().parents[1]
 DEVSERVER = REPO / "temporal-dev" / "devserver.py"
@@ -103,3 +109,26 @@ async def wait_routable(base_url: str, key: str, model: str, timeout_s: float = 
             if r.status_code == 200 and model in [m["id"] for m in r.json()["data"]]:
                 return
             await asyncio.sleep(0.05)
+
+
+def cpu_inventory(node_id: str = "test-node") -> NodeInventory:
+    """A GPU-less node on loopback, as the agent would report this machine."""
+    return NodeInventory(
+        node_id=node_id, hostname=node_id, address="127.0.0.1", cpu_count=2, memory_mib=1024
+    )
+
+
+def node_activities(
+    llama: LlamaCppInstall, supervisor: Supervisor, secret: str = "test-secret"
+) -> NodeActivities:
+    """Node activities over real llama.cpp binaries, on a fresh port range."""
+    start = free_port()
+    return NodeActivities(
+        supervisor=supervisor,
+        adapters=engine_adapters(llama),
+        engine_key=lambda rid: engine_key(secret, rid),
+        engine_host="127.0.0.1",
+        ports=range(start, start + 50),
+        inventory=cpu_inventory,
+        threads=1,
+    )

@@ -17,7 +17,7 @@ from tests.procs_util import pids_with_args
 from worker_agent import procfs
 from worker_agent.adoption import adopt
 from worker_agent.main import stop_orphans
-from worker_agent.supervisor import ENGINE_MARKER, Supervisor
+from worker_agent.supervisor import ENGINE_MARKER, Command, Supervisor
 
 ENGINE = """
 import os, sys, time
@@ -28,14 +28,8 @@ while True: time.sleep(1)
 
 
 def _launch(sup: Supervisor, replica: str, tag: str) -> int:
-    running = sup.launch(
-        ShardRef(replica_id=replica),
-        [sys.executable, "-c", ENGINE, tag],
-        dict(os.environ),
-        1,
-        "http://127.0.0.1:1",
-        {},
-    )
+    command = Command([sys.executable, "-c", ENGINE, tag], dict(os.environ))
+    running = sup.launch(ShardRef(replica_id=replica), [command], 1, "http://127.0.0.1:1", {})
     assert wait_for(lambda: len(pids_with_args(tag)) == 2, 10)
     return running.pid
 

@@ -12,12 +12,9 @@ from pathlib import Path
 import pytest
 from temporalio.testing import ActivityEnvironment
 
-from activities.node import NodeActivities
 from llmgw.engine_install import LlamaCppInstall
-from llmgw.keys import engine_key
 from llmgw.tinymodel import TinyModel
 from llmgw.types import (
-    EngineKind,
     LaunchShardInput,
     ModelSpec,
     ShardRef,
@@ -25,8 +22,7 @@ from llmgw.types import (
     StopShardInput,
     WaitReadyInput,
 )
-from tests.harness import free_port
-from worker_agent.engines import AdapterRegistry, LlamaCppAdapter
+from tests.harness import node_activities
 from worker_agent.supervisor import Supervisor
 from worker_agent.users import DEFAULT_ENGINE_USER, prepare_home, resolve_run_as
 
@@ -75,17 +71,7 @@ async def test_engine_runs_as_engine_user(
     run_as, why = resolve_run_as(DEFAULT_ENGINE_USER, open_work_dir, [llama.server, model])
     assert run_as is not None, why
     prepare_home(run_as)
-    port = free_port()
-    acts = NodeActivities(
-        supervisor=Supervisor(open_work_dir / "agent", "user-node", run_as),
-        adapters=AdapterRegistry(
-            {EngineKind.LLAMA_CPP: LlamaCppAdapter(llama.server, llama.environment)}
-        ),
-        engine_key=lambda rid: engine_key("s", rid),
-        engine_host="127.0.0.1",
-        ports=range(port, port + 1),
-        threads=1,
-    )
+    acts = node_activities(llama, Supervisor(open_work_dir / "agent", "user-node", run_as))
     env = ActivityEnvironment()
     ref = ShardRef(replica_id="as-user")
     spec = ShardSpec(replica_id="as-user", model=ModelSpec(name="tiny-user", source=str(model)))

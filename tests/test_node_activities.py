@@ -20,9 +20,8 @@ from llmgw.types import (
     StopShardInput,
     WaitReadyInput,
 )
-from tests.harness import free_port
+from tests.harness import node_activities
 from tests.procs_util import pids_with_args
-from worker_agent.engines import AdapterRegistry, LlamaCppAdapter
 from worker_agent.supervisor import Supervisor
 
 SECRET = "test-secret"
@@ -46,17 +45,7 @@ async def make_acts(llama: LlamaCppInstall) -> AsyncIterator[ActivitiesFactory]:
 
 
 def _activities(llama: LlamaCppInstall, work: Path) -> NodeActivities:
-    start = free_port()
-    return NodeActivities(
-        supervisor=Supervisor(work),
-        adapters=AdapterRegistry(
-            {EngineKind.LLAMA_CPP: LlamaCppAdapter(llama.server, llama.environment)}
-        ),
-        engine_key=lambda rid: engine_key(SECRET, rid),
-        engine_host="127.0.0.1",
-        ports=range(start, start + 50),
-        threads=1,
-    )
+    return node_activities(llama, Supervisor(work), SECRET)
 
 
 async def test_launch_twice_gives_one_engine(

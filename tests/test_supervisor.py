@@ -5,11 +5,13 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
+
 from llmgw.procs import wait_for
 from llmgw.types import ShardRef
 from tests.procs_util import pids_with_args
 from worker_agent import procfs
-from worker_agent.supervisor import Supervisor
+from worker_agent.supervisor import Command, Supervisor
 
 # A stand-in engine that forks a worker, as vLLM and SGLang do, and ignores
 # SIGTERM in the worker so only a group SIGKILL removes it.
@@ -24,9 +26,8 @@ while True: time.sleep(1)
 
 
 def _launch(sup: Supervisor, ref: ShardRef, tag: str) -> int:
-    running = sup.launch(
-        ref, [sys.executable, "-c", FORKING_ENGINE, tag], dict(os.environ), 1, "http://x:1", {}
-    )
+    command = Command([sys.executable, "-c", FORKING_ENGINE, tag], dict(os.environ))
+    running = sup.launch(ref, [command], 1, "http://x:1", {})
     return running.pid
 
 
@@ -91,3 +92,34 @@ def test_log_is_trimmed_keeping_the_newest_part(tmp_path: Path) -> None:
     assert (log_path.parent / "engine.log.1").read_bytes().endswith(b"newest line\n")
     assert not sup.trim_log(ref, max_bytes=1_000_000)
     assert sup.log_tail(ref, 1) == ["--- log trimmed; the previous 1 MiB is in engine.log.1 ---"]
+
+
+def test_sidecar_and_engine_share_one_group(tmp_path: Path) -> None:
+    sup = Supervisor(tmp_path)
+    ref = ShardRef(replica_id="sidecar")
+    waited: list[int] = []
+    sidecar = Command([sys.executable, "-c", FORKING_ENGINE, "tag-sidecar"], dict(os.environ))
+    engine = Command([sys.executable, "-c", FORKING_ENGINE, "tag-main"], dict(os.environ))
+    running = sup.launch(ref, [sidecar, engine], 1, "http://x:1", {}, before_each=waited.append)
+    assert waited == [0, 1]
+    assert wait_for(lambda: len(pids_with_args("tag-sidecar")) == 2, 10)
+    assert running.group != running.pid  # the sidecar leads the group
+    assert sup.stop(ref, grace_s=0.5).was_running
+    assert pids_with_args("tag-sidecar") == [] and pids_with_args("tag-main") == []
+
+
+def test_failed_wait_kills_what_already_started(tmp_path: Path) -> None:
+    sup = Supervisor(tmp_path)
+    sidecar = Command([sys.executable, "-c", FORKING_ENGINE, "tag-orphan"], dict(os.environ))
+    engine = Command([sys.executable, "-c", FORKING_ENGINE, "tag-never"], dict(os.environ))
+
+    def rendezvous_never_listens(i: int) -> None:
+        if i == 1:
+            raise TimeoutError("head port never opened")
+
+    with pytest.raises(TimeoutError):
+        sup.launch(
+            ShardRef(replica_id="x"), [sidecar, engine], 1, "h", {}, rendezvous_never_listens
+        )
+    assert wait_for(lambda: pids_with_args("tag-orphan") == [], 5)
+    assert pids_with_args("tag-never") == []

@@ -70,7 +70,7 @@ def adopt(supervisor: Supervisor) -> AdoptionReport:
         supervisor.note_adopted(running)
         report.adopted.append(running)
         log.info("replica %s rank %d: adopted engine pid %d", ref.replica_id, ref.rank, running.pid)
-    known_groups = {r.pid for r in report.adopted}
+    known_groups = {r.group for r in report.adopted}
     for pid, pgid in marked_engines(supervisor.marker).items():
         if pgid in known_groups or pgid in report.killed:
             continue

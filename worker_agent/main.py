@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 
 from temporalio.client import Client, WorkflowExecutionStatus
@@ -34,8 +34,8 @@ from llmgw.types import (
     ShardRef,
     ShardReport,
 )
+from worker_agent.adapters import EngineAdapter, Launchers, default_adapters
 from worker_agent.adoption import adopt
-from worker_agent.engines import AdapterRegistry, LlamaCppAdapter
 from worker_agent.inventory import Sources, collect, sources_from
 from worker_agent.supervisor import Supervisor
 from worker_agent.users import prepare_home, resolve_run_as
@@ -57,21 +57,30 @@ async def register(client: Client, inventory: NodeInventory) -> None:
     )
 
 
+def engine_adapters(llama: LlamaCppInstall) -> dict[EngineKind, EngineAdapter]:
+    """The engines this node can plan, with where their programs are."""
+    launchers = Launchers(
+        llama_server=(str(llama.server),),
+        rpc_server=(str(llama.rpc_server),) if llama.rpc_server else ("ggml-rpc-server",),
+    )
+    return default_adapters(launchers, {EngineKind.LLAMA_CPP: llama.environment})
+
+
 def build_activities(
-    settings: AgentSettings, secret: str, supervisor: Supervisor, llama: LlamaCppInstall
+    settings: AgentSettings,
+    secret: str,
+    supervisor: Supervisor,
+    llama: LlamaCppInstall,
+    current_inventory: Callable[[], NodeInventory],
 ) -> NodeActivities:
     """The node's activities with their real dependencies."""
-
-    def env_for(base: Mapping[str, str]) -> dict[str, str]:
-        return llama.environment(base)
-
-    adapters = AdapterRegistry({EngineKind.LLAMA_CPP: LlamaCppAdapter(llama.server, env_for)})
     return NodeActivities(
         supervisor=supervisor,
-        adapters=adapters,
+        adapters=engine_adapters(llama),
         engine_key=lambda replica_id: engine_key(secret, replica_id),
         engine_host=settings.engine_host,
         ports=range(settings.port_range_start, settings.port_range_end + 1),
+        inventory=current_inventory,
         threads=settings.engine_threads,
         weights=WeightsCache(supervisor.work_dir / "weights"),
     )
@@ -124,14 +133,18 @@ async def stop_orphans(client: Client, supervisor: Supervisor, grace_s: float) -
 
 
 async def _keep_registered(
-    client: Client, settings: AgentSettings, supervisor: Supervisor, sources: Sources
+    client: Client,
+    settings: AgentSettings,
+    supervisor: Supervisor,
+    sources: Sources,
+    latest: list[NodeInventory],
 ) -> None:
     while True:
         await asyncio.sleep(settings.register_interval_s)
         try:
             await stop_orphans(client, supervisor, grace_s=10)
-            inv = await asyncio.to_thread(inventory, settings, supervisor, sources)
-            await register(client, inv)
+            latest[0] = await asyncio.to_thread(inventory, settings, supervisor, sources)
+            await register(client, latest[0])
         except Exception as exc:  # keep serving; the next round retries
             log.warning("registration round failed: %s", exc)
 
@@ -160,8 +173,9 @@ async def run(settings: AgentSettings) -> None:
         len(report.lost),
         len(report.killed),
     )
-    node_activities = build_activities(settings, secret, supervisor, llama)
     sources = sources_from(settings.sys_root, settings.gpu_snapshot)
+    latest = [inventory(settings, supervisor, sources, report.lost)]
+    node_activities = build_activities(settings, secret, supervisor, llama, lambda: latest[0])
     client = await connect(settings.temporal_address, settings.temporal_namespace)
     queue = node_queue(settings.node_id)
     worker = Worker(
@@ -169,6 +183,7 @@ async def run(settings: AgentSettings) -> None:
         task_queue=queue,
         activities=[
             node_activities.fetch_weights,
+            node_activities.reserve_port,
             node_activities.launch_shard,
             node_activities.wait_shard_ready,
             node_activities.watch_shard,
@@ -181,9 +196,11 @@ async def run(settings: AgentSettings) -> None:
     stop = stop_event_on_signals()
     async with worker:
         await stop_orphans(client, supervisor, grace_s=10)
-        await register(client, inventory(settings, supervisor, sources, report.lost))
+        await register(client, latest[0])
         log.info("agent %s serving %s (pid %d)", settings.node_id, queue, os.getpid())
-        keeper = asyncio.create_task(_keep_registered(client, settings, supervisor, sources))
+        keeper = asyncio.create_task(
+            _keep_registered(client, settings, supervisor, sources, latest)
+        )
         await stop.wait()
         keeper.cancel()
         with contextlib.suppress(asyncio.CancelledError):

@@ -1,6 +1,6 @@
 """The engine supervisor: spawn, find, watch and stop shard processes.
 
-Each shard runs in its own session and process group, because engines fork
+Each shard runs in its own process group, because engines fork
 workers that hold (GPU) memory and outlive a signal sent only to the leader.
 For every shard a spec file records the shard, pid and a fingerprint (start
 time + command line) written atomically, so that a repeated launch - an
@@ -18,7 +18,7 @@ import signal
 import subprocess
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +41,14 @@ ENGINE_MARKER = "LLMGW_ENGINE_OF"
 
 
 @dataclass(frozen=True)
+class Command:
+    """One process of a shard: its argv and its whole environment."""
+
+    argv: list[str]
+    env: Mapping[str, str]
+
+
+@dataclass(frozen=True)
 class RunningShard:
     """A shard process the supervisor knows about."""
 
@@ -49,6 +57,12 @@ class RunningShard:
     port: int
     endpoint: str
     log_path: Path
+    pgid: int = 0
+
+    @property
+    def group(self) -> int:
+        """The process group holding every process of the shard."""
+        return self.pgid or self.pid
 
 
 @dataclass(frozen=True)
@@ -76,6 +90,7 @@ class Supervisor:
         self._dir.mkdir(parents=True, exist_ok=True)
         self.marker = str(self._dir.resolve())
         self._children: dict[str, subprocess.Popen[bytes]] = {}
+        self._sidecars: dict[str, list[subprocess.Popen[bytes]]] = {}
         self._stopped: set[str] = set()
 
     def shard_dir(self, ref: ShardRef) -> Path:
@@ -116,6 +131,7 @@ class Supervisor:
             port=int(str(spec["port"])),
             endpoint=str(spec["endpoint"]),
             log_path=self.shard_dir(ref) / "engine.log",
+            pgid=int(str(spec.get("pgid") or pid)),
         )
 
     def recorded(self) -> list[ShardRef]:
@@ -138,7 +154,7 @@ class Supervisor:
 
     def engine_pids(self) -> set[int]:
         """Every live process in the groups of this node's running shards."""
-        return {pid for r in self.running() for pid in procfs.group_members(r.pid)}
+        return {pid for r in self.running() for pid in procfs.group_members(r.group)}
 
     def forget_lost(self, ref: ShardRef) -> None:
         """Drop the spec of a shard whose engine is gone or was never ours."""
@@ -155,27 +171,82 @@ class Supervisor:
     def launch(
         self,
         ref: ShardRef,
-        command: list[str],
-        env: Mapping[str, str],
+        commands: Sequence[Command],
         port: int,
         endpoint: str,
         spec: Mapping[str, object],
+        before_each: Callable[[int], None] | None = None,
     ) -> RunningShard:
-        """Start a shard's engine in its own process group and record it."""
+        """Start a shard's commands in one new process group and record it.
+
+        Every command but the last is a sidecar (a Ray head, say); the last
+        is the engine, whose exit is the shard's. ``before_each(i)`` runs
+        before command ``i`` starts (waiting for a rendezvous point); if it
+        raises, what already started is killed, so a failed start leaves
+        nothing behind.
+        """
         shard_dir = self.shard_dir(ref)
         shard_dir.mkdir(parents=True, exist_ok=True)
         log_path = shard_dir / "engine.log"
+        pgid: int | None = None
+        procs: list[subprocess.Popen[bytes]] = []
+        try:
+            for i, command in enumerate(commands):
+                if before_each is not None:
+                    before_each(i)
+                procs.append(self._spawn(command, shard_dir, log_path, pgid))
+                pgid = pgid or procs[0].pid
+        except BaseException:
+            if pgid is not None:
+                _signal_group(pgid, signal.SIGKILL)
+            for proc in procs:
+                proc.wait()
+            raise
+        main = procs[-1]
+        assert pgid is not None
+        self._children[shard_key(ref)] = main
+        self._sidecars[shard_key(ref)] = procs[:-1]
+        self._stopped.discard(shard_key(ref))
+        fp = procfs.fingerprint(main.pid)
+        record = {
+            "shard": ref.model_dump(),
+            "pid": main.pid,
+            "pgid": pgid,
+            "port": port,
+            "endpoint": endpoint,
+            # The argv we exec'd, not a read of /proc: right after exec the
+            # kernel may not have published the new command line yet.
+            "fingerprint": {
+                "start_time": fp.start_time if fp else None,
+                "cmdline": commands[-1].argv,
+            },
+            "spec": dict(spec),
+        }
+        _write_atomic(self._spec_path(ref), json.dumps(record, indent=2))
+        log.info("shard %s started: pid %d group %d port %d", shard_key(ref), main.pid, pgid, port)
+        return RunningShard(
+            ref=ref, pid=main.pid, port=port, endpoint=endpoint, log_path=log_path, pgid=pgid
+        )
+
+    def _spawn(
+        self, command: Command, cwd: Path, log_path: Path, pgid: int | None
+    ) -> subprocess.Popen[bytes]:
         user = self.run_as
+        env = {**command.env, **(user.env() if user else {}), ENGINE_MARKER: self.marker}
         with open(log_path, "ab") as log_file:
             try:
-                proc = subprocess.Popen(
-                    command,
-                    env={**env, **(user.env() if user else {}), ENGINE_MARKER: self.marker},
+                return subprocess.Popen(
+                    command.argv,
+                    env=env,
                     stdin=subprocess.DEVNULL,
                     stdout=log_file,
                     stderr=subprocess.STDOUT,
-                    cwd=user.home if user else shard_dir,
-                    start_new_session=True,
+                    cwd=user.home if user else cwd,
+                    # The first command leads a new process group and the rest
+                    # join it, so one group signal stops the whole shard. (A
+                    # new session would be cleaner, but a process cannot join
+                    # a group in another session.)
+                    process_group=pgid or 0,
                     # Dropped in the child between fork and exec: the engine
                     # never runs a single instruction as root.
                     user=user.uid if user else None,
@@ -183,23 +254,13 @@ class Supervisor:
                     extra_groups=list(user.groups) if user else None,
                 )
             except OSError as exc:
-                raise EngineLaunchError(f"cannot start {command[0]}: {exc}") from exc
-        self._children[shard_key(ref)] = proc
-        self._stopped.discard(shard_key(ref))
-        fp = procfs.fingerprint(proc.pid)
-        record = {
-            "shard": ref.model_dump(),
-            "pid": proc.pid,
-            "port": port,
-            "endpoint": endpoint,
-            # The argv we exec'd, not a read of /proc: right after exec the
-            # kernel may not have published the new command line yet.
-            "fingerprint": {"start_time": fp.start_time if fp else None, "cmdline": command},
-            "spec": dict(spec),
-        }
-        _write_atomic(self._spec_path(ref), json.dumps(record, indent=2))
-        log.info("shard %s started: pid %d port %d", shard_key(ref), proc.pid, port)
-        return RunningShard(ref=ref, pid=proc.pid, port=port, endpoint=endpoint, log_path=log_path)
+                raise EngineLaunchError(f"cannot start {command.argv[0]}: {exc}") from exc
+
+    def plan_of(self, ref: ShardRef) -> dict[str, object]:
+        """What the launch recorded about the shard's plan (probe, HTTP or not)."""
+        spec = self._read_spec(ref) or {}
+        extra = spec.get("spec")
+        return extra if isinstance(extra, dict) else {}
 
     def exit_code(self, ref: ShardRef) -> int | None:
         """The exit code of a shard that has exited and that this agent started."""
@@ -251,7 +312,7 @@ class Supervisor:
         if running is None:
             self._forget(ref)
             return StopOutcome(was_running=False, exit_code=child.poll() if child else None)
-        pgid = running.pid  # start_new_session: the leader's pid is the group id
+        pgid = running.group
         _signal_group(pgid, signal.SIGTERM)
         if not self._wait_group_gone(pgid, child, grace_s):
             log.warning("shard %s ignored SIGTERM for %.1fs: SIGKILL", shard_key(ref), grace_s)
@@ -275,6 +336,8 @@ class Supervisor:
     def _forget(self, ref: ShardRef) -> None:
         self._stopped.add(shard_key(ref))
         self._children.pop(shard_key(ref), None)
+        for sidecar in self._sidecars.pop(shard_key(ref), []):
+            sidecar.poll()
         self._spec_path(ref).unlink(missing_ok=True)
 
     @staticmethod

@@ -1,0 +1,77 @@
+"""The waiting parts of starting a shard: ports, rendezvous points, readiness.
+
+Kept apart from the activities so each can be tested without Temporal.
+"""
+
+import socket
+import time
+from collections.abc import Iterable
+
+import httpx
+
+from llmgw.errors import EngineLaunchError
+from worker_agent.adapters import Endpoint, ReadyProbe
+
+
+def pick_port(host: str, candidates: Iterable[int], used: set[int]) -> int:
+    """The first candidate port nobody holds (checked by binding it)."""
+    for port in candidates:
+        if port in used:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise EngineLaunchError("no free port in the agent's engine port range")
+
+
+def listening(host: str, port: int) -> bool:
+    """Whether something accepts TCP connections at host:port."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.settimeout(0.5)
+        return s.connect_ex((host, port)) == 0
+
+
+def wait_listening(endpoints: Iterable[Endpoint], poll_s: float = 0.2) -> None:
+    """Block until every endpoint listens; past its bound, fail instead of hanging."""
+    for ep in endpoints:
+        deadline = time.monotonic() + ep.timeout_s
+        while not listening(ep.host, ep.port):
+            if time.monotonic() > deadline:
+                raise EngineLaunchError(
+                    f"rendezvous point {ep.host}:{ep.port} not listening after {ep.timeout_s:.0f}s"
+                )
+            time.sleep(poll_s)
+
+
+async def probe_ready(
+    http: httpx.AsyncClient, endpoint: str, key: str, model: str, probe: ReadyProbe
+) -> tuple[list[str] | None, str]:
+    """Up, weights loaded, and able to generate: the model ids, or why not yet."""
+    headers = {"Authorization": f"Bearer {key}"}
+    try:
+        health = await http.get(f"{endpoint}{probe.health_path}", headers=headers)
+        if health.status_code != 200:
+            return None, f"{probe.health_path} {health.status_code}"
+        models = await http.get(f"{endpoint}{probe.models_path}", headers=headers)
+        if models.status_code != 200:
+            return None, f"{probe.models_path} {models.status_code}"
+        ids = [m["id"] for m in models.json().get("data", [])]
+        if not ids:
+            return None, "no model listed"
+        if probe.completion is not None:
+            # /health can answer 200 from an engine that dies on its first
+            # generation: ready means it generated once.
+            gen = await http.post(
+                f"{endpoint}{probe.completion.path}",
+                json=probe.completion.body(model),
+                headers=headers,
+                timeout=60.0,
+            )
+            if gen.status_code != 200:
+                return None, f"probe completion {gen.status_code}"
+    except (httpx.HTTPError, ValueError, KeyError) as exc:
+        return None, f"{type(exc).__name__}: {exc}"
+    return ids, "ready"

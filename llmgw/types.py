@@ -425,6 +425,7 @@ class ReplicaTimeouts(BaseModel):
     heartbeat_s: float = 10.0
     stop_grace_s: float = 10.0
     place_retry_s: float = 5.0
+    rendezvous_s: float = 900.0
     place_attempts: int = 12
 
 
@@ -466,6 +467,22 @@ class ReplicaMemo(BaseModel):
     phase: ReplicaPhase
     node_id: str = ""
     endpoint: str = ""
+
+
+class RendezvousInput(BaseModel):
+    """Input of the Rendezvous workflow: start every rank of a multi-node replica."""
+
+    replica_id: str
+    model: ModelSpec
+    placement: Placement
+    timeouts: ReplicaTimeouts = Field(default_factory=ReplicaTimeouts)
+
+
+class RendezvousResult(BaseModel):
+    """Every rank started, the leader answering."""
+
+    leader: ShardHandle
+    ranks: list[ShardHandle]
 
 
 class StopReplicaInput(BaseModel):

@@ -16,7 +16,7 @@ from typing import TypeVar
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy
-from temporalio.exceptions import ActivityError, ApplicationError
+from temporalio.exceptions import ActivityError, ApplicationError, ChildWorkflowError
 
 with workflow.unsafe.imports_passed_through():
     from activities import names
@@ -32,11 +32,14 @@ with workflow.unsafe.imports_passed_through():
         PlaceResult,
         ReleaseRequest,
         ReleaseResult,
+        RendezvousInput,
+        RendezvousResult,
         ReplicaInput,
         ReplicaPhase,
         ReplicaStatus,
         ShardExit,
         ShardHandle,
+        ShardPlacement,
         ShardRef,
         ShardSpec,
         StopReplicaInput,
@@ -46,6 +49,7 @@ with workflow.unsafe.imports_passed_through():
         WaitReadyResult,
         WatchShardInput,
     )
+    from workflows.calls import node_activity, stop_rank
     from workflows.replica_state import is_terminal, memo_of, transition
 
 P = ReplicaPhase
@@ -75,6 +79,7 @@ class ReplicaWorkflow:
         self._placement: Placement | None = None
         self._launched = False
         self._fetches = False
+        self._ranks: list[ShardPlacement] = []
 
     @workflow.run
     async def run(self, input: ReplicaInput) -> ReplicaStatus:
@@ -84,7 +89,7 @@ class ReplicaWorkflow:
             await self._start_and_serve()
         except _StopRequested:
             await self._stop_engine()
-        except ActivityError as err:
+        except (ActivityError, ChildWorkflowError) as err:
             await self._fail(_reason(err))
         except asyncio.CancelledError:
             # Cancelled from the UI/CLI: still give the GPU and process back.
@@ -111,6 +116,9 @@ class ReplicaWorkflow:
         if placement is None:
             return
         model = self._input.model
+        if model.profile.nodes > 1:
+            await self._start_and_serve_ranks(placement)
+            return
         if self._fetches:
             fetched: FetchWeightsResult = await self._interruptible(
                 self._node_activity(
@@ -150,6 +158,57 @@ class ReplicaWorkflow:
         self._status.log_tail = exit_info.log_tail
         self._launched = False
         await self._fail(exit_info.reason, engine_gone=True)
+
+    async def _start_and_serve_ranks(self, placement: Placement) -> None:
+        """A multi-node replica: a Rendezvous child starts the ranks, then
+        every rank is watched and the first to exit fails the whole replica."""
+        rid = self._input.replica_id
+        self._ranks = placement.shards()
+        self._launched = True
+        if self._status.phase is P.FETCHING:
+            self._move(P.STARTING, f"rendezvous of {len(self._ranks)} ranks")
+        started: RendezvousResult = await self._interruptible(
+            workflow.execute_child_workflow(
+                "Rendezvous",
+                RendezvousInput(
+                    replica_id=rid, model=self._input.model, placement=placement, timeouts=self._t
+                ),
+                id=f"rendezvous/{rid}",
+                result_type=RendezvousResult,
+            )
+        )
+        self._status.endpoint = started.leader.endpoint
+        self._status.pid = started.leader.pid
+        self._move(P.LOADING, f"{len(started.ranks)} ranks up; leader pid {started.leader.pid}")
+        self._move(P.READY, f"serving {self._input.model.name} from {started.leader.endpoint}")
+        rank, exit_info = await self._interruptible(self._first_exit())
+        self._status.log_tail = exit_info.log_tail
+        await self._fail(f"rank {rank}: {exit_info.reason}")
+
+    async def _first_exit(self) -> tuple[int, ShardExit]:
+        watches = {
+            asyncio.ensure_future(
+                node_activity(
+                    shard.node_id,
+                    names.WATCH_SHARD,
+                    WatchShardInput(
+                        shard=ShardRef(replica_id=self._input.replica_id, rank=shard.rank)
+                    ),
+                    ShardExit,
+                    self._t,
+                    WATCH_LIFETIME,
+                    retry=RetryPolicy(maximum_interval=timedelta(seconds=10)),
+                )
+            ): shard.rank
+            for shard in self._ranks
+        }
+        try:
+            done, _ = await workflow.wait(list(watches), return_when=asyncio.FIRST_COMPLETED)
+            first = next(iter(done))
+            return watches[first], first.result()
+        finally:
+            for task in watches:
+                task.cancel()
 
     async def _place(self) -> Placement | None:
         for attempt in range(self._t.place_attempts):
@@ -261,6 +320,15 @@ class ReplicaWorkflow:
 
     async def _stop_shard(self) -> None:
         if not self._launched or self._placement is None:
+            return
+        if self._ranks:
+            for shard in self._ranks:
+                ref = ShardRef(replica_id=self._input.replica_id, rank=shard.rank)
+                try:
+                    await stop_rank(shard.node_id, ref, self._t)
+                except ActivityError as err:
+                    self._status.reason += f"; stop of rank {shard.rank} failed: {_reason(err)}"
+            self._launched = False
             return
         try:
             result: StopShardResult = await self._node_activity(

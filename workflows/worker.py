@@ -16,11 +16,12 @@ from llmgw.temporal import connect
 from llmgw.types import FleetSnapshot
 from workflows.fleet import FleetWorkflow
 from workflows.logs import ShardLogsWorkflow
+from workflows.rendezvous import RendezvousWorkflow
 from workflows.replica import ReplicaWorkflow
 
 log = logging.getLogger(__name__)
 
-WORKFLOWS = [FleetWorkflow, ReplicaWorkflow, ShardLogsWorkflow]
+WORKFLOWS = [FleetWorkflow, ReplicaWorkflow, RendezvousWorkflow, ShardLogsWorkflow]
 
 
 async def ensure_fleet(client: Client) -> None:

@@ -1,0 +1,91 @@
+"""A real multi-node replica on this machine: two agents with different node
+ids on loopback; rank 1 runs ggml-rpc-server, rank 0 llama-server --rpc."""
+
+import asyncio
+import os
+import signal
+from collections.abc import Iterator
+
+import openai
+import pytest
+from temporalio.client import Client
+
+from llmgw import replicas
+from llmgw.store import Store
+from llmgw.tinymodel import TinyModel
+from llmgw.types import EngineKind, EngineProfile, ModelSpec, ReplicaPhase
+from tests.harness import System, free_port, wait_routable
+from tests.procs_util import pids_with_args
+
+MODEL = "tiny-two-nodes"
+
+
+@pytest.fixture
+def system(temporal_address: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[System]:
+    sys_ = System(temporal_address, tmp_path_factory.mktemp("multinode"), free_port())
+    yield sys_
+    sys_.stop()
+
+
+def _agent(system: System, node_id: str) -> None:
+    start = free_port()
+    system.spawn(
+        "agent",
+        {
+            "LLMGW_NODE_ID": node_id,
+            # Two agents on one host: disjoint port ranges, as on two machines.
+            "LLMGW_PORT_RANGE_START": str(start),
+            "LLMGW_PORT_RANGE_END": str(start + 20),
+        },
+    )
+
+
+async def test_two_node_llama_cpp_replica_serves_and_fails_whole(
+    system: System, client: Client, tiny: TinyModel
+) -> None:
+    store = Store(system.store_url)
+    store.migrate()
+    spec = ModelSpec(
+        name=MODEL,
+        engine=EngineKind.LLAMA_CPP,
+        source=str(tiny.model_path),
+        profile=EngineProfile(nodes=2),
+    )
+    store.put_model(spec)
+    key = store.create_api_key("mn")
+    store.close()
+    system.spawn("control")
+    _agent(system, "mn-a")
+    _agent(system, "mn-b")
+    port = free_port()
+    system.start_router(port)
+    await replicas.wait_node_registered(client, "mn-a", 60)
+    await replicas.wait_node_registered(client, "mn-b", 60)
+
+    rid = await replicas.start_replica(client, spec)
+    await replicas.wait_ready(client, rid, 120)
+    rpc_workers = pids_with_args("ggml-rpc-server", "-p")
+    leaders = pids_with_args("--alias", MODEL, "--rpc")
+    assert len(rpc_workers) == 1 and len(leaders) == 1
+    snapshot = await replicas.fleet_snapshot(client)
+    placed = snapshot.allocations[rid]
+    assert {placed.node_id, placed.workers[0].node_id} == {"mn-a", "mn-b"}
+
+    base = f"http://127.0.0.1:{port}/v1"
+    await wait_routable(base, key, MODEL)
+    async with openai.AsyncOpenAI(base_url=base, api_key=key, max_retries=0) as oai:
+        resp = await oai.completions.create(model=MODEL, prompt="hello", max_tokens=4)
+        assert resp.usage is not None and resp.usage.completion_tokens == 4
+
+    # Losing a worker loses the replica: it fails whole, nothing is left.
+    os.kill(rpc_workers[0], signal.SIGKILL)
+    async with asyncio.timeout(60):
+        while (memo := await replicas.replica_memo(client, rid)) is None or (
+            memo.phase is not ReplicaPhase.FAILED
+        ):
+            await asyncio.sleep(0.2)
+    status = await replicas.status_of(client, rid)
+    assert status is not None and "rank 1" in status.reason
+    assert pids_with_args("--alias", MODEL) == []
+    assert pids_with_args("ggml-rpc-server", "-p") == []
+    assert rid not in (await replicas.fleet_snapshot(client)).allocations

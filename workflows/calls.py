@@ -1,0 +1,55 @@
+"""How workflows call node activities: one place for timeouts and retries.
+
+Every call to a node's queue has a schedule-to-start timeout, so a dead node
+is noticed in seconds instead of hanging a start, and a heartbeat timeout,
+so a dead agent is noticed during long work.
+"""
+
+from datetime import timedelta
+from typing import TypeVar
+
+from temporalio import workflow
+from temporalio.common import RetryPolicy
+
+with workflow.unsafe.imports_passed_through():
+    from activities import names
+    from llmgw.queues import node_queue
+    from llmgw.types import ReplicaTimeouts, ShardRef, StopShardInput, StopShardResult
+
+T = TypeVar("T")
+
+
+async def node_activity(
+    node_id: str,
+    name: str,
+    arg: object,
+    result_type: type[T],
+    timeouts: ReplicaTimeouts,
+    start_to_close: timedelta,
+    retry: RetryPolicy | None = None,
+) -> T:
+    """Run activity ``name`` on ``node_id``'s queue."""
+    result: T = await workflow.execute_activity(
+        name,
+        arg,
+        result_type=result_type,
+        task_queue=node_queue(node_id),
+        schedule_to_start_timeout=timedelta(seconds=timeouts.schedule_to_start_s),
+        start_to_close_timeout=start_to_close,
+        heartbeat_timeout=timedelta(seconds=timeouts.heartbeat_s),
+        retry_policy=retry or RetryPolicy(maximum_attempts=3),
+    )
+    return result
+
+
+async def stop_rank(node_id: str, shard: ShardRef, timeouts: ReplicaTimeouts) -> StopShardResult:
+    """Stop one rank's process group (a no-op when it is not running)."""
+    return await node_activity(
+        node_id,
+        names.STOP_SHARD,
+        StopShardInput(shard=shard, grace_s=timeouts.stop_grace_s),
+        StopShardResult,
+        timeouts,
+        timedelta(seconds=timeouts.stop_grace_s + 30),
+        retry=RetryPolicy(maximum_attempts=5),
+    )

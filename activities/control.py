@@ -7,10 +7,20 @@ idempotent per replica, so an activity retry cannot double-book a GPU.
 
 from temporalio import activity
 from temporalio.client import Client
+from temporalio.exceptions import ApplicationError
 
 from activities import names
 from llmgw.queues import FLEET_WORKFLOW_ID
-from llmgw.types import PlaceRequest, PlaceResult, ReleaseRequest, ReleaseResult
+from llmgw.types import (
+    FleetSnapshot,
+    PlaceRequest,
+    PlaceResult,
+    ReleaseRequest,
+    ReleaseResult,
+    ValidateInput,
+    ValidateResult,
+)
+from worker_agent.adapters import launch_problems, node_facts
 
 
 class ControlActivities:
@@ -29,6 +39,28 @@ class ControlActivities:
                 "replica %s placed on %s", request.replica_id, result.placement.node_id
             )
         return result
+
+    @activity.defn(name=names.VALIDATE_REPLICA)
+    async def validate_replica(self, request: ValidateInput) -> ValidateResult:
+        """Refuse, before anything starts, a launch that would fail slowly,
+        hang or run degraded (mixed GPU types in a TP group, fp8 on GPUs that
+        cannot run it, parallelism that does not add up...)."""
+        handle = self._client.get_workflow_handle(FLEET_WORKFLOW_ID)
+        fleet: FleetSnapshot = await handle.query("snapshot", result_type=FleetSnapshot)
+        facts = []
+        for shard in request.placement.shards():
+            node = fleet.nodes.get(shard.node_id)
+            if node is None:
+                return ValidateResult(problems=[f"node {shard.node_id} left the fleet"])
+            facts.append(node_facts(node, shard.gpu_indices, http_port=0))
+        problems = launch_problems(request.model, request.model.profile, facts, request.rendezvous)
+        if problems:
+            raise ApplicationError(
+                "cannot start: " + "; ".join(problems),
+                type="LaunchValidationError",
+                non_retryable=True,
+            )
+        return ValidateResult()
 
     @activity.defn(name=names.RELEASE_REPLICA)
     async def release_replica(self, request: ReleaseRequest) -> ReleaseResult:

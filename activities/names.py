@@ -4,6 +4,7 @@ serve them, so neither has to import the other's code."""
 # Control queue
 PLACE_REPLICA = "place_replica"
 RELEASE_REPLICA = "release_replica"
+VALIDATE_REPLICA = "validate_replica"
 
 # Node queues (node-<id>)
 FETCH_WEIGHTS = "fetch_weights"

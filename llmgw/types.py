@@ -469,6 +469,20 @@ class ReplicaMemo(BaseModel):
     endpoint: str = ""
 
 
+class ValidateInput(BaseModel):
+    """Input of ``validate_replica``: may this replica start on these nodes?"""
+
+    model: ModelSpec
+    placement: Placement
+    rendezvous: Rendezvous | None = None
+
+
+class ValidateResult(BaseModel):
+    """Every problem found (empty: the launch may go)."""
+
+    problems: list[str] = Field(default_factory=list)
+
+
 class RendezvousInput(BaseModel):
     """Input of the Rendezvous workflow: start every rank of a multi-node replica."""
 

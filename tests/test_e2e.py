@@ -13,10 +13,12 @@ import pytest
 from temporalio.client import Client
 
 from llmgw import replicas
+from llmgw.errors import EngineError
 from llmgw.store import Store
 from llmgw.tinymodel import TinyModel
 from llmgw.types import EngineKind, ModelSpec, ReplicaPhase
 from tests.harness import System, free_port, wait_routable
+from tests.procs_util import pids_with_args
 
 MODEL = "tiny-e2e"
 
@@ -201,3 +203,18 @@ async def test_cli_logs_shows_the_engine_output(system: System, served: dict[str
     assert result.returncode == 0, result.stderr
     assert "model loaded" in result.stdout
     assert served["key"] not in result.stdout
+
+
+async def test_a_launch_that_would_leak_a_key_is_refused_before_start(
+    client: Client, served: dict[str, str], tiny: TinyModel
+) -> None:
+    bad = ModelSpec(
+        name="tiny-bad-args",
+        engine=EngineKind.LLAMA_CPP,
+        source=str(tiny.model_path),
+        engine_args=["--api-key", "visible-in-ps"],
+    )
+    rid = await replicas.start_replica(client, bad)
+    with pytest.raises(EngineError, match="api-key"):
+        await replicas.wait_ready(client, rid, 60)
+    assert pids_with_args("--alias", "tiny-bad-args") == []

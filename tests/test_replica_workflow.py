@@ -37,6 +37,8 @@ from llmgw.types import (
     StopReplicaInput,
     StopShardInput,
     StopShardResult,
+    ValidateInput,
+    ValidateResult,
     WaitReadyInput,
     WaitReadyResult,
     WatchShardInput,
@@ -52,6 +54,7 @@ class Fakes:
 
     node_id: str
     place_ok: bool = True
+    invalid: str = ""
     ready_error: str | None = None
     ready_gate: asyncio.Event = field(default_factory=asyncio.Event)
     engine_exit: asyncio.Event = field(default_factory=asyncio.Event)
@@ -73,6 +76,12 @@ class Fakes:
                 replica_id=req.replica_id, model=req.model.name, node_id=self.node_id
             )
         )
+
+    @activity.defn(name=names.VALIDATE_REPLICA)
+    async def validate(self, req: ValidateInput) -> ValidateResult:
+        if self.invalid:
+            raise ApplicationError(self.invalid, type="LaunchValidationError", non_retryable=True)
+        return ValidateResult()
 
     @activity.defn(name=names.RELEASE_REPLICA)
     async def release(self, req: ReleaseRequest) -> ReleaseResult:
@@ -122,7 +131,7 @@ async def env(client: Client) -> AsyncIterator[tuple[Client, str, Fakes]]:
         client,
         task_queue=queue,
         workflows=[ReplicaWorkflow],
-        activities=[fakes.place, fakes.release],
+        activities=[fakes.place, fakes.release, fakes.validate],
     )
     node = Worker(
         client,
@@ -209,6 +218,17 @@ async def test_unplaceable_replica_fails_with_reasons(env: tuple[Client, str, Fa
     assert final.phase is P.FAILED
     assert "needs 8 GPUs, has 0" in final.reason
     assert (fakes.launches, fakes.releases) == (0, 0)
+
+
+async def test_invalid_launch_fails_before_anything_starts(
+    env: tuple[Client, str, Fakes],
+) -> None:
+    client, queue, fakes = env
+    fakes.invalid = "cannot start: fp8 needs compute capability >= 8.9"
+    final = await (await _start(client, queue)).result()
+    assert final.phase is P.FAILED
+    assert "fp8 needs compute capability" in final.reason
+    assert (fakes.launches, fakes.releases) == (0, 1)
 
 
 async def test_stop_while_loading(env: tuple[Client, str, Fakes]) -> None:

@@ -33,6 +33,8 @@ with workflow.unsafe.imports_passed_through():
         ShardPlacement,
         ShardRef,
         ShardSpec,
+        ValidateInput,
+        ValidateResult,
         WaitReadyInput,
         WaitReadyResult,
     )
@@ -80,6 +82,14 @@ class RendezvousWorkflow:
             for rank, shard in shards.items()
         }
         rendezvous = await self._rendezvous(engine, shards)
+        await workflow.execute_activity(
+            names.VALIDATE_REPLICA,
+            ValidateInput(
+                model=self._req.model, placement=self._req.placement, rendezvous=rendezvous
+            ),
+            result_type=ValidateResult,
+            start_to_close_timeout=timedelta(seconds=30),
+        )
         handles: dict[int, ShardHandle] = {}
         for rank in start_order(engine, len(shards)):
             shard = shards[rank]

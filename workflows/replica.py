@@ -45,6 +45,8 @@ with workflow.unsafe.imports_passed_through():
         StopReplicaInput,
         StopShardInput,
         StopShardResult,
+        ValidateInput,
+        ValidateResult,
         WaitReadyInput,
         WaitReadyResult,
         WatchShardInput,
@@ -55,6 +57,7 @@ with workflow.unsafe.imports_passed_through():
 P = ReplicaPhase
 T = TypeVar("T")
 FETCH_WEIGHTS_PATCH = "fetch-weights-v1"
+VALIDATE_PATCH = "validate-before-launch-v1"
 # The watch activity lives as long as the engine; its heartbeats, not this
 # bound, are what notice a dead agent.
 WATCH_LIFETIME = timedelta(days=3650)
@@ -119,6 +122,13 @@ class ReplicaWorkflow:
         if model.profile.nodes > 1:
             await self._start_and_serve_ranks(placement)
             return
+        if workflow.patched(VALIDATE_PATCH):
+            await workflow.execute_activity(
+                names.VALIDATE_REPLICA,
+                ValidateInput(model=model, placement=placement),
+                result_type=ValidateResult,
+                start_to_close_timeout=timedelta(seconds=30),
+            )
         if self._fetches:
             fetched: FetchWeightsResult = await self._interruptible(
                 self._node_activity(

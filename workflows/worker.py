@@ -44,7 +44,7 @@ def build_worker(
         client,
         task_queue=task_queue,
         workflows=WORKFLOWS,
-        activities=[control.place_replica, control.release_replica],
+        activities=[control.place_replica, control.release_replica, control.validate_replica],
         sticky_queue_schedule_to_start_timeout=timedelta(
             seconds=settings.sticky_schedule_to_start_s
         ),

@@ -87,11 +87,16 @@ class Store:
             event.listen(self._engine, "connect", _sqlite_pragmas)
 
     def migrate(self) -> None:
-        """Create missing tables."""
-        try:
-            SQLModel.metadata.create_all(self._engine)
-        except OperationalError as exc:
-            raise StoreError(f"cannot migrate the store: {exc}") from exc
+        """Create missing tables; safe when several processes start at once."""
+        for attempt in range(3):
+            try:
+                SQLModel.metadata.create_all(self._engine)
+                return
+            except OperationalError as exc:
+                # Two processes both saw a table missing and both created it:
+                # the loser's next pass finds everything in place.
+                if "already exists" not in str(exc) or attempt == 2:
+                    raise StoreError(f"cannot migrate the store: {exc}") from exc
 
     def close(self) -> None:
         """Release pooled connections."""

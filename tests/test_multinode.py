@@ -11,9 +11,10 @@ import pytest
 from temporalio.client import Client
 
 from llmgw import replicas
+from llmgw.errors import EngineError
 from llmgw.store import Store
 from llmgw.tinymodel import TinyModel
-from llmgw.types import EngineKind, EngineProfile, ModelSpec, ReplicaPhase
+from llmgw.types import EngineKind, EngineProfile, ModelSpec, ReplicaPhase, ReplicaTimeouts
 from tests.harness import System, free_port, wait_routable
 from tests.procs_util import pids_with_args
 
@@ -89,3 +90,34 @@ async def test_two_node_llama_cpp_replica_serves_and_fails_whole(
     assert pids_with_args("--alias", MODEL) == []
     assert pids_with_args("ggml-rpc-server", "-p") == []
     assert rid not in (await replicas.fleet_snapshot(client)).allocations
+
+
+async def test_rendezvous_that_never_completes_fails_within_its_bound(
+    system: System, client: Client, tiny: TinyModel
+) -> None:
+    spec = ModelSpec(
+        name="tiny-never-meets",
+        engine=EngineKind.LLAMA_CPP,
+        source=str(tiny.model_path),
+        profile=EngineProfile(nodes=2),
+    )
+    system.spawn("control")
+    # Rank 0 lands on the node whose id sorts last (placement is deterministic).
+    _agent(system, "rv-b")
+    worker_agent = system.spawn("agent", {"LLMGW_NODE_ID": "rv-a"})
+    await replicas.wait_node_registered(client, "rv-a", 60)
+    await replicas.wait_node_registered(client, "rv-b", 60)
+    worker_agent.signal(signal.SIGSTOP)  # the worker's node stops answering
+    try:
+        timeouts = ReplicaTimeouts(rendezvous_s=6, schedule_to_start_s=8, heartbeat_s=2)
+        rid = await replicas.start_replica(client, spec, timeouts)
+        with pytest.raises(EngineError) as failed:
+            await replicas.wait_ready(client, rid, 90)
+        assert "not complete within 6s" in str(failed.value)
+        status = await replicas.status_of(client, rid)
+        assert status is not None and status.phase is ReplicaPhase.FAILED
+        assert rid not in (await replicas.fleet_snapshot(client)).allocations
+        assert pids_with_args("--alias", "tiny-never-meets") == []
+        assert pids_with_args("ggml-rpc-server", "-p") == []
+    finally:
+        worker_agent.signal(signal.SIGCONT)

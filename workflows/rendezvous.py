@@ -12,6 +12,7 @@ start first and the leader waits for theirs.
 """
 
 import asyncio
+import contextlib
 from datetime import timedelta
 
 from temporalio import workflow
@@ -62,7 +63,7 @@ class RendezvousWorkflow:
         self._req = request
         self._t = request.timeouts
         try:
-            return await asyncio.wait_for(self._start(), timeout=self._t.rendezvous_s)
+            return await self._bounded()
         except (ActivityError, TimeoutError, ApplicationError) as err:
             await self._stop_all()
             raise ApplicationError(
@@ -73,6 +74,20 @@ class RendezvousWorkflow:
         except asyncio.CancelledError:
             await self._stop_all()
             raise
+
+    async def _bounded(self) -> RendezvousResult:
+        """The start, or TimeoutError once the bound passes (whatever the
+        cancelled activity in flight then raises)."""
+        start = asyncio.ensure_future(self._start())
+        timer = asyncio.ensure_future(asyncio.sleep(self._t.rendezvous_s))
+        await workflow.wait([start, timer], return_when=asyncio.FIRST_COMPLETED)
+        if start.done():
+            timer.cancel()
+            return start.result()
+        start.cancel()
+        with contextlib.suppress(asyncio.CancelledError, ActivityError, ApplicationError):
+            await start
+        raise TimeoutError(f"rendezvous not complete within {self._t.rendezvous_s:.0f}s")
 
     async def _start(self) -> RendezvousResult:
         shards = {s.rank: s for s in self._req.placement.shards()}

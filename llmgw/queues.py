@@ -14,6 +14,11 @@ def node_queue(node_id: str) -> str:
     return f"node-{node_id}"
 
 
+def deployment_workflow_id(model: str) -> str:
+    """The workflow id of a model's deployment."""
+    return f"deployment/{model}"
+
+
 def replica_workflow_id(replica_id: str) -> str:
     """The workflow id of a replica's lifecycle."""
     return f"replica/{replica_id}"

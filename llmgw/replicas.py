@@ -7,14 +7,25 @@ from collections.abc import Callable
 from datetime import timedelta
 
 from temporalio.client import Client, WorkflowExecutionStatus
-from temporalio.common import SearchAttributePair, TypedSearchAttributes
+from temporalio.common import (
+    SearchAttributePair,
+    TypedSearchAttributes,
+    WorkflowIDConflictPolicy,
+)
 from temporalio.service import RPCError
 
 from llmgw import search_attributes as sa
 from llmgw.errors import EngineError
-from llmgw.queues import CONTROL_QUEUE, FLEET_WORKFLOW_ID, replica_workflow_id
+from llmgw.queues import (
+    CONTROL_QUEUE,
+    FLEET_WORKFLOW_ID,
+    deployment_workflow_id,
+    replica_workflow_id,
+)
 from llmgw.types import (
     TERMINAL_PHASES,
+    DeploymentInput,
+    DeploymentStatus,
     FleetSnapshot,
     LogTail,
     ModelSpec,
@@ -23,6 +34,8 @@ from llmgw.types import (
     ReplicaPhase,
     ReplicaStatus,
     ReplicaTimeouts,
+    RestartPolicy,
+    ScaleInput,
     ShardLogsInput,
     ShardRef,
     StopReplicaInput,
@@ -178,3 +191,38 @@ async def log_tail(client: Client, replica_id: str, lines: int) -> list[str]:
         execution_timeout=timedelta(seconds=30),
     )
     return tail.lines
+
+
+async def apply_deployment(
+    client: Client,
+    spec: ModelSpec,
+    replicas: int,
+    timeouts: ReplicaTimeouts | None = None,
+    restart: RestartPolicy | None = None,
+) -> DeploymentStatus:
+    """Start the model's deployment, or scale it if it runs already."""
+    handle = await client.start_workflow(
+        "Deployment",
+        DeploymentInput(
+            model=spec,
+            replicas=replicas,
+            timeouts=timeouts or ReplicaTimeouts(),
+            restart=restart or RestartPolicy(),
+        ),
+        id=deployment_workflow_id(spec.name),
+        task_queue=CONTROL_QUEUE,
+        id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+    )
+    status: DeploymentStatus = await handle.execute_update(
+        "scale", ScaleInput(replicas=replicas), result_type=DeploymentStatus
+    )
+    return status
+
+
+async def deployment_status(client: Client, model: str) -> DeploymentStatus:
+    """A deployment's slots, restarts and last failure reasons."""
+    handle = client.get_workflow_handle(deployment_workflow_id(model))
+    status: DeploymentStatus = await handle.query(
+        "status", result_type=DeploymentStatus, rpc_timeout=timedelta(seconds=5)
+    )
+    return status

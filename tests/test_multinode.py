@@ -14,7 +14,14 @@ from llmgw import replicas
 from llmgw.errors import EngineError
 from llmgw.store import Store
 from llmgw.tinymodel import TinyModel
-from llmgw.types import EngineKind, EngineProfile, ModelSpec, ReplicaPhase, ReplicaTimeouts
+from llmgw.types import (
+    EngineKind,
+    EngineProfile,
+    ModelSpec,
+    ReplicaPhase,
+    ReplicaTimeouts,
+    RestartPolicy,
+)
 from tests.harness import System, free_port, wait_routable
 from tests.procs_util import pids_with_args
 
@@ -41,7 +48,7 @@ def _agent(system: System, node_id: str) -> None:
     )
 
 
-async def test_two_node_llama_cpp_replica_serves_and_fails_whole(
+async def test_two_node_llama_cpp_replica_serves_fails_whole_and_restarts(
     system: System, client: Client, tiny: TinyModel
 ) -> None:
     store = Store(system.store_url)
@@ -63,7 +70,9 @@ async def test_two_node_llama_cpp_replica_serves_and_fails_whole(
     await replicas.wait_node_registered(client, "mn-a", 60)
     await replicas.wait_node_registered(client, "mn-b", 60)
 
-    rid = await replicas.start_replica(client, spec)
+    restart = RestartPolicy(initial_backoff_s=0.5)
+    status = await replicas.apply_deployment(client, spec, 1, restart=restart)
+    rid = await _slot_replica(client, starts=1)
     await replicas.wait_ready(client, rid, 120)
     rpc_workers = pids_with_args("ggml-rpc-server", "-p")
     leaders = pids_with_args("--alias", MODEL, "--rpc")
@@ -78,18 +87,39 @@ async def test_two_node_llama_cpp_replica_serves_and_fails_whole(
         resp = await oai.completions.create(model=MODEL, prompt="hello", max_tokens=4)
         assert resp.usage is not None and resp.usage.completion_tokens == 4
 
-    # Losing a worker loses the replica: it fails whole, nothing is left.
+    # Losing a worker loses the replica: it fails whole, and the deployment
+    # starts a new one in its place; nothing of the first attempt is left.
     os.kill(rpc_workers[0], signal.SIGKILL)
-    async with asyncio.timeout(60):
-        while (memo := await replicas.replica_memo(client, rid)) is None or (
-            memo.phase is not ReplicaPhase.FAILED
-        ):
-            await asyncio.sleep(0.2)
-    status = await replicas.status_of(client, rid)
-    assert status is not None and "rank 1" in status.reason
+    new_rid = await _slot_replica(client, starts=2)
+    failed = await replicas.status_of(client, rid)
+    assert failed is not None and failed.phase is ReplicaPhase.FAILED
+    assert "rank 1" in failed.reason
+    await replicas.wait_ready(client, new_rid, 120)
+    assert not set(rpc_workers + leaders) & set(
+        pids_with_args("ggml-rpc-server", "-p") + pids_with_args("--alias", MODEL)
+    )
+    assert len(pids_with_args("ggml-rpc-server", "-p")) == 1
+    assert rid not in (await replicas.fleet_snapshot(client)).allocations
+    status = await replicas.deployment_status(client, MODEL)
+    assert "rank 1" in status.slots[0].last_reason
+
+    # Scaling to zero drains the replica; the deployment then ends.
+    await replicas.apply_deployment(client, spec, 0)
+    handle = client.get_workflow_handle(f"deployment/{MODEL}")
+    final = await asyncio.wait_for(handle.result(), 60)
+    assert final["desired"] == 0
     assert pids_with_args("--alias", MODEL) == []
     assert pids_with_args("ggml-rpc-server", "-p") == []
-    assert rid not in (await replicas.fleet_snapshot(client)).allocations
+
+
+async def _slot_replica(client: Client, starts: int) -> str:
+    """The replica of slot 0 once the deployment has started it ``starts`` times."""
+    async with asyncio.timeout(60):
+        while True:
+            status = await replicas.deployment_status(client, MODEL)
+            if status.slots and status.slots[0].starts == starts:
+                return status.slots[0].replica_id
+            await asyncio.sleep(0.1)
 
 
 async def test_rendezvous_that_never_completes_fails_within_its_bound(

@@ -109,6 +109,12 @@ class ReplicaWorkflow:
         await workflow.wait_condition(lambda: is_terminal(self._status.phase))
         return self._status
 
+    @workflow.signal(name="request_stop")
+    def request_stop(self, request: StopReplicaInput) -> None:
+        """Stop the replica (workflows, which cannot send updates, signal)."""
+        if self._stop is None:
+            self._stop = request
+
     @workflow.query(name="status")
     def status(self) -> ReplicaStatus:
         """The replica's full state."""

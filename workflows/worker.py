@@ -14,6 +14,7 @@ from llmgw.queues import CONTROL_QUEUE, FLEET_WORKFLOW_ID
 from llmgw.settings import ControlSettings
 from llmgw.temporal import connect
 from llmgw.types import FleetSnapshot
+from workflows.deployment import DeploymentWorkflow
 from workflows.fleet import FleetWorkflow
 from workflows.logs import ShardLogsWorkflow
 from workflows.rendezvous import RendezvousWorkflow
@@ -21,7 +22,13 @@ from workflows.replica import ReplicaWorkflow
 
 log = logging.getLogger(__name__)
 
-WORKFLOWS = [FleetWorkflow, ReplicaWorkflow, RendezvousWorkflow, ShardLogsWorkflow]
+WORKFLOWS = [
+    DeploymentWorkflow,
+    FleetWorkflow,
+    ReplicaWorkflow,
+    RendezvousWorkflow,
+    ShardLogsWorkflow,
+]
 
 
 async def ensure_fleet(client: Client) -> None:

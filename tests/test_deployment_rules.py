@@ -1,0 +1,21 @@
+"""Deployment decisions, without Temporal."""
+
+from llmgw.types import RestartPolicy, Slot
+from workflows.deployment_rules import backoff_s, should_reap, slots_to_retire
+
+POLICY = RestartPolicy(initial_backoff_s=2, max_backoff_s=30, max_consecutive_failures=3)
+
+
+def test_backoff_doubles_and_caps() -> None:
+    assert [backoff_s(n, POLICY) for n in range(7)] == [0, 2, 4, 8, 16, 30, 30]
+
+
+def test_a_slot_that_keeps_failing_is_reaped() -> None:
+    assert not should_reap(Slot(slot=0, consecutive_failures=2), POLICY)
+    assert should_reap(Slot(slot=0, consecutive_failures=3), POLICY)
+
+
+def test_scale_down_retires_the_newest_live_slots() -> None:
+    slots = [Slot(slot=0), Slot(slot=1, reaped=True), Slot(slot=2), Slot(slot=3)]
+    assert [s.slot for s in slots_to_retire(slots, 1)] == [3, 2]
+    assert slots_to_retire(slots, 3) == []

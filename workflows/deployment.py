@@ -1,0 +1,174 @@
+"""Deployment: one workflow per model (id ``deployment/<model>``) that keeps
+the desired number of replicas running.
+
+Each replica is a child Replica workflow; a replica that ends is replaced
+after an exponential backoff, and a slot whose replicas keep failing is
+reaped (left failed, with the last reason and log tail) instead of feeding a
+restart storm. Scaling down drains the newest replicas. Closing the
+deployment cancels its replicas, which stop their engines and release
+their GPUs.
+"""
+
+import asyncio
+from datetime import datetime, timedelta
+
+from temporalio import workflow
+from temporalio.exceptions import ChildWorkflowError
+from temporalio.workflow import ChildWorkflowHandle, ParentClosePolicy
+
+with workflow.unsafe.imports_passed_through():
+    from llmgw.queues import replica_workflow_id
+    from llmgw.types import (
+        DeploymentInput,
+        DeploymentStatus,
+        ReplicaInput,
+        ReplicaPhase,
+        ReplicaStatus,
+        ScaleInput,
+        Slot,
+        StopReplicaInput,
+    )
+    from workflows.deployment_rules import backoff_s, should_reap, slots_to_retire
+
+Outcome = tuple[int, ReplicaStatus | None, str]
+
+
+@workflow.defn(name="Deployment")
+class DeploymentWorkflow:
+    """Reconciles desired replicas of one model against those running."""
+
+    @workflow.init
+    def __init__(self, input: DeploymentInput) -> None:
+        self._input = input
+        self._desired = input.replicas
+        self._slots: list[Slot] = []
+        self._running: dict[int, asyncio.Future[Outcome]] = {}
+        self._handles: dict[int, ChildWorkflowHandle[object, ReplicaStatus]] = {}
+        self._retiring: set[int] = set()
+        self._changed = False
+        self._next_slot = 0
+
+    @workflow.run
+    async def run(self, input: DeploymentInput) -> DeploymentStatus:
+        """Reconcile until scaled to zero with nothing left running."""
+        while True:
+            await self._reconcile()
+            if self._desired == 0 and not self._running:
+                break
+            await self._wait_for_change()
+            self._collect()
+        await workflow.wait_condition(workflow.all_handlers_finished)
+        return self.status()
+
+    @workflow.update(name="scale")
+    def scale(self, request: ScaleInput) -> DeploymentStatus:
+        """Set the desired number of replicas."""
+        self._desired = request.replicas
+        self._changed = True
+        return self.status()
+
+    @workflow.query(name="status")
+    def status(self) -> DeploymentStatus:
+        """Every slot: its current replica, restarts, and why the last one ended."""
+        return DeploymentStatus(
+            model=self._input.model.name, desired=self._desired, slots=self._slots
+        )
+
+    async def _reconcile(self) -> None:
+        while len([s for s in self._slots if not s.reaped]) < self._desired:
+            self._slots.append(Slot(slot=self._next_slot))
+            self._next_slot += 1
+        for slot in slots_to_retire(self._slots, self._desired):
+            await self._retire(slot)
+        now = workflow.now()
+        for slot in self._slots:
+            due = not slot.next_start_at or datetime.fromisoformat(slot.next_start_at) <= now
+            if not slot.reaped and slot.slot not in self._running and due:
+                await self._start(slot)
+
+    async def _start(self, slot: Slot) -> None:
+        name = self._input.model.name
+        slot.replica_id = f"{name}-{str(workflow.uuid4())[:8]}"
+        slot.starts += 1
+        slot.next_start_at = ""
+        handle = await workflow.start_child_workflow(
+            "Replica",
+            ReplicaInput(
+                replica_id=slot.replica_id, model=self._input.model, timeouts=self._input.timeouts
+            ),
+            id=replica_workflow_id(slot.replica_id),
+            result_type=ReplicaStatus,
+            # Closing the deployment cancels its replicas, which then stop
+            # their engines and release their GPUs.
+            parent_close_policy=ParentClosePolicy.REQUEST_CANCEL,
+        )
+        self._handles[slot.slot] = handle
+        self._running[slot.slot] = asyncio.ensure_future(_outcome(slot.slot, handle))
+        workflow.logger.info("deployment %s slot %d: replica %s", name, slot.slot, slot.replica_id)
+
+    async def _retire(self, slot: Slot) -> None:
+        if slot.slot in self._retiring:
+            return
+        self._retiring.add(slot.slot)
+        handle = self._handles.get(slot.slot)
+        if handle is not None and slot.slot in self._running:
+            await handle.signal("request_stop", StopReplicaInput(reason="scaled down"))
+        else:
+            self._slots.remove(slot)
+
+    async def _wait_for_change(self) -> None:
+        self._changed = False
+        waits: list[asyncio.Future[object]] = [
+            asyncio.ensure_future(workflow.wait_condition(lambda: self._changed)),
+            *self._running.values(),  # type: ignore[list-item]
+        ]
+        due = [datetime.fromisoformat(s.next_start_at) for s in self._slots if s.next_start_at]
+        if due:
+            delay = max(0.0, (min(due) - workflow.now()).total_seconds())
+            waits.append(asyncio.ensure_future(asyncio.sleep(delay)))
+        await workflow.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        for fut in waits:
+            if fut not in self._running.values():
+                fut.cancel()
+
+    def _collect(self) -> None:
+        for number, fut in list(self._running.items()):
+            if not fut.done():
+                continue
+            del self._running[number]
+            self._handles.pop(number, None)
+            _, final, error = fut.result()
+            slot = next(s for s in self._slots if s.slot == number)
+            if number in self._retiring:
+                self._retiring.discard(number)
+                self._slots.remove(slot)
+                continue
+            self._record_end(slot, final, error)
+
+    def _record_end(self, slot: Slot, final: ReplicaStatus | None, error: str) -> None:
+        served = final is not None and any(h.phase is ReplicaPhase.READY for h in final.history)
+        if served:
+            slot.consecutive_failures = 0  # it worked for a while: not a crash loop
+        slot.consecutive_failures += 1
+        slot.last_reason = error or (final.reason if final else "") or "ended"
+        slot.last_log_tail = final.log_tail if final else []
+        policy = self._input.restart
+        if should_reap(slot, policy):
+            slot.reaped = True
+            workflow.logger.warning(
+                "deployment %s slot %d reaped after %d failures: %s",
+                self._input.model.name,
+                slot.slot,
+                slot.consecutive_failures,
+                slot.last_reason,
+            )
+            return
+        delay = backoff_s(slot.consecutive_failures, policy)
+        slot.next_start_at = (workflow.now() + timedelta(seconds=delay)).isoformat()
+
+
+async def _outcome(number: int, handle: ChildWorkflowHandle[object, ReplicaStatus]) -> Outcome:
+    try:
+        return number, await handle, ""
+    except ChildWorkflowError as err:
+        return number, None, str(err.cause or err)

@@ -226,6 +226,38 @@ def deploy(
 
 
 @app.command()
+def scale(
+    model: str,
+    replicas_: Annotated[int, typer.Argument(min=0, help="desired replicas")],
+) -> None:
+    """Start or scale the model's deployment (replicas restarted when they fail)."""
+    settings = CliSettings()
+    store = Store(settings.resolved_store_url())
+    store.migrate()
+    spec = store.get_model(model)
+    if spec is None:
+        _fail(f"model {model!r} is not in the catalog")
+        return
+
+    async def go() -> None:
+        client = await connect(settings.temporal_address, settings.temporal_namespace)
+        status = await replicas.apply_deployment(client, spec, replicas_)
+        table = Table("slot", "replica", "starts", "failures", "reaped", "last reason")
+        for s in status.slots:
+            table.add_row(
+                str(s.slot), s.replica_id, str(s.starts), str(s.consecutive_failures),
+                "yes" if s.reaped else "", s.last_reason,
+            )  # fmt: skip
+        console.print(f"deployment/{model}: {status.desired} replicas desired")
+        out.print(table)
+
+    try:
+        asyncio.run(go())
+    except LlmgwError as exc:
+        _fail(str(exc))
+
+
+@app.command()
 def status(
     all_: Annotated[bool, typer.Option("--all", help="include stopped replicas")] = False,
 ) -> None:

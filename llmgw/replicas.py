@@ -226,3 +226,28 @@ async def deployment_status(client: Client, model: str) -> DeploymentStatus:
         "status", result_type=DeploymentStatus, rpc_timeout=timedelta(seconds=5)
     )
     return status
+
+
+async def wait_deployment_ready(
+    client: Client, model: str, timeout_s: float, on_change: PhaseCallback | None = None
+) -> ReplicaMemo:
+    """Wait until the deployment's first slot serves, across restarts of its replica."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        remaining = deadline - asyncio.get_running_loop().time()
+        if remaining <= 0:
+            raise EngineError(f"deployment of {model} not ready after {timeout_s:.0f}s")
+        try:
+            status = await deployment_status(client, model)
+        except RPCError:
+            status = None  # not started yet, or the control worker is starting
+        slot = status.slots[0] if status and status.slots else None
+        if slot is not None and slot.reaped:
+            raise EngineError(f"deployment of {model} gave up: {slot.last_reason}")
+        if slot is None or not slot.replica_id:
+            await asyncio.sleep(0.2)
+            continue
+        try:
+            return await wait_ready(client, slot.replica_id, remaining, on_change)
+        except EngineError:
+            await asyncio.sleep(0.2)  # the deployment replaces it; follow the next one

@@ -18,17 +18,19 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
-from temporalio.client import Client
+from temporalio.client import Client, WorkflowFailureError
+from temporalio.service import RPCError
 
 from llmgw import replicas
 from llmgw.engine_install import ensure_llama_cpp
-from llmgw.errors import EngineError, LlmgwError
+from llmgw.errors import LlmgwError
 from llmgw.procs import Child, wait_for
+from llmgw.queues import deployment_workflow_id
 from llmgw.settings import UpSettings
 from llmgw.store import Store
 from llmgw.temporal import connect
 from llmgw.tinymodel import generate_tiny_model
-from llmgw.types import EngineKind, ModelSpec, ReplicaMemo, ReplicaPhase
+from llmgw.types import EngineKind, ModelSpec, ReplicaMemo
 from worker_agent import procfs
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -84,6 +86,7 @@ class Up:
         self.say = say
         self.work = settings.work_dir.resolve()
         self.children: list[Child] = []
+        self.spec: ModelSpec | None = None
 
     def prepare(self) -> ModelSpec:
         """Engine binary, tiny model, store, catalog entry."""
@@ -94,6 +97,7 @@ class Up:
         spec = ModelSpec(
             name=self.s.default_model, engine=EngineKind.LLAMA_CPP, source=str(tiny.model_path)
         )
+        self.spec = spec
         store = Store(self.s.resolved_store_url())
         store.migrate()
         store.put_model(spec)
@@ -142,27 +146,18 @@ class Up:
             if not child.alive():
                 raise LlmgwError(f"{child.name} exited:\n{child.log_tail()}")
 
-    async def ensure_replica(self, client: Client, spec: ModelSpec) -> str:
-        """Reuse a live replica of the default model (one left by a previous
-        run that was killed), or start one; wait until it is ready."""
+    async def ensure_deployed(self, client: Client, spec: ModelSpec) -> str:
+        """Deploy the default model (one replica, restarted if it fails) and
+        wait until it serves; a deployment left by a killed run is reused."""
 
         def show(memo: ReplicaMemo) -> None:
             where = f" on {memo.node_id}" if memo.node_id else ""
             self.say(f"replica {memo.replica_id}: {memo.phase}{where}")
 
-        for memo in await replicas.list_replicas(client):
-            if memo.model == spec.name and memo.phase is not ReplicaPhase.FAILED:
-                self.say(f"replica {memo.replica_id} exists ({memo.phase})")
-                try:
-                    await replicas.wait_ready(client, memo.replica_id, self.s.ready_timeout_s, show)
-                    return memo.replica_id
-                except EngineError as exc:
-                    self.say(f"previous replica unusable ({exc}); starting a new one")
-                break
-        replica_id = await replicas.start_replica(client, spec)
-        self.say(f"deploying {spec.name} as replica {replica_id}")
-        await replicas.wait_ready(client, replica_id, self.s.ready_timeout_s, show)
-        return replica_id
+        await replicas.apply_deployment(client, spec, 1)
+        self.say(f"deployment/{spec.name}: 1 replica desired")
+        memo = await replicas.wait_deployment_ready(client, spec.name, self.s.ready_timeout_s, show)
+        return memo.replica_id
 
     async def first_completion(self, key: str, model: str) -> str:
         """One real completion through the router: the proof it all works."""
@@ -177,10 +172,23 @@ class Up:
                 await asyncio.sleep(0.2)
         raise LlmgwError(f"no completion through the router: {resp.status_code} {resp.text}")
 
+    async def _scale_to_zero(self, client: Client) -> None:
+        """Drain the default deployment: its replicas stop, then it ends."""
+        spec = self.spec
+        if spec is None:
+            return
+        try:
+            await replicas.apply_deployment(client, spec, 0)
+            handle = client.get_workflow_handle(deployment_workflow_id(spec.name))
+            await asyncio.wait_for(handle.result(), self.s.stop_timeout_s)
+        except (RPCError, TimeoutError, WorkflowFailureError) as exc:
+            self.say(f"deployment did not drain cleanly: {exc}")
+
     async def shutdown(self, client: Client | None) -> None:
         """Stop replicas through Temporal, then the processes, then stragglers."""
         if client is not None and any(c.name == "control" and c.alive() for c in self.children):
             try:
+                await self._scale_to_zero(client)
                 running = await replicas.list_replicas(client)
                 await asyncio.gather(
                     *(
@@ -234,7 +242,7 @@ async def run_up(settings: UpSettings, say: Say, announce: Callable[[str, str, s
         client = await connect(f"127.0.0.1:{settings.temporal_port}")
         say("waiting for the agent to register")
         await replicas.wait_node_registered(client, settings.node_id, 120)
-        await up.ensure_replica(client, spec)
+        await up.ensure_deployed(client, spec)
         store = Store(settings.resolved_store_url())
         key = dev_api_key(store, up.work / "dev-api-key")
         store.close()

@@ -218,3 +218,18 @@ async def test_a_launch_that_would_leak_a_key_is_refused_before_start(
     with pytest.raises(EngineError, match="api-key"):
         await replicas.wait_ready(client, rid, 60)
     assert pids_with_args("--alias", "tiny-bad-args") == []
+
+
+async def test_cli_scale_runs_a_deployment(
+    system: System, client: Client, served: dict[str, str]
+) -> None:
+    up = await asyncio.to_thread(_cli, system, "scale", MODEL, "1")
+    assert up.returncode == 0, up.stderr
+    assert f"deployment/{MODEL}: 1 replicas desired" in up.stderr
+    memo = await replicas.wait_deployment_ready(client, MODEL, 120)
+    assert memo.phase is ReplicaPhase.READY and memo.replica_id != served["replica"]
+    down = await asyncio.to_thread(_cli, system, "scale", MODEL, "0")
+    assert down.returncode == 0, down.stderr
+    final = await asyncio.wait_for(client.get_workflow_handle(f"deployment/{MODEL}").result(), 60)
+    assert final["desired"] == 0
+    assert pids_with_args("--alias", MODEL, memo.endpoint.rsplit(":", 1)[1]) == []

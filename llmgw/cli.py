@@ -2,7 +2,8 @@
 
 import asyncio
 import subprocess
-from typing import Annotated
+from collections.abc import Coroutine
+from typing import Annotated, Any, TypeVar
 
 import typer
 from rich.console import Console
@@ -31,6 +32,18 @@ class CliSettings(_Common):
 def _fail(message: str) -> None:
     console.print(f"[red]error:[/red] {message}")
     raise typer.Exit(1)
+
+
+T = TypeVar("T")
+
+
+def _run(work: Coroutine[Any, Any, T]) -> T:
+    """Run a command's async part; llmgw errors become a one-line message."""
+    try:
+        return asyncio.run(work)
+    except LlmgwError as exc:
+        _fail(str(exc))
+        raise  # unreachable: _fail exits
 
 
 @app.command()
@@ -169,11 +182,8 @@ def logs(
         client = await connect(settings.temporal_address, settings.temporal_namespace)
         return await replicas.log_tail(client, replica_id, lines)
 
-    try:
-        for line in asyncio.run(go()):
-            out.print(line, markup=False, highlight=False)
-    except LlmgwError as exc:
-        _fail(str(exc))
+    for line in _run(go()):
+        out.print(line, markup=False, highlight=False)
 
 
 @app.command()
@@ -219,10 +229,7 @@ def deploy(
             await asyncio.gather(*(replicas.wait_ready(client, r, timeout, show) for r in ids))
         console.print("[green]ready[/green]")
 
-    try:
-        asyncio.run(go())
-    except LlmgwError as exc:
-        _fail(str(exc))
+    _run(go())
 
 
 @app.command()
@@ -251,10 +258,7 @@ def scale(
         console.print(f"deployment/{model}: {status.desired} replicas desired")
         out.print(table)
 
-    try:
-        asyncio.run(go())
-    except LlmgwError as exc:
-        _fail(str(exc))
+    _run(go())
 
 
 @app.command()
@@ -268,7 +272,7 @@ def status(
         client = await connect(settings.temporal_address, settings.temporal_namespace)
         return await replicas.list_replicas(client, include_closed=all_)
 
-    rows = asyncio.run(go())
+    rows = _run(go())
     table = Table("replica", "model", "state", "node", "endpoint")
     for m in rows:
         table.add_row(m.replica_id, m.model, m.phase.value, m.node_id, m.endpoint)
@@ -285,10 +289,7 @@ def stop(replica_id: str, timeout: float = 60.0) -> None:
         final = await replicas.stop_replica(client, replica_id, "llmgw stop", timeout)
         console.print(f"{replica_id}: {final.phase}")
 
-    try:
-        asyncio.run(go())
-    except LlmgwError as exc:
-        _fail(str(exc))
+    _run(go())
 
 
 @keys_app.command("create")

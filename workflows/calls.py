@@ -10,6 +10,7 @@ from typing import TypeVar
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy
+from temporalio.exceptions import ApplicationError
 
 with workflow.unsafe.imports_passed_through():
     from activities import names
@@ -53,3 +54,13 @@ async def stop_rank(node_id: str, shard: ShardRef, timeouts: ReplicaTimeouts) ->
         timedelta(seconds=timeouts.stop_grace_s + 30),
         retry=RetryPolicy(maximum_attempts=5),
     )
+
+
+def failure_reason(err: BaseException) -> str:
+    """The most specific message in a failure chain (activity or child)."""
+    cause: BaseException | None = err
+    while cause is not None:
+        if isinstance(cause, ApplicationError):
+            return f"{cause.type or 'error'}: {cause.message}"
+        cause = cause.__cause__
+    return str(err)

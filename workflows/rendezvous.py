@@ -39,7 +39,7 @@ with workflow.unsafe.imports_passed_through():
         WaitReadyInput,
         WaitReadyResult,
     )
-    from workflows.calls import node_activity, stop_rank
+    from workflows.calls import failure_reason, node_activity, stop_rank
 
 
 def start_order(engine: EngineKind, nodes: int) -> list[int]:
@@ -194,9 +194,4 @@ class RendezvousWorkflow:
 def _why(err: BaseException, bound_s: float) -> str:
     if isinstance(err, TimeoutError):
         return f"not complete within {bound_s:.0f}s"
-    cause: BaseException | None = err
-    while cause is not None:
-        if isinstance(cause, ApplicationError):
-            return f"{cause.type or 'error'}: {cause.message}"
-        cause = cause.__cause__
-    return str(err)
+    return failure_reason(err)

@@ -16,12 +16,11 @@ from typing import TypeVar
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy
-from temporalio.exceptions import ActivityError, ApplicationError, ChildWorkflowError
+from temporalio.exceptions import ActivityError, ChildWorkflowError
 
 with workflow.unsafe.imports_passed_through():
     from activities import names
     from llmgw import search_attributes as sa
-    from llmgw.queues import node_queue
     from llmgw.types import (
         FetchWeightsInput,
         FetchWeightsResult,
@@ -43,15 +42,13 @@ with workflow.unsafe.imports_passed_through():
         ShardRef,
         ShardSpec,
         StopReplicaInput,
-        StopShardInput,
-        StopShardResult,
         ValidateInput,
         ValidateResult,
         WaitReadyInput,
         WaitReadyResult,
         WatchShardInput,
     )
-    from workflows.calls import node_activity, stop_rank
+    from workflows.calls import failure_reason, node_activity, stop_rank
     from workflows.replica_state import is_terminal, memo_of, transition
 
 P = ReplicaPhase
@@ -93,7 +90,7 @@ class ReplicaWorkflow:
         except _StopRequested:
             await self._stop_engine()
         except (ActivityError, ChildWorkflowError) as err:
-            await self._fail(_reason(err))
+            await self._fail(failure_reason(err))
         except asyncio.CancelledError:
             # Cancelled from the UI/CLI: still give the GPU and process back.
             await self._stop_engine()
@@ -276,18 +273,9 @@ class ReplicaWorkflow:
         retry: RetryPolicy | None = None,
     ) -> T:
         assert self._placement is not None
-        result: T = await workflow.execute_activity(
-            name,
-            arg,
-            result_type=result_type,
-            task_queue=node_queue(self._placement.node_id),
-            # A dead node is noticed in seconds rather than hanging the start.
-            schedule_to_start_timeout=timedelta(seconds=self._t.schedule_to_start_s),
-            start_to_close_timeout=start_to_close,
-            heartbeat_timeout=timedelta(seconds=self._t.heartbeat_s),
-            retry_policy=retry or RetryPolicy(maximum_attempts=3),
+        return await node_activity(
+            self._placement.node_id, name, arg, result_type, self._t, start_to_close, retry
         )
-        return result
 
     async def _interruptible(self, aw: Awaitable[T]) -> T:
         """Await ``aw`` unless a stop request arrives first."""
@@ -343,24 +331,20 @@ class ReplicaWorkflow:
                 try:
                     await stop_rank(shard.node_id, ref, self._t)
                 except ActivityError as err:
-                    self._status.reason += f"; stop of rank {shard.rank} failed: {_reason(err)}"
+                    self._status.reason += (
+                        f"; stop of rank {shard.rank} failed: {failure_reason(err)}"
+                    )
             self._launched = False
             return
         try:
-            result: StopShardResult = await self._node_activity(
-                names.STOP_SHARD,
-                StopShardInput(shard=self._shard(), grace_s=self._t.stop_grace_s),
-                StopShardResult,
-                timedelta(seconds=self._t.stop_grace_s + 30),
-                retry=RetryPolicy(maximum_attempts=5),
-            )
+            result = await stop_rank(self._placement.node_id, self._shard(), self._t)
             self._launched = False
             if result.was_running:
                 workflow.logger.info(
                     "replica %s engine stopped (exit %s)", self._input.replica_id, result.exit_code
                 )
         except ActivityError as err:
-            self._status.reason = f"{self._status.reason}; stop failed: {_reason(err)}"
+            self._status.reason = f"{self._status.reason}; stop failed: {failure_reason(err)}"
 
     async def _release(self) -> None:
         if self._placement is None:
@@ -392,13 +376,3 @@ class ReplicaWorkflow:
                 sa.REPLICA_ENDPOINT.value_set(s.endpoint or "-"),
             ]
         )
-
-
-def _reason(err: BaseException) -> str:
-    """The most specific message in an activity failure chain."""
-    cause: BaseException | None = err
-    while cause is not None:
-        if isinstance(cause, ApplicationError):
-            return f"{cause.type or 'error'}: {cause.message}"
-        cause = cause.__cause__
-    return str(err)

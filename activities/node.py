@@ -23,6 +23,8 @@ from llmgw.errors import (
     LlmgwError,
 )
 from llmgw.types import (
+    DrainInput,
+    DrainResult,
     EngineKind,
     FetchWeightsInput,
     FetchWeightsResult,
@@ -51,7 +53,7 @@ from worker_agent.adapters import (
     node_facts,
     plan_shard,
 )
-from worker_agent.launching import pick_port, probe_ready, wait_listening
+from worker_agent.launching import engine_busy, pick_port, probe_ready, wait_listening
 from worker_agent.supervisor import Command, RunningShard, Supervisor
 from worker_agent.weights import WeightsCache, WeightsError
 
@@ -208,6 +210,7 @@ class NodeActivities:
         endpoint = f"http://{self._host}:{port}" if plan.serves_http else f"{self._host}:{port}"
         record = {
             "model": spec.model.name,
+            "engine": spec.model.engine.value,
             "serves_http": plan.serves_http,
             "ready_probe": plan.ready_probe.model_dump(mode="json") if plan.ready_probe else None,
             "plan": plan.loggable(),
@@ -271,6 +274,28 @@ class NodeActivities:
             return ShardExit(exit_code=code, reason="stopped on request", log_tail=tail)
         log.warning("replica %s rank %d engine exited (code %s)", ref.replica_id, ref.rank, code)
         return ShardExit(exit_code=code, reason=f"engine exited with code {code}", log_tail=tail)
+
+    @activity.defn(name=names.DRAIN_SHARD)
+    async def drain_shard(self, request: DrainInput) -> DrainResult:
+        """Wait, bounded, until the engine has no request in flight."""
+        ref = request.shard
+        running = self._sup.find_running(ref)
+        if running is None:
+            return DrainResult(idle=True, waited_s=0.0, detail="not running")
+        engine = str(self._sup.plan_of(ref).get("engine", ""))
+        key = self._engine_key(ref.replica_id)
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        while True:
+            busy, detail = await engine_busy(self._http, running.endpoint, key, engine)
+            waited = loop.time() - start
+            if busy is not True:
+                return DrainResult(idle=busy is False, waited_s=waited, detail=detail)
+            if waited >= request.timeout_s:
+                log.warning("replica %s drain deadline passed: %s", ref.replica_id, detail)
+                return DrainResult(idle=False, waited_s=waited, detail=detail)
+            activity.heartbeat(detail)
+            await asyncio.sleep(request.poll_interval_s)
 
     @activity.defn(name=names.STOP_SHARD)
     async def stop_shard(self, request: StopShardInput) -> StopShardResult:

@@ -362,6 +362,22 @@ class ShardExit(BaseModel):
     log_tail: list[str] = Field(default_factory=list)
 
 
+class DrainInput(BaseModel):
+    """Input of ``drain_shard``: wait until the engine has nothing in flight."""
+
+    shard: ShardRef
+    timeout_s: float = 60.0
+    poll_interval_s: float = 0.25
+
+
+class DrainResult(BaseModel):
+    """Whether the engine went idle before the deadline."""
+
+    idle: bool
+    waited_s: float
+    detail: str = ""
+
+
 class StopShardInput(BaseModel):
     """Input of ``stop_shard``: no-op on a stopped shard."""
 
@@ -424,6 +440,10 @@ class ReplicaTimeouts(BaseModel):
     ready_s: float = 600.0
     heartbeat_s: float = 10.0
     stop_grace_s: float = 10.0
+    # Draining: routers refresh about every second, so new requests stop
+    # within this grace; then in-flight requests get up to drain_s to finish.
+    router_grace_s: float = 2.0
+    drain_s: float = 60.0
     place_retry_s: float = 5.0
     rendezvous_s: float = 900.0
     place_attempts: int = 12

@@ -6,6 +6,7 @@ import re
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator
+from datetime import UTC, datetime, timedelta
 
 import httpx
 import openai
@@ -16,7 +17,7 @@ from llmgw import replicas
 from llmgw.errors import EngineError
 from llmgw.store import Store
 from llmgw.tinymodel import TinyModel
-from llmgw.types import EngineKind, ModelSpec, ReplicaPhase
+from llmgw.types import EngineKind, ModelSpec, ReplicaPhase, ReplicaTimeouts
 from tests.harness import System, free_port, wait_routable
 from tests.procs_util import pids_with_args
 
@@ -233,3 +234,42 @@ async def test_cli_scale_runs_a_deployment(
     final = await asyncio.wait_for(client.get_workflow_handle(f"deployment/{MODEL}").result(), 60)
     assert final["desired"] == 0
     assert pids_with_args("--alias", MODEL, memo.endpoint.rsplit(":", 1)[1]) == []
+
+
+async def test_stop_drains_a_stream_in_flight_before_stopping(
+    client: Client, served: dict[str, str], tiny: TinyModel
+) -> None:
+    spec = ModelSpec(
+        name="tiny-drain",
+        engine=EngineKind.LLAMA_CPP,
+        source=str(tiny.model_path),
+        context_length=2048,  # the tiny model was trained to 2048
+        engine_args=["--parallel", "1"],
+    )
+    rid = await replicas.start_replica(client, spec, ReplicaTimeouts(router_grace_s=0.5))
+    await replicas.wait_ready(client, rid, 120)
+    await wait_routable(served["base"], served["key"], "tiny-drain")
+    async with openai.AsyncOpenAI(
+        base_url=served["base"], api_key=served["key"], max_retries=0
+    ) as oai:
+        stream = await oai.completions.create(
+            model="tiny-drain",
+            prompt="hi",
+            max_tokens=2000,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        chunks = aiter(stream)
+        await anext(chunks)  # generation has started
+        stopping = asyncio.create_task(replicas.stop_replica(client, rid, "drain test", 120))
+        usage = None
+        async for chunk in chunks:
+            usage = chunk.usage or usage
+        stream_done = datetime.now(UTC)
+    final = await stopping
+    assert usage is not None and usage.completion_tokens == 2000, "the stream was cut"
+    assert final.phase is ReplicaPhase.STOPPED
+    drained_at = next(h.at for h in final.history if h.phase is ReplicaPhase.DRAINING)
+    stopping_at = next(h.at for h in final.history if h.phase is ReplicaPhase.STOPPING)
+    assert datetime.fromisoformat(drained_at) < stream_done
+    assert datetime.fromisoformat(stopping_at) >= stream_done - timedelta(seconds=1)

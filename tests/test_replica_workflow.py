@@ -18,6 +18,8 @@ from temporalio.worker import Replayer, Worker
 from activities import names
 from llmgw.queues import node_queue
 from llmgw.types import (
+    DrainInput,
+    DrainResult,
     FetchWeightsInput,
     FetchWeightsResult,
     LaunchShardInput,
@@ -60,6 +62,7 @@ class Fakes:
     engine_exit: asyncio.Event = field(default_factory=asyncio.Event)
     launches: int = 0
     fetches: int = 0
+    drains: int = 0
     launched_sources: list[str] = field(default_factory=list)
     stops: int = 0
     releases: int = 0
@@ -117,6 +120,11 @@ class Fakes:
             await asyncio.sleep(0.05)
         return ShardExit(exit_code=139, reason="engine exited with code 139", log_tail=["segfault"])
 
+    @activity.defn(name=names.DRAIN_SHARD)
+    async def drain(self, req: DrainInput) -> DrainResult:
+        self.drains += 1
+        return DrainResult(idle=True, waited_s=0.0)
+
     @activity.defn(name=names.STOP_SHARD)
     async def stop(self, req: StopShardInput) -> StopShardResult:
         self.stops += 1
@@ -136,7 +144,14 @@ async def env(client: Client) -> AsyncIterator[tuple[Client, str, Fakes]]:
     node = Worker(
         client,
         task_queue=node_queue(fakes.node_id),
-        activities=[fakes.fetch, fakes.launch, fakes.wait_ready, fakes.watch, fakes.stop],
+        activities=[
+            fakes.fetch,
+            fakes.launch,
+            fakes.wait_ready,
+            fakes.watch,
+            fakes.drain,
+            fakes.stop,
+        ],
     )
     async with control, node:
         yield client, queue, fakes
@@ -145,7 +160,11 @@ async def env(client: Client) -> AsyncIterator[tuple[Client, str, Fakes]]:
 async def _start(client: Client, queue: str) -> WorkflowHandle[ReplicaWorkflow, ReplicaStatus]:
     rid = f"wf-{uuid.uuid4().hex[:8]}"
     timeouts = ReplicaTimeouts(
-        heartbeat_s=2, place_attempts=2, place_retry_s=0.1, schedule_to_start_s=5
+        heartbeat_s=2,
+        place_attempts=2,
+        place_retry_s=0.1,
+        schedule_to_start_s=5,
+        router_grace_s=0.05,
     )
     return await client.start_workflow(
         ReplicaWorkflow.run,
@@ -185,7 +204,7 @@ async def test_ready_then_stop(env: tuple[Client, str, Fakes]) -> None:
         P.STOPPING,
         P.STOPPED,
     ]
-    assert (fakes.launches, fakes.stops, fakes.releases) == (1, 1, 1)
+    assert (fakes.launches, fakes.drains, fakes.stops, fakes.releases) == (1, 1, 1, 1)
     # The engine loads the node's cached copy, never the catalog's path.
     assert fakes.launched_sources == ["/cache/m.gguf"]
     assert (await handle.result()).phase is P.STOPPED

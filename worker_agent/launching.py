@@ -75,3 +75,31 @@ async def probe_ready(
     except (httpx.HTTPError, ValueError, KeyError) as exc:
         return None, f"{type(exc).__name__}: {exc}"
     return ids, "ready"
+
+
+async def engine_busy(
+    http: httpx.AsyncClient, endpoint: str, key: str, engine: str
+) -> tuple[bool | None, str]:
+    """Whether the engine is working on requests (None: it cannot tell us)."""
+    headers = {"Authorization": f"Bearer {key}"}
+    try:
+        if engine == "llama.cpp":
+            slots = (await http.get(f"{endpoint}/slots", headers=headers)).json()
+            busy = sum(1 for s in slots if s.get("is_processing"))
+            return busy > 0, f"{busy} slots processing"
+        if engine == "vllm":
+            text = (await http.get(f"{endpoint}/metrics", headers=headers)).text
+            running = _metric_sum(text, "vllm:num_requests_running")
+            waiting = _metric_sum(text, "vllm:num_requests_waiting")
+            return running + waiting > 0, f"{running:g} running, {waiting:g} waiting"
+    except (httpx.HTTPError, ValueError, AttributeError) as exc:
+        return None, f"{type(exc).__name__}: {exc}"
+    return None, f"{engine} reports no in-flight count"
+
+
+def _metric_sum(text: str, name: str) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and not line.startswith("#"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total

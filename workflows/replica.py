@@ -22,6 +22,8 @@ with workflow.unsafe.imports_passed_through():
     from activities import names
     from llmgw import search_attributes as sa
     from llmgw.types import (
+        DrainInput,
+        DrainResult,
         FetchWeightsInput,
         FetchWeightsResult,
         LaunchShardInput,
@@ -55,6 +57,7 @@ P = ReplicaPhase
 T = TypeVar("T")
 FETCH_WEIGHTS_PATCH = "fetch-weights-v1"
 VALIDATE_PATCH = "validate-before-launch-v1"
+DRAIN_PATCH = "drain-wait-v1"
 # The watch activity lives as long as the engine; its heartbeats, not this
 # bound, are what notice a dead agent.
 WATCH_LIFETIME = timedelta(days=3650)
@@ -306,12 +309,39 @@ class ReplicaWorkflow:
         ):
             # Published first, so routers stop sending before the engine goes.
             self._move(P.DRAINING, reason)
+            if workflow.patched(DRAIN_PATCH):
+                await self._drain()
         if not is_terminal(self._status.phase):
             self._move(P.STOPPING, reason)
         await self._stop_shard()
         await self._release()
         if not is_terminal(self._status.phase):
             self._move(P.STOPPED, reason)
+
+    async def _drain(self) -> None:
+        """Let routers notice, then let in-flight requests finish (bounded)."""
+        if self._placement is None or not self._launched:
+            return
+        await workflow.sleep(timedelta(seconds=self._t.router_grace_s))
+        leader = ShardRef(replica_id=self._input.replica_id, rank=0)
+        try:
+            drained = await node_activity(
+                self._placement.node_id,
+                names.DRAIN_SHARD,
+                DrainInput(shard=leader, timeout_s=self._t.drain_s),
+                DrainResult,
+                self._t,
+                timedelta(seconds=self._t.drain_s + 30),
+            )
+            workflow.logger.info(
+                "replica %s drained in %.1fs (%s)",
+                self._input.replica_id,
+                drained.waited_s,
+                drained.detail,
+            )
+        except ActivityError as err:
+            # Draining is a courtesy: it must never keep a replica from stopping.
+            workflow.logger.warning("replica %s drain failed: %s", self._input.replica_id, err)
 
     async def _fail(self, reason: str, *, engine_gone: bool = False) -> None:
         self._status.reason = reason

@@ -6,6 +6,7 @@ The class is synchronous (SQLModel sessions); async callers go through a
 thread, which keeps one code path for both databases.
 """
 
+import fcntl
 import json
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -83,11 +84,25 @@ class Store:
 
     def __init__(self, url: str) -> None:
         self._engine: Engine = create_engine(url, pool_pre_ping=True)
+        self._sqlite_file: Path | None = None
         if url.startswith("sqlite"):
             event.listen(self._engine, "connect", _sqlite_pragmas)
+            if url.startswith("sqlite:///") and url != "sqlite:///:memory:":
+                self._sqlite_file = Path(url.removeprefix("sqlite:///"))
 
     def migrate(self) -> None:
         """Create missing tables; safe when several processes start at once."""
+        if self._sqlite_file is not None:
+            # Processes starting together (agent, router, CLI) would each see
+            # a table missing and race to create it: one at a time.
+            self._sqlite_file.parent.mkdir(parents=True, exist_ok=True)
+            with open(f"{self._sqlite_file}.migrate-lock", "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                self._create_tables()
+            return
+        self._create_tables()
+
+    def _create_tables(self) -> None:
         for attempt in range(3):
             try:
                 SQLModel.metadata.create_all(self._engine)

@@ -3,6 +3,8 @@
 import asyncio
 import subprocess
 from collections.abc import Coroutine
+from datetime import UTC, datetime
+from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
 import typer
@@ -97,6 +99,70 @@ agent_app = typer.Typer(help="The node agent (task queue node-<id>)")
 app.add_typer(agent_app, name="agent")
 node_app = typer.Typer(help="Node preparation", no_args_is_help=True)
 app.add_typer(node_app, name="node")
+model_app = typer.Typer(help="The model catalog", no_args_is_help=True)
+app.add_typer(model_app, name="model")
+
+
+@model_app.command("apply")
+def model_apply(
+    file: Annotated[Path, typer.Argument(exists=True, dir_okay=False, readable=True)],
+    deploy_: Annotated[
+        bool, typer.Option("--deploy", help="also scale each model's deployment")
+    ] = False,
+) -> None:
+    """Add or update catalog models from a YAML file."""
+    from llmgw.catalog import parse_catalog  # noqa: PLC0415
+
+    settings = CliSettings()
+    try:
+        entries = parse_catalog(file.read_text())
+    except LlmgwError as exc:
+        _fail(f"{file}: {exc}")
+        return
+    store = Store(settings.resolved_store_url())
+    store.migrate()
+    for entry in entries:
+        store.put_model(entry.spec(), entry.replicas)
+        console.print(f"model {entry.name}: {entry.engine.value}, {entry.replicas} replicas")
+    if not deploy_:
+        return
+
+    async def go() -> None:
+        client = await connect(settings.temporal_address, settings.temporal_namespace)
+        for entry in entries:
+            await replicas.apply_deployment(client, entry.spec(), entry.replicas)
+            console.print(f"deployment/{entry.name}: {entry.replicas} replicas desired")
+
+    _run(go())
+
+
+@app.command()
+def explain(model: str) -> None:
+    """Where a new replica of MODEL would go, or why it cannot be placed."""
+    from workflows.placement import choose_node, split_live  # noqa: PLC0415
+
+    settings = CliSettings()
+    store = Store(settings.resolved_store_url())
+    store.migrate()
+    spec = store.get_model(model)
+    if spec is None:
+        _fail(f"model {model!r} is not in the catalog")
+        return
+
+    async def go() -> None:
+        client = await connect(settings.temporal_address, settings.temporal_namespace)
+        fleet = await replicas.fleet_snapshot(client)
+        live, down = split_live(fleet, datetime.now(UTC))
+        result = choose_node("explain", spec, live, fleet.allocations)
+        if result.placement is not None:
+            nodes = ", ".join(f"rank {s.rank} on {s.node_id}" for s in result.placement.shards())
+            out.print(f"{model}: a new replica would be placed: {nodes}")
+        else:
+            out.print(f"{model}: no placement")
+        for rejection in [*result.rejections, *down]:
+            out.print(f"  {rejection.node_id}: {rejection.reason}")
+
+    _run(go())
 
 
 @agent_app.callback(invoke_without_command=True)

@@ -12,7 +12,7 @@ from temporalio.common import (
     TypedSearchAttributes,
     WorkflowIDConflictPolicy,
 )
-from temporalio.service import RPCError
+from temporalio.service import RPCError, RPCStatusCode
 
 from llmgw import search_attributes as sa
 from llmgw.errors import EngineError
@@ -200,23 +200,46 @@ async def apply_deployment(
     timeouts: ReplicaTimeouts | None = None,
     restart: RestartPolicy | None = None,
 ) -> DeploymentStatus:
-    """Start the model's deployment, or scale it if it runs already."""
-    handle = await client.start_workflow(
-        "Deployment",
-        DeploymentInput(
-            model=spec,
-            replicas=replicas,
-            timeouts=timeouts or ReplicaTimeouts(),
-            restart=restart or RestartPolicy(),
-        ),
-        id=deployment_workflow_id(spec.name),
-        task_queue=CONTROL_QUEUE,
-        id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
-    )
-    status: DeploymentStatus = await handle.execute_update(
-        "scale", ScaleInput(replicas=replicas), result_type=DeploymentStatus
-    )
-    return status
+    """Start the model's deployment, or scale it if it runs already.
+
+    A deployment scaled to zero ends once its replicas drained, so an update
+    can race its close: then the next attempt starts a new run.
+    """
+    last: RPCError | None = None
+    for _ in range(3):
+        if replicas == 0 and not await _deployment_running(client, spec.name):
+            return DeploymentStatus(model=spec.name, desired=0)
+        handle = await client.start_workflow(
+            "Deployment",
+            DeploymentInput(
+                model=spec,
+                replicas=replicas,
+                timeouts=timeouts or ReplicaTimeouts(),
+                restart=restart or RestartPolicy(),
+            ),
+            id=deployment_workflow_id(spec.name),
+            task_queue=CONTROL_QUEUE,
+            id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+        )
+        try:
+            status: DeploymentStatus = await handle.execute_update(
+                "scale", ScaleInput(replicas=replicas), result_type=DeploymentStatus
+            )
+            return status
+        except RPCError as exc:
+            last = exc
+            await asyncio.sleep(0.2)
+    raise EngineError(f"cannot scale deployment/{spec.name}: {last}")
+
+
+async def _deployment_running(client: Client, model: str) -> bool:
+    try:
+        desc = await client.get_workflow_handle(deployment_workflow_id(model)).describe()
+    except RPCError as exc:
+        if exc.status == RPCStatusCode.NOT_FOUND:
+            return False
+        raise
+    return desc.status == WorkflowExecutionStatus.RUNNING
 
 
 async def deployment_status(client: Client, model: str) -> DeploymentStatus:

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 
-from sqlalchemy import event
+from sqlalchemy import event, inspect
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlmodel import Field, Session, SQLModel, create_engine, select
@@ -52,9 +52,15 @@ class ModelRecord(SQLModel, table=True):
     gpus: int = 0
     context_length: int = 512
     engine_args_json: str = "[]"
+    # The whole ModelSpec (profile included); the columns above stay for
+    # people reading the table by hand.
+    spec_json: str = ""
+    replicas: int = 1
 
     def spec(self) -> ModelSpec:
         """The catalog entry as a start needs it."""
+        if self.spec_json:
+            return ModelSpec.model_validate_json(self.spec_json)
         return ModelSpec(
             name=self.name,
             engine=EngineKind(self.engine),
@@ -106,12 +112,29 @@ class Store:
         for attempt in range(3):
             try:
                 SQLModel.metadata.create_all(self._engine)
+                self._add_missing_columns()
                 return
             except OperationalError as exc:
                 # Two processes both saw a table missing and both created it:
                 # the loser's next pass finds everything in place.
                 if "already exists" not in str(exc) or attempt == 2:
                     raise StoreError(f"cannot migrate the store: {exc}") from exc
+
+    def _add_missing_columns(self) -> None:
+        """Additive migrations: columns added to a table since it was created."""
+        inspector = inspect(self._engine)
+        with self._engine.begin() as conn:
+            for table in SQLModel.metadata.sorted_tables:
+                have = {c["name"] for c in inspector.get_columns(table.name)}
+                for column in table.columns:
+                    if column.name in have:
+                        continue
+                    kind = column.type.compile(dialect=self._engine.dialect)
+                    default = getattr(column.default, "arg", None)
+                    literal = f" DEFAULT {default!r}" if isinstance(default, (int, str)) else ""
+                    conn.exec_driver_sql(
+                        f'ALTER TABLE "{table.name}" ADD COLUMN "{column.name}" {kind}{literal}'
+                    )
 
     def close(self) -> None:
         """Release pooled connections."""
@@ -171,12 +194,15 @@ class Store:
                 return None
             return row
 
-    def put_model(self, spec: ModelSpec) -> None:
-        """Add or replace a catalog entry."""
+    def put_model(self, spec: ModelSpec, replicas: int | None = None) -> None:
+        """Add or replace a catalog entry (and its desired replicas, when given)."""
         with self._session() as session:
             row = session.get(ModelRecord, spec.name) or ModelRecord(
                 name=spec.name, engine=spec.engine.value, source=spec.source
             )
+            row.spec_json = spec.model_dump_json()
+            if replicas is not None:
+                row.replicas = replicas
             row.engine = spec.engine.value
             row.source = spec.source
             row.gpus = spec.gpus
@@ -190,6 +216,12 @@ class Store:
         with self._session() as session:
             row = session.get(ModelRecord, name)
             return row.spec() if row else None
+
+    def desired_replicas(self, name: str) -> int | None:
+        """How many replicas the catalog asks for."""
+        with self._session() as session:
+            row = session.get(ModelRecord, name)
+            return row.replicas if row else None
 
     def model_names(self) -> list[str]:
         """Every model in the catalog."""

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import httpx
 import openai
@@ -273,3 +274,29 @@ async def test_stop_drains_a_stream_in_flight_before_stopping(
     stopping_at = next(h.at for h in final.history if h.phase is ReplicaPhase.STOPPING)
     assert datetime.fromisoformat(drained_at) < stream_done
     assert datetime.fromisoformat(stopping_at) >= stream_done - timedelta(seconds=1)
+
+
+async def test_model_apply_deploys_and_explain_gives_reasons(
+    system: System, client: Client, served: dict[str, str], tiny: TinyModel, tmp_path: Path
+) -> None:
+    catalog = tmp_path / "models.yaml"
+    catalog.write_text(
+        f"models:\n"
+        f"  - name: tiny-cat\n    engine: llama.cpp\n    source: {tiny.model_path}\n"
+        f"    replicas: 1\n"
+        f"  - name: needs-a-gpu\n    engine: llama.cpp\n    source: {tiny.model_path}\n"
+        f"    gpus: 1\n    replicas: 0\n"
+    )
+    applied = await asyncio.to_thread(_cli, system, "model", "apply", str(catalog), "--deploy")
+    assert applied.returncode == 0, applied.stderr
+    assert "deployment/tiny-cat: 1 replicas desired" in applied.stderr
+    await replicas.wait_deployment_ready(client, "tiny-cat", 120)
+
+    placeable = await asyncio.to_thread(_cli, system, "explain", "tiny-cat")
+    assert "a new replica would be placed: rank 0 on e2e-node" in placeable.stdout
+    refused = await asyncio.to_thread(_cli, system, "explain", "needs-a-gpu")
+    assert "needs-a-gpu: no placement" in refused.stdout
+    assert "e2e-node: needs 1 free healthy GPUs, has 0" in refused.stdout
+
+    await replicas.apply_deployment(client, ModelSpec(name="tiny-cat", source="x"), 0)
+    await asyncio.wait_for(client.get_workflow_handle("deployment/tiny-cat").result(), 60)

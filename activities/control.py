@@ -12,6 +12,7 @@ from temporalio.exceptions import ApplicationError
 from activities import names
 from llmgw.queues import FLEET_WORKFLOW_ID
 from llmgw.types import (
+    CordonInput,
     FleetSnapshot,
     PlaceRequest,
     PlaceResult,
@@ -61,6 +62,18 @@ class ControlActivities:
                 non_retryable=True,
             )
         return ValidateResult()
+
+    @activity.defn(name=names.FLEET_CORDON)
+    async def fleet_cordon(self, request: CordonInput) -> FleetSnapshot:
+        """Cordon or uncordon a node (an empty node id only reads the fleet)."""
+        handle = self._client.get_workflow_handle(FLEET_WORKFLOW_ID)
+        if not request.node_id:
+            snap: FleetSnapshot = await handle.query("snapshot", result_type=FleetSnapshot)
+            return snap
+        result: FleetSnapshot = await handle.execute_update(
+            "cordon", request, result_type=FleetSnapshot
+        )
+        return result
 
     @activity.defn(name=names.RELEASE_REPLICA)
     async def release_replica(self, request: ReleaseRequest) -> ReleaseResult:

@@ -5,6 +5,7 @@ serve them, so neither has to import the other's code."""
 PLACE_REPLICA = "place_replica"
 RELEASE_REPLICA = "release_replica"
 VALIDATE_REPLICA = "validate_replica"
+FLEET_CORDON = "fleet_cordon"
 
 # Node queues (node-<id>)
 FETCH_WEIGHTS = "fetch_weights"

@@ -222,6 +222,38 @@ def agent_inventory(
         out.print(f"running: {shard.replica_id} rank {shard.rank} pid {shard.pid} {shard.endpoint}")
 
 
+@node_app.command("drain")
+def node_drain(
+    node_id: str,
+    timeout: Annotated[float, typer.Option(help="seconds to wait for the replicas")] = 1800.0,
+) -> None:
+    """Cordon a node, then drain its replicas (deployments replace them elsewhere)."""
+    settings = CliSettings()
+
+    async def go() -> None:
+        client = await connect(settings.temporal_address, settings.temporal_namespace)
+        with console.status(f"draining {node_id}"):
+            result = await replicas.drain_node(client, node_id, timeout)
+        console.print(f"{node_id}: cordoned; drained {', '.join(result.drained) or 'nothing'}")
+        if result.remaining:
+            _fail(f"still on {node_id} after {timeout:.0f}s: {', '.join(result.remaining)}")
+
+    _run(go())
+
+
+@node_app.command("uncordon")
+def node_uncordon(node_id: str) -> None:
+    """Offer a cordoned node to new replicas again."""
+    settings = CliSettings()
+
+    async def go() -> None:
+        client = await connect(settings.temporal_address, settings.temporal_namespace)
+        snap = await replicas.cordon(client, node_id, cordoned=False)
+        console.print(f"{node_id}: uncordoned (cordoned now: {', '.join(snap.cordoned) or 'none'})")
+
+    _run(go())
+
+
 @node_app.command("setup")
 def node_setup() -> None:
     """Create the llmgw-engine user (in the video and render groups). Needs root."""

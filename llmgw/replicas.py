@@ -24,8 +24,11 @@ from llmgw.queues import (
 )
 from llmgw.types import (
     TERMINAL_PHASES,
+    CordonInput,
     DeploymentInput,
     DeploymentStatus,
+    DrainNodeInput,
+    DrainNodeResult,
     FleetSnapshot,
     LogTail,
     ModelSpec,
@@ -274,3 +277,24 @@ async def wait_deployment_ready(
             return await wait_ready(client, slot.replica_id, remaining, on_change)
         except EngineError:
             await asyncio.sleep(0.2)  # the deployment replaces it; follow the next one
+
+
+async def drain_node(client: Client, node_id: str, timeout_s: float) -> DrainNodeResult:
+    """Run the DrainNode job: cordon, then drain every replica on the node."""
+    result: DrainNodeResult = await client.execute_workflow(
+        "DrainNode",
+        DrainNodeInput(node_id=node_id, timeout_s=timeout_s),
+        id=f"drain-node/{node_id}/{secrets.token_hex(4)}",
+        task_queue=CONTROL_QUEUE,
+        result_type=DrainNodeResult,
+    )
+    return result
+
+
+async def cordon(client: Client, node_id: str, cordoned: bool) -> FleetSnapshot:
+    """Cordon or uncordon a node."""
+    handle = client.get_workflow_handle(FLEET_WORKFLOW_ID)
+    snap: FleetSnapshot = await handle.execute_update(
+        "cordon", CordonInput(node_id=node_id, cordoned=cordoned), result_type=FleetSnapshot
+    )
+    return snap

@@ -268,12 +268,36 @@ class NodeRef(BaseModel):
     node_id: str
 
 
+class CordonInput(BaseModel):
+    """Update ``cordon``: offer a node to no new replica (or again, when false)."""
+
+    node_id: str
+    cordoned: bool = True
+
+
+class DrainNodeInput(BaseModel):
+    """Input of the DrainNode job: cordon a node, then drain its replicas."""
+
+    node_id: str
+    timeout_s: float = 1800.0
+    poll_s: float = 2.0
+
+
+class DrainNodeResult(BaseModel):
+    """What draining a node did."""
+
+    node_id: str
+    drained: list[str]
+    remaining: list[str]
+
+
 class FleetSnapshot(BaseModel):
     """The fleet's full state: query result and continue-as-new carrier."""
 
     nodes: dict[str, NodeInventory] = Field(default_factory=dict)
     liveness: dict[str, NodeLiveness] = Field(default_factory=dict)
     allocations: dict[str, Placement] = Field(default_factory=dict)
+    cordoned: list[str] = Field(default_factory=list)
     # Agents re-register every 30 s by default; silence for this long means
     # the node is not offered to placement (its allocations stay recorded).
     stale_after_s: float = 120.0

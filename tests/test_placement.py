@@ -142,11 +142,13 @@ def test_nodes_without_fabric_are_islands_of_their_own() -> None:
 def test_silent_and_deregistered_nodes_are_not_offered() -> None:
     now = datetime(2026, 12, 2, 12, 0, tzinfo=UTC)
     state = FleetSnapshot(
-        nodes={n: node(n) for n in ("fresh", "silent", "gone")},
+        cordoned=["maintenance"],
+        nodes={n: node(n) for n in ("fresh", "silent", "gone", "maintenance")},
         liveness={
             "fresh": NodeLiveness(last_seen=(now - timedelta(seconds=20)).isoformat()),
             "silent": NodeLiveness(last_seen=(now - timedelta(seconds=600)).isoformat()),
             "gone": NodeLiveness(last_seen=now.isoformat(), up=False),
+            "maintenance": NodeLiveness(last_seen=now.isoformat()),
         },
     )
     live, down = split_live(state, now)
@@ -154,4 +156,5 @@ def test_silent_and_deregistered_nodes_are_not_offered() -> None:
     assert {r.node_id: r.reason for r in down} == {
         "silent": "agent silent for 600s",
         "gone": "agent shut down (deregistered)",
+        "maintenance": "cordoned",
     }

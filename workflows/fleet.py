@@ -8,6 +8,7 @@ from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
     from llmgw.types import (
+        CordonInput,
         FleetSnapshot,
         NodeInventory,
         NodeLiveness,
@@ -71,6 +72,17 @@ class FleetWorkflow:
         """Give back a replica's allocation."""
         released = self._state.allocations.pop(request.replica_id, None) is not None
         return ReleaseResult(released=released)
+
+    @workflow.update(name="cordon")
+    def cordon(self, request: CordonInput) -> FleetSnapshot:
+        """Cordon (or uncordon) a node: running replicas stay, new ones go elsewhere."""
+        cordoned = set(self._state.cordoned)
+        if request.cordoned:
+            cordoned.add(request.node_id)
+        else:
+            cordoned.discard(request.node_id)
+        self._state.cordoned = sorted(cordoned)
+        return self._state
 
     @workflow.query(name="snapshot")
     def snapshot(self) -> FleetSnapshot:

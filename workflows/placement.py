@@ -121,6 +121,9 @@ def split_live(
     down: list[Rejection] = []
     for node_id, node in state.nodes.items():
         seen = state.liveness.get(node_id)
+        if node_id in state.cordoned:
+            down.append(Rejection(node_id=node_id, reason="cordoned"))
+            continue
         if seen is None:
             live[node_id] = node  # registered before liveness was tracked
             continue

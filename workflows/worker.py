@@ -15,6 +15,7 @@ from llmgw.settings import ControlSettings
 from llmgw.temporal import connect
 from llmgw.types import FleetSnapshot
 from workflows.deployment import DeploymentWorkflow
+from workflows.drain_node import DrainNodeWorkflow
 from workflows.fleet import FleetWorkflow
 from workflows.logs import ShardLogsWorkflow
 from workflows.rendezvous import RendezvousWorkflow
@@ -24,6 +25,7 @@ log = logging.getLogger(__name__)
 
 WORKFLOWS = [
     DeploymentWorkflow,
+    DrainNodeWorkflow,
     FleetWorkflow,
     ReplicaWorkflow,
     RendezvousWorkflow,
@@ -51,7 +53,12 @@ def build_worker(
         client,
         task_queue=task_queue,
         workflows=WORKFLOWS,
-        activities=[control.place_replica, control.release_replica, control.validate_replica],
+        activities=[
+            control.place_replica,
+            control.release_replica,
+            control.validate_replica,
+            control.fleet_cordon,
+        ],
         sticky_queue_schedule_to_start_timeout=timedelta(
             seconds=settings.sticky_schedule_to_start_s
         ),

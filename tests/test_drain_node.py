@@ -1,0 +1,68 @@
+"""The DrainNode job: cordon, drain, and the deployment replaces elsewhere."""
+
+import asyncio
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+from temporalio.client import Client
+
+from llmgw import replicas
+from llmgw.store import Store
+from llmgw.tinymodel import TinyModel
+from llmgw.types import EngineKind, ModelSpec, ReplicaPhase, RestartPolicy
+from tests.harness import System, free_port
+
+MODEL = "tiny-drain-node"
+
+
+@pytest.fixture
+def system(temporal_address: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[System]:
+    sys_ = System(temporal_address, tmp_path_factory.mktemp("drainnode"), free_port())
+    yield sys_
+    sys_.stop()
+
+
+async def test_drain_node_moves_the_replica_to_another_node(
+    system: System, client: Client, tiny: TinyModel
+) -> None:
+    store = Store(system.store_url)
+    store.migrate()
+    store.engine_key_secret()
+    store.close()
+    system.spawn("control")
+    for node in ("dn-a", "dn-b"):
+        start = free_port()
+        system.spawn(
+            "agent",
+            {
+                "LLMGW_NODE_ID": node,
+                "LLMGW_PORT_RANGE_START": str(start),
+                "LLMGW_PORT_RANGE_END": str(start + 20),
+            },
+        )
+        await replicas.wait_node_registered(client, node, 60)
+    spec = ModelSpec(name=MODEL, engine=EngineKind.LLAMA_CPP, source=str(tiny.model_path))
+    await replicas.apply_deployment(client, spec, 1, restart=RestartPolicy(initial_backoff_s=0.2))
+    first = await replicas.wait_deployment_ready(client, MODEL, 120)
+
+    result = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "llmgw", "node", "drain", first.node_id, "--timeout", "60"],
+        env=system.env, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert f"drained {first.replica_id}" in result.stderr
+
+    moved = await replicas.wait_deployment_ready(client, MODEL, 120)
+    assert moved.replica_id != first.replica_id
+    assert moved.node_id != first.node_id
+    gone = await replicas.status_of(client, first.replica_id)
+    assert gone is not None and gone.phase is ReplicaPhase.STOPPED
+    assert first.node_id in (await replicas.fleet_snapshot(client)).cordoned
+
+    snap = await replicas.cordon(client, first.node_id, cordoned=False)
+    assert snap.cordoned == []
+    await replicas.apply_deployment(client, spec, 0)
+    await asyncio.wait_for(client.get_workflow_handle(f"deployment/{MODEL}").result(), 60)

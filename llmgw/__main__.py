@@ -1,5 +1,5 @@
 """``python -m llmgw`` is the ``llmgw`` CLI."""
 
-from llmgw.cli import app
+from llmgw.cli import main
 
-app()
+main()

@@ -1,7 +1,9 @@
 """The ``llmgw`` command line."""
 
 import asyncio
+import os
 import subprocess
+import sys
 from collections.abc import Coroutine
 from datetime import UTC, datetime
 from pathlib import Path
@@ -397,3 +399,24 @@ def keys_create(name: str) -> None:
     store = Store(settings.resolved_store_url())
     store.migrate()
     out.print(store.create_api_key(name))
+
+
+def main() -> None:
+    """The ``llmgw`` entry point.
+
+    Ends with ``os._exit`` once output is flushed: a process that held a
+    Temporal client can abort while the interpreter finalises (the SDK's
+    runtime threads outlive it; sdk-python#300), turning a successful
+    command into a crash.
+    """
+    code: int = 0
+    try:
+        app()
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:
+        console.print_exception()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

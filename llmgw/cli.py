@@ -7,7 +7,7 @@ import sys
 from collections.abc import Coroutine
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, NoReturn, TypeVar
 
 import typer
 from rich.console import Console
@@ -18,7 +18,7 @@ from llmgw.errors import LlmgwError
 from llmgw.settings import UpSettings, _Common
 from llmgw.store import Store
 from llmgw.temporal import connect
-from llmgw.types import ReplicaMemo
+from llmgw.types import ModelSpec, ReplicaMemo
 
 app = typer.Typer(
     help="llmgw: LLM inference control plane and OpenAI gateway", no_args_is_help=True
@@ -33,12 +33,23 @@ class CliSettings(_Common):
     """Settings of one-shot CLI commands (same LLMGW_* variables)."""
 
 
-def _fail(message: str) -> None:
+def _fail(message: str) -> NoReturn:
     console.print(f"[red]error:[/red] {message}")
     raise typer.Exit(1)
 
 
 T = TypeVar("T")
+
+
+def _catalog_spec(settings: "CliSettings", model: str) -> ModelSpec:
+    """The catalog entry of ``model``, or exit naming what the catalog has."""
+    store = Store(settings.resolved_store_url())
+    store.migrate()
+    spec = store.get_model(model)
+    if spec is None:
+        have = ", ".join(store.model_names()) or "none"
+        _fail(f"model {model!r} is not in the catalog (have: {have})")
+    return spec
 
 
 def _run(work: Coroutine[Any, Any, T]) -> T:
@@ -47,7 +58,6 @@ def _run(work: Coroutine[Any, Any, T]) -> T:
         return asyncio.run(work)
     except LlmgwError as exc:
         _fail(str(exc))
-        raise  # unreachable: _fail exits
 
 
 @app.command()
@@ -144,12 +154,7 @@ def explain(model: str) -> None:
     from workflows.placement import choose_node, split_live  # noqa: PLC0415
 
     settings = CliSettings()
-    store = Store(settings.resolved_store_url())
-    store.migrate()
-    spec = store.get_model(model)
-    if spec is None:
-        _fail(f"model {model!r} is not in the catalog")
-        return
+    spec = _catalog_spec(settings, model)
 
     async def go() -> None:
         client = await connect(settings.temporal_address, settings.temporal_namespace)
@@ -305,13 +310,7 @@ def deploy(
 ) -> None:
     """Start replicas of a catalog model."""
     settings = CliSettings()
-    store = Store(settings.resolved_store_url())
-    store.migrate()
-    spec = store.get_model(model)
-    if spec is None:
-        have = ", ".join(store.model_names()) or "none"
-        _fail(f"model {model!r} is not in the catalog (have: {have})")
-        return
+    spec = _catalog_spec(settings, model)
 
     async def go() -> None:
         client = await connect(settings.temporal_address, settings.temporal_namespace)
@@ -339,12 +338,7 @@ def scale(
 ) -> None:
     """Start or scale the model's deployment (replicas restarted when they fail)."""
     settings = CliSettings()
-    store = Store(settings.resolved_store_url())
-    store.migrate()
-    spec = store.get_model(model)
-    if spec is None:
-        _fail(f"model {model!r} is not in the catalog")
-        return
+    spec = _catalog_spec(settings, model)
 
     async def go() -> None:
         client = await connect(settings.temporal_address, settings.temporal_namespace)

@@ -10,7 +10,7 @@ from temporalio.client import Client
 
 from llmgw.temporal import connect
 from llmgw.tinymodel import TinyModel, generate_tiny_model
-from tests.harness import REPO, free_port, start_devserver
+from tests.harness import REPO, System, free_port, start_devserver
 
 if TYPE_CHECKING:
     from llmgw.engine_install import LlamaCppInstall
@@ -30,6 +30,15 @@ def temporal_address(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 async def client(temporal_address: str) -> AsyncIterator[Client]:
     """A client with llmgw's data converter."""
     yield await connect(temporal_address)
+
+
+@pytest.fixture
+def system(temporal_address: str, tmp_path: Path) -> Iterator[System]:
+    """llmgw processes for one test, stopped (engines included) afterwards."""
+    sys_ = System(temporal_address, tmp_path / "llmgw", free_port())
+    sys_.work_dir.mkdir()
+    yield sys_
+    sys_.stop()
 
 
 @pytest.fixture(scope="session")

@@ -84,6 +84,18 @@ class System:
         self.children.append(child)
         return child
 
+    def spawn_agent(self, node_id: str) -> Child:
+        """An agent with its own port range, as if on its own machine."""
+        start = free_port()
+        return self.spawn(
+            "agent",
+            {
+                "LLMGW_NODE_ID": node_id,
+                "LLMGW_PORT_RANGE_START": str(start),
+                "LLMGW_PORT_RANGE_END": str(start + 20),
+            },
+        )
+
     def start_router(self, port: int) -> Child:
         """The router on ``port``, once it accepts connections."""
         child = self.spawn("router", {"LLMGW_PORT": str(port)})

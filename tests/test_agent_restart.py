@@ -2,10 +2,8 @@
 
 import asyncio
 import signal
-from collections.abc import Iterator
 
 import openai
-import pytest
 from temporalio.client import Client
 
 from llmgw import replicas
@@ -16,14 +14,6 @@ from tests.harness import System, free_port, wait_routable
 from tests.procs_util import pids_with_args
 
 MODEL = "tiny-adopt"
-
-
-@pytest.fixture
-def system(temporal_address: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[System]:
-    sys_ = System(temporal_address, tmp_path_factory.mktemp("adopt"), free_port())
-    # Short heartbeats are not needed: the new agent serves the retried watch.
-    yield sys_
-    sys_.stop()
 
 
 async def _reported_pids(client: Client, node: str, expected: list[int]) -> list[int]:

@@ -3,25 +3,16 @@
 import asyncio
 import subprocess
 import sys
-from collections.abc import Iterator
 
-import pytest
 from temporalio.client import Client
 
 from llmgw import replicas
 from llmgw.store import Store
 from llmgw.tinymodel import TinyModel
 from llmgw.types import EngineKind, ModelSpec, ReplicaPhase, RestartPolicy
-from tests.harness import System, free_port
+from tests.harness import System
 
 MODEL = "tiny-drain-node"
-
-
-@pytest.fixture
-def system(temporal_address: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[System]:
-    sys_ = System(temporal_address, tmp_path_factory.mktemp("drainnode"), free_port())
-    yield sys_
-    sys_.stop()
 
 
 async def test_drain_node_moves_the_replica_to_another_node(
@@ -33,15 +24,7 @@ async def test_drain_node_moves_the_replica_to_another_node(
     store.close()
     system.spawn("control")
     for node in ("dn-a", "dn-b"):
-        start = free_port()
-        system.spawn(
-            "agent",
-            {
-                "LLMGW_NODE_ID": node,
-                "LLMGW_PORT_RANGE_START": str(start),
-                "LLMGW_PORT_RANGE_END": str(start + 20),
-            },
-        )
+        system.spawn_agent(node)
         await replicas.wait_node_registered(client, node, 60)
     spec = ModelSpec(name=MODEL, engine=EngineKind.LLAMA_CPP, source=str(tiny.model_path))
     await replicas.apply_deployment(client, spec, 1, restart=RestartPolicy(initial_backoff_s=0.2))

@@ -2,10 +2,8 @@
 
 import asyncio
 import signal
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
 from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client
 
@@ -15,17 +13,10 @@ from llmgw.queues import replica_workflow_id
 from llmgw.store import Store
 from llmgw.tinymodel import TinyModel
 from llmgw.types import EngineKind, ModelSpec, ReplicaPhase
-from tests.harness import System, free_port
+from tests.harness import System
 from tests.procs_util import pids_with_args
 
 MODEL = "tiny-durable"
-
-
-@pytest.fixture
-def system(temporal_address: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[System]:
-    sys_ = System(temporal_address, tmp_path_factory.mktemp("durable"), free_port())
-    yield sys_
-    sys_.stop()
 
 
 def _children(pid: int) -> list[int]:

@@ -4,7 +4,6 @@ ids on loopback; rank 1 runs ggml-rpc-server, rank 0 llama-server --rpc."""
 import asyncio
 import os
 import signal
-from collections.abc import Iterator
 
 import openai
 import pytest
@@ -28,26 +27,6 @@ from tests.procs_util import pids_with_args
 MODEL = "tiny-two-nodes"
 
 
-@pytest.fixture
-def system(temporal_address: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[System]:
-    sys_ = System(temporal_address, tmp_path_factory.mktemp("multinode"), free_port())
-    yield sys_
-    sys_.stop()
-
-
-def _agent(system: System, node_id: str) -> None:
-    start = free_port()
-    system.spawn(
-        "agent",
-        {
-            "LLMGW_NODE_ID": node_id,
-            # Two agents on one host: disjoint port ranges, as on two machines.
-            "LLMGW_PORT_RANGE_START": str(start),
-            "LLMGW_PORT_RANGE_END": str(start + 20),
-        },
-    )
-
-
 async def test_two_node_llama_cpp_replica_serves_fails_whole_and_restarts(
     system: System, client: Client, tiny: TinyModel
 ) -> None:
@@ -63,8 +42,8 @@ async def test_two_node_llama_cpp_replica_serves_fails_whole_and_restarts(
     key = store.create_api_key("mn")
     store.close()
     system.spawn("control")
-    _agent(system, "mn-a")
-    _agent(system, "mn-b")
+    system.spawn_agent("mn-a")
+    system.spawn_agent("mn-b")
     port = free_port()
     system.start_router(port)
     await replicas.wait_node_registered(client, "mn-a", 60)
@@ -133,7 +112,7 @@ async def test_rendezvous_that_never_completes_fails_within_its_bound(
     )
     system.spawn("control")
     # Rank 0 lands on the node whose id sorts last (placement is deterministic).
-    _agent(system, "rv-b")
+    system.spawn_agent("rv-b")
     worker_agent = system.spawn("agent", {"LLMGW_NODE_ID": "rv-a"})
     await replicas.wait_node_registered(client, "rv-a", 60)
     await replicas.wait_node_registered(client, "rv-b", 60)

@@ -356,6 +356,19 @@ def scale(
 
 
 @app.command()
+def restart(model: str) -> None:
+    """Rolling restart of the model's deployment: start new, wait ready, drain old."""
+    settings = CliSettings()
+
+    async def go() -> None:
+        client = await connect(settings.temporal_address, settings.temporal_namespace)
+        status = await replicas.rolling_restart(client, model, "llmgw restart")
+        console.print(f"deployment/{model}: replacing slots {status.rolling or 'none'}")
+
+    _run(go())
+
+
+@app.command()
 def status(
     all_: Annotated[bool, typer.Option("--all", help="include stopped replicas")] = False,
 ) -> None:

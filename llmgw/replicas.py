@@ -38,6 +38,7 @@ from llmgw.types import (
     ReplicaStatus,
     ReplicaTimeouts,
     RestartPolicy,
+    RollingRestartInput,
     ScaleInput,
     ShardLogsInput,
     ShardRef,
@@ -298,3 +299,12 @@ async def cordon(client: Client, node_id: str, cordoned: bool) -> FleetSnapshot:
         "cordon", CordonInput(node_id=node_id, cordoned=cordoned), result_type=FleetSnapshot
     )
     return snap
+
+
+async def rolling_restart(client: Client, model: str, reason: str) -> DeploymentStatus:
+    """Replace every replica of the deployment, one at a time."""
+    handle = client.get_workflow_handle(deployment_workflow_id(model))
+    status: DeploymentStatus = await handle.execute_update(
+        "rolling_restart", RollingRestartInput(reason=reason), result_type=DeploymentStatus
+    )
+    return status

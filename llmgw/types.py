@@ -560,6 +560,18 @@ class DeploymentInput(BaseModel):
     restart: RestartPolicy = Field(default_factory=RestartPolicy)
 
 
+class RollingRestartInput(BaseModel):
+    """Update ``rolling_restart``: replace every replica, one at a time."""
+
+    reason: str = "rolling restart"
+
+
+class ReplicaReadyNotice(BaseModel):
+    """Signal from a replica to its deployment: it serves now."""
+
+    replica_id: str
+
+
 class ScaleInput(BaseModel):
     """Update ``scale``: the desired number of replicas."""
 
@@ -577,6 +589,10 @@ class Slot(BaseModel):
     last_log_tail: list[str] = Field(default_factory=list)
     reaped: bool = False
     next_start_at: str = ""
+    replaces: int | None = Field(
+        default=None, description="rolling restart: the slot this one takes over from"
+    )
+    ready: bool = False
 
 
 class DeploymentStatus(BaseModel):
@@ -585,6 +601,7 @@ class DeploymentStatus(BaseModel):
     model: str
     desired: int
     slots: list[Slot] = Field(default_factory=list)
+    rolling: list[int] = Field(default_factory=list, description="slots still to replace")
 
 
 class StopReplicaInput(BaseModel):

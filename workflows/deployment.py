@@ -23,7 +23,9 @@ with workflow.unsafe.imports_passed_through():
         DeploymentStatus,
         ReplicaInput,
         ReplicaPhase,
+        ReplicaReadyNotice,
         ReplicaStatus,
+        RollingRestartInput,
         ScaleInput,
         Slot,
         StopReplicaInput,
@@ -47,6 +49,7 @@ class DeploymentWorkflow:
         self._retiring: set[int] = set()
         self._changed = False
         self._next_slot = 0
+        self._rolling: list[int] = []
 
     @workflow.run
     async def run(self, input: DeploymentInput) -> DeploymentStatus:
@@ -67,30 +70,80 @@ class DeploymentWorkflow:
         self._changed = True
         return self.status()
 
+    @workflow.update(name="rolling_restart")
+    def rolling_restart(self, request: RollingRestartInput) -> DeploymentStatus:
+        """Replace every replica one at a time: start new, wait ready, drain old."""
+        if not self._rolling:
+            self._rolling = [s.slot for s in self._live() if s.replaces is None]
+            workflow.logger.info(
+                "deployment %s: %s of %d slots", self._input.model.name, request.reason,
+                len(self._rolling),
+            )  # fmt: skip
+        self._changed = True
+        return self.status()
+
+    @workflow.signal(name="replica_ready")
+    def replica_ready(self, notice: ReplicaReadyNotice) -> None:
+        """A child replica serves: a rolling restart may retire what it replaces."""
+        for slot in self._slots:
+            if slot.replica_id == notice.replica_id:
+                slot.ready = True
+        self._changed = True
+
     @workflow.query(name="status")
     def status(self) -> DeploymentStatus:
         """Every slot: its current replica, restarts, and why the last one ended."""
         return DeploymentStatus(
-            model=self._input.model.name, desired=self._desired, slots=self._slots
+            model=self._input.model.name,
+            desired=self._desired,
+            slots=self._slots,
+            rolling=self._rolling,
         )
 
+    def _live(self) -> list[Slot]:
+        """Slots that count towards the desired number (not reaped, leaving, or surging)."""
+        return [
+            s
+            for s in self._slots
+            if not s.reaped and s.slot not in self._retiring and s.replaces is None
+        ]
+
     async def _reconcile(self) -> None:
-        while len([s for s in self._slots if not s.reaped]) < self._desired:
+        while len(self._live()) < self._desired:
             self._slots.append(Slot(slot=self._next_slot))
             self._next_slot += 1
-        for slot in slots_to_retire(self._slots, self._desired):
+        for slot in slots_to_retire(self._live(), self._desired):
             await self._retire(slot)
+        await self._roll()
         now = workflow.now()
         for slot in self._slots:
             due = not slot.next_start_at or datetime.fromisoformat(slot.next_start_at) <= now
             if not slot.reaped and slot.slot not in self._running and due:
                 await self._start(slot)
 
+    async def _roll(self) -> None:
+        """One step of a rolling restart: at most one surge replica at a time."""
+        surge = next((s for s in self._slots if s.replaces is not None), None)
+        if surge is not None:
+            if surge.ready:
+                old = next((s for s in self._slots if s.slot == surge.replaces), None)
+                surge.replaces = None  # it counts as a regular slot from now on
+                if old is not None:
+                    await self._retire(old)
+            return
+        while self._rolling:
+            number = self._rolling.pop(0)
+            if any(s.slot == number and not s.reaped for s in self._slots):
+                self._slots.append(Slot(slot=self._next_slot, replaces=number))
+                self._next_slot += 1
+                return
+
     async def _start(self, slot: Slot) -> None:
         name = self._input.model.name
         slot.replica_id = f"{name}-{str(workflow.uuid4())[:8]}"
         slot.starts += 1
         slot.next_start_at = ""
+        slot.ready = False
         handle = await workflow.start_child_workflow(
             "Replica",
             ReplicaInput(

@@ -37,6 +37,7 @@ with workflow.unsafe.imports_passed_through():
         RendezvousResult,
         ReplicaInput,
         ReplicaPhase,
+        ReplicaReadyNotice,
         ReplicaStatus,
         ShardExit,
         ShardHandle,
@@ -58,6 +59,7 @@ T = TypeVar("T")
 FETCH_WEIGHTS_PATCH = "fetch-weights-v1"
 VALIDATE_PATCH = "validate-before-launch-v1"
 DRAIN_PATCH = "drain-wait-v1"
+NOTIFY_PARENT_PATCH = "notify-parent-ready-v1"
 # The watch activity lives as long as the engine; its heartbeats, not this
 # bound, are what notice a dead agent.
 WATCH_LIFETIME = timedelta(days=3650)
@@ -83,6 +85,7 @@ class ReplicaWorkflow:
         self._launched = False
         self._fetches = False
         self._ranks: list[ShardPlacement] = []
+        self._notify: asyncio.Future[None] | None = None
 
     @workflow.run
     async def run(self, input: ReplicaInput) -> ReplicaStatus:
@@ -98,6 +101,10 @@ class ReplicaWorkflow:
             # Cancelled from the UI/CLI: still give the GPU and process back.
             await self._stop_engine()
             raise
+        if self._notify is not None:
+            # The deployment may be gone already; a lost notice changes nothing.
+            with contextlib.suppress(Exception):
+                await self._notify
         await workflow.wait_condition(workflow.all_handlers_finished)
         return self._status
 
@@ -394,6 +401,15 @@ class ReplicaWorkflow:
         transition(self._status, phase, workflow.now().isoformat(), detail)
         workflow.logger.info("replica %s -> %s %s", self._input.replica_id, phase, detail)
         self._publish()
+        parent = workflow.info().parent
+        if phase is P.READY and parent is not None and workflow.patched(NOTIFY_PARENT_PATCH):
+            # A deployment in a rolling restart retires the old replica only
+            # once this one serves.
+            self._notify = asyncio.ensure_future(
+                workflow.get_external_workflow_handle(parent.workflow_id).signal(
+                    "replica_ready", ReplicaReadyNotice(replica_id=self._input.replica_id)
+                )
+            )
 
     def _publish(self) -> None:
         s = self._status

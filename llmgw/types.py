@@ -71,6 +71,9 @@ class ModelSpec(BaseModel):
     source: str = Field(min_length=1, description="weights: a file or directory on the node")
     sha256: str | None = Field(default=None, description="expected digest of the weights")
     gpus: int = Field(default=0, ge=0, description="GPUs per node; 0 runs on CPU")
+    spread: bool = Field(
+        default=False, description="place on the least busy nodes instead of bin-packing"
+    )
     context_length: int = Field(default=512, ge=16)
     engine_args: list[str] = Field(default_factory=list)
     profile: EngineProfile = Field(

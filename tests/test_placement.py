@@ -158,3 +158,13 @@ def test_silent_and_deregistered_nodes_are_not_offered() -> None:
         "gone": "agent shut down (deregistered)",
         "maintenance": "cordoned",
     }
+
+
+def test_spread_prefers_the_idle_node() -> None:
+    nodes = {"a": node("a", 8), "b": node("b", 8)}
+    allocs = {"r0": Placement(replica_id="r0", model="big", node_id="b", gpu_indices=[0, 1])}
+    spread = GPU2.model_copy(update={"spread": True})
+    result = choose_node("r1", spread, nodes, allocs)
+    assert result.placement is not None and result.placement.node_id == "a"
+    packed = choose_node("r1", GPU2, nodes, allocs)
+    assert packed.placement is not None and packed.placement.node_id == "b"

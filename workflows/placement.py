@@ -59,10 +59,13 @@ def _cpu_slots(node: NodeInventory, model: ModelSpec, held: list[ShardPlacement]
 FILTERS: tuple[Filter, ...] = (_enough_gpus, _cpu_slots)
 
 
-def _score(node: NodeInventory, held: list[ShardPlacement]) -> tuple[int, str]:
-    # Bin-pack: more ranks already on the node scores higher; the node id
-    # breaks ties so the choice is deterministic (workflow code replays it).
-    return (len(held), node.node_id)
+def _score(node: NodeInventory, held: list[ShardPlacement], spread: bool) -> tuple[int, str]:
+    # Bin-pack (the default): more ranks already on the node scores higher,
+    # keeping whole nodes free for big models; spread: fewer scores higher,
+    # so one node's loss takes fewer replicas. The node id breaks ties so the
+    # choice is deterministic (workflow code replays it).
+    busy = len(held)
+    return (-busy if spread else busy, node.node_id)
 
 
 def island_of(node: NodeInventory) -> str:
@@ -95,7 +98,11 @@ def _pick_island(
     fits = []
     for name, members in sorted(islands.items()):
         if len(members) >= model.profile.nodes:
-            ranked = sorted(members, key=lambda n: _score(n, held.get(n.node_id, [])), reverse=True)
+            ranked = sorted(
+                members,
+                key=lambda n: _score(n, held.get(n.node_id, []), model.spread),
+                reverse=True,
+            )
             fits.append(ranked[: model.profile.nodes])
         else:
             rejections += [
@@ -108,8 +115,11 @@ def _pick_island(
             ]
     if not fits:
         return [], rejections
-    # Prefer the island whose chosen nodes are busiest (bin-packing again).
-    best = max(fits, key=lambda ns: (sum(len(held.get(n.node_id, [])) for n in ns), ns[0].node_id))
+    # The island whose chosen nodes score best, by the same rule.
+    sign = -1 if model.spread else 1
+    best = max(
+        fits, key=lambda ns: (sign * sum(len(held.get(n.node_id, [])) for n in ns), ns[0].node_id)
+    )
     return best, rejections
 
 

@@ -1,0 +1,67 @@
+"""A model's deployment: desired replicas, restarts, rolling restarts."""
+
+from pydantic import BaseModel, Field
+
+from llmgw.types.model import ModelSpec
+from llmgw.types.replica import ReplicaTimeouts
+
+
+class RestartPolicy(BaseModel):
+    """How a deployment restarts replicas that fail."""
+
+    initial_backoff_s: float = 2.0
+    max_backoff_s: float = 300.0
+    max_consecutive_failures: int = Field(default=5, ge=1)
+
+
+class DeploymentInput(BaseModel):
+    """Input of a model's Deployment workflow (id ``deployment/<model>``)."""
+
+    model: ModelSpec
+    replicas: int = Field(default=1, ge=0)
+    timeouts: ReplicaTimeouts = Field(default_factory=ReplicaTimeouts)
+    restart: RestartPolicy = Field(default_factory=RestartPolicy)
+
+
+class RollingRestartInput(BaseModel):
+    """Update ``rolling_restart``: replace every replica, one at a time."""
+
+    reason: str = "rolling restart"
+
+
+class ReplicaReadyNotice(BaseModel):
+    """Signal from a replica to its deployment: it serves now."""
+
+    replica_id: str
+
+
+class ScaleInput(BaseModel):
+    """Update ``scale``: the desired number of replicas."""
+
+    replicas: int = Field(ge=0)
+
+
+class Slot(BaseModel):
+    """One desired replica of a deployment, across its restarts."""
+
+    slot: int
+    replica_id: str = ""
+    starts: int = 0
+    consecutive_failures: int = 0
+    last_reason: str = ""
+    last_log_tail: list[str] = Field(default_factory=list)
+    reaped: bool = False
+    next_start_at: str = ""
+    replaces: int | None = Field(
+        default=None, description="rolling restart: the slot this one takes over from"
+    )
+    ready: bool = False
+
+
+class DeploymentStatus(BaseModel):
+    """A deployment's state: query result and update answer."""
+
+    model: str
+    desired: int
+    slots: list[Slot] = Field(default_factory=list)
+    rolling: list[int] = Field(default_factory=list, description="slots still to replace")

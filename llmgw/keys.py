@@ -39,8 +39,3 @@ def new_api_key() -> str:
 def hash_api_key(key: str) -> str:
     """The stored form of a client API key."""
     return hashlib.sha256(key.encode()).hexdigest()
-
-
-def keys_equal(a: str, b: str) -> bool:
-    """Constant-time comparison, so timing does not leak a key's prefix."""
-    return hmac.compare_digest(a.encode(), b.encode())

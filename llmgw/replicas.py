@@ -308,3 +308,18 @@ async def rolling_restart(client: Client, model: str, reason: str) -> Deployment
         "rolling_restart", RollingRestartInput(reason=reason), result_type=DeploymentStatus
     )
     return status
+
+
+async def remove_deployment(client: Client, spec: ModelSpec, timeout_s: float) -> DeploymentStatus:
+    """Scale the deployment to zero and wait until its replicas drained and it ended."""
+    await apply_deployment(client, spec, 0)
+    handle = client.get_workflow_handle(
+        deployment_workflow_id(spec.name), result_type=DeploymentStatus
+    )
+    try:
+        final: DeploymentStatus = await asyncio.wait_for(handle.result(), timeout_s)
+    except RPCError as exc:
+        if exc.status != RPCStatusCode.NOT_FOUND:
+            raise
+        return DeploymentStatus(model=spec.name, desired=0)  # there was none
+    return final

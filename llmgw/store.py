@@ -71,11 +71,6 @@ class ModelRecord(SQLModel, table=True):
         )
 
 
-def sqlite_url(path: Path) -> str:
-    """The SQLAlchemy URL of a SQLite file."""
-    return f"sqlite:///{path}"
-
-
 def _sqlite_pragmas(dbapi_conn: object, _record: object) -> None:
     # WAL lets the router read while the agent or CLI writes; the busy
     # timeout turns "database is locked" into a short wait.
@@ -216,12 +211,6 @@ class Store:
         with self._session() as session:
             row = session.get(ModelRecord, name)
             return row.spec() if row else None
-
-    def desired_replicas(self, name: str) -> int | None:
-        """How many replicas the catalog asks for."""
-        with self._session() as session:
-            row = session.get(ModelRecord, name)
-            return row.replicas if row else None
 
     def model_names(self) -> list[str]:
         """Every model in the catalog."""

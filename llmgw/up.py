@@ -25,7 +25,6 @@ from llmgw import replicas
 from llmgw.engine_install import ensure_llama_cpp
 from llmgw.errors import LlmgwError
 from llmgw.procs import Child, wait_for
-from llmgw.queues import deployment_workflow_id
 from llmgw.settings import UpSettings
 from llmgw.store import Store
 from llmgw.temporal import connect
@@ -178,9 +177,7 @@ class Up:
         if spec is None:
             return
         try:
-            await replicas.apply_deployment(client, spec, 0)
-            handle = client.get_workflow_handle(deployment_workflow_id(spec.name))
-            await asyncio.wait_for(handle.result(), self.s.stop_timeout_s)
+            await replicas.remove_deployment(client, spec, self.s.stop_timeout_s)
         except (RPCError, TimeoutError, WorkflowFailureError) as exc:
             self.say(f"deployment did not drain cleanly: {exc}")
 

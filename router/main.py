@@ -3,6 +3,7 @@
 import asyncio
 import logging
 
+import httpx
 import uvicorn
 
 from llmgw.lifecycle import setup_logging
@@ -20,8 +21,17 @@ async def run(settings: RouterSettings) -> None:
     store = Store(settings.resolved_store_url())
     store.migrate()
     client = await connect(settings.temporal_address, settings.temporal_namespace)
+    upstream = httpx.AsyncClient(
+        timeout=httpx.Timeout(
+            settings.upstream_read_timeout_s, connect=settings.upstream_connect_timeout_s
+        )
+    )
     app = create_app(
-        store, TemporalReplicaSource(client), settings.refresh_interval_s, on_close=store.close
+        store,
+        TemporalReplicaSource(client),
+        settings.refresh_interval_s,
+        http=upstream,
+        on_close=store.close,
     )
     config = uvicorn.Config(
         app, host=settings.host, port=settings.port, log_level=settings.log_level.lower()

@@ -16,7 +16,8 @@ from activities.node import NodeActivities
 from llmgw.engine_install import LlamaCppInstall
 from llmgw.keys import engine_key
 from llmgw.procs import Child, wait_for
-from llmgw.types import NodeInventory
+from llmgw.store import Store
+from llmgw.types import ModelSpec, NodeInventory
 from llmgw.up import kill_recorded_engines
 from worker_agent.main import engine_adapters
 from worker_agent.supervisor import Supervisor
@@ -83,6 +84,17 @@ class System:
         child = Child(name, [sys.executable, "-m", "llmgw", name], env, log)
         self.children.append(child)
         return child
+
+    def catalog(self, *specs: ModelSpec) -> str:
+        """Put ``specs`` in the store's catalog; returns a new client API key."""
+        store = Store(self.store_url)
+        try:
+            store.migrate()
+            for spec in specs:
+                store.put_model(spec)
+            return store.create_api_key("test")
+        finally:
+            store.close()
 
     def spawn_agent(self, node_id: str) -> Child:
         """An agent with its own port range, as if on its own machine."""

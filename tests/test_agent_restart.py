@@ -7,7 +7,6 @@ import openai
 from temporalio.client import Client
 
 from llmgw import replicas
-from llmgw.store import Store
 from llmgw.tinymodel import TinyModel
 from llmgw.types import EngineKind, ModelSpec, ReplicaPhase
 from tests.harness import System, free_port, wait_routable
@@ -31,12 +30,8 @@ async def _reported_pids(client: Client, node: str, expected: list[int]) -> list
 async def test_agent_sigkill_engines_adopted_and_keep_serving(
     system: System, client: Client, tiny: TinyModel
 ) -> None:
-    store = Store(system.store_url)
-    store.migrate()
     spec = ModelSpec(name=MODEL, engine=EngineKind.LLAMA_CPP, source=str(tiny.model_path))
-    store.put_model(spec)
-    key = store.create_api_key("adopt")
-    store.close()
+    key = system.catalog(spec)
     system.spawn("control")
     agent = system.spawn("agent", {"LLMGW_NODE_ID": "adopt-node"})
     port = free_port()

@@ -7,7 +7,6 @@ import sys
 from temporalio.client import Client
 
 from llmgw import replicas
-from llmgw.store import Store
 from llmgw.tinymodel import TinyModel
 from llmgw.types import EngineKind, ModelSpec, ReplicaPhase, RestartPolicy
 from tests.harness import System
@@ -18,10 +17,6 @@ MODEL = "tiny-drain-node"
 async def test_drain_node_moves_the_replica_to_another_node(
     system: System, client: Client, tiny: TinyModel
 ) -> None:
-    store = Store(system.store_url)
-    store.migrate()
-    store.engine_key_secret()
-    store.close()
     system.spawn("control")
     for node in ("dn-a", "dn-b"):
         system.spawn_agent(node)
@@ -47,5 +42,4 @@ async def test_drain_node_moves_the_replica_to_another_node(
 
     snap = await replicas.cordon(client, first.node_id, cordoned=False)
     assert snap.cordoned == []
-    await replicas.apply_deployment(client, spec, 0)
-    await asyncio.wait_for(client.get_workflow_handle(f"deployment/{MODEL}").result(), 60)
+    await replicas.remove_deployment(client, spec, 60)

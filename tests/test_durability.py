@@ -10,7 +10,6 @@ from temporalio.client import Client
 from llmgw import replicas
 from llmgw.procs import Child
 from llmgw.queues import replica_workflow_id
-from llmgw.store import Store
 from llmgw.tinymodel import TinyModel
 from llmgw.types import EngineKind, ModelSpec, ReplicaPhase
 from tests.harness import System
@@ -43,10 +42,6 @@ async def _wait_engine_spawned(agent: Child) -> None:
 async def test_sigkill_control_worker_mid_start(
     system: System, client: Client, tiny: TinyModel
 ) -> None:
-    store = Store(system.store_url)
-    store.migrate()
-    store.engine_key_secret()
-    store.close()
     spec = ModelSpec(name=MODEL, engine=EngineKind.LLAMA_CPP, source=str(tiny.model_path))
     first = system.spawn("control")
     agent = system.spawn("agent", {"LLMGW_NODE_ID": "durable-node"})

@@ -16,7 +16,6 @@ from temporalio.client import Client
 
 from llmgw import replicas
 from llmgw.errors import EngineError
-from llmgw.store import Store
 from llmgw.tinymodel import TinyModel
 from llmgw.types import EngineKind, ModelSpec, ReplicaPhase, ReplicaTimeouts
 from tests.harness import System, free_port, wait_routable
@@ -35,11 +34,8 @@ def system(temporal_address: str, tmp_path_factory: pytest.TempPathFactory) -> I
 @pytest.fixture(scope="module")
 async def served(system: System, client: Client, tiny: TinyModel) -> AsyncIterator[dict[str, str]]:
     """A ready replica behind a running router; yields url, key and replica id."""
-    store = Store(system.store_url)
-    store.migrate()
     spec = ModelSpec(name=MODEL, engine=EngineKind.LLAMA_CPP, source=str(tiny.model_path))
-    store.put_model(spec)
-    key = store.create_api_key("e2e")
+    key = system.catalog(spec)
     system.spawn("control")
     system.spawn("agent", {"LLMGW_NODE_ID": "e2e-node"})
     port = free_port()
@@ -51,7 +47,6 @@ async def served(system: System, client: Client, tiny: TinyModel) -> AsyncIterat
     await wait_routable(base, key, MODEL)
     yield {"base": base, "key": key, "replica": replica_id, "endpoint": memo.endpoint}
     await replicas.stop_replica(client, replica_id, "test over", 30)
-    store.close()
 
 
 @pytest.fixture
@@ -298,5 +293,4 @@ async def test_model_apply_deploys_and_explain_gives_reasons(
     assert "needs-a-gpu: no placement" in refused.stdout
     assert "e2e-node: needs 1 free healthy GPUs, has 0" in refused.stdout
 
-    await replicas.apply_deployment(client, ModelSpec(name="tiny-cat", source="x"), 0)
-    await asyncio.wait_for(client.get_workflow_handle("deployment/tiny-cat").result(), 60)
+    await replicas.remove_deployment(client, ModelSpec(name="tiny-cat", source="x"), 60)

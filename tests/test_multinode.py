@@ -11,7 +11,6 @@ from temporalio.client import Client
 
 from llmgw import replicas
 from llmgw.errors import EngineError
-from llmgw.store import Store
 from llmgw.tinymodel import TinyModel
 from llmgw.types import (
     EngineKind,
@@ -30,17 +29,13 @@ MODEL = "tiny-two-nodes"
 async def test_two_node_llama_cpp_replica_serves_fails_whole_and_restarts(
     system: System, client: Client, tiny: TinyModel
 ) -> None:
-    store = Store(system.store_url)
-    store.migrate()
     spec = ModelSpec(
         name=MODEL,
         engine=EngineKind.LLAMA_CPP,
         source=str(tiny.model_path),
         profile=EngineProfile(nodes=2),
     )
-    store.put_model(spec)
-    key = store.create_api_key("mn")
-    store.close()
+    key = system.catalog(spec)
     system.spawn("control")
     system.spawn_agent("mn-a")
     system.spawn_agent("mn-b")
@@ -83,10 +78,8 @@ async def test_two_node_llama_cpp_replica_serves_fails_whole_and_restarts(
     assert "rank 1" in status.slots[0].last_reason
 
     # Scaling to zero drains the replica; the deployment then ends.
-    await replicas.apply_deployment(client, spec, 0)
-    handle = client.get_workflow_handle(f"deployment/{MODEL}")
-    final = await asyncio.wait_for(handle.result(), 60)
-    assert final["desired"] == 0
+    final = await replicas.remove_deployment(client, spec, 60)
+    assert final.desired == 0
     assert pids_with_args("--alias", MODEL) == []
     assert pids_with_args("ggml-rpc-server", "-p") == []
 

@@ -8,7 +8,6 @@ from datetime import datetime
 from temporalio.client import Client
 
 from llmgw import replicas
-from llmgw.store import Store
 from llmgw.tinymodel import TinyModel
 from llmgw.types import DeploymentStatus, EngineKind, ModelSpec, ReplicaPhase
 from tests.harness import System
@@ -36,11 +35,8 @@ async def _settled(client: Client, old: set[str]) -> DeploymentStatus:
 async def test_rolling_restart_replaces_one_at_a_time(
     system: System, client: Client, tiny: TinyModel
 ) -> None:
-    store = Store(system.store_url)
-    store.migrate()
     spec = ModelSpec(name=MODEL, engine=EngineKind.LLAMA_CPP, source=str(tiny.model_path))
-    store.put_model(spec)
-    store.close()
+    system.catalog(spec)
     system.spawn("control")
     system.spawn_agent("roll-node")
     await replicas.wait_node_registered(client, "roll-node", 60)
@@ -73,6 +69,5 @@ async def test_rolling_restart_replaces_one_at_a_time(
         assert min(datetime.fromisoformat(t) for t in new_ready) < datetime.fromisoformat(drained)
     assert len(pids_with_args("--alias", MODEL)) == 2
 
-    await replicas.apply_deployment(client, spec, 0)
-    await asyncio.wait_for(client.get_workflow_handle(f"deployment/{MODEL}").result(), 60)
+    await replicas.remove_deployment(client, spec, 60)
     assert pids_with_args("--alias", MODEL) == []

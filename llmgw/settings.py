@@ -7,7 +7,7 @@ reads the environment anywhere else.
 import socket
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_WORK_DIR = Path(".llmgw")
@@ -78,6 +78,14 @@ class RouterSettings(_Common):
     refresh_interval_s: float = 1.0
     upstream_connect_timeout_s: float = 5.0
     upstream_read_timeout_s: float = 600.0
+    # The admin API's credential (LLMGW_ADMIN_KEY); admin keys made with
+    # ``llmgw keys create --admin`` work as well.
+    admin_key: SecretStr = SecretStr("")
+    # How long a key check is cached: the bound on a revocation reaching
+    # other router processes.
+    key_cache_ttl_s: float = 5.0
+    usage_flush_interval_s: float = 1.0
+    max_request_bytes: int = 8 * 1024 * 1024
 
 
 class UpSettings(_Common):

@@ -9,7 +9,7 @@ thread, which keeps one code path for both databases.
 import fcntl
 import json
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -18,6 +18,7 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlmodel import Field, Session, SQLModel, create_engine, select
 
+from llmgw import gateway_tables  # noqa: F401  (registers the gateway's tables)
 from llmgw.errors import StoreError
 from llmgw.keys import hash_api_key, new_api_key, new_secret
 from llmgw.types import EngineKind, ModelSpec
@@ -41,6 +42,15 @@ class ApiKey(SQLModel, table=True):
     prefix: str
     created_at: datetime
     revoked: bool = False
+    # Policy (llmgw.apikeys): JSON list of models ("" = every model), expiry,
+    # admin (admin API only), quotas (0 = unlimited; llmgw.quotas).
+    models_json: str = ""
+    expires_at: datetime | None = None
+    admin: bool = False
+    rpm: int = 0
+    tpm: int = 0
+    token_budget: int = 0
+    budget_period: str = "day"
 
 
 class ModelRecord(SQLModel, table=True):
@@ -142,6 +152,10 @@ class Store:
                 yield session
         except OperationalError as exc:
             raise StoreError(f"store unavailable: {exc}") from exc
+
+    def session(self) -> AbstractContextManager[Session]:
+        """A session for modules that keep their own tables (keys, quotas, usage)."""
+        return self._session()
 
     def engine_key_secret(self) -> str:
         """The engine-key secret, made on first use.

@@ -7,15 +7,24 @@ from contextlib import asynccontextmanager
 
 import httpx
 from fastapi import FastAPI
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from temporalio.client import Client
 
+from llmgw.catalog_store import all_specs
 from llmgw.keys import engine_key
 from llmgw.store import Store
+from router import admin
+from router.accounting import Accountant
 from router.api import openai
 from router.auth import KeyVerifier
 from router.deps import Deps
 from router.errors import install_handlers
+from router.metrics import Metrics
 from router.proxy import Proxy
 from router.routing import ReplicaSource, RoutingTable, refresh_forever
+
+MiB = 1024 * 1024
 
 
 def create_app(
@@ -24,41 +33,72 @@ def create_app(
     refresh_interval_s: float = 1.0,
     http: httpx.AsyncClient | None = None,
     on_close: Callable[[], object] | None = None,
+    *,
+    temporal: Client | None = None,
+    admin_key: str = "",
+    key_cache_ttl_s: float = 5.0,
+    usage_flush_interval_s: float = 1.0,
+    max_request_bytes: int = 8 * MiB,
 ) -> FastAPI:
-    """The FastAPI app; the routing table refreshes while it runs."""
+    """The FastAPI app; the routing table refreshes and usage is flushed while it runs."""
     secret = store.engine_key_secret()
     table = RoutingTable()
     client = http or httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=5.0))
     ready = asyncio.Event()
+    metrics = Metrics(table)
+    accountant = Accountant(store, usage_flush_interval_s)
+
+    def key_of(replica_id: str) -> str:
+        return engine_key(secret, replica_id)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        task = asyncio.create_task(
-            refresh_forever(
-                table, source, lambda: set(store.model_names()), refresh_interval_s, ready
-            )
-        )
+        tasks = [
+            asyncio.create_task(
+                refresh_forever(table, source, lambda: all_specs(store), refresh_interval_s, ready)
+            ),
+            asyncio.create_task(accountant.run()),
+        ]
         try:
             yield
         finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            for task in tasks:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            await accountant.flush()
             await client.aclose()
             if on_close:
                 on_close()
 
-    app = FastAPI(title="llmgw router", version="0.1.0", lifespan=lifespan)
+    app = FastAPI(
+        title="llmgw router",
+        version="0.1.0",
+        lifespan=lifespan,
+        description="OpenAI-compatible gateway (`/v1`) and admin API (`/admin`).",
+    )
     app.state.deps = Deps(
         table=table,
-        keys=KeyVerifier(store),
-        proxy=Proxy(client, table, lambda replica_id: engine_key(secret, replica_id)),
+        keys=KeyVerifier(store, key_cache_ttl_s, admin_key),
+        proxy=Proxy(client, table, key_of, metrics),
+        accountant=accountant,
+        metrics=metrics,
+        store=store,
+        engine_key=key_of,
+        max_request_bytes=max_request_bytes,
+        temporal=temporal,
     )
     install_handlers(app)
     app.include_router(openai.router)
+    app.include_router(admin.router)
 
     @app.get("/healthz", include_in_schema=False)
     async def healthz() -> dict[str, object]:
         return {"ok": True, "routing_table_loaded": ready.is_set()}
+
+    @app.get("/metrics", include_in_schema=False)
+    async def prometheus() -> Response:
+        # The router's own metrics; an engine's /metrics is never reachable here.
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     return app

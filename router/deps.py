@@ -3,9 +3,13 @@
 from dataclasses import dataclass
 
 from fastapi import Request
+from temporalio.client import Client
 
+from llmgw.store import Store
+from router.accounting import Accountant
 from router.auth import KeyVerifier
-from router.proxy import Proxy
+from router.metrics import Metrics
+from router.proxy import EngineKeyFn, Proxy
 from router.routing import RoutingTable
 
 
@@ -16,6 +20,13 @@ class Deps:
     table: RoutingTable
     keys: KeyVerifier
     proxy: Proxy
+    accountant: Accountant
+    metrics: Metrics
+    store: Store
+    engine_key: EngineKeyFn
+    max_request_bytes: int
+    # Admin calls that ask Temporal (nodes, log tails); None in tests without one.
+    temporal: Client | None = None
 
 
 def get_deps(request: Request) -> Deps:

@@ -58,6 +58,51 @@ def no_ready_replica(model: str) -> OpenAIError:
     )
 
 
+def replicas_saturated(model: str) -> OpenAIError:
+    return OpenAIError(
+        503,
+        f"Every replica of `{model}` is at its in-flight limit; retry shortly.",
+        type="service_unavailable_error",
+        code="replicas_saturated",
+        headers={"Retry-After": "1"},
+    )
+
+
+def key_expired() -> OpenAIError:
+    return OpenAIError(401, "The API key has expired.", code="expired_api_key")
+
+
+def model_not_allowed(model: str) -> OpenAIError:
+    return OpenAIError(
+        403,
+        f"This API key may not use the model `{model}`.",
+        type="permission_error",
+        code="model_not_allowed",
+        param="model",
+    )
+
+
+def admin_required() -> OpenAIError:
+    return OpenAIError(401, "The admin API needs the admin key.", code="invalid_admin_key")
+
+
+def quota_exceeded(limit: str, message: str, retry_after_s: int) -> OpenAIError:
+    budget = limit == "token_budget"
+    return OpenAIError(
+        429,
+        message,
+        type="insufficient_quota" if budget else ("requests" if limit == "rpm" else "tokens"),
+        code="insufficient_quota" if budget else "rate_limit_exceeded",
+        headers={"Retry-After": str(retry_after_s)},
+    )
+
+
+def body_too_large(limit: int) -> OpenAIError:
+    return OpenAIError(
+        413, f"The request body is larger than {limit} bytes.", code="body_too_large"
+    )
+
+
 def upstream_failed(detail: str) -> OpenAIError:
     return OpenAIError(
         502, f"The engine failed: {detail}", type="server_error", code="upstream_error"

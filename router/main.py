@@ -32,6 +32,11 @@ async def run(settings: RouterSettings) -> None:
         settings.refresh_interval_s,
         http=upstream,
         on_close=store.close,
+        temporal=client,
+        admin_key=settings.admin_key.get_secret_value(),
+        key_cache_ttl_s=settings.key_cache_ttl_s,
+        usage_flush_interval_s=settings.usage_flush_interval_s,
+        max_request_bytes=settings.max_request_bytes,
     )
     config = uvicorn.Config(
         app, host=settings.host, port=settings.port, log_level=settings.log_level.lower()

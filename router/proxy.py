@@ -1,19 +1,36 @@
 """Forwarding a request to a replica's engine, streamed or not.
 
-The client's body goes upstream byte for byte (unknown fields included) and
-the engine's answer, SSE included, comes back byte for byte. The client's
-Authorization never reaches the engine: the router sends the replica's own
-engine key instead. A connection failure before any byte was sent to the
-client fails over to the next replica.
+The client's body goes upstream byte for byte (unknown fields included),
+except that a stream always asks the engine for usage
+(``stream_options.include_usage``) so it can be billed; the engine's answer
+comes back byte for byte, SSE events included, less that usage when the
+client did not ask for it. The client's Authorization never reaches the
+engine: the router sends the replica's own engine key instead.
+
+Failover: a connection failure before anything was sent to the client tries
+the next replica; once a byte has gone out there is no retry.
+
+A client that goes away mid-stream cancels the relay; closing the upstream
+response closes the connection, which llama.cpp and vLLM take as a
+cancellation. What was relayed until then is billed: one token per streamed
+chunk with content (exact for llama.cpp, which sends a chunk per token), or
+the engine's own usage when the stream got that far.
 """
 
+import json
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
 
+import anyio
 import httpx
 from fastapi.responses import Response, StreamingResponse
 
-from router.errors import OpenAIError, no_ready_replica, upstream_failed
+from router.accounting import Outcome
+from router.errors import no_ready_replica, replicas_saturated, upstream_failed
+from router.metrics import Metrics
 from router.routing import Route, RoutingTable
 
 log = logging.getLogger(__name__)
@@ -21,36 +38,67 @@ log = logging.getLogger(__name__)
 EngineKeyFn = Callable[[str], str]
 
 
+@dataclass
+class Call:
+    """One request to forward."""
+
+    model: str
+    path: str
+    body: bytes
+    stream: bool
+    # True when the router added include_usage and the client must not see it.
+    strip_usage: bool
+    # Called once when the request is over (also after a client disconnect).
+    on_done: Callable[[Outcome], None]
+    started: float
+    # Billed as the prompt when a stream ends before the engine's usage.
+    prompt_estimate: int = 0
+
+
 class Proxy:
     """Sends inference requests to engines."""
 
     def __init__(
-        self, http: httpx.AsyncClient, table: RoutingTable, engine_key: EngineKeyFn
+        self,
+        http: httpx.AsyncClient,
+        table: RoutingTable,
+        engine_key: EngineKeyFn,
+        metrics: Metrics,
     ) -> None:
         self._http = http
         self._table = table
         self._engine_key = engine_key
+        self._metrics = metrics
 
-    async def forward(self, model: str, path: str, body: bytes, stream: bool) -> Response:
-        """Send ``body`` to a ready replica of ``model`` at ``path``."""
-        candidates = self._table.candidates(model)
+    async def forward(self, call: Call) -> Response:
+        """Send the call to the least busy ready replica of its model."""
+        candidates = self._table.candidates(call.model)
         if not candidates:
-            raise no_ready_replica(model)
+            if self._table.has_replicas(call.model):
+                raise replicas_saturated(call.model)
+            raise no_ready_replica(call.model)
         last_error = "no replica tried"
         for route in candidates:
+            if route.saturated():  # filled up while we tried another
+                continue
             try:
-                return await self._try(route, path, body, stream)
+                return await self._try(route, call)
             except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
                 # Nothing reached the client yet: another replica may answer.
                 last_error = f"{route.replica_id}: {type(exc).__name__}"
+                self._metrics.upstream_errors.labels(call.model, route.replica_id, "connect").inc()
                 log.warning("replica %s unreachable, failing over: %s", route.replica_id, exc)
+            except httpx.HTTPError as exc:
+                # The engine may have started on it: no second try.
+                self._metrics.upstream_errors.labels(call.model, route.replica_id, "send").inc()
+                raise upstream_failed(f"{route.replica_id}: {type(exc).__name__}") from exc
         raise upstream_failed(last_error)
 
-    async def _try(self, route: Route, path: str, body: bytes, stream: bool) -> Response:
+    async def _try(self, route: Route, call: Call) -> Response:
         request = self._http.build_request(
             "POST",
-            f"{route.endpoint}{path}",
-            content=body,
+            f"{route.endpoint}{call.path}",
+            content=call.body,
             headers={
                 "Authorization": f"Bearer {self._engine_key(route.replica_id)}",
                 "Content-Type": "application/json",
@@ -65,36 +113,136 @@ class Proxy:
         if upstream.status_code == 401:
             await upstream.aclose()
             route.inflight -= 1
+            self._metrics.upstream_errors.labels(call.model, route.replica_id, "engine_key").inc()
             # The engine refused our key: a router/agent secret mismatch, not the client's fault.
             log.error("replica %s rejected the engine key", route.replica_id)
             raise upstream_failed("the engine refused the router's key")
         headers = {"x-llmgw-replica": route.replica_id}
         media = upstream.headers.get("content-type", "application/json")
-        if stream and upstream.status_code == 200:
-            return StreamingResponse(_relay(upstream, route), media_type=media, headers=headers)
+        if call.stream and upstream.status_code == 200:
+            relay = _Relay(upstream, route, call, self._metrics)
+            return StreamingResponse(relay.events(), media_type=media, headers=headers)
         try:
             content = await upstream.aread()
         except httpx.HTTPError as exc:
+            self._metrics.upstream_errors.labels(call.model, route.replica_id, "read").inc()
+            call.on_done(Outcome(error=True, status=502))
             raise upstream_failed(type(exc).__name__) from exc
         finally:
             await upstream.aclose()
             route.inflight -= 1
+        call.on_done(_outcome_of(upstream.status_code, content))
         return Response(
             content=content, status_code=upstream.status_code, media_type=media, headers=headers
         )
 
 
-async def _relay(upstream: httpx.Response, route: Route) -> AsyncIterator[bytes]:
-    """Pass SSE bytes through; closing here cancels the upstream request when
-    the client goes away (Starlette stops iterating and closes the generator)."""
+def _outcome_of(status: int, content: bytes) -> Outcome:
+    if status != 200:
+        return Outcome(error=True, status=status)
     try:
-        async for chunk in upstream.aiter_raw():
-            yield chunk
-    except httpx.HTTPError as exc:
-        log.warning("stream from %s broke: %s", route.replica_id, exc)
-    finally:
-        await upstream.aclose()
-        route.inflight -= 1
+        usage = json.loads(content).get("usage") or {}
+        return Outcome(
+            prompt_tokens=int(usage.get("prompt_tokens") or 0),
+            completion_tokens=int(usage.get("completion_tokens") or 0),
+        )
+    except (ValueError, AttributeError, TypeError):
+        return Outcome()
 
 
-__all__ = ["OpenAIError", "Proxy"]
+def _has_content(choice: Any) -> bool:
+    if not isinstance(choice, dict):
+        return False
+    delta = choice.get("delta")
+    part = delta if isinstance(delta, dict) else choice
+    return bool(
+        part.get("content") or part.get("text") or part.get("reasoning_content")
+        or part.get("tool_calls")
+    )  # fmt: skip
+
+
+class _Relay:
+    """Relays one SSE stream event by event, counting and (maybe) stripping usage."""
+
+    def __init__(self, upstream: httpx.Response, route: Route, call: Call, metrics: Metrics):
+        self._upstream = upstream
+        self._route = route
+        self._call = call
+        self._metrics = metrics
+        self._counted = 0
+        self._usage: dict[str, Any] | None = None
+
+    def _scan(self, events: bytes) -> bytes:
+        """The events to pass on; counts content chunks and notes usage."""
+        out: list[bytes] = []
+        for event in events.split(b"\n\n"):
+            if not event:
+                continue
+            keep = event
+            if event.startswith(b"data: {"):
+                try:
+                    obj = json.loads(event[6:])
+                except ValueError:
+                    obj = None
+                if isinstance(obj, dict):
+                    choices = obj.get("choices")
+                    if isinstance(choices, list):
+                        self._counted += sum(1 for c in choices if _has_content(c))
+                    usage = obj.get("usage")
+                    if isinstance(usage, dict):
+                        self._usage = usage
+                        if self._call.strip_usage:
+                            if not choices:
+                                continue  # the usage-only chunk: the client did not ask
+                            del obj["usage"]
+                            keep = b"data: " + json.dumps(obj, separators=(",", ":")).encode()
+            out.append(keep + b"\n\n")
+        return b"".join(out)
+
+    async def events(self) -> AsyncIterator[bytes]:
+        """The stream as the client gets it."""
+        buf = b""
+        first = True
+        error = False
+        try:
+            async for chunk in self._upstream.aiter_bytes():
+                buf += chunk
+                cut = buf.rfind(b"\n\n")
+                if cut < 0:
+                    continue
+                out = self._scan(buf[: cut + 2])
+                buf = buf[cut + 2 :]
+                if out:
+                    if first:
+                        first = False
+                        self._metrics.ttft.labels(self._call.model).observe(
+                            time.monotonic() - self._call.started
+                        )
+                    yield out
+            if buf:
+                yield buf
+        except httpx.HTTPError as exc:
+            error = True
+            self._metrics.upstream_errors.labels(
+                self._call.model, self._route.replica_id, "stream"
+            ).inc()
+            log.warning("stream from %s broke: %s", self._route.replica_id, exc)
+        finally:
+            # Also runs when the client went away (the relay is cancelled):
+            # account first, with no await, then close upstream shielded from
+            # that cancellation so the engine sees the connection close.
+            self._route.inflight -= 1
+            self._call.on_done(self._outcome(error))
+            with anyio.CancelScope(shield=True):
+                await self._upstream.aclose()
+
+    def _outcome(self, error: bool) -> Outcome:
+        if self._usage is not None:
+            return Outcome(
+                prompt_tokens=int(self._usage.get("prompt_tokens") or 0),
+                completion_tokens=int(self._usage.get("completion_tokens") or 0),
+                error=error,
+            )
+        return Outcome(
+            prompt_tokens=self._call.prompt_estimate, completion_tokens=self._counted, error=error
+        )

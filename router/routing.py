@@ -2,10 +2,19 @@
 
 Requests never await Temporal: a background task lists the running replica
 workflows (their memo carries model, phase and endpoint) and swaps in a new
-table; a failed refresh keeps the last good one.
+table; a failed refresh keeps the last good one. The catalog (read in a
+thread) gives each model's in-flight cap.
+
+Balancing: least outstanding requests among the model's Ready replicas,
+ties broken round-robin; a replica at its model's ``profile.max_inflight``
+is skipped. Draining (and every other non-Ready) replica is not in the table,
+so it gets nothing new.
 """
 
+from __future__ import annotations
+
 import asyncio
+import itertools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -14,7 +23,7 @@ from typing import Protocol
 
 from temporalio.client import Client
 
-from llmgw.types import ReplicaMemo, ReplicaPhase
+from llmgw.types import ModelSpec, ReplicaMemo, ReplicaPhase
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +65,11 @@ class Route:
     model: str
     endpoint: str
     inflight: int = 0
+    cap: int = 0  # 0 = no cap
+
+    def saturated(self) -> bool:
+        """Whether the replica is at its in-flight cap."""
+        return self.cap > 0 and self.inflight >= self.cap
 
 
 @dataclass
@@ -64,8 +78,12 @@ class RoutingTable:
 
     routes: dict[str, list[Route]] = field(default_factory=dict)
     known_models: set[str] = field(default_factory=set)
+    specs: dict[str, ModelSpec] = field(default_factory=dict)
+    # Every running replica as last seen, whatever its phase (admin API).
+    replicas: list[ReplicaMemo] = field(default_factory=list)
+    _turn: itertools.count[int] = field(default_factory=itertools.count)
 
-    def update(self, replicas: list[ReplicaMemo], catalog: set[str]) -> None:
+    def update(self, replicas: list[ReplicaMemo], catalog: dict[str, ModelSpec]) -> None:
         """Replace the routes, keeping in-flight counts of replicas that remain."""
         old = {r.replica_id: r for rs in self.routes.values() for r in rs}
         fresh: dict[str, list[Route]] = {}
@@ -73,14 +91,31 @@ class RoutingTable:
             if memo.phase is not ReplicaPhase.READY or not memo.endpoint:
                 continue
             prev = old.get(memo.replica_id)
-            route = Route(memo.replica_id, memo.model, memo.endpoint, prev.inflight if prev else 0)
+            spec = catalog.get(memo.model)
+            cap = spec.profile.max_inflight if spec else 0
+            route = prev if prev is not None and prev.endpoint == memo.endpoint else None
+            if route is None:
+                route = Route(memo.replica_id, memo.model, memo.endpoint)
+            route.cap = cap
             fresh.setdefault(memo.model, []).append(route)
         self.routes = fresh
-        self.known_models = catalog | {m.model for m in replicas}
+        self.specs = catalog
+        self.replicas = replicas
+        self.known_models = set(catalog) | {m.model for m in replicas}
 
     def candidates(self, model: str) -> list[Route]:
-        """Ready replicas of ``model``, least outstanding requests first."""
-        return sorted(self.routes.get(model, []), key=lambda r: (r.inflight, r.replica_id))
+        """Ready, unsaturated replicas of ``model``, least outstanding requests first."""
+        routes = self.routes.get(model, [])
+        if not routes:
+            return []
+        # Rotate before the (stable) sort: equal loads take turns.
+        turn = next(self._turn) % len(routes)
+        rotated = routes[turn:] + routes[:turn]
+        return sorted((r for r in rotated if not r.saturated()), key=lambda r: r.inflight)
+
+    def has_replicas(self, model: str) -> bool:
+        """Whether ``model`` has Ready replicas (saturated or not)."""
+        return bool(self.routes.get(model))
 
     def routable_models(self) -> list[str]:
         """Models with at least one ready replica."""
@@ -90,7 +125,7 @@ class RoutingTable:
 async def refresh_forever(
     table: RoutingTable,
     source: ReplicaSource,
-    catalog: Callable[[], set[str]],
+    catalog: Callable[[], dict[str, ModelSpec]],
     interval_s: float,
     ready: asyncio.Event,
 ) -> None:
@@ -98,8 +133,8 @@ async def refresh_forever(
     while True:
         try:
             replicas = await source.replicas()
-            names = await asyncio.to_thread(catalog)
-            table.update(replicas, names)
+            specs = await asyncio.to_thread(catalog)
+            table.update(replicas, specs)
             ready.set()
         except asyncio.CancelledError:
             raise

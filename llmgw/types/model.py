@@ -42,6 +42,9 @@ class EngineProfile(BaseModel):
         default=False,
         description="let a multi-node replica run over plain TCP when the nodes have no fabric",
     )
+    max_inflight: int = Field(
+        default=0, ge=0, description="router: requests in flight per replica at most (0 = no cap)"
+    )
 
 
 class Rendezvous(BaseModel):

@@ -1,19 +1,48 @@
-"""The OpenAI-compatible inference endpoints."""
+"""The OpenAI-compatible inference endpoints.
+
+Only these paths reach an engine (the allow-list): chat completions,
+completions and embeddings. Nothing else of the engine's API (``/metrics``,
+``/slots``, ``/props``, ``/tokenize``, LoRA and weight endpoints,
+``/invocations``, ``/pause`` ...) is routed: the router has no route for it.
+"""
 
 import json
+import math
 import time
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Header, Request
 from fastapi.responses import Response
+from pydantic import BaseModel, ValidationError
 
+from llmgw.quotas import Rejection
+from router.accounting import Outcome
+from router.api.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+    _Generation,
+)
 from router.auth import Caller
 from router.deps import Deps, get_deps
-from router.errors import OpenAIError, model_not_found
+from router.errors import (
+    OpenAIError,
+    body_too_large,
+    model_not_allowed,
+    model_not_found,
+    quota_exceeded,
+)
+from router.proxy import Call
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 
 DepsDep = Annotated[Deps, Depends(get_deps)]
+# Added to the prompt estimate: a chat template wraps every message (and the
+# whole conversation) in tokens of its own.
+CHAT_MESSAGE_TOKENS = 16
+CHAT_BASE_TOKENS = 64
+# When the client sets no max_tokens and the model is not in the catalog.
+DEFAULT_COMPLETION_RESERVE = 4096
 
 
 async def _caller(deps: DepsDep, authorization: Annotated[str | None, Header()] = None) -> Caller:
@@ -23,53 +52,158 @@ async def _caller(deps: DepsDep, authorization: Annotated[str | None, Header()] 
 CallerDep = Annotated[Caller, Depends(_caller)]
 
 
-def _parse(raw: bytes, required: str) -> dict[str, Any]:
+def _openapi_body(model: type[BaseModel]) -> dict[str, Any]:
+    # The handlers read the raw body (it is forwarded as is), so the schema
+    # is declared here for the docs and for schema-driven clients and tests.
+    return {
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": model.model_json_schema()}},
+        }
+    }
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, or 413 once it passes ``limit`` bytes."""
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        raise body_too_large(limit)
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise body_too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def invalid_body(exc: ValidationError) -> OpenAIError:
+    """A 400 naming the first bad field (every problem in the message)."""
+    errors = exc.errors()
+    if errors and errors[0]["type"] == "json_invalid":
+        return OpenAIError(400, "The request body is not valid JSON.")
+    if errors and errors[0]["type"] == "model_type" and not errors[0]["loc"]:
+        return OpenAIError(400, "The request body must be a JSON object.")
+    problems = []
+    for e in errors:
+        loc = ".".join(str(p) for p in e["loc"])
+        problems.append(f"{loc}: {e['msg']}" if loc else e["msg"])
+    first = ".".join(str(p) for p in errors[0]["loc"]) if errors else ""
+    return OpenAIError(400, "; ".join(problems), param=first or None)
+
+
+def _estimate(body: ChatCompletionRequest | CompletionRequest | EmbeddingRequest) -> int:
+    prompt = math.ceil(body.prompt_bytes() / 2)
+    if isinstance(body, ChatCompletionRequest):
+        return prompt + CHAT_BASE_TOKENS + CHAT_MESSAGE_TOKENS * len(body.messages)
+    if isinstance(body, EmbeddingRequest):
+        return prompt + 4 * body.inputs()
+    return prompt + 4
+
+
+async def _serve(
+    deps: Deps,
+    request: Request,
+    caller: Caller,
+    kind: type[ChatCompletionRequest] | type[CompletionRequest] | type[EmbeddingRequest],
+    path: str,
+) -> Response:
+    started = time.monotonic()
+    raw = await read_body(request, deps.max_request_bytes)
     try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise OpenAIError(400, "The request body is not valid JSON.") from None
-    if not isinstance(body, dict):
-        raise OpenAIError(400, "The request body must be a JSON object.")
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise OpenAIError(400, "`model` is required and must be a string.", param="model")
-    if required not in body:
-        raise OpenAIError(400, f"`{required}` is required.", param=required)
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise OpenAIError(400, "`stream` must be a boolean.", param="stream")
-    return body
-
-
-async def _forward(deps: Deps, request: Request, path: str, required: str) -> Response:
-    raw = await request.body()
-    body = _parse(raw, required)
-    model: str = body["model"]
-    if model not in deps.table.known_models and not deps.table.candidates(model):
+        body = kind.model_validate_json(raw)
+    except ValidationError as exc:
+        raise invalid_body(exc) from None
+    model = body.model
+    if not caller.policy.allows(model):
+        raise model_not_allowed(model)
+    table = deps.table
+    if model not in table.known_models and not table.has_replicas(model):
         raise model_not_found(model)
-    return await deps.proxy.forward(model, path, raw, bool(body.get("stream", False)))
+
+    prompt_estimate = _estimate(body)
+    reserve = prompt_estimate
+    stream, strip_usage = False, False
+    if isinstance(body, _Generation):
+        spec = table.specs.get(model)
+        context = spec.context_length if spec else DEFAULT_COMPLETION_RESERVE
+        reserve += min(body.completion_limit() or context, context)
+        stream = body.stream
+        if stream and not body.wants_usage():
+            # Ask the engine for usage anyway, to bill the stream; hidden from the client.
+            strip_usage = True
+            data = json.loads(raw)
+            data["stream_options"] = {**(data.get("stream_options") or {}), "include_usage": True}
+            raw = json.dumps(data, separators=(",", ":")).encode()
+
+    endpoint = path.removeprefix("/v1/")
+    reservation = await deps.accountant.reserve(caller.key_id, caller.policy, reserve)
+    if isinstance(reservation, Rejection):
+        deps.metrics.quota_rejections.labels(reservation.limit).inc()
+        deps.metrics.requests.labels(endpoint, model, "429").inc()
+        raise quota_exceeded(reservation.limit, reservation.message, reservation.retry_after_s)
+
+    finished = False
+
+    def on_done(outcome: Outcome) -> None:
+        nonlocal finished
+        if finished:
+            return
+        finished = True
+        deps.accountant.done(caller.key_id, model, reservation, outcome)
+        m = deps.metrics
+        m.requests.labels(endpoint, model, str(outcome.status)).inc()
+        m.latency.labels(endpoint, model).observe(time.monotonic() - started)
+        if outcome.prompt_tokens:
+            m.tokens.labels(model, "prompt").inc(outcome.prompt_tokens)
+        if outcome.completion_tokens:
+            m.tokens.labels(model, "completion").inc(outcome.completion_tokens)
+
+    call = Call(
+        model=model,
+        path=path,
+        body=raw,
+        stream=stream,
+        strip_usage=strip_usage,
+        on_done=on_done,
+        started=started,
+        prompt_estimate=prompt_estimate,
+    )
+    try:
+        return await deps.proxy.forward(call)
+    except OpenAIError as exc:
+        on_done(Outcome(error=True, status=exc.status))  # releases the reservation
+        raise
 
 
-@router.post("/chat/completions")
-async def chat_completions(request: Request, deps: DepsDep, _: CallerDep) -> Response:
+@router.post("/chat/completions", openapi_extra=_openapi_body(ChatCompletionRequest))
+async def chat_completions(request: Request, deps: DepsDep, caller: CallerDep) -> Response:
     """Chat completions, streamed (SSE) or not."""
-    return await _forward(deps, request, "/v1/chat/completions", "messages")
+    return await _serve(deps, request, caller, ChatCompletionRequest, "/v1/chat/completions")
 
 
-@router.post("/completions")
-async def completions(request: Request, deps: DepsDep, _: CallerDep) -> Response:
+@router.post("/completions", openapi_extra=_openapi_body(CompletionRequest))
+async def completions(request: Request, deps: DepsDep, caller: CallerDep) -> Response:
     """Text completions, streamed (SSE) or not."""
-    return await _forward(deps, request, "/v1/completions", "prompt")
+    return await _serve(deps, request, caller, CompletionRequest, "/v1/completions")
+
+
+@router.post("/embeddings", openapi_extra=_openapi_body(EmbeddingRequest))
+async def embeddings(request: Request, deps: DepsDep, caller: CallerDep) -> Response:
+    """Embeddings (the model's engine must serve them: llama.cpp needs ``--embeddings``)."""
+    return await _serve(deps, request, caller, EmbeddingRequest, "/v1/embeddings")
 
 
 @router.get("/models")
-async def list_models(deps: DepsDep, _: CallerDep) -> dict[str, Any]:
-    """Models with at least one ready replica."""
+async def list_models(deps: DepsDep, caller: CallerDep) -> dict[str, Any]:
+    """Models with at least one ready replica (those the key may use)."""
     now = int(time.time())
     return {
         "object": "list",
         "data": [
             {"id": m, "object": "model", "created": now, "owned_by": "llmgw"}
             for m in deps.table.routable_models()
+            if caller.policy.allows(m)
         ],
     }

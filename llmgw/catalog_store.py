@@ -1,0 +1,38 @@
+"""The catalog in the store, as the admin API and the router read it."""
+
+from sqlmodel import select
+
+from llmgw.catalog import CatalogModel
+from llmgw.store import ModelRecord, Store
+from llmgw.types import ModelSpec
+
+
+def all_specs(store: Store) -> dict[str, ModelSpec]:
+    """Every catalog model's spec by name."""
+    with store.session() as session:
+        return {r.name: r.spec() for r in session.exec(select(ModelRecord)).all()}
+
+
+def list_entries(store: Store) -> list[CatalogModel]:
+    """Every catalog entry with its desired replicas, by name."""
+    with store.session() as session:
+        rows = session.exec(select(ModelRecord).order_by(ModelRecord.name)).all()
+        return [CatalogModel(**r.spec().model_dump(), replicas=r.replicas) for r in rows]
+
+
+def get_entry(store: Store, name: str) -> CatalogModel | None:
+    """One catalog entry."""
+    with store.session() as session:
+        row = session.get(ModelRecord, name)
+        return CatalogModel(**row.spec().model_dump(), replicas=row.replicas) if row else None
+
+
+def delete_entry(store: Store, name: str) -> bool:
+    """Remove a model from the catalog (its running replicas are not touched)."""
+    with store.session() as session:
+        row = session.get(ModelRecord, name)
+        if row is None:
+            return False
+        session.delete(row)
+        session.commit()
+        return True

@@ -1,0 +1,37 @@
+"""The gateway's own tables: quota windows and usage counters.
+
+Kept apart from ``llmgw.store`` (which imports this module, so every table is
+in ``SQLModel.metadata`` wherever the store is used, ``store migrate``
+included). Plain SQLModel types only: the same tables on SQLite and
+PostgreSQL.
+"""
+
+from sqlmodel import Field, SQLModel
+
+
+class QuotaWindow(SQLModel, table=True):
+    """A key's quota counters for the current minute and budget period.
+
+    Windows are fixed: ``minute`` is the epoch minute and ``period`` the
+    budget period's index the counters belong to; a reservation in a newer
+    window starts the counters again (see ``llmgw.quotas``).
+    """
+
+    key_id: int = Field(primary_key=True)
+    minute: int = 0
+    minute_requests: int = 0
+    minute_tokens: int = 0
+    period: int = 0
+    period_tokens: int = 0
+
+
+class UsageDaily(SQLModel, table=True):
+    """What a key used of a model on one UTC day."""
+
+    key_id: int = Field(primary_key=True)
+    model: str = Field(primary_key=True)
+    day: str = Field(primary_key=True, description="YYYY-MM-DD, UTC")
+    requests: int = 0
+    errors: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0

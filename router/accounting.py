@@ -1,0 +1,103 @@
+"""Quota reservations and usage, as the request path uses them.
+
+Reserving is synchronous with the request (it must hold before forwarding)
+but runs in a thread. Settling and usage are not on the request path: they
+are queued in memory and written in one batch every ``flush_interval_s`` (and
+at shutdown), so a request costs the store one UPDATE when its key has quotas
+and nothing when it has none. A router killed with SIGKILL loses at most the
+last interval's usage; its reservations then stay counted until their window
+ends (the safe direction).
+"""
+
+import asyncio
+import logging
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+
+from llmgw.apikeys import KeyPolicy
+from llmgw.quotas import Limits, Quotas, Rejection, Reservation
+from llmgw.store import Store
+from llmgw.usage import UsageDelta, UsageKey, day_of, record
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How a forwarded request ended."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    error: bool = False
+    status: int = 200
+
+
+class Accountant:
+    """Reserves quota, then queues settlements and usage for the next batch write."""
+
+    def __init__(self, store: Store, flush_interval_s: float = 1.0) -> None:
+        self._store = store
+        self._quotas = Quotas(store)
+        self._interval = flush_interval_s
+        self._usage: dict[UsageKey, UsageDelta] = defaultdict(UsageDelta)
+        self._settle: dict[tuple[int, str, int], int] = defaultdict(int)
+        self._lock = asyncio.Lock()
+
+    async def reserve(
+        self, key_id: int, policy: KeyPolicy, tokens: int
+    ) -> Reservation | Rejection | None:
+        """Reserve ``tokens`` and one request for the key; None when it has no quota."""
+        if not policy.has_quota():
+            return None
+        limits = Limits(policy.rpm, policy.tpm, policy.token_budget, policy.budget_period)
+        return await asyncio.to_thread(self._quotas.reserve, key_id, limits, tokens, time.time())
+
+    def done(
+        self, key_id: int, model: str, reservation: Reservation | None, outcome: Outcome
+    ) -> None:
+        """Queue a finished request's usage and its reservation's settlement (no I/O)."""
+        delta = self._usage[UsageKey(key_id, model, day_of(time.time()))]
+        delta.add(
+            UsageDelta(
+                requests=1,
+                errors=int(outcome.error or outcome.status >= 400),
+                prompt_tokens=outcome.prompt_tokens,
+                completion_tokens=outcome.completion_tokens,
+            )
+        )
+        if reservation is not None:
+            diff = outcome.prompt_tokens + outcome.completion_tokens - reservation.tokens
+            self._settle[(key_id, "minute", reservation.minute)] += diff
+            self._settle[(key_id, "period", reservation.period)] += diff
+
+    async def flush(self) -> None:
+        """Write what is queued (one batch, in a thread)."""
+        async with self._lock:
+            usage, self._usage = self._usage, defaultdict(UsageDelta)
+            settle, self._settle = self._settle, defaultdict(int)
+            if not usage and not settle:
+                return
+            try:
+                await asyncio.to_thread(self._write, dict(usage), dict(settle))
+            except Exception as exc:
+                # Put it back: the next batch retries it.
+                log.warning("usage flush failed, will retry: %s", exc)
+                for k, d in usage.items():
+                    self._usage[k].add(d)
+                for s, n in settle.items():
+                    self._settle[s] += n
+
+    def _write(
+        self, usage: dict[UsageKey, UsageDelta], settle: dict[tuple[int, str, int], int]
+    ) -> None:
+        if settle:
+            self._quotas.settle(settle)
+        if usage:
+            record(self._store, usage)
+
+    async def run(self) -> None:
+        """Flush every interval until cancelled; the caller flushes once more at shutdown."""
+        while True:
+            await asyncio.sleep(self._interval)
+            await self.flush()

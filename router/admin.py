@@ -1,0 +1,221 @@
+"""The admin API (``/admin/...``), under its own credential.
+
+Every call needs ``Authorization: Bearer <admin key>``: the router's
+``LLMGW_ADMIN_KEY``, or a stored key made with ``llmgw keys create --admin``.
+Client keys are refused here, and admin keys are refused by ``/v1``.
+
+Replica states come from the routing table (refreshed from Temporal in the
+background), so listing them never waits on Temporal; nodes and log tails
+ask Temporal (bounded) and answer 503 when it cannot.
+"""
+
+import asyncio
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Header, Query
+from pydantic import BaseModel, ConfigDict, Field
+from temporalio.client import Client
+from temporalio.service import RPCError
+
+from llmgw import apikeys, replicas, usage
+from llmgw.apikeys import KeyInfo, KeyPolicy
+from llmgw.catalog import CatalogModel
+from llmgw.catalog_store import delete_entry, get_entry, list_entries
+from llmgw.errors import LlmgwError
+from llmgw.types import ReplicaMemo
+from llmgw.usage import UsageRow
+from router.deps import Deps, get_deps
+from router.errors import OpenAIError
+
+DepsDep = Annotated[Deps, Depends(get_deps)]
+
+
+async def _admin(deps: DepsDep, authorization: Annotated[str | None, Header()] = None) -> None:
+    await deps.keys.verify_admin(authorization)
+
+
+router = APIRouter(prefix="/admin", tags=["admin"], dependencies=[Depends(_admin)])
+
+
+def _not_found(what: str, name: str) -> OpenAIError:
+    return OpenAIError(404, f"No {what} `{name}`.", code="not_found")
+
+
+def _temporal(deps: Deps) -> Client:
+    if deps.temporal is None:
+        raise OpenAIError(503, "This router has no Temporal client.", type="server_error")
+    return deps.temporal
+
+
+def _unavailable(exc: Exception) -> OpenAIError:
+    return OpenAIError(
+        503, f"Temporal did not answer: {exc}", type="service_unavailable_error", code="temporal"
+    )
+
+
+# Models -----------------------------------------------------------------
+
+
+@router.get("/models")
+async def admin_list_models(deps: DepsDep) -> list[CatalogModel]:
+    """The catalog."""
+    return await asyncio.to_thread(list_entries, deps.store)
+
+
+@router.get("/models/{name}")
+async def admin_get_model(name: str, deps: DepsDep) -> CatalogModel:
+    """One catalog entry."""
+    entry = await asyncio.to_thread(get_entry, deps.store, name)
+    if entry is None:
+        raise _not_found("model", name)
+    return entry
+
+
+@router.put("/models/{name}")
+async def admin_put_model(name: str, entry: CatalogModel, deps: DepsDep) -> CatalogModel:
+    """Add or replace a catalog entry (the catalog file's fields; errors name the field)."""
+    if entry.name != name:
+        raise OpenAIError(
+            400, f"name: `{entry.name}` differs from the path's `{name}`", param="name"
+        )
+    await asyncio.to_thread(deps.store.put_model, entry.spec(), entry.replicas)
+    return entry
+
+
+@router.delete("/models/{name}")
+async def admin_delete_model(name: str, deps: DepsDep) -> dict[str, Any]:
+    """Remove a catalog entry (running replicas are not stopped)."""
+    if not await asyncio.to_thread(delete_entry, deps.store, name):
+        raise _not_found("model", name)
+    return {"deleted": name}
+
+
+# Replicas and nodes -----------------------------------------------------
+
+
+class ReplicaView(ReplicaMemo):
+    """A replica as the router sees it."""
+
+    inflight: int = 0
+
+
+@router.get("/replicas")
+async def admin_replicas(deps: DepsDep) -> list[ReplicaView]:
+    """Every running replica and its state (as of the last routing refresh)."""
+    inflight = {r.replica_id: r.inflight for rs in deps.table.routes.values() for r in rs}
+    return [
+        ReplicaView(**m.model_dump(), inflight=inflight.get(m.replica_id, 0))
+        for m in deps.table.replicas
+    ]
+
+
+def _replica(deps: Deps, replica_id: str) -> ReplicaMemo:
+    for memo in deps.table.replicas:
+        if memo.replica_id == replica_id:
+            return memo
+    raise _not_found("running replica", replica_id)
+
+
+class LogTailView(BaseModel):
+    replica_id: str
+    lines: list[str]
+
+
+@router.get("/replicas/{replica_id}/logs")
+async def admin_replica_logs(
+    replica_id: str, deps: DepsDep, lines: Annotated[int, Query(ge=1, le=2000)] = 100
+) -> LogTailView:
+    """The last lines the replica's engine wrote, fetched from its node."""
+    client = _temporal(deps)
+    try:
+        tail = await asyncio.wait_for(replicas.log_tail(client, replica_id, lines), 35)
+    except (RPCError, TimeoutError, LlmgwError) as exc:
+        raise _unavailable(exc) from exc
+    return LogTailView(replica_id=replica_id, lines=tail)
+
+
+class EngineKeyView(BaseModel):
+    replica_id: str
+    endpoint: str
+    engine_key: str
+
+
+@router.get("/replicas/{replica_id}/engine-key")
+async def admin_engine_key(replica_id: str, deps: DepsDep) -> EngineKeyView:
+    """The replica's engine key, to benchmark its engine directly."""
+    memo = _replica(deps, replica_id)
+    return EngineKeyView(
+        replica_id=replica_id, endpoint=memo.endpoint, engine_key=deps.engine_key(replica_id)
+    )
+
+
+@router.get("/nodes")
+async def admin_nodes(deps: DepsDep) -> dict[str, Any]:
+    """The fleet: nodes, their liveness, allocations and cordons."""
+    client = _temporal(deps)
+    try:
+        snap = await replicas.fleet_snapshot(client)
+    except RPCError as exc:
+        raise _unavailable(exc) from exc
+    return snap.model_dump(mode="json")
+
+
+# Keys and usage ---------------------------------------------------------
+
+
+class NewKey(BaseModel):
+    """POST /admin/keys."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, max_length=200)
+    policy: KeyPolicy = Field(default_factory=KeyPolicy)
+
+
+class CreatedKey(KeyInfo):
+    key: str = Field(description="the key itself: shown this once, stored hashed")
+
+
+@router.get("/keys")
+async def admin_list_keys(deps: DepsDep) -> list[KeyInfo]:
+    """Every key (never the keys themselves)."""
+    return await asyncio.to_thread(apikeys.list_keys, deps.store)
+
+
+@router.post("/keys", status_code=201)
+async def admin_create_key(new: NewKey, deps: DepsDep) -> CreatedKey:
+    """Create a key; the response is the only time it is shown."""
+    info, key = await asyncio.to_thread(apikeys.create_key, deps.store, new.name, new.policy)
+    return CreatedKey(**info.model_dump(), key=key)
+
+
+@router.get("/keys/{key_id}")
+async def admin_get_key(key_id: int, deps: DepsDep) -> KeyInfo:
+    """One key."""
+    info = await asyncio.to_thread(apikeys.get_key, deps.store, key_id)
+    if info is None:
+        raise _not_found("key", str(key_id))
+    return info
+
+
+@router.delete("/keys/{key_id}")
+async def admin_revoke_key(key_id: int, deps: DepsDep) -> KeyInfo:
+    """Revoke a key: refused here at once, by other routers within their cache TTL."""
+    info = await asyncio.to_thread(apikeys.revoke_key, deps.store, key_id)
+    if info is None:
+        raise _not_found("key", str(key_id))
+    deps.keys.forget(key_id)
+    return info
+
+
+@router.get("/usage")
+async def admin_usage(
+    deps: DepsDep,
+    key_id: int | None = None,
+    model: str | None = None,
+    since: Annotated[str | None, Query(pattern=r"^\d{4}-\d{2}-\d{2}$")] = None,
+    until: Annotated[str | None, Query(pattern=r"^\d{4}-\d{2}-\d{2}$")] = None,
+) -> list[UsageRow]:
+    """Usage per key, model and UTC day (written in batches: up to a second behind)."""
+    await deps.accountant.flush()
+    return await asyncio.to_thread(usage.query, deps.store, key_id, model, since, until)

@@ -1,0 +1,70 @@
+"""The router's Prometheus metrics, served at ``/metrics``.
+
+One registry per app (tests build several apps in one process). In-flight
+per replica is read off the routing table at scrape time rather than kept in
+a gauge updated on every request.
+"""
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from router.routing import RoutingTable
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class _InflightCollector(Collector):
+    def __init__(self, table: RoutingTable) -> None:
+        self._table = table
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        inflight = GaugeMetricFamily(
+            "llmgw_replica_inflight", "requests in flight per replica", labels=["model", "replica"]
+        )
+        for model, routes in self._table.routes.items():
+            for route in routes:
+                inflight.add_metric([model, route.replica_id], route.inflight)
+        yield inflight
+
+
+class Metrics:
+    """Every metric the router exports."""
+
+    def __init__(self, table: RoutingTable) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "llmgw_requests", "requests answered", ["endpoint", "model", "status"], registry=r
+        )
+        self.latency = Histogram(
+            "llmgw_request_duration_seconds",
+            "request start to last byte",
+            ["endpoint", "model"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "llmgw_time_to_first_token_seconds",
+            "streams: request start to the first byte relayed",
+            ["model"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tokens = Counter("llmgw_tokens", "tokens served", ["model", "kind"], registry=r)
+        self.quota_rejections = Counter(
+            "llmgw_quota_rejections", "requests refused by a quota", ["limit"], registry=r
+        )
+        self.upstream_errors = Counter(
+            "llmgw_upstream_errors",
+            "engine failures seen by the router",
+            ["model", "replica", "kind"],
+            registry=r,
+        )
+        r.register(_InflightCollector(table))
+
+    def exposition(self) -> bytes:
+        """The text format Prometheus scrapes."""
+        return generate_latest(self.registry)

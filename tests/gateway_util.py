@@ -1,0 +1,169 @@
+"""An in-process router in front of a scripted engine (httpx.MockTransport).
+
+For the gateway's own logic (keys, quotas, usage, balancing, pass-through,
+admin API) where a real engine adds nothing but time; the real llama.cpp
+runs in tests/test_gateway_e2e.py.
+"""
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+from fastapi import FastAPI
+
+from llmgw.apikeys import KeyPolicy, create_key
+from llmgw.store import Store
+from llmgw.types import EngineProfile, ModelSpec, ReplicaMemo, ReplicaPhase
+from router.app import create_app
+
+ADMIN_KEY = "test-admin-key"
+PROMPT_TOKENS = 7
+
+
+class FakeSource:
+    """Replicas as a test says they are."""
+
+    def __init__(self, replicas: list[ReplicaMemo]) -> None:
+        self.items = replicas
+
+    async def replicas(self) -> list[ReplicaMemo]:
+        return self.items
+
+
+def ready(replica_id: str, model: str, endpoint: str) -> ReplicaMemo:
+    return ReplicaMemo(
+        replica_id=replica_id,
+        model=model,
+        phase=ReplicaPhase.READY,
+        node_id="n1",
+        endpoint=endpoint,
+    )
+
+
+def sse(*objs: dict[str, Any]) -> bytes:
+    """An engine's SSE stream of ``objs`` then [DONE]."""
+    out = b"".join(b"data: " + json.dumps(o).encode() + b"\n\n" for o in objs)
+    return out + b"data: [DONE]\n\n"
+
+
+@dataclass
+class MockEngine:
+    """Answers like llama.cpp; records what it was sent. ``hold`` parks requests."""
+
+    seen: list[httpx.Request] = field(default_factory=list)
+    down: set[str] = field(default_factory=set)  # hosts that refuse connections
+    hold: asyncio.Event | None = None
+
+    def body(self, i: int = -1) -> dict[str, Any]:
+        data: dict[str, Any] = json.loads(self.seen[i].content)
+        return data
+
+    async def handle(self, request: httpx.Request) -> httpx.Response:
+        if request.url.host in self.down:
+            raise httpx.ConnectError("refused", request=request)
+        self.seen.append(request)
+        if self.hold is not None:
+            await self.hold.wait()
+        data = json.loads(request.content)
+        n = int(data.get("max_tokens") or 3)
+        path = request.url.path
+        if path == "/v1/embeddings":
+            return httpx.Response(
+                200,
+                json={
+                    "object": "list",
+                    "model": data["model"],
+                    "data": [{"object": "embedding", "index": 0, "embedding": [0.5, -0.5]}],
+                    "usage": {"prompt_tokens": PROMPT_TOKENS, "total_tokens": PROMPT_TOKENS},
+                },
+            )
+        usage = {
+            "prompt_tokens": PROMPT_TOKENS,
+            "completion_tokens": n,
+            "total_tokens": PROMPT_TOKENS + n,
+        }
+        if not data.get("stream"):
+            return httpx.Response(
+                200,
+                json={
+                    "object": "chat.completion",
+                    "choices": [{"index": 0, "message": {"role": "assistant", "content": "x" * n}}],
+                    "usage": usage,
+                },
+            )
+        chunks: list[dict[str, Any]] = [
+            {"choices": [{"index": 0, "delta": {"content": "x"}}], "object": "chunk"}
+            for _ in range(n)
+        ]
+        chunks.append({"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]})
+        if (data.get("stream_options") or {}).get("include_usage"):
+            chunks.append({"choices": [], "usage": usage})
+        return httpx.Response(
+            200, content=sse(*chunks), headers={"content-type": "text/event-stream"}
+        )
+
+
+@dataclass
+class Gateway:
+    """A router app, its store, its engine and an HTTP client to it."""
+
+    app: FastAPI
+    store: Store
+    engine: MockEngine
+    http: httpx.AsyncClient
+
+    def key(self, **policy: Any) -> tuple[int, str]:
+        info, key = create_key(self.store, "k", KeyPolicy(**policy))
+        return info.id, key
+
+
+def auth(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+@asynccontextmanager
+async def gateway(
+    db: Path,
+    replicas: list[ReplicaMemo],
+    models: list[ModelSpec],
+    engine: MockEngine | None = None,
+    **app_args: Any,
+) -> AsyncIterator[Gateway]:
+    """A running router app over a store at ``db``."""
+    store = Store(f"sqlite:///{db}")
+    store.migrate()
+    for spec in models:
+        store.put_model(spec)
+    engine = engine or MockEngine()
+    upstream = httpx.AsyncClient(transport=httpx.MockTransport(engine.handle))
+    app = create_app(
+        store,
+        FakeSource(replicas),
+        refresh_interval_s=0.05,
+        http=upstream,
+        admin_key=ADMIN_KEY,
+        usage_flush_interval_s=0.05,
+        **app_args,
+    )
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://router") as http:
+            async with asyncio.timeout(10):
+                while not (await http.get("/healthz")).json()["routing_table_loaded"]:
+                    await asyncio.sleep(0.01)
+            yield Gateway(app, store, engine, http)
+    store.close()
+
+
+def spec(name: str, max_inflight: int = 0, context_length: int = 512) -> ModelSpec:
+    return ModelSpec(
+        name=name,
+        source="/m.gguf",
+        context_length=context_length,
+        profile=EngineProfile(max_inflight=max_inflight),
+    )

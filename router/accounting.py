@@ -13,6 +13,7 @@ import asyncio
 import logging
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from llmgw.apikeys import KeyPolicy
@@ -36,8 +37,14 @@ class Outcome:
 class Accountant:
     """Reserves quota, then queues settlements and usage for the next batch write."""
 
-    def __init__(self, store: Store, flush_interval_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        store: Store,
+        flush_interval_s: float = 1.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self._store = store
+        self._clock = clock
         self._quotas = Quotas(store)
         self._interval = flush_interval_s
         self._usage: dict[UsageKey, UsageDelta] = defaultdict(UsageDelta)
@@ -51,13 +58,13 @@ class Accountant:
         if not policy.has_quota():
             return None
         limits = Limits(policy.rpm, policy.tpm, policy.token_budget, policy.budget_period)
-        return await asyncio.to_thread(self._quotas.reserve, key_id, limits, tokens, time.time())
+        return await asyncio.to_thread(self._quotas.reserve, key_id, limits, tokens, self._clock())
 
     def done(
         self, key_id: int, model: str, reservation: Reservation | None, outcome: Outcome
     ) -> None:
         """Queue a finished request's usage and its reservation's settlement (no I/O)."""
-        delta = self._usage[UsageKey(key_id, model, day_of(time.time()))]
+        delta = self._usage[UsageKey(key_id, model, day_of(self._clock()))]
         delta.add(
             UsageDelta(
                 requests=1,

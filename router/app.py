@@ -2,6 +2,7 @@
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
@@ -39,6 +40,7 @@ def create_app(
     key_cache_ttl_s: float = 5.0,
     usage_flush_interval_s: float = 1.0,
     max_request_bytes: int = 8 * MiB,
+    clock: Callable[[], float] = time.time,
 ) -> FastAPI:
     """The FastAPI app; the routing table refreshes and usage is flushed while it runs."""
     secret = store.engine_key_secret()
@@ -46,7 +48,7 @@ def create_app(
     client = http or httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=5.0))
     ready = asyncio.Event()
     metrics = Metrics(table)
-    accountant = Accountant(store, usage_flush_interval_s)
+    accountant = Accountant(store, usage_flush_interval_s, clock)
 
     def key_of(replica_id: str) -> str:
         return engine_key(secret, replica_id)

@@ -3,6 +3,7 @@ the allow-list, keys, quotas under concurrency, usage, balancing, metrics."""
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -201,7 +202,15 @@ async def test_request_quota_holds_across_two_routers_under_200_concurrent_reque
 ) -> None:
     db = tmp_path / "s.db"
     replicas, models = [ready("r1", M, "http://e1:1")], [spec(M)]
-    async with gateway(db, replicas, models) as a, gateway(db, replicas, models) as b:
+    now = time.time()  # one quota minute for the whole test, wherever the clock is
+
+    def clock() -> float:
+        return now
+
+    async with (
+        gateway(db, replicas, models, clock=clock) as a,
+        gateway(db, replicas, models, clock=clock) as b,
+    ):
         key_id, key = a.key(rpm=10)
         results = await asyncio.gather(
             *(

@@ -7,6 +7,7 @@ runs in tests/test_gateway_e2e.py.
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -140,6 +141,9 @@ async def gateway(
     for spec in models:
         store.put_model(spec)
     engine = engine or MockEngine()
+    # Quota windows follow this clock: frozen, so no test straddles a minute.
+    frozen = time.time()
+    app_args.setdefault("clock", lambda: frozen)
     upstream = httpx.AsyncClient(transport=httpx.MockTransport(engine.handle))
     app = create_app(
         store,

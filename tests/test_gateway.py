@@ -202,7 +202,7 @@ async def test_request_quota_holds_across_two_routers_under_200_concurrent_reque
 ) -> None:
     db = tmp_path / "s.db"
     replicas, models = [ready("r1", M, "http://e1:1")], [spec(M)]
-    now = time.time()  # one quota minute for the whole test, wherever the clock is
+    now = time.time()  # one clock for both routers: one quota minute
 
     def clock() -> float:
         return now

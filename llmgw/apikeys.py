@@ -17,6 +17,9 @@ from sqlmodel import select
 from llmgw.keys import hash_api_key, new_api_key
 from llmgw.store import ApiKey, Store
 
+# The limits are INTEGER columns: 32-bit on PostgreSQL.
+INT32_MAX = 2**31 - 1
+
 
 class KeyPolicy(BaseModel):
     """What a key may do; every limit 0 means unlimited."""
@@ -26,9 +29,11 @@ class KeyPolicy(BaseModel):
     models: list[str] = Field(default_factory=list, description="allowed models; empty = all")
     expires_at: datetime | None = Field(default=None, description="UTC; none = never")
     admin: bool = Field(default=False, description="opens the admin API (and only that)")
-    rpm: int = Field(default=0, ge=0, description="requests per minute")
-    tpm: int = Field(default=0, ge=0, description="tokens per minute (prompt + completion)")
-    token_budget: int = Field(default=0, ge=0, description="tokens per budget period")
+    rpm: int = Field(default=0, ge=0, le=INT32_MAX, description="requests per minute")
+    tpm: int = Field(
+        default=0, ge=0, le=INT32_MAX, description="tokens per minute (prompt + completion)"
+    )
+    token_budget: int = Field(default=0, ge=0, le=INT32_MAX, description="tokens per budget period")
     budget_period: Literal["day", "month"] = "day"
 
     def has_quota(self) -> bool:

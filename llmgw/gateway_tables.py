@@ -6,6 +6,7 @@ included). Plain SQLModel types only: the same tables on SQLite and
 PostgreSQL.
 """
 
+from sqlalchemy import BigInteger
 from sqlmodel import Field, SQLModel
 
 
@@ -20,9 +21,9 @@ class QuotaWindow(SQLModel, table=True):
     key_id: int = Field(primary_key=True)
     minute: int = 0
     minute_requests: int = 0
-    minute_tokens: int = 0
+    minute_tokens: int = Field(default=0, sa_type=BigInteger)
     period: int = 0
-    period_tokens: int = 0
+    period_tokens: int = Field(default=0, sa_type=BigInteger)
 
 
 class UsageDaily(SQLModel, table=True):
@@ -33,5 +34,5 @@ class UsageDaily(SQLModel, table=True):
     day: str = Field(primary_key=True, description="YYYY-MM-DD, UTC")
     requests: int = 0
     errors: int = 0
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
+    prompt_tokens: int = Field(default=0, sa_type=BigInteger)
+    completion_tokens: int = Field(default=0, sa_type=BigInteger)

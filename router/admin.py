@@ -12,7 +12,7 @@ ask Temporal (bounded) and answer 503 when it cannot.
 import asyncio
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Header, Query
+from fastapi import APIRouter, Depends, Header, Path, Query
 from pydantic import BaseModel, ConfigDict, Field
 from temporalio.client import Client
 from temporalio.service import RPCError
@@ -28,9 +28,14 @@ from router.deps import Deps, get_deps
 from router.errors import OpenAIError
 
 DepsDep = Annotated[Deps, Depends(get_deps)]
+# Store integers are 32-bit on PostgreSQL: larger ones are refused up front.
+INT32_MAX = 2**31 - 1
+KeyId = Annotated[int, Path(ge=1, le=INT32_MAX)]
 
 
-async def _admin(deps: DepsDep, authorization: Annotated[str | None, Header()] = None) -> None:
+async def _admin(
+    deps: DepsDep, authorization: Annotated[str | None, Header(include_in_schema=False)] = None
+) -> None:
     await deps.keys.verify_admin(authorization)
 
 
@@ -126,6 +131,7 @@ async def admin_replica_logs(
     replica_id: str, deps: DepsDep, lines: Annotated[int, Query(ge=1, le=2000)] = 100
 ) -> LogTailView:
     """The last lines the replica's engine wrote, fetched from its node."""
+    _replica(deps, replica_id)
     client = _temporal(deps)
     try:
         tail = await asyncio.wait_for(replicas.log_tail(client, replica_id, lines), 35)
@@ -190,7 +196,7 @@ async def admin_create_key(new: NewKey, deps: DepsDep) -> CreatedKey:
 
 
 @router.get("/keys/{key_id}")
-async def admin_get_key(key_id: int, deps: DepsDep) -> KeyInfo:
+async def admin_get_key(key_id: KeyId, deps: DepsDep) -> KeyInfo:
     """One key."""
     info = await asyncio.to_thread(apikeys.get_key, deps.store, key_id)
     if info is None:
@@ -199,7 +205,7 @@ async def admin_get_key(key_id: int, deps: DepsDep) -> KeyInfo:
 
 
 @router.delete("/keys/{key_id}")
-async def admin_revoke_key(key_id: int, deps: DepsDep) -> KeyInfo:
+async def admin_revoke_key(key_id: KeyId, deps: DepsDep) -> KeyInfo:
     """Revoke a key: refused here at once, by other routers within their cache TTL."""
     info = await asyncio.to_thread(apikeys.revoke_key, deps.store, key_id)
     if info is None:
@@ -211,7 +217,7 @@ async def admin_revoke_key(key_id: int, deps: DepsDep) -> KeyInfo:
 @router.get("/usage")
 async def admin_usage(
     deps: DepsDep,
-    key_id: int | None = None,
+    key_id: Annotated[int | None, Query(ge=1, le=INT32_MAX)] = None,
     model: str | None = None,
     since: Annotated[str | None, Query(pattern=r"^\d{4}-\d{2}-\d{2}$")] = None,
     until: Annotated[str | None, Query(pattern=r"^\d{4}-\d{2}-\d{2}$")] = None,

@@ -128,6 +128,12 @@ def install_handlers(app: FastAPI) -> None:
         err = OpenAIError(exc.status_code, str(exc.detail), code=None)
         return JSONResponse(err.body(), status_code=exc.status_code)
 
+    async def on_bug(_: Request, exc: Exception) -> JSONResponse:
+        # Starlette logs the exception; the client gets the OpenAI shape, no details.
+        err = OpenAIError(500, "Internal error in the router.", type="server_error")
+        return JSONResponse(err.body(), status_code=500)
+
     app.add_exception_handler(OpenAIError, on_openai)
+    app.add_exception_handler(Exception, on_bug)
     app.add_exception_handler(RequestValidationError, on_validation)
     app.add_exception_handler(StarletteHTTPException, on_http)

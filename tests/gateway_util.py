@@ -71,7 +71,7 @@ class MockEngine:
         if self.hold is not None:
             await self.hold.wait()
         data = json.loads(request.content)
-        n = int(data.get("max_tokens") or 3)
+        n = min(int(data.get("max_tokens") or 3), 64)
         path = request.url.path
         if path == "/v1/embeddings":
             return httpx.Response(

@@ -45,20 +45,37 @@ CHAT_BASE_TOKENS = 64
 DEFAULT_COMPLETION_RESERVE = 4096
 
 
-async def _caller(deps: DepsDep, authorization: Annotated[str | None, Header()] = None) -> Caller:
+# The Authorization header is read by hand (not declared as an API parameter).
+AuthHeader = Annotated[str | None, Header(include_in_schema=False)]
+
+
+async def _caller(deps: DepsDep, authorization: AuthHeader = None) -> Caller:
     return await deps.keys.verify(authorization)
 
 
 CallerDep = Annotated[Caller, Depends(_caller)]
 
 
+def _inline(node: Any, defs: dict[str, Any]) -> Any:
+    if isinstance(node, dict):
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#/$defs/"):
+            return _inline(defs[ref.removeprefix("#/$defs/")], defs)
+        return {k: _inline(v, defs) for k, v in node.items() if k != "$defs"}
+    if isinstance(node, list):
+        return [_inline(v, defs) for v in node]
+    return node
+
+
 def _openapi_body(model: type[BaseModel]) -> dict[str, Any]:
     # The handlers read the raw body (it is forwarded as is), so the schema
-    # is declared here for the docs and for schema-driven clients and tests.
+    # is declared here for the docs and for schema-driven clients and tests;
+    # inlined, since pydantic's "#/$defs" references mean nothing in OpenAPI.
+    schema = model.model_json_schema()
     return {
         "requestBody": {
             "required": True,
-            "content": {"application/json": {"schema": model.model_json_schema()}},
+            "content": {"application/json": {"schema": _inline(schema, schema.get("$defs", {}))}},
         }
     }
 

@@ -1,0 +1,113 @@
+"""The admin API in process: its credential, catalog CRUD with errors naming the
+field, keys shown once, replicas from the routing table, engine keys."""
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from llmgw.apikeys import lookup
+from llmgw.keys import engine_key
+from llmgw.types import ReplicaMemo, ReplicaPhase
+from tests.gateway_util import ADMIN_KEY, Gateway, auth, gateway, ready, spec
+
+ADMIN = auth(ADMIN_KEY)
+
+
+@pytest.fixture
+async def gw(tmp_path: Path) -> AsyncIterator[Gateway]:
+    replicas = [
+        ready("r1", "m1", "http://e1:1"),
+        ReplicaMemo(replica_id="r2", model="m1", phase=ReplicaPhase.DRAINING, node_id="n1"),
+    ]
+    async with gateway(tmp_path / "s.db", replicas, [spec("m1")]) as g:
+        yield g
+
+
+@pytest.mark.parametrize(
+    "path", ["/admin/models", "/admin/keys", "/admin/usage", "/admin/replicas"]
+)
+async def test_admin_needs_the_admin_key(gw: Gateway, path: str) -> None:
+    _, client_key = gw.key()
+    for headers in ({}, auth(client_key), auth("wrong")):
+        r = await gw.http.get(path, headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_admin_key"
+    _, stored_admin = gw.key(admin=True)
+    assert (await gw.http.get(path, headers=auth(stored_admin))).status_code == 200
+    assert (await gw.http.get(path, headers=ADMIN)).status_code == 200
+
+
+async def test_catalog_crud_with_errors_naming_the_field(gw: Gateway) -> None:
+    entry = {"name": "m2", "source": "/w.gguf", "replicas": 2, "profile": {"max_inflight": 4}}
+    r = await gw.http.put("/admin/models/m2", json=entry, headers=ADMIN)
+    assert r.status_code == 200, r.text
+    got = (await gw.http.get("/admin/models/m2", headers=ADMIN)).json()
+    assert got["replicas"] == 2 and got["profile"]["max_inflight"] == 4
+    assert [m["name"] for m in (await gw.http.get("/admin/models", headers=ADMIN)).json()] == [
+        "m1",
+        "m2",
+    ]
+    for bad, field in [
+        ({**entry, "replicas": -1}, "replicas"),
+        ({**entry, "replcas": 1}, "replcas"),
+        ({**entry, "profile": {"tp": 0}}, "profile.tp"),
+        ({**entry, "name": "other"}, "name"),
+    ]:
+        r = await gw.http.put("/admin/models/m2", json=bad, headers=ADMIN)
+        assert r.status_code == 400, bad
+        assert r.json()["error"]["param"] == field and field in r.json()["error"]["message"]
+    assert (await gw.http.delete("/admin/models/m2", headers=ADMIN)).status_code == 200
+    r = await gw.http.get("/admin/models/m2", headers=ADMIN)
+    assert r.status_code == 404 and "error" in r.json()
+
+
+async def test_keys_are_shown_once_and_stored_hashed(gw: Gateway) -> None:
+    r = await gw.http.post(
+        "/admin/keys", json={"name": "team", "policy": {"models": ["m1"], "rpm": 3}}, headers=ADMIN
+    )
+    assert r.status_code == 201
+    made = r.json()
+    assert made["key"].startswith("sk-llmgw-")
+    found = lookup(gw.store, made["key"])
+    assert found is not None and found.policy.rpm == 3
+    listed = (await gw.http.get("/admin/keys", headers=ADMIN)).text
+    assert made["key"] not in listed and '"name":"team"' in listed
+    bad = await gw.http.post(
+        "/admin/keys", json={"name": "x", "policy": {"rpm": -1}}, headers=ADMIN
+    )
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "policy.rpm"
+    assert (await gw.http.delete("/admin/keys/999", headers=ADMIN)).status_code == 404
+
+
+async def test_replicas_and_engine_keys(gw: Gateway) -> None:
+    reps = {
+        r["replica_id"]: r for r in (await gw.http.get("/admin/replicas", headers=ADMIN)).json()
+    }
+    assert reps["r1"]["phase"] == "ready" and reps["r2"]["phase"] == "draining"
+    r = await gw.http.get("/admin/replicas/r1/engine-key", headers=ADMIN)
+    assert r.json() == {
+        "replica_id": "r1",
+        "endpoint": "http://e1:1",
+        "engine_key": engine_key(gw.store.engine_key_secret(), "r1"),
+    }
+    assert (await gw.http.get("/admin/replicas/nope/engine-key", headers=ADMIN)).status_code == 404
+    # Without a Temporal client, what needs one says so in the OpenAI shape.
+    r = await gw.http.get("/admin/nodes", headers=ADMIN)
+    assert r.status_code == 503 and "Temporal" in r.json()["error"]["message"]
+
+
+async def test_draining_replicas_get_nothing(gw: Gateway) -> None:
+    _, key = gw.key()
+    for _ in range(4):
+        r = await gw.http.post(
+            "/v1/completions", json={"model": "m1", "prompt": "x"}, headers=auth(key)
+        )
+        assert r.headers["x-llmgw-replica"] == "r1"
+
+
+async def test_openapi_docs_are_served(gw: Gateway) -> None:
+    assert "swagger" in (await gw.http.get("/docs")).text.lower()
+    schema = (await gw.http.get("/openapi.json")).json()
+    body = schema["paths"]["/v1/chat/completions"]["post"]["requestBody"]
+    assert "messages" in str(body)
+    assert "/admin/replicas/{replica_id}/engine-key" in schema["paths"]

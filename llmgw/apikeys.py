@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from sqlmodel import select
 
 from llmgw.keys import hash_api_key, new_api_key
+from llmgw.quotas import Quotas
 from llmgw.store import ApiKey, Store
 
 # The limits are INTEGER columns: 32-bit on PostgreSQL.
@@ -110,7 +111,10 @@ def create_key(store: Store, name: str, policy: KeyPolicy) -> tuple[KeyInfo, str
         session.add(row)
         session.commit()
         session.refresh(row)
-        return _info(row), key
+        info = _info(row)
+    if policy.has_quota():
+        Quotas(store).ensure_row(info.id)
+    return info, key
 
 
 def list_keys(store: Store) -> list[KeyInfo]:

@@ -117,28 +117,29 @@ class Quotas:
                 period_tokens=ptok + tokens,
             )
         )
-        for _ in range(2):
+        for attempt in range(2):
             with self._store.session() as session:
                 result = session.connection().execute(stmt)
                 session.commit()
             if result.rowcount == 1:
                 return Reservation(key_id, tokens, minute, period)
-            if not self._ensure_row(key_id):
-                break
+            if attempt == 0:
+                # No row yet, or one another router made after our UPDATE:
+                # either way the second UPDATE decides.
+                self.ensure_row(key_id)
         return self._why(key_id, limits, tokens, now)
 
-    def _ensure_row(self, key_id: int) -> bool:
-        """Create the key's row if missing; True when it was missing (so retry)."""
+    def ensure_row(self, key_id: int) -> None:
+        """Create the key's counters if missing (racing routers: one wins)."""
         with self._store.session() as session:
             conn = session.connection()
             if conn.execute(select(_T.c.key_id).where(_T.c.key_id == key_id)).first():
-                return False
+                return
             try:
                 conn.execute(insert(_T).values(key_id=key_id))
                 session.commit()
             except IntegrityError:
                 session.rollback()  # another router made it: fine
-            return True
 
     def _why(self, key_id: int, limits: Limits, tokens: int, now: float) -> Rejection:
         minute, period = minute_of(now), period_of(now, limits.budget_period)
@@ -160,6 +161,9 @@ class Quotas:
                 f"(used {used_mtok}, this request reserves {tokens}).",
             )
         to_period_end = max(1, int(period_end(period, limits.budget_period) - now + 0.999))
+        if not (limits.token_budget and used_ptok + tokens > limits.token_budget):
+            # Nothing over its limit any more (settled meanwhile): retry soon.
+            return Rejection("rpm" if limits.rpm else "tpm", 1, "Rate limit reached; retry.")
         return Rejection(
             "token_budget",
             to_period_end,

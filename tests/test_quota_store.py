@@ -1,0 +1,100 @@
+"""Quotas, usage and keys at the store level, with several stores (as several
+router processes) racing on one database: SQLite always, PostgreSQL too when
+LLMGW_TEST_POSTGRES_URL names an empty database."""
+
+import os
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from sqlmodel import SQLModel
+
+from llmgw.apikeys import KeyPolicy, create_key, list_keys, lookup, revoke_key
+from llmgw.quotas import Limits, Quotas, Reservation, minute_of, period_end, period_of
+from llmgw.store import Store
+from llmgw.usage import UsageDelta, UsageKey, query, record
+
+PG = os.environ.get("LLMGW_TEST_POSTGRES_URL", "")
+
+
+@pytest.fixture(params=["sqlite", *(["postgresql"] if PG else [])])
+def stores(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[list[Store]]:
+    url = f"sqlite:///{tmp_path / 's.db'}" if request.param == "sqlite" else PG
+    made = [Store(url) for _ in range(4)]
+    made[0].migrate()
+    yield made
+    if request.param == "postgresql":
+        SQLModel.metadata.drop_all(made[0]._engine)
+    for s in made:
+        s.close()
+
+
+def test_windows() -> None:
+    assert minute_of(119.9) == 1 and period_of(86400 * 3 + 5, "day") == 3
+    jan = period_of(1767225600.0, "month")  # 2026-01-01T00:00Z
+    assert period_end(jan, "month") == 1769904000.0  # 2026-02-01T00:00Z
+    dec = period_of(1797292800.0, "month")  # 2026-12-15T00:00Z
+    assert period_end(dec, "month") == 1798761600.0  # 2027-01-01T00:00Z
+
+
+def test_racing_reservations_admit_exactly_the_limit(stores: list[Store]) -> None:
+    info, _ = create_key(stores[0], "k", KeyPolicy(rpm=10, token_budget=100_000))
+    now = time.time()
+
+    def reserve(i: int) -> object:
+        quotas = Quotas(stores[i % len(stores)])
+        return quotas.reserve(info.id, Limits(rpm=10, token_budget=100_000), 50, now)
+
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(reserve, range(200)))
+    admitted = [r for r in results if isinstance(r, Reservation)]
+    assert len(admitted) == 10
+    assert {getattr(r, "limit", None) for r in results if r not in admitted} == {"rpm"}
+
+
+def test_budget_and_settlement(stores: list[Store]) -> None:
+    info, _ = create_key(stores[0], "k", KeyPolicy(token_budget=1000))
+    quotas, limits, now = Quotas(stores[1]), Limits(token_budget=1000), time.time()
+    first = quotas.reserve(info.id, limits, 600, now)
+    assert isinstance(first, Reservation)
+    refused = quotas.reserve(info.id, limits, 600, now)
+    assert not isinstance(refused, Reservation) and refused.limit == "token_budget"
+    assert refused.retry_after_s <= 86400
+    # The first used 100 of its 600: settled, the second fits.
+    quotas.settle(
+        {(info.id, "minute", first.minute): -500, (info.id, "period", first.period): -500}
+    )
+    assert isinstance(quotas.reserve(info.id, limits, 600, now), Reservation)
+    # Next day: a fresh budget.
+    assert isinstance(quotas.reserve(info.id, limits, 1000, now + 86400), Reservation)
+
+
+def test_usage_adds_up_across_stores(stores: list[Store]) -> None:
+    key = UsageKey(7, "m", "2026-12-02")
+
+    def add(i: int) -> None:
+        delta = UsageDelta(requests=1, errors=i % 2, prompt_tokens=2, completion_tokens=3)
+        record(stores[i % len(stores)], {key: delta})
+
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(add, range(100)))
+    [row] = query(stores[0], key_id=7)
+    assert (row.requests, row.errors, row.prompt_tokens, row.completion_tokens) == (
+        100,
+        50,
+        200,
+        300,
+    )
+    assert query(stores[0], key_id=7, since="2026-12-03") == []
+
+
+def test_keys(stores: list[Store]) -> None:
+    info, key = create_key(stores[0], "k", KeyPolicy(models=["a"], admin=True))
+    found = lookup(stores[1], key)
+    assert found is not None and found.policy.models == ["a"] and found.policy.admin
+    assert lookup(stores[1], key + "x") is None
+    revoke_key(stores[2], info.id)
+    assert lookup(stores[1], key) is None
+    assert [(k.id, k.revoked) for k in list_keys(stores[3])] == [(info.id, True)]

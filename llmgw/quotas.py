@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Literal
 
-from sqlalchemy import Table, and_, case, insert, select, update
+from sqlalchemy import Integer, Table, Update, and_, bindparam, case, insert, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.sql.elements import ColumnElement
 
@@ -80,9 +80,40 @@ def period_end(index: int, period: Period) -> float:
     return datetime(year, month0 + 1, 1, tzinfo=UTC).timestamp()
 
 
-def _current(counter: str, window: str, index: int) -> ColumnElement[int]:
-    """The counter's value in window ``index``: zero when the row is of an older window."""
-    return case((_T.c[window] == index, _T.c[counter]), else_=0)
+def _current(counter: str, window: str) -> ColumnElement[int]:
+    """The counter's value in the request's window: zero when the row is of an older one."""
+    return case((_T.c[window] == bindparam(window), _T.c[counter]), else_=0)
+
+
+def _reserve_statement() -> Update:
+    # Built once: the same statement for every key and limit (bound parameters,
+    # a limit of 0 disables its condition), so SQLAlchemy compiles it once.
+    reqs = _current("minute_requests", "minute")
+    mtok = _current("minute_tokens", "minute")
+    ptok = _current("period_tokens", "period")
+    tokens = bindparam("tokens", type_=Integer)
+    rpm = bindparam("rpm", type_=Integer)
+    tpm = bindparam("tpm", type_=Integer)
+    budget = bindparam("budget", type_=Integer)
+    return (
+        update(_T)
+        .where(
+            _T.c.key_id == bindparam("key"),
+            or_(rpm == 0, reqs + 1 <= rpm),
+            or_(tpm == 0, mtok + tokens <= tpm),
+            or_(budget == 0, ptok + tokens <= budget),
+        )
+        .values(
+            minute=bindparam("minute"),
+            minute_requests=reqs + 1,
+            minute_tokens=mtok + tokens,
+            period=bindparam("period"),
+            period_tokens=ptok + tokens,
+        )
+    )
+
+
+_RESERVE = _reserve_statement()
 
 
 class Quotas:
@@ -96,30 +127,23 @@ class Quotas:
     ) -> Reservation | Rejection:
         """Take one request and ``tokens`` from the key's quotas, or say why not."""
         minute, period = minute_of(now), period_of(now, limits.budget_period)
-        reqs = _current("minute_requests", "minute", minute)
-        mtok = _current("minute_tokens", "minute", minute)
-        ptok = _current("period_tokens", "period", period)
-        conditions = [_T.c.key_id == key_id]
-        if limits.rpm:
-            conditions.append(reqs + 1 <= limits.rpm)
-        if limits.tpm:
-            conditions.append(mtok + tokens <= limits.tpm)
-        if limits.token_budget:
-            conditions.append(ptok + tokens <= limits.token_budget)
-        stmt = (
-            update(_T)
-            .where(and_(*conditions))
-            .values(
-                minute=minute,
-                minute_requests=reqs + 1,
-                minute_tokens=mtok + tokens,
-                period=period,
-                period_tokens=ptok + tokens,
-            )
-        )
+        params = {
+            "key": key_id,
+            "minute": minute,
+            "period": period,
+            "tokens": tokens,
+            "rpm": limits.rpm,
+            "tpm": limits.tpm,
+            "budget": limits.token_budget,
+        }
         for attempt in range(2):
             with self._store.session() as session:
-                result = session.connection().execute(stmt)
+                conn = session.connection()
+                if conn.dialect.name == "postgresql":
+                    # A reservation lost to a database crash only frees quota:
+                    # not worth waiting for the WAL flush on every request.
+                    conn.exec_driver_sql("SET LOCAL synchronous_commit TO OFF")
+                result = conn.execute(_RESERVE, params)
                 session.commit()
             if result.rowcount == 1:
                 return Reservation(key_id, tokens, minute, period)

@@ -79,29 +79,24 @@ class Accountant:
             self._settle[(key_id, "period", reservation.period)] += diff
 
     async def flush(self) -> None:
-        """Write what is queued (one batch, in a thread)."""
+        """Write what is queued (one batch, in a thread); a failed part is kept for the next."""
         async with self._lock:
             usage, self._usage = self._usage, defaultdict(UsageDelta)
             settle, self._settle = self._settle, defaultdict(int)
-            if not usage and not settle:
-                return
-            try:
-                await asyncio.to_thread(self._write, dict(usage), dict(settle))
-            except Exception as exc:
-                # Put it back: the next batch retries it.
-                log.warning("usage flush failed, will retry: %s", exc)
-                for k, d in usage.items():
-                    self._usage[k].add(d)
-                for s, n in settle.items():
-                    self._settle[s] += n
-
-    def _write(
-        self, usage: dict[UsageKey, UsageDelta], settle: dict[tuple[int, str, int], int]
-    ) -> None:
-        if settle:
-            self._quotas.settle(settle)
-        if usage:
-            record(self._store, usage)
+            if settle:
+                try:
+                    await asyncio.to_thread(self._quotas.settle, dict(settle))
+                except Exception as exc:
+                    log.warning("quota settlement failed, will retry: %s", exc)
+                    for s, n in settle.items():
+                        self._settle[s] += n
+            if usage:
+                try:
+                    await asyncio.to_thread(record, self._store, dict(usage))
+                except Exception as exc:
+                    log.warning("usage write failed, will retry: %s", exc)
+                    for k, d in usage.items():
+                        self._usage[k].add(d)
 
     async def run(self) -> None:
         """Flush every interval until cancelled; the caller flushes once more at shutdown."""

@@ -118,9 +118,17 @@ def install_handlers(app: FastAPI) -> None:
 
     async def on_validation(_: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)
-        first = exc.errors()[0] if exc.errors() else {}
-        loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        err = OpenAIError(400, f"{loc or 'body'}: {first.get('msg', 'invalid')}", param=loc or None)
+        # Every problem in the message, each naming its field; the first in param.
+        where = [
+            ".".join(str(p) for p in e.get("loc", ()) if p not in ("body", "path", "query"))
+            for e in exc.errors()
+        ]
+        problems = [
+            f"{w or 'body'}: {e.get('msg', 'invalid')}"
+            for w, e in zip(where, exc.errors(), strict=True)
+        ]
+        first = where[0] if where else ""
+        err = OpenAIError(400, "; ".join(problems) or "invalid request", param=first or None)
         return JSONResponse(err.body(), status_code=400)
 
     async def on_http(_: Request, exc: Exception) -> JSONResponse:

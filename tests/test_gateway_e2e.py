@@ -237,3 +237,15 @@ async def test_cli_keys_create_list_revoke(system: System, served: dict[str, str
                 except openai.AuthenticationError:
                     break
                 await asyncio.sleep(0.05)
+
+
+async def test_quota_exceeded_is_a_rate_limit_error(
+    admin: httpx.AsyncClient, served: dict[str, str]
+) -> None:
+    _, key = await _new_key(admin, rpm=1)
+    async with openai.AsyncOpenAI(base_url=served["base"], api_key=key, max_retries=0) as mine:
+        await mine.completions.create(model=CHAT, prompt="x", max_tokens=1)
+        with pytest.raises(openai.RateLimitError) as err:
+            await mine.completions.create(model=CHAT, prompt="x", max_tokens=1)
+    assert err.value.code == "rate_limit_exceeded"
+    assert 1 <= int(err.value.response.headers["retry-after"]) <= 60

@@ -242,10 +242,13 @@ async def test_cli_keys_create_list_revoke(system: System, served: dict[str, str
 async def test_quota_exceeded_is_a_rate_limit_error(
     admin: httpx.AsyncClient, served: dict[str, str]
 ) -> None:
-    _, key = await _new_key(admin, rpm=1)
+    # Each call reserves 6 tokens (prompt estimate 5 + max_tokens 1) and uses
+    # about 3: the second does not fit in 8, settled or not. A daily budget:
+    # no minute boundary can reset it between the calls.
+    _, key = await _new_key(admin, token_budget=8)
     async with openai.AsyncOpenAI(base_url=served["base"], api_key=key, max_retries=0) as mine:
         await mine.completions.create(model=CHAT, prompt="x", max_tokens=1)
         with pytest.raises(openai.RateLimitError) as err:
             await mine.completions.create(model=CHAT, prompt="x", max_tokens=1)
-    assert err.value.code == "rate_limit_exceeded"
-    assert 1 <= int(err.value.response.headers["retry-after"]) <= 60
+    assert err.value.code == "insufficient_quota"
+    assert 1 <= int(err.value.response.headers["retry-after"]) <= 86400

@@ -96,7 +96,7 @@ class System:
         finally:
             store.close()
 
-    def spawn_agent(self, node_id: str) -> Child:
+    def spawn_agent(self, node_id: str, extra_env: dict[str, str] | None = None) -> Child:
         """An agent with its own port range, as if on its own machine."""
         start = free_port()
         return self.spawn(
@@ -105,6 +105,7 @@ class System:
                 "LLMGW_NODE_ID": node_id,
                 "LLMGW_PORT_RANGE_START": str(start),
                 "LLMGW_PORT_RANGE_END": str(start + 20),
+                **(extra_env or {}),
             },
         )
 

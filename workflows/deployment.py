@@ -199,13 +199,24 @@ class DeploymentWorkflow:
             self._record_end(slot, final, error)
 
     def _record_end(self, slot: Slot, final: ReplicaStatus | None, error: str) -> None:
+        slot.last_reason = error or (final.reason if final else "") or "ended"
+        slot.last_log_tail = final.log_tail if final else []
+        policy = self._input.restart
+        if final is not None and final.preempted_by:
+            # Made room for a more important model: not a failure of ours.
+            # The replacement waits in placement until room frees up.
+            slot.preempted_by = final.preempted_by
+            slot.next_start_at = (
+                workflow.now() + timedelta(seconds=policy.initial_backoff_s)
+            ).isoformat()
+            workflow.logger.warning(
+                "deployment %s slot %d: %s", self._input.model.name, slot.slot, slot.last_reason
+            )
+            return
         served = final is not None and any(h.phase is ReplicaPhase.READY for h in final.history)
         if served:
             slot.consecutive_failures = 0  # it worked for a while: not a crash loop
         slot.consecutive_failures += 1
-        slot.last_reason = error or (final.reason if final else "") or "ended"
-        slot.last_log_tail = final.log_tail if final else []
-        policy = self._input.restart
         if should_reap(slot, policy):
             slot.reaped = True
             workflow.logger.warning(

@@ -25,9 +25,11 @@ from llmgw.types.fleet import (
     Placement,
     PlaceRequest,
     PlaceResult,
+    PreemptionRecord,
     Rejection,
     ReleaseRequest,
     ReleaseResult,
+    Reservation,
     ShardPlacement,
 )
 from llmgw.types.model import (
@@ -114,6 +116,7 @@ __all__ = [
     "PlaceResult",
     "Placement",
     "PortReservation",
+    "PreemptionRecord",
     "RdmaPort",
     "Rejection",
     "ReleaseRequest",
@@ -127,6 +130,7 @@ __all__ = [
     "ReplicaReadyNotice",
     "ReplicaStatus",
     "ReplicaTimeouts",
+    "Reservation",
     "RestartPolicy",
     "RollingRestartInput",
     "ScaleInput",

@@ -56,6 +56,7 @@ class Slot(BaseModel):
         default=None, description="rolling restart: the slot this one takes over from"
     )
     ready: bool = False
+    preempted_by: str = Field(default="", description="the replica its last one made room for")
 
 
 class DeploymentStatus(BaseModel):

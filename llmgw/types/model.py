@@ -69,6 +69,13 @@ class ModelSpec(BaseModel):
     spread: bool = Field(
         default=False, description="place on the least busy nodes instead of bin-packing"
     )
+    gpu_class: str | None = Field(
+        default=None, description='only GPUs of this class, e.g. "h100-80g" (see agent inventory)'
+    )
+    priority: int = Field(
+        default=0,
+        description="an unplaceable replica drains replicas of lower priority to make room",
+    )
     context_length: int = Field(default=512, ge=16)
     engine_args: list[str] = Field(default_factory=list)
     profile: EngineProfile = Field(

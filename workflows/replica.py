@@ -391,9 +391,9 @@ class ReplicaWorkflow:
 
     async def _fail(self, reason: str, *, engine_gone: bool = False) -> None:
         self._status.reason = reason
-        if self._launched and not self._ranks and not self._status.log_tail:
-            if workflow.patched(FAIL_TAIL_PATCH):
-                await self._keep_log_tail()
+        launched_alone = self._launched and not self._ranks and not self._status.log_tail
+        if launched_alone and workflow.patched(FAIL_TAIL_PATCH):
+            await self._keep_log_tail()
         if not engine_gone:
             # Never leak a process (or its GPU) because the start went wrong.
             await self._stop_shard()

@@ -70,6 +70,8 @@ class System:
                 "LLMGW_PORT_RANGE_END": str(engine_port_start + 99),
                 "LLMGW_REFRESH_INTERVAL_S": "0.2",
                 "LLMGW_ENGINE_THREADS": "1",
+                # Most tests deploy models they never put in the catalog.
+                "LLMGW_RECONCILE_CATALOG": "false",
                 "LLMGW_ENGINE_CACHE_DIR": os.environ.get(
                     "LLMGW_TEST_ENGINE_CACHE", str(REPO / ".llmgw" / "engines")
                 ),

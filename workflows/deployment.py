@@ -27,6 +27,7 @@ with workflow.unsafe.imports_passed_through():
         ReplicaStatus,
         RollingRestartInput,
         ScaleInput,
+        SetModelInput,
         Slot,
         StopReplicaInput,
     )
@@ -70,17 +71,26 @@ class DeploymentWorkflow:
         self._changed = True
         return self.status()
 
+    @workflow.update(name="set_model")
+    def set_model(self, request: SetModelInput) -> DeploymentStatus:
+        """Start new replicas from ``request.model`` and roll the running ones onto it."""
+        self._input = self._input.model_copy(update={"model": request.model})
+        self._begin_roll(request.reason)
+        return self.status()
+
     @workflow.update(name="rolling_restart")
     def rolling_restart(self, request: RollingRestartInput) -> DeploymentStatus:
         """Replace every replica one at a time: start new, wait ready, drain old."""
+        self._begin_roll(request.reason)
+        return self.status()
+
+    def _begin_roll(self, reason: str) -> None:
         if not self._rolling:
             self._rolling = [s.slot for s in self._live() if s.replaces is None]
             workflow.logger.info(
-                "deployment %s: %s of %d slots", self._input.model.name, request.reason,
-                len(self._rolling),
-            )  # fmt: skip
+                "deployment %s: %s of %d slots", self._input.model.name, reason, len(self._rolling)
+            )
         self._changed = True
-        return self.status()
 
     @workflow.signal(name="replica_ready")
     def replica_ready(self, notice: ReplicaReadyNotice) -> None:
@@ -98,6 +108,7 @@ class DeploymentWorkflow:
             desired=self._desired,
             slots=self._slots,
             rolling=self._rolling,
+            model_digest=self._input.model.digest(),
         )
 
     def _live(self) -> list[Slot]:

@@ -20,6 +20,7 @@ with workflow.unsafe.imports_passed_through():
         ReleaseRequest,
         ReleaseResult,
     )
+    from workflows.ledger import rebuild_from_report
     from workflows.placement import choose_node, split_live
     from workflows.preemption import claims, plan_preemption
 
@@ -49,6 +50,12 @@ class FleetWorkflow:
         first = inventory.node_id not in self._state.liveness
         self._state.nodes[inventory.node_id] = inventory
         self._state.liveness[inventory.node_id] = NodeLiveness(last_seen=workflow.now().isoformat())
+        added = rebuild_from_report(self._state.allocations, inventory)
+        if added:
+            workflow.logger.warning(
+                "node %s runs shards the ledger lacked, now recorded: %s",
+                inventory.node_id, ", ".join(added),
+            )  # fmt: skip
         if first:
             workflow.logger.info(
                 "node %s registered: %d GPUs", inventory.node_id, len(inventory.gpus)

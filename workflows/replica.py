@@ -304,6 +304,7 @@ class ReplicaWorkflow:
             replica_id=self._input.replica_id,
             model=model,
             gpu_indices=placement.gpu_indices,
+            catalog_digest=self._input.model.digest(),
         )
         self._launched = True
         return await self._node_activity(
@@ -350,6 +351,7 @@ class ReplicaWorkflow:
 
     async def _stop_engine(self) -> None:
         reason = self._stop.reason if self._stop else "cancelled"
+        self._status.reason = reason
         if self._status.phase in (P.STARTING, P.LOADING, P.READY) and (
             self._stop is None or self._stop.drain
         ):

@@ -13,6 +13,7 @@ from llmgw.types.deployment import (
     RestartPolicy,
     RollingRestartInput,
     ScaleInput,
+    SetModelInput,
     Slot,
 )
 from llmgw.types.fleet import (
@@ -134,6 +135,7 @@ __all__ = [
     "RestartPolicy",
     "RollingRestartInput",
     "ScaleInput",
+    "SetModelInput",
     "ShardExit",
     "ShardHandle",
     "ShardLogsInput",

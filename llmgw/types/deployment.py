@@ -29,6 +29,13 @@ class RollingRestartInput(BaseModel):
     reason: str = "rolling restart"
 
 
+class SetModelInput(BaseModel):
+    """Update ``set_model``: the catalog entry changed; roll every replica onto it."""
+
+    model: ModelSpec
+    reason: str = "model changed in the catalog"
+
+
 class ReplicaReadyNotice(BaseModel):
     """Signal from a replica to its deployment: it serves now."""
 
@@ -66,3 +73,4 @@ class DeploymentStatus(BaseModel):
     desired: int
     slots: list[Slot] = Field(default_factory=list)
     rolling: list[int] = Field(default_factory=list, description="slots still to replace")
+    model_digest: str = Field(default="", description="ModelSpec.digest() new replicas start from")

@@ -1,5 +1,6 @@
 """What a model is and how it runs: the catalog entry a start needs."""
 
+import hashlib
 from enum import StrEnum
 from typing import Literal
 
@@ -81,3 +82,7 @@ class ModelSpec(BaseModel):
     profile: EngineProfile = Field(
         default_factory=EngineProfile, description="parallelism, precision, LoRA, launch mode"
     )
+
+    def digest(self) -> str:
+        """Identifies this exact entry: an engine started from another differs."""
+        return hashlib.sha256(self.model_dump_json().encode()).hexdigest()[:16]

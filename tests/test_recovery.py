@@ -79,9 +79,7 @@ async def test_catalog_drift_stops_or_rolls_what_runs(
     # The deployed model leaves the catalog: its deployment scales to zero and ends.
     assert store.delete_model(deployed.name)
     store.close()
-    handle = client.get_workflow_handle(
-        f"deployment/{deployed.name}", result_type=DeploymentStatus
-    )
+    handle = client.get_workflow_handle(f"deployment/{deployed.name}", result_type=DeploymentStatus)
     ended = await asyncio.wait_for(handle.result(), 90)
     assert ended.desired == 0 and ended.slots == []
     assert pids_with_args("--alias", deployed.name) == []

@@ -9,7 +9,10 @@ ledger and the engines agents reported, and the running deployments, then:
 - a replica no deployment owns is stopped when its model left the catalog
   or its entry changed;
 - an allocation (or reservation) whose replica workflow has ended is
-  released: a replica workflow that was terminated never released its GPUs.
+  released: a replica workflow that was terminated never released its GPUs;
+- a replica whose deployment has ended (terminated: replicas outlive their
+  deployment's runs) is stopped; a deployment slot whose replica workflow
+  ended without telling it (terminated) is told.
 
 Engines that no workflow owns are stopped by their node's agent (it checks
 every registration round). The decisions are pure (:func:`catalog_orders`);
@@ -22,7 +25,7 @@ from collections.abc import Mapping
 from datetime import timedelta
 from enum import StrEnum
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.service import RPCError, RPCStatusCode
 
@@ -34,6 +37,8 @@ from llmgw.types import (
     ModelSpec,
     ReleaseRequest,
     ReleaseResult,
+    ReplicaPhase,
+    ReplicaStatus,
     ScaleInput,
     SetModelInput,
     ShardReport,
@@ -50,6 +55,7 @@ class Action(StrEnum):
     UPDATE_DEPLOYMENT = "update_deployment"
     STOP_REPLICA = "stop_replica"
     RELEASE = "release"
+    NOTIFY_ENDED = "notify_ended"
 
 
 class Order(BaseModel):
@@ -58,6 +64,7 @@ class Order(BaseModel):
     action: Action
     target: str
     reason: str
+    replica_id: str = Field(default="", description="notify_ended: the replica that ended")
 
 
 def catalog_orders(
@@ -116,8 +123,35 @@ async def ledger_orders(client: Client, fleet: FleetSnapshot) -> list[Order]:
     return orders
 
 
-async def _deployments(client: Client) -> dict[str, str]:
-    found: dict[str, str] = {}
+async def ownership_orders(client: Client, deployments: list[DeploymentStatus]) -> list[Order]:
+    """Replicas whose deployment ended, and slots whose replica vanished untold."""
+    orders: list[Order] = []
+    query = "WorkflowType = 'Replica' AND ExecutionStatus = 'Running'"
+    async for wf in client.list_workflows(query):
+        if wf.parent_id and await workflow_running(client, wf.parent_id) is False:
+            rid = wf.id.removeprefix(replica_workflow_id(""))
+            reason = f"its deployment ({wf.parent_id}) has ended"
+            orders.append(Order(action=Action.STOP_REPLICA, target=rid, reason=reason))
+    for status in deployments:
+        for slot in status.slots:
+            if not slot.replica_id or slot.reaped or slot.next_start_at:
+                continue  # no replica, or one that ended and was counted already
+            if await workflow_running(client, replica_workflow_id(slot.replica_id)) is not False:
+                continue
+            reason = f"replica {slot.replica_id} ended without notice"
+            orders.append(
+                Order(
+                    action=Action.NOTIFY_ENDED,
+                    target=status.model,
+                    reason=reason,
+                    replica_id=slot.replica_id,
+                )
+            )
+    return orders
+
+
+async def _deployments(client: Client) -> list[DeploymentStatus]:
+    found: list[DeploymentStatus] = []
     query = "WorkflowType = 'Deployment' AND ExecutionStatus = 'Running'"
     async for wf in client.list_workflows(query):
         try:
@@ -127,8 +161,7 @@ async def _deployments(client: Client) -> dict[str, str]:
         except RPCError as exc:
             log.info("reconcile: cannot read %s: %s", wf.id, exc)
             continue
-        if status.model_digest:  # a deployment from before digests: leave it be
-            found[status.model] = status.model_digest
+        found.append(status)
     return found
 
 
@@ -143,6 +176,16 @@ async def _carry_out(client: Client, order: Order, catalog: Mapping[str, ModelSp
             "set_model",
             SetModelInput(model=catalog[order.target], reason=order.reason),
             result_type=DeploymentStatus,
+        )
+    elif order.action is Action.NOTIFY_ENDED:
+        ended = ReplicaStatus(
+            replica_id=order.replica_id,
+            model=order.target,
+            phase=ReplicaPhase.FAILED,
+            reason=order.reason,
+        )
+        await client.get_workflow_handle(deployment_workflow_id(order.target)).signal(
+            "replica_ended", ended
         )
     elif order.action is Action.STOP_REPLICA:
         await client.get_workflow_handle(replica_workflow_id(order.target)).signal(
@@ -160,11 +203,15 @@ async def reconcile_once(client: Client, store: Store | None) -> list[Order]:
         "snapshot", result_type=FleetSnapshot, rpc_timeout=timedelta(seconds=5)
     )
     orders = await ledger_orders(client, fleet)
+    deployments = await _deployments(client)
+    orders += await ownership_orders(client, deployments)
     catalog: dict[str, ModelSpec] = {}
     if store is not None:
         catalog = await asyncio.to_thread(store.catalog)
         running = [shard for node in fleet.nodes.values() for shard in node.running]
-        orders += catalog_orders(catalog, await _deployments(client), running)
+        # A deployment from before digests has none: it is left be.
+        digests = {d.model: d.model_digest for d in deployments if d.model_digest}
+        orders += catalog_orders(catalog, digests, running)
     for order in orders:
         try:
             await _carry_out(client, order, catalog)

@@ -8,9 +8,10 @@ from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client
 
 from llmgw import replicas
-from llmgw.queues import deployment_workflow_id
+from llmgw.queues import CONTROL_QUEUE, deployment_workflow_id
 from llmgw.tinymodel import TinyModel
 from llmgw.types import (
+    DeploymentInput,
     DeploymentStatus,
     EngineKind,
     ModelSpec,
@@ -114,3 +115,51 @@ async def test_crashing_engine_restarts_with_backoff_then_is_reaped(
     assert timers == [0.5, 1.0]
     assert pids_with_args("--alias", spec.name) == []
     await replicas.remove_deployment(client, spec, 60)
+
+
+async def test_long_lived_deployment_continues_as_new_and_keeps_its_replicas(
+    system: System, client: Client, tiny: TinyModel
+) -> None:
+    spec = ModelSpec(name="tiny-can", source=str(tiny.model_path))
+    system.spawn("control")
+    system.spawn_agent("can-node")
+    await replicas.wait_node_registered(client, "can-node", 60)
+    # A tiny history limit, so that this deployment continues as new within seconds.
+    handle = await client.start_workflow(
+        "Deployment",
+        DeploymentInput(model=spec, replicas=2, timeouts=FAST, continue_after_events=12),
+        id=deployment_workflow_id(spec.name),
+        task_queue=CONTROL_QUEUE,
+    )
+    first_run = handle.first_execution_run_id or handle.result_run_id
+    before = await _until(
+        client, spec.name, lambda s: len(s.slots) == 2 and all(x.ready for x in s.slots)
+    )
+    runs = [wf.run_id async for wf in client.list_workflows(f"WorkflowId = '{handle.id}'")]
+    assert len(runs) >= 2 and first_run in runs, "the deployment continued as new"
+    for slot in before.slots:
+        memo = await replicas.replica_memo(client, slot.replica_id)
+        assert memo is not None and memo.phase is ReplicaPhase.READY  # not cancelled by it
+
+    # A replica an earlier run started ends: the current run hears of it and replaces it.
+    victim = before.slots[0]
+    await replicas.stop_replica(client, victim.replica_id, "test: stop one", 60)
+    after = await _until(
+        client,
+        spec.name,
+        lambda s: any(
+            x.slot == victim.slot and x.replica_id != victim.replica_id and x.ready for x in s.slots
+        ),
+    )
+    replaced = next(x for x in after.slots if x.slot == victim.slot)
+    assert replaced.starts == victim.starts + 1
+    assert len(pids_with_args("--alias", spec.name)) == 2
+
+    # Cancelling the deployment drains every replica, whichever run started it.
+    await client.get_workflow_handle(handle.id).cancel()
+    async with asyncio.timeout(60):
+        while pids_with_args("--alias", spec.name):
+            await asyncio.sleep(0.2)
+    for slot in after.slots:
+        final = await replicas.status_of(client, slot.replica_id)
+        assert final is not None and final.phase is ReplicaPhase.STOPPED

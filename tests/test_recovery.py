@@ -133,3 +133,27 @@ async def test_lost_ledger_is_rebuilt_and_dead_replicas_release_their_room(
 
 async def _none_running(port: str) -> bool:
     return pids_with_args("--port " + port) == []
+
+
+async def test_replicas_of_a_terminated_deployment_are_stopped(
+    system: System, client: Client, tiny: TinyModel
+) -> None:
+    spec = ModelSpec(name="tiny-parentless", source=str(tiny.model_path))
+    system.spawn("control", FAST_RECOVERY | {"LLMGW_RECONCILE_CATALOG": "false"})
+    system.spawn_agent("parentless-node", FAST_AGENT)
+    await replicas.wait_node_registered(client, "parentless-node", 60)
+    await replicas.apply_deployment(client, spec, 1)
+    memo = await replicas.wait_deployment_ready(client, spec.name, 120)
+    # Terminated, a deployment cannot drain its replicas (they outlive its runs).
+    await client.get_workflow_handle(f"deployment/{spec.name}").terminate("test: gone")
+
+    async def stopped() -> bool:
+        final = await replicas.status_of(client, memo.replica_id)
+        return final is not None and final.phase is ReplicaPhase.STOPPED
+
+    await _until(stopped)
+    final = await replicas.status_of(client, memo.replica_id)
+    assert (
+        final is not None and final.reason == f"its deployment (deployment/{spec.name}) has ended"
+    )
+    assert pids_with_args("--alias", spec.name) == []

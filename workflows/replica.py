@@ -64,6 +64,7 @@ VALIDATE_PATCH = "validate-before-launch-v1"
 DRAIN_PATCH = "drain-wait-v1"
 NOTIFY_PARENT_PATCH = "notify-parent-ready-v1"
 FAIL_TAIL_PATCH = "fail-log-tail-v1"
+NOTIFY_PARENT_END_PATCH = "notify-parent-ended-v1"
 LOG_TAIL_LINES = 40
 # The watch activity lives as long as the engine; its heartbeats, not this
 # bound, are what notice a dead agent.
@@ -105,13 +106,28 @@ class ReplicaWorkflow:
         except asyncio.CancelledError:
             # Cancelled from the UI/CLI: still give the GPU and process back.
             await self._stop_engine()
+            await self._tell_parent_ended()
             raise
         if self._notify is not None:
             # The deployment may be gone already; a lost notice changes nothing.
             with contextlib.suppress(Exception):
                 await self._notify
+        await self._tell_parent_ended()
         await workflow.wait_condition(workflow.all_handlers_finished)
         return self._status
+
+    async def _tell_parent_ended(self) -> None:
+        """Tell the deployment, whichever of its runs is current, that this replica ended.
+
+        A deployment that continued as new never sees its earlier children's
+        results; this signal is how it learns.
+        """
+        parent = workflow.info().parent
+        if parent is None or not workflow.patched(NOTIFY_PARENT_END_PATCH):
+            return
+        handle = workflow.get_external_workflow_handle(parent.workflow_id)
+        with contextlib.suppress(Exception):  # a deployment already gone needs no notice
+            await handle.signal("replica_ended", self._status)
 
     @workflow.update(name="stop")
     async def stop(self, request: StopReplicaInput) -> ReplicaStatus:

@@ -7,6 +7,7 @@ here, whichever module of the package defines them.
 """
 
 from llmgw.types.deployment import (
+    DeploymentCarry,
     DeploymentInput,
     DeploymentStatus,
     ReplicaReadyNotice,
@@ -88,6 +89,7 @@ from llmgw.types.shard import (
 __all__ = [
     "TERMINAL_PHASES",
     "CordonInput",
+    "DeploymentCarry",
     "DeploymentInput",
     "DeploymentStatus",
     "DrainInput",

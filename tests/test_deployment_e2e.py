@@ -8,7 +8,7 @@ from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client
 
 from llmgw import replicas
-from llmgw.queues import CONTROL_QUEUE, deployment_workflow_id
+from llmgw.queues import CONTROL_QUEUE, deployment_workflow_id, replica_workflow_id
 from llmgw.tinymodel import TinyModel
 from llmgw.types import (
     DeploymentInput,
@@ -21,6 +21,7 @@ from llmgw.types import (
 )
 from tests.harness import System
 from tests.procs_util import pids_with_args
+from tests.recording import record
 
 FAST = ReplicaTimeouts(place_retry_s=0.5, place_attempts=1000, router_grace_s=0.5, drain_s=10)
 
@@ -83,6 +84,9 @@ async def test_higher_priority_preempts_lower_and_both_sides_record_it(
     assert back.replica_id == slot.replica_id
     await replicas.remove_deployment(client, low, 60)
     assert pids_with_args("--alias", low.name) == []
+    await record(client, replica_workflow_id(winner.replica_id), "replica_preemptor")
+    await record(client, replica_workflow_id(victim.replica_id), "replica_preempted")
+    await record(client, deployment_workflow_id(low.name), "deployment_preempted")
 
 
 async def test_crashing_engine_restarts_with_backoff_then_is_reaped(
@@ -115,6 +119,8 @@ async def test_crashing_engine_restarts_with_backoff_then_is_reaped(
     assert timers == [0.5, 1.0]
     assert pids_with_args("--alias", spec.name) == []
     await replicas.remove_deployment(client, spec, 60)
+    await record(client, deployment_workflow_id(spec.name), "deployment_crashloop_reaped")
+    await record(client, replica_workflow_id(slot.replica_id), "replica_engine_exit")
 
 
 async def test_long_lived_deployment_continues_as_new_and_keeps_its_replicas(
@@ -163,3 +169,5 @@ async def test_long_lived_deployment_continues_as_new_and_keeps_its_replicas(
     for slot in after.slots:
         final = await replicas.status_of(client, slot.replica_id)
         assert final is not None and final.phase is ReplicaPhase.STOPPED
+    await record(client, handle.id, "deployment_continued_as_new", run_id=first_run)
+    await record(client, handle.id, "deployment_cancelled")

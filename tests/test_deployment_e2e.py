@@ -52,6 +52,13 @@ async def test_higher_priority_preempts_lower_and_both_sides_record_it(
 
     await replicas.apply_deployment(client, high, 1, timeouts=FAST, restart=policy)
     winner = await replicas.wait_deployment_ready(client, high.name, 120)
+    # Jobs are listed by model and state (what the Temporal UI filters on).
+    query = (
+        f"WorkflowType = 'Deployment' AND ReplicaModel = '{high.name}' AND ReplicaState = 'steady'"
+    )
+    async with asyncio.timeout(30):
+        while not [wf.id async for wf in client.list_workflows(query)]:
+            await asyncio.sleep(0.2)
 
     gone = await replicas.status_of(client, victim.replica_id)
     assert gone is not None and gone.phase is ReplicaPhase.STOPPED

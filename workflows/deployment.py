@@ -21,6 +21,7 @@ from temporalio.exceptions import ChildWorkflowError
 from temporalio.workflow import ChildWorkflowHandle, ParentClosePolicy
 
 with workflow.unsafe.imports_passed_through():
+    from llmgw import search_attributes as sa
     from llmgw.queues import replica_workflow_id
     from llmgw.types import (
         DeploymentCarry,
@@ -39,6 +40,7 @@ with workflow.unsafe.imports_passed_through():
     from workflows.deployment_rules import backoff_s, should_reap, slots_to_retire
 
 Outcome = tuple[int, ReplicaStatus | None, str]
+JOB_SEARCH_ATTRIBUTES_PATCH = "job-search-attributes-v1"
 
 
 @workflow.defn(name="Deployment")
@@ -61,6 +63,7 @@ class DeploymentWorkflow:
         self._changed = False
         self._next_slot = carry.next_slot
         self._rolling: list[int] = carry.rolling
+        self._published = ""
 
     @workflow.run
     async def run(self, input: DeploymentInput) -> DeploymentStatus:
@@ -68,6 +71,7 @@ class DeploymentWorkflow:
         try:
             while True:
                 await self._reconcile()
+                self._publish()
                 if self._desired == 0 and not self._active():
                     break
                 if self._history_long():
@@ -92,6 +96,22 @@ class DeploymentWorkflow:
         """A replica ended (sent by replicas, whichever run started them)."""
         self._ended[final.replica_id] = final
         self._changed = True
+
+    def _publish(self) -> None:
+        """Model and state as search attributes: the Temporal UI lists jobs by them."""
+        live = self._live()
+        if self._rolling or any(s.replaces is not None for s in self._slots):
+            state = "rolling"
+        elif len(live) == self._desired and all(s.ready for s in live):
+            state = "steady"
+        else:
+            state = "scaling" if self._desired else "removing"
+        if state == self._published or not workflow.patched(JOB_SEARCH_ATTRIBUTES_PATCH):
+            return
+        self._published = state
+        workflow.upsert_search_attributes(
+            [sa.REPLICA_MODEL.value_set(self._input.model.name), sa.REPLICA_STATE.value_set(state)]
+        )
 
     def _active(self, number: int | None = None) -> bool:
         """Whether slot ``number`` (any slot, when None) has a replica running."""

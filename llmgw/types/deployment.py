@@ -85,7 +85,6 @@ class DeploymentInput(BaseModel):
     )
 
 
-
 class DeploymentStatus(BaseModel):
     """A deployment's state: query result and update answer."""
 

@@ -173,8 +173,11 @@ async def test_long_lived_deployment_continues_as_new_and_keeps_its_replicas(
     async with asyncio.timeout(60):
         while pids_with_args("--alias", spec.name):
             await asyncio.sleep(0.2)
-    for slot in after.slots:
-        final = await replicas.status_of(client, slot.replica_id)
-        assert final is not None and final.phase is ReplicaPhase.STOPPED
+    async with asyncio.timeout(60):
+        for slot in after.slots:
+            while (final := await replicas.status_of(client, slot.replica_id)) is None or (
+                final.phase is not ReplicaPhase.STOPPED
+            ):
+                await asyncio.sleep(0.2)
     await record(client, handle.id, "deployment_continued_as_new", run_id=first_run)
     await record(client, handle.id, "deployment_cancelled")

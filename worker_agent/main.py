@@ -191,6 +191,7 @@ async def run(settings: AgentSettings) -> None:
             node_activities.wait_shard_ready,
             node_activities.watch_shard,
             node_activities.drain_shard,
+            node_activities.shard_load,
             node_activities.stop_shard,
             node_activities.shard_log_tail,
         ],

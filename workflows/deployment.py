@@ -17,10 +17,12 @@ import asyncio
 from datetime import datetime, timedelta
 
 from temporalio import workflow
-from temporalio.exceptions import ChildWorkflowError
+from temporalio.common import RetryPolicy
+from temporalio.exceptions import ActivityError, ChildWorkflowError
 from temporalio.workflow import ChildWorkflowHandle, ParentClosePolicy
 
 with workflow.unsafe.imports_passed_through():
+    from activities import names
     from llmgw import search_attributes as sa
     from llmgw.queues import replica_workflow_id
     from llmgw.types import (
@@ -34,13 +36,17 @@ with workflow.unsafe.imports_passed_through():
         RollingRestartInput,
         ScaleInput,
         SetModelInput,
+        ShardLoad,
+        ShardRef,
         Slot,
         StopReplicaInput,
     )
+    from workflows.calls import node_activity
     from workflows.deployment_rules import backoff_s, should_reap, slots_to_retire
 
 Outcome = tuple[int, ReplicaStatus | None, str]
 JOB_SEARCH_ATTRIBUTES_PATCH = "job-search-attributes-v1"
+LEAST_LOADED_PATCH = "scale-down-least-loaded-v1"
 
 
 @workflow.defn(name="Deployment")
@@ -174,6 +180,7 @@ class DeploymentWorkflow:
         for slot in self._slots:
             if slot.replica_id == notice.replica_id:
                 slot.ready = True
+                slot.node_id = notice.node_id
         self._changed = True
 
     @workflow.query(name="status")
@@ -199,14 +206,44 @@ class DeploymentWorkflow:
         while len(self._live()) < self._desired:
             self._slots.append(Slot(slot=self._next_slot))
             self._next_slot += 1
-        for slot in slots_to_retire(self._live(), self._desired):
-            await self._retire(slot)
+        live = self._live()
+        if len(live) > self._desired:
+            loads = await self._loads(live) if workflow.patched(LEAST_LOADED_PATCH) else {}
+            for slot in slots_to_retire(live, self._desired, loads):
+                await self._retire(slot)
         await self._roll()
         now = workflow.now()
         for slot in self._slots:
             due = not slot.next_start_at or datetime.fromisoformat(slot.next_start_at) <= now
             if not slot.reaped and not self._active(slot.slot) and due:
                 await self._start(slot)
+
+    async def _loads(self, slots: list[Slot]) -> dict[int, float | None]:
+        """Requests in flight on each serving replica, asked of its node's agent."""
+        quick = self._input.timeouts.model_copy(update={"schedule_to_start_s": 5.0})
+        asks = {
+            s.slot: asyncio.ensure_future(
+                node_activity(
+                    s.node_id,
+                    names.SHARD_LOAD,
+                    ShardRef(replica_id=s.replica_id),
+                    ShardLoad,
+                    quick,
+                    timedelta(seconds=10),
+                    retry=RetryPolicy(maximum_attempts=1),
+                )
+            )
+            for s in slots
+            if s.ready and s.node_id and self._active(s.slot)
+        }
+        loads: dict[int, float | None] = {}
+        for number, ask in asks.items():
+            try:
+                loads[number] = (await ask).in_flight
+            except ActivityError:
+                loads[number] = None  # unknown counts as busy
+        workflow.logger.info("deployment %s loads by slot: %s", self._input.model.name, loads)
+        return loads
 
     async def _roll(self) -> None:
         """One step of a rolling restart: at most one surge replica at a time."""

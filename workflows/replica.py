@@ -481,7 +481,10 @@ class ReplicaWorkflow:
             # once this one serves.
             self._notify = asyncio.ensure_future(
                 workflow.get_external_workflow_handle(parent.workflow_id).signal(
-                    "replica_ready", ReplicaReadyNotice(replica_id=self._input.replica_id)
+                    "replica_ready",
+                    ReplicaReadyNotice(
+                        replica_id=self._input.replica_id, node_id=self._status.node_id
+                    ),
                 )
             )
 

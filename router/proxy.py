@@ -27,6 +27,7 @@ from typing import Any
 import anyio
 import httpx
 from fastapi.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from router.accounting import Outcome
 from router.errors import no_ready_replica, replicas_saturated, upstream_failed
@@ -121,7 +122,7 @@ class Proxy:
         media = upstream.headers.get("content-type", "application/json")
         if call.stream and upstream.status_code == 200:
             relay = _Relay(upstream, route, call, self._metrics)
-            return StreamingResponse(relay.events(), media_type=media, headers=headers)
+            return _RelayResponse(relay, media_type=media, headers=headers)
         try:
             content = await upstream.aread()
         except httpx.HTTPError as exc:
@@ -171,6 +172,7 @@ class _Relay:
         self._metrics = metrics
         self._counted = 0
         self._usage: dict[str, Any] | None = None
+        self._finished = False
 
     def _scan(self, events: bytes) -> bytes:
         """The events to pass on; counts content chunks and notes usage."""
@@ -228,13 +230,20 @@ class _Relay:
             ).inc()
             log.warning("stream from %s broke: %s", self._route.replica_id, exc)
         finally:
-            # Also runs when the client went away (the relay is cancelled):
-            # account first, with no await, then close upstream shielded from
-            # that cancellation so the engine sees the connection close.
-            self._route.inflight -= 1
-            self._call.on_done(self._outcome(error))
-            with anyio.CancelScope(shield=True):
-                await self._upstream.aclose()
+            # Also runs when the client went away (the relay is cancelled).
+            await self.finish(error)
+
+    async def finish(self, error: bool = False) -> None:
+        """Account and release, once: after the stream, or when it never started."""
+        if self._finished:
+            return
+        self._finished = True
+        # Accounting first, with no await, then close upstream shielded from
+        # the cancellation so the engine sees the connection close.
+        self._route.inflight -= 1
+        self._call.on_done(self._outcome(error))
+        with anyio.CancelScope(shield=True):
+            await self._upstream.aclose()
 
     def _outcome(self, error: bool) -> Outcome:
         if self._usage is not None:
@@ -246,3 +255,18 @@ class _Relay:
         return Outcome(
             prompt_tokens=self._call.prompt_estimate, completion_tokens=self._counted, error=error
         )
+
+
+class _RelayResponse(StreamingResponse):
+    """A streamed answer that releases its relay even if the stream never started
+    (a client gone before the first byte: Starlette then never iterates it)."""
+
+    def __init__(self, relay: _Relay, media_type: str, headers: dict[str, str]) -> None:
+        super().__init__(relay.events(), media_type=media_type, headers=headers)
+        self._relay = relay
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._relay.finish()

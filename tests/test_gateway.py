@@ -334,3 +334,41 @@ async def test_least_outstanding_with_a_cap_then_503(tmp_path: Path) -> None:
         engine.hold.set()
         assert [t.status_code for t in await asyncio.gather(*held)] == [200, 200]
         assert (await post()).status_code == 200
+
+
+async def test_a_client_gone_before_the_first_byte_releases_its_replica(gw: Gateway) -> None:
+    key_id, key = gw.key()
+    body = json.dumps(chat(max_tokens=3, stream=True)).encode()
+    sent: list[str] = []
+
+    async def receive() -> dict[str, object]:
+        if not sent:  # the request body first, then the client is gone
+            sent.append("body")
+            return {"type": "http.request", "body": body, "more_body": False}
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, object]) -> None:
+        sent.append(str(message["type"]))
+        # A client that never takes the response: the disconnect cancels the
+        # answer here, before the stream's first byte is even asked for.
+        await asyncio.Event().wait()
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/chat/completions",
+        "raw_path": b"/v1/chat/completions",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"authorization", f"Bearer {key}".encode()), (b"host", b"router")],
+        "client": ("127.0.0.1", 1),
+        "server": ("router", 80),
+    }
+    await gw.app(scope, receive, send)  # type: ignore[arg-type]
+    deps = gw.app.state.deps
+    assert all(r.inflight == 0 for rs in deps.table.routes.values() for r in rs)
+    await deps.accountant.flush()
+    assert [r.requests for r in usage.query(gw.store, key_id=key_id)] == [1]

@@ -103,6 +103,11 @@ def body_too_large(limit: int) -> OpenAIError:
     )
 
 
+def client_gone() -> OpenAIError:
+    # nginx's 499: nobody reads it, but logs and metrics tell it from a 5xx.
+    return OpenAIError(499, "The client closed the request.", code="client_closed_request")
+
+
 def upstream_failed(detail: str) -> OpenAIError:
     return OpenAIError(
         502, f"The engine failed: {detail}", type="server_error", code="upstream_error"

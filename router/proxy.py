@@ -17,12 +17,14 @@ chunk with content (exact for llama.cpp, which sends a chunk per token), or
 the engine's own usage when the stream got that far.
 """
 
+import asyncio
+import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 import httpx
@@ -30,13 +32,14 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from router.accounting import Outcome
-from router.errors import no_ready_replica, replicas_saturated, upstream_failed
+from router.errors import client_gone, no_ready_replica, replicas_saturated, upstream_failed
 from router.metrics import Metrics
 from router.routing import Route, RoutingTable
 
 log = logging.getLogger(__name__)
 
 EngineKeyFn = Callable[[str], str]
+T = TypeVar("T")
 
 
 @dataclass
@@ -54,6 +57,8 @@ class Call:
     started: float
     # Billed as the prompt when a stream ends before the engine's usage.
     prompt_estimate: int = 0
+    # Returns when the client has disconnected (None: never watched).
+    client_gone: Callable[[], Awaitable[None]] | None = None
 
 
 class Proxy:
@@ -107,7 +112,9 @@ class Proxy:
         )
         route.inflight += 1
         try:
-            upstream = await self._http.send(request, stream=True)
+            # Engines answer a non-streamed request only once it is generated:
+            # a client that leaves meanwhile cancels it.
+            upstream = await _unless_gone(call, self._http.send(request, stream=True))
         except BaseException:
             route.inflight -= 1
             raise
@@ -124,7 +131,7 @@ class Proxy:
             relay = _Relay(upstream, route, call, self._metrics)
             return _RelayResponse(relay, media_type=media, headers=headers)
         try:
-            content = await upstream.aread()
+            content = await _unless_gone(call, upstream.aread())
         except httpx.HTTPError as exc:
             self._metrics.upstream_errors.labels(call.model, route.replica_id, "read").inc()
             call.on_done(Outcome(error=True, status=502))
@@ -136,6 +143,32 @@ class Proxy:
         return Response(
             content=content, status_code=upstream.status_code, media_type=media, headers=headers
         )
+
+
+async def _unless_gone(call: Call, work: Awaitable[T]) -> T:
+    """``work``'s result, unless the client disconnects first: then it is
+    cancelled (closing the engine connection), the call is accounted (the
+    prompt estimate; nothing generated is known) and 499 raised.
+
+    vLLM aborts a request whose connection closes; llama.cpp (checked with
+    this project's build) finishes a non-streamed one regardless, so there
+    the engine keeps working while the router has already let go.
+    """
+    if call.client_gone is None:
+        return await work
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(call.client_gone())
+    try:
+        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(BaseException):
+        await task
+    call.on_done(Outcome(prompt_tokens=call.prompt_estimate, error=True, status=499))
+    raise client_gone()
 
 
 def _outcome_of(status: int, content: bytes) -> Outcome:

@@ -353,22 +353,60 @@ async def test_a_client_gone_before_the_first_byte_releases_its_replica(gw: Gate
         # answer here, before the stream's first byte is even asked for.
         await asyncio.Event().wait()
 
-    scope = {
+    await gw.app(_scope("/v1/chat/completions", key), receive, send)  # type: ignore[arg-type]
+    deps = gw.app.state.deps
+    assert all(r.inflight == 0 for rs in deps.table.routes.values() for r in rs)
+    await deps.accountant.flush()
+    assert [r.requests for r in usage.query(gw.store, key_id=key_id)] == [1]
+
+
+def _scope(path: str, key: str) -> dict[str, object]:
+    """A raw ASGI request scope, for clients httpx cannot play."""
+    return {
         "type": "http",
         "asgi": {"version": "3.0", "spec_version": "2.3"},
         "http_version": "1.1",
         "method": "POST",
         "scheme": "http",
-        "path": "/v1/chat/completions",
-        "raw_path": b"/v1/chat/completions",
+        "path": path,
+        "raw_path": path.encode(),
         "query_string": b"",
         "root_path": "",
         "headers": [(b"authorization", f"Bearer {key}".encode()), (b"host", b"router")],
         "client": ("127.0.0.1", 1),
         "server": ("router", 80),
     }
-    await gw.app(scope, receive, send)  # type: ignore[arg-type]
-    deps = gw.app.state.deps
-    assert all(r.inflight == 0 for rs in deps.table.routes.values() for r in rs)
-    await deps.accountant.flush()
-    assert [r.requests for r in usage.query(gw.store, key_id=key_id)] == [1]
+
+
+async def test_a_client_gone_during_a_non_streamed_request_cancels_it(tmp_path: Path) -> None:
+    engine = MockEngine(hold=asyncio.Event())  # the engine "generates" until told
+    async with gateway(tmp_path / "s.db", [ready("r1", M, "http://e1:1")], [spec(M)], engine) as gw:
+        key_id, key = gw.key()
+        body = json.dumps(chat(max_tokens=3)).encode()
+        gone = asyncio.Event()
+        read: list[bytes] = []
+
+        async def receive() -> dict[str, object]:
+            if not read:
+                read.append(body)
+                return {"type": "http.request", "body": body, "more_body": False}
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict[str, object]) -> None:
+            pass
+
+        answer = asyncio.create_task(gw.app(_scope("/v1/chat/completions", key), receive, send))  # type: ignore[arg-type]
+        async with asyncio.timeout(5):
+            while not engine.seen:
+                await asyncio.sleep(0.01)
+        gone.set()  # the client leaves while the engine is still at it
+        async with asyncio.timeout(5):
+            await answer  # the router let go of the engine without its answer
+        deps = gw.app.state.deps
+        assert all(r.inflight == 0 for rs in deps.table.routes.values() for r in rs)
+        await deps.accountant.flush()
+        [row] = usage.query(gw.store, key_id=key_id)
+        assert (row.requests, row.errors, row.completion_tokens) == (1, 1, 0)
+        assert engine.hold is not None
+        engine.hold.set()

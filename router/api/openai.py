@@ -119,6 +119,12 @@ def _estimate(body: ChatCompletionRequest | CompletionRequest | EmbeddingRequest
     return prompt + 4
 
 
+async def _disconnected(request: Request) -> None:
+    """Return once the client has gone (the body has been read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 async def _serve(
     deps: Deps,
     request: Request,
@@ -186,6 +192,7 @@ async def _serve(
         on_done=on_done,
         started=started,
         prompt_estimate=prompt_estimate,
+        client_gone=lambda: _disconnected(request),
     )
     try:
         return await deps.proxy.forward(call)

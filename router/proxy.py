@@ -24,7 +24,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import anyio
 import httpx
@@ -39,7 +39,6 @@ from router.routing import Route, RoutingTable
 log = logging.getLogger(__name__)
 
 EngineKeyFn = Callable[[str], str]
-T = TypeVar("T")
 
 
 @dataclass
@@ -111,64 +110,83 @@ class Proxy:
             },
         )
         route.inflight += 1
+        relayed = False
         try:
             # Engines answer a non-streamed request only once it is generated:
-            # a client that leaves meanwhile cancels it.
-            upstream = await _unless_gone(call, self._http.send(request, stream=True))
-        except BaseException:
-            route.inflight -= 1
-            raise
-        if upstream.status_code == 401:
-            await upstream.aclose()
-            route.inflight -= 1
-            self._metrics.upstream_errors.labels(call.model, route.replica_id, "engine_key").inc()
-            # The engine refused our key: a router/agent secret mismatch, not the client's fault.
-            log.error("replica %s rejected the engine key", route.replica_id)
-            raise upstream_failed("the engine refused the router's key")
-        headers = {"x-llmgw-replica": route.replica_id}
-        media = upstream.headers.get("content-type", "application/json")
-        if call.stream and upstream.status_code == 200:
-            relay = _Relay(upstream, route, call, self._metrics)
-            return _RelayResponse(relay, media_type=media, headers=headers)
-        try:
-            content = await _unless_gone(call, upstream.aread())
-        except httpx.HTTPError as exc:
-            self._metrics.upstream_errors.labels(call.model, route.replica_id, "read").inc()
-            call.on_done(Outcome(error=True, status=502))
-            raise upstream_failed(type(exc).__name__) from exc
+            # a client that leaves meanwhile cancels it (one watch for the
+            # whole exchange; a stream's relay watches for itself).
+            async with _cancelled_if_gone(call):
+                upstream = await self._http.send(request, stream=True)
+                if upstream.status_code == 401:
+                    await upstream.aclose()
+                    self._metrics.upstream_errors.labels(
+                        call.model, route.replica_id, "engine_key"
+                    ).inc()
+                    # The engine refused our key: a router/agent secret mismatch.
+                    log.error("replica %s rejected the engine key", route.replica_id)
+                    raise upstream_failed("the engine refused the router's key")
+                headers = {"x-llmgw-replica": route.replica_id}
+                media = upstream.headers.get("content-type", "application/json")
+                if call.stream and upstream.status_code == 200:
+                    relayed = True  # the relay releases the replica
+                    relay = _Relay(upstream, route, call, self._metrics)
+                    return _RelayResponse(relay, media_type=media, headers=headers)
+                try:
+                    content = await upstream.aread()
+                except httpx.HTTPError as exc:
+                    self._metrics.upstream_errors.labels(call.model, route.replica_id, "read").inc()
+                    call.on_done(Outcome(error=True, status=502))
+                    raise upstream_failed(type(exc).__name__) from exc
+                finally:
+                    await upstream.aclose()
         finally:
-            await upstream.aclose()
-            route.inflight -= 1
+            if not relayed:
+                route.inflight -= 1
         call.on_done(_outcome_of(upstream.status_code, content))
         return Response(
             content=content, status_code=upstream.status_code, media_type=media, headers=headers
         )
 
 
-async def _unless_gone(call: Call, work: Awaitable[T]) -> T:
-    """``work``'s result, unless the client disconnects first: then it is
+@contextlib.asynccontextmanager
+async def _cancelled_if_gone(call: Call) -> AsyncIterator[None]:
+    """Run the block unless the client disconnects first: then the block is
     cancelled (closing the engine connection), the call is accounted (the
     prompt estimate; nothing generated is known) and 499 raised.
 
+    One watcher task that cancels this task, rather than a task per awaited
+    step: the common case (the client stays) costs a task start and a cancel.
     vLLM aborts a request whose connection closes; llama.cpp (checked with
     this project's build) finishes a non-streamed one regardless, so there
     the engine keeps working while the router has already let go.
     """
     if call.client_gone is None:
-        return await work
-    task = asyncio.ensure_future(work)
-    gone = asyncio.ensure_future(call.client_gone())
+        yield
+        return
+    task = asyncio.current_task()
+    assert task is not None
+    watcher = asyncio.ensure_future(call.client_gone())
+    active, left = True, False
+
+    def leave(done: asyncio.Future[None]) -> None:
+        nonlocal left
+        # The callback may run after the block ended: only cancel while inside.
+        if active and not done.cancelled() and done.exception() is None:
+            left = True
+            task.cancel()
+
+    watcher.add_done_callback(leave)
     try:
-        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+        yield
+    except asyncio.CancelledError:
+        if not left:
+            raise
+        task.uncancel()
+        call.on_done(Outcome(prompt_tokens=call.prompt_estimate, error=True, status=499))
+        raise client_gone() from None
     finally:
-        gone.cancel()
-    if task.done():
-        return task.result()
-    task.cancel()
-    with contextlib.suppress(BaseException):
-        await task
-    call.on_done(Outcome(prompt_tokens=call.prompt_estimate, error=True, status=499))
-    raise client_gone()
+        active = False
+        watcher.cancel()
 
 
 def _outcome_of(status: int, content: bytes) -> Outcome:

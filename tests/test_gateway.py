@@ -12,11 +12,15 @@ import httpx
 import pytest
 
 from llmgw import usage
-from llmgw.apikeys import revoke_key
+from llmgw.apikeys import KeyPolicy, create_key, revoke_key
 from llmgw.keys import engine_key
+from llmgw.store import Store
+from llmgw.types import ReplicaMemo
+from router.app import create_app
 from tests.gateway_util import (
     ADMIN_KEY,
     PROMPT_TOKENS,
+    FakeSource,
     Gateway,
     MockEngine,
     auth,
@@ -133,6 +137,12 @@ async def test_metrics_are_the_routers_own(gw: Gateway) -> None:
     assert f'llmgw_tokens_total{{kind="completion",model="{M}"}} 4.0' in text
     assert "llmgw_time_to_first_token_seconds_count" in text
     assert 'llmgw_replica_inflight{model="m1",replica="r1"} 0.0' in text
+    await gw.http.post("/v1/chat/completions", json=chat(model="nope"), headers=auth(key))
+    await gw.http.post("/v1/chat/completions", json=chat(), headers=auth("bad"))
+    text = (await gw.http.get("/metrics")).text
+    assert 'llmgw_requests_total{endpoint="chat/completions",model="",status="404"} 1.0' in text
+    assert 'llmgw_requests_total{endpoint="chat/completions",model="",status="401"} 1.0' in text
+    assert "nope" not in text
     assert all(r.url.path != "/metrics" for r in gw.engine.seen)
 
 
@@ -410,3 +420,42 @@ async def test_a_client_gone_during_a_non_streamed_request_cancels_it(tmp_path: 
         assert (row.requests, row.errors, row.completion_tokens) == (1, 1, 0)
         assert engine.hold is not None
         engine.hold.set()
+
+
+class _StalledTemporal(FakeSource):
+    """Answers once, then never again (a Temporal that hangs)."""
+
+    def __init__(self, replicas: list[ReplicaMemo]) -> None:
+        super().__init__(replicas)
+        self.calls = 0
+
+    async def replicas(self) -> list[ReplicaMemo]:
+        self.calls += 1
+        if self.calls > 1:
+            await asyncio.Event().wait()
+        return self.items
+
+
+async def test_requests_never_wait_on_temporal(tmp_path: Path) -> None:
+    store = Store(f"sqlite:///{tmp_path / 's.db'}")
+    store.migrate()
+    store.put_model(spec(M))
+    _, key = create_key(store, "k", KeyPolicy())
+    engine = MockEngine()
+    source = _StalledTemporal([ready("r1", M, "http://e1:1")])
+    app = create_app(
+        store,
+        source,
+        refresh_interval_s=0.01,
+        http=httpx.AsyncClient(transport=httpx.MockTransport(engine.handle)),
+    )
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://router") as http:
+            async with asyncio.timeout(5):
+                while source.calls < 2:  # the refresh is now stuck in Temporal
+                    await asyncio.sleep(0.01)
+                for _ in range(3):
+                    r = await http.post("/v1/chat/completions", json=chat(), headers=auth(key))
+                    assert r.status_code == 200
+    store.close()

@@ -49,8 +49,18 @@ DEFAULT_COMPLETION_RESERVE = 4096
 AuthHeader = Annotated[str | None, Header(include_in_schema=False)]
 
 
-async def _caller(deps: DepsDep, authorization: AuthHeader = None) -> Caller:
-    return await deps.keys.verify(authorization)
+async def _caller(request: Request, deps: DepsDep, authorization: AuthHeader = None) -> Caller:
+    try:
+        return await deps.keys.verify(authorization)
+    except OpenAIError as exc:
+        _refused(deps, request.url.path, exc)
+        raise
+
+
+def _refused(deps: Deps, path: str, exc: OpenAIError) -> None:
+    # Counted before the model is known to exist: no model label (it is the
+    # client's free text), and the path is one of this router's own routes.
+    deps.metrics.requests.labels(path.removeprefix("/v1/"), "", str(exc.status)).inc()
 
 
 CallerDep = Annotated[Caller, Depends(_caller)]
@@ -110,7 +120,7 @@ def invalid_body(exc: ValidationError) -> OpenAIError:
     return OpenAIError(400, "; ".join(problems), param=first or None)
 
 
-def _estimate(body: ChatCompletionRequest | CompletionRequest | EmbeddingRequest) -> int:
+def _estimate(body: "Body") -> int:
     prompt = math.ceil(body.prompt_bytes() / 2)
     if isinstance(body, ChatCompletionRequest):
         return prompt + CHAT_BASE_TOKENS + CHAT_MESSAGE_TOKENS * len(body.messages)
@@ -125,40 +135,55 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
+Body = ChatCompletionRequest | CompletionRequest | EmbeddingRequest
+
+
+async def _admit(
+    deps: Deps, request: Request, caller: Caller, kind: type[Body], path: str
+) -> tuple[bytes, Body]:
+    """The raw body and its parse, once it is valid and names a model the key may use."""
+    table = deps.table
+    try:
+        raw = await read_body(request, deps.max_request_bytes)
+        try:
+            body = kind.model_validate_json(raw)
+        except ValidationError as exc:
+            raise invalid_body(exc) from None
+        if not caller.policy.allows(body.model):
+            raise model_not_allowed(body.model)
+        if body.model not in table.known_models and not table.has_replicas(body.model):
+            raise model_not_found(body.model)
+    except OpenAIError as exc:
+        _refused(deps, path, exc)
+        raise
+    return raw, body
+
+
+def _with_usage(raw: bytes) -> bytes:
+    """The body asking the engine for a stream's usage (the client did not)."""
+    data = json.loads(raw)
+    data["stream_options"] = {**(data.get("stream_options") or {}), "include_usage": True}
+    return json.dumps(data, separators=(",", ":")).encode()
+
+
 async def _serve(
-    deps: Deps,
-    request: Request,
-    caller: Caller,
-    kind: type[ChatCompletionRequest] | type[CompletionRequest] | type[EmbeddingRequest],
-    path: str,
+    deps: Deps, request: Request, caller: Caller, kind: type[Body], path: str
 ) -> Response:
     started = time.monotonic()
-    raw = await read_body(request, deps.max_request_bytes)
-    try:
-        body = kind.model_validate_json(raw)
-    except ValidationError as exc:
-        raise invalid_body(exc) from None
+    raw, body = await _admit(deps, request, caller, kind, path)
     model = body.model
-    if not caller.policy.allows(model):
-        raise model_not_allowed(model)
-    table = deps.table
-    if model not in table.known_models and not table.has_replicas(model):
-        raise model_not_found(model)
-
     prompt_estimate = _estimate(body)
     reserve = prompt_estimate
     stream, strip_usage = False, False
     if isinstance(body, _Generation):
-        spec = table.specs.get(model)
+        spec = deps.table.specs.get(model)
         context = spec.context_length if spec else DEFAULT_COMPLETION_RESERVE
         reserve += min(body.completion_limit() or context, context)
         stream = body.stream
         if stream and not body.wants_usage():
             # Ask the engine for usage anyway, to bill the stream; hidden from the client.
             strip_usage = True
-            data = json.loads(raw)
-            data["stream_options"] = {**(data.get("stream_options") or {}), "include_usage": True}
-            raw = json.dumps(data, separators=(",", ":")).encode()
+            raw = _with_usage(raw)
 
     endpoint = path.removeprefix("/v1/")
     reservation = await deps.accountant.reserve(caller.key_id, caller.policy, reserve)

@@ -82,7 +82,7 @@ class Proxy:
             if self._table.has_replicas(call.model):
                 raise replicas_saturated(call.model)
             raise no_ready_replica(call.model)
-        last_error = "no replica tried"
+        last_error = ""
         for route in candidates:
             if route.saturated():  # filled up while we tried another
                 continue
@@ -97,6 +97,8 @@ class Proxy:
                 # The engine may have started on it: no second try.
                 self._metrics.upstream_errors.labels(call.model, route.replica_id, "send").inc()
                 raise upstream_failed(f"{route.replica_id}: {type(exc).__name__}") from exc
+        if not last_error:  # every candidate filled up before its turn
+            raise replicas_saturated(call.model)
         raise upstream_failed(last_error)
 
     async def _try(self, route: Route, call: Call) -> Response:
@@ -189,17 +191,24 @@ async def _cancelled_if_gone(call: Call) -> AsyncIterator[None]:
         watcher.cancel()
 
 
+def _count(value: object) -> int:
+    """A token count from an engine's usage; anything odd counts 0."""
+    return value if isinstance(value, int) and value > 0 else 0
+
+
 def _outcome_of(status: int, content: bytes) -> Outcome:
     if status != 200:
         return Outcome(error=True, status=status)
     try:
-        usage = json.loads(content).get("usage") or {}
-        return Outcome(
-            prompt_tokens=int(usage.get("prompt_tokens") or 0),
-            completion_tokens=int(usage.get("completion_tokens") or 0),
-        )
-    except (ValueError, AttributeError, TypeError):
+        usage = json.loads(content).get("usage")
+    except (ValueError, AttributeError):
         return Outcome()
+    if not isinstance(usage, dict):
+        return Outcome()
+    return Outcome(
+        prompt_tokens=_count(usage.get("prompt_tokens")),
+        completion_tokens=_count(usage.get("completion_tokens")),
+    )
 
 
 def _has_content(choice: Any) -> bool:
@@ -299,8 +308,8 @@ class _Relay:
     def _outcome(self, error: bool) -> Outcome:
         if self._usage is not None:
             return Outcome(
-                prompt_tokens=int(self._usage.get("prompt_tokens") or 0),
-                completion_tokens=int(self._usage.get("completion_tokens") or 0),
+                prompt_tokens=_count(self._usage.get("prompt_tokens")),
+                completion_tokens=_count(self._usage.get("completion_tokens")),
                 error=error,
             )
         return Outcome(

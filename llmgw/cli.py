@@ -17,6 +17,7 @@ from llmgw import replicas
 from llmgw.errors import LlmgwError
 from llmgw.settings import UpSettings, _Common
 from llmgw.store import Store
+from llmgw.store_copy import migrate_store
 from llmgw.temporal import connect
 from llmgw.types import ModelSpec, ReplicaMemo
 
@@ -397,6 +398,31 @@ def stop(replica_id: str, timeout: float = 60.0) -> None:
         console.print(f"{replica_id}: {final.phase}")
 
     _run(go())
+
+
+store_app = typer.Typer(help="The store: SQLite or PostgreSQL", no_args_is_help=True)
+app.add_typer(store_app, name="store")
+
+
+@store_app.command("migrate")
+def store_migrate(
+    to: Annotated[
+        str,
+        typer.Option(
+            "--to",
+            envvar="LLMGW_STORE_MIGRATE_TO",
+            help="the new, empty store, e.g. postgresql://llmgw@db/llmgw"
+            " (password in PGPASSWORD or ~/.pgpass, not in the URL)",
+        ),
+    ],
+) -> None:
+    """Copy the whole store (catalog, keys, engine-key secret) into an empty one."""
+    settings = CliSettings()
+    try:
+        migrate_store(settings.resolved_store_url(), to, lambda line: out.print(line, markup=False))
+    except LlmgwError as exc:
+        _fail(str(exc))
+    out.print("now set LLMGW_STORE_URL to the new store and restart every llmgw process")
 
 
 @keys_app.command("create")

@@ -1,0 +1,125 @@
+"""``llmgw store migrate``: SQLite to a real PostgreSQL, everything copied."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from sqlalchemy import text
+
+from llmgw.errors import ConfigError
+from llmgw.store import Store
+from llmgw.store_copy import copy_store, migrate_store
+from llmgw.types import ModelSpec
+from tests.pg import PgCluster
+
+SPECS = [
+    ModelSpec(name="tiny", source="/m/tiny.gguf", engine_args=["--ctx-size", "128"]),
+    ModelSpec(name="big", source="/m/big.gguf", gpus=2, context_length=8192),
+]
+
+
+def _llmgw(store_url: str, *args: str) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, LLMGW_STORE_URL=store_url)
+    return subprocess.run(
+        [sys.executable, "-m", "llmgw", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def _filled_sqlite(path: Path) -> tuple[str, str, list[str]]:
+    """A SQLite store with a catalog, keys (one revoked) and the secret."""
+    url = f"sqlite:///{path}"
+    store = Store(url)
+    try:
+        store.migrate()
+        store.put_model(SPECS[0])
+        store.put_model(SPECS[1], replicas=3)
+        keys = [store.create_api_key(f"k{i}") for i in range(3)]
+        revoked = store.create_api_key("gone")
+        with store.engine.begin() as conn:
+            conn.execute(text("UPDATE apikey SET revoked = 1 WHERE name = 'gone'"))
+        keys.append(revoked)
+        return url, store.engine_key_secret(), keys
+    finally:
+        store.close()
+
+
+def test_migrate_sqlite_to_postgresql(tmp_path: Path, pg_cluster: PgCluster) -> None:
+    source_url, secret, keys = _filled_sqlite(tmp_path / "old.db")
+    target_url = pg_cluster.create_database()
+
+    done = _llmgw(source_url, "store", "migrate", "--to", target_url)
+    assert done.returncode == 0, done.stderr
+    for line in ("secret: 1 rows", "apikey: 4 rows", "modelrecord: 2 rows", "copied 7 rows"):
+        assert line in done.stdout
+
+    pg = Store(target_url)
+    try:
+        pg.migrate()  # what every process does when it starts on the new URL
+        assert pg.engine_key_secret() == secret  # running engines still accept the router
+        for key in keys[:3]:
+            found = pg.find_api_key(key)
+            assert found is not None and found.name.startswith("k")
+        assert pg.find_api_key(keys[3]) is None  # still revoked
+        assert pg.model_names() == ["big", "tiny"]
+        assert pg.get_model("tiny") == SPECS[0] and pg.get_model("big") == SPECS[1]
+        with pg.engine.connect() as conn:
+            assert conn.execute(text("SELECT replicas FROM modelrecord WHERE name='big'")).scalar()
+        # New rows after the copy get fresh ids (the id sequence moved past the copied ones).
+        fresh = pg.create_api_key("after")
+        found = pg.find_api_key(fresh)
+        assert found is not None and found.id == 5
+    finally:
+        pg.close()
+
+    again = _llmgw(source_url, "store", "migrate", "--to", target_url)
+    assert again.returncode == 1
+    assert "not empty" in again.stderr and "migrate into a new, empty database" in again.stderr
+
+
+def test_copy_back_to_sqlite_and_refusals(tmp_path: Path, pg_cluster: PgCluster) -> None:
+    source_url, secret, keys = _filled_sqlite(tmp_path / "old.db")
+    pg_url = pg_cluster.create_database()
+    lines: list[str] = []
+    assert migrate_store(source_url, pg_url, lines.append) == 7
+    assert any("apikey: 4 rows" in line for line in lines)
+
+    # And back from PostgreSQL into a new SQLite file.
+    back_url = f"sqlite:///{tmp_path / 'back.db'}"
+    assert migrate_store(pg_url, back_url, lines.append) == 7
+    back = Store(back_url)
+    try:
+        assert back.engine_key_secret() == secret
+        assert back.find_api_key(keys[0]) is not None
+    finally:
+        back.close()
+
+    with pytest.raises(ConfigError, match="not empty"):
+        migrate_store(source_url, back_url, lines.append)
+    with pytest.raises(ConfigError, match="is the current store"):
+        migrate_store(source_url, source_url, lines.append)
+
+
+def test_a_table_this_llmgw_does_not_define_stops_the_copy(
+    tmp_path: Path, pg_cluster: PgCluster
+) -> None:
+    source_url, _, _ = _filled_sqlite(tmp_path / "old.db")
+    source = Store(source_url)
+    with source.engine.begin() as conn:
+        conn.execute(text("CREATE TABLE fromthefuture (id INTEGER PRIMARY KEY)"))
+    target = Store(pg_cluster.create_database())
+    try:
+        target.migrate()
+        with pytest.raises(ConfigError, match="fromthefuture"):
+            copy_store(source, target, lambda _table, _rows: None)
+        with target.engine.connect() as conn:
+            assert conn.execute(text("SELECT count(*) FROM secret")).scalar() == 0
+    finally:
+        source.close()
+        target.close()

@@ -11,16 +11,13 @@ from llmgw.settings import RouterSettings
 from llmgw.store import Store
 from llmgw.temporal import connect
 from router.app import create_app
-from router.routing import TemporalReplicaSource
+from router.routing import ReplicaSource, TemporalReplicaSource
 
 log = logging.getLogger(__name__)
 
 
-async def run(settings: RouterSettings) -> None:
-    """Serve until uvicorn is told to stop (it handles SIGINT/SIGTERM)."""
-    store = Store(settings.resolved_store_url())
-    store.migrate()
-    client = await connect(settings.temporal_address, settings.temporal_namespace)
+def build(settings: RouterSettings, store: Store, source: ReplicaSource) -> uvicorn.Config:
+    """The served app as ``llmgw router`` runs it (the benchmark serves the same)."""
     upstream = httpx.AsyncClient(
         timeout=httpx.Timeout(
             settings.upstream_read_timeout_s, connect=settings.upstream_connect_timeout_s
@@ -28,14 +25,22 @@ async def run(settings: RouterSettings) -> None:
     )
     app = create_app(
         store,
-        TemporalReplicaSource(client),
+        source,
         settings.refresh_interval_s,
         http=upstream,
         on_close=store.close,
     )
-    config = uvicorn.Config(
+    return uvicorn.Config(
         app, host=settings.host, port=settings.port, log_level=settings.log_level.lower()
     )
+
+
+async def run(settings: RouterSettings) -> None:
+    """Serve until uvicorn is told to stop (it handles SIGINT/SIGTERM)."""
+    store = Store(settings.resolved_store_url())
+    store.migrate()
+    client = await connect(settings.temporal_address, settings.temporal_namespace)
+    config = build(settings, store, TemporalReplicaSource(client))
     log.info("router on http://%s:%d", settings.host, settings.port)
     await uvicorn.Server(config).serve()
 

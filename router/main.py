@@ -21,7 +21,14 @@ def build(settings: RouterSettings, store: Store, source: ReplicaSource) -> uvic
     upstream = httpx.AsyncClient(
         timeout=httpx.Timeout(
             settings.upstream_read_timeout_s, connect=settings.upstream_connect_timeout_s
-        )
+        ),
+        # Keep every connection alive: httpx keeps only 20 by default, so past
+        # 20 requests in flight each response closed one and the next request
+        # paid a new TCP connection (and left a TIME_WAIT socket behind).
+        limits=httpx.Limits(
+            max_connections=settings.upstream_max_connections,
+            max_keepalive_connections=settings.upstream_max_connections,
+        ),
     )
     app = create_app(
         store,

@@ -2,6 +2,8 @@
 
 import asyncio
 import logging
+from collections.abc import Coroutine
+from typing import Any
 
 import httpx
 import uvicorn
@@ -42,18 +44,38 @@ def build(settings: RouterSettings, store: Store, source: ReplicaSource) -> uvic
     )
 
 
-async def run(settings: RouterSettings) -> None:
+async def serve(settings: RouterSettings, store: Store, source: ReplicaSource) -> None:
     """Serve until uvicorn is told to stop (it handles SIGINT/SIGTERM)."""
+    config = build(settings, store, source)
+    log.info("router on http://%s:%d", settings.host, settings.port)
+    await uvicorn.Server(config).serve()
+
+
+async def run(settings: RouterSettings) -> None:
+    """The router with its routing table read off Temporal."""
     store = Store(settings.resolved_store_url())
     store.migrate()
     client = await connect(settings.temporal_address, settings.temporal_namespace)
-    config = build(settings, store, TemporalReplicaSource(client))
-    log.info("router on http://%s:%d", settings.host, settings.port)
-    await uvicorn.Server(config).serve()
+    await serve(settings, store, TemporalReplicaSource(client))
+
+
+def run_loop(main: Coroutine[Any, Any, None]) -> None:
+    """``asyncio.run``, on uvloop where it is installed.
+
+    ``Server.serve`` runs on whatever loop it is given (only uvicorn's own
+    ``run`` picks uvloop), and uvloop roughly halves the router's CPU per
+    request (tests/bench/bench_router.py).
+    """
+    try:
+        import uvloop  # noqa: PLC0415
+    except ImportError:
+        asyncio.run(main)
+        return
+    uvloop.run(main)
 
 
 def main() -> None:
     """Run the router."""
     settings = RouterSettings()
     setup_logging(settings.log_level, "router")
-    asyncio.run(run(settings))
+    run_loop(run(settings))

@@ -49,12 +49,11 @@ LITELLM_VENV = Path("/tmp/litellm-venv")
 
 def serve_router(upstream: str) -> None:
     """``llmgw router`` with a static routing table; settings from LLMGW_*."""
-    import uvicorn  # noqa: PLC0415
-
+    from llmgw.lifecycle import setup_logging  # noqa: PLC0415
     from llmgw.settings import RouterSettings  # noqa: PLC0415
     from llmgw.store import Store  # noqa: PLC0415
     from llmgw.types import ReplicaMemo, ReplicaPhase  # noqa: PLC0415
-    from router.main import build  # noqa: PLC0415
+    from router.main import run_loop, serve  # noqa: PLC0415
 
     class StaticSource:
         async def replicas(self) -> list[ReplicaMemo]:
@@ -64,10 +63,12 @@ def serve_router(upstream: str) -> None:
                 )
             ]
 
+    # What router.main.main does, with the static table for Temporal's.
     settings = RouterSettings()
+    setup_logging(settings.log_level, "router")
     store = Store(settings.resolved_store_url())
     store.migrate()
-    uvicorn.Server(build(settings, store, StaticSource())).run()
+    run_loop(serve(settings, store, StaticSource()))
 
 
 def cpu_seconds(pid: int) -> float:

@@ -18,8 +18,10 @@ Targets: p50 <= 0.5 ms and p99 <= 2 ms added, >= 2,000 requests/s per process.
 """
 
 import argparse
+import importlib
 import json
 import os
+import resource
 import socket
 import subprocess
 import sys
@@ -28,6 +30,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from tests.bench.fasthttp import (
     MODEL,
@@ -203,6 +206,54 @@ def measure(target: Target, up_port: int, args: argparse.Namespace) -> list[str]
     ]
 
 
+def client_cost(up_port: int, n: int) -> list[str]:
+    """CPU per request of the upstream HTTP client alone, sequential, against the mock.
+
+    httpx is what the router forwards with; aiohttp (when installed) is the
+    alternative measured on the same requests.
+    """
+    import httpx  # noqa: PLC0415
+
+    url = f"http://127.0.0.1:{up_port}/v1/chat/completions"
+    body = request_bytes("/", "x", False).split(b"\r\n\r\n", 1)[1]
+    headers = {"Authorization": "Bearer x", "Content-Type": "application/json"}
+
+    def cpu() -> float:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return usage.ru_utime + usage.ru_stime
+
+    async def with_httpx() -> float:
+        async with httpx.AsyncClient() as client:
+            started = 0.0
+            for i in range(n + n // 10):
+                if i == n // 10:
+                    started = cpu()
+                request = client.build_request("POST", url, content=body, headers=headers)
+                response = await client.send(request, stream=True)
+                await response.aread()
+                await response.aclose()
+            return (cpu() - started) / n
+
+    async def with_aiohttp() -> float:
+        aiohttp: Any = importlib.import_module("aiohttp")
+        async with aiohttp.ClientSession() as session:
+            started = 0.0
+            for i in range(n + n // 10):
+                if i == n // 10:
+                    started = cpu()
+                async with session.post(url, data=body, headers=headers) as response:
+                    await response.read()
+            return (cpu() - started) / n
+
+    lines = [f"== upstream HTTP client alone ({n} sequential requests to the mock, CPU/request)"]
+    lines.append(f"  httpx (the router's): {run_loop(with_httpx) * 1e6:.0f} us")
+    if has_module("aiohttp"):
+        lines.append(f"  aiohttp:              {run_loop(with_aiohttp) * 1e6:.0f} us")
+    else:
+        lines.append("  aiohttp: not installed (pip install aiohttp to compare)")
+    return lines
+
+
 def ensure_litellm(venv: Path) -> tuple[Path | None, str]:
     """LiteLLM's proxy in a throwaway venv: its path, or why not."""
     exe = venv / "bin" / "litellm"
@@ -310,6 +361,8 @@ def run(args: argparse.Namespace) -> None:
         for line in measure(Target("llmgw router", router_port, key, router.pid), up_port, args):
             print(line, flush=True)
         stop(router)
+        for line in client_cost(up_port, args.requests):
+            print(line, flush=True)
         if args.no_litellm:
             return
         exe, why = ensure_litellm(args.litellm_venv)

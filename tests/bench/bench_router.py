@@ -171,7 +171,9 @@ def measure(target: Target, up_port: int, args: argparse.Namespace) -> list[str]
     path = "/v1/chat/completions"
     direct = request_bytes(path, "none", False)
     proxied = request_bytes(path, target.key, False)
+    cpu0 = cpu_seconds(target.pid)
     seq = run_loop(lambda: interleaved(direct, up_port, proxied, target.port, args.requests))
+    cpu1 = cpu_seconds(target.pid)
     streams = run_loop(
         lambda: interleaved(
             request_bytes(path, "none", True),
@@ -181,10 +183,14 @@ def measure(target: Target, up_port: int, args: argparse.Namespace) -> list[str]
             args.streams,
         )
     )
+    cpu2 = cpu_seconds(target.pid)
     load_ = throughput(
         target.port, proxied, args.client_procs, args.conns, args.seconds, target.pid
     )
     ms = 1e3
+    # Warm-up requests were served too: count them in the CPU per request.
+    per_request = (cpu1 - cpu0) / (args.requests + args.requests // 10) * 1e6
+    per_stream = (cpu2 - cpu1) / (args.streams + args.streams // 10) * 1e6
     return [
         f"== {target.name}",
         f"sequential requests: {len(seq.proxied_total)} (errors {seq.errors})",
@@ -193,11 +199,13 @@ def measure(target: Target, up_port: int, args: argparse.Namespace) -> list[str]
         f"  ADDED   p50 {(pct(seq.proxied_total, .5) - pct(seq.direct_total, .5)) * ms:.3f} ms"
         f"  p99 {(pct(seq.proxied_total, .99) - pct(seq.direct_total, .99)) * ms:.3f} ms"
         "   (target <= 0.5 / 2 ms)",
+        f"  proxy process CPU per request {per_request:.0f} us",
         f"streams: {len(streams.proxied_first)} (errors {streams.errors}), time to first event",
         f"  direct  p50 {pct(streams.direct_first, .5) * ms:.3f} ms  p99 {pct(streams.direct_first, .99) * ms:.3f} ms",  # noqa: E501
         f"  proxied p50 {pct(streams.proxied_first, .5) * ms:.3f} ms  p99 {pct(streams.proxied_first, .99) * ms:.3f} ms",  # noqa: E501
         f"  TTFT ADDED p50 {(pct(streams.proxied_first, .5) - pct(streams.direct_first, .5)) * ms:.3f} ms"  # noqa: E501
         f"  p99 {(pct(streams.proxied_first, .99) - pct(streams.direct_first, .99)) * ms:.3f} ms",
+        f"  proxy process CPU per stream ({TOKENS} events) {per_stream:.0f} us",
         f"load: {args.client_procs} client procs x {args.conns} conns, {args.seconds:.0f} s",
         f"  {load_.rps:,.0f} requests/s (errors {load_.errors}), latency p50 {load_.p50_ms:.2f} ms"
         f" p99 {load_.p99_ms:.2f} ms   (target >= 2,000/s)",

@@ -35,6 +35,7 @@ from llmgw.types import (
     PortReservation,
     ShardExit,
     ShardHandle,
+    ShardLoad,
     ShardRef,
     ShardSpec,
     StopShardInput,
@@ -53,7 +54,13 @@ from worker_agent.adapters import (
     node_facts,
     plan_shard,
 )
-from worker_agent.launching import engine_busy, pick_port, probe_ready, wait_listening
+from worker_agent.launching import (
+    engine_busy,
+    engine_load,
+    pick_port,
+    probe_ready,
+    wait_listening,
+)
 from worker_agent.supervisor import Command, RunningShard, Supervisor
 from worker_agent.weights import WeightsCache, WeightsError
 
@@ -211,6 +218,9 @@ class NodeActivities:
         record = {
             "model": spec.model.name,
             "engine": spec.model.engine.value,
+            "gpu_indices": spec.gpu_indices,
+            "priority": spec.model.priority,
+            "catalog_digest": spec.catalog_digest,
             "serves_http": plan.serves_http,
             "ready_probe": plan.ready_probe.model_dump(mode="json") if plan.ready_probe else None,
             "plan": plan.loggable(),
@@ -296,6 +306,18 @@ class NodeActivities:
                 return DrainResult(idle=False, waited_s=waited, detail=detail)
             activity.heartbeat(detail)
             await asyncio.sleep(request.poll_interval_s)
+
+    @activity.defn(name=names.SHARD_LOAD)
+    async def shard_load(self, request: ShardRef) -> ShardLoad:
+        """Requests in flight on the shard's engine (a deployment scaling down
+        drains the least loaded replica)."""
+        running = self._sup.find_running(request)
+        if running is None:
+            return ShardLoad(in_flight=0.0, detail="not running")
+        engine = str(self._sup.plan_of(request).get("engine", ""))
+        key = self._engine_key(request.replica_id)
+        load, detail = await engine_load(self._http, running.endpoint, key, engine)
+        return ShardLoad(in_flight=load, detail=detail)
 
     @activity.defn(name=names.STOP_SHARD)
     async def stop_shard(self, request: StopShardInput) -> StopShardResult:

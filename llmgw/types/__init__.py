@@ -7,12 +7,14 @@ here, whichever module of the package defines them.
 """
 
 from llmgw.types.deployment import (
+    DeploymentCarry,
     DeploymentInput,
     DeploymentStatus,
     ReplicaReadyNotice,
     RestartPolicy,
     RollingRestartInput,
     ScaleInput,
+    SetModelInput,
     Slot,
 )
 from llmgw.types.fleet import (
@@ -25,9 +27,11 @@ from llmgw.types.fleet import (
     Placement,
     PlaceRequest,
     PlaceResult,
+    PreemptionRecord,
     Rejection,
     ReleaseRequest,
     ReleaseResult,
+    Reservation,
     ShardPlacement,
 )
 from llmgw.types.model import (
@@ -73,6 +77,7 @@ from llmgw.types.shard import (
     PortReservation,
     ShardExit,
     ShardHandle,
+    ShardLoad,
     ShardLogsInput,
     ShardSpec,
     StopShardInput,
@@ -85,6 +90,7 @@ from llmgw.types.shard import (
 __all__ = [
     "TERMINAL_PHASES",
     "CordonInput",
+    "DeploymentCarry",
     "DeploymentInput",
     "DeploymentStatus",
     "DrainInput",
@@ -114,6 +120,7 @@ __all__ = [
     "PlaceResult",
     "Placement",
     "PortReservation",
+    "PreemptionRecord",
     "RdmaPort",
     "Rejection",
     "ReleaseRequest",
@@ -127,11 +134,14 @@ __all__ = [
     "ReplicaReadyNotice",
     "ReplicaStatus",
     "ReplicaTimeouts",
+    "Reservation",
     "RestartPolicy",
     "RollingRestartInput",
     "ScaleInput",
+    "SetModelInput",
     "ShardExit",
     "ShardHandle",
+    "ShardLoad",
     "ShardLogsInput",
     "ShardPlacement",
     "ShardRef",

@@ -15,6 +15,9 @@ class ShardSpec(BaseModel):
     gpu_indices: list[int] = Field(default_factory=list)
     rendezvous: Rendezvous | None = None
     port: int | None = Field(default=None, description="a port reserved for this shard")
+    catalog_digest: str = Field(
+        default="", description="ModelSpec.digest() of the catalog entry, before any rewrite"
+    )
 
 
 class LaunchShardInput(BaseModel):
@@ -102,6 +105,13 @@ class DrainResult(BaseModel):
 
     idle: bool
     waited_s: float
+    detail: str = ""
+
+
+class ShardLoad(BaseModel):
+    """Result of ``shard_load``: requests in flight on the engine right now."""
+
+    in_flight: float | None = Field(default=None, description="None: the engine cannot say")
     detail: str = ""
 
 

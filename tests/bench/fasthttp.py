@@ -74,11 +74,11 @@ STREAM_HEAD = (
     b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
     + _event({"role": "assistant", "content": "ok "})
 )
-STREAM_REST = (
-    b"".join(_event({"content": "ok "}) for _ in range(TOKENS - 1))
-    + _event({}, "stop")
-    + b"e\r\ndata: [DONE]\n\n\r\n0\r\n\r\n"
-)
+# One write per token after the first, as engines stream; the last with the
+# finish reason, [DONE] and the end of the chunked body.
+STREAM_REST = [_event({"content": "ok "}) for _ in range(TOKENS - 2)] + [
+    _event({"content": "ok "}) + _event({}, "stop") + b"e\r\ndata: [DONE]\n\n\r\n0\r\n\r\n"
+]
 
 
 class _Upstream(asyncio.Protocol):
@@ -110,14 +110,16 @@ class _Upstream(asyncio.Protocol):
         if not stream:
             self.transport.write(JSON_RESPONSE)
             return
-        # The first event at once, the rest a little later: time to first
-        # token and time to last differ, as with a real engine.
+        # The first event at once, then one token every gap, as an engine
+        # decodes: time to first token and time to last differ.
         self.transport.write(STREAM_HEAD)
-        asyncio.get_running_loop().call_later(self.gap_s, self._rest)
+        loop = asyncio.get_running_loop()
+        for i, event in enumerate(STREAM_REST, start=1):
+            loop.call_later(self.gap_s * i, self._send, event)
 
-    def _rest(self) -> None:
+    def _send(self, data: bytes) -> None:
         if self.transport is not None and not self.transport.is_closing():
-            self.transport.write(STREAM_REST)
+            self.transport.write(data)
 
 
 def serve_upstream(port: int, gap_s: float) -> None:

@@ -5,13 +5,19 @@ import subprocess
 import sys
 from pathlib import Path
 
+import openai
 import pytest
 from sqlalchemy import text
+from temporalio.client import Client
 
+from llmgw import replicas
 from llmgw.errors import ConfigError
+from llmgw.procs import wait_for
 from llmgw.store import Store
 from llmgw.store_copy import copy_store, migrate_store
-from llmgw.types import ModelSpec
+from llmgw.tinymodel import TinyModel
+from llmgw.types import EngineKind, ModelSpec
+from tests.harness import System, free_port, port_open, wait_routable
 from tests.pg import PgCluster
 
 SPECS = [
@@ -148,3 +154,46 @@ def test_every_table_reaches_the_migrate_command() -> None:
     assert {"secret", "apikey", "modelrecord"} <= seen_by_cli
     missing = everywhere - seen_by_cli
     assert not missing, f"import the modules of tables {missing} from llmgw/store.py"
+
+
+async def test_a_router_on_the_migrated_store_reaches_running_engines(
+    temporal_address: str, client: Client, tiny: TinyModel, tmp_path: Path, pg_cluster: PgCluster
+) -> None:
+    """A live system on SQLite; its store migrated to PostgreSQL; a router on
+    the new store still authenticates the old client key and is accepted by
+    the engine started before the move (the secret came along)."""
+    system = System(temporal_address, tmp_path / "llmgw", free_port())
+    system.work_dir.mkdir()
+    spec = ModelSpec(name="tiny-moved", engine=EngineKind.LLAMA_CPP, source=str(tiny.model_path))
+    try:
+        key = system.catalog(spec)
+        system.spawn("control")
+        system.spawn("agent", {"LLMGW_NODE_ID": "moved-node"})
+        old_port = free_port()
+        old_router = system.start_router(old_port)
+        await replicas.wait_node_registered(client, "moved-node", 60)
+        replica_id = await replicas.start_replica(client, spec)
+        await replicas.wait_ready(client, replica_id, 120)
+        await wait_routable(f"http://127.0.0.1:{old_port}/v1", key, spec.name)
+        old_router.stop()
+
+        pg_url = pg_cluster.create_database()
+        done = _llmgw(system.store_url, "store", "migrate", "--to", pg_url)
+        assert done.returncode == 0, done.stderr
+
+        port = free_port()
+        router = system.spawn("router", {"LLMGW_PORT": str(port), "LLMGW_STORE_URL": pg_url})
+        assert wait_for(lambda: port_open(port) or not router.alive(), 60), router.log_tail()
+        base = f"http://127.0.0.1:{port}/v1"
+        await wait_routable(base, key, spec.name)
+        oai = openai.AsyncOpenAI(base_url=base, api_key=key, max_retries=0)
+        try:
+            answer = await oai.chat.completions.create(
+                model=spec.name, messages=[{"role": "user", "content": "hi"}], max_tokens=4
+            )
+        finally:
+            await oai.close()
+        assert answer.choices[0].message.content is not None
+        await replicas.stop_replica(client, replica_id, "test over", 30)
+    finally:
+        system.stop()

@@ -15,6 +15,7 @@ from rich.table import Table
 from temporalio.client import Client
 
 from llmgw import replicas
+from llmgw.bench_cli import bench
 from llmgw.errors import LlmgwError
 from llmgw.settings import UpSettings, _Common
 from llmgw.store import Store
@@ -25,6 +26,7 @@ from llmgw.types import ModelSpec, ReplicaMemo
 app = typer.Typer(
     help="llmgw: LLM inference control plane and OpenAI gateway", no_args_is_help=True
 )
+app.command()(bench)
 keys_app = typer.Typer(help="Client API keys", no_args_is_help=True)
 app.add_typer(keys_app, name="keys")
 console = Console(stderr=True, soft_wrap=True)

@@ -169,6 +169,7 @@ def model_apply(
 def explain(model: str) -> None:
     """Where a new replica of MODEL would go, or why it cannot be placed."""
     from workflows.placement import choose_node, split_live  # noqa: PLC0415
+    from workflows.preemption import claims, plan_preemption  # noqa: PLC0415
 
     settings = CliSettings()
     spec = _catalog_spec(settings, model)
@@ -177,10 +178,17 @@ def explain(model: str) -> None:
         client = await _connect(settings)
         fleet = await replicas.fleet_snapshot(client)
         live, down = split_live(fleet, datetime.now(UTC))
-        result = choose_node("explain", spec, live, fleet.allocations)
+        held = claims(fleet.allocations, fleet.reservations)
+        result = choose_node("explain", spec, live, held)
         if result.placement is not None:
             nodes = ", ".join(f"rank {s.rank} on {s.node_id}" for s in result.placement.shards())
             out.print(f"{model}: a new replica would be placed: {nodes}")
+        elif plan := plan_preemption("explain", spec, live, fleet.allocations, fleet.reservations):
+            victims = ", ".join(plan.victims)
+            out.print(
+                f"{model}: no free room; priority {spec.priority} would preempt {victims} "
+                f"on {plan.placement.node_id}"
+            )
         else:
             out.print(f"{model}: no placement")
         for rejection in [*result.rejections, *down]:

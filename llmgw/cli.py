@@ -12,18 +12,22 @@ from typing import Annotated, Any, NoReturn, TypeVar
 import typer
 from rich.console import Console
 from rich.table import Table
+from temporalio.client import Client
 
 from llmgw import replicas
+from llmgw.bench_cli import bench
 from llmgw.errors import LlmgwError
 from llmgw.settings import UpSettings, _Common
 from llmgw.store import Store
 from llmgw.store_copy import migrate_store
 from llmgw.temporal import connect
+from llmgw.tracing import Tracing, setup_tracing
 from llmgw.types import ModelSpec, ReplicaMemo
 
 app = typer.Typer(
     help="llmgw: LLM inference control plane and OpenAI gateway", no_args_is_help=True
 )
+app.command()(bench)
 keys_app = typer.Typer(help="Client API keys", no_args_is_help=True)
 app.add_typer(keys_app, name="keys")
 console = Console(stderr=True, soft_wrap=True)
@@ -51,6 +55,19 @@ def _catalog_spec(settings: "CliSettings", model: str) -> ModelSpec:
         have = ", ".join(store.model_names()) or "none"
         _fail(f"model {model!r} is not in the catalog (have: {have})")
     return spec
+
+
+_tracing: list[Tracing] = []
+
+
+async def _connect(settings: _Common) -> Client:
+    """A client for one command; traced when the settings say so, so that a
+    job started here is one trace with the workflows and node activities."""
+    if not _tracing:
+        _tracing.append(setup_tracing(settings.tracing, "cli"))
+    return await connect(
+        settings.temporal_address, settings.temporal_namespace, _tracing[0].interceptors()
+    )
 
 
 def _run(work: Coroutine[Any, Any, T]) -> T:
@@ -141,7 +158,7 @@ def model_apply(
         return
 
     async def go() -> None:
-        client = await connect(settings.temporal_address, settings.temporal_namespace)
+        client = await _connect(settings)
         for entry in entries:
             await replicas.apply_deployment(client, entry.spec(), entry.replicas)
             console.print(f"deployment/{entry.name}: {entry.replicas} replicas desired")
@@ -153,18 +170,26 @@ def model_apply(
 def explain(model: str) -> None:
     """Where a new replica of MODEL would go, or why it cannot be placed."""
     from workflows.placement import choose_node, split_live  # noqa: PLC0415
+    from workflows.preemption import claims, plan_preemption  # noqa: PLC0415
 
     settings = CliSettings()
     spec = _catalog_spec(settings, model)
 
     async def go() -> None:
-        client = await connect(settings.temporal_address, settings.temporal_namespace)
+        client = await _connect(settings)
         fleet = await replicas.fleet_snapshot(client)
         live, down = split_live(fleet, datetime.now(UTC))
-        result = choose_node("explain", spec, live, fleet.allocations)
+        held = claims(fleet.allocations, fleet.reservations)
+        result = choose_node("explain", spec, live, held)
         if result.placement is not None:
             nodes = ", ".join(f"rank {s.rank} on {s.node_id}" for s in result.placement.shards())
             out.print(f"{model}: a new replica would be placed: {nodes}")
+        elif plan := plan_preemption("explain", spec, live, fleet.allocations, fleet.reservations):
+            victims = ", ".join(plan.victims)
+            out.print(
+                f"{model}: no free room; priority {spec.priority} would preempt {victims} "
+                f"on {plan.placement.node_id}"
+            )
         else:
             out.print(f"{model}: no placement")
         for rejection in [*result.rejections, *down]:
@@ -239,7 +264,7 @@ def node_drain(
     settings = CliSettings()
 
     async def go() -> None:
-        client = await connect(settings.temporal_address, settings.temporal_namespace)
+        client = await _connect(settings)
         with console.status(f"draining {node_id}"):
             result = await replicas.drain_node(client, node_id, timeout)
         console.print(f"{node_id}: cordoned; drained {', '.join(result.drained) or 'nothing'}")
@@ -255,7 +280,7 @@ def node_uncordon(node_id: str) -> None:
     settings = CliSettings()
 
     async def go() -> None:
-        client = await connect(settings.temporal_address, settings.temporal_namespace)
+        client = await _connect(settings)
         snap = await replicas.cordon(client, node_id, cordoned=False)
         console.print(f"{node_id}: uncordoned (cordoned now: {', '.join(snap.cordoned) or 'none'})")
 
@@ -285,7 +310,7 @@ def logs(
     settings = CliSettings()
 
     async def go() -> list[str]:
-        client = await connect(settings.temporal_address, settings.temporal_namespace)
+        client = await _connect(settings)
         return await replicas.log_tail(client, replica_id, lines)
 
     for line in _run(go()):
@@ -314,7 +339,7 @@ def deploy(
     spec = _catalog_spec(settings, model)
 
     async def go() -> None:
-        client = await connect(settings.temporal_address, settings.temporal_namespace)
+        client = await _connect(settings)
         ids = [await replicas.start_replica(client, spec) for _ in range(replicas_)]
         for rid in ids:
             console.print(f"started replica [bold]{rid}[/bold] (workflow replica/{rid})")
@@ -342,7 +367,7 @@ def scale(
     spec = _catalog_spec(settings, model)
 
     async def go() -> None:
-        client = await connect(settings.temporal_address, settings.temporal_namespace)
+        client = await _connect(settings)
         status = await replicas.apply_deployment(client, spec, replicas_)
         table = Table("slot", "replica", "starts", "failures", "reaped", "last reason")
         for s in status.slots:
@@ -362,7 +387,7 @@ def restart(model: str) -> None:
     settings = CliSettings()
 
     async def go() -> None:
-        client = await connect(settings.temporal_address, settings.temporal_namespace)
+        client = await _connect(settings)
         status = await replicas.rolling_restart(client, model, "llmgw restart")
         console.print(f"deployment/{model}: replacing slots {status.rolling or 'none'}")
 
@@ -377,7 +402,7 @@ def status(
     settings = CliSettings()
 
     async def go() -> list[ReplicaMemo]:
-        client = await connect(settings.temporal_address, settings.temporal_namespace)
+        client = await _connect(settings)
         return await replicas.list_replicas(client, include_closed=all_)
 
     rows = _run(go())
@@ -393,7 +418,7 @@ def stop(replica_id: str, timeout: float = 60.0) -> None:
     settings = CliSettings()
 
     async def go() -> None:
-        client = await connect(settings.temporal_address, settings.temporal_namespace)
+        client = await _connect(settings)
         final = await replicas.stop_replica(client, replica_id, "llmgw stop", timeout)
         console.print(f"{replica_id}: {final.phase}")
 
@@ -450,6 +475,8 @@ def main() -> None:
     except BaseException:
         console.print_exception()
         code = 1
+    for tracing in _tracing:
+        tracing.shutdown()  # os._exit skips atexit: flush the command's spans here
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

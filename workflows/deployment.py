@@ -43,6 +43,7 @@ with workflow.unsafe.imports_passed_through():
     )
     from workflows.calls import node_activity
     from workflows.deployment_rules import backoff_s, should_reap, slots_to_retire
+    from workflows.spans import decision
 
 Outcome = tuple[int, ReplicaStatus | None, str]
 JOB_SEARCH_ATTRIBUTES_PATCH = "job-search-attributes-v1"
@@ -282,12 +283,15 @@ class DeploymentWorkflow:
         )
         self._handles[slot.slot] = handle
         self._running[slot.slot] = asyncio.ensure_future(_outcome(slot.slot, handle))
+        decision("deployment.start", model=name, slot=slot.slot, replica=slot.replica_id)
         workflow.logger.info("deployment %s slot %d: replica %s", name, slot.slot, slot.replica_id)
 
     async def _retire(self, slot: Slot) -> None:
         if slot.slot in self._retiring:
             return
         self._retiring.add(slot.slot)
+        decision("deployment.retire", model=self._input.model.name, slot=slot.slot,
+                 replica=slot.replica_id)  # fmt: skip
         handle = self._handles.get(slot.slot)
         stop = StopReplicaInput(reason="scaled down")
         if handle is not None and slot.slot in self._running:
@@ -347,6 +351,8 @@ class DeploymentWorkflow:
             # Made room for a more important model: not a failure of ours.
             # The replacement waits in placement until room frees up.
             slot.preempted_by = final.preempted_by
+            decision("deployment.preempted", model=self._input.model.name, slot=slot.slot,
+                     replica=slot.replica_id, by=final.preempted_by)  # fmt: skip
             slot.next_start_at = (
                 workflow.now() + timedelta(seconds=policy.initial_backoff_s)
             ).isoformat()
@@ -360,6 +366,8 @@ class DeploymentWorkflow:
         slot.consecutive_failures += 1
         if should_reap(slot, policy):
             slot.reaped = True
+            decision("deployment.reap", model=self._input.model.name, slot=slot.slot,
+                     replica=slot.replica_id, reason=slot.last_reason)  # fmt: skip
             workflow.logger.warning(
                 "deployment %s slot %d reaped after %d failures: %s",
                 self._input.model.name,
@@ -369,6 +377,8 @@ class DeploymentWorkflow:
             )
             return
         delay = backoff_s(slot.consecutive_failures, policy)
+        decision("deployment.restart_scheduled", model=self._input.model.name, slot=slot.slot,
+                 after_s=delay, reason=slot.last_reason)  # fmt: skip
         slot.next_start_at = (workflow.now() + timedelta(seconds=delay)).isoformat()
 
 

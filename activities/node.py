@@ -47,6 +47,7 @@ from llmgw.types import (
 from worker_agent.adapters import (
     EngineAdapter,
     LaunchValidationError,
+    LoraAdapter,
     ReadyProbe,
     ShardPlan,
     ShardRequest,
@@ -202,12 +203,16 @@ class NodeActivities:
         facts = node_facts(
             self._inventory(), spec.gpu_indices, port, host=self._host, threads=self._threads
         )
+        static = () if spec.model.profile.runtime_lora else spec.model.adapters
         request = ShardRequest(
             model=spec.model,
             profile=spec.model.profile,
             rank=spec.rank,
             node=facts,
             rendezvous=spec.rendezvous,
+            # Catalog adapters only, loaded at start; on-demand ones come
+            # through AdapterLoad (never a path a client supplied).
+            loras=tuple(LoraAdapter(name=a.name, path=a.source) for a in static),
         )
         key = self._engine_key(spec.replica_id)
         return plan_shard(request, key, engine_base_env(os.environ), self._adapters)

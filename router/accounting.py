@@ -20,6 +20,7 @@ from llmgw.apikeys import KeyPolicy
 from llmgw.quotas import Limits, Quotas, Rejection, Reservation
 from llmgw.store import Store
 from llmgw.usage import UsageDelta, UsageKey, day_of, record
+from router.blocking import in_thread
 
 log = logging.getLogger(__name__)
 
@@ -85,14 +86,14 @@ class Accountant:
             settle, self._settle = self._settle, defaultdict(int)
             if settle:
                 try:
-                    await asyncio.to_thread(self._quotas.settle, dict(settle))
+                    await in_thread(self._quotas.settle, dict(settle))
                 except Exception as exc:
                     log.warning("quota settlement failed, will retry: %s", exc)
                     for s, n in settle.items():
                         self._settle[s] += n
             if usage:
                 try:
-                    await asyncio.to_thread(record, self._store, dict(usage))
+                    await in_thread(record, self._store, dict(usage))
                 except Exception as exc:
                     log.warning("usage write failed, will retry: %s", exc)
                     for k, d in usage.items():

@@ -24,6 +24,7 @@ from typing import Protocol
 from temporalio.client import Client
 
 from llmgw.types import ModelSpec, ReplicaMemo, ReplicaPhase
+from router.blocking import in_thread
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +134,7 @@ async def refresh_forever(
     while True:
         try:
             replicas = await source.replicas()
-            specs = await asyncio.to_thread(catalog)
+            specs = await in_thread(catalog)
             table.update(replicas, specs)
             ready.set()
         except asyncio.CancelledError:

@@ -129,14 +129,14 @@ def auth(key: str) -> dict[str, str]:
 
 @asynccontextmanager
 async def gateway(
-    db: Path,
+    db: Path | str,
     replicas: list[ReplicaMemo],
     models: list[ModelSpec],
     engine: MockEngine | None = None,
     **app_args: Any,
 ) -> AsyncIterator[Gateway]:
-    """A running router app over a store at ``db``."""
-    store = Store(f"sqlite:///{db}")
+    """A running router app over a store at ``db`` (a SQLite file, or a store URL)."""
+    store = Store(db if isinstance(db, str) else f"sqlite:///{db}")
     store.migrate()
     for spec in models:
         store.put_model(spec)

@@ -208,9 +208,9 @@ async def test_bad_bodies_are_openai_shaped_400_and_413(tmp_path: Path) -> None:
 
 
 async def test_request_quota_holds_across_two_routers_under_200_concurrent_requests(
-    tmp_path: Path,
+    store_url: str,
 ) -> None:
-    db = tmp_path / "s.db"
+    db = store_url
     replicas, models = [ready("r1", M, "http://e1:1")], [spec(M)]
     now = time.time()  # one clock for both routers: one quota minute
 
@@ -243,10 +243,10 @@ async def test_request_quota_holds_across_two_routers_under_200_concurrent_reque
 
 
 async def test_token_budget_is_never_overshot_by_more_than_one_reservation(
-    tmp_path: Path,
+    store_url: str,
 ) -> None:
     engine = MockEngine(hold=asyncio.Event())
-    async with gateway(tmp_path / "s.db", [ready("r1", M, "http://e1:1")], [spec(M)], engine) as gw:
+    async with gateway(store_url, [ready("r1", M, "http://e1:1")], [spec(M)], engine) as gw:
         key_id, key = gw.key(token_budget=1000)
         body = chat(max_tokens=50)  # reserves 1 + 64 + 16 + 50 = 131 tokens, uses 57
         reservation = 131

@@ -1,32 +1,23 @@
 """Quotas, usage and keys at the store level, with several stores (as several
-router processes) racing on one database: SQLite always, PostgreSQL too when
-LLMGW_TEST_POSTGRES_URL names an empty database."""
+router processes) racing on one database, on SQLite and on PostgreSQL."""
 
-import os
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
-from sqlmodel import SQLModel
 
 from llmgw.apikeys import KeyPolicy, create_key, list_keys, lookup, revoke_key
 from llmgw.quotas import Limits, Quotas, Reservation, minute_of, period_end, period_of
 from llmgw.store import Store
 from llmgw.usage import UsageDelta, UsageKey, query, record
 
-PG = os.environ.get("LLMGW_TEST_POSTGRES_URL", "")
 
-
-@pytest.fixture(params=["sqlite", *(["postgresql"] if PG else [])])
-def stores(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[list[Store]]:
-    url = f"sqlite:///{tmp_path / 's.db'}" if request.param == "sqlite" else PG
-    made = [Store(url) for _ in range(4)]
+@pytest.fixture
+def stores(store_url: str) -> Iterator[list[Store]]:
+    made = [Store(store_url) for _ in range(4)]
     made[0].migrate()
     yield made
-    if request.param == "postgresql":
-        SQLModel.metadata.drop_all(made[0]._engine)
     for s in made:
         s.close()
 

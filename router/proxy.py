@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -211,6 +212,20 @@ def _outcome_of(status: int, content: bytes) -> Outcome:
     )
 
 
+# A choice's delta (or text) with something in it: one token, as engines stream.
+_CONTENT = re.compile(rb'"(?:content|text|reasoning_content)":"(?!")|"tool_calls":\[')
+
+
+def _json_event(event: bytes) -> dict[str, Any] | None:
+    if not event.startswith(b"data: {"):
+        return None
+    try:
+        obj = json.loads(event[6:])
+    except ValueError:
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
 def _has_content(choice: Any) -> bool:
     if not isinstance(choice, dict):
         return False
@@ -235,29 +250,33 @@ class _Relay:
         self._finished = False
 
     def _scan(self, events: bytes) -> bytes:
-        """The events to pass on; counts content chunks and notes usage."""
+        """The events to pass on; counts content chunks and notes usage.
+
+        Only an event that mentions usage is parsed (the last one, normally);
+        the others are counted by a byte pattern, a fraction of a JSON parse.
+        """
         out: list[bytes] = []
         for event in events.split(b"\n\n"):
             if not event:
                 continue
+            if b'"usage"' not in event:
+                self._counted += len(_CONTENT.findall(event))
+                out.append(event + b"\n\n")
+                continue
             keep = event
-            if event.startswith(b"data: {"):
-                try:
-                    obj = json.loads(event[6:])
-                except ValueError:
-                    obj = None
-                if isinstance(obj, dict):
-                    choices = obj.get("choices")
-                    if isinstance(choices, list):
-                        self._counted += sum(1 for c in choices if _has_content(c))
-                    usage = obj.get("usage")
-                    if isinstance(usage, dict):
-                        self._usage = usage
-                        if self._call.strip_usage:
-                            if not choices:
-                                continue  # the usage-only chunk: the client did not ask
-                            del obj["usage"]
-                            keep = b"data: " + json.dumps(obj, separators=(",", ":")).encode()
+            obj = _json_event(event)
+            if obj is not None:
+                choices = obj.get("choices")
+                if isinstance(choices, list):
+                    self._counted += sum(1 for c in choices if _has_content(c))
+                usage = obj.get("usage")
+                if isinstance(usage, dict):
+                    self._usage = usage
+                    if self._call.strip_usage:
+                        if not choices:
+                            continue  # the usage-only chunk: the client did not ask
+                        del obj["usage"]
+                        keep = b"data: " + json.dumps(obj, separators=(",", ":")).encode()
             out.append(keep + b"\n\n")
         return b"".join(out)
 

@@ -37,6 +37,7 @@ from llmgw.types.model import (
     Rendezvous,
 )
 from llmgw.types.node import (
+    EngineInstallInfo,
     FabricKind,
     Gid,
     GpuHealth,
@@ -91,6 +92,7 @@ __all__ = [
     "DrainNodeInput",
     "DrainNodeResult",
     "DrainResult",
+    "EngineInstallInfo",
     "EngineKind",
     "EngineProfile",
     "FabricKind",

@@ -17,6 +17,7 @@ import re
 import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -165,16 +166,37 @@ class Supervisor:
     def scratch_dir(self, ref: ShardRef) -> Path:
         """The shard's private TMPDIR and cache root, owned by whoever runs the engine.
 
-        Removed when the shard stops, so what engines leave in temp dirs
-        (vLLM's ``vllm_dist_*``, torch's compile caches) goes with them.
+        A fresh directory in the system temp dir rather than under the shard
+        dir: vLLM puts ZeroMQ IPC sockets in TMPDIR, and a socket path has
+        at most 107 bytes. Its path is kept in the shard dir, so a later agent
+        removes it when the shard stops, with what engines leave in temp dirs
+        (vLLM's ``vllm_dist_*``, torch's compile caches).
         """
-        root = self.shard_dir(ref) / "scratch"
+        pointer = self.shard_dir(ref) / "scratch-path"
+        try:
+            root = Path(pointer.read_text().strip())
+        except FileNotFoundError:
+            root = Path("")
+        if not root.name or not root.is_dir():
+            pointer.parent.mkdir(parents=True, exist_ok=True)
+            root = Path(tempfile.mkdtemp(prefix="llmgw-"))  # 0700, unpredictable
+            pointer.write_text(str(root))
         for path in (root, root / "tmp", root / "cache"):
-            path.mkdir(parents=True, exist_ok=True)
+            path.mkdir(exist_ok=True)
             path.chmod(0o700)
             if self.run_as is not None:
                 os.chown(path, self.run_as.uid, self.run_as.gid)
         return root
+
+    def _remove_scratch(self, ref: ShardRef) -> None:
+        pointer = self.shard_dir(ref) / "scratch-path"
+        try:
+            root = pointer.read_text().strip()
+        except FileNotFoundError:
+            return
+        if root:
+            shutil.rmtree(root, ignore_errors=True)
+        pointer.unlink(missing_ok=True)
 
     def kill_leftovers(self, ref: ShardRef) -> list[int]:
         """SIGKILL what is left of a shard whose engine exited: its group's other members.
@@ -393,7 +415,7 @@ class Supervisor:
         for sidecar in self._sidecars.pop(shard_key(ref), []):
             sidecar.poll()
         self._spec_path(ref).unlink(missing_ok=True)
-        shutil.rmtree(self.shard_dir(ref) / "scratch", ignore_errors=True)
+        self._remove_scratch(ref)
 
     @staticmethod
     def _wait_group_gone(pgid: int, child: subprocess.Popen[bytes] | None, timeout: float) -> bool:

@@ -337,6 +337,9 @@ class NodeActivities:
         record = {
             "model": spec.model.name,
             "engine": spec.model.engine.value,
+            "gpu_indices": spec.gpu_indices,
+            "priority": spec.model.priority,
+            "catalog_digest": spec.catalog_digest,
             "serves_http": plan.serves_http,
             "ready_probe": plan.ready_probe.model_dump(mode="json") if plan.ready_probe else None,
             "plan": plan.loggable(),

@@ -39,6 +39,10 @@ class ControlSettings(_Common):
     # this passes; the server default (10 s) stalls every in-flight start.
     sticky_schedule_to_start_s: float = 2.0
     graceful_shutdown_s: float = 10.0
+    # Recovery passes (llmgw/reconcile.py): 0 turns them off. Without the
+    # catalog part only the ledger is audited.
+    reconcile_interval_s: float = 30.0
+    reconcile_catalog: bool = True
 
 
 class AgentSettings(_Common):

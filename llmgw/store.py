@@ -212,6 +212,21 @@ class Store:
             row = session.get(ModelRecord, name)
             return row.spec() if row else None
 
+    def catalog(self) -> dict[str, ModelSpec]:
+        """Every catalog entry, by name."""
+        with self._session() as session:
+            return {r.name: r.spec() for r in session.exec(select(ModelRecord)).all()}
+
+    def delete_model(self, name: str) -> bool:
+        """Remove a catalog entry; False when there was none."""
+        with self._session() as session:
+            row = session.get(ModelRecord, name)
+            if row is None:
+                return False
+            session.delete(row)
+            session.commit()
+            return True
+
     def model_names(self) -> list[str]:
         """Every model in the catalog."""
         with self._session() as session:

@@ -85,6 +85,8 @@ class System:
                 "LLMGW_PORT_RANGE_END": str(engine_port_start + 99),
                 "LLMGW_REFRESH_INTERVAL_S": "0.2",
                 "LLMGW_ENGINE_THREADS": "1",
+                # Most tests deploy models they never put in the catalog.
+                "LLMGW_RECONCILE_CATALOG": "false",
                 "LLMGW_ENGINE_CACHE_DIR": os.environ.get(
                     "LLMGW_TEST_ENGINE_CACHE", str(REPO / ".llmgw" / "engines")
                 ),
@@ -111,7 +113,7 @@ class System:
         finally:
             store.close()
 
-    def spawn_agent(self, node_id: str) -> Child:
+    def spawn_agent(self, node_id: str, extra_env: dict[str, str] | None = None) -> Child:
         """An agent with its own port range, as if on its own machine."""
         start = free_port()
         return self.spawn(
@@ -120,6 +122,7 @@ class System:
                 "LLMGW_NODE_ID": node_id,
                 "LLMGW_PORT_RANGE_START": str(start),
                 "LLMGW_PORT_RANGE_END": str(start + 20),
+                **(extra_env or {}),
             },
         )
 

@@ -10,6 +10,7 @@ from llmgw import replicas
 from llmgw.tinymodel import TinyModel
 from llmgw.types import EngineKind, ModelSpec, ReplicaPhase, RestartPolicy
 from tests.harness import System
+from tests.recording import record
 
 MODEL = "tiny-drain-node"
 
@@ -40,6 +41,9 @@ async def test_drain_node_moves_the_replica_to_another_node(
     assert gone is not None and gone.phase is ReplicaPhase.STOPPED
     assert first.node_id in (await replicas.fleet_snapshot(client)).cordoned
 
+    jobs = [wf.id async for wf in client.list_workflows("WorkflowType = 'DrainNode'")]
+    job = next(j for j in jobs if j.startswith(f"drain-node/{first.node_id}/"))
+    await record(client, job, "drain_node")
     snap = await replicas.cordon(client, first.node_id, cordoned=False)
     assert snap.cordoned == []
     await replicas.remove_deployment(client, spec, 60)

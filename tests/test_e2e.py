@@ -16,10 +16,12 @@ from temporalio.client import Client
 
 from llmgw import replicas
 from llmgw.errors import EngineError
+from llmgw.queues import replica_workflow_id
 from llmgw.tinymodel import TinyModel
 from llmgw.types import EngineKind, ModelSpec, ReplicaPhase, ReplicaTimeouts
 from tests.harness import System, free_port, wait_routable
 from tests.procs_util import pids_with_args
+from tests.recording import record
 
 MODEL = "tiny-e2e"
 
@@ -229,6 +231,7 @@ async def test_cli_scale_runs_a_deployment(
     assert down.returncode == 0, down.stderr
     final = await asyncio.wait_for(client.get_workflow_handle(f"deployment/{MODEL}").result(), 60)
     assert final["desired"] == 0
+    await record(client, f"deployment/{MODEL}", "deployment_scale_up_down")
     assert pids_with_args("--alias", MODEL, memo.endpoint.rsplit(":", 1)[1]) == []
 
 
@@ -269,6 +272,7 @@ async def test_stop_drains_a_stream_in_flight_before_stopping(
     stopping_at = next(h.at for h in final.history if h.phase is ReplicaPhase.STOPPING)
     assert datetime.fromisoformat(drained_at) < stream_done
     assert datetime.fromisoformat(stopping_at) >= stream_done - timedelta(seconds=1)
+    await record(client, replica_workflow_id(rid), "replica_drain_in_flight")
 
 
 async def test_model_apply_deploys_and_explain_gives_reasons(

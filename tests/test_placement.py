@@ -168,3 +168,34 @@ def test_spread_prefers_the_idle_node() -> None:
     assert result.placement is not None and result.placement.node_id == "a"
     packed = choose_node("r1", GPU2, nodes, allocs)
     assert packed.placement is not None and packed.placement.node_id == "b"
+
+
+def test_gpu_class_filter_names_what_the_node_has() -> None:
+    a100 = node("a", 4)
+    for g in a100.gpus:
+        g.gpu_class = "a100-80g"
+    h100 = node("b", 4)
+    for g in h100.gpus:
+        g.gpu_class = "h100-80g"
+    want = GPU2.model_copy(update={"gpu_class": "h100-80g"})
+    result = choose_node("r1", want, {"a": a100, "b": h100}, {})
+    assert result.placement is not None and result.placement.node_id == "b"
+    assert [(r.node_id, r.reason) for r in result.rejections] == [
+        ("a", "needs h100-80g GPUs, has a100-80g")
+    ]
+
+
+def test_gpu_class_counts_only_gpus_of_that_class() -> None:
+    mixed = node("a", 4)
+    for g in mixed.gpus:
+        g.gpu_class = "h100-80g" if g.index < 1 else "l40s-45g"
+    want = GPU2.model_copy(update={"gpu_class": "h100-80g"})
+    result = choose_node("r1", want, {"a": mixed}, {})
+    assert result.placement is None
+    assert result.rejections[0].reason == "needs 2 free healthy GPUs, has 1"
+
+
+def test_placement_records_priority() -> None:
+    urgent = GPU2.model_copy(update={"priority": 7})
+    result = choose_node("r1", urgent, {"a": node("a", 2)}, {})
+    assert result.placement is not None and result.placement.priority == 7

@@ -12,6 +12,7 @@ from llmgw.tinymodel import TinyModel
 from llmgw.types import DeploymentStatus, EngineKind, ModelSpec, ReplicaPhase
 from tests.harness import System
 from tests.procs_util import pids_with_args
+from tests.recording import record
 
 MODEL = "tiny-rolling"
 
@@ -71,3 +72,4 @@ async def test_rolling_restart_replaces_one_at_a_time(
 
     await replicas.remove_deployment(client, spec, 60)
     assert pids_with_args("--alias", MODEL) == []
+    await record(client, f"deployment/{MODEL}", "deployment_rolling_restart")

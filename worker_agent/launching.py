@@ -19,6 +19,10 @@ def pick_port(host: str, candidates: Iterable[int], used: set[int]) -> int:
         if port in used:
             continue
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            # As the engines bind: connections an engine on this port closed
+            # linger in TIME_WAIT for a minute, and without SO_REUSEADDR they
+            # would make a free port look taken (a busy node ran out of ports).
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 s.bind((host, port))
             except OSError:

@@ -10,12 +10,12 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 
-from temporalio.client import Client, WorkflowExecutionStatus
+from temporalio.client import Client
 from temporalio.common import WorkflowIDConflictPolicy
-from temporalio.service import RPCError, RPCStatusCode
+from temporalio.service import RPCError
 from temporalio.worker import Worker
 
 from activities.node import NodeActivities
@@ -23,6 +23,7 @@ from llmgw.engine_install import LlamaCppInstall, ensure_llama_cpp
 from llmgw.keys import engine_key
 from llmgw.lifecycle import setup_logging, stop_event_on_signals
 from llmgw.queues import CONTROL_QUEUE, FLEET_WORKFLOW_ID, node_queue, replica_workflow_id
+from llmgw.reconcile import workflow_running
 from llmgw.settings import AgentSettings
 from llmgw.store import Store
 from llmgw.temporal import connect
@@ -38,7 +39,7 @@ from worker_agent.adapters import EngineAdapter, Launchers, default_adapters
 from worker_agent.adoption import adopt
 from worker_agent.engines import EngineInstalls
 from worker_agent.inventory import Sources, collect, sources_from
-from worker_agent.supervisor import Supervisor
+from worker_agent.supervisor import RunningShard, Supervisor
 from worker_agent.users import prepare_home, resolve_run_as
 from worker_agent.weights import WeightsCache
 
@@ -105,30 +106,32 @@ def inventory(
         max_cpu_replicas=settings.max_cpu_replicas,
         management_address=settings.management_address,
     )
-    inv.running = [
-        ShardReport(replica_id=r.ref.replica_id, rank=r.ref.rank, pid=r.pid, endpoint=r.endpoint)
-        for r in supervisor.running()
-    ]
+    inv.running = [report(r, supervisor.plan_of(r.ref)) for r in supervisor.running()]
     inv.lost = list(lost)
     inv.engines = installs.installed() if installs is not None else []
     return inv
 
 
-async def replica_running(client: Client, replica_id: str) -> bool | None:
-    """Whether the replica's workflow runs; None when Temporal cannot say now."""
-    handle = client.get_workflow_handle(replica_workflow_id(replica_id))
-    try:
-        desc = await handle.describe(rpc_timeout=timedelta(seconds=5))
-    except RPCError as exc:
-        return False if exc.status == RPCStatusCode.NOT_FOUND else None
-    return desc.status == WorkflowExecutionStatus.RUNNING
+def report(shard: RunningShard, plan: Mapping[str, object]) -> ShardReport:
+    """A running shard as the fleet sees it: enough to rebuild its allocation."""
+    gpus = plan.get("gpu_indices")
+    return ShardReport(
+        replica_id=shard.ref.replica_id,
+        rank=shard.ref.rank,
+        pid=shard.pid,
+        endpoint=shard.endpoint,
+        model=str(plan.get("model") or ""),
+        gpu_indices=[int(g) for g in gpus] if isinstance(gpus, list) else [],
+        priority=int(str(plan.get("priority") or 0)),
+        catalog_digest=str(plan.get("catalog_digest") or ""),
+    )
 
 
 async def stop_orphans(client: Client, supervisor: Supervisor, grace_s: float) -> list[str]:
     """Stop engines whose replica workflow has ended or never existed."""
     stopped: list[str] = []
     for shard in supervisor.running():
-        if await replica_running(client, shard.ref.replica_id) is False:
+        if await workflow_running(client, replica_workflow_id(shard.ref.replica_id)) is False:
             log.warning(
                 "replica %s is not running in Temporal: stopping its engine", shard.ref.replica_id
             )

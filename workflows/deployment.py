@@ -4,9 +4,13 @@ the desired number of replicas running.
 Each replica is a child Replica workflow; a replica that ends is replaced
 after an exponential backoff, and a slot whose replicas keep failing is
 reaped (left failed, with the last reason and log tail) instead of feeding a
-restart storm. Scaling down drains the newest replicas. Closing the
-deployment cancels its replicas, which stop their engines and release
-their GPUs.
+restart storm. Scaling down drains the newest replicas; cancelling the
+deployment drains them all.
+
+A deployment lives as long as its model is served, so it continues as new
+when its history grows long. Its replicas keep running across that (they
+are started with the ABANDON parent-close policy) and report their end by
+signal to whichever run is current.
 """
 
 import asyncio
@@ -19,6 +23,7 @@ from temporalio.workflow import ChildWorkflowHandle, ParentClosePolicy
 with workflow.unsafe.imports_passed_through():
     from llmgw.queues import replica_workflow_id
     from llmgw.types import (
+        DeploymentCarry,
         DeploymentInput,
         DeploymentStatus,
         ReplicaInput,
@@ -27,6 +32,7 @@ with workflow.unsafe.imports_passed_through():
         ReplicaStatus,
         RollingRestartInput,
         ScaleInput,
+        SetModelInput,
         Slot,
         StopReplicaInput,
     )
@@ -41,27 +47,78 @@ class DeploymentWorkflow:
 
     @workflow.init
     def __init__(self, input: DeploymentInput) -> None:
-        self._input = input
-        self._desired = input.replicas
-        self._slots: list[Slot] = []
+        carry = input.carry or DeploymentCarry(desired=input.replicas, slots=[], next_slot=0)
+        self._input = input.model_copy(update={"carry": None})
+        self._desired = carry.desired
+        self._slots: list[Slot] = carry.slots
+        # Replicas this run started: their end arrives as a child result.
         self._running: dict[int, asyncio.Future[Outcome]] = {}
         self._handles: dict[int, ChildWorkflowHandle[object, ReplicaStatus]] = {}
-        self._retiring: set[int] = set()
+        # Replicas an earlier run started: their end arrives as a signal.
+        self._inherited: set[int] = set(carry.live)
+        self._ended: dict[str, ReplicaStatus] = {}
+        self._retiring: set[int] = set(carry.retiring)
         self._changed = False
-        self._next_slot = 0
-        self._rolling: list[int] = []
+        self._next_slot = carry.next_slot
+        self._rolling: list[int] = carry.rolling
 
     @workflow.run
     async def run(self, input: DeploymentInput) -> DeploymentStatus:
         """Reconcile until scaled to zero with nothing left running."""
-        while True:
-            await self._reconcile()
-            if self._desired == 0 and not self._running:
-                break
-            await self._wait_for_change()
-            self._collect()
+        try:
+            while True:
+                await self._reconcile()
+                if self._desired == 0 and not self._active():
+                    break
+                if self._history_long():
+                    await workflow.wait_condition(workflow.all_handlers_finished)
+                    workflow.continue_as_new(self._carry())
+                await self._wait_for_change()
+                self._collect()
+        except asyncio.CancelledError:
+            # Replicas outlive their deployment's run (so that continue-as-new
+            # keeps them): on cancel, drain them all before ending.
+            self._desired = 0
+            while self._active():
+                await self._reconcile()
+                await self._wait_for_change()
+                self._collect()
+            raise
         await workflow.wait_condition(workflow.all_handlers_finished)
         return self.status()
+
+    @workflow.signal(name="replica_ended")
+    def replica_ended(self, final: ReplicaStatus) -> None:
+        """A replica ended (sent by replicas, whichever run started them)."""
+        self._ended[final.replica_id] = final
+        self._changed = True
+
+    def _active(self, number: int | None = None) -> bool:
+        """Whether slot ``number`` (any slot, when None) has a replica running."""
+        if number is None:
+            return bool(self._running or self._inherited)
+        return number in self._running or number in self._inherited
+
+    def _history_long(self) -> bool:
+        info = workflow.info()
+        limit = self._input.continue_after_events
+        return info.is_continue_as_new_suggested() or (
+            limit > 0 and info.get_current_history_length() >= limit
+        )
+
+    def _carry(self) -> DeploymentInput:
+        workflow.logger.info(
+            "deployment %s continues as new with %d slots", self._input.model.name, len(self._slots)
+        )
+        carry = DeploymentCarry(
+            desired=self._desired,
+            slots=self._slots,
+            next_slot=self._next_slot,
+            rolling=self._rolling,
+            retiring=sorted(self._retiring),
+            live=sorted({*self._running, *self._inherited}),
+        )
+        return self._input.model_copy(update={"carry": carry})
 
     @workflow.update(name="scale")
     def scale(self, request: ScaleInput) -> DeploymentStatus:
@@ -70,17 +127,26 @@ class DeploymentWorkflow:
         self._changed = True
         return self.status()
 
+    @workflow.update(name="set_model")
+    def set_model(self, request: SetModelInput) -> DeploymentStatus:
+        """Start new replicas from ``request.model`` and roll the running ones onto it."""
+        self._input = self._input.model_copy(update={"model": request.model})
+        self._begin_roll(request.reason)
+        return self.status()
+
     @workflow.update(name="rolling_restart")
     def rolling_restart(self, request: RollingRestartInput) -> DeploymentStatus:
         """Replace every replica one at a time: start new, wait ready, drain old."""
+        self._begin_roll(request.reason)
+        return self.status()
+
+    def _begin_roll(self, reason: str) -> None:
         if not self._rolling:
             self._rolling = [s.slot for s in self._live() if s.replaces is None]
             workflow.logger.info(
-                "deployment %s: %s of %d slots", self._input.model.name, request.reason,
-                len(self._rolling),
-            )  # fmt: skip
+                "deployment %s: %s of %d slots", self._input.model.name, reason, len(self._rolling)
+            )
         self._changed = True
-        return self.status()
 
     @workflow.signal(name="replica_ready")
     def replica_ready(self, notice: ReplicaReadyNotice) -> None:
@@ -98,6 +164,7 @@ class DeploymentWorkflow:
             desired=self._desired,
             slots=self._slots,
             rolling=self._rolling,
+            model_digest=self._input.model.digest(),
         )
 
     def _live(self) -> list[Slot]:
@@ -118,7 +185,7 @@ class DeploymentWorkflow:
         now = workflow.now()
         for slot in self._slots:
             due = not slot.next_start_at or datetime.fromisoformat(slot.next_start_at) <= now
-            if not slot.reaped and slot.slot not in self._running and due:
+            if not slot.reaped and not self._active(slot.slot) and due:
                 await self._start(slot)
 
     async def _roll(self) -> None:
@@ -151,9 +218,10 @@ class DeploymentWorkflow:
             ),
             id=replica_workflow_id(slot.replica_id),
             result_type=ReplicaStatus,
-            # Closing the deployment cancels its replicas, which then stop
-            # their engines and release their GPUs.
-            parent_close_policy=ParentClosePolicy.REQUEST_CANCEL,
+            # Replicas outlive a run of their deployment: continue-as-new must
+            # not stop them. A cancelled deployment drains them itself; one
+            # terminated leaves them to the reconcile pass (parent gone).
+            parent_close_policy=ParentClosePolicy.ABANDON,
         )
         self._handles[slot.slot] = handle
         self._running[slot.slot] = asyncio.ensure_future(_outcome(slot.slot, handle))
@@ -164,8 +232,12 @@ class DeploymentWorkflow:
             return
         self._retiring.add(slot.slot)
         handle = self._handles.get(slot.slot)
+        stop = StopReplicaInput(reason="scaled down")
         if handle is not None and slot.slot in self._running:
-            await handle.signal("request_stop", StopReplicaInput(reason="scaled down"))
+            await handle.signal("request_stop", stop)
+        elif slot.slot in self._inherited:
+            external = workflow.get_external_workflow_handle(replica_workflow_id(slot.replica_id))
+            await external.signal("request_stop", stop)
         else:
             self._slots.remove(slot)
 
@@ -191,21 +263,44 @@ class DeploymentWorkflow:
             del self._running[number]
             self._handles.pop(number, None)
             _, final, error = fut.result()
+            self._slot_ended(number, final, error)
+        for number in sorted(self._inherited):
             slot = next(s for s in self._slots if s.slot == number)
-            if number in self._retiring:
-                self._retiring.discard(number)
-                self._slots.remove(slot)
-                continue
-            self._record_end(slot, final, error)
+            final = self._ended.pop(slot.replica_id, None)
+            if final is not None:
+                self._inherited.discard(number)
+                self._slot_ended(number, final, "")
+        # The rest are notices from this run's own children, already counted
+        # (or about to be) through their results.
+        self._ended.clear()
+
+    def _slot_ended(self, number: int, final: ReplicaStatus | None, error: str) -> None:
+        slot = next(s for s in self._slots if s.slot == number)
+        if number in self._retiring:
+            self._retiring.discard(number)
+            self._slots.remove(slot)
+            return
+        self._record_end(slot, final, error)
 
     def _record_end(self, slot: Slot, final: ReplicaStatus | None, error: str) -> None:
+        slot.last_reason = error or (final.reason if final else "") or "ended"
+        slot.last_log_tail = final.log_tail if final else []
+        policy = self._input.restart
+        if final is not None and final.preempted_by:
+            # Made room for a more important model: not a failure of ours.
+            # The replacement waits in placement until room frees up.
+            slot.preempted_by = final.preempted_by
+            slot.next_start_at = (
+                workflow.now() + timedelta(seconds=policy.initial_backoff_s)
+            ).isoformat()
+            workflow.logger.warning(
+                "deployment %s slot %d: %s", self._input.model.name, slot.slot, slot.last_reason
+            )
+            return
         served = final is not None and any(h.phase is ReplicaPhase.READY for h in final.history)
         if served:
             slot.consecutive_failures = 0  # it worked for a while: not a crash loop
         slot.consecutive_failures += 1
-        slot.last_reason = error or (final.reason if final else "") or "ended"
-        slot.last_log_tail = final.log_tail if final else []
-        policy = self._input.restart
         if should_reap(slot, policy):
             slot.reaped = True
             workflow.logger.warning(

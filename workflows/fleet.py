@@ -15,10 +15,17 @@ with workflow.unsafe.imports_passed_through():
         NodeRef,
         PlaceRequest,
         PlaceResult,
+        PreemptionRecord,
+        Rejection,
         ReleaseRequest,
         ReleaseResult,
     )
+    from workflows.ledger import rebuild_from_report
     from workflows.placement import choose_node, split_live
+    from workflows.preemption import claims, plan_preemption
+
+# Preemption records kept in the fleet's state (older ones are in the history).
+KEEP_PREEMPTIONS = 50
 
 
 @workflow.defn(name="Fleet")
@@ -43,6 +50,12 @@ class FleetWorkflow:
         first = inventory.node_id not in self._state.liveness
         self._state.nodes[inventory.node_id] = inventory
         self._state.liveness[inventory.node_id] = NodeLiveness(last_seen=workflow.now().isoformat())
+        added = rebuild_from_report(self._state.allocations, inventory)
+        if added:
+            workflow.logger.warning(
+                "node %s runs shards the ledger lacked, now recorded: %s",
+                inventory.node_id, ", ".join(added),
+            )  # fmt: skip
         if first:
             workflow.logger.info(
                 "node %s registered: %d GPUs", inventory.node_id, len(inventory.gpus)
@@ -58,18 +71,62 @@ class FleetWorkflow:
 
     @workflow.update(name="place")
     def place(self, request: PlaceRequest) -> PlaceResult:
-        """Choose a node and record the allocation (idempotent per replica)."""
-        live, down = split_live(self._state, workflow.now())
-        result = choose_node(request.replica_id, request.model, live, self._state.allocations)
-        if result.placement is None:
-            result.rejections += down
-        else:
-            self._state.allocations[request.replica_id] = result.placement
+        """Choose a node and record the allocation (idempotent per replica).
+
+        When nothing fits, room held by lower-priority replicas is reserved
+        for this one and the answer names them: the caller drains them.
+        """
+        state = self._state
+        rid = request.replica_id
+        reserved = state.reservations.get(rid)
+        if reserved is not None:
+            waiting = [v for v in reserved.victims if v in state.allocations]
+            if waiting:
+                reason = f"waiting for preempted {', '.join(waiting)} to stop"
+                node = reserved.placement.node_id
+                return PlaceResult(
+                    rejections=[Rejection(node_id=node, reason=reason)], preempt=waiting
+                )
+            del state.reservations[rid]
+            state.allocations[rid] = reserved.placement
+            return PlaceResult(placement=reserved.placement)
+        live, down = split_live(state, workflow.now())
+        held = claims(state.allocations, state.reservations)
+        result = choose_node(rid, request.model, live, held)
+        if result.placement is not None:
+            state.allocations[rid] = result.placement
+            return result
+        result.rejections += down
+        plan = plan_preemption(rid, request.model, live, state.allocations, state.reservations)
+        if plan is not None:
+            state.reservations[rid] = plan
+            result.preempt = plan.victims
+            self._record_preemption(request, plan.placement.node_id, plan.victims)
         return result
+
+    def _record_preemption(self, request: PlaceRequest, node_id: str, victims: list[str]) -> None:
+        now = workflow.now().isoformat()
+        for victim in victims:
+            record = PreemptionRecord(
+                at=now,
+                preemptor=request.replica_id,
+                preemptor_priority=request.model.priority,
+                victim=victim,
+                victim_priority=self._state.allocations[victim].priority,
+                node_id=node_id,
+            )
+            self._state.preemptions.append(record)
+            workflow.logger.warning(
+                "replica %s (priority %d) preempts %s (priority %d) on %s",
+                record.preemptor, record.preemptor_priority, victim, record.victim_priority,
+                node_id,
+            )  # fmt: skip
+        del self._state.preemptions[:-KEEP_PREEMPTIONS]
 
     @workflow.update(name="release")
     def release(self, request: ReleaseRequest) -> ReleaseResult:
-        """Give back a replica's allocation."""
+        """Give back a replica's allocation (and any room reserved for it)."""
+        self._state.reservations.pop(request.replica_id, None)
         released = self._state.allocations.pop(request.replica_id, None) is not None
         return ReleaseResult(released=released)
 

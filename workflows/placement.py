@@ -32,16 +32,31 @@ def by_node(allocations: Mapping[str, Placement]) -> dict[str, list[ShardPlaceme
     return grouped
 
 
-def free_gpu_indices(node: NodeInventory, held: list[ShardPlacement]) -> list[int]:
-    """Healthy GPUs on ``node`` that no allocation holds."""
+def free_gpu_indices(
+    node: NodeInventory, held: list[ShardPlacement], gpu_class: str | None = None
+) -> list[int]:
+    """Healthy GPUs on ``node`` (of ``gpu_class`` when given) that no allocation holds."""
     taken = {i for s in held for i in s.gpu_indices}
-    return [g.index for g in node.gpus if g.healthy and g.index not in taken]
+    return [
+        g.index
+        for g in node.gpus
+        if g.healthy and g.index not in taken and gpu_class in (None, g.gpu_class)
+    ]
+
+
+def _gpu_class(node: NodeInventory, model: ModelSpec, held: list[ShardPlacement]) -> str | None:
+    if model.gpus == 0 or model.gpu_class is None:
+        return None
+    if any(g.gpu_class == model.gpu_class for g in node.gpus):
+        return None
+    present = sorted({g.gpu_class or "unknown" for g in node.gpus}) or ["none"]
+    return f"needs {model.gpu_class} GPUs, has {', '.join(present)}"
 
 
 def _enough_gpus(node: NodeInventory, model: ModelSpec, held: list[ShardPlacement]) -> str | None:
     if model.gpus == 0:
         return None
-    free = free_gpu_indices(node, held)
+    free = free_gpu_indices(node, held, model.gpu_class)
     if len(free) < model.gpus:
         return f"needs {model.gpus} free healthy GPUs, has {len(free)}"
     return None
@@ -56,7 +71,7 @@ def _cpu_slots(node: NodeInventory, model: ModelSpec, held: list[ShardPlacement]
     return None
 
 
-FILTERS: tuple[Filter, ...] = (_enough_gpus, _cpu_slots)
+FILTERS: tuple[Filter, ...] = (_gpu_class, _enough_gpus, _cpu_slots)
 
 
 def _score(node: NodeInventory, held: list[ShardPlacement], spread: bool) -> tuple[int, str]:
@@ -73,6 +88,11 @@ def island_of(node: NodeInventory) -> str:
     return node.fabric.island or f"node:{node.node_id}"
 
 
+def rejection(node: NodeInventory, model: ModelSpec, held: list[ShardPlacement]) -> str | None:
+    """The first filter's reason to turn ``node`` down, or None when it fits."""
+    return next((r for f in FILTERS if (r := f(node, model, held)) is not None), None)
+
+
 def _candidates(
     model: ModelSpec, nodes: Mapping[str, NodeInventory], held: dict[str, list[ShardPlacement]]
 ) -> tuple[list[NodeInventory], list[Rejection]]:
@@ -80,7 +100,7 @@ def _candidates(
     rejections: list[Rejection] = []
     for node in sorted(nodes.values(), key=lambda n: n.node_id):
         mine = held.get(node.node_id, [])
-        reason = next((r for f in FILTERS if (r := f(node, model, mine)) is not None), None)
+        reason = rejection(node, model, mine)
         if reason is None:
             passed.append(node)
         else:
@@ -169,7 +189,9 @@ def choose_node(
         ShardPlacement(
             rank=rank,
             node_id=node.node_id,
-            gpu_indices=free_gpu_indices(node, held.get(node.node_id, []))[: model.gpus],
+            gpu_indices=free_gpu_indices(node, held.get(node.node_id, []), model.gpu_class)[
+                : model.gpus
+            ],
         )
         for rank, node in enumerate(chosen)
     ]
@@ -181,6 +203,7 @@ def choose_node(
             node_id=leader.node_id,
             gpu_indices=leader.gpu_indices,
             workers=workers,
+            priority=model.priority,
         ),
         rejections=rejections,
     )

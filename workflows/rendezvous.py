@@ -115,6 +115,7 @@ class RendezvousWorkflow:
                 gpu_indices=shard.gpu_indices,
                 rendezvous=rendezvous,
                 port=self._ports.get(rank),
+                catalog_digest=self._req.model.digest(),
             )
             handles[rank] = await node_activity(
                 shard.node_id,

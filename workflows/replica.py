@@ -21,12 +21,15 @@ from temporalio.exceptions import ActivityError, ChildWorkflowError
 with workflow.unsafe.imports_passed_through():
     from activities import names
     from llmgw import search_attributes as sa
+    from llmgw.queues import replica_workflow_id
     from llmgw.types import (
         DrainInput,
         DrainResult,
         FetchWeightsInput,
         FetchWeightsResult,
         LaunchShardInput,
+        LogTail,
+        LogTailInput,
         ModelSpec,
         Placement,
         PlaceRequest,
@@ -60,6 +63,9 @@ FETCH_WEIGHTS_PATCH = "fetch-weights-v1"
 VALIDATE_PATCH = "validate-before-launch-v1"
 DRAIN_PATCH = "drain-wait-v1"
 NOTIFY_PARENT_PATCH = "notify-parent-ready-v1"
+FAIL_TAIL_PATCH = "fail-log-tail-v1"
+NOTIFY_PARENT_END_PATCH = "notify-parent-ended-v1"
+LOG_TAIL_LINES = 40
 # The watch activity lives as long as the engine; its heartbeats, not this
 # bound, are what notice a dead agent.
 WATCH_LIFETIME = timedelta(days=3650)
@@ -100,13 +106,28 @@ class ReplicaWorkflow:
         except asyncio.CancelledError:
             # Cancelled from the UI/CLI: still give the GPU and process back.
             await self._stop_engine()
+            await self._tell_parent_ended()
             raise
         if self._notify is not None:
             # The deployment may be gone already; a lost notice changes nothing.
             with contextlib.suppress(Exception):
                 await self._notify
+        await self._tell_parent_ended()
         await workflow.wait_condition(workflow.all_handlers_finished)
         return self._status
+
+    async def _tell_parent_ended(self) -> None:
+        """Tell the deployment, whichever of its runs is current, that this replica ended.
+
+        A deployment that continued as new never sees its earlier children's
+        results; this signal is how it learns.
+        """
+        parent = workflow.info().parent
+        if parent is None or not workflow.patched(NOTIFY_PARENT_END_PATCH):
+            return
+        handle = workflow.get_external_workflow_handle(parent.workflow_id)
+        with contextlib.suppress(Exception):  # a deployment already gone needs no notice
+            await handle.signal("replica_ended", self._status)
 
     @workflow.update(name="stop")
     async def stop(self, request: StopReplicaInput) -> ReplicaStatus:
@@ -121,6 +142,7 @@ class ReplicaWorkflow:
         """Stop the replica (workflows, which cannot send updates, signal)."""
         if self._stop is None:
             self._stop = request
+            self._status.preempted_by = request.preempted_by
 
     @workflow.query(name="status")
     def status(self) -> ReplicaStatus:
@@ -238,13 +260,20 @@ class ReplicaWorkflow:
                 task.cancel()
 
     async def _place(self) -> Placement | None:
-        for attempt in range(self._t.place_attempts):
+        attempt = 0
+        while attempt < self._t.place_attempts:
             result: PlaceResult = await workflow.execute_activity(
                 names.PLACE_REPLICA,
                 PlaceRequest(replica_id=self._input.replica_id, model=self._input.model),
                 result_type=PlaceResult,
                 start_to_close_timeout=timedelta(seconds=30),
             )
+            if result.preempt:
+                # Room is reserved: waiting for the victims to drain is not a
+                # failed attempt (a drain can outlast every placement retry).
+                await self._preempt(result.preempt)
+            else:
+                attempt += 1
             if result.placement is not None:
                 self._placement = result.placement
                 self._status.node_id = result.placement.node_id
@@ -256,19 +285,46 @@ class ReplicaWorkflow:
             reasons = "; ".join(f"{r.node_id}: {r.reason}" for r in result.rejections)
             self._status.reason = f"cannot place: {reasons}"
             workflow.logger.warning(
-                "replica %s attempt %d: %s", self._input.replica_id, attempt + 1, reasons
+                "replica %s attempt %d: %s", self._input.replica_id, attempt, reasons
             )
             if await self._stop_within(self._t.place_retry_s):
+                if self._status.preempting:
+                    await self._release()  # gives back the room reserved for it
                 self._move(P.STOPPED, "stopped before placement")
                 return None
+        if self._status.preempting:
+            await self._release()
         self._move(P.FAILED, self._status.reason)
         return None
+
+    async def _preempt(self, victims: list[str]) -> None:
+        """Ask lower-priority replicas to drain; recorded on both sides."""
+        model = self._input.model
+        for victim in victims:
+            if victim in self._status.preempting:
+                continue
+            self._status.preempting.append(victim)
+            self._move(P.PLACING, f"preempting {victim} (priority {model.priority} wins)")
+            request = StopReplicaInput(
+                reason=f"preempted by {self._input.replica_id} "
+                f"({model.name}, priority {model.priority})",
+                preempted_by=self._input.replica_id,
+            )
+            try:
+                await workflow.get_external_workflow_handle(replica_workflow_id(victim)).signal(
+                    "request_stop", request
+                )
+            except Exception as err:  # a victim that already ended needs no signal
+                workflow.logger.info(
+                    "replica %s: victim %s: %s", self._input.replica_id, victim, err
+                )
 
     async def _launch(self, placement: Placement, model: ModelSpec) -> ShardHandle:
         spec = ShardSpec(
             replica_id=self._input.replica_id,
             model=model,
             gpu_indices=placement.gpu_indices,
+            catalog_digest=self._input.model.digest(),
         )
         self._launched = True
         return await self._node_activity(
@@ -315,6 +371,7 @@ class ReplicaWorkflow:
 
     async def _stop_engine(self) -> None:
         reason = self._stop.reason if self._stop else "cancelled"
+        self._status.reason = reason
         if self._status.phase in (P.STARTING, P.LOADING, P.READY) and (
             self._stop is None or self._stop.drain
         ):
@@ -356,12 +413,29 @@ class ReplicaWorkflow:
 
     async def _fail(self, reason: str, *, engine_gone: bool = False) -> None:
         self._status.reason = reason
+        launched_alone = self._launched and not self._ranks and not self._status.log_tail
+        if launched_alone and workflow.patched(FAIL_TAIL_PATCH):
+            await self._keep_log_tail()
         if not engine_gone:
             # Never leak a process (or its GPU) because the start went wrong.
             await self._stop_shard()
         await self._release()
         if not is_terminal(self._status.phase):
             self._move(P.FAILED, reason)
+
+    async def _keep_log_tail(self) -> None:
+        """The engine's last words, kept with the failure (the node may be gone)."""
+        try:
+            tail: LogTail = await self._node_activity(
+                names.SHARD_LOG_TAIL,
+                LogTailInput(shard=self._shard(), lines=LOG_TAIL_LINES),
+                LogTail,
+                timedelta(seconds=30),
+                retry=RetryPolicy(maximum_attempts=2),
+            )
+            self._status.log_tail = tail.lines
+        except ActivityError as err:
+            workflow.logger.warning("replica %s: no log tail: %s", self._input.replica_id, err)
 
     async def _stop_shard(self) -> None:
         if not self._launched or self._placement is None:

@@ -11,7 +11,8 @@ from llmgw.types import (
 P = ReplicaPhase
 
 ALLOWED: dict[ReplicaPhase, frozenset[ReplicaPhase]] = {
-    P.PLACING: frozenset({P.FETCHING, P.STARTING, P.STOPPED, P.FAILED}),
+    # placing -> placing records a step of a long placement (a preemption).
+    P.PLACING: frozenset({P.PLACING, P.FETCHING, P.STARTING, P.STOPPED, P.FAILED}),
     P.FETCHING: frozenset({P.STARTING, P.STOPPING, P.FAILED}),
     P.STARTING: frozenset({P.LOADING, P.DRAINING, P.STOPPING, P.FAILED}),
     P.LOADING: frozenset({P.READY, P.DRAINING, P.STOPPING, P.FAILED}),

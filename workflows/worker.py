@@ -11,7 +11,9 @@ from temporalio.worker import Worker
 from activities.control import ControlActivities
 from llmgw.lifecycle import setup_logging, stop_event_on_signals
 from llmgw.queues import CONTROL_QUEUE, FLEET_WORKFLOW_ID
+from llmgw.reconcile import reconcile_forever
 from llmgw.settings import ControlSettings
+from llmgw.store import Store
 from llmgw.temporal import connect
 from llmgw.types import FleetSnapshot
 from workflows.deployment import DeploymentWorkflow
@@ -73,9 +75,18 @@ async def run(settings: ControlSettings) -> None:
     worker = build_worker(client, settings)
     stop = stop_event_on_signals()
     log.info("control worker on %s (Temporal %s)", CONTROL_QUEUE, settings.temporal_address)
-    async with worker:
+    store = Store(settings.resolved_store_url()) if settings.reconcile_catalog else None
+    async with worker, asyncio.TaskGroup() as tasks:
+        if settings.reconcile_interval_s > 0:
+            reconciling = tasks.create_task(
+                reconcile_forever(client, store, settings.reconcile_interval_s)
+            )
         await stop.wait()
         log.info("control worker shutting down")
+        if settings.reconcile_interval_s > 0:
+            reconciling.cancel()
+    if store is not None:
+        store.close()
 
 
 def main() -> None:

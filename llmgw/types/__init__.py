@@ -7,12 +7,14 @@ here, whichever module of the package defines them.
 """
 
 from llmgw.types.deployment import (
+    DeploymentCarry,
     DeploymentInput,
     DeploymentStatus,
     ReplicaReadyNotice,
     RestartPolicy,
     RollingRestartInput,
     ScaleInput,
+    SetModelInput,
     Slot,
 )
 from llmgw.types.fleet import (
@@ -25,9 +27,11 @@ from llmgw.types.fleet import (
     Placement,
     PlaceRequest,
     PlaceResult,
+    PreemptionRecord,
     Rejection,
     ReleaseRequest,
     ReleaseResult,
+    Reservation,
     ShardPlacement,
 )
 from llmgw.types.model import (
@@ -86,6 +90,7 @@ from llmgw.types.shard import (
 __all__ = [
     "TERMINAL_PHASES",
     "CordonInput",
+    "DeploymentCarry",
     "DeploymentInput",
     "DeploymentStatus",
     "DrainInput",
@@ -116,6 +121,7 @@ __all__ = [
     "PlaceResult",
     "Placement",
     "PortReservation",
+    "PreemptionRecord",
     "RdmaPort",
     "Rejection",
     "ReleaseRequest",
@@ -129,9 +135,11 @@ __all__ = [
     "ReplicaReadyNotice",
     "ReplicaStatus",
     "ReplicaTimeouts",
+    "Reservation",
     "RestartPolicy",
     "RollingRestartInput",
     "ScaleInput",
+    "SetModelInput",
     "ShardExit",
     "ShardHandle",
     "ShardLogsInput",

@@ -14,19 +14,17 @@ class RestartPolicy(BaseModel):
     max_consecutive_failures: int = Field(default=5, ge=1)
 
 
-class DeploymentInput(BaseModel):
-    """Input of a model's Deployment workflow (id ``deployment/<model>``)."""
-
-    model: ModelSpec
-    replicas: int = Field(default=1, ge=0)
-    timeouts: ReplicaTimeouts = Field(default_factory=ReplicaTimeouts)
-    restart: RestartPolicy = Field(default_factory=RestartPolicy)
-
-
 class RollingRestartInput(BaseModel):
     """Update ``rolling_restart``: replace every replica, one at a time."""
 
     reason: str = "rolling restart"
+
+
+class SetModelInput(BaseModel):
+    """Update ``set_model``: the catalog entry changed; roll every replica onto it."""
+
+    model: ModelSpec
+    reason: str = "model changed in the catalog"
 
 
 class ReplicaReadyNotice(BaseModel):
@@ -56,6 +54,36 @@ class Slot(BaseModel):
         default=None, description="rolling restart: the slot this one takes over from"
     )
     ready: bool = False
+    preempted_by: str = Field(default="", description="the replica its last one made room for")
+
+
+class DeploymentCarry(BaseModel):
+    """What a deployment hands to its next run when its history gets long."""
+
+    desired: int
+    slots: list[Slot]
+    next_slot: int
+    rolling: list[int] = Field(default_factory=list)
+    retiring: list[int] = Field(default_factory=list)
+    live: list[int] = Field(
+        default_factory=list, description="slots whose replica still runs; each reports its end"
+    )
+
+
+class DeploymentInput(BaseModel):
+    """Input of a model's Deployment workflow (id ``deployment/<model>``)."""
+
+    model: ModelSpec
+    replicas: int = Field(default=1, ge=0)
+    timeouts: ReplicaTimeouts = Field(default_factory=ReplicaTimeouts)
+    restart: RestartPolicy = Field(default_factory=RestartPolicy)
+    continue_after_events: int = Field(
+        default=0, ge=0, description="continue as new past this history length (0: when suggested)"
+    )
+    carry: "DeploymentCarry | None" = Field(
+        default=None, description="state carried over by continue-as-new; None when first started"
+    )
+
 
 
 class DeploymentStatus(BaseModel):
@@ -65,3 +93,4 @@ class DeploymentStatus(BaseModel):
     desired: int
     slots: list[Slot] = Field(default_factory=list)
     rolling: list[int] = Field(default_factory=list, description="slots still to replace")
+    model_digest: str = Field(default="", description="ModelSpec.digest() new replicas start from")

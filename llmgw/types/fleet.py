@@ -33,6 +33,7 @@ class Placement(BaseModel):
     node_id: str
     gpu_indices: list[int] = Field(default_factory=list)
     workers: list[ShardPlacement] = Field(default_factory=list)
+    priority: int = 0
 
     def shards(self) -> list[ShardPlacement]:
         """Every rank, leader first."""
@@ -48,10 +49,33 @@ class PlaceRequest(BaseModel):
 
 
 class PlaceResult(BaseModel):
-    """The fleet's answer: a placement, or every candidate's rejection."""
+    """The fleet's answer: a placement, or every candidate's rejection.
+
+    ``preempt``: no placement yet, but room is reserved for this replica once
+    these lower-priority replicas have stopped; the caller asks them to.
+    """
 
     placement: Placement | None = None
     rejections: list[Rejection] = Field(default_factory=list)
+    preempt: list[str] = Field(default_factory=list)
+
+
+class Reservation(BaseModel):
+    """Room promised to a preempting replica, held until its victims are gone."""
+
+    placement: Placement
+    victims: list[str]
+
+
+class PreemptionRecord(BaseModel):
+    """One replica drained to make room for a higher-priority one."""
+
+    at: str
+    preemptor: str
+    preemptor_priority: int
+    victim: str
+    victim_priority: int
+    node_id: str
 
 
 class ReleaseRequest(BaseModel):
@@ -109,6 +133,10 @@ class FleetSnapshot(BaseModel):
     liveness: dict[str, NodeLiveness] = Field(default_factory=dict)
     allocations: dict[str, Placement] = Field(default_factory=dict)
     cordoned: list[str] = Field(default_factory=list)
+    reservations: dict[str, Reservation] = Field(default_factory=dict)
+    preemptions: list[PreemptionRecord] = Field(
+        default_factory=list, description="the most recent preemptions, newest last"
+    )
     # Agents re-register every 30 s by default; silence for this long means
     # the node is not offered to placement (its allocations stay recorded).
     stale_after_s: float = 120.0

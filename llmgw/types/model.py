@@ -1,5 +1,6 @@
 """What a model is and how it runs: the catalog entry a start needs."""
 
+import hashlib
 from enum import StrEnum
 from typing import Literal
 
@@ -69,8 +70,19 @@ class ModelSpec(BaseModel):
     spread: bool = Field(
         default=False, description="place on the least busy nodes instead of bin-packing"
     )
+    gpu_class: str | None = Field(
+        default=None, description='only GPUs of this class, e.g. "h100-80g" (see agent inventory)'
+    )
+    priority: int = Field(
+        default=0,
+        description="an unplaceable replica drains replicas of lower priority to make room",
+    )
     context_length: int = Field(default=512, ge=16)
     engine_args: list[str] = Field(default_factory=list)
     profile: EngineProfile = Field(
         default_factory=EngineProfile, description="parallelism, precision, LoRA, launch mode"
     )
+
+    def digest(self) -> str:
+        """Identifies this exact entry: an engine started from another differs."""
+        return hashlib.sha256(self.model_dump_json().encode()).hexdigest()[:16]

@@ -96,6 +96,10 @@ class ShardReport(BaseModel):
     rank: int
     pid: int
     endpoint: str
+    model: str = ""
+    gpu_indices: list[int] = Field(default_factory=list)
+    priority: int = 0
+    catalog_digest: str = Field(default="", description="the catalog entry it was started from")
 
 
 class EngineInstallInfo(BaseModel):

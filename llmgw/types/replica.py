@@ -73,6 +73,11 @@ class ReplicaStatus(BaseModel):
     reason: str = ""
     log_tail: list[str] = Field(default_factory=list)
     history: list[PhaseChange] = Field(default_factory=list)
+    preempted_by: str = Field(default="", description="the replica this one made room for")
+    preempting: list[str] = Field(
+        default_factory=list,
+        description="lower-priority replicas drained to make room for this one",
+    )
 
 
 class ReplicaMemo(BaseModel):
@@ -90,6 +95,7 @@ class StopReplicaInput(BaseModel):
 
     reason: str = "requested"
     drain: bool = True
+    preempted_by: str = ""
 
 
 class ValidateInput(BaseModel):

@@ -15,6 +15,9 @@ class ShardSpec(BaseModel):
     gpu_indices: list[int] = Field(default_factory=list)
     rendezvous: Rendezvous | None = None
     port: int | None = Field(default=None, description="a port reserved for this shard")
+    catalog_digest: str = Field(
+        default="", description="ModelSpec.digest() of the catalog entry, before any rewrite"
+    )
 
 
 class LaunchShardInput(BaseModel):

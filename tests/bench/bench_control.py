@@ -1,0 +1,175 @@
+"""Control-plane benchmark (a script that prints figures, not a test).
+
+    .venv/bin/python -m tests.bench.bench_control [--nodes 500] [--replicas 1000] [--starts 20]
+
+1. Placement of ``--replicas`` 1-GPU..8-GPU replicas onto ``--nodes``
+   simulated 8-GPU nodes: the pure filter/score code alone, then through the
+   real Fleet workflow (one ``place`` update each, serialised by Temporal)
+   on a throwaway dev server.
+2. Orchestration overhead of a replica start, over ``--starts`` starts of the
+   tiny model on a real llama.cpp: start-to-ready as the client sees it,
+   minus the engine's own load time (process spawned → first successful
+   readiness probe, the replica's LOADING → READY), p50 and p95.
+"""
+
+import argparse
+import asyncio
+import random
+import statistics
+import tempfile
+import time
+from datetime import datetime
+from pathlib import Path
+
+from temporalio.client import Client
+
+from llmgw import replicas
+from llmgw.queues import CONTROL_QUEUE, FLEET_WORKFLOW_ID
+from llmgw.temporal import connect
+from llmgw.tinymodel import generate_tiny_model
+from llmgw.types import (
+    FleetSnapshot,
+    GpuInfo,
+    ModelSpec,
+    NodeInventory,
+    Placement,
+    PlaceRequest,
+    PlaceResult,
+    ReplicaPhase,
+)
+from tests.harness import System, free_port, start_devserver
+from workflows.placement import choose_node
+
+
+def _node(i: int) -> NodeInventory:
+    return NodeInventory(
+        node_id=f"sim-{i:04d}",
+        hostname=f"sim-{i:04d}",
+        address=f"10.0.{i // 256}.{i % 256}",
+        cpu_count=96,
+        memory_mib=1024 * 1024,
+        gpus=[
+            GpuInfo(
+                index=g,
+                uuid=f"GPU-{i}-{g}",
+                name="NVIDIA H100 80GB HBM3",
+                memory_mib=81559,
+                gpu_class="h100-80g",
+            )
+            for g in range(8)
+        ],
+    )
+
+
+def _models(count: int, seed: int) -> list[ModelSpec]:
+    rng = random.Random(seed)
+    # A mix like a real fleet: mostly small models, some whole-node ones.
+    sizes = rng.choices([1, 2, 4, 8], weights=[50, 25, 15, 10], k=count)
+    return [ModelSpec(name=f"m{g}", source="/m", gpus=g) for g in sizes]
+
+
+def bench_pure(nodes: int, count: int) -> None:
+    inventory = {n.node_id: n for n in map(_node, range(nodes))}
+    allocations: dict[str, Placement] = {}
+    placed = 0
+    began = time.perf_counter()
+    for i, model in enumerate(_models(count, seed=1)):
+        result = choose_node(f"r{i}", model, inventory, allocations)
+        if result.placement is not None:
+            allocations[f"r{i}"] = result.placement
+            placed += 1
+    took = time.perf_counter() - began
+    used = sum(len(p.gpu_indices) for p in allocations.values())
+    print(
+        f"placement, pure code: {count} replicas onto {nodes} 8-GPU nodes in {took:.3f} s "
+        f"({took / count * 1e3:.2f} ms each); placed {placed}, GPUs used {used}/{nodes * 8}"
+    )
+
+
+async def bench_fleet(client: Client, nodes: int, count: int) -> None:
+    fleet = client.get_workflow_handle(FLEET_WORKFLOW_ID)
+    began = time.perf_counter()
+    for i in range(nodes):
+        await fleet.signal("register_node", _node(i))
+    await fleet.query("snapshot", result_type=FleetSnapshot)  # all signals applied
+    registered = time.perf_counter() - began
+    began = time.perf_counter()
+    placed = 0
+    for i, model in enumerate(_models(count, seed=1)):
+        result: PlaceResult = await fleet.execute_update(
+            "place", PlaceRequest(replica_id=f"r{i}", model=model), result_type=PlaceResult
+        )
+        placed += result.placement is not None
+    took = time.perf_counter() - began
+    print(
+        f"placement through the Fleet workflow: {nodes} nodes registered in {registered:.2f} s; "
+        f"{count} place updates in {took:.2f} s ({took / count * 1e3:.1f} ms each, "
+        f"serialised), placed {placed}"
+    )
+
+
+def _at(history: list[tuple[ReplicaPhase, str]], phase: ReplicaPhase) -> datetime:
+    return next(datetime.fromisoformat(at) for p, at in history if p is phase)
+
+
+async def bench_starts(client: Client, system: System, model: ModelSpec, starts: int) -> None:
+    system.spawn("control")
+    system.spawn_agent("bench-node")
+    await replicas.wait_node_registered(client, "bench-node", 60)
+    totals, loads = [], []
+    for _ in range(starts):
+        began = time.perf_counter()
+        rid = await replicas.start_replica(client, model)
+        await replicas.wait_ready(client, rid, 120, poll_s=0.01)
+        total = time.perf_counter() - began
+        status = await replicas.status_of(client, rid)
+        assert status is not None
+        steps = [(h.phase, h.at) for h in status.history]
+        load = (_at(steps, ReplicaPhase.READY) - _at(steps, ReplicaPhase.LOADING)).total_seconds()
+        totals.append(total)
+        loads.append(load)
+        await replicas.stop_replica(client, rid, "bench", 60)
+    overhead = [t - lo for t, lo in zip(totals, loads, strict=True)]
+
+    def p(values: list[float], q: int) -> float:
+        return statistics.quantiles(values, n=100, method="inclusive")[q - 1] * 1e3
+
+    print(f"replica start, {starts} starts of the tiny model on llama.cpp:")
+    print(f"  start-to-ready        p50 {p(totals, 50):7.0f} ms  p95 {p(totals, 95):7.0f} ms")
+    print(f"  engine's own load     p50 {p(loads, 50):7.0f} ms  p95 {p(loads, 95):7.0f} ms")
+    print(f"  orchestration overhead p50 {p(overhead, 50):6.0f} ms  p95 {p(overhead, 95):7.0f} ms")
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nodes", type=int, default=500)
+    parser.add_argument("--replicas", type=int, default=1000)
+    parser.add_argument("--starts", type=int, default=20)
+    args = parser.parse_args()
+    bench_pure(args.nodes, args.replicas)
+    with tempfile.TemporaryDirectory(prefix="llmgw-bench-") as tmp:
+        root = Path(tmp)
+        port = free_port()
+        server = start_devserver(root / "temporal.db", port, root / "temporal.log")
+        system = System(f"127.0.0.1:{port}", root / "llmgw", free_port())
+        system.work_dir.mkdir()
+        try:
+            client = await connect(f"127.0.0.1:{port}")
+            # A fleet of its own: the simulated nodes must not meet the real agent.
+            await client.start_workflow(
+                "Fleet", FleetSnapshot(), id=FLEET_WORKFLOW_ID, task_queue=CONTROL_QUEUE
+            )
+            control = system.spawn("control")
+            await bench_fleet(client, args.nodes, args.replicas)
+            await client.get_workflow_handle(FLEET_WORKFLOW_ID).terminate("bench: next part")
+            control.stop()
+            tiny = generate_tiny_model(root / "tiny")
+            model = ModelSpec(name="tiny-bench", source=str(tiny.model_path))
+            await bench_starts(client, system, model, args.starts)
+        finally:
+            system.stop()
+            server.stop()
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

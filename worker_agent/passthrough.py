@@ -25,6 +25,7 @@ import contextlib
 import hmac
 import json
 import os
+import signal
 import sys
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
@@ -157,6 +158,12 @@ async def _lifespan(receive: Receive, send: Send, http: httpx.AsyncClient) -> No
     while True:
         message = await receive()
         if message["type"] == "lifespan.startup":
+            # SIGTERM reaches the pass-through with its engine (one group signal),
+            # after the replica drained: nothing is left to finish, and lingering
+            # would only keep the shard's group, and its stop, alive.
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, os._exit, 0)
             await send({"type": "lifespan.startup.complete"})
         elif message["type"] == "lifespan.shutdown":
             await http.aclose()

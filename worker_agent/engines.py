@@ -11,7 +11,12 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from llmgw.engine_install import SOURCE_PACKAGE, SOURCE_VERSION, LlamaCppInstall
+from llmgw.engine_install import (
+    SOURCE_PACKAGE,
+    SOURCE_VERSION,
+    LlamaCppInstall,
+    find_llama_cpp,
+)
 from llmgw.types import EngineInstallInfo, EngineKind
 from llmgw.vllm_install import (
     CPU_PACKAGE,
@@ -51,6 +56,17 @@ def vllm_info(install: VllmInstall) -> EngineInstallInfo:
         version=install.version,
         path=str(install.root),
     )
+
+
+def installed_engines(cache_dir: Path) -> list[EngineInstallInfo]:
+    """The engines installed here, found without installing or building anything."""
+    llama = find_llama_cpp(cache_dir)
+    found = [llama_info(llama)] if llama is not None else []
+    for package in (CPU_PACKAGE, GPU_PACKAGE):
+        vllm = find_vllm(cache_dir, package)
+        if vllm is not None:
+            found.append(vllm_info(vllm))
+    return found
 
 
 class EngineInstalls:
@@ -95,9 +111,5 @@ class EngineInstalls:
 
     def installed(self) -> list[EngineInstallInfo]:
         """Every engine installed on the node, for the inventory."""
-        found = [llama_info(self.llama)]
-        for package in (CPU_PACKAGE, GPU_PACKAGE):
-            vllm = find_vllm(self.cache_dir, package)
-            if vllm is not None:
-                found.append(vllm_info(vllm))
-        return found
+        vllms = [e for e in installed_engines(self.cache_dir) if e.engine == EngineKind.VLLM.value]
+        return [llama_info(self.llama), *vllms]

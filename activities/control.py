@@ -5,6 +5,7 @@ through this activity, which does it with a client. The fleet update is
 idempotent per replica, so an activity retry cannot double-book a GPU.
 """
 
+from opentelemetry import trace
 from temporalio import activity
 from temporalio.client import Client
 from temporalio.exceptions import ApplicationError
@@ -35,7 +36,19 @@ class ControlActivities:
         """Ask the fleet to place a replica."""
         handle = self._client.get_workflow_handle(FLEET_WORKFLOW_ID)
         result: PlaceResult = await handle.execute_update("place", request, result_type=PlaceResult)
+        span = trace.get_current_span()
+        span.set_attribute("llmgw.replica", request.replica_id)
+        span.set_attribute("llmgw.model", request.model.name)
+        for rejected in result.rejections:
+            span.add_event(
+                "node turned down",
+                {"llmgw.node": rejected.node_id, "llmgw.reason": rejected.reason},
+            )
+        if result.preempt:
+            span.set_attribute("llmgw.preempting", result.preempt)
         if result.placement:
+            span.set_attribute("llmgw.node", result.placement.node_id)
+            span.set_attribute("llmgw.gpus", result.placement.gpu_indices)
             activity.logger.info(
                 "replica %s placed on %s", request.replica_id, result.placement.node_id
             )

@@ -40,6 +40,7 @@ from llmgw.types import (
     PortReservation,
     ShardExit,
     ShardHandle,
+    ShardLoad,
     ShardRef,
     ShardSpec,
     StopShardInput,
@@ -69,7 +70,13 @@ from worker_agent.cpu_share import (
     parse_cpu_list,
 )
 from worker_agent.engines import EngineInstalls
-from worker_agent.launching import engine_busy, pick_port, probe_ready, wait_listening
+from worker_agent.launching import (
+    engine_busy,
+    engine_load,
+    pick_port,
+    probe_ready,
+    wait_listening,
+)
 from worker_agent.supervisor import Command, RunningShard, Supervisor, shard_key
 from worker_agent.users import reachable
 from worker_agent.weights import WeightsCache, WeightsError
@@ -452,6 +459,18 @@ class NodeActivities:
                 return DrainResult(idle=False, waited_s=waited, detail=detail)
             activity.heartbeat(detail)
             await asyncio.sleep(request.poll_interval_s)
+
+    @activity.defn(name=names.SHARD_LOAD)
+    async def shard_load(self, request: ShardRef) -> ShardLoad:
+        """Requests in flight on the shard's engine (a deployment scaling down
+        drains the least loaded replica)."""
+        running = self._sup.find_running(request)
+        if running is None:
+            return ShardLoad(in_flight=0.0, detail="not running")
+        engine = str(self._sup.plan_of(request).get("engine", ""))
+        key = self._engine_key(request.replica_id)
+        load, detail = await engine_load(self._http, running.endpoint, key, engine)
+        return ShardLoad(in_flight=load, detail=detail)
 
     @activity.defn(name=names.STOP_SHARD)
     async def stop_shard(self, request: StopShardInput) -> StopShardResult:

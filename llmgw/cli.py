@@ -12,17 +12,21 @@ from typing import Annotated, Any, NoReturn, TypeVar
 import typer
 from rich.console import Console
 from rich.table import Table
+from temporalio.client import Client
 
 from llmgw import replicas
+from llmgw.bench_cli import bench
 from llmgw.errors import LlmgwError
 from llmgw.settings import UpSettings, _Common
 from llmgw.store import Store
 from llmgw.temporal import connect
+from llmgw.tracing import Tracing, setup_tracing
 from llmgw.types import ModelSpec, ReplicaMemo
 
 app = typer.Typer(
     help="llmgw: LLM inference control plane and OpenAI gateway", no_args_is_help=True
 )
+app.command()(bench)
 keys_app = typer.Typer(help="Client API keys", no_args_is_help=True)
 app.add_typer(keys_app, name="keys")
 console = Console(stderr=True, soft_wrap=True)
@@ -50,6 +54,19 @@ def _catalog_spec(settings: "CliSettings", model: str) -> ModelSpec:
         have = ", ".join(store.model_names()) or "none"
         _fail(f"model {model!r} is not in the catalog (have: {have})")
     return spec
+
+
+_tracing: list[Tracing] = []
+
+
+async def _connect(settings: _Common) -> Client:
+    """A client for one command; traced when the settings say so, so that a
+    job started here is one trace with the workflows and node activities."""
+    if not _tracing:
+        _tracing.append(setup_tracing(settings.tracing, "cli"))
+    return await connect(
+        settings.temporal_address, settings.temporal_namespace, _tracing[0].interceptors()
+    )
 
 
 def _run(work: Coroutine[Any, Any, T]) -> T:
@@ -140,7 +157,7 @@ def model_apply(
         return
 
     async def go() -> None:
-        client = await connect(settings.temporal_address, settings.temporal_namespace)
+        client = await _connect(settings)
         for entry in entries:
             await replicas.apply_deployment(client, entry.spec(), entry.replicas)
             console.print(f"deployment/{entry.name}: {entry.replicas} replicas desired")
@@ -157,7 +174,7 @@ def explain(model: str) -> None:
     spec = _catalog_spec(settings, model)
 
     async def go() -> None:
-        client = await connect(settings.temporal_address, settings.temporal_namespace)
+        client = await _connect(settings)
         fleet = await replicas.fleet_snapshot(client)
         live, down = split_live(fleet, datetime.now(UTC))
         result = choose_node("explain", spec, live, fleet.allocations)
@@ -242,7 +259,7 @@ def node_drain(
     settings = CliSettings()
 
     async def go() -> None:
-        client = await connect(settings.temporal_address, settings.temporal_namespace)
+        client = await _connect(settings)
         with console.status(f"draining {node_id}"):
             result = await replicas.drain_node(client, node_id, timeout)
         console.print(f"{node_id}: cordoned; drained {', '.join(result.drained) or 'nothing'}")
@@ -258,7 +275,7 @@ def node_uncordon(node_id: str) -> None:
     settings = CliSettings()
 
     async def go() -> None:
-        client = await connect(settings.temporal_address, settings.temporal_namespace)
+        client = await _connect(settings)
         snap = await replicas.cordon(client, node_id, cordoned=False)
         console.print(f"{node_id}: uncordoned (cordoned now: {', '.join(snap.cordoned) or 'none'})")
 
@@ -288,7 +305,7 @@ def logs(
     settings = CliSettings()
 
     async def go() -> list[str]:
-        client = await connect(settings.temporal_address, settings.temporal_namespace)
+        client = await _connect(settings)
         return await replicas.log_tail(client, replica_id, lines)
 
     for line in _run(go()):
@@ -317,7 +334,7 @@ def deploy(
     spec = _catalog_spec(settings, model)
 
     async def go() -> None:
-        client = await connect(settings.temporal_address, settings.temporal_namespace)
+        client = await _connect(settings)
         ids = [await replicas.start_replica(client, spec) for _ in range(replicas_)]
         for rid in ids:
             console.print(f"started replica [bold]{rid}[/bold] (workflow replica/{rid})")
@@ -345,7 +362,7 @@ def scale(
     spec = _catalog_spec(settings, model)
 
     async def go() -> None:
-        client = await connect(settings.temporal_address, settings.temporal_namespace)
+        client = await _connect(settings)
         status = await replicas.apply_deployment(client, spec, replicas_)
         table = Table("slot", "replica", "starts", "failures", "reaped", "last reason")
         for s in status.slots:
@@ -365,7 +382,7 @@ def restart(model: str) -> None:
     settings = CliSettings()
 
     async def go() -> None:
-        client = await connect(settings.temporal_address, settings.temporal_namespace)
+        client = await _connect(settings)
         status = await replicas.rolling_restart(client, model, "llmgw restart")
         console.print(f"deployment/{model}: replacing slots {status.rolling or 'none'}")
 
@@ -380,7 +397,7 @@ def status(
     settings = CliSettings()
 
     async def go() -> list[ReplicaMemo]:
-        client = await connect(settings.temporal_address, settings.temporal_namespace)
+        client = await _connect(settings)
         return await replicas.list_replicas(client, include_closed=all_)
 
     rows = _run(go())
@@ -396,7 +413,7 @@ def stop(replica_id: str, timeout: float = 60.0) -> None:
     settings = CliSettings()
 
     async def go() -> None:
-        client = await connect(settings.temporal_address, settings.temporal_namespace)
+        client = await _connect(settings)
         final = await replicas.stop_replica(client, replica_id, "llmgw stop", timeout)
         console.print(f"{replica_id}: {final.phase}")
 
@@ -428,6 +445,8 @@ def main() -> None:
     except BaseException:
         console.print_exception()
         code = 1
+    for tracing in _tracing:
+        tracing.shutdown()  # os._exit skips atexit: flush the command's spans here
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

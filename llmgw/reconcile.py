@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from datetime import timedelta
 from enum import StrEnum
 
+from opentelemetry import trace
 from pydantic import BaseModel, Field
 from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.service import RPCError, RPCStatusCode
@@ -197,8 +198,14 @@ async def _carry_out(client: Client, order: Order, catalog: Mapping[str, ModelSp
         )
 
 
-async def reconcile_once(client: Client, store: Store | None) -> list[Order]:
-    """One pass; ``store`` None leaves the catalog out (ledger audit only)."""
+async def reconcile_once(
+    client: Client, store: Store | None, acts: Client | None = None
+) -> list[Order]:
+    """One pass; ``store`` None leaves the catalog out (ledger audit only).
+
+    Reads go through ``client``, actions through ``acts`` (default: the same):
+    a pass that does something is one trace, a span per action beneath it.
+    """
     fleet: FleetSnapshot = await client.get_workflow_handle(FLEET_WORKFLOW_ID).query(
         "snapshot", result_type=FleetSnapshot, rpc_timeout=timedelta(seconds=5)
     )
@@ -212,19 +219,29 @@ async def reconcile_once(client: Client, store: Store | None) -> list[Order]:
         # A deployment from before digests has none: it is left be.
         digests = {d.model: d.model_digest for d in deployments if d.model_digest}
         orders += catalog_orders(catalog, digests, running)
-    for order in orders:
-        try:
-            await _carry_out(client, order, catalog)
-        except RPCError as exc:  # it may have ended meanwhile; the next pass looks again
-            log.info("reconcile: %s %s: %s", order.action.value, order.target, exc)
+    if not orders:
+        return orders
+    tracer = trace.get_tracer(__name__)
+    with tracer.start_as_current_span("reconcile", attributes={"llmgw.orders": len(orders)}):
+        for order in orders:
+            attributes = {"llmgw.target": order.target, "llmgw.reason": order.reason}
+            with tracer.start_as_current_span(
+                f"reconcile.{order.action.value}", attributes=attributes
+            ):
+                try:
+                    await _carry_out(acts or client, order, catalog)
+                except RPCError as exc:  # it may have ended meanwhile; the next pass looks again
+                    log.info("reconcile: %s %s: %s", order.action.value, order.target, exc)
     return orders
 
 
-async def reconcile_forever(client: Client, store: Store | None, interval_s: float) -> None:
+async def reconcile_forever(
+    client: Client, acts: Client, store: Store | None, interval_s: float
+) -> None:
     """Reconcile every ``interval_s`` until cancelled; a failed pass is retried next time."""
     while True:
         await asyncio.sleep(interval_s)
         try:
-            await reconcile_once(client, store)
+            await reconcile_once(client, store, acts)
         except Exception as exc:  # keep the control worker serving
             log.warning("reconcile pass failed: %s", exc)

@@ -10,6 +10,8 @@ from pathlib import Path
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from llmgw.tracing import TracingSettings
+
 DEFAULT_WORK_DIR = Path(".llmgw")
 
 
@@ -19,13 +21,17 @@ def default_store_url(work_dir: Path) -> str:
 
 
 class _Common(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="LLMGW_", extra="ignore")
+    model_config = SettingsConfigDict(
+        env_prefix="LLMGW_", extra="ignore", env_nested_delimiter="__"
+    )
 
     temporal_address: str = "127.0.0.1:7233"
     temporal_namespace: str = "default"
     work_dir: Path = DEFAULT_WORK_DIR
     store_url: str = ""
     log_level: str = "INFO"
+    # LLMGW_TRACING__EXPORTER=otlp|console|none, LLMGW_TRACING__ENDPOINT=...
+    tracing: TracingSettings = Field(default_factory=TracingSettings)
 
     def resolved_store_url(self) -> str:
         """The store URL, defaulting to SQLite in the work dir."""

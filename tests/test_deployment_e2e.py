@@ -4,11 +4,14 @@ import asyncio
 from collections.abc import Callable
 from pathlib import Path
 
+import httpx
 from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client
 
 from llmgw import replicas
+from llmgw.keys import engine_key
 from llmgw.queues import CONTROL_QUEUE, deployment_workflow_id, replica_workflow_id
+from llmgw.store import Store
 from llmgw.tinymodel import TinyModel
 from llmgw.types import (
     DeploymentInput,
@@ -52,6 +55,13 @@ async def test_higher_priority_preempts_lower_and_both_sides_record_it(
 
     await replicas.apply_deployment(client, high, 1, timeouts=FAST, restart=policy)
     winner = await replicas.wait_deployment_ready(client, high.name, 120)
+    # Jobs are listed by model and state (what the Temporal UI filters on).
+    query = (
+        f"WorkflowType = 'Deployment' AND ReplicaModel = '{high.name}' AND ReplicaState = 'steady'"
+    )
+    async with asyncio.timeout(30):
+        while not [wf.id async for wf in client.list_workflows(query)]:
+            await asyncio.sleep(0.2)
 
     gone = await replicas.status_of(client, victim.replica_id)
     assert gone is not None and gone.phase is ReplicaPhase.STOPPED
@@ -166,8 +176,56 @@ async def test_long_lived_deployment_continues_as_new_and_keeps_its_replicas(
     async with asyncio.timeout(60):
         while pids_with_args("--alias", spec.name):
             await asyncio.sleep(0.2)
-    for slot in after.slots:
-        final = await replicas.status_of(client, slot.replica_id)
-        assert final is not None and final.phase is ReplicaPhase.STOPPED
+    async with asyncio.timeout(60):
+        for slot in after.slots:
+            while (final := await replicas.status_of(client, slot.replica_id)) is None or (
+                final.phase is not ReplicaPhase.STOPPED
+            ):
+                await asyncio.sleep(0.2)
     await record(client, handle.id, "deployment_continued_as_new", run_id=first_run)
     await record(client, handle.id, "deployment_cancelled")
+
+
+async def test_scale_down_drains_the_least_loaded_replica(
+    system: System, client: Client, tiny: TinyModel
+) -> None:
+    spec = ModelSpec(
+        name="tiny-least-loaded",
+        source=str(tiny.model_path),
+        context_length=2048,
+        engine_args=["--parallel", "1"],
+    )
+    system.spawn("control")
+    system.spawn_agent("load-node")
+    await replicas.wait_node_registered(client, "load-node", 60)
+    await replicas.apply_deployment(client, spec, 2, timeouts=FAST)
+    both = await _until(
+        client, spec.name, lambda s: len(s.slots) == 2 and all(x.ready for x in s.slots)
+    )
+    # Load the newest replica: "newest first" would have drained it.
+    busy = max(both.slots, key=lambda s: s.slot)
+    idle = min(both.slots, key=lambda s: s.slot)
+    memo = await replicas.replica_memo(client, busy.replica_id)
+    assert memo is not None
+    store = Store(system.store_url)
+    key = engine_key(store.engine_key_secret(), busy.replica_id)
+    store.close()
+    body = {"prompt": "hi", "max_tokens": 1500, "stream": True}
+    async with (
+        httpx.AsyncClient(timeout=120) as http,
+        http.stream(
+            "POST", f"{memo.endpoint}/v1/completions", json=body,
+            headers={"Authorization": f"Bearer {key}"},
+        ) as stream,
+    ):  # fmt: skip
+        lines = stream.aiter_lines()
+        await anext(lines)  # generating
+        await replicas.apply_deployment(client, spec, 1, timeouts=FAST)
+        after = await _until(client, spec.name, lambda s: len(s.slots) == 1)
+        assert after.slots[0].replica_id == busy.replica_id
+        chunks = [line async for line in lines if line.startswith("data: ")]
+    assert chunks[-1] == "data: [DONE]", "the busy replica's stream ran to its end"
+    gone = await replicas.status_of(client, idle.replica_id)
+    assert gone is not None and gone.reason == "scaled down"
+    await replicas.remove_deployment(client, spec, 60)
+    await record(client, deployment_workflow_id(spec.name), "deployment_scale_down_least_loaded")

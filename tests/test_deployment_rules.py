@@ -19,3 +19,16 @@ def test_scale_down_retires_the_newest_live_slots() -> None:
     slots = [Slot(slot=0), Slot(slot=1, reaped=True), Slot(slot=2), Slot(slot=3)]
     assert [s.slot for s in slots_to_retire(slots, 1)] == [3, 2]
     assert slots_to_retire(slots, 3) == []
+
+
+def test_scale_down_drains_the_least_loaded_serving_replica() -> None:
+    serving = [Slot(slot=n, ready=True) for n in range(4)]
+    loads = {0: 3.0, 1: 0.0, 2: None, 3: 5.0}  # slot 2's engine could not say
+    assert [s.slot for s in slots_to_retire(serving, 2, loads)] == [1, 0]
+
+
+def test_scale_down_drains_a_replica_not_serving_yet_first() -> None:
+    slots = [Slot(slot=0, ready=True), Slot(slot=1, ready=True), Slot(slot=2)]
+    assert [s.slot for s in slots_to_retire(slots, 2, {0: 0.0, 1: 0.0})] == [2]
+    # Equal loads: the newest goes.
+    assert [s.slot for s in slots_to_retire(slots[:2], 1, {0: 0.0, 1: 0.0})] == [1]

@@ -41,8 +41,15 @@ async def test_drain_node_moves_the_replica_to_another_node(
     assert gone is not None and gone.phase is ReplicaPhase.STOPPED
     assert first.node_id in (await replicas.fleet_snapshot(client)).cordoned
 
-    jobs = [wf.id async for wf in client.list_workflows("WorkflowType = 'DrainNode'")]
-    job = next(j for j in jobs if j.startswith(f"drain-node/{first.node_id}/"))
+    # The job is listed by node and state (what the Temporal UI filters on).
+    query = (
+        f"WorkflowType = 'DrainNode' AND ReplicaNode = '{first.node_id}'"
+        " AND ReplicaState = 'drained'"
+    )
+    async with asyncio.timeout(30):
+        while not (jobs := [wf.id async for wf in client.list_workflows(query)]):
+            await asyncio.sleep(0.2)
+    [job] = jobs
     await record(client, job, "drain_node")
     snap = await replicas.cordon(client, first.node_id, cordoned=False)
     assert snap.cordoned == []

@@ -2,6 +2,7 @@
 llama.cpp engine, router; the official openai client as the user."""
 
 import asyncio
+import json
 import re
 import subprocess
 import sys
@@ -16,7 +17,9 @@ from temporalio.client import Client
 
 from llmgw import replicas
 from llmgw.errors import EngineError
+from llmgw.keys import engine_key
 from llmgw.queues import replica_workflow_id
+from llmgw.store import Store
 from llmgw.tinymodel import TinyModel
 from llmgw.types import EngineKind, ModelSpec, ReplicaPhase, ReplicaTimeouts
 from tests.harness import System, free_port, wait_routable
@@ -298,3 +301,31 @@ async def test_model_apply_deploys_and_explain_gives_reasons(
     assert "e2e-node: needs 1 free healthy GPUs, has 0" in refused.stdout
 
     await replicas.remove_deployment(client, ModelSpec(name="tiny-cat", source="x"), 60)
+
+
+def test_bench_prints_a_table_and_valid_json(system: System, served: dict[str, str]) -> None:
+    common = ["--model", MODEL, "--requests", "12", "--concurrency", "3", "--max-tokens", "8",
+              "--prompt-tokens", "4"]  # fmt: skip
+    run = _cli(
+        system, "bench", "--url", served["base"], "--api-key", served["key"], *common, "--json"
+    )
+    assert run.returncode == 0, run.stderr
+    gateway = json.loads(run.stdout)
+    assert (gateway["requests"], gateway["errors"]) == (12, 0)
+    assert gateway["ttft_p50_ms"] > 0 and gateway["itl_p50_ms"] > 0
+    assert gateway["output_tokens"] == 12 * 8 and gateway["requests_per_s"] > 0
+
+    # Straight at the engine with its key: the same figures without the gateway.
+    store = Store(system.store_url)
+    key = engine_key(store.engine_key_secret(), served["replica"])
+    store.close()
+    direct = subprocess.run(
+        [sys.executable, "-m", "llmgw", "bench", "--engine", "--url", f"{served['endpoint']}/v1",
+         *common, "--no-stream"],
+        env=system.env | {"LLMGW_ENGINE_KEY": key}, capture_output=True, text=True, timeout=180,
+        check=False,
+    )  # fmt: skip
+    assert direct.returncode == 0, direct.stderr
+    for measure in ("requests/s", "latency p50 / p99", "TTFT p50 / p99", "output tokens/s"):
+        assert measure in direct.stdout
+    assert re.search(r"requests \(errors\)\s*│\s*12 \(0\)", direct.stdout), direct.stdout

@@ -90,9 +90,7 @@ async def test_lost_ledger_is_rebuilt_and_dead_replicas_release_their_room(
     system: System, client: Client, tiny: TinyModel
 ) -> None:
     spec = ModelSpec(name="tiny-ledger", source=str(tiny.model_path))
-    system.spawn("control", FAST_RECOVERY | {"LLMGW_RECONCILE_CATALOG": "false"})
-    system.spawn_agent("ledger-node", FAST_AGENT)
-    await replicas.wait_node_registered(client, "ledger-node", 60)
+    await _ledger_only_system(system, client, "ledger-node")
     kept = await replicas.start_replica(client, spec)
     doomed = await replicas.start_replica(client, spec)
     for rid in (kept, doomed):
@@ -136,6 +134,13 @@ def _serving(port: str) -> list[int]:
     return pids_with_args(f"--listen 127.0.0.1:{port} ")
 
 
+async def _ledger_only_system(system: System, client: Client, node: str) -> None:
+    """A control worker auditing only the ledger, fast, and one agent."""
+    system.spawn("control", FAST_RECOVERY | {"LLMGW_RECONCILE_CATALOG": "false"})
+    system.spawn_agent(node, FAST_AGENT)
+    await replicas.wait_node_registered(client, node, 60)
+
+
 async def _none_running(port: str) -> bool:
     return _serving(port) == []
 
@@ -144,9 +149,7 @@ async def test_replicas_of_a_terminated_deployment_are_stopped(
     system: System, client: Client, tiny: TinyModel
 ) -> None:
     spec = ModelSpec(name="tiny-parentless", source=str(tiny.model_path))
-    system.spawn("control", FAST_RECOVERY | {"LLMGW_RECONCILE_CATALOG": "false"})
-    system.spawn_agent("parentless-node", FAST_AGENT)
-    await replicas.wait_node_registered(client, "parentless-node", 60)
+    await _ledger_only_system(system, client, "parentless-node")
     await replicas.apply_deployment(client, spec, 1)
     memo = await replicas.wait_deployment_ready(client, spec.name, 120)
     # Terminated, a deployment cannot drain its replicas (they outlive its runs).

@@ -21,6 +21,7 @@ EXPECTED = {
     "deployment_crashloop_reaped",
     "deployment_preempted",
     "deployment_rolling_restart",
+    "deployment_scale_down_least_loaded",
     "deployment_scale_up_down",
     "drain_node",
     "replica_drain_in_flight",

@@ -81,24 +81,32 @@ async def probe_ready(
     return ids, "ready"
 
 
-async def engine_busy(
+async def engine_load(
     http: httpx.AsyncClient, endpoint: str, key: str, engine: str
-) -> tuple[bool | None, str]:
-    """Whether the engine is working on requests (None: it cannot tell us)."""
+) -> tuple[float | None, str]:
+    """How many requests the engine is working on (None: it cannot tell us)."""
     headers = {"Authorization": f"Bearer {key}"}
     try:
         if engine == "llama.cpp":
             slots = (await http.get(f"{endpoint}/slots", headers=headers)).json()
             busy = sum(1 for s in slots if s.get("is_processing"))
-            return busy > 0, f"{busy} slots processing"
+            return float(busy), f"{busy} slots processing"
         if engine == "vllm":
             text = (await http.get(f"{endpoint}/metrics", headers=headers)).text
             running = _metric_sum(text, "vllm:num_requests_running")
             waiting = _metric_sum(text, "vllm:num_requests_waiting")
-            return running + waiting > 0, f"{running:g} running, {waiting:g} waiting"
+            return running + waiting, f"{running:g} running, {waiting:g} waiting"
     except (httpx.HTTPError, ValueError, AttributeError) as exc:
         return None, f"{type(exc).__name__}: {exc}"
     return None, f"{engine} reports no in-flight count"
+
+
+async def engine_busy(
+    http: httpx.AsyncClient, endpoint: str, key: str, engine: str
+) -> tuple[bool | None, str]:
+    """Whether the engine is working on requests (None: it cannot tell us)."""
+    load, detail = await engine_load(http, endpoint, key, engine)
+    return (None if load is None else load > 0), detail
 
 
 def _metric_sum(text: str, name: str) -> float:

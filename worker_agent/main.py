@@ -27,6 +27,7 @@ from llmgw.reconcile import workflow_running
 from llmgw.settings import AgentSettings
 from llmgw.store import Store
 from llmgw.temporal import connect
+from llmgw.tracing import setup_tracing
 from llmgw.types import (
     EngineKind,
     FleetSnapshot,
@@ -189,11 +190,15 @@ async def run(settings: AgentSettings) -> None:
     sources = sources_from(settings.sys_root, settings.gpu_snapshot)
     latest = [inventory(settings, supervisor, sources, report.lost, installs)]
     node_activities = build_activities(settings, secret, supervisor, installs, lambda: latest[0])
+    tracing = setup_tracing(settings.tracing, "agent")
+    # Registration rounds are not traced (a trace every 30 s per node is
+    # noise); the node's activities are, as part of their caller's trace.
     client = await connect(settings.temporal_address, settings.temporal_namespace)
     queue = node_queue(settings.node_id)
     worker = Worker(
         client,
         task_queue=queue,
+        interceptors=tracing.interceptors(),
         activities=[
             node_activities.fetch_weights,
             node_activities.reserve_port,
@@ -201,6 +206,7 @@ async def run(settings: AgentSettings) -> None:
             node_activities.wait_shard_ready,
             node_activities.watch_shard,
             node_activities.drain_shard,
+            node_activities.shard_load,
             node_activities.stop_shard,
             node_activities.shard_log_tail,
         ],
@@ -226,6 +232,7 @@ async def run(settings: AgentSettings) -> None:
         except RPCError as exc:
             log.warning("could not deregister: %s", exc)
     await node_activities.aclose()
+    tracing.shutdown()
 
 
 def main() -> None:

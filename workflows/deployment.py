@@ -17,10 +17,13 @@ import asyncio
 from datetime import datetime, timedelta
 
 from temporalio import workflow
-from temporalio.exceptions import ChildWorkflowError
+from temporalio.common import RetryPolicy
+from temporalio.exceptions import ActivityError, ChildWorkflowError
 from temporalio.workflow import ChildWorkflowHandle, ParentClosePolicy
 
 with workflow.unsafe.imports_passed_through():
+    from activities import names
+    from llmgw import search_attributes as sa
     from llmgw.queues import replica_workflow_id
     from llmgw.types import (
         DeploymentCarry,
@@ -33,12 +36,18 @@ with workflow.unsafe.imports_passed_through():
         RollingRestartInput,
         ScaleInput,
         SetModelInput,
+        ShardLoad,
+        ShardRef,
         Slot,
         StopReplicaInput,
     )
+    from workflows.calls import node_activity
     from workflows.deployment_rules import backoff_s, should_reap, slots_to_retire
+    from workflows.spans import decision
 
 Outcome = tuple[int, ReplicaStatus | None, str]
+JOB_SEARCH_ATTRIBUTES_PATCH = "job-search-attributes-v1"
+LEAST_LOADED_PATCH = "scale-down-least-loaded-v1"
 
 
 @workflow.defn(name="Deployment")
@@ -61,6 +70,7 @@ class DeploymentWorkflow:
         self._changed = False
         self._next_slot = carry.next_slot
         self._rolling: list[int] = carry.rolling
+        self._published = ""
 
     @workflow.run
     async def run(self, input: DeploymentInput) -> DeploymentStatus:
@@ -68,6 +78,7 @@ class DeploymentWorkflow:
         try:
             while True:
                 await self._reconcile()
+                self._publish()
                 if self._desired == 0 and not self._active():
                     break
                 if self._history_long():
@@ -92,6 +103,22 @@ class DeploymentWorkflow:
         """A replica ended (sent by replicas, whichever run started them)."""
         self._ended[final.replica_id] = final
         self._changed = True
+
+    def _publish(self) -> None:
+        """Model and state as search attributes: the Temporal UI lists jobs by them."""
+        live = self._live()
+        if self._rolling or any(s.replaces is not None for s in self._slots):
+            state = "rolling"
+        elif len(live) == self._desired and all(s.ready for s in live):
+            state = "steady"
+        else:
+            state = "scaling" if self._desired else "removing"
+        if state == self._published or not workflow.patched(JOB_SEARCH_ATTRIBUTES_PATCH):
+            return
+        self._published = state
+        workflow.upsert_search_attributes(
+            [sa.REPLICA_MODEL.value_set(self._input.model.name), sa.REPLICA_STATE.value_set(state)]
+        )
 
     def _active(self, number: int | None = None) -> bool:
         """Whether slot ``number`` (any slot, when None) has a replica running."""
@@ -154,6 +181,7 @@ class DeploymentWorkflow:
         for slot in self._slots:
             if slot.replica_id == notice.replica_id:
                 slot.ready = True
+                slot.node_id = notice.node_id
         self._changed = True
 
     @workflow.query(name="status")
@@ -179,14 +207,44 @@ class DeploymentWorkflow:
         while len(self._live()) < self._desired:
             self._slots.append(Slot(slot=self._next_slot))
             self._next_slot += 1
-        for slot in slots_to_retire(self._live(), self._desired):
-            await self._retire(slot)
+        live = self._live()
+        if len(live) > self._desired:
+            loads = await self._loads(live) if workflow.patched(LEAST_LOADED_PATCH) else {}
+            for slot in slots_to_retire(live, self._desired, loads):
+                await self._retire(slot)
         await self._roll()
         now = workflow.now()
         for slot in self._slots:
             due = not slot.next_start_at or datetime.fromisoformat(slot.next_start_at) <= now
             if not slot.reaped and not self._active(slot.slot) and due:
                 await self._start(slot)
+
+    async def _loads(self, slots: list[Slot]) -> dict[int, float | None]:
+        """Requests in flight on each serving replica, asked of its node's agent."""
+        quick = self._input.timeouts.model_copy(update={"schedule_to_start_s": 5.0})
+        asks = {
+            s.slot: asyncio.ensure_future(
+                node_activity(
+                    s.node_id,
+                    names.SHARD_LOAD,
+                    ShardRef(replica_id=s.replica_id),
+                    ShardLoad,
+                    quick,
+                    timedelta(seconds=10),
+                    retry=RetryPolicy(maximum_attempts=1),
+                )
+            )
+            for s in slots
+            if s.ready and s.node_id and self._active(s.slot)
+        }
+        loads: dict[int, float | None] = {}
+        for number, ask in asks.items():
+            try:
+                loads[number] = (await ask).in_flight
+            except ActivityError:
+                loads[number] = None  # unknown counts as busy
+        workflow.logger.info("deployment %s loads by slot: %s", self._input.model.name, loads)
+        return loads
 
     async def _roll(self) -> None:
         """One step of a rolling restart: at most one surge replica at a time."""
@@ -225,12 +283,15 @@ class DeploymentWorkflow:
         )
         self._handles[slot.slot] = handle
         self._running[slot.slot] = asyncio.ensure_future(_outcome(slot.slot, handle))
+        decision("deployment.start", model=name, slot=slot.slot, replica=slot.replica_id)
         workflow.logger.info("deployment %s slot %d: replica %s", name, slot.slot, slot.replica_id)
 
     async def _retire(self, slot: Slot) -> None:
         if slot.slot in self._retiring:
             return
         self._retiring.add(slot.slot)
+        decision("deployment.retire", model=self._input.model.name, slot=slot.slot,
+                 replica=slot.replica_id)  # fmt: skip
         handle = self._handles.get(slot.slot)
         stop = StopReplicaInput(reason="scaled down")
         if handle is not None and slot.slot in self._running:
@@ -290,6 +351,8 @@ class DeploymentWorkflow:
             # Made room for a more important model: not a failure of ours.
             # The replacement waits in placement until room frees up.
             slot.preempted_by = final.preempted_by
+            decision("deployment.preempted", model=self._input.model.name, slot=slot.slot,
+                     replica=slot.replica_id, by=final.preempted_by)  # fmt: skip
             slot.next_start_at = (
                 workflow.now() + timedelta(seconds=policy.initial_backoff_s)
             ).isoformat()
@@ -303,6 +366,8 @@ class DeploymentWorkflow:
         slot.consecutive_failures += 1
         if should_reap(slot, policy):
             slot.reaped = True
+            decision("deployment.reap", model=self._input.model.name, slot=slot.slot,
+                     replica=slot.replica_id, reason=slot.last_reason)  # fmt: skip
             workflow.logger.warning(
                 "deployment %s slot %d reaped after %d failures: %s",
                 self._input.model.name,
@@ -312,6 +377,8 @@ class DeploymentWorkflow:
             )
             return
         delay = backoff_s(slot.consecutive_failures, policy)
+        decision("deployment.restart_scheduled", model=self._input.model.name, slot=slot.slot,
+                 after_s=delay, reason=slot.last_reason)  # fmt: skip
         slot.next_start_at = (workflow.now() + timedelta(seconds=delay)).isoformat()
 
 

@@ -1,5 +1,8 @@
 """A deployment's decisions, as pure functions: when to restart, when to give up."""
 
+import math
+from collections.abc import Mapping
+
 from llmgw.types import RestartPolicy, Slot
 
 
@@ -17,15 +20,24 @@ def should_reap(slot: Slot, policy: RestartPolicy) -> bool:
     return slot.consecutive_failures >= policy.max_consecutive_failures
 
 
-def slots_to_retire(slots: list[Slot], desired: int) -> list[Slot]:
-    """Which live slots to drain when scaling down: the newest first.
+def slots_to_retire(
+    slots: list[Slot], desired: int, loads: Mapping[int, float | None] | None = None
+) -> list[Slot]:
+    """Which live slots to drain when scaling down: the least loaded.
 
-    The router's in-flight counts are not in workflow state, so "least
-    loaded" is approximated by "most recently started", which has had the
-    least time to build up long-running streams.
+    A replica not serving yet goes first (it carries nothing); then the one
+    with the fewest requests in flight, as its engine reported (``loads`` by
+    slot); a replica whose load is unknown counts as busy. Ties go to the
+    newest, which has had the least time to build up long-running streams.
     """
     live = [s for s in slots if not s.reaped]
     excess = len(live) - desired
     if excess <= 0:
         return []
-    return sorted(live, key=lambda s: s.slot, reverse=True)[:excess]
+    known = loads or {}
+
+    def cost(slot: Slot) -> tuple[int, float, int]:
+        load = known.get(slot.slot)
+        return (int(slot.ready), math.inf if load is None else load, -slot.slot)
+
+    return sorted(live, key=cost)[:excess]

@@ -13,6 +13,7 @@ from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
     from activities import names
+    from llmgw import search_attributes as sa
     from llmgw.queues import replica_workflow_id
     from llmgw.types import (
         CordonInput,
@@ -21,6 +22,9 @@ with workflow.unsafe.imports_passed_through():
         FleetSnapshot,
         StopReplicaInput,
     )
+
+
+JOB_SEARCH_ATTRIBUTES_PATCH = "job-search-attributes-v1"
 
 
 def on_node(fleet: FleetSnapshot, node_id: str) -> list[str]:
@@ -39,6 +43,11 @@ class DrainNodeWorkflow:
     @workflow.run
     async def run(self, request: DrainNodeInput) -> DrainNodeResult:
         """Wait until no replica holds the node, or the deadline passes."""
+        publish = workflow.patched(JOB_SEARCH_ATTRIBUTES_PATCH)
+        if publish:
+            workflow.upsert_search_attributes(
+                [sa.REPLICA_NODE.value_set(request.node_id), sa.REPLICA_STATE.value_set("draining")]
+            )
         fleet = await self._fleet(CordonInput(node_id=request.node_id))
         asked = on_node(fleet, request.node_id)
         workflow.logger.info("node %s cordoned; draining %s", request.node_id, asked)
@@ -52,6 +61,9 @@ class DrainNodeWorkflow:
         while remaining and workflow.now() < deadline:
             await asyncio.sleep(request.poll_s)
             remaining = [r for r in on_node(await self._fleet(None), request.node_id) if r in asked]
+        if publish:
+            state = "drained" if not remaining else "timed out"
+            workflow.upsert_search_attributes([sa.REPLICA_STATE.value_set(state)])
         return DrainNodeResult(
             node_id=request.node_id,
             drained=[r for r in asked if r not in remaining],

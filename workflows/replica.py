@@ -56,6 +56,7 @@ with workflow.unsafe.imports_passed_through():
     )
     from workflows.calls import failure_reason, node_activity, stop_rank
     from workflows.replica_state import is_terminal, memo_of, transition
+    from workflows.spans import decision
 
 P = ReplicaPhase
 T = TypeVar("T")
@@ -478,6 +479,7 @@ class ReplicaWorkflow:
     def _move(self, phase: ReplicaPhase, detail: str = "") -> None:
         transition(self._status, phase, workflow.now().isoformat(), detail)
         workflow.logger.info("replica %s -> %s %s", self._input.replica_id, phase, detail)
+        decision(f"replica.{phase.value}", replica=self._input.replica_id, detail=detail)
         self._publish()
         parent = workflow.info().parent
         if phase is P.READY and parent is not None and workflow.patched(NOTIFY_PARENT_PATCH):
@@ -485,7 +487,10 @@ class ReplicaWorkflow:
             # once this one serves.
             self._notify = asyncio.ensure_future(
                 workflow.get_external_workflow_handle(parent.workflow_id).signal(
-                    "replica_ready", ReplicaReadyNotice(replica_id=self._input.replica_id)
+                    "replica_ready",
+                    ReplicaReadyNotice(
+                        replica_id=self._input.replica_id, node_id=self._status.node_id
+                    ),
                 )
             )
 

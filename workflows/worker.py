@@ -15,6 +15,7 @@ from llmgw.reconcile import reconcile_forever
 from llmgw.settings import ControlSettings
 from llmgw.store import Store
 from llmgw.temporal import connect
+from llmgw.tracing import setup_tracing
 from llmgw.types import FleetSnapshot
 from workflows.deployment import DeploymentWorkflow
 from workflows.drain_node import DrainNodeWorkflow
@@ -70,16 +71,23 @@ def build_worker(
 
 async def run(settings: ControlSettings) -> None:
     """Serve until SIGTERM/SIGINT, then shut down gracefully."""
-    client = await connect(settings.temporal_address, settings.temporal_namespace)
+    tracing = setup_tracing(settings.tracing, "control")
+    client = await connect(
+        settings.temporal_address, settings.temporal_namespace, tracing.interceptors()
+    )
     await ensure_fleet(client)
     worker = build_worker(client, settings)
     stop = stop_event_on_signals()
     log.info("control worker on %s (Temporal %s)", CONTROL_QUEUE, settings.temporal_address)
     store = Store(settings.resolved_store_url()) if settings.reconcile_catalog else None
+    # Reconcile passes read through an untraced client (a trace every pass
+    # would be noise); a pass that acts is a trace, its actions through
+    # ``client`` part of it.
+    reads = await connect(settings.temporal_address, settings.temporal_namespace)
     async with worker, asyncio.TaskGroup() as tasks:
         if settings.reconcile_interval_s > 0:
             reconciling = tasks.create_task(
-                reconcile_forever(client, store, settings.reconcile_interval_s)
+                reconcile_forever(reads, client, store, settings.reconcile_interval_s)
             )
         await stop.wait()
         log.info("control worker shutting down")
@@ -87,6 +95,7 @@ async def run(settings: ControlSettings) -> None:
             reconciling.cancel()
     if store is not None:
         store.close()
+    tracing.shutdown()
 
 
 def main() -> None:

@@ -31,6 +31,7 @@ class ReplicaReadyNotice(BaseModel):
     """Signal from a replica to its deployment: it serves now."""
 
     replica_id: str
+    node_id: str = Field(default="", description="the leader's node (asked for its load)")
 
 
 class ScaleInput(BaseModel):
@@ -55,6 +56,7 @@ class Slot(BaseModel):
     )
     ready: bool = False
     preempted_by: str = Field(default="", description="the replica its last one made room for")
+    node_id: str = Field(default="", description="where its replica serves, once ready")
 
 
 class DeploymentCarry(BaseModel):
@@ -83,7 +85,6 @@ class DeploymentInput(BaseModel):
     carry: "DeploymentCarry | None" = Field(
         default=None, description="state carried over by continue-as-new; None when first started"
     )
-
 
 
 class DeploymentStatus(BaseModel):

@@ -112,6 +112,13 @@ class DrainResult(BaseModel):
     detail: str = ""
 
 
+class ShardLoad(BaseModel):
+    """Result of ``shard_load``: requests in flight on the engine right now."""
+
+    in_flight: float | None = Field(default=None, description="None: the engine cannot say")
+    detail: str = ""
+
+
 class StopShardInput(BaseModel):
     """Input of ``stop_shard``: no-op on a stopped shard."""
 

@@ -1,0 +1,25 @@
+"""Decision spans from workflow code: what was decided, and why.
+
+Temporal's tracing interceptor already gives every workflow, activity,
+signal and update a span; these mark the decisions between them (a replica
+preempting, a slot reaped, a restart scheduled). They are completed spans
+(start = end), emitted only when not replaying, and nothing at all when the
+worker runs without tracing.
+"""
+
+from temporalio import workflow
+
+with workflow.unsafe.imports_passed_through():
+    from temporalio.contrib.opentelemetry import TracingWorkflowInboundInterceptor
+    from temporalio.contrib.opentelemetry.workflow import completed_span
+
+Attribute = str | int | float | bool
+
+
+def decision(name: str, **attributes: Attribute) -> None:
+    """Record ``name`` with ``attributes`` under the workflow's current span."""
+    # Without the interceptor (tracing off) completed_span would fall back to
+    # the global tracer with a deprecation warning: skip it instead.
+    if TracingWorkflowInboundInterceptor._from_context() is None:
+        return
+    completed_span(name, attributes={f"llmgw.{k}": v for k, v in attributes.items()})

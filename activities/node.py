@@ -245,20 +245,16 @@ class NodeActivities:
                         ports.append(self._take_port(LOOPBACK))
                     bind = self._bind_cores(ref, spec)
                 launch = self._plan(spec, ports, bind)
-            except LaunchValidationError as err:
-                self._binding.pop(shard_key(ref), None)
-                raise ConfigError(str(err)).to_application_error() from err
-            except LlmgwError as err:
-                self._binding.pop(shard_key(ref), None)
-                raise err.to_application_error() from err
-            try:
                 running = await _heartbeat_while(
                     asyncio.to_thread(self._start, ref, spec, launch),
                     lambda: "waiting for the rendezvous point",
                 )
+            except LaunchValidationError as err:
+                raise ConfigError(str(err)).to_application_error() from err
             except LlmgwError as err:
                 raise err.to_application_error() from err
             finally:
+                # Recorded in the spec file once launched; released if not.
                 self._reserved.difference_update(ports)
                 self._binding.pop(shard_key(ref), None)
         log.info("replica %s rank %d launched pid %d", ref.replica_id, ref.rank, running.pid)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TypeVar
 
 import httpx
+from opentelemetry import trace
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
@@ -199,10 +200,14 @@ class NodeActivities:
             last[0] = line  # read by the heartbeat loop
             log.info("engine install: %s", line)
 
+        span = trace.get_tracer(__name__).start_as_current_span(
+            "engine.install", attributes={"llmgw.engine": engine.value, "llmgw.device": device}
+        )
         try:
-            await _heartbeat_while(
-                asyncio.to_thread(installs.ensure, engine, device, progress), lambda: last[0]
-            )
+            with span:  # a step of its caller's trace (the replica start), minutes when new
+                await _heartbeat_while(
+                    asyncio.to_thread(installs.ensure, engine, device, progress), lambda: last[0]
+                )
         except EngineInstallError as err:
             # Not retried here: the replica fails with the reason, and its
             # deployment's backoff decides when to try again.

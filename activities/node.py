@@ -55,6 +55,7 @@ from worker_agent.adapters import (
     CommandSpec,
     EngineAdapter,
     LaunchValidationError,
+    LoraAdapter,
     ReadyProbe,
     ShardPlan,
     ShardRequest,
@@ -308,12 +309,16 @@ class NodeActivities:
                 "scratch_dir": str(self._sup.scratch_dir(ref)),
             }
         )
+        static = () if spec.model.profile.runtime_lora else spec.model.adapters
         request = ShardRequest(
             model=spec.model,
             profile=spec.model.profile,
             rank=spec.rank,
             node=facts,
             rendezvous=spec.rendezvous,
+            # Catalog adapters only, loaded at start; on-demand ones come
+            # through AdapterLoad (never a path a client supplied).
+            loras=tuple(LoraAdapter(name=a.name, path=a.source) for a in static),
         )
         key = self._engine_key(spec.replica_id)
         adapters = (

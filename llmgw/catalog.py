@@ -17,7 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from llmgw.errors import ConfigError
-from llmgw.types import ModelSpec
+from llmgw.types import EngineKind, ModelSpec
 
 
 class CatalogModel(ModelSpec):
@@ -58,8 +58,37 @@ def parse_catalog(text: str) -> list[CatalogModel]:
     except ValidationError as exc:
         problems = [f"{_where(e['loc'])}: {e['msg']}" for e in exc.errors()]
         raise ConfigError("; ".join(problems)) from exc
-    names = [m.name for m in catalog.models]
+    problems = catalog_problems(catalog.models)
+    if problems:
+        raise ConfigError("; ".join(problems))
+    return catalog.models
+
+
+def catalog_problems(models: list[CatalogModel]) -> list[str]:
+    """What makes a set of entries unusable together, each naming its field.
+
+    Clients address an adapter as the OpenAI ``model``, so adapter names
+    share one namespace with model names.
+    """
+    problems: list[str] = []
+    names = [m.name for m in models]
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
-        raise ConfigError(f"models: duplicate names {', '.join(dupes)}")
-    return catalog.models
+        problems.append(f"models: duplicate names {', '.join(dupes)}")
+    seen: dict[str, str] = {}
+    for i, model in enumerate(models):
+        for j, adapter in enumerate(model.adapters):
+            where = f"models[{i}].adapters[{j}].name"
+            if adapter.name in names:
+                problems.append(f"{where}: {adapter.name!r} is also a model's name")
+            elif adapter.name in seen:
+                problems.append(
+                    f"{where}: {adapter.name!r} is already an adapter of {seen[adapter.name]}"
+                )
+            seen.setdefault(adapter.name, model.name)
+        if model.profile.runtime_lora and model.engine is not EngineKind.VLLM:
+            problems.append(
+                f"models[{i}].profile.runtime_lora: only vLLM loads adapters at runtime "
+                f"({model.engine.value} loads them at start)"
+            )
+    return problems

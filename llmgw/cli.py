@@ -19,6 +19,7 @@ from llmgw.bench_cli import bench
 from llmgw.errors import LlmgwError
 from llmgw.settings import UpSettings, _Common
 from llmgw.store import Store
+from llmgw.store_copy import migrate_store
 from llmgw.temporal import connect
 from llmgw.tracing import Tracing, setup_tracing
 from llmgw.types import ModelSpec, ReplicaMemo
@@ -169,6 +170,7 @@ def model_apply(
 def explain(model: str) -> None:
     """Where a new replica of MODEL would go, or why it cannot be placed."""
     from workflows.placement import choose_node, split_live  # noqa: PLC0415
+    from workflows.preemption import claims, plan_preemption  # noqa: PLC0415
 
     settings = CliSettings()
     spec = _catalog_spec(settings, model)
@@ -177,10 +179,17 @@ def explain(model: str) -> None:
         client = await _connect(settings)
         fleet = await replicas.fleet_snapshot(client)
         live, down = split_live(fleet, datetime.now(UTC))
-        result = choose_node("explain", spec, live, fleet.allocations)
+        held = claims(fleet.allocations, fleet.reservations)
+        result = choose_node("explain", spec, live, held)
         if result.placement is not None:
             nodes = ", ".join(f"rank {s.rank} on {s.node_id}" for s in result.placement.shards())
             out.print(f"{model}: a new replica would be placed: {nodes}")
+        elif plan := plan_preemption("explain", spec, live, fleet.allocations, fleet.reservations):
+            victims = ", ".join(plan.victims)
+            out.print(
+                f"{model}: no free room; priority {spec.priority} would preempt {victims} "
+                f"on {plan.placement.node_id}"
+            )
         else:
             out.print(f"{model}: no placement")
         for rejection in [*result.rejections, *down]:
@@ -418,6 +427,31 @@ def stop(replica_id: str, timeout: float = 60.0) -> None:
         console.print(f"{replica_id}: {final.phase}")
 
     _run(go())
+
+
+store_app = typer.Typer(help="The store: SQLite or PostgreSQL", no_args_is_help=True)
+app.add_typer(store_app, name="store")
+
+
+@store_app.command("migrate")
+def store_migrate(
+    to: Annotated[
+        str,
+        typer.Option(
+            "--to",
+            envvar="LLMGW_STORE_MIGRATE_TO",
+            help="the new, empty store, e.g. postgresql://llmgw@db/llmgw"
+            " (password in PGPASSWORD or ~/.pgpass, not in the URL)",
+        ),
+    ],
+) -> None:
+    """Copy the whole store (catalog, keys, engine-key secret) into an empty one."""
+    settings = CliSettings()
+    try:
+        migrate_store(settings.resolved_store_url(), to, lambda line: out.print(line, markup=False))
+    except LlmgwError as exc:
+        _fail(str(exc))
+    out.print("now set LLMGW_STORE_URL to the new store and restart every llmgw process")
 
 
 @keys_app.command("create")

@@ -90,6 +90,8 @@ class RouterSettings(_Common):
     refresh_interval_s: float = 1.0
     upstream_connect_timeout_s: float = 5.0
     upstream_read_timeout_s: float = 600.0
+    # Connections to engines, all replicas together; requests beyond wait.
+    upstream_max_connections: int = 1024
 
 
 class UpSettings(_Common):

@@ -13,9 +13,10 @@ from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 
-from sqlalchemy import event, inspect
-from sqlalchemy.engine import Engine
-from sqlalchemy.exc import IntegrityError, OperationalError
+from sqlalchemy import event, inspect, text
+from sqlalchemy import literal as sa_literal
+from sqlalchemy.engine import URL, Connection, Engine, make_url
+from sqlalchemy.exc import ArgumentError, IntegrityError, OperationalError, SQLAlchemyError
 from sqlmodel import Field, Session, SQLModel, create_engine, select
 
 from llmgw.errors import StoreError
@@ -80,56 +81,117 @@ def _sqlite_pragmas(dbapi_conn: object, _record: object) -> None:
     cursor.close()
 
 
+# Any fixed 64-bit number; every llmgw process uses this one to take turns
+# migrating a PostgreSQL store.
+PG_MIGRATE_LOCK = 0x6C6C6D67_77000001
+
+
+def sqlalchemy_url(url: str) -> URL:
+    """The SQLAlchemy URL of a store URL: ``postgresql://`` means psycopg 3.
+
+    SQLAlchemy would pick psycopg2 for a bare ``postgresql://``; users should
+    not have to know driver names.
+    """
+    parsed = make_url(url)
+    if parsed.drivername in ("postgresql", "postgres"):
+        parsed = parsed.set(drivername="postgresql+psycopg")
+    return parsed
+
+
+def display_url(url: str) -> str:
+    """A store URL fit for messages and logs: the password masked."""
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except ArgumentError:
+        return "<unparseable store URL>"
+
+
+def _create_tables(conn: Connection) -> None:
+    """Every table in SQLModel.metadata, then columns added since a table was made."""
+    SQLModel.metadata.create_all(conn)
+    inspector = inspect(conn)
+    quote = conn.dialect.identifier_preparer.quote
+    for table in SQLModel.metadata.sorted_tables:
+        have = {c["name"] for c in inspector.get_columns(table.name)}
+        for column in table.columns:
+            if column.name in have:
+                continue
+            kind = column.type.compile(dialect=conn.dialect)
+            default = getattr(column.default, "arg", None)
+            literal = ""
+            if isinstance(default, (bool, int, float, str)):
+                # Rendered by the dialect: True is 1 in SQLite, true in PostgreSQL.
+                rendered = sa_literal(default, column.type).compile(
+                    dialect=conn.dialect, compile_kwargs={"literal_binds": True}
+                )
+                literal = f" DEFAULT {rendered}"
+            conn.exec_driver_sql(
+                f"ALTER TABLE {quote(table.name)} ADD COLUMN {quote(column.name)} {kind}{literal}"
+            )
+
+
 class Store:
     """Access to the store; build one per process and pass it down."""
 
     def __init__(self, url: str) -> None:
-        self._engine: Engine = create_engine(url, pool_pre_ping=True)
+        try:
+            parsed = sqlalchemy_url(url)
+        except ArgumentError as exc:
+            raise StoreError(f"bad store URL {display_url(url)!r}: {exc}") from None
+        self.backend = parsed.get_backend_name()
         self._sqlite_file: Path | None = None
-        if url.startswith("sqlite"):
+        if self.backend == "postgresql":
+            # Timestamps are stored without a zone; UTC on every connection
+            # keeps them meaning the same whatever the server's TimeZone.
+            self._engine: Engine = create_engine(
+                parsed, pool_pre_ping=True, connect_args={"options": "-c timezone=UTC"}
+            )
+        else:
+            self._engine = create_engine(parsed, pool_pre_ping=True)
+        if self.backend == "sqlite":
             event.listen(self._engine, "connect", _sqlite_pragmas)
-            if url.startswith("sqlite:///") and url != "sqlite:///:memory:":
-                self._sqlite_file = Path(url.removeprefix("sqlite:///"))
+            if parsed.database and parsed.database != ":memory:":
+                self._sqlite_file = Path(parsed.database)
+
+    @property
+    def engine(self) -> Engine:
+        """The SQLAlchemy engine (for whole-store operations such as a copy)."""
+        return self._engine
 
     def migrate(self) -> None:
-        """Create missing tables; safe when several processes start at once."""
-        if self._sqlite_file is not None:
-            # Processes starting together (agent, router, CLI) would each see
-            # a table missing and race to create it: one at a time.
-            self._sqlite_file.parent.mkdir(parents=True, exist_ok=True)
-            with open(f"{self._sqlite_file}.migrate-lock", "w") as lock:
-                fcntl.flock(lock, fcntl.LOCK_EX)
-                self._create_tables()
-            return
-        self._create_tables()
+        """Create missing tables and columns; safe when several processes start at once."""
+        try:
+            if self.backend == "postgresql":
+                # DDL is transactional here: the lock is held to commit, so
+                # processes starting together migrate one after another and
+                # each later one finds everything in place.
+                with self._engine.begin() as conn:
+                    conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": PG_MIGRATE_LOCK})
+                    _create_tables(conn)
+            elif self._sqlite_file is not None:
+                # Processes starting together (agent, router, CLI) would each
+                # see a table missing and race to create it: one at a time.
+                self._sqlite_file.parent.mkdir(parents=True, exist_ok=True)
+                with open(f"{self._sqlite_file}.migrate-lock", "w") as lock:
+                    fcntl.flock(lock, fcntl.LOCK_EX)
+                    self._create_sqlite_tables()
+            else:
+                self._create_sqlite_tables()
+        except SQLAlchemyError as exc:
+            raise StoreError(f"cannot migrate the store: {exc}") from exc
 
-    def _create_tables(self) -> None:
+    def _create_sqlite_tables(self) -> None:
         for attempt in range(3):
             try:
-                SQLModel.metadata.create_all(self._engine)
-                self._add_missing_columns()
+                with self._engine.begin() as conn:
+                    _create_tables(conn)
                 return
             except OperationalError as exc:
-                # Two processes both saw a table missing and both created it:
-                # the loser's next pass finds everything in place.
+                # Two processes both saw a table missing and both created it
+                # (a store not under the file lock): the loser's next pass
+                # finds everything in place.
                 if "already exists" not in str(exc) or attempt == 2:
-                    raise StoreError(f"cannot migrate the store: {exc}") from exc
-
-    def _add_missing_columns(self) -> None:
-        """Additive migrations: columns added to a table since it was created."""
-        inspector = inspect(self._engine)
-        with self._engine.begin() as conn:
-            for table in SQLModel.metadata.sorted_tables:
-                have = {c["name"] for c in inspector.get_columns(table.name)}
-                for column in table.columns:
-                    if column.name in have:
-                        continue
-                    kind = column.type.compile(dialect=self._engine.dialect)
-                    default = getattr(column.default, "arg", None)
-                    literal = f" DEFAULT {default!r}" if isinstance(default, (int, str)) else ""
-                    conn.exec_driver_sql(
-                        f'ALTER TABLE "{table.name}" ADD COLUMN "{column.name}" {kind}{literal}'
-                    )
+                    raise
 
     def close(self) -> None:
         """Release pooled connections."""
@@ -191,20 +253,28 @@ class Store:
 
     def put_model(self, spec: ModelSpec, replicas: int | None = None) -> None:
         """Add or replace a catalog entry (and its desired replicas, when given)."""
-        with self._session() as session:
-            row = session.get(ModelRecord, spec.name) or ModelRecord(
-                name=spec.name, engine=spec.engine.value, source=spec.source
-            )
-            row.spec_json = spec.model_dump_json()
-            if replicas is not None:
-                row.replicas = replicas
-            row.engine = spec.engine.value
-            row.source = spec.source
-            row.gpus = spec.gpus
-            row.context_length = spec.context_length
-            row.engine_args_json = json.dumps(spec.engine_args)
-            session.add(row)
-            session.commit()
+        for attempt in range(2):
+            with self._session() as session:
+                row = session.get(ModelRecord, spec.name) or ModelRecord(
+                    name=spec.name, engine=spec.engine.value, source=spec.source
+                )
+                row.spec_json = spec.model_dump_json()
+                if replicas is not None:
+                    row.replicas = replicas
+                row.engine = spec.engine.value
+                row.source = spec.source
+                row.gpus = spec.gpus
+                row.context_length = spec.context_length
+                row.engine_args_json = json.dumps(spec.engine_args)
+                session.add(row)
+                try:
+                    session.commit()
+                    return
+                except IntegrityError:
+                    # Another writer added the same name between our read and
+                    # insert: the second pass updates its row instead.
+                    if attempt == 1:
+                        raise
 
     def get_model(self, name: str) -> ModelSpec | None:
         """A catalog entry by name."""

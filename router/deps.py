@@ -18,7 +18,11 @@ class Deps:
     proxy: Proxy
 
 
-def get_deps(request: Request) -> Deps:
-    """FastAPI dependency: the app's Deps."""
+async def get_deps(request: Request) -> Deps:
+    """FastAPI dependency: the app's Deps.
+
+    Async on purpose: FastAPI runs a plain ``def`` dependency in its thread
+    pool, a thread hop on every request.
+    """
     deps: Deps = request.app.state.deps
     return deps

@@ -2,6 +2,8 @@
 
 import asyncio
 import logging
+from collections.abc import Coroutine
+from typing import Any
 
 import httpx
 import uvicorn
@@ -11,37 +13,69 @@ from llmgw.settings import RouterSettings
 from llmgw.store import Store
 from llmgw.temporal import connect
 from router.app import create_app
-from router.routing import TemporalReplicaSource
+from router.routing import ReplicaSource, TemporalReplicaSource
 
 log = logging.getLogger(__name__)
 
 
-async def run(settings: RouterSettings) -> None:
-    """Serve until uvicorn is told to stop (it handles SIGINT/SIGTERM)."""
-    store = Store(settings.resolved_store_url())
-    store.migrate()
-    client = await connect(settings.temporal_address, settings.temporal_namespace)
+def build(settings: RouterSettings, store: Store, source: ReplicaSource) -> uvicorn.Config:
+    """The served app as ``llmgw router`` runs it (the benchmark serves the same)."""
     upstream = httpx.AsyncClient(
         timeout=httpx.Timeout(
             settings.upstream_read_timeout_s, connect=settings.upstream_connect_timeout_s
-        )
+        ),
+        # Keep every connection alive: httpx keeps only 20 by default, so past
+        # 20 requests in flight each response closed one and the next request
+        # paid a new TCP connection (and left a TIME_WAIT socket behind).
+        limits=httpx.Limits(
+            max_connections=settings.upstream_max_connections,
+            max_keepalive_connections=settings.upstream_max_connections,
+        ),
     )
     app = create_app(
         store,
-        TemporalReplicaSource(client),
+        source,
         settings.refresh_interval_s,
         http=upstream,
         on_close=store.close,
     )
-    config = uvicorn.Config(
+    return uvicorn.Config(
         app, host=settings.host, port=settings.port, log_level=settings.log_level.lower()
     )
+
+
+async def serve(settings: RouterSettings, store: Store, source: ReplicaSource) -> None:
+    """Serve until uvicorn is told to stop (it handles SIGINT/SIGTERM)."""
+    config = build(settings, store, source)
     log.info("router on http://%s:%d", settings.host, settings.port)
     await uvicorn.Server(config).serve()
+
+
+async def run(settings: RouterSettings) -> None:
+    """The router with its routing table read off Temporal."""
+    store = Store(settings.resolved_store_url())
+    store.migrate()
+    client = await connect(settings.temporal_address, settings.temporal_namespace)
+    await serve(settings, store, TemporalReplicaSource(client))
+
+
+def run_loop(main: Coroutine[Any, Any, None]) -> None:
+    """``asyncio.run``, on uvloop where it is installed.
+
+    ``Server.serve`` runs on whatever loop it is given (only uvicorn's own
+    ``run`` picks uvloop), and uvloop roughly halves the router's CPU per
+    request (tests/bench/bench_router.py).
+    """
+    try:
+        import uvloop  # noqa: PLC0415
+    except ImportError:
+        asyncio.run(main)
+        return
+    uvloop.run(main)
 
 
 def main() -> None:
     """Run the router."""
     settings = RouterSettings()
     setup_logging(settings.log_level, "router")
-    asyncio.run(run(settings))
+    run_loop(run(settings))

@@ -11,6 +11,7 @@ from temporalio.client import Client
 from llmgw.temporal import connect
 from llmgw.tinymodel import TinyModel, generate_tiny_model
 from tests.harness import REPO, System, free_port, start_devserver
+from tests.pg import PgCluster, find_bindir
 
 if TYPE_CHECKING:
     from llmgw.engine_install import LlamaCppInstall
@@ -76,3 +77,33 @@ def tinyhf(tmp_path_factory: pytest.TempPathFactory) -> "TinyHfModel":
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
     """The generated tiny model and its LoRA adapters."""
     return generate_tiny_model(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="session")
+def pg_cluster() -> Iterator[PgCluster]:
+    """A throwaway PostgreSQL server for the session.
+
+    Missing binaries fail the tests (CI installs the package); a developer
+    without PostgreSQL may skip them with LLMGW_TEST_ALLOW_NO_PG=1.
+    """
+    bindir = find_bindir()
+    if bindir is None:
+        if os.environ.get("LLMGW_TEST_ALLOW_NO_PG") == "1":
+            pytest.skip("no PostgreSQL binaries and LLMGW_TEST_ALLOW_NO_PG=1")
+        pytest.fail(
+            "PostgreSQL binaries not found (apt-get install postgresql);"
+            " set LLMGW_TEST_ALLOW_NO_PG=1 to skip the PostgreSQL tests locally"
+        )
+    cluster = PgCluster(bindir, free_port())
+    cluster.start()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """An empty store's URL, once per database llmgw supports."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'store.db'}"
+    cluster: PgCluster = request.getfixturevalue("pg_cluster")
+    return cluster.create_database()

@@ -42,3 +42,25 @@ def test_errors_name_the_field(text: str, message: str) -> None:
     with pytest.raises(ConfigError) as err:
         parse_catalog(text)
     assert message in str(err.value)
+
+
+def test_adapter_names_share_the_model_namespace() -> None:
+    text = """
+models:
+  - name: base
+    source: /m.gguf
+    adapters: [{name: sql, source: /a/sql.gguf}, {name: base, source: /a/x.gguf}]
+  - name: other
+    source: /o.gguf
+    adapters: [{name: sql, source: /a/sql2.gguf}]
+"""
+    with pytest.raises(ConfigError) as err:
+        parse_catalog(text)
+    assert "models[0].adapters[1].name: 'base' is also a model's name" in str(err.value)
+    assert "models[1].adapters[0].name: 'sql' is already an adapter of base" in str(err.value)
+
+
+def test_runtime_lora_is_vllm_only() -> None:
+    text = "models: [{name: m, source: /m.gguf, profile: {runtime_lora: true}}]"
+    with pytest.raises(ConfigError, match=r"models\[0\].profile.runtime_lora: only vLLM"):
+        parse_catalog(text)

@@ -1,6 +1,8 @@
 """Deployments with real engines: preemption, restart backoff and reaping."""
 
 import asyncio
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -52,6 +54,14 @@ async def test_higher_priority_preempts_lower_and_both_sides_record_it(
     policy = RestartPolicy(initial_backoff_s=0.2)
     await replicas.apply_deployment(client, low, 1, timeouts=FAST, restart=policy)
     victim = await replicas.wait_deployment_ready(client, low.name, 120)
+    system.catalog(low, high)
+    explained = await asyncio.to_thread(
+        subprocess.run, [sys.executable, "-m", "llmgw", "explain", high.name],
+        env=system.env, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert f"priority 5 would preempt {victim.replica_id} on pre-node" in explained.stdout, (
+        explained.stdout + explained.stderr
+    )
 
     await replicas.apply_deployment(client, high, 1, timeouts=FAST, restart=policy)
     winner = await replicas.wait_deployment_ready(client, high.name, 120)

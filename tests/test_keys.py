@@ -1,12 +1,8 @@
 """Engine-key derivation and client key hashing."""
 
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
-
 import pytest
 
 from llmgw.keys import API_KEY_PREFIX, engine_key, hash_api_key, new_api_key
-from llmgw.store import Store
 
 
 def test_engine_key_is_a_function_of_secret_and_replica() -> None:
@@ -34,13 +30,3 @@ def test_api_keys_are_random_and_hashed() -> None:
     assert hash_api_key(a) == hash_api_key(a)
     assert hash_api_key(a) != hash_api_key(b)
 
-
-def test_concurrent_migrations_of_a_fresh_store(tmp_path: Path) -> None:
-    url = f"sqlite:///{tmp_path / 'race.db'}"
-    stores = [Store(url) for _ in range(4)]
-    with ThreadPoolExecutor(4) as pool:
-        list(pool.map(lambda s: s.migrate(), stores))
-    secrets = {s.engine_key_secret() for s in stores}
-    assert len(secrets) == 1  # every process agrees on the one secret
-    for s in stores:
-        s.close()

@@ -67,3 +67,11 @@ def test_ledger_rebuilt_from_what_nodes_report() -> None:
     assert allocations["wide"].workers == [ShardPlacement(rank=1, node_id="n2", gpu_indices=[1])]
     assert "early" not in allocations  # its leader has not reported yet
     assert rebuild_from_report(allocations, n1) == []  # idempotent
+
+
+def test_a_new_field_at_its_default_keeps_the_digest() -> None:
+    class NextRelease(ModelSpec):
+        some_new_knob: int = 0
+
+    assert NextRelease(name="a", source="/a.gguf").digest() == A.digest()
+    assert A.digest() != A.model_copy(update={"priority": 1}).digest()

@@ -13,11 +13,13 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 
+import httpx
 from temporalio.client import Client
 from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.service import RPCError
 from temporalio.worker import Worker
 
+from activities.adapters import AdapterActivities
 from activities.node import NodeActivities
 from llmgw.engine_install import LlamaCppInstall, ensure_llama_cpp
 from llmgw.keys import engine_key
@@ -190,6 +192,10 @@ async def run(settings: AgentSettings) -> None:
     sources = sources_from(settings.sys_root, settings.gpu_snapshot)
     latest = [inventory(settings, supervisor, sources, report.lost, installs)]
     node_activities = build_activities(settings, secret, supervisor, installs, lambda: latest[0])
+    adapter_http = httpx.AsyncClient(timeout=httpx.Timeout(60.0))
+    adapter_activities = AdapterActivities(
+        supervisor, lambda replica_id: engine_key(secret, replica_id), adapter_http
+    )
     tracing = setup_tracing(settings.tracing, "agent")
     # Registration rounds are not traced (a trace every 30 s per node is
     # noise); the node's activities are, as part of their caller's trace.
@@ -209,6 +215,8 @@ async def run(settings: AgentSettings) -> None:
             node_activities.shard_load,
             node_activities.stop_shard,
             node_activities.shard_log_tail,
+            adapter_activities.load_adapter,
+            adapter_activities.unload_adapter,
         ],
         max_concurrent_activities=64,
         graceful_shutdown_timeout=timedelta(seconds=settings.graceful_shutdown_s),
@@ -232,6 +240,7 @@ async def run(settings: AgentSettings) -> None:
         except RPCError as exc:
             log.warning("could not deregister: %s", exc)
     await node_activities.aclose()
+    await adapter_http.aclose()
     tracing.shutdown()
 
 

@@ -23,6 +23,7 @@ with workflow.unsafe.imports_passed_through():
     from llmgw import search_attributes as sa
     from llmgw.queues import replica_workflow_id
     from llmgw.types import (
+        AdaptersChanged,
         DrainInput,
         DrainResult,
         FetchWeightsInput,
@@ -55,7 +56,7 @@ with workflow.unsafe.imports_passed_through():
         WatchShardInput,
     )
     from workflows.calls import failure_reason, node_activity, stop_rank
-    from workflows.replica_state import is_terminal, memo_of, transition
+    from workflows.replica_state import is_terminal, memo_of, note, transition
     from workflows.spans import decision
 
 P = ReplicaPhase
@@ -145,6 +146,16 @@ class ReplicaWorkflow:
             self._stop = request
             self._status.preempted_by = request.preempted_by
 
+    @workflow.signal(name="adapters_changed")
+    def adapters_changed(self, change: AdaptersChanged) -> None:
+        """An AdapterLoad changed what the engine holds: recorded and published."""
+        held = [a for a in self._status.adapters if a not in change.unloaded]
+        held += [a for a in change.loaded if a not in held]
+        self._status.adapters = held
+        note(self._status, workflow.now().isoformat(), change.reason)
+        workflow.logger.info("replica %s: %s", self._input.replica_id, change.reason)
+        self._publish()
+
     @workflow.query(name="status")
     def status(self) -> ReplicaStatus:
         """The replica's full state."""
@@ -195,6 +206,9 @@ class ReplicaWorkflow:
                 timedelta(seconds=self._t.ready_s + 30),
             )
         )
+        if not model.profile.runtime_lora:
+            # Loaded at start, in catalog order (llama.cpp's per-request ids).
+            self._status.adapters = [a.name for a in model.adapters]
         self._move(P.READY, f"serving {', '.join(ready.model_ids)}")
         exit_info: ShardExit = await self._interruptible(
             self._node_activity(
@@ -496,7 +510,8 @@ class ReplicaWorkflow:
 
     def _publish(self) -> None:
         s = self._status
-        workflow.upsert_memo({"replica": memo_of(s).model_dump(mode="json")})
+        memo = memo_of(s).model_copy(update={"engine": self._input.model.engine.value})
+        workflow.upsert_memo({"replica": memo.model_dump(mode="json")})
         workflow.upsert_search_attributes(
             [
                 sa.REPLICA_MODEL.value_set(s.model),

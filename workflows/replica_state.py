@@ -58,4 +58,11 @@ def memo_of(status: ReplicaStatus) -> ReplicaMemo:
         phase=status.phase,
         node_id=status.node_id,
         endpoint=status.endpoint,
+        adapters=status.adapters,
     )
+
+
+def note(status: ReplicaStatus, at: str, detail: str) -> None:
+    """Record something that happened without a change of phase."""
+    status.history.append(PhaseChange(phase=status.phase, at=at, detail=detail))
+    del status.history[:-MAX_HISTORY]

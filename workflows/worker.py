@@ -17,6 +17,7 @@ from llmgw.store import Store
 from llmgw.temporal import connect
 from llmgw.tracing import setup_tracing
 from llmgw.types import FleetSnapshot
+from workflows.adapter_load import AdapterLoadWorkflow
 from workflows.deployment import DeploymentWorkflow
 from workflows.drain_node import DrainNodeWorkflow
 from workflows.fleet import FleetWorkflow
@@ -27,6 +28,7 @@ from workflows.replica import ReplicaWorkflow
 log = logging.getLogger(__name__)
 
 WORKFLOWS = [
+    AdapterLoadWorkflow,
     DeploymentWorkflow,
     DrainNodeWorkflow,
     FleetWorkflow,

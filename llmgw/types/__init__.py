@@ -6,6 +6,14 @@ pydantic models carried by ``pydantic_data_converter``; import them from
 here, whichever module of the package defines them.
 """
 
+from llmgw.types.adapter import (
+    AdapterCall,
+    AdapterCallResult,
+    AdapterLoadInput,
+    AdapterLoadResult,
+    AdaptersChanged,
+    AdapterSpec,
+)
 from llmgw.types.deployment import (
     DeploymentCarry,
     DeploymentInput,
@@ -90,6 +98,12 @@ from llmgw.types.shard import (
 
 __all__ = [
     "TERMINAL_PHASES",
+    "AdapterCall",
+    "AdapterCallResult",
+    "AdapterLoadInput",
+    "AdapterLoadResult",
+    "AdapterSpec",
+    "AdaptersChanged",
     "CordonInput",
     "DeploymentCarry",
     "DeploymentInput",

@@ -6,6 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from llmgw.types.adapter import AdapterSpec
+
 
 class EngineKind(StrEnum):
     """The inference engines llmgw can run."""
@@ -38,6 +40,9 @@ class EngineProfile(BaseModel):
     max_lora_rank: int = Field(default=16, ge=1)
     runtime_lora: bool = Field(
         default=False, description="adapters loaded on demand through vLLM's runtime LoRA API"
+    )
+    max_loaded_adapters: int = Field(
+        default=4, ge=1, description="runtime_lora: adapters held at most per replica (LRU)"
     )
     allow_tcp: bool = Field(
         default=False,
@@ -82,7 +87,15 @@ class ModelSpec(BaseModel):
     profile: EngineProfile = Field(
         default_factory=EngineProfile, description="parallelism, precision, LoRA, launch mode"
     )
+    adapters: list[AdapterSpec] = Field(
+        default_factory=list,
+        description="LoRA adapters of this model: loaded at start, or on demand (runtime_lora)",
+    )
 
     def digest(self) -> str:
-        """Identifies this exact entry: an engine started from another differs."""
-        return hashlib.sha256(self.model_dump_json().encode()).hexdigest()[:16]
+        """Identifies this exact entry: an engine started from another differs.
+
+        Fields at their defaults are left out, so a release that adds a field
+        does not make every running engine look out of date.
+        """
+        return hashlib.sha256(self.model_dump_json(exclude_defaults=True).encode()).hexdigest()[:16]

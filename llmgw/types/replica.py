@@ -73,6 +73,9 @@ class ReplicaStatus(BaseModel):
     reason: str = ""
     log_tail: list[str] = Field(default_factory=list)
     history: list[PhaseChange] = Field(default_factory=list)
+    adapters: list[str] = Field(
+        default_factory=list, description="LoRA adapters its engine holds (llama.cpp: in id order)"
+    )
     preempted_by: str = Field(default="", description="the replica this one made room for")
     preempting: list[str] = Field(
         default_factory=list,
@@ -88,6 +91,8 @@ class ReplicaMemo(BaseModel):
     phase: ReplicaPhase
     node_id: str = ""
     endpoint: str = ""
+    engine: str = ""
+    adapters: list[str] = Field(default_factory=list)
 
 
 class StopReplicaInput(BaseModel):

@@ -1,0 +1,398 @@
+"""Router overhead benchmark (a script, not a test): prints figures, asserts nothing.
+
+    .venv/bin/python tests/bench/bench_router.py [--no-litellm] [--seconds 5] ...
+
+One run, one fast mock upstream (a raw asyncio OpenAI-compatible server that
+answers /v1/chat/completions at once, JSON or SSE): direct vs through the
+router (served exactly as ``llmgw router`` serves it, with a static routing
+table), then through LiteLLM's proxy when it installs and starts offline.
+
+- added latency: p50/p99 of sequential requests, direct and through the proxy
+  alternating on two kept-alive connections (so noise hits both alike);
+- throughput: closed-loop load from client processes for a fixed time; the
+  router's CPU seconds give requests per CPU-second (its ceiling on one core
+  when the client and the mock share the machine);
+- streams: time to the first SSE event, direct vs through the proxy.
+
+Targets: p50 <= 0.5 ms and p99 <= 2 ms added, >= 2,000 requests/s per process.
+"""
+
+import argparse
+import importlib
+import json
+import os
+import resource
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tests.bench.fasthttp import (
+    MODEL,
+    TOKENS,
+    has_module,
+    interleaved,
+    load,
+    pct,
+    request_bytes,
+    run_loop,
+    serve_upstream,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+SELF = [sys.executable, "-m", "tests.bench.bench_router"]
+
+LITELLM_VENV = Path("/tmp/litellm-venv")
+
+
+def serve_router(upstream: str) -> None:
+    """``llmgw router`` with a static routing table; settings from LLMGW_*."""
+    from llmgw.lifecycle import setup_logging  # noqa: PLC0415
+    from llmgw.settings import RouterSettings  # noqa: PLC0415
+    from llmgw.store import Store  # noqa: PLC0415
+    from llmgw.types import ReplicaMemo, ReplicaPhase  # noqa: PLC0415
+    from router.main import run_loop, serve  # noqa: PLC0415
+
+    class StaticSource:
+        async def replicas(self) -> list[ReplicaMemo]:
+            return [
+                ReplicaMemo(
+                    replica_id="bench-0", model=MODEL, phase=ReplicaPhase.READY, endpoint=upstream
+                )
+            ]
+
+    # What router.main.main does, with the static table for Temporal's.
+    settings = RouterSettings()
+    setup_logging(settings.log_level, "router")
+    store = Store(settings.resolved_store_url())
+    store.migrate()
+    run_loop(serve(settings, store, StaticSource()))
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU of a process (and its threads)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@dataclass
+class Throughput:
+    rps: float
+    errors: int
+    p50_ms: float
+    p99_ms: float
+    cpu_s: float
+
+
+def throughput(
+    port: int, raw: bytes, procs: int, conns: int, seconds: float, pid: int
+) -> Throughput:
+    cpu0 = cpu_seconds(pid)
+    started = time.perf_counter()
+    children = [
+        subprocess.Popen(
+            [*SELF, "_load", str(port), str(conns), str(seconds)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            cwd=REPO,
+        )
+        for _ in range(procs)
+    ]
+    results = []
+    for child in children:
+        out, _ = child.communicate(raw, timeout=seconds + 60)
+        results.append(json.loads(out))
+    elapsed = time.perf_counter() - started
+    cpu = cpu_seconds(pid) - cpu0
+    lat = [x for r in results for x in r["lat"]]
+    ok = sum(r["ok"] for r in results)
+    return Throughput(
+        ok / seconds,
+        sum(r["errors"] for r in results),
+        pct(lat, 0.5) * 1e3,
+        pct(lat, 0.99) * 1e3,
+        cpu * seconds / elapsed,  # CPU spent inside the load window, roughly
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_http(port: int, path: str, ok: Callable[[bytes], bool], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=2) as s:
+                s.sendall(f"GET {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n".encode())
+                data = b""
+                while chunk := s.recv(65536):
+                    data += chunk
+            if ok(data):
+                return True
+        except OSError:
+            pass
+        time.sleep(0.2)
+    return False
+
+
+def spawn(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    with open(log, "wb") as out:
+        return subprocess.Popen(
+            args, env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+        )
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+@dataclass
+class Target:
+    name: str
+    port: int
+    key: str
+    pid: int
+
+
+def measure(target: Target, up_port: int, args: argparse.Namespace) -> list[str]:
+    path = "/v1/chat/completions"
+    direct = request_bytes(path, "none", False)
+    proxied = request_bytes(path, target.key, False)
+    cpu0 = cpu_seconds(target.pid)
+    seq = run_loop(lambda: interleaved(direct, up_port, proxied, target.port, args.requests))
+    cpu1 = cpu_seconds(target.pid)
+    streams = run_loop(
+        lambda: interleaved(
+            request_bytes(path, "none", True),
+            up_port,
+            request_bytes(path, target.key, True),
+            target.port,
+            args.streams,
+        )
+    )
+    cpu2 = cpu_seconds(target.pid)
+    load_ = throughput(
+        target.port, proxied, args.client_procs, args.conns, args.seconds, target.pid
+    )
+    ms = 1e3
+    # Warm-up requests were served too: count them in the CPU per request.
+    per_request = (cpu1 - cpu0) / (args.requests + args.requests // 10) * 1e6
+    per_stream = (cpu2 - cpu1) / (args.streams + args.streams // 10) * 1e6
+    return [
+        f"== {target.name}",
+        f"sequential requests: {len(seq.proxied_total)} (errors {seq.errors})",
+        f"  direct  p50 {pct(seq.direct_total, .5) * ms:.3f} ms  p99 {pct(seq.direct_total, .99) * ms:.3f} ms",  # noqa: E501
+        f"  proxied p50 {pct(seq.proxied_total, .5) * ms:.3f} ms  p99 {pct(seq.proxied_total, .99) * ms:.3f} ms",  # noqa: E501
+        f"  ADDED   p50 {(pct(seq.proxied_total, .5) - pct(seq.direct_total, .5)) * ms:.3f} ms"
+        f"  p99 {(pct(seq.proxied_total, .99) - pct(seq.direct_total, .99)) * ms:.3f} ms"
+        "   (target <= 0.5 / 2 ms)",
+        f"  proxy process CPU per request {per_request:.0f} us",
+        f"streams: {len(streams.proxied_first)} (errors {streams.errors}), time to first event",
+        f"  direct  p50 {pct(streams.direct_first, .5) * ms:.3f} ms  p99 {pct(streams.direct_first, .99) * ms:.3f} ms",  # noqa: E501
+        f"  proxied p50 {pct(streams.proxied_first, .5) * ms:.3f} ms  p99 {pct(streams.proxied_first, .99) * ms:.3f} ms",  # noqa: E501
+        f"  TTFT ADDED p50 {(pct(streams.proxied_first, .5) - pct(streams.direct_first, .5)) * ms:.3f} ms"  # noqa: E501
+        f"  p99 {(pct(streams.proxied_first, .99) - pct(streams.direct_first, .99)) * ms:.3f} ms",
+        f"  proxy process CPU per stream ({TOKENS} upstream writes) {per_stream:.0f} us,"
+        f" ~{(per_stream - per_request) / (TOKENS - 1):.0f} us per event beyond a request's",
+        f"load: {args.client_procs} client procs x {args.conns} conns, {args.seconds:.0f} s",
+        f"  {load_.rps:,.0f} requests/s (errors {load_.errors}), latency p50 {load_.p50_ms:.2f} ms"
+        f" p99 {load_.p99_ms:.2f} ms   (target >= 2,000/s)",
+        f"  proxy process CPU {load_.cpu_s:.2f} s in {args.seconds:.0f} s ->"
+        f" {load_.rps * args.seconds / max(load_.cpu_s, 1e-9):,.0f} requests per CPU-second",
+    ]
+
+
+def client_cost(up_port: int, n: int) -> list[str]:
+    """CPU per request of the upstream HTTP client alone, sequential, against the mock.
+
+    httpx is what the router forwards with; aiohttp (when installed) is the
+    alternative measured on the same requests.
+    """
+    import httpx  # noqa: PLC0415
+
+    url = f"http://127.0.0.1:{up_port}/v1/chat/completions"
+    body = request_bytes("/", "x", False).split(b"\r\n\r\n", 1)[1]
+    headers = {"Authorization": "Bearer x", "Content-Type": "application/json"}
+
+    def cpu() -> float:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return usage.ru_utime + usage.ru_stime
+
+    async def with_httpx() -> float:
+        async with httpx.AsyncClient() as client:
+            started = 0.0
+            for i in range(n + n // 10):
+                if i == n // 10:
+                    started = cpu()
+                request = client.build_request("POST", url, content=body, headers=headers)
+                response = await client.send(request, stream=True)
+                await response.aread()
+                await response.aclose()
+            return (cpu() - started) / n
+
+    async def with_aiohttp() -> float:
+        aiohttp: Any = importlib.import_module("aiohttp")
+        async with aiohttp.ClientSession() as session:
+            started = 0.0
+            for i in range(n + n // 10):
+                if i == n // 10:
+                    started = cpu()
+                async with session.post(url, data=body, headers=headers) as response:
+                    await response.read()
+            return (cpu() - started) / n
+
+    lines = [f"== upstream HTTP client alone ({n} sequential requests to the mock, CPU/request)"]
+    lines.append(f"  httpx (the router's): {run_loop(with_httpx) * 1e6:.0f} us")
+    if has_module("aiohttp"):
+        lines.append(f"  aiohttp:              {run_loop(with_aiohttp) * 1e6:.0f} us")
+    else:
+        lines.append("  aiohttp: not installed (pip install aiohttp to compare)")
+    return lines
+
+
+def ensure_litellm(venv: Path) -> tuple[Path | None, str]:
+    """LiteLLM's proxy in a throwaway venv: its path, or why not."""
+    exe = venv / "bin" / "litellm"
+    if exe.exists():
+        return exe, ""
+    try:
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+        done = subprocess.run(
+            [str(venv / "bin" / "pip"), "install", "-q", "litellm[proxy]"],
+            capture_output=True, text=True, timeout=900, check=False,
+        )  # fmt: skip
+    except (OSError, subprocess.SubprocessError) as exc:
+        return None, f"venv/pip failed: {exc}"
+    if done.returncode != 0 or not exe.exists():
+        return None, f"pip install 'litellm[proxy]' failed: {done.stderr.strip()[-500:]}"
+    return exe, ""
+
+
+def start_litellm(
+    exe: Path, up_port: int, work: Path, log: Path
+) -> tuple[subprocess.Popen[bytes] | None, int, str]:
+    port = free_port()
+    config = work / "litellm.yaml"
+    config.write_text(
+        "model_list:\n"
+        f"  - model_name: {MODEL}\n"
+        "    litellm_params:\n"
+        f"      model: openai/{MODEL}\n"
+        f"      api_base: http://127.0.0.1:{up_port}/v1\n"
+        "      api_key: none\n"
+        "general_settings:\n"
+        "  master_key: sk-bench-litellm\n"
+    )
+    # Offline: the bundled model cost map, no telemetry.
+    env = dict(os.environ, LITELLM_LOCAL_MODEL_COST_MAP="True", LITELLM_LOG="ERROR")
+    env["NO_PROXY"] = "*"
+    proc = spawn(
+        [str(exe), "--config", str(config), "--host", "127.0.0.1", "--port", str(port),
+         "--num_workers", "1"],
+        env, log,
+    )  # fmt: skip
+    if wait_http(port, "/health/liveliness", lambda d: b" 200 " in d[:20], 180):
+        return proc, port, ""
+    stop(proc)
+    return None, 0, f"did not start: {log.read_text(errors='replace')[-800:]}"
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1].startswith("_"):  # child processes
+        role, rest = sys.argv[1], sys.argv[2:]
+        if role == "_upstream":
+            serve_upstream(int(rest[0]), float(rest[1]))
+        elif role == "_router":
+            serve_router(rest[0])
+        elif role == "_load":
+            load(int(rest[0]), sys.stdin.buffer.read(), int(rest[1]), float(rest[2]))
+        return
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--requests", type=int, default=2000, help="sequential requests")
+    p.add_argument("--streams", type=int, default=500, help="sequential streams")
+    p.add_argument("--seconds", type=float, default=5.0, help="load duration")
+    p.add_argument("--client-procs", type=int, default=2)
+    p.add_argument("--conns", type=int, default=32, help="connections per client process")
+    p.add_argument("--token-gap-ms", type=float, default=1.0, help="mock: between stream events")
+    p.add_argument("--no-litellm", action="store_true")
+    p.add_argument("--litellm-venv", type=Path, default=LITELLM_VENV)
+    args = p.parse_args()
+    run(args)
+
+
+def run(args: argparse.Namespace) -> None:
+    from llmgw.store import Store  # noqa: PLC0415
+
+    work = Path(tempfile.mkdtemp(prefix="llmgw-bench-"))
+    store_url = f"sqlite:///{work / 'store.db'}"
+    store = Store(store_url)
+    store.migrate()
+    key = store.create_api_key("bench")
+    store.close()
+    up_port, router_port = free_port(), free_port()
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        upstream = spawn(
+            [*SELF, "_upstream", str(up_port), str(args.token_gap_ms / 1e3)],
+            dict(os.environ), work / "upstream.log",
+        )  # fmt: skip
+        procs.append(upstream)
+        env = dict(os.environ, LLMGW_STORE_URL=store_url, LLMGW_PORT=str(router_port))
+        router = spawn([*SELF, "_router", f"http://127.0.0.1:{up_port}"],
+                       env, work / "router.log")  # fmt: skip
+        procs.append(router)
+        loaded = b'"routing_table_loaded":true'
+        if not wait_http(router_port, "/healthz", lambda d: loaded in d, 60):
+            sys.exit(f"router did not start: {(work / 'router.log').read_text()[-2000:]}")
+        print(f"python {sys.version.split()[0]}, uvloop {'yes' if has_module('uvloop') else 'no'}, "
+              f"httptools {'yes' if has_module('httptools') else 'no'}, {os.cpu_count()} CPUs, "
+              f"load {os.getloadavg()[0]:.2f}")  # fmt: skip
+        gap = args.token_gap_ms
+        print(f"mock upstream: {TOKENS} tokens, streamed one write each, {gap} ms apart")
+        plain = request_bytes("/v1/chat/completions", "none", False)
+        baseline = throughput(
+            up_port, plain, args.client_procs, args.conns, args.seconds, upstream.pid
+        )
+        print(f"== mock upstream alone: {baseline.rps:,.0f} requests/s"
+              f" (p50 {baseline.p50_ms:.2f} ms), the ceiling of what follows")  # fmt: skip
+        for line in measure(Target("llmgw router", router_port, key, router.pid), up_port, args):
+            print(line, flush=True)
+        stop(router)
+        for line in client_cost(up_port, args.requests):
+            print(line, flush=True)
+        if args.no_litellm:
+            return
+        exe, why = ensure_litellm(args.litellm_venv)
+        if exe is None:
+            print(f"== LiteLLM proxy: not measured, {why}")
+            return
+        litellm, port, why = start_litellm(exe, up_port, work, work / "litellm.log")
+        if litellm is None:
+            print(f"== LiteLLM proxy: not measured, {why}")
+            return
+        procs.append(litellm)
+        target = Target("LiteLLM proxy (1 worker)", port, "sk-bench-litellm", litellm.pid)
+        for line in measure(target, up_port, args):
+            print(line, flush=True)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                stop(proc)
+        print(f"logs in {work}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,143 @@
+"""AdapterLoad against an engine following vLLM's documented runtime-LoRA API.
+
+The engine here is tests/fake_vllm.py (a real HTTP server process started by
+the node's supervisor, keyed like a real engine), not vLLM itself: these
+tests are about single flight, failures and eviction, and must not wait a
+minute for vLLM to start. The workflow and the node activities are the real
+ones, on a real Temporal dev server.
+"""
+
+import asyncio
+import os
+import sys
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+from temporalio.client import Client, WorkflowFailureError
+from temporalio.common import WorkflowIDConflictPolicy
+from temporalio.worker import Worker
+
+from activities.adapters import AdapterActivities
+from llmgw.keys import engine_key
+from llmgw.procs import wait_for
+from llmgw.queues import node_queue
+from llmgw.types import AdapterLoadInput, AdapterLoadResult, AdapterSpec, ShardRef
+from tests.harness import free_port, port_open
+from worker_agent.supervisor import Command, Supervisor
+from workflows.adapter_load import AdapterLoadWorkflow
+
+SECRET = "adapter-secret"
+FAKE = Path(__file__).with_name("fake_vllm.py")
+
+
+@dataclass
+class Node:
+    """A node with one fake-vLLM replica, its activities served in-process."""
+
+    node_id: str
+    replica_id: str
+    endpoint: str
+    queue: str
+    adapters: Path
+
+    async def loads(self) -> int:
+        async with httpx.AsyncClient() as http:
+            text = (await http.get(f"{self.endpoint}/metrics")).text
+        return int(float(text.split("fake_vllm_lora_loads_total ")[1].split()[0]))
+
+    async def held(self) -> list[str]:
+        headers = {"Authorization": f"Bearer {engine_key(SECRET, self.replica_id)}"}
+        async with httpx.AsyncClient() as http:
+            data = (await http.get(f"{self.endpoint}/v1/models", headers=headers)).json()["data"]
+        return sorted(m["id"] for m in data if m["parent"])
+
+
+@pytest.fixture
+async def node(client: Client, tmp_path: Path) -> AsyncIterator[Node]:
+    suffix = uuid.uuid4().hex[:6]
+    node_id, replica_id = f"lora-node-{suffix}", f"lora-base-{suffix}"
+    sup = Supervisor(tmp_path / "agent", node_id)
+    port = free_port()
+    env = dict(os.environ, VLLM_API_KEY=engine_key(SECRET, replica_id))
+    argv = [sys.executable, str(FAKE), "serve", "base", "--port", str(port)]
+    ref = ShardRef(replica_id=replica_id)
+    endpoint = f"http://127.0.0.1:{port}"
+    sup.launch(ref, [Command(argv, env)], port, endpoint, {"engine": "vllm"})
+    assert await asyncio.to_thread(wait_for, lambda: port_open(port), 30)
+    adapters = tmp_path / "adapters"
+    for name in ("sql", "chat", "bad-rank"):
+        (adapters / name).mkdir(parents=True)
+        rank = 64 if name == "bad-rank" else 8
+        (adapters / name / "adapter_config.json").write_text(f'{{"r": {rank}}}')
+    queue = f"wf-{suffix}"
+    async with (
+        httpx.AsyncClient(timeout=30) as http,
+        Worker(
+            client,
+            task_queue=node_queue(node_id),
+            activities=[
+                (
+                    acts := AdapterActivities(sup, lambda r: engine_key(SECRET, r), http)
+                ).load_adapter,
+                acts.unload_adapter,
+            ],
+        ),
+        Worker(client, task_queue=queue, workflows=[AdapterLoadWorkflow]),
+    ):
+        yield Node(node_id, replica_id, endpoint, queue, adapters)
+    sup.stop(ref, grace_s=5)
+
+
+async def _load(
+    client: Client, node: Node, name: str, evict: str | None = None
+) -> AdapterLoadResult:
+    spec = AdapterSpec(name=name, source=str(node.adapters / name))
+    result: AdapterLoadResult = await client.execute_workflow(
+        AdapterLoadWorkflow.run,
+        AdapterLoadInput(
+            replica_id=node.replica_id, node_id=node.node_id, adapter=spec, evict=evict
+        ),
+        id=f"adapter/{node.replica_id}/{name}",
+        task_queue=node.queue,
+        id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+    )
+    return result
+
+
+def _root(err: BaseException) -> str:
+    """The innermost cause's message (workflow failure -> activity -> application)."""
+    while (cause := getattr(err, "cause", None)) is not None:
+        err = cause
+    return str(err)
+
+
+async def test_fifty_concurrent_requests_for_a_cold_adapter_load_it_once(
+    client: Client, node: Node
+) -> None:
+    results = await asyncio.gather(*(_load(client, node, "sql") for _ in range(50)))
+    assert await node.loads() == 1
+    assert {r.adapter for r in results} == {"sql"} and any(r.loaded for r in results)
+    assert await node.held() == ["sql"]
+
+
+async def test_a_failed_load_says_why_and_poisons_nothing(client: Client, node: Node) -> None:
+    with pytest.raises(WorkflowFailureError) as missing:
+        await _load(client, node, "nowhere")
+    assert "does not exist on this node" in _root(missing.value)
+    with pytest.raises(WorkflowFailureError) as too_big:
+        await _load(client, node, "bad-rank")
+    assert "greater than max_lora_rank" in _root(too_big.value)
+    # The same replica loads the next adapter, and a retry of a failed name runs anew.
+    assert (await _load(client, node, "chat")).loaded
+    assert await node.held() == ["chat"]
+
+
+async def test_evict_unloads_the_idle_adapter_first(client: Client, node: Node) -> None:
+    await _load(client, node, "sql")
+    result = await _load(client, node, "chat", evict="sql")
+    assert result.loaded and result.evicted == "sql"
+    assert await node.held() == ["chat"]

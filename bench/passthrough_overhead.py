@@ -36,6 +36,12 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of ``pid``: steady where wall time is not (shared cores)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _pct(values: list[float], q: float) -> float:
     return sorted(values)[min(len(values) - 1, int(q * len(values)))]
 
@@ -60,7 +66,9 @@ async def _stream(http: httpx.AsyncClient, url: str, tokens: int) -> tuple[float
     return time.perf_counter() - start, chunks
 
 
-async def _measure(direct: str, proxied: str, requests: int, streams: int, tokens: int) -> None:
+async def _measure(
+    direct: str, proxied: str, requests: int, streams: int, tokens: int, front_pid: int
+) -> None:
     async with httpx.AsyncClient(timeout=120) as http:
         for base in (direct, proxied):  # warm both connections and the engine
             await _timed(http, "GET", base + "/health", None)
@@ -77,28 +85,36 @@ async def _measure(direct: str, proxied: str, requests: int, streams: int, token
         for name, method, path, body in cases:
             d: list[float] = []
             p: list[float] = []
+            cpu = 0.0
             for _ in range(requests):
                 d.append(await _timed(http, method, direct + path, body))
+                before = _cpu_s(front_pid)
                 p.append(await _timed(http, method, proxied + path, body))
+                cpu += _cpu_s(front_pid) - before
             md, mp = statistics.median(d), statistics.median(p)
             print(
                 f"{name:32s} direct median {md * 1e3:7.3f} ms p90 {_pct(d, 0.9) * 1e3:7.3f} ms | "
                 f"through pass-through median {mp * 1e3:7.3f} ms p90 {_pct(p, 0.9) * 1e3:7.3f} ms"
-                f" | added {(mp - md) * 1e3:+.3f} ms per request  (n={requests} each)"
+                f" | added {(mp - md) * 1e3:+.3f} ms per request  (n={requests} each);"
+                f" pass-through CPU {cpu * 1e3 / requests:.3f} ms per request"
             )
         sd: list[float] = []
         sp: list[float] = []
         chunks = 0
+        cpu = 0.0
         for _ in range(streams):
             t, chunks = await _stream(http, direct, tokens)
             sd.append(t)
+            before = _cpu_s(front_pid)
             t, _ = await _stream(http, proxied, tokens)
+            cpu += _cpu_s(front_pid) - before
             sp.append(t)
         md, mp = statistics.median(sd), statistics.median(sp)
         print(
             f"stream of {chunks} tokens            direct median {md * 1e3:7.1f} ms | "
             f"through pass-through median {mp * 1e3:7.1f} ms | added "
-            f"{(mp - md) * 1e6 / max(chunks, 1):+.1f} us per streamed token (n={streams} each)"
+            f"{(mp - md) * 1e6 / max(chunks, 1):+.1f} us per streamed token (n={streams} each);"
+            f" pass-through CPU {cpu * 1e6 / (streams * max(chunks, 1)):.1f} us per streamed token"
         )
 
 
@@ -135,6 +151,7 @@ def main() -> int:
                     args.requests,
                     args.streams,
                     args.tokens,
+                    front.pid,
                 )
             )
         finally:

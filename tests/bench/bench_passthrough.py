@@ -5,7 +5,7 @@ its key, and the pass-through in front of it, then times the same requests sent
 directly and through the pass-through, interleaved so that drift on a shared
 machine hits both alike. Prints medians and p90s; asserts nothing.
 
-    .venv/bin/python bench/passthrough_overhead.py [--requests 300] [--streams 20]
+    .venv/bin/python -m tests.bench.bench_passthrough [--requests 300] [--streams 20]
 """
 
 import argparse
@@ -24,7 +24,7 @@ from llmgw.procs import Child, wait_for
 from llmgw.tinymodel import generate_tiny_model
 from worker_agent import passthrough
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 KEY = "llmgw-engine-bench"
 
 

@@ -8,14 +8,20 @@ no-op on a stopped shard, wait and watch are pure observation.
 import asyncio
 import logging
 import os
-from collections.abc import Awaitable, Callable, Mapping
+import shutil
+import sys
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import TypeVar
 
 import httpx
+from opentelemetry import trace
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from activities import names
+from llmgw.engine_install import EngineInstallError
 from llmgw.errors import (
     ConfigError,
     EngineExitedError,
@@ -44,7 +50,9 @@ from llmgw.types import (
     WaitReadyResult,
     WatchShardInput,
 )
+from worker_agent import passthrough
 from worker_agent.adapters import (
+    CommandSpec,
     EngineAdapter,
     LaunchValidationError,
     LoraAdapter,
@@ -55,6 +63,15 @@ from worker_agent.adapters import (
     node_facts,
     plan_shard,
 )
+from worker_agent.cpu_share import (
+    NOBIND,
+    choose_binding,
+    cores_per_engine,
+    format_cpu_list,
+    kv_cache_bytes,
+    parse_cpu_list,
+)
+from worker_agent.engines import EngineInstalls
 from worker_agent.launching import (
     engine_busy,
     engine_load,
@@ -62,12 +79,26 @@ from worker_agent.launching import (
     probe_ready,
     wait_listening,
 )
-from worker_agent.supervisor import Command, RunningShard, Supervisor
+from worker_agent.supervisor import Command, RunningShard, Supervisor, shard_key
+from worker_agent.users import reachable
 from worker_agent.weights import WeightsCache, WeightsError
 
 log = logging.getLogger(__name__)
 
 EngineKeyFn = Callable[[str], str]
+# Engines listen here only; the node's address is the pass-through's.
+LOOPBACK = "127.0.0.1"
+
+
+@dataclass(frozen=True)
+class _Launch:
+    """A planned shard with the ports and cores the agent gave it."""
+
+    plan: ShardPlan
+    port: int  # published: the pass-through's, or the shard's own when not fronted
+    internal_port: int | None  # the engine's loopback HTTP port behind the pass-through
+    key: str
+    bind: str  # VLLM_CPU_OMP_THREADS_BIND, "" when not bound
 
 
 T = TypeVar("T")
@@ -96,8 +127,16 @@ class NodeActivities:
         threads: int = 0,
         http: httpx.AsyncClient | None = None,
         weights: WeightsCache | None = None,
+        installs: EngineInstalls | None = None,
+        cpu_kv_cache_mib: int = 0,
+        cores: Sequence[int] | None = None,
     ) -> None:
         self._sup = supervisor
+        self._installs = installs
+        self._kv_mib = cpu_kv_cache_mib
+        self._cores = list(cores) if cores is not None else sorted(os.sched_getaffinity(0))
+        # Cores promised to launches whose spec file is not written yet.
+        self._binding: dict[str, set[int]] = {}
         self._weights = weights
         self._inventory = inventory
         self._adapters = adapters
@@ -121,6 +160,7 @@ class NodeActivities:
         """Bring the weights into the node's cache, verified, heartbeating progress."""
         if self._weights is None:
             raise ConfigError("this agent has no weights cache").to_application_error()
+        await self._ensure_engine(request.engine, request.device)
         cache = self._weights
         done = [0, 0]
 
@@ -150,6 +190,34 @@ class NodeActivities:
             cached=fetched.cached,
         )
 
+    async def _ensure_engine(self, engine: EngineKind | None, device: str) -> None:
+        """Install the engine on this node if it is not yet (heartbeating its progress)."""
+        if self._installs is None or engine is None:
+            return
+        installs = self._installs
+        last = ["checking the engine install"]
+
+        def progress(line: str) -> None:
+            last[0] = line  # read by the heartbeat loop
+            log.info("engine install: %s", line)
+
+        span = trace.get_tracer(__name__).start_as_current_span(
+            "engine.install", attributes={"llmgw.engine": engine.value, "llmgw.device": device}
+        )
+        try:
+            with span:  # a step of its caller's trace (the replica start), minutes when new
+                await _heartbeat_while(
+                    asyncio.to_thread(installs.ensure, engine, device, progress), lambda: last[0]
+                )
+        except EngineInstallError as err:
+            # Not retried here: the replica fails with the reason, and its
+            # deployment's backoff decides when to try again.
+            raise ApplicationError(
+                f"installing {engine.value} failed: {err}",
+                type="EngineInstallError",
+                non_retryable=True,
+            ) from err
+
     @activity.defn(name=names.RESERVE_PORT)
     async def reserve_port(self, ref: ShardRef) -> PortReservation:
         """A port for a shard that peers must know before it starts (idempotent)."""
@@ -174,34 +242,72 @@ class NodeActivities:
             if found is not None:
                 log.info("replica %s rank %d already running", ref.replica_id, ref.rank)
                 return _handle(found, already_running=True)
+            await self._ensure_engine(spec.model.engine, spec.model.profile.device)
+            ports: list[int] = []
             try:
                 async with self._port_lock:
-                    port = spec.port or self._take_port()
-                plan = self._plan(spec, port)
+                    ports.append(spec.port or self._take_port())
+                    if spec.rank == 0:  # the engine's own, loopback-only HTTP port
+                        ports.append(self._take_port(LOOPBACK))
+                    bind = self._bind_cores(ref, spec)
+                launch = self._plan(spec, ports, bind)
+                running = await _heartbeat_while(
+                    asyncio.to_thread(self._start, ref, spec, launch),
+                    lambda: "waiting for the rendezvous point",
+                )
             except LaunchValidationError as err:
                 raise ConfigError(str(err)).to_application_error() from err
             except LlmgwError as err:
                 raise err.to_application_error() from err
-            try:
-                running = await _heartbeat_while(
-                    asyncio.to_thread(self._start, ref, spec, plan, port),
-                    lambda: "waiting for the rendezvous point",
-                )
-            except LlmgwError as err:
-                raise err.to_application_error() from err
             finally:
-                self._reserved.discard(port)
+                # Recorded in the spec file once launched; released if not.
+                self._reserved.difference_update(ports)
+                self._binding.pop(shard_key(ref), None)
         log.info("replica %s rank %d launched pid %d", ref.replica_id, ref.rank, running.pid)
         return _handle(running, already_running=False)
 
-    def _take_port(self) -> int:
-        port = pick_port(self._host, self._ports, self._sup.used_ports() | self._reserved)
+    def _take_port(self, host: str = "") -> int:
+        used = self._sup.used_ports() | self._reserved
+        port = pick_port(host or self._host, self._ports, used)
         self._reserved.add(port)
         return port
 
-    def _plan(self, spec: ShardSpec, port: int) -> ShardPlan:
+    def _bind_cores(self, ref: ShardRef, spec: ShardSpec) -> str:
+        """Cores of their own for a vLLM CPU engine; ``""`` for every other shard."""
+        model = spec.model
+        if model.engine is not EngineKind.VLLM or model.profile.device != "cpu":
+            return ""
+        taken = set().union(*self._binding.values())
+        for running in self._sup.running():
+            taken |= parse_cpu_list(str(self._sup.plan_of(running.ref).get("cpu_bind", "")))
+        inv = self._inventory()
+        per_rank = cores_per_engine(len(self._cores), inv.max_cpu_replicas, self._threads)
+        bind = choose_binding(self._cores, taken, per_rank, model.profile.tp)
+        if bind == NOBIND:
+            log.warning(
+                "replica %s: no %d free cores to bind (held: %s): its threads run unbound",
+                ref.replica_id,
+                per_rank * model.profile.tp,
+                format_cpu_list(taken) or "none",
+            )
+        self._binding[shard_key(ref)] = parse_cpu_list(bind)
+        return bind
+
+    def _plan(self, spec: ShardSpec, ports: list[int], bind: str) -> _Launch:
+        fronted = len(ports) > 1
+        inv = self._inventory()
+        ref = ShardRef(replica_id=spec.replica_id, rank=spec.rank)
         facts = node_facts(
-            self._inventory(), spec.gpu_indices, port, host=self._host, threads=self._threads
+            inv, spec.gpu_indices, ports[-1], host=self._host, threads=self._threads
+        ).model_copy(
+            update={
+                "http_host": LOOPBACK if fronted else "",
+                "cpu_threads_bind": bind or NOBIND,
+                "kv_cache_bytes": kv_cache_bytes(
+                    inv.memory_mib, inv.max_cpu_replicas, self._kv_mib
+                ),
+                "scratch_dir": str(self._sup.scratch_dir(ref)),
+            }
         )
         static = () if spec.model.profile.runtime_lora else spec.model.adapters
         request = ShardRequest(
@@ -215,10 +321,31 @@ class NodeActivities:
             loras=tuple(LoraAdapter(name=a.name, path=a.source) for a in static),
         )
         key = self._engine_key(spec.replica_id)
-        return plan_shard(request, key, engine_base_env(os.environ), self._adapters)
+        adapters = (
+            self._installs.adapters(spec.model.profile.device) if self._installs else self._adapters
+        )
+        plan = plan_shard(request, key, engine_base_env(os.environ), adapters)
+        if plan.serves_http and not fronted:
+            raise ConfigError(f"rank {spec.rank} serves HTTP but only rank 0 is fronted")
+        return _Launch(
+            plan=plan,
+            port=ports[0],
+            internal_port=ports[-1] if fronted else None,
+            key=key,
+            bind=bind,
+        )
 
-    def _start(self, ref: ShardRef, spec: ShardSpec, plan: ShardPlan, port: int) -> RunningShard:
-        commands = [Command(list(c.argv), {**plan.env, **c.env}) for c in plan.commands]
+    def _start(self, ref: ShardRef, spec: ShardSpec, launch: _Launch) -> RunningShard:
+        plan, port = launch.plan, launch.port
+        specs = list(plan.commands)
+        commands = [self._command(c.argv, {**plan.env, **c.env}) for c in specs]
+        if plan.serves_http and launch.internal_port is not None:
+            # First, so it leads the process group: one signal stops it with the engine.
+            upstream = f"http://{LOOPBACK}:{launch.internal_port}"
+            env = {**engine_base_env(os.environ), passthrough.KEY_ENV: launch.key}
+            argv = passthrough.command(sys.executable, self._host, port, upstream)
+            commands.insert(0, self._command(tuple(argv), env))
+            specs.insert(0, CommandSpec(name="passthrough", argv=tuple(argv)))
         endpoint = f"http://{self._host}:{port}" if plan.serves_http else f"{self._host}:{port}"
         record = {
             "model": spec.model.name,
@@ -229,6 +356,8 @@ class NodeActivities:
             "serves_http": plan.serves_http,
             "ready_probe": plan.ready_probe.model_dump(mode="json") if plan.ready_probe else None,
             "plan": plan.loggable(),
+            "internal_port": launch.internal_port,
+            "cpu_bind": launch.bind,
         }
         return self._sup.launch(
             ref,
@@ -236,8 +365,19 @@ class NodeActivities:
             port,
             endpoint,
             record,
-            before_each=lambda i: wait_listening(plan.commands[i].wait_for),
+            before_each=lambda i: wait_listening(specs[i].wait_for),
         )
+
+    def _command(self, argv: Sequence[str], env: Mapping[str, str]) -> Command:
+        """A command, run as the agent's user when the engine user cannot reach its program."""
+        run_as = self._sup.run_as
+        if run_as is None:
+            return Command(list(argv), env)
+        program = Path(shutil.which(argv[0]) or argv[0]).resolve()
+        if reachable(program, run_as.uid, run_as.groups):
+            return Command(list(argv), env)
+        log.warning("%s cannot reach %s: it runs as the agent's user", run_as.user, program)
+        return Command(list(argv), env, as_agent=True)
 
     @activity.defn(name=names.WAIT_SHARD_READY)
     async def wait_shard_ready(self, request: WaitReadyInput) -> WaitReadyResult:
@@ -274,16 +414,30 @@ class NodeActivities:
     async def watch_shard(self, request: WatchShardInput) -> ShardExit:
         """Return when the shard's engine exits; heartbeat while it runs."""
         ref = request.shard
+        sidecar: tuple[str, int] | None = None
         while self._sup.find_running(ref) is not None:
             if activity.is_worker_shutdown():
                 # The engine outlives the agent; a retry on the next agent
                 # process resumes watching it.
                 raise ApplicationError("agent shutting down", type="AgentShutdown")
+            sidecar = self._sup.dead_sidecar(ref)
+            if sidecar is not None:
+                # An engine nobody can reach (its pass-through is gone) is down.
+                await asyncio.to_thread(self._sup.stop, ref, 5.0)
+                break
             activity.heartbeat("running")
             self._sup.trim_log(ref)
             await asyncio.sleep(request.poll_interval_s)
         code = self._sup.exit_code(ref)
+        if sidecar is None:
+            # Whatever killed the leader, its children (vLLM's EngineCore and
+            # workers, the pass-through) must not outlive it.
+            await asyncio.to_thread(self._sup.kill_leftovers, ref)
         tail = self._sup.log_tail(ref, 30)
+        if sidecar is not None:
+            reason = f"{sidecar[0]} exited with code {sidecar[1]}; engine stopped"
+            log.warning("replica %s rank %d: %s", ref.replica_id, ref.rank, reason)
+            return ShardExit(exit_code=code, reason=reason, log_tail=tail)
         if self._sup.stopped_on_request(ref):
             # The stop raced this watch's cancellation: not a failure.
             return ShardExit(exit_code=code, reason="stopped on request", log_tail=tail)
@@ -337,6 +491,12 @@ class NodeActivities:
 
     def _running_or_raise(self, ref: ShardRef) -> RunningShard:
         running = self._sup.find_running(ref)
+        sidecar = self._sup.dead_sidecar(ref)
+        if running is not None and sidecar is not None:
+            tail = "\n".join(self._sup.log_tail(ref, 20))
+            raise EngineExitedError(
+                f"{sidecar[0]} exited with code {sidecar[1]} while loading; log tail:\n{tail}"
+            ).to_application_error()
         if running is None:
             code = self._sup.exit_code(ref)
             tail = "\n".join(self._sup.log_tail(ref, 20))

@@ -213,6 +213,7 @@ def agent_inventory(
 ) -> None:
     """What the scheduler would see for this node."""
     from llmgw.settings import AgentSettings  # noqa: PLC0415
+    from worker_agent.engines import installed_engines  # noqa: PLC0415
     from worker_agent.inventory import sources_from  # noqa: PLC0415
     from worker_agent.main import inventory  # noqa: PLC0415
     from worker_agent.supervisor import Supervisor  # noqa: PLC0415
@@ -220,6 +221,7 @@ def agent_inventory(
     settings = AgentSettings()
     shards = Supervisor(settings.work_dir / "agent" / settings.node_id, settings.node_id)
     inv = inventory(settings, shards, sources_from(settings.sys_root, settings.gpu_snapshot))
+    inv.engines = installed_engines(settings.resolved_engine_cache_dir())
     if as_json:
         out.print_json(inv.model_dump_json())
         return
@@ -251,6 +253,8 @@ def agent_inventory(
                 p.link_layer.value, p.netdev or "-", gid,
             )  # fmt: skip
         out.print(ports)
+    for engine in inv.engines:
+        out.print(f"engine: {engine.engine} ({engine.package}=={engine.version}) at {engine.path}")
     for shard in inv.running:
         out.print(f"running: {shard.replica_id} rank {shard.rank} pid {shard.pid} {shard.endpoint}")
 

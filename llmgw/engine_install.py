@@ -183,6 +183,16 @@ def ensure_llama_cpp(
     return cached
 
 
+def find_llama_cpp(cache_dir: Path) -> LlamaCppInstall | None:
+    """The llama.cpp this machine would use, if it is here already (never builds)."""
+    machine, flags = platform.machine(), _read_cpu_flags()
+    if sys.platform.startswith("linux") and wheel_supported(machine, flags):
+        found = _wheel_install()
+        if found is not None:
+            return found
+    return _cached(Path(cache_dir).resolve() / "llama.cpp" / cache_key(machine, flags))
+
+
 def _cached(target: Path) -> LlamaCppInstall | None:
     server = target / "bin" / "llama-server"
     if not ((target / MARKER).is_file() and server.is_file()):

@@ -65,6 +65,8 @@ class AgentSettings(_Common):
     port_range_end: int = 18999
     max_cpu_replicas: int = 4
     engine_threads: int = 0
+    # KV cache of each vLLM CPU engine; 0 gives each a share of the node's memory.
+    cpu_kv_cache_mib: int = 0
     graceful_shutdown_s: float = 5.0
     register_interval_s: float = 30.0
     engine_cache_dir: Path | None = None

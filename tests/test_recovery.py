@@ -97,7 +97,7 @@ async def test_lost_ledger_is_rebuilt_and_dead_replicas_release_their_room(
         await replicas.wait_ready(client, rid, 120)
     doomed_memo = await replicas.wait_ready(client, doomed, 10)
     doomed_port = doomed_memo.endpoint.rsplit(":", 1)[1]
-    assert len(pids_with_args("--port " + doomed_port)) == 1
+    assert len(_serving(doomed_port)) == 1
 
     # The fleet workflow (and with it the ledger) is lost; the agent's next
     # registration starts a new one, and what the node runs is recorded again.
@@ -129,6 +129,11 @@ async def test_lost_ledger_is_rebuilt_and_dead_replicas_release_their_room(
     assert kept not in (await replicas.fleet_snapshot(client)).allocations
 
 
+def _serving(port: str) -> list[int]:
+    """The process at a replica's published port: its engine's pass-through."""
+    return pids_with_args(f"--listen 127.0.0.1:{port} ")
+
+
 async def _ledger_only_system(system: System, client: Client, node: str) -> None:
     """A control worker auditing only the ledger, fast, and one agent."""
     system.spawn("control", FAST_RECOVERY | {"LLMGW_RECONCILE_CATALOG": "false"})
@@ -137,7 +142,7 @@ async def _ledger_only_system(system: System, client: Client, node: str) -> None
 
 
 async def _none_running(port: str) -> bool:
-    return pids_with_args("--port " + port) == []
+    return _serving(port) == []
 
 
 async def test_replicas_of_a_terminated_deployment_are_stopped(

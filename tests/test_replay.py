@@ -19,6 +19,7 @@ EXPECTED = {
     "deployment_cancelled",
     "deployment_continued_as_new",
     "deployment_crashloop_reaped",
+    "deployment_crashloop_reaped_holds",
     "deployment_preempted",
     "deployment_rolling_restart",
     "deployment_scale_down_least_loaded",

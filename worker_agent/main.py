@@ -40,6 +40,7 @@ from llmgw.types import (
 )
 from worker_agent.adapters import EngineAdapter, Launchers, default_adapters
 from worker_agent.adoption import adopt
+from worker_agent.engines import EngineInstalls
 from worker_agent.inventory import Sources, collect, sources_from
 from worker_agent.supervisor import RunningShard, Supervisor
 from worker_agent.users import prepare_home, resolve_run_as
@@ -74,13 +75,15 @@ def build_activities(
     settings: AgentSettings,
     secret: str,
     supervisor: Supervisor,
-    llama: LlamaCppInstall,
+    installs: EngineInstalls,
     current_inventory: Callable[[], NodeInventory],
 ) -> NodeActivities:
     """The node's activities with their real dependencies."""
     return NodeActivities(
         supervisor=supervisor,
-        adapters=engine_adapters(llama),
+        adapters=engine_adapters(installs.llama),
+        installs=installs,
+        cpu_kv_cache_mib=settings.cpu_kv_cache_mib,
         engine_key=lambda replica_id: engine_key(secret, replica_id),
         engine_host=settings.engine_host,
         ports=range(settings.port_range_start, settings.port_range_end + 1),
@@ -95,6 +98,7 @@ def inventory(
     supervisor: Supervisor,
     sources: Sources,
     lost: Sequence[ShardRef] = (),
+    installs: EngineInstalls | None = None,
 ) -> NodeInventory:
     """This node's inventory, with the shards it runs right now."""
     inv = collect(
@@ -107,6 +111,7 @@ def inventory(
     )
     inv.running = [report(r, supervisor.plan_of(r.ref)) for r in supervisor.running()]
     inv.lost = list(lost)
+    inv.engines = installs.installed() if installs is not None else []
     return inv
 
 
@@ -144,12 +149,15 @@ async def _keep_registered(
     supervisor: Supervisor,
     sources: Sources,
     latest: list[NodeInventory],
+    installs: EngineInstalls,
 ) -> None:
     while True:
         await asyncio.sleep(settings.register_interval_s)
         try:
             await stop_orphans(client, supervisor, grace_s=10)
-            latest[0] = await asyncio.to_thread(inventory, settings, supervisor, sources)
+            latest[0] = await asyncio.to_thread(
+                inventory, settings, supervisor, sources, (), installs
+            )
             await register(client, latest[0])
         except Exception as exc:  # keep serving; the next round retries
             log.warning("registration round failed: %s", exc)
@@ -161,9 +169,11 @@ async def run(settings: AgentSettings) -> None:
     store.migrate()
     secret = store.engine_key_secret()
     store.close()
-    llama = ensure_llama_cpp(
-        settings.resolved_engine_cache_dir(), progress=lambda line: log.info("llama.cpp: %s", line)
-    )
+    cache_dir = settings.resolved_engine_cache_dir()
+    llama = ensure_llama_cpp(cache_dir, progress=lambda line: log.info("llama.cpp: %s", line))
+    installs = EngineInstalls(cache_dir, llama)
+    for found in installs.installed():
+        log.info("engine %s: %s==%s at %s", found.engine, found.package, found.version, found.path)
     agent_dir = settings.work_dir / "agent" / settings.node_id
     agent_dir.mkdir(parents=True, exist_ok=True)
     run_as, why = resolve_run_as(settings.engine_user, agent_dir, [llama.server])
@@ -180,8 +190,8 @@ async def run(settings: AgentSettings) -> None:
         len(report.killed),
     )
     sources = sources_from(settings.sys_root, settings.gpu_snapshot)
-    latest = [inventory(settings, supervisor, sources, report.lost)]
-    node_activities = build_activities(settings, secret, supervisor, llama, lambda: latest[0])
+    latest = [inventory(settings, supervisor, sources, report.lost, installs)]
+    node_activities = build_activities(settings, secret, supervisor, installs, lambda: latest[0])
     adapter_http = httpx.AsyncClient(timeout=httpx.Timeout(60.0))
     adapter_activities = AdapterActivities(
         supervisor, lambda replica_id: engine_key(secret, replica_id), adapter_http
@@ -217,7 +227,7 @@ async def run(settings: AgentSettings) -> None:
         await register(client, latest[0])
         log.info("agent %s serving %s (pid %d)", settings.node_id, queue, os.getpid())
         keeper = asyncio.create_task(
-            _keep_registered(client, settings, supervisor, sources, latest)
+            _keep_registered(client, settings, supervisor, sources, latest, installs)
         )
         await stop.wait()
         keeper.cancel()

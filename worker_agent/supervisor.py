@@ -14,8 +14,10 @@ import json
 import logging
 import os
 import re
+import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -46,6 +48,9 @@ class Command:
 
     argv: list[str]
     env: Mapping[str, str]
+    # Run as the agent's user even where engines run as the engine user: for
+    # a program that user cannot reach (an interpreter under a 0700 home).
+    as_agent: bool = False
 
 
 @dataclass(frozen=True)
@@ -149,8 +154,68 @@ class Supervisor:
         return [r for ref in self.recorded() if (r := self.find_running(ref)) is not None]
 
     def used_ports(self) -> set[int]:
-        """Ports recorded by shards that still run."""
-        return {r.port for r in self.running()}
+        """Ports recorded by shards that still run: published and engine-internal."""
+        ports: set[int] = set()
+        for r in self.running():
+            ports.add(r.port)
+            internal = self.plan_of(r.ref).get("internal_port")
+            if isinstance(internal, int):
+                ports.add(internal)
+        return ports
+
+    def scratch_dir(self, ref: ShardRef) -> Path:
+        """The shard's private TMPDIR and cache root, owned by whoever runs the engine.
+
+        A fresh directory in the system temp dir rather than under the shard
+        dir: vLLM puts ZeroMQ IPC sockets in TMPDIR, and a socket path has
+        at most 107 bytes. Its path is kept in the shard dir, so a later agent
+        removes it when the shard stops, with what engines leave in temp dirs
+        (vLLM's ``vllm_dist_*``, torch's compile caches).
+        """
+        pointer = self.shard_dir(ref) / "scratch-path"
+        try:
+            root = Path(pointer.read_text().strip())
+        except FileNotFoundError:
+            root = Path("")
+        if not root.name or not root.is_dir():
+            pointer.parent.mkdir(parents=True, exist_ok=True)
+            root = Path(tempfile.mkdtemp(prefix="llmgw-"))  # 0700, unpredictable
+            pointer.write_text(str(root))
+        for path in (root, root / "tmp", root / "cache"):
+            path.mkdir(exist_ok=True)
+            path.chmod(0o700)
+            if self.run_as is not None:
+                os.chown(path, self.run_as.uid, self.run_as.gid)
+        return root
+
+    def _remove_scratch(self, ref: ShardRef) -> None:
+        pointer = self.shard_dir(ref) / "scratch-path"
+        try:
+            root = pointer.read_text().strip()
+        except FileNotFoundError:
+            return
+        if root:
+            shutil.rmtree(root, ignore_errors=True)
+        pointer.unlink(missing_ok=True)
+
+    def kill_leftovers(self, ref: ShardRef) -> list[int]:
+        """SIGKILL what is left of a shard whose engine exited: its group's other members.
+
+        vLLM's EngineCore and workers (and the pass-through) outlive a leader
+        killed by any hand, holding memory and the port. A process group id
+        is not reused while any member lives, so a non-empty group with the
+        recorded id is still this shard's.
+        """
+        spec = self._read_spec(ref)
+        if spec is None:
+            return []
+        pgid = int(str(spec.get("pgid") or spec.get("pid") or 0))
+        members = procfs.group_members(pgid) if pgid > 0 else []
+        if members:
+            log.warning("shard %s: killing %d leftover processes", shard_key(ref), len(members))
+            _signal_group(pgid, signal.SIGKILL)
+            self._wait_group_gone(pgid, self._children.get(shard_key(ref)), 10.0)
+        return list(members)
 
     def engine_pids(self) -> set[int]:
         """Every live process in the groups of this node's running shards."""
@@ -231,7 +296,7 @@ class Supervisor:
     def _spawn(
         self, command: Command, cwd: Path, log_path: Path, pgid: int | None
     ) -> subprocess.Popen[bytes]:
-        user = self.run_as
+        user = None if command.as_agent else self.run_as
         env = {**command.env, **(user.env() if user else {}), ENGINE_MARKER: self.marker}
         with open(log_path, "ab") as log_file:
             try:
@@ -261,6 +326,16 @@ class Supervisor:
         spec = self._read_spec(ref) or {}
         extra = spec.get("spec")
         return extra if isinstance(extra, dict) else {}
+
+    def dead_sidecar(self, ref: ShardRef) -> tuple[str, int] | None:
+        """A sidecar (the pass-through, a Ray head) of this shard that has exited: argv0, code."""
+        for sidecar in self._sidecars.get(shard_key(ref), []):
+            code = sidecar.poll()
+            if code is not None:
+                argv = [str(a) for a in sidecar.args]  # type: ignore[union-attr]
+                name = argv[2] if len(argv) > 2 and argv[1] == "-m" else Path(argv[0]).name
+                return name, code
+        return None
 
     def exit_code(self, ref: ShardRef) -> int | None:
         """The exit code of a shard that has exited and that this agent started."""
@@ -310,6 +385,7 @@ class Supervisor:
         running = self.find_running(ref)
         child = self._children.get(shard_key(ref))
         if running is None:
+            self.kill_leftovers(ref)
             self._forget(ref)
             return StopOutcome(was_running=False, exit_code=child.poll() if child else None)
         pgid = running.group
@@ -339,6 +415,7 @@ class Supervisor:
         for sidecar in self._sidecars.pop(shard_key(ref), []):
             sidecar.poll()
         self._spec_path(ref).unlink(missing_ok=True)
+        self._remove_scratch(ref)
 
     @staticmethod
     def _wait_group_gone(pgid: int, child: subprocess.Popen[bytes] | None, timeout: float) -> bool:

@@ -48,6 +48,7 @@ with workflow.unsafe.imports_passed_through():
 Outcome = tuple[int, ReplicaStatus | None, str]
 JOB_SEARCH_ATTRIBUTES_PATCH = "job-search-attributes-v1"
 LEAST_LOADED_PATCH = "scale-down-least-loaded-v1"
+REAPED_HOLDS_PATCH = "reaped-slot-holds-its-place-v1"
 
 
 @workflow.defn(name="Deployment")
@@ -71,10 +72,13 @@ class DeploymentWorkflow:
         self._next_slot = carry.next_slot
         self._rolling: list[int] = carry.rolling
         self._published = ""
+        self._reaped_hold = False
 
     @workflow.run
     async def run(self, input: DeploymentInput) -> DeploymentStatus:
         """Reconcile until scaled to zero with nothing left running."""
+        # Runs from before the fix replaced a reaped slot with a new one.
+        self._reaped_hold = workflow.patched(REAPED_HOLDS_PATCH)
         try:
             while True:
                 await self._reconcile()
@@ -109,6 +113,8 @@ class DeploymentWorkflow:
         live = self._live()
         if self._rolling or any(s.replaces is not None for s in self._slots):
             state = "rolling"
+        elif any(s.reaped for s in live):
+            state = "degraded"
         elif len(live) == self._desired and all(s.ready for s in live):
             state = "steady"
         else:
@@ -168,6 +174,11 @@ class DeploymentWorkflow:
         return self.status()
 
     def _begin_roll(self, reason: str) -> None:
+        for slot in self._slots:
+            if slot.reaped:  # a restart (or a new model) is a new chance
+                slot.reaped = False
+                slot.consecutive_failures = 0
+                slot.next_start_at = ""
         if not self._rolling:
             self._rolling = [s.slot for s in self._live() if s.replaces is None]
             workflow.logger.info(
@@ -196,11 +207,18 @@ class DeploymentWorkflow:
         )
 
     def _live(self) -> list[Slot]:
-        """Slots that count towards the desired number (not reaped, leaving, or surging)."""
+        """Slots that count towards the desired number (not leaving or surging).
+
+        A reaped slot keeps its place: replacing it with a new slot would
+        restart the crash loop it was reaped for. A scale-down removes it
+        first; a rolling restart (or a changed model) gives it a new chance.
+        """
         return [
             s
             for s in self._slots
-            if not s.reaped and s.slot not in self._retiring and s.replaces is None
+            if (self._reaped_hold or not s.reaped)
+            and s.slot not in self._retiring
+            and s.replaces is None
         ]
 
     async def _reconcile(self) -> None:

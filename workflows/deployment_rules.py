@@ -25,19 +25,24 @@ def slots_to_retire(
 ) -> list[Slot]:
     """Which live slots to drain when scaling down: the least loaded.
 
-    A replica not serving yet goes first (it carries nothing); then the one
+    A reaped slot goes first (nothing runs there), then a replica not
+    serving yet (it carries nothing); then the one
     with the fewest requests in flight, as its engine reported (``loads`` by
     slot); a replica whose load is unknown counts as busy. Ties go to the
     newest, which has had the least time to build up long-running streams.
     """
-    live = [s for s in slots if not s.reaped]
-    excess = len(live) - desired
+    excess = len(slots) - desired
     if excess <= 0:
         return []
     known = loads or {}
 
-    def cost(slot: Slot) -> tuple[int, float, int]:
+    def cost(slot: Slot) -> tuple[int, int, float, int]:
         load = known.get(slot.slot)
-        return (int(slot.ready), math.inf if load is None else load, -slot.slot)
+        return (
+            int(not slot.reaped),
+            int(slot.ready),
+            math.inf if load is None else load,
+            -slot.slot,
+        )
 
-    return sorted(live, key=cost)[:excess]
+    return sorted(slots, key=cost)[:excess]

@@ -145,7 +145,11 @@ class RendezvousWorkflow:
             shard.node_id,
             names.FETCH_WEIGHTS,
             FetchWeightsInput(
-                replica_id=self._req.replica_id, source=model.source, sha256=model.sha256
+                replica_id=self._req.replica_id,
+                source=model.source,
+                sha256=model.sha256,
+                engine=model.engine,
+                device=model.profile.device,
             ),
             FetchWeightsResult,
             self._t,

@@ -181,7 +181,11 @@ class ReplicaWorkflow:
                 self._node_activity(
                     names.FETCH_WEIGHTS,
                     FetchWeightsInput(
-                        replica_id=self._input.replica_id, source=model.source, sha256=model.sha256
+                        replica_id=self._input.replica_id,
+                        source=model.source,
+                        sha256=model.sha256,
+                        engine=model.engine,
+                        device=model.profile.device,
                     ),
                     FetchWeightsResult,
                     timedelta(seconds=self._t.fetch_s),

@@ -49,6 +49,7 @@ from llmgw.types.model import (
     Rendezvous,
 )
 from llmgw.types.node import (
+    EngineInstallInfo,
     FabricKind,
     Gid,
     GpuHealth,
@@ -111,6 +112,7 @@ __all__ = [
     "DrainNodeInput",
     "DrainNodeResult",
     "DrainResult",
+    "EngineInstallInfo",
     "EngineKind",
     "EngineProfile",
     "FabricKind",

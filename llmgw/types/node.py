@@ -102,6 +102,15 @@ class ShardReport(BaseModel):
     catalog_digest: str = Field(default="", description="the catalog entry it was started from")
 
 
+class EngineInstallInfo(BaseModel):
+    """An engine installed on a node: what, which version, and where."""
+
+    engine: str = Field(description='"llama.cpp" or "vllm"')
+    package: str = Field(description="the distribution or source it came from")
+    version: str
+    path: str = Field(description="the binary or virtual environment on the node")
+
+
 class NodeInventory(BaseModel):
     """What an agent reports when it registers: the scheduler's view of a node."""
 
@@ -117,4 +126,7 @@ class NodeInventory(BaseModel):
     running: list[ShardReport] = Field(default_factory=list)
     lost: list[ShardRef] = Field(
         default_factory=list, description="shards whose engine this agent found gone at start"
+    )
+    engines: list[EngineInstallInfo] = Field(
+        default_factory=list, description="engines installed on the node"
     )

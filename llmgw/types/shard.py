@@ -2,7 +2,7 @@
 
 from pydantic import BaseModel, Field
 
-from llmgw.types.model import ModelSpec, Rendezvous
+from llmgw.types.model import EngineKind, ModelSpec, Rendezvous
 from llmgw.types.node import ShardRef
 
 
@@ -52,6 +52,10 @@ class FetchWeightsInput(BaseModel):
     replica_id: str
     source: str
     sha256: str | None = None
+    # The engine to install (once, cached) before the weights: both are what the
+    # node needs before a start, and only this step has an hours-long bound.
+    engine: EngineKind | None = None
+    device: str = "cuda"
 
 
 class FetchWeightsResult(BaseModel):

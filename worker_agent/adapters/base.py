@@ -7,6 +7,7 @@ from worker_agent.adapters.nccl import OWNED_ENV
 from worker_agent.adapters.spec import (
     Endpoint,
     LaunchValidationError,
+    NodeFacts,
     Rendezvous,
     ShardPlan,
     ShardRequest,
@@ -24,6 +25,9 @@ _ENGINE_OWNED = frozenset(
         "VLLM_HOST_IP",
         "VLLM_ALLOW_RUNTIME_LORA_UPDATING",
         "VLLM_CPU_OMP_THREADS_BIND",
+        # A legacy variable that overrides --kv-cache-memory-bytes (in whole GiB).
+        "VLLM_CPU_KVCACHE_SPACE",
+        "VLLM_CACHE_ROOT",
         "RAY_ADDRESS",
     }
 )
@@ -59,6 +63,21 @@ def engine_base_env(agent_env: Mapping[str, str]) -> dict[str, str]:
         k: v
         for k, v in agent_env.items()
         if not k.startswith(_PRIVATE_PREFIXES) and k not in OWNED_ENV | _ENGINE_OWNED
+    }
+
+
+def scratch_env(node: NodeFacts) -> dict[str, str]:
+    """A private TMPDIR (and what else engines write outside their home) per shard.
+
+    vLLM leaves ``/tmp/vllm_dist_*`` and torch's compile caches in TMPDIR, and
+    ``~/.cache/vllm`` in its cache root: shared, two engines' files mix and
+    outlive both.
+    """
+    if not node.scratch_dir:
+        return {}
+    return {
+        "TMPDIR": f"{node.scratch_dir}/tmp",
+        "VLLM_CACHE_ROOT": f"{node.scratch_dir}/cache/vllm",
     }
 
 

@@ -19,7 +19,7 @@ is passed even when the leader itself has no GPU.
 
 from collections.abc import Mapping
 
-from worker_agent.adapters.base import EnvHook, split_host_port, start_env
+from worker_agent.adapters.base import EnvHook, scratch_env, split_host_port, start_env
 from worker_agent.adapters.nccl import gpu_env
 from worker_agent.adapters.spec import (
     CommandSpec,
@@ -49,6 +49,7 @@ class LlamaCppAdapter:
             return ShardPlan(commands=(self._rpc_worker(request),), env=env, serves_http=False)
         if key:
             env[API_KEY_ENV] = key
+        env |= scratch_env(request.node)
         command, lora_ids = self._server(request)
         return ShardPlan(
             commands=(command,),
@@ -69,7 +70,7 @@ class LlamaCppAdapter:
             "--alias",
             model.name,
             "--host",
-            node.host,
+            node.http_bind,
             "--port",
             str(node.http_port),
             "--ctx-size",

@@ -66,7 +66,7 @@ class SglangAdapter:
                 # Node 0 holds the init point; a worker started first finds nothing.
                 wait_for = (init,)
         # Every rank gets a port it owns: SGLang derives internal ports from it.
-        argv += ["--host", node.host, "--port", str(node.http_port)]
+        argv += ["--host", node.http_bind, "--port", str(node.http_port)]
         secret: tuple[int, ...] = ()
         if request.leader:
             argv += ["--served-model-name", request.model.name]

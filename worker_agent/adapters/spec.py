@@ -75,11 +75,27 @@ class NodeFacts(_Frozen):
         default="nobind",
         description="vLLM CPU VLLM_CPU_OMP_THREADS_BIND: a core list such as 0-7, or nobind",
     )
+    http_host: str = Field(
+        default="",
+        description="where the HTTP API binds: loopback behind the agent's pass-through; "
+        "empty means host",
+    )
+    kv_cache_bytes: int = Field(
+        default=0, ge=0, description="vLLM on CPU: KV-cache size (--kv-cache-memory-bytes)"
+    )
+    scratch_dir: str = Field(
+        default="", description="the shard's private TMPDIR and cache root; empty inherits"
+    )
 
     @property
     def peer_address(self) -> str:
         """The address other nodes use for this one."""
         return self.advertise_address or self.host
+
+    @property
+    def http_bind(self) -> str:
+        """The address the engine's HTTP API listens on."""
+        return self.http_host or self.host
 
 
 class LoraAdapter(_Frozen):

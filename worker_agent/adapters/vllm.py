@@ -21,7 +21,13 @@ Checked against (see ``CHECKED_AGAINST``):
 
 from collections.abc import Mapping
 
-from worker_agent.adapters.base import EnvHook, leader_endpoint, require_rendezvous, start_env
+from worker_agent.adapters.base import (
+    EnvHook,
+    leader_endpoint,
+    require_rendezvous,
+    scratch_env,
+    start_env,
+)
 from worker_agent.adapters.nccl import fabric_env, gpu_env
 from worker_agent.adapters.spec import (
     VLLM_API_SERVER_MODULE,
@@ -57,6 +63,7 @@ class VllmAdapter:
         if profile.device == "cpu":
             # It pins compute threads to core 0 by default: two servers would share it.
             env["VLLM_CPU_OMP_THREADS_BIND"] = node.cpu_threads_bind
+        env |= scratch_env(node)
         if request.multi_node:
             env |= fabric_env(node, allow_tcp=profile.allow_tcp)
             # Each node's own address: a worker given the leader's would
@@ -150,6 +157,13 @@ class VllmAdapter:
             flags += ["--dtype", p.dtype]
         if p.quantization:
             flags += ["--quantization", p.quantization]
+        if p.device == "cpu":
+            # The catalog's context length bounds what one sequence may hold in the
+            # (small, explicit) CPU KV cache; on GPUs vLLM sizes it from the model.
+            flags += ["--max-model-len", str(request.model.context_length)]
+            if request.node.kv_cache_bytes:
+                # Without a size it reserves 92% of NUMA node 0's memory, whatever else runs.
+                flags += ["--kv-cache-memory-bytes", str(request.node.kv_cache_bytes)]
         if lora_enabled(request):
             slots = p.max_loras or max(1, len(request.loras))
             flags += ["--enable-lora", "--max-loras", str(slots)]
@@ -162,7 +176,7 @@ class VllmAdapter:
         if request.leader:
             node = request.node
             argv += ["--served-model-name", request.model.name]
-            argv += ["--host", node.host, "--port", str(node.http_port)]
+            argv += ["--host", node.http_bind, "--port", str(node.http_port)]
             if request.loras:
                 argv += ["--lora-modules", *(f"{a.name}={a.path}" for a in request.loras)]
         # The operator's engine_args last, so they can override llmgw's defaults.

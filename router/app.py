@@ -17,6 +17,7 @@ from llmgw.keys import engine_key
 from llmgw.store import Store
 from router import admin
 from router.accounting import Accountant
+from router.adapters import AdapterLoader, AdapterRouter, TemporalAdapterLoader
 from router.api import openai
 from router.auth import KeyVerifier
 from router.deps import Deps
@@ -41,8 +42,15 @@ def create_app(
     usage_flush_interval_s: float = 1.0,
     max_request_bytes: int = 8 * MiB,
     clock: Callable[[], float] = time.time,
+    adapter_loader: AdapterLoader | None = None,
 ) -> FastAPI:
-    """The FastAPI app; the routing table refreshes and usage is flushed while it runs."""
+    """The FastAPI app; the routing table refreshes and usage is flushed while it runs.
+
+    ``adapter_loader`` loads on-demand LoRA adapters (default: the AdapterLoad
+    workflow through ``temporal``; without either, such requests get 503).
+    """
+    if adapter_loader is None and temporal is not None:
+        adapter_loader = TemporalAdapterLoader(temporal)
     secret = store.engine_key_secret()
     table = RoutingTable()
     client = http or httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=5.0))
@@ -88,6 +96,7 @@ def create_app(
         store=store,
         engine_key=key_of,
         max_request_bytes=max_request_bytes,
+        adapters=AdapterRouter(table, adapter_loader),
         temporal=temporal,
     )
     install_handlers(app)

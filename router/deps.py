@@ -7,6 +7,7 @@ from temporalio.client import Client
 
 from llmgw.store import Store
 from router.accounting import Accountant
+from router.adapters import AdapterRouter
 from router.auth import KeyVerifier
 from router.metrics import Metrics
 from router.proxy import EngineKeyFn, Proxy
@@ -25,6 +26,7 @@ class Deps:
     store: Store
     engine_key: EngineKeyFn
     max_request_bytes: int
+    adapters: AdapterRouter
     # Admin calls that ask Temporal (nodes, log tails); None in tests without one.
     temporal: Client | None = None
 

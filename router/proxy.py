@@ -59,6 +59,8 @@ class Call:
     prompt_estimate: int = 0
     # Returns when the client has disconnected (None: never watched).
     client_gone: Callable[[], Awaitable[None]] | None = None
+    # The body for a given replica (a llama.cpp adapter's id is the replica's own).
+    body_for: Callable[[Route], bytes] | None = None
 
 
 class Proxy:
@@ -76,9 +78,10 @@ class Proxy:
         self._engine_key = engine_key
         self._metrics = metrics
 
-    async def forward(self, call: Call) -> Response:
-        """Send the call to the least busy ready replica of its model."""
-        candidates = self._table.candidates(call.model)
+    async def forward(self, call: Call, routes: list[Route] | None = None) -> Response:
+        """Send the call to the least busy ready replica of its model (or of ``routes``,
+        chosen by the caller: an adapter's holders)."""
+        candidates = self._table.candidates(call.model) if routes is None else routes
         if not candidates:
             if self._table.has_replicas(call.model):
                 raise replicas_saturated(call.model)
@@ -106,7 +109,7 @@ class Proxy:
         request = self._http.build_request(
             "POST",
             f"{route.endpoint}{call.path}",
-            content=call.body,
+            content=call.body if call.body_for is None else call.body_for(route),
             headers={
                 "Authorization": f"Bearer {self._engine_key(route.replica_id)}",
                 "Content-Type": "application/json",

@@ -67,6 +67,9 @@ class Route:
     endpoint: str
     inflight: int = 0
     cap: int = 0  # 0 = no cap
+    node_id: str = ""
+    # LoRA adapters its engine holds, per its memo (llama.cpp: in id order).
+    adapters: list[str] = field(default_factory=list)
 
     def saturated(self) -> bool:
         """Whether the replica is at its in-flight cap."""
@@ -80,6 +83,8 @@ class RoutingTable:
     routes: dict[str, list[Route]] = field(default_factory=dict)
     known_models: set[str] = field(default_factory=set)
     specs: dict[str, ModelSpec] = field(default_factory=dict)
+    # Adapter name -> its base model (clients address an adapter as the model).
+    adapter_base: dict[str, str] = field(default_factory=dict)
     # Every running replica as last seen, whatever its phase (admin API).
     replicas: list[ReplicaMemo] = field(default_factory=list)
     _turn: itertools.count[int] = field(default_factory=itertools.count)
@@ -98,11 +103,14 @@ class RoutingTable:
             if route is None:
                 route = Route(memo.replica_id, memo.model, memo.endpoint)
             route.cap = cap
+            route.node_id = memo.node_id
+            route.adapters = memo.adapters
             fresh.setdefault(memo.model, []).append(route)
         self.routes = fresh
         self.specs = catalog
         self.replicas = replicas
-        self.known_models = set(catalog) | {m.model for m in replicas}
+        self.adapter_base = {a.name: s.name for s in catalog.values() for a in s.adapters}
+        self.known_models = set(catalog) | {m.model for m in replicas} | set(self.adapter_base)
 
     def candidates(self, model: str) -> list[Route]:
         """Ready, unsaturated replicas of ``model``, least outstanding requests first."""
@@ -119,8 +127,9 @@ class RoutingTable:
         return bool(self.routes.get(model))
 
     def routable_models(self) -> list[str]:
-        """Models with at least one ready replica."""
-        return sorted(self.routes)
+        """Models with at least one ready replica, and their adapters."""
+        adapters = [a for a, base in self.adapter_base.items() if base in self.routes]
+        return sorted([*self.routes, *adapters])
 
 
 async def refresh_forever(

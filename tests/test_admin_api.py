@@ -61,6 +61,25 @@ async def test_catalog_crud_with_errors_naming_the_field(gw: Gateway) -> None:
     assert r.status_code == 404 and "error" in r.json()
 
 
+async def test_adapter_names_share_the_models_namespace(gw: Gateway) -> None:
+    lora = {"name": "m2", "source": "/w.gguf", "adapters": [{"name": "sql", "source": "/a"}]}
+    assert (await gw.http.put("/admin/models/m2", json=lora, headers=ADMIN)).status_code == 200
+    clashes = [
+        # An adapter named as a model, as another model's adapter; a model named as an adapter.
+        ("m3", {**lora, "name": "m3", "adapters": [{"name": "m1", "source": "/a"}]}, "m1"),
+        ("m3", {**lora, "name": "m3"}, "sql"),
+        ("sql", {"name": "sql", "source": "/w.gguf"}, "sql"),
+        # Runtime loading is vLLM's alone.
+        ("m3", {"name": "m3", "source": "/w.gguf", "profile": {"runtime_lora": True}}, "vLLM"),
+    ]
+    for name, entry, named in clashes:
+        r = await gw.http.put(f"/admin/models/{name}", json=entry, headers=ADMIN)
+        assert r.status_code == 400, (entry, r.text)
+        assert named in r.json()["error"]["message"]
+    # Replacing the entry with its own adapters is no clash.
+    assert (await gw.http.put("/admin/models/m2", json=lora, headers=ADMIN)).status_code == 200
+
+
 async def test_keys_are_shown_once_and_stored_hashed(gw: Gateway) -> None:
     r = await gw.http.post(
         "/admin/keys", json={"name": "team", "policy": {"models": ["m1"], "rpm": 3}}, headers=ADMIN

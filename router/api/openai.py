@@ -9,6 +9,7 @@ completions and embeddings. Nothing else of the engine's API (``/metrics``,
 import json
 import math
 import time
+from collections.abc import Callable
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Header, Request
@@ -16,6 +17,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
 
 from llmgw.quotas import Rejection
+from llmgw.types import AdapterSpec, EngineKind, ModelSpec
 from router.accounting import Outcome
 from router.api.schemas import (
     ChatCompletionRequest,
@@ -33,6 +35,7 @@ from router.errors import (
     quota_exceeded,
 )
 from router.proxy import Call
+from router.routing import Route
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 
@@ -166,6 +169,29 @@ def _with_usage(raw: bytes) -> bytes:
     return json.dumps(data, separators=(",", ":")).encode()
 
 
+def _without_lora(raw: bytes, base: ModelSpec) -> bytes:
+    """A base model's request without llama.cpp's per-request adapter field: a key
+    allowed the base model only must not reach its adapters that way."""
+    if base.engine is not EngineKind.LLAMA_CPP or b'"lora"' not in raw:
+        return raw
+    data = json.loads(raw)
+    if data.pop("lora", None) is None:
+        return raw
+    return json.dumps(data, separators=(",", ":")).encode()
+
+
+async def _adapter_routes(
+    deps: Deps, target: tuple[ModelSpec, AdapterSpec], call: Call
+) -> tuple[list[Route], Callable[[], None] | None]:
+    """Where a request for an adapter may go (and its release, loaded on demand)."""
+    base, adapter = target
+    if base.profile.runtime_lora:
+        route, release = await deps.adapters.on_demand_route(base, adapter)
+        return [route], release
+    routes, call.body_for = deps.adapters.static_routes(base, adapter.name, call.body)
+    return routes, None
+
+
 async def _serve(
     deps: Deps, request: Request, caller: Caller, kind: type[Body], path: str
 ) -> Response:
@@ -175,8 +201,11 @@ async def _serve(
     prompt_estimate = _estimate(body)
     reserve = prompt_estimate
     stream, strip_usage = False, False
+    target = deps.adapters.base_of(model)
+    spec = target[0] if target else deps.table.specs.get(model)
+    if target is None and spec is not None and spec.adapters:
+        raw = _without_lora(raw, spec)
     if isinstance(body, _Generation):
-        spec = deps.table.specs.get(model)
         context = spec.context_length if spec else DEFAULT_COMPLETION_RESERVE
         reserve += min(body.completion_limit() or context, context)
         stream = body.stream
@@ -193,12 +222,15 @@ async def _serve(
         raise quota_exceeded(reservation.limit, reservation.message, reservation.retry_after_s)
 
     finished = False
+    release: Callable[[], None] | None = None  # an on-demand adapter's use
 
     def on_done(outcome: Outcome) -> None:
         nonlocal finished
         if finished:
             return
         finished = True
+        if release is not None:
+            release()
         deps.accountant.done(caller.key_id, model, reservation, outcome)
         m = deps.metrics
         m.requests.labels(endpoint, model, str(outcome.status)).inc()
@@ -220,7 +252,10 @@ async def _serve(
         client_gone=lambda: _disconnected(request),
     )
     try:
-        return await deps.proxy.forward(call)
+        routes: list[Route] | None = None
+        if target is not None:
+            routes, release = await _adapter_routes(deps, target, call)
+        return await deps.proxy.forward(call, routes)
     except OpenAIError as exc:
         on_done(Outcome(error=True, status=exc.status))  # releases the reservation
         raise

@@ -1,0 +1,298 @@
+"""LoRA adapters through the gateway: which replica serves one, and loading on demand.
+
+Clients address an adapter as the OpenAI ``model``; the routing table maps it
+to its base model (catalog specs). Two ways an engine holds adapters:
+
+* **static** (llama.cpp, vLLM ``--lora-modules``): every replica of the base
+  model holds the catalog's adapters from start (its memo lists them); the
+  request goes to the least busy ready one that holds it. llama.cpp selects
+  an adapter per request by its index in that replica's list, so the body is
+  rewritten per replica (``"lora": [{"id": i, "scale": 1.0}]``).
+* **on demand** (vLLM ``runtime_lora``): the router keeps its own view of
+  which adapters each replica holds (the memo, plus loads and evictions it
+  made that the memo has not caught up with yet), how many requests use each
+  and when each was last used; :func:`router.adapter_policy.choose` decides.
+  A load runs as the AdapterLoad workflow (single flight per (replica,
+  adapter) in Temporal too); concurrent requests in this router wait on one
+  local task, so a cold adapter is loaded once. Only a cold request awaits
+  Temporal; a warm one decides from memory.
+
+A failed load fails the requests that waited on it (502 naming the adapter
+and the engine's reason) and leaves nothing behind: the next request starts
+a new load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Protocol
+
+from temporalio.client import Client, WorkflowFailureError
+from temporalio.common import WorkflowIDConflictPolicy
+from temporalio.service import RPCError
+
+from llmgw.queues import CONTROL_QUEUE
+from llmgw.types import AdapterLoadInput, AdapterLoadResult, AdapterSpec, EngineKind, ModelSpec
+from router.adapter_policy import Action, AdapterUse, ReplicaView, choose
+from router.errors import OpenAIError, no_ready_replica, replicas_saturated
+from router.routing import Route, RoutingTable
+
+log = logging.getLogger(__name__)
+
+# A load is seconds at most (vLLM: milliseconds); past this the client is told.
+LOAD_TIMEOUT = timedelta(seconds=180)
+
+
+class AdapterLoadFailed(Exception):
+    """The engine (or Temporal) did not load the adapter; the message says why."""
+
+
+class AdapterLoader(Protocol):
+    """Loads a catalog adapter into a replica (the AdapterLoad workflow)."""
+
+    async def load(self, request: AdapterLoadInput) -> AdapterLoadResult:
+        """Load it (unloading ``request.evict`` first); AdapterLoadFailed if not."""
+        ...
+
+
+def adapter_workflow_id(replica_id: str, adapter: str) -> str:
+    """One AdapterLoad per (replica, adapter) at a time (USE_EXISTING)."""
+    return f"adapter/{replica_id}/{adapter}"
+
+
+def _root(err: BaseException) -> str:
+    """The innermost cause's message (workflow failure -> activity -> application)."""
+    while (cause := getattr(err, "cause", None)) is not None:
+        err = cause
+    return str(err)
+
+
+class TemporalAdapterLoader:
+    """Runs the AdapterLoad workflow on the control queue and awaits it."""
+
+    def __init__(self, client: Client) -> None:
+        self._client = client
+
+    async def load(self, request: AdapterLoadInput) -> AdapterLoadResult:
+        """Start or join the (replica, adapter) load and wait for its result."""
+        try:
+            result: AdapterLoadResult = await self._client.execute_workflow(
+                "AdapterLoad",
+                request,
+                id=adapter_workflow_id(request.replica_id, request.adapter.name),
+                task_queue=CONTROL_QUEUE,
+                id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+                execution_timeout=LOAD_TIMEOUT,
+                result_type=AdapterLoadResult,
+            )
+            return result
+        except WorkflowFailureError as exc:
+            raise AdapterLoadFailed(_root(exc)) from exc
+        except RPCError as exc:
+            raise AdapterLoadFailed(f"Temporal: {exc.message}") from exc
+
+
+def adapter_load_failed(adapter: str, replica_id: str, reason: str) -> OpenAIError:
+    """502: the adapter could not be loaded (a later request tries again)."""
+    return OpenAIError(
+        502,
+        f"Loading the adapter `{adapter}` on replica {replica_id} failed: {reason}",
+        type="server_error",
+        code="adapter_load_failed",
+        param="model",
+    )
+
+
+def adapters_unavailable(adapter: str) -> OpenAIError:
+    """503: on-demand adapters need Temporal, and this router has none."""
+    return OpenAIError(
+        503,
+        f"The adapter `{adapter}` is loaded on demand and this router cannot load adapters.",
+        type="service_unavailable_error",
+        code="adapter_loading_unavailable",
+    )
+
+
+@dataclass
+class _Replica:
+    """The router's own knowledge of one replica's adapters."""
+
+    endpoint: str
+    uses: dict[str, AdapterUse] = field(default_factory=dict)
+    loading: dict[str, asyncio.Task[None]] = field(default_factory=dict)
+    # Requests waiting for a load here: they count as the replica's load.
+    waiting: int = 0
+    # What this router loaded / unloaded that the memo may not show yet.
+    loaded_here: set[str] = field(default_factory=set)
+    evicted_here: set[str] = field(default_factory=set)
+
+    def held(self, memo: list[str]) -> set[str]:
+        """Adapters the engine holds or is loading, the memo caught up with ours."""
+        self.loaded_here -= set(memo)
+        self.evicted_here &= set(memo)
+        return (set(memo) | self.loaded_here | set(self.loading)) - self.evicted_here
+
+
+Release = Callable[[], None]
+
+
+def _static_body(raw: bytes, adapter: str) -> Callable[[Route], bytes]:
+    """llama.cpp: the adapter by its index in the chosen replica's list."""
+    data = json.loads(raw)
+
+    def body_for(route: Route) -> bytes:
+        data["lora"] = [{"id": route.adapters.index(adapter), "scale": 1.0}]
+        return json.dumps(data, separators=(",", ":")).encode()
+
+    return body_for
+
+
+class AdapterRouter:
+    """Routes requests for adapters; loads on-demand ones through ``loader``."""
+
+    def __init__(
+        self,
+        table: RoutingTable,
+        loader: AdapterLoader | None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._table = table
+        self._loader = loader
+        self._clock = clock
+        self._replicas: dict[str, _Replica] = {}
+
+    def base_of(self, model: str) -> tuple[ModelSpec, AdapterSpec] | None:
+        """The base model's spec and the adapter's, when ``model`` is an adapter."""
+        base = self._table.adapter_base.get(model)
+        spec = self._table.specs.get(base) if base else None
+        if spec is None:
+            return None
+        adapter = next((a for a in spec.adapters if a.name == model), None)
+        return (spec, adapter) if adapter else None
+
+    def static_routes(
+        self, base: ModelSpec, adapter: str, raw: bytes
+    ) -> tuple[list[Route], Callable[[Route], bytes] | None]:
+        """Ready replicas of ``base`` holding ``adapter``, least busy first, and the
+        body for each (llama.cpp); 503 when none can take it."""
+        holders = [r for r in self._table.routes.get(base.name, []) if adapter in r.adapters]
+        if not holders:
+            raise no_ready_replica(adapter)
+        routes = [r for r in self._table.candidates(base.name) if adapter in r.adapters]
+        if not routes:
+            raise replicas_saturated(adapter)
+        body_for = _static_body(raw, adapter) if base.engine is EngineKind.LLAMA_CPP else None
+        return routes, body_for
+
+    def _state(self, route: Route) -> _Replica:
+        state = self._replicas.get(route.replica_id)
+        if state is None or state.endpoint != route.endpoint:  # a new engine holds nothing
+            state = _Replica(route.endpoint)
+            self._replicas[route.replica_id] = state
+        return state
+
+    def _views(self, base: ModelSpec, routes: list[Route]) -> list[ReplicaView]:
+        views = []
+        for route in routes:
+            state = self._state(route)
+            loaded = {}
+            for name in state.held(route.adapters):
+                use = state.uses.get(name) or AdapterUse(last_used=0.0)
+                # A load under way is busy: never the one to evict.
+                busy = use.in_flight + (1 if name in state.loading else 0)
+                loaded[name] = AdapterUse(last_used=use.last_used, in_flight=busy)
+            views.append(
+                ReplicaView(
+                    replica_id=route.replica_id,
+                    in_flight=route.inflight + state.waiting,
+                    cap=route.cap,
+                    max_loaded=base.profile.max_loaded_adapters,
+                    loaded=loaded,
+                )
+            )
+        return views
+
+    async def on_demand_route(self, base: ModelSpec, adapter: AdapterSpec) -> tuple[Route, Release]:
+        """The replica to forward to once it holds ``adapter`` (loaded here if needed),
+        and the release to call when the request is over."""
+        routes = self._table.routes.get(base.name, [])
+        if not routes:
+            raise no_ready_replica(adapter.name)
+        choice = choose(adapter.name, self._views(base, routes))
+        if choice is None:
+            raise replicas_saturated(adapter.name)
+        route = next(r for r in routes if r.replica_id == choice.replica_id)
+        state = self._state(route)
+        # Counted before any await: concurrent requests see this one.
+        use = state.uses.setdefault(adapter.name, AdapterUse(last_used=self._clock()))
+        use.in_flight += 1
+        use.last_used = self._clock()
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                use.in_flight -= 1
+                use.last_used = self._clock()
+
+        task = state.loading.get(adapter.name)
+        if task is None and choice.action is not Action.USE:
+            if self._loader is None:
+                release()
+                raise adapters_unavailable(adapter.name)
+            if choice.evict:
+                state.evicted_here.add(choice.evict)
+                state.uses.pop(choice.evict, None)
+            request = AdapterLoadInput(
+                replica_id=route.replica_id,
+                node_id=route.node_id,
+                adapter=adapter,
+                evict=choice.evict,
+            )
+            task = asyncio.create_task(self._load(state, request))
+            # Retrieved here too: every waiter may have gone before it failed.
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())
+            state.loading[adapter.name] = task
+        if task is not None:
+            state.waiting += 1
+            try:
+                # Shielded: a client that leaves does not cancel the others' load.
+                await asyncio.shield(task)
+            except AdapterLoadFailed as exc:
+                release()
+                raise adapter_load_failed(adapter.name, route.replica_id, str(exc)) from None
+            except BaseException:
+                release()
+                raise
+            finally:
+                state.waiting -= 1
+        return route, release
+
+    async def _load(self, state: _Replica, request: AdapterLoadInput) -> None:
+        assert self._loader is not None
+        name = request.adapter.name
+        try:
+            result = await self._loader.load(request)
+            state.loaded_here.add(name)
+            state.evicted_here.discard(name)
+            log.info(
+                "adapter %s loaded on %s%s",
+                name,
+                request.replica_id,
+                f" (unloaded {result.evicted})" if result.evicted else "",
+            )
+        except AdapterLoadFailed as exc:
+            log.warning("adapter %s failed to load on %s: %s", name, request.replica_id, exc)
+            raise
+        except Exception as exc:  # the loader's own failure: same answer to the client
+            log.exception("adapter %s: loader failed", name)
+            raise AdapterLoadFailed(f"{type(exc).__name__}: {exc}") from exc
+        finally:
+            state.loading.pop(name, None)

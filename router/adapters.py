@@ -130,13 +130,18 @@ class _Replica:
     waiting: int = 0
     # What this router loaded / unloaded that the memo may not show yet.
     loaded_here: set[str] = field(default_factory=set)
-    evicted_here: set[str] = field(default_factory=set)
+    # Unloaded adapter -> the one loaded in its place: the replica records
+    # both in one signal, so a memo showing the latter has dropped the former.
+    evicted_here: dict[str, str] = field(default_factory=dict)
 
     def held(self, memo: list[str]) -> set[str]:
         """Adapters the engine holds or is loading, the memo caught up with ours."""
-        self.loaded_here -= set(memo)
-        self.evicted_here &= set(memo)
-        return (set(memo) | self.loaded_here | set(self.loading)) - self.evicted_here
+        shown = set(memo)
+        self.loaded_here -= shown
+        for victim, by in list(self.evicted_here.items()):
+            if by in shown:
+                del self.evicted_here[victim]
+        return (shown | self.loaded_here | set(self.loading)) - set(self.evicted_here)
 
 
 Release = Callable[[], None]
@@ -248,7 +253,7 @@ class AdapterRouter:
                 release()
                 raise adapters_unavailable(adapter.name)
             if choice.evict:
-                state.evicted_here.add(choice.evict)
+                state.evicted_here[choice.evict] = adapter.name
                 state.uses.pop(choice.evict, None)
             request = AdapterLoadInput(
                 replica_id=route.replica_id,
@@ -281,7 +286,7 @@ class AdapterRouter:
         try:
             result = await self._loader.load(request)
             state.loaded_here.add(name)
-            state.evicted_here.discard(name)
+            state.evicted_here.pop(name, None)
             log.info(
                 "adapter %s loaded on %s%s",
                 name,

@@ -1,0 +1,214 @@
+"""On-demand LoRA routing in the router, in process: a fake loader standing in
+for the AdapterLoad workflow (it counts loads; the router's own coalescing is
+what makes 50 cold requests one load here) and scripted vLLM-like engines that
+answer only for adapters they hold (404 otherwise, as vLLM does).
+
+The workflow itself runs against the fake vLLM in tests/test_adapter_load.py;
+the routing decision alone in tests/test_adapter_policy.py.
+"""
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from llmgw.types import (
+    AdapterLoadInput,
+    AdapterLoadResult,
+    AdapterSpec,
+    EngineKind,
+    EngineProfile,
+    ModelSpec,
+    ReplicaMemo,
+    ReplicaPhase,
+)
+from router.adapters import AdapterLoadFailed
+from tests.gateway_util import FakeSource, Gateway, MockEngine, auth, gateway
+
+BASE = "base"
+ADAPTERS = ["a", "b", "c", "d"]
+
+
+def memo(replica_id: str) -> ReplicaMemo:
+    return ReplicaMemo(
+        replica_id=replica_id,
+        model=BASE,
+        phase=ReplicaPhase.READY,
+        node_id=f"node-{replica_id}",
+        endpoint=f"http://{replica_id}:8000",
+        engine="vllm",
+    )
+
+
+@dataclass
+class Fleet:
+    """Which adapters each fake engine holds; the loader changes it."""
+
+    source: FakeSource
+    held: dict[str, list[str]] = field(default_factory=dict)
+    loads: list[AdapterLoadInput] = field(default_factory=list)
+    fail_next: set[str] = field(default_factory=set)
+    load_time_s: float = 0.0
+    holds: dict[str, asyncio.Event] = field(default_factory=dict)  # adapter -> release
+    arrived: list[str] = field(default_factory=list)  # models the engines were asked for
+
+    async def load(self, request: AdapterLoadInput) -> AdapterLoadResult:
+        """The fake AdapterLoad: the engine changes, then the replica's memo."""
+        self.loads.append(request)
+        await asyncio.sleep(self.load_time_s)
+        name, rid = request.adapter.name, request.replica_id
+        if name in self.fail_next:
+            self.fail_next.discard(name)
+            raise AdapterLoadFailed(f"No adapter found for {request.adapter.source}")
+        held = self.held.setdefault(rid, [])
+        if request.evict:
+            held.remove(request.evict)
+        held.append(name)
+        for m in self.source.items:  # the adapters_changed signal, as the memo shows it
+            if m.replica_id == rid:
+                m.adapters = list(held)
+        return AdapterLoadResult(replica_id=rid, adapter=name, loaded=True, evicted=request.evict)
+
+    async def engine(self, request: httpx.Request) -> httpx.Response | None:
+        """vLLM's answer to a model it does not hold (None: serve it)."""
+        model = json.loads(request.content)["model"]
+        if model not in self.held.get(request.url.host, []):
+            return httpx.Response(404, json={"error": {"message": f"model {model} not found"}})
+        self.arrived.append(model)
+        if model in self.holds:
+            await self.holds[model].wait()
+        return None
+
+
+class VllmLike(MockEngine):
+    def __init__(self, fleet: Fleet) -> None:
+        super().__init__()
+        self.fleet = fleet
+
+    async def handle(self, request: httpx.Request) -> httpx.Response:
+        refused = await self.fleet.engine(request)
+        return refused or await super().handle(request)
+
+
+@asynccontextmanager
+async def fleet_gateway(
+    db: Path, replicas: list[str], max_loaded: int = 4, cap: int = 0
+) -> AsyncIterator[tuple[Gateway, Fleet, str]]:
+    # gateway() reads these same memo objects: the fake load's memo change reaches it.
+    source = FakeSource([memo(r) for r in replicas])
+    fleet = Fleet(source)
+    base = ModelSpec(
+        name=BASE,
+        engine=EngineKind.VLLM,
+        source="/models/base",
+        profile=EngineProfile(runtime_lora=True, max_loaded_adapters=max_loaded, max_inflight=cap),
+        adapters=[AdapterSpec(name=a, source=f"/adapters/{a}") for a in ADAPTERS],
+    )
+    async with gateway(
+        db, source.items, [base], engine=VllmLike(fleet), adapter_loader=fleet
+    ) as gw:
+        _, key = gw.key()
+        yield gw, fleet, key
+
+
+async def ask(gw: Gateway, key: str, model: str, **extra: object) -> httpx.Response:
+    body = {"model": model, "messages": [{"role": "user", "content": "hi"}], **extra}
+    return await gw.http.post("/v1/chat/completions", json=body, headers=auth(key))
+
+
+async def until(cond: Callable[[], bool]) -> None:
+    async with asyncio.timeout(5):
+        while not cond():
+            await asyncio.sleep(0.005)
+
+
+async def test_fifty_concurrent_requests_for_a_cold_adapter_load_it_once(tmp_path: Path) -> None:
+    async with fleet_gateway(tmp_path / "s.db", ["r1", "r2"]) as (gw, fleet, key):
+        fleet.load_time_s = 0.3  # every request arrives while the load runs
+        answers = await asyncio.gather(*(ask(gw, key, "a") for _ in range(50)))
+        assert [r.status_code for r in answers] == [200] * 50, answers[0].text
+        assert [(x.replica_id, x.node_id, x.adapter.source) for x in fleet.loads] == [
+            ("r1", "node-r1", "/adapters/a")
+        ]
+        assert {r.headers["x-llmgw-replica"] for r in answers} == {"r1"}
+        assert fleet.arrived == ["a"] * 50  # vLLM selects by the model field, as sent
+        # Warm: served without a load.
+        assert (await ask(gw, key, "a")).status_code == 200
+        assert len(fleet.loads) == 1
+
+
+async def test_a_failed_load_is_a_clear_error_and_the_next_request_loads_again(
+    tmp_path: Path,
+) -> None:
+    async with fleet_gateway(tmp_path / "s.db", ["r1"]) as (gw, fleet, key):
+        fleet.fail_next.add("b")
+        fleet.load_time_s = 0.1
+        failed = await asyncio.gather(*(ask(gw, key, "b") for _ in range(5)))
+        assert {r.status_code for r in failed} == {502}
+        error = failed[0].json()["error"]
+        assert error["code"] == "adapter_load_failed"
+        assert "`b`" in error["message"] and "No adapter found for /adapters/b" in error["message"]
+        assert len(fleet.loads) == 1  # the waiters shared the failed load too
+        ok = await ask(gw, key, "b")
+        assert ok.status_code == 200, ok.text
+        assert len(fleet.loads) == 2
+
+
+async def test_eviction_picks_the_lru_idle_adapter_never_one_in_flight(tmp_path: Path) -> None:
+    async with fleet_gateway(tmp_path / "s.db", ["r1"], max_loaded=2) as (gw, fleet, key):
+        for name in ("a", "b", "a"):  # b is now the least recently used
+            assert (await ask(gw, key, name)).status_code == 200
+        assert (await ask(gw, key, "c")).status_code == 200
+        assert fleet.loads[-1].evict == "b"
+        assert fleet.held["r1"] == ["a", "c"]
+        # A streamed request to a stays in flight; c is used after it.
+        fleet.holds["a"] = asyncio.Event()
+        streaming = asyncio.create_task(ask(gw, key, "a", stream=True))
+        await until(lambda: fleet.arrived.count("a") == 3)
+        assert (await ask(gw, key, "c")).status_code == 200
+        # a is least recently used but busy: d takes c's place.
+        assert (await ask(gw, key, "d")).status_code == 200, fleet.loads
+        assert fleet.loads[-1].evict == "c", fleet.loads
+        assert fleet.held["r1"] == ["a", "d"]
+        fleet.holds["a"].set()
+        assert (await streaming).status_code == 200
+        # The stream's end released a (its last use): once d is used after it,
+        # a is the idle least recently used one and goes next.
+        assert (await ask(gw, key, "d")).status_code == 200
+        assert (await ask(gw, key, "b")).status_code == 200
+        assert fleet.loads[-1].evict == "a"
+
+
+async def test_a_saturated_holder_makes_another_replica_load(tmp_path: Path) -> None:
+    async with fleet_gateway(tmp_path / "s.db", ["r1", "r2"], cap=1) as (gw, fleet, key):
+        assert (await ask(gw, key, "a")).headers["x-llmgw-replica"] == "r1"
+        fleet.holds["a"] = asyncio.Event()
+        busy = asyncio.create_task(ask(gw, key, "a"))
+        await until(lambda: fleet.arrived.count("a") == 2)
+        second = asyncio.create_task(ask(gw, key, "a"))
+        await until(lambda: fleet.arrived.count("a") == 3)
+        assert [(x.replica_id, x.adapter.name) for x in fleet.loads] == [("r1", "a"), ("r2", "a")]
+        # Both replicas saturated on a: the next request is told to retry.
+        refused = await ask(gw, key, "a")
+        assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+        assert refused.json()["error"]["code"] == "replicas_saturated"
+        fleet.holds["a"].set()
+        answers = [await busy, await second]
+        assert [r.headers["x-llmgw-replica"] for r in answers] == ["r1", "r2"]
+
+
+async def test_adapters_are_listed_and_the_key_allow_list_applies(tmp_path: Path) -> None:
+    async with fleet_gateway(tmp_path / "s.db", ["r1"]) as (gw, fleet, key):
+        listed = (await gw.http.get("/v1/models", headers=auth(key))).json()["data"]
+        assert [m["id"] for m in listed] == ["a", "b", "base", "c", "d"]
+        _, only_a = gw.key(models=["a"])
+        listed = (await gw.http.get("/v1/models", headers=auth(only_a))).json()["data"]
+        assert [m["id"] for m in listed] == ["a"]
+        r = await ask(gw, only_a, "b")
+        assert r.status_code == 403 and r.json()["error"]["code"] == "model_not_allowed"
+        assert (await ask(gw, key, "zz")).status_code == 404
+        assert not fleet.loads

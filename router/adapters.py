@@ -150,12 +150,37 @@ Release = Callable[[], None]
 def _static_body(raw: bytes, adapter: str) -> Callable[[Route], bytes]:
     """llama.cpp: the adapter by its index in the chosen replica's list."""
     data = json.loads(raw)
+    data["cache_prompt"] = False  # see _llama_cpp_uncached
 
     def body_for(route: Route) -> bytes:
         data["lora"] = [{"id": route.adapters.index(adapter), "scale": 1.0}]
         return json.dumps(data, separators=(",", ":")).encode()
 
     return body_for
+
+
+def base_body(base: ModelSpec, raw: bytes) -> bytes:
+    """A request for a base model that has adapters, as its engine gets it.
+
+    llama.cpp: without its per-request ``lora`` field (a key allowed the base
+    model only must not reach its adapters that way), and without prompt
+    caching: see :func:`_llama_cpp_uncached`.
+    """
+    return _llama_cpp_uncached(raw) if base.engine is EngineKind.LLAMA_CPP else raw
+
+
+def _llama_cpp_uncached(raw: bytes) -> bytes:
+    """A llama.cpp request without ``lora`` and without prompt caching.
+
+    This project's llama.cpp build reuses a cached prompt's KV computed under
+    another adapter (checked: the base answer after an adapter's request on
+    the same prompt differs from a fresh one; tests/test_lora_gateway.py), so
+    requests to a model with adapters re-read their prompt.
+    """
+    data = json.loads(raw)
+    data.pop("lora", None)
+    data["cache_prompt"] = False
+    return json.dumps(data, separators=(",", ":")).encode()
 
 
 class AdapterRouter:

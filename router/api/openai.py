@@ -17,8 +17,9 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
 
 from llmgw.quotas import Rejection
-from llmgw.types import AdapterSpec, EngineKind, ModelSpec
+from llmgw.types import AdapterSpec, ModelSpec
 from router.accounting import Outcome
+from router.adapters import base_body
 from router.api.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -169,17 +170,6 @@ def _with_usage(raw: bytes) -> bytes:
     return json.dumps(data, separators=(",", ":")).encode()
 
 
-def _without_lora(raw: bytes, base: ModelSpec) -> bytes:
-    """A base model's request without llama.cpp's per-request adapter field: a key
-    allowed the base model only must not reach its adapters that way."""
-    if base.engine is not EngineKind.LLAMA_CPP or b'"lora"' not in raw:
-        return raw
-    data = json.loads(raw)
-    if data.pop("lora", None) is None:
-        return raw
-    return json.dumps(data, separators=(",", ":")).encode()
-
-
 async def _adapter_routes(
     deps: Deps, target: tuple[ModelSpec, AdapterSpec], call: Call
 ) -> tuple[list[Route], Callable[[], None] | None]:
@@ -204,7 +194,7 @@ async def _serve(
     target = deps.adapters.base_of(model)
     spec = target[0] if target else deps.table.specs.get(model)
     if target is None and spec is not None and spec.adapters:
-        raw = _without_lora(raw, spec)
+        raw = base_body(spec, raw)
     if isinstance(body, _Generation):
         context = spec.context_length if spec else DEFAULT_COMPLETION_RESERVE
         reserve += min(body.completion_limit() or context, context)

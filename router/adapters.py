@@ -76,8 +76,9 @@ def _root(err: BaseException) -> str:
 class TemporalAdapterLoader:
     """Runs the AdapterLoad workflow on the control queue and awaits it."""
 
-    def __init__(self, client: Client) -> None:
+    def __init__(self, client: Client, task_queue: str = CONTROL_QUEUE) -> None:
         self._client = client
+        self._queue = task_queue
 
     async def load(self, request: AdapterLoadInput) -> AdapterLoadResult:
         """Start or join the (replica, adapter) load and wait for its result."""
@@ -86,7 +87,7 @@ class TemporalAdapterLoader:
                 "AdapterLoad",
                 request,
                 id=adapter_workflow_id(request.replica_id, request.adapter.name),
-                task_queue=CONTROL_QUEUE,
+                task_queue=self._queue,
                 id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
                 execution_timeout=LOAD_TIMEOUT,
                 result_type=AdapterLoadResult,

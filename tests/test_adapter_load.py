@@ -25,7 +25,19 @@ from activities.adapters import AdapterActivities
 from llmgw.keys import engine_key
 from llmgw.procs import wait_for
 from llmgw.queues import node_queue
-from llmgw.types import AdapterLoadInput, AdapterLoadResult, AdapterSpec, ShardRef
+from llmgw.types import (
+    AdapterLoadInput,
+    AdapterLoadResult,
+    AdapterSpec,
+    EngineKind,
+    EngineProfile,
+    ModelSpec,
+    ReplicaMemo,
+    ReplicaPhase,
+    ShardRef,
+)
+from router.adapters import TemporalAdapterLoader
+from tests.gateway_util import MockEngine, auth, gateway
 from tests.harness import free_port, port_open
 from worker_agent.supervisor import Command, Supervisor
 from workflows.adapter_load import AdapterLoadWorkflow
@@ -141,3 +153,70 @@ async def test_evict_unloads_the_idle_adapter_first(client: Client, node: Node) 
     result = await _load(client, node, "chat", evict="sql")
     assert result.loaded and result.evicted == "sql"
     assert await node.held() == ["chat"]
+
+
+class _ToNode(MockEngine):
+    """The router's upstream: the node's fake vLLM, under the node's engine key
+    (the in-process router's store has a secret of its own)."""
+
+    def __init__(self, node: Node, http: httpx.AsyncClient) -> None:
+        super().__init__()
+        self.node, self.http = node, http
+
+    async def handle(self, request: httpx.Request) -> httpx.Response:
+        key = engine_key(SECRET, self.node.replica_id)
+        resp = await self.http.post(
+            f"{self.node.endpoint}{request.url.path}",
+            content=request.content,
+            headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
+        )
+        return httpx.Response(resp.status_code, content=resp.content, headers=resp.headers)
+
+
+async def test_the_router_loads_through_the_workflow_once_and_reports_failures(
+    client: Client, node: Node, tmp_path: Path
+) -> None:
+    """The router's Temporal loader with the real workflow and node activities."""
+    base = ModelSpec(
+        name="base",
+        engine=EngineKind.VLLM,
+        source="/models/base",
+        profile=EngineProfile(runtime_lora=True, max_loaded_adapters=2),
+        adapters=[
+            AdapterSpec(name=n, source=str(node.adapters / n)) for n in ("sql", "chat", "nowhere")
+        ],
+    )
+    memo = ReplicaMemo(
+        replica_id=node.replica_id,
+        model="base",
+        phase=ReplicaPhase.READY,
+        node_id=node.node_id,
+        endpoint=node.endpoint,
+        engine="vllm",
+    )
+    async with (
+        httpx.AsyncClient(timeout=30) as http,
+        gateway(
+            tmp_path / "s.db",
+            [memo],
+            [base],
+            engine=_ToNode(node, http),
+            adapter_loader=TemporalAdapterLoader(client, task_queue=node.queue),
+        ) as gw,
+    ):
+        _, key = gw.key()
+
+        async def ask(model: str) -> httpx.Response:
+            body = {"model": model, "prompt": "hi", "max_tokens": 2}
+            return await gw.http.post("/v1/completions", json=body, headers=auth(key))
+
+        answers = await asyncio.gather(*(ask("sql") for _ in range(50)))
+        assert [r.status_code for r in answers] == [200] * 50, answers[0].text
+        assert await node.loads() == 1
+        failed = await ask("nowhere")
+        assert failed.status_code == 502
+        error = failed.json()["error"]
+        assert error["code"] == "adapter_load_failed" and "`nowhere`" in error["message"]
+        assert "does not exist on this node" in error["message"]
+        assert (await ask("chat")).status_code == 200
+        assert await node.held() == ["chat", "sql"]

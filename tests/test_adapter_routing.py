@@ -212,3 +212,48 @@ async def test_adapters_are_listed_and_the_key_allow_list_applies(tmp_path: Path
         assert r.status_code == 403 and r.json()["error"]["code"] == "model_not_allowed"
         assert (await ask(gw, key, "zz")).status_code == 404
         assert not fleet.loads
+
+
+async def test_a_client_gone_mid_request_releases_its_adapter(tmp_path: Path) -> None:
+    async with fleet_gateway(tmp_path / "s.db", ["r1"], max_loaded=1) as (gw, fleet, key):
+        fleet.holds["a"] = asyncio.Event()  # the engine "generates" until told
+        body = json.dumps({"model": "a", "messages": [{"role": "user", "content": "hi"}]})
+        gone = asyncio.Event()
+        read: list[bytes] = []
+
+        async def receive() -> dict[str, object]:
+            if not read:
+                read.append(body.encode())
+                return {"type": "http.request", "body": read[0], "more_body": False}
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict[str, object]) -> None:
+            pass
+
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0", "spec_version": "2.3"},
+            "http_version": "1.1",
+            "method": "POST",
+            "scheme": "http",
+            "path": "/v1/chat/completions",
+            "raw_path": b"/v1/chat/completions",
+            "query_string": b"",
+            "root_path": "",
+            "headers": [(b"authorization", f"Bearer {key}".encode()), (b"host", b"router")],
+            "client": ("127.0.0.1", 1),
+            "server": ("router", 80),
+        }
+        answer = asyncio.create_task(gw.app(scope, receive, send))  # type: ignore[arg-type]
+        await until(lambda: fleet.arrived == ["a"])
+        # a is in flight: the only slot cannot be freed for b.
+        busy = await ask(gw, key, "b")
+        assert busy.status_code == 503 and busy.json()["error"]["code"] == "replicas_saturated"
+        gone.set()
+        async with asyncio.timeout(5):
+            await answer
+        # The client's departure released a: b takes its place.
+        assert (await ask(gw, key, "b")).status_code == 200
+        assert fleet.loads[-1].evict == "a"
+        fleet.holds["a"].set()

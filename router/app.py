@@ -9,6 +9,7 @@ from contextlib import asynccontextmanager
 import httpx
 from fastapi import FastAPI
 from fastapi.responses import Response
+from opentelemetry.trace import Tracer
 from prometheus_client import CONTENT_TYPE_LATEST
 from temporalio.client import Client
 
@@ -41,6 +42,7 @@ def create_app(
     usage_flush_interval_s: float = 1.0,
     max_request_bytes: int = 8 * MiB,
     clock: Callable[[], float] = time.time,
+    tracer: Tracer | None = None,
 ) -> FastAPI:
     """The FastAPI app; the routing table refreshes and usage is flushed while it runs."""
     secret = store.engine_key_secret()
@@ -89,6 +91,7 @@ def create_app(
         engine_key=key_of,
         max_request_bytes=max_request_bytes,
         temporal=temporal,
+        tracer=tracer,
     )
     install_handlers(app)
     app.include_router(openai.router)

@@ -16,7 +16,7 @@ from temporalio.client import Client
 from llmgw.catalog_store import all_specs
 from llmgw.keys import engine_key
 from llmgw.store import Store
-from router import admin
+from router import admin, engine_metrics
 from router.accounting import Accountant
 from router.api import openai
 from router.auth import KeyVerifier
@@ -96,6 +96,7 @@ def create_app(
     install_handlers(app)
     app.include_router(openai.router)
     app.include_router(admin.router)
+    app.include_router(engine_metrics.router)
 
     @app.get("/healthz", include_in_schema=False)
     async def healthz() -> dict[str, object]:

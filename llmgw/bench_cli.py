@@ -4,6 +4,7 @@ import asyncio
 import os
 from typing import Annotated
 
+import httpx
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -39,6 +40,22 @@ def _table(result: BenchResult) -> Table:
     return table
 
 
+def _engine_of(gateway_url: str, replica: str, admin_key: str) -> tuple[str, str]:
+    """The replica's engine base URL and key, from the gateway's admin API."""
+    if not admin_key:
+        raise typer.BadParameter("--replica needs --admin-key or $LLMGW_ADMIN_KEY")
+    root = gateway_url.rstrip("/").removesuffix("/v1")
+    resp = httpx.get(
+        f"{root}/admin/replicas/{replica}/engine-key",
+        headers={"Authorization": f"Bearer {admin_key}"},
+        timeout=10,
+    )
+    if resp.status_code != 200:
+        raise typer.BadParameter(f"admin API: {resp.status_code} {resp.text[:200]}")
+    data = resp.json()
+    return f"{data['endpoint']}/v1", str(data["engine_key"])
+
+
 def bench(
     model: Annotated[str, typer.Option(help="the model id to ask for")],
     url: Annotated[
@@ -50,6 +67,15 @@ def bench(
     engine: Annotated[
         bool, typer.Option(help=f"aim at one engine; its key from ${ENGINE_KEY_ENV}")
     ] = False,
+    replica: Annotated[
+        str,
+        typer.Option(
+            help="aim straight at this replica's engine (endpoint and key from the admin API)"
+        ),
+    ] = "",
+    admin_key: Annotated[
+        str, typer.Option(envvar="LLMGW_ADMIN_KEY", help="admin credential, for --replica")
+    ] = "",
     concurrency: Annotated[int, typer.Option(min=1)] = 4,
     requests: Annotated[int | None, typer.Option(min=1, help="stop after this many")] = None,
     duration: Annotated[
@@ -61,7 +87,10 @@ def bench(
     as_json: Annotated[bool, typer.Option("--json", help="print the figures as JSON")] = False,
 ) -> None:
     """Load the gateway (or one engine) and print requests/s, TTFT, inter-token latency."""
-    key = os.environ.get(ENGINE_KEY_ENV, "") if engine else api_key
+    if replica:
+        url, key = _engine_of(url, replica, admin_key)
+    else:
+        key = os.environ.get(ENGINE_KEY_ENV, "") if engine else api_key
     if not key:
         raise typer.BadParameter(
             f"set ${ENGINE_KEY_ENV} (from the admin API)"

@@ -9,13 +9,14 @@ from contextlib import asynccontextmanager
 import httpx
 from fastapi import FastAPI
 from fastapi.responses import Response
+from opentelemetry.trace import Tracer
 from prometheus_client import CONTENT_TYPE_LATEST
 from temporalio.client import Client
 
 from llmgw.catalog_store import all_specs
 from llmgw.keys import engine_key
 from llmgw.store import Store
-from router import admin
+from router import admin, engine_metrics
 from router.accounting import Accountant
 from router.adapters import AdapterLoader, AdapterRouter, TemporalAdapterLoader
 from router.api import openai
@@ -42,6 +43,7 @@ def create_app(
     usage_flush_interval_s: float = 1.0,
     max_request_bytes: int = 8 * MiB,
     clock: Callable[[], float] = time.time,
+    tracer: Tracer | None = None,
     adapter_loader: AdapterLoader | None = None,
 ) -> FastAPI:
     """The FastAPI app; the routing table refreshes and usage is flushed while it runs.
@@ -98,10 +100,12 @@ def create_app(
         max_request_bytes=max_request_bytes,
         adapters=AdapterRouter(table, adapter_loader),
         temporal=temporal,
+        tracer=tracer,
     )
     install_handlers(app)
     app.include_router(openai.router)
     app.include_router(admin.router)
+    app.include_router(engine_metrics.router)
 
     @app.get("/healthz", include_in_schema=False)
     async def healthz() -> dict[str, object]:

@@ -3,6 +3,7 @@
 from dataclasses import dataclass
 
 from fastapi import Request
+from opentelemetry.trace import Tracer
 from temporalio.client import Client
 
 from llmgw.store import Store
@@ -29,6 +30,9 @@ class Deps:
     adapters: AdapterRouter
     # Admin calls that ask Temporal (nodes, log tails); None in tests without one.
     temporal: Client | None = None
+    # A span per request; None (tracing off): no span, no trace context
+    # taken from the client or handed to the engine.
+    tracer: Tracer | None = None
 
 
 async def get_deps(request: Request) -> Deps:

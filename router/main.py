@@ -7,12 +7,14 @@ from typing import Any
 
 import httpx
 import uvicorn
+from opentelemetry.trace import Tracer
 from temporalio.client import Client
 
 from llmgw.lifecycle import setup_logging
 from llmgw.settings import RouterSettings
 from llmgw.store import Store
 from llmgw.temporal import connect
+from llmgw.tracing import setup_tracing
 from router.app import create_app
 from router.routing import ReplicaSource, TemporalReplicaSource
 
@@ -24,6 +26,7 @@ def build(
     store: Store,
     source: ReplicaSource,
     temporal: Client | None = None,
+    tracer: Tracer | None = None,
 ) -> uvicorn.Config:
     """The served app as ``llmgw router`` runs it (the benchmark serves the same).
 
@@ -52,6 +55,7 @@ def build(
         key_cache_ttl_s=settings.key_cache_ttl_s,
         usage_flush_interval_s=settings.usage_flush_interval_s,
         max_request_bytes=settings.max_request_bytes,
+        tracer=tracer,
     )
     return uvicorn.Config(
         app, host=settings.host, port=settings.port, log_level=settings.log_level.lower()
@@ -63,9 +67,10 @@ async def serve(
     store: Store,
     source: ReplicaSource,
     temporal: Client | None = None,
+    tracer: Tracer | None = None,
 ) -> None:
     """Serve until uvicorn is told to stop (it handles SIGINT/SIGTERM)."""
-    config = build(settings, store, source, temporal)
+    config = build(settings, store, source, temporal, tracer)
     log.info("router on http://%s:%d", settings.host, settings.port)
     await uvicorn.Server(config).serve()
 
@@ -74,8 +79,14 @@ async def run(settings: RouterSettings) -> None:
     """The router with its routing table read off Temporal."""
     store = Store(settings.resolved_store_url())
     store.migrate()
+    tracing = setup_tracing(settings.tracing, "router")
+    tracer = tracing.provider.get_tracer("llmgw.router") if tracing.provider else None
+    # The routing table's refresh is not traced (a trace a second is noise).
     client = await connect(settings.temporal_address, settings.temporal_namespace)
-    await serve(settings, store, TemporalReplicaSource(client), client)
+    try:
+        await serve(settings, store, TemporalReplicaSource(client), client, tracer)
+    finally:
+        tracing.shutdown()
 
 
 def run_loop(main: Coroutine[Any, Any, None]) -> None:

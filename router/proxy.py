@@ -30,6 +30,8 @@ from typing import Any
 import anyio
 import httpx
 from fastapi.responses import Response, StreamingResponse
+from opentelemetry import trace
+from opentelemetry.propagate import inject
 from starlette.types import Receive, Scope, Send
 
 from router.accounting import Outcome
@@ -106,14 +108,19 @@ class Proxy:
         raise upstream_failed(last_error)
 
     async def _try(self, route: Route, call: Call) -> Response:
+        headers = {
+            "Authorization": f"Bearer {self._engine_key(route.replica_id)}",
+            "Content-Type": "application/json",
+        }
+        # The request's span continues in the engine (traceparent); with
+        # tracing off the span is invalid and nothing is added.
+        inject(headers)
+        trace.get_current_span().set_attribute("llmgw.replica", route.replica_id)
         request = self._http.build_request(
             "POST",
             f"{route.endpoint}{call.path}",
             content=call.body if call.body_for is None else call.body_for(route),
-            headers={
-                "Authorization": f"Bearer {self._engine_key(route.replica_id)}",
-                "Content-Type": "application/json",
-            },
+            headers=headers,
         )
         route.inflight += 1
         relayed = False

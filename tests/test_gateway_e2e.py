@@ -3,6 +3,7 @@ client: embeddings, pass-through, hidden stream usage, a client that walks away
 mid-stream, the engine-path allow-list, the admin API and ``llmgw keys``."""
 
 import asyncio
+import json
 import re
 import subprocess
 import sys
@@ -252,3 +253,37 @@ async def test_quota_exceeded_is_a_rate_limit_error(
             await mine.completions.create(model=CHAT, prompt="x", max_tokens=1)
     assert err.value.code == "insufficient_quota"
     assert 1 <= int(err.value.response.headers["retry-after"]) <= 86400
+
+
+async def test_engine_metrics_through_the_admin_api_labelled_by_replica(
+    admin: httpx.AsyncClient, served: dict[str, str]
+) -> None:
+    resp = await admin.get("/admin/engines/metrics")
+    assert resp.status_code == 200, resp.text
+    lines = resp.text.splitlines()
+    label = f'replica="{served["chat"]}",model="{CHAT}"'
+    assert any(line.startswith("llamacpp:") and label in line for line in lines), resp.text[:2000]
+    assert sum(1 for line in lines if line.startswith("# TYPE llamacpp:prompt_tokens_total")) == 1
+    # Only the admin credential opens it; the engines' own /metrics stays unrouted.
+    async with httpx.AsyncClient(base_url=served["root"]) as anon:
+        assert (await anon.get("/admin/engines/metrics")).status_code == 401
+        client_key = {"Authorization": f"Bearer {served['key']}"}
+        assert (await anon.get("/admin/engines/metrics", headers=client_key)).status_code in (
+            401,
+            403,
+        )
+
+
+async def test_bench_straight_at_a_replica_with_its_key_from_the_admin_api(
+    system: System, served: dict[str, str]
+) -> None:
+    run = await asyncio.to_thread(
+        _cli, system, "bench", "--model", CHAT, "--url", served["base"], "--replica",
+        served["chat"], "--admin-key", ADMIN, "--requests", "6", "--concurrency", "2",
+        "--max-tokens", "4", "--prompt-tokens", "4", "--json",
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    result = json.loads(run.stdout)
+    assert result["target"] == f"{served['chat_endpoint']}/v1"
+    assert (result["requests"], result["errors"]) == (6, 0) and result["output_tokens"] == 24
+    assert ADMIN not in run.stdout + run.stderr

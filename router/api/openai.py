@@ -14,6 +14,9 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Header, Request
 from fastapi.responses import Response
+from opentelemetry import trace
+from opentelemetry.propagate import extract
+from opentelemetry.trace import Span, SpanKind, StatusCode
 from pydantic import BaseModel, ValidationError
 
 from llmgw.quotas import Rejection
@@ -171,9 +174,12 @@ def _with_usage(raw: bytes) -> bytes:
 
 
 async def _adapter_routes(
-    deps: Deps, target: tuple[ModelSpec, AdapterSpec], call: Call
-) -> tuple[list[Route], Callable[[], None] | None]:
-    """Where a request for an adapter may go (and its release, loaded on demand)."""
+    deps: Deps, target: tuple[ModelSpec, AdapterSpec] | None, call: Call
+) -> tuple[list[Route] | None, Callable[[], None] | None]:
+    """Where a request for an adapter may go (and its release, loaded on demand);
+    (None, None) for a model: the proxy balances among its replicas."""
+    if target is None:
+        return None, None
     base, adapter = target
     if base.profile.runtime_lora:
         route, release = await deps.adapters.on_demand_route(base, adapter)
@@ -205,10 +211,27 @@ async def _serve(
             raw = _with_usage(raw)
 
     endpoint = path.removeprefix("/v1/")
+    # One span per request, continuing the client's trace if it sent one;
+    # ended when the request is over (a stream: when its relay ends).
+    span = (
+        deps.tracer.start_span(
+            f"POST {path}",
+            context=extract(request.headers),
+            kind=SpanKind.SERVER,
+            attributes={
+                "llmgw.model": model,
+                "llmgw.key_id": caller.key_id,
+                "llmgw.stream": stream,
+            },
+        )
+        if deps.tracer is not None
+        else trace.INVALID_SPAN
+    )
     reservation = await deps.accountant.reserve(caller.key_id, caller.policy, reserve)
     if isinstance(reservation, Rejection):
         deps.metrics.quota_rejections.labels(reservation.limit).inc()
         deps.metrics.requests.labels(endpoint, model, "429").inc()
+        _end_span(span, Outcome(error=True, status=429))
         raise quota_exceeded(reservation.limit, reservation.message, reservation.retry_after_s)
 
     finished = False
@@ -221,6 +244,7 @@ async def _serve(
         finished = True
         if release is not None:
             release()
+        _end_span(span, outcome)
         deps.accountant.done(caller.key_id, model, reservation, outcome)
         m = deps.metrics
         m.requests.labels(endpoint, model, str(outcome.status)).inc()
@@ -242,13 +266,22 @@ async def _serve(
         client_gone=lambda: _disconnected(request),
     )
     try:
-        routes: list[Route] | None = None
-        if target is not None:
+        with trace.use_span(span, end_on_exit=False):
+            # An on-demand adapter's load is part of the request (and its span).
             routes, release = await _adapter_routes(deps, target, call)
-        return await deps.proxy.forward(call, routes)
+            return await deps.proxy.forward(call, routes)
     except OpenAIError as exc:
         on_done(Outcome(error=True, status=exc.status))  # releases the reservation
         raise
+
+
+def _end_span(span: Span, outcome: Outcome) -> None:
+    span.set_attribute("http.response.status_code", outcome.status)
+    span.set_attribute("llmgw.prompt_tokens", outcome.prompt_tokens)
+    span.set_attribute("llmgw.completion_tokens", outcome.completion_tokens)
+    if outcome.error:
+        span.set_status(StatusCode.ERROR)
+    span.end()
 
 
 @router.post("/chat/completions", openapi_extra=_openapi_body(ChatCompletionRequest))

@@ -76,6 +76,9 @@ class LlamaCppAdapter:
             "--ctx-size",
             str(model.context_length),
             "--no-webui",
+            # Prometheus metrics, behind the engine key like every path; the
+            # admin API relays them labelled by replica.
+            "--metrics",
         ]
         if node.threads > 0:
             argv += ["--threads", str(node.threads)]

@@ -1,4 +1,5 @@
-"""On-demand LoRA routing in the router, in process: a fake loader standing in
+"""LoRA routing in the router, in process. Static adapters: holders only, the
+llama.cpp id per replica. On demand: a fake loader standing in
 for the AdapterLoad workflow (it counts loads; the router's own coalescing is
 what makes 50 cold requests one load here) and scripted vLLM-like engines that
 answer only for adapters they hold (404 otherwise, as vLLM does).
@@ -257,3 +258,49 @@ async def test_a_client_gone_mid_request_releases_its_adapter(tmp_path: Path) ->
         assert (await ask(gw, key, "b")).status_code == 200
         assert fleet.loads[-1].evict == "a"
         fleet.holds["a"].set()
+
+
+async def test_static_adapters_go_to_holders_with_each_replicas_own_llama_cpp_id(
+    tmp_path: Path,
+) -> None:
+    # Two llama.cpp replicas started from different catalog versions: other ids.
+    memos = [memo("r1"), memo("r2"), memo("r3")]
+    memos[0].adapters, memos[1].adapters = ["x", "y"], ["y", "x"]  # r3 holds none
+    llama = ModelSpec(
+        name=BASE,
+        source="/m.gguf",
+        adapters=[AdapterSpec(name=a, source=f"/adapters/{a}.gguf") for a in ("x", "y")],
+    )
+    async with gateway(tmp_path / "s.db", memos, [llama]) as gw:
+        _, key = gw.key()
+        for _ in range(4):
+            r = await ask(gw, key, "y", cache_prompt=True)
+            assert r.status_code == 200
+            sent = gw.engine.body()
+            want = {"r1": 1, "r2": 0}[r.headers["x-llmgw-replica"]]
+            assert sent["lora"] == [{"id": want, "scale": 1.0}]
+            assert sent["model"] == "y" and sent["cache_prompt"] is False
+        assert {s.url.host for s in gw.engine.seen} == {"r1", "r2"}
+        # The base model: a client's own adapter selection is dropped.
+        r = await ask(gw, key, BASE, lora=[{"id": 0, "scale": 1.0}])
+        assert r.status_code == 200 and "lora" not in gw.engine.body()
+
+
+async def test_static_vllm_adapters_are_selected_by_the_model_field_as_sent(
+    tmp_path: Path,
+) -> None:
+    memos = [memo("r1"), memo("r2")]
+    memos[1].adapters = ["x"]
+    vllm = ModelSpec(
+        name=BASE,
+        engine=EngineKind.VLLM,
+        source="/models/base",
+        adapters=[AdapterSpec(name="x", source="/adapters/x")],
+    )
+    async with gateway(tmp_path / "s.db", memos, [vllm]) as gw:
+        _, key = gw.key()
+        body = {"model": "x", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        for _ in range(3):
+            r = await gw.http.post("/v1/chat/completions", json=body, headers=auth(key))
+            assert r.status_code == 200 and r.headers["x-llmgw-replica"] == "r2"
+            assert gw.engine.body() == body

@@ -226,6 +226,11 @@ class AdapterRouter:
         if state is None or state.endpoint != route.endpoint:  # a new engine holds nothing
             state = _Replica(route.endpoint)
             self._replicas[route.replica_id] = state
+            # Rare (a new replica): forget those that left the table meanwhile.
+            live = {r.replica_id for rs in self._table.routes.values() for r in rs}
+            for gone in [rid for rid in self._replicas if rid not in live]:
+                if not self._replicas[gone].loading:
+                    del self._replicas[gone]
         return state
 
     def _views(self, base: ModelSpec, routes: list[Route]) -> list[ReplicaView]:

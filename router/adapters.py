@@ -285,6 +285,7 @@ class AdapterRouter:
                 raise adapters_unavailable(adapter.name)
             if choice.evict:
                 state.evicted_here[choice.evict] = adapter.name
+                state.loaded_here.discard(choice.evict)
                 state.uses.pop(choice.evict, None)
             request = AdapterLoadInput(
                 replica_id=route.replica_id,

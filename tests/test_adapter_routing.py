@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import pytest
 
 from llmgw.types import (
     AdapterLoadInput,
@@ -56,6 +57,7 @@ class Fleet:
     load_time_s: float = 0.0
     holds: dict[str, asyncio.Event] = field(default_factory=dict)  # adapter -> release
     arrived: list[str] = field(default_factory=list)  # models the engines were asked for
+    memo_follows: bool = True  # False: the router knows only what it did itself
 
     async def load(self, request: AdapterLoadInput) -> AdapterLoadResult:
         """The fake AdapterLoad: the engine changes, then the replica's memo."""
@@ -70,7 +72,7 @@ class Fleet:
             held.remove(request.evict)
         held.append(name)
         for m in self.source.items:  # the adapters_changed signal, as the memo shows it
-            if m.replica_id == rid:
+            if m.replica_id == rid and self.memo_follows:
                 m.adapters = list(held)
         return AdapterLoadResult(replica_id=rid, adapter=name, loaded=True, evicted=request.evict)
 
@@ -159,8 +161,12 @@ async def test_a_failed_load_is_a_clear_error_and_the_next_request_loads_again(
         assert len(fleet.loads) == 2
 
 
-async def test_eviction_picks_the_lru_idle_adapter_never_one_in_flight(tmp_path: Path) -> None:
+@pytest.mark.parametrize("memo_follows", [True, False])
+async def test_eviction_picks_the_lru_idle_adapter_never_one_in_flight(
+    tmp_path: Path, memo_follows: bool
+) -> None:
     async with fleet_gateway(tmp_path / "s.db", ["r1"], max_loaded=2) as (gw, fleet, key):
+        fleet.memo_follows = memo_follows
         for name in ("a", "b", "a"):  # b is now the least recently used
             assert (await ask(gw, key, name)).status_code == 200
         assert (await ask(gw, key, "c")).status_code == 200

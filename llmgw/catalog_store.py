@@ -28,11 +28,6 @@ def get_entry(store: Store, name: str) -> CatalogModel | None:
 
 
 def delete_entry(store: Store, name: str) -> bool:
-    """Remove a model from the catalog (its running replicas are not touched)."""
-    with store.session() as session:
-        row = session.get(ModelRecord, name)
-        if row is None:
-            return False
-        session.delete(row)
-        session.commit()
-        return True
+    """Remove a model from the catalog; the control plane's reconcile pass then
+    scales its deployment away and stops its replicas (llmgw/reconcile.py)."""
+    return store.delete_model(name)

@@ -6,6 +6,7 @@ import asyncio
 from collections.abc import AsyncIterator, Iterator
 
 import httpx
+import openai
 import pytest
 from temporalio.client import Client
 from temporalio.common import WorkflowIDConflictPolicy
@@ -25,11 +26,14 @@ from llmgw.types import (
     ModelSpec,
 )
 from llmgw.vllm_install import VllmInstall
-from tests.harness import System, free_port
+from tests.harness import System, free_port, wait_routable
 
 pytestmark = pytest.mark.timeout(900)
 
 MODEL = "tinyhf-lora"
+# Filled by the fixture and the first test, read by the router test.
+KEYS: dict[str, str] = {}
+ENGINE_SAYS: dict[str, str] = {}
 NODE = "vllm-lora-node"
 
 
@@ -66,12 +70,16 @@ async def served(
             max_loaded_adapters=2,
         ),
     )  # fmt: skip
-    system.catalog(spec)
+    KEYS["client"] = system.catalog(spec)
     system.spawn("control")
     system.spawn_agent(NODE, {"LLMGW_CPU_KV_CACHE_MIB": "64"})
+    port = free_port()
+    system.start_router(port)
+    KEYS["base"] = f"http://127.0.0.1:{port}/v1"
     await replicas.wait_node_registered(client, NODE, 60)
     rid = await replicas.start_replica(client, spec)
     memo = await replicas.wait_ready(client, rid, 300)
+    await wait_routable(KEYS["base"], KEYS["client"], MODEL)
     yield spec, rid, memo.endpoint
     await replicas.stop_replica(client, rid, "test over", 60)
 
@@ -121,6 +129,7 @@ async def test_runtime_lora_loads_once_and_changes_the_output(
         assert sorted(m["id"] for m in listed if m.get("parent")) == ["peft-a", "peft-b"]
         outputs = {m: await _complete(http, endpoint, m) for m in (MODEL, "peft-a", "peft-b")}
         assert len(set(outputs.values())) == 3, outputs
+        ENGINE_SAYS.update(outputs)
 
         # Full (2 loaded): loading a third unloads the named idle one first.
         third = await _load(client, spec, rid, "peft-c", evict="peft-a")
@@ -130,3 +139,27 @@ async def test_runtime_lora_loads_once_and_changes_the_output(
     status = await replicas.status_of(client, rid)
     assert status is not None and status.adapters == ["peft-b", "peft-c"]
     assert any("unloaded peft-a (least recently used, idle)" in h.detail for h in status.history)
+
+
+async def test_the_router_loads_a_cold_adapter_on_demand_and_answers_with_it(
+    client: Client, served: tuple[ModelSpec, str, str]
+) -> None:
+    """Through the gateway with the openai client: peft-a was unloaded to make
+    room above, so the router must load it again (evicting an idle one)."""
+    _, rid, _ = served
+    async with openai.AsyncOpenAI(
+        base_url=KEYS["base"], api_key=KEYS["client"], max_retries=0
+    ) as oai:
+        listed = [m.id for m in (await oai.models.list()).data]
+        assert {"peft-a", "peft-b", "peft-c"} <= set(listed)
+        answers = await asyncio.gather(
+            *(
+                oai.completions.create(
+                    model="peft-a", prompt="the cat", max_tokens=8, temperature=0
+                )
+                for _ in range(5)
+            )
+        )
+    assert {a.choices[0].text for a in answers} == {ENGINE_SAYS["peft-a"]}
+    status = await replicas.status_of(client, rid)
+    assert status is not None and "peft-a" in status.adapters and len(status.adapters) == 2

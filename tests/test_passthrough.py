@@ -120,3 +120,22 @@ async def test_a_client_that_goes_away_stops_the_stream(
     sent = await _call(app, _scope("/stream", headers), disconnect_after=3)
     assert sum(1 for m in sent if m["type"] == "http.response.body") <= 4
     assert fake.streamed < 10 < TOTAL_CHUNKS
+
+
+@pytest.mark.parametrize(("drops", "status"), [(1, 200), (2, 502)])
+async def test_a_connection_the_engine_dropped_is_retried_once(drops: int, status: int) -> None:
+    fake = _Upstream()
+    calls: list[httpx.Request] = []
+
+    async def flaky(request: httpx.Request) -> httpx.Response:
+        calls.append(request)
+        if len(calls) <= drops:
+            raise httpx.RemoteProtocolError("Server disconnected without sending a response.")
+        return await fake.handle(request)
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(flaky)) as http:
+        app = PassThrough("http://engine", KEY, http)
+        headers = [(b"authorization", f"Bearer {KEY}".encode())]
+        sent = await _call(app, _scope("/v1/completions", headers))
+    assert sent[0]["status"] == status
+    assert len(calls) == 2  # once more, never more

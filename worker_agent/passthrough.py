@@ -79,6 +79,15 @@ class PassThrough:
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
         )
 
+    async def _send(self, request: httpx.Request) -> httpx.Response:
+        try:
+            return await self._http.send(request, stream=True)
+        except httpx.RemoteProtocolError:
+            # The engine closed an idle kept-alive connection just as it was
+            # reused: it never read the request, so sending it again is safe
+            # (seen as one 502 in 200 requests under `llmgw bench`).
+            return await self._http.send(request, stream=True)
+
     def authorized(self, headers: list[tuple[bytes, bytes]]) -> bool:
         """Whether the request carries the engine key, compared in constant time."""
         given = next((v for k, v in headers if k.lower() == b"authorization"), b"")
@@ -100,7 +109,7 @@ class PassThrough:
         headers = [(k, v) for k, v in scope["headers"] if k.lower() not in _HOP_BY_HOP]
         request = self._http.build_request(scope["method"], url, headers=headers, content=body)
         try:
-            upstream = await self._http.send(request, stream=True)
+            upstream = await self._send(request)
         except httpx.HTTPError as exc:
             message = {"error": {"message": f"engine unreachable: {type(exc).__name__}"}}
             await _respond(send, 502, json.dumps(message).encode())

@@ -128,6 +128,18 @@ def auth(key: str) -> dict[str, str]:
 
 
 @asynccontextmanager
+async def serving(app: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
+    """A client to ``app`` running in process, once its routing table has loaded."""
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://router") as http:
+            async with asyncio.timeout(10):
+                while not (await http.get("/healthz")).json()["routing_table_loaded"]:
+                    await asyncio.sleep(0.01)
+            yield http
+
+
+@asynccontextmanager
 async def gateway(
     db: Path | str,
     replicas: list[ReplicaMemo],
@@ -154,13 +166,8 @@ async def gateway(
         usage_flush_interval_s=0.05,
         **app_args,
     )
-    async with app.router.lifespan_context(app):
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://router") as http:
-            async with asyncio.timeout(10):
-                while not (await http.get("/healthz")).json()["routing_table_loaded"]:
-                    await asyncio.sleep(0.01)
-            yield Gateway(app, store, engine, http)
+    async with serving(app) as http:
+        yield Gateway(app, store, engine, http)
     store.close()
 
 

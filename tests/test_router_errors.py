@@ -1,6 +1,5 @@
 """Router error mapping in process (ASGI): every failure is OpenAI-shaped."""
 
-import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -10,6 +9,7 @@ import pytest
 from llmgw.store import Store
 from llmgw.types import ModelSpec, ReplicaMemo, ReplicaPhase
 from router.app import create_app
+from tests.gateway_util import serving
 
 
 class FakeSource:
@@ -32,13 +32,8 @@ async def setup(tmp_path: Path) -> AsyncIterator[tuple[httpx.AsyncClient, str]]:
         [ReplicaMemo(replica_id="r-load", model="loading-model", phase=ReplicaPhase.LOADING)]
     )
     app = create_app(store, source, refresh_interval_s=0.05)
-    async with app.router.lifespan_context(app):
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://router") as http:
-            async with asyncio.timeout(10):
-                while not (await http.get("/healthz")).json()["routing_table_loaded"]:
-                    await asyncio.sleep(0.01)
-            yield http, key
+    async with serving(app) as http:
+        yield http, key
 
 
 def _auth(key: str) -> dict[str, str]:

@@ -1,10 +1,8 @@
 """The store on both databases: SQLite (file) and PostgreSQL (a real server)."""
 
-import asyncio
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import pytest
 from sqlalchemy import Column, DateTime, Integer, MetaData, String, Table
 from sqlmodel import Session, select
@@ -13,6 +11,7 @@ from llmgw.errors import StoreError
 from llmgw.store import ApiKey, Store, display_url, sqlalchemy_url
 from llmgw.types import EngineKind, ModelSpec, ReplicaMemo, ReplicaPhase
 from router.app import create_app
+from tests.gateway_util import serving
 
 
 @pytest.fixture
@@ -172,14 +171,9 @@ async def test_router_authenticates_against_the_store(store: Store) -> None:
     store.put_model(ModelSpec(name="a", source="/a.gguf"))
     key = store.create_api_key("client")
     app = create_app(store, _OneReplica(), refresh_interval_s=0.05)
-    async with app.router.lifespan_context(app):
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://router") as http:
-            async with asyncio.timeout(10):
-                while not (await http.get("/healthz")).json()["routing_table_loaded"]:
-                    await asyncio.sleep(0.01)
-            ok = await http.get("/v1/models", headers={"Authorization": f"Bearer {key}"})
-            assert ok.status_code == 200
-            assert [m["id"] for m in ok.json()["data"]] == ["a"]
-            bad = await http.get("/v1/models", headers={"Authorization": f"Bearer {key}x"})
-            assert bad.status_code == 401
+    async with serving(app) as http:
+        ok = await http.get("/v1/models", headers={"Authorization": f"Bearer {key}"})
+        assert ok.status_code == 200
+        assert [m["id"] for m in ok.json()["data"]] == ["a"]
+        bad = await http.get("/v1/models", headers={"Authorization": f"Bearer {key}x"})
+        assert bad.status_code == 401

@@ -123,3 +123,36 @@ def test_failed_wait_kills_what_already_started(tmp_path: Path) -> None:
         )
     assert wait_for(lambda: pids_with_args("tag-orphan") == [], 5)
     assert pids_with_args("tag-never") == []
+
+
+def test_fingerprint_matching() -> None:
+    recorded = {"start_time": 42, "cmdline": ["llama-server", "-m", "x"]}
+    assert procfs.matches(recorded, procfs.Fingerprint(42, ("llama-server", "-m", "x")))
+    # Right after exec /proc can show no command line yet: the start time decides.
+    assert procfs.matches(recorded, procfs.Fingerprint(42, ()))
+    assert not procfs.matches(recorded, procfs.Fingerprint(43, ()))  # a reused pid
+    assert not procfs.matches(recorded, procfs.Fingerprint(42, ("python", "other")))
+    assert not procfs.matches(None, procfs.Fingerprint(42, ()))
+
+
+def test_own_live_child_is_found_without_reading_its_command_line(tmp_path: Path) -> None:
+    """The agent that started an engine knows it runs whatever /proc shows.
+
+    A start once failed as "engine exited" because /proc read an empty command
+    line a moment after exec; the launching supervisor holds the unreaped child
+    and needs no fingerprint. Another supervisor (an agent after a restart)
+    still goes by the fingerprint.
+    """
+    sup = Supervisor(tmp_path)
+    ref = ShardRef(replica_id="own")
+    _launch(sup, ref, "tag-own")
+    spec = sup.shard_dir(ref) / "spec.json"
+    data = json.loads(spec.read_text())
+    data["fingerprint"]["cmdline"] = ["something", "else"]
+    spec.write_text(json.dumps(data))
+    try:
+        assert sup.find_running(ref) is not None
+        assert Supervisor(tmp_path).find_running(ref) is None
+    finally:
+        sup.stop(ref, grace_s=0.5)
+    assert pids_with_args("tag-own") == []

@@ -38,6 +38,26 @@ def fingerprint(pid: int) -> Fingerprint | None:
     return Fingerprint(start_time=int(fields[19]), cmdline=cmdline)
 
 
+def same_process(pid: int, recorded: object) -> bool:
+    """Whether ``pid`` is still the live process a launch recorded.
+
+    ``recorded`` is the launch's ``{"start_time": ..., "cmdline": [...]}``. A
+    reused pid differs in start time. The command line is compared too, except
+    while it reads empty: between exec's point of no return and the new
+    image's argument area being set up, /proc shows no command line at all
+    (seen in 2 of 300 launches), and the start time alone still identifies it.
+    """
+    current = fingerprint(pid)
+    return current is not None and not is_zombie_or_gone(pid) and matches(recorded, current)
+
+
+def matches(recorded: object, current: Fingerprint) -> bool:
+    """Whether a live process's fingerprint is the one a launch recorded."""
+    if not isinstance(recorded, dict) or current.start_time != recorded.get("start_time"):
+        return False
+    return not current.cmdline or list(current.cmdline) == recorded.get("cmdline")
+
+
 def is_zombie_or_gone(pid: int) -> bool:
     """True when the process has exited (a zombie holds no resources but its pid)."""
     fields = _stat_fields(pid)

@@ -121,14 +121,11 @@ class Supervisor:
         child = self._children.get(shard_key(ref))
         if child is not None and child.poll() is not None:
             return None
-        current = procfs.fingerprint(pid)
-        recorded = spec.get("fingerprint")
-        if current is None or procfs.is_zombie_or_gone(pid) or not isinstance(recorded, dict):
-            return None
-        if current.start_time != recorded.get("start_time") or list(
-            current.cmdline
-        ) != recorded.get("cmdline"):
-            # The pid was reused by an unrelated process: never touch it.
+        # A child of ours that has not been reaped cannot have its pid reused:
+        # no need to read /proc (which, right after exec, can show an empty
+        # command line and made a healthy start look like a dead engine).
+        ours = child is not None and child.pid == pid
+        if not ours and not procfs.same_process(pid, spec.get("fingerprint")):
             return None
         return RunningShard(
             ref=ref,

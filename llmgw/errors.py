@@ -8,7 +8,9 @@
     └── EngineError               an engine shard misbehaved
         ├── EngineLaunchError     it could not be started
         ├── EngineExitedError     it exited (exit code and log tail in message)
-        └── EngineNotReadyError   it did not become ready in time
+        ├── EngineNotReadyError   it did not become ready in time
+        └── UpstreamError         the router's request to it failed (mid-way)
+            └── UpstreamConnectError  ...before anything was sent: another may take it
 
 Errors that cross Temporal are raised as ``ApplicationError`` with ``type``
 set to the class name and ``non_retryable`` from the class, so a workflow can
@@ -60,3 +62,11 @@ class EngineNotReadyError(EngineError):
     """The engine did not become ready before its deadline."""
 
     retryable = False
+
+
+class UpstreamError(EngineError):
+    """The router's request to an engine failed after it may have started there."""
+
+
+class UpstreamConnectError(UpstreamError):
+    """The router could not reach an engine: nothing was sent, another replica may answer."""

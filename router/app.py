@@ -6,7 +6,6 @@ import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
-import httpx
 from fastapi import FastAPI
 from fastapi.responses import Response
 from opentelemetry.trace import Tracer
@@ -26,6 +25,7 @@ from router.errors import install_handlers
 from router.metrics import Metrics
 from router.proxy import Proxy
 from router.routing import ReplicaSource, RoutingTable, refresh_forever
+from router.upstream import AiohttpUpstream, Upstream
 
 MiB = 1024 * 1024
 
@@ -34,7 +34,7 @@ def create_app(
     store: Store,
     source: ReplicaSource,
     refresh_interval_s: float = 1.0,
-    http: httpx.AsyncClient | None = None,
+    http: Upstream | None = None,
     on_close: Callable[[], object] | None = None,
     *,
     temporal: Client | None = None,
@@ -55,7 +55,9 @@ def create_app(
         adapter_loader = TemporalAdapterLoader(temporal)
     secret = store.engine_key_secret()
     table = RoutingTable()
-    client = http or httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=5.0))
+    client = http or AiohttpUpstream(
+        connect_timeout_s=5.0, read_timeout_s=600.0, max_connections=1024
+    )
     ready = asyncio.Event()
     metrics = Metrics(table)
     accountant = Accountant(store, usage_flush_interval_s, clock)

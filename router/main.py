@@ -5,7 +5,6 @@ import logging
 from collections.abc import Coroutine
 from typing import Any
 
-import httpx
 import uvicorn
 from opentelemetry.trace import Tracer
 from temporalio.client import Client
@@ -17,6 +16,7 @@ from llmgw.temporal import connect
 from llmgw.tracing import setup_tracing
 from router.app import create_app
 from router.routing import ReplicaSource, TemporalReplicaSource
+from router.upstream import AiohttpUpstream
 
 log = logging.getLogger(__name__)
 
@@ -32,17 +32,10 @@ def build(
 
     ``temporal`` serves the admin calls that ask it (nodes, log tails).
     """
-    upstream = httpx.AsyncClient(
-        timeout=httpx.Timeout(
-            settings.upstream_read_timeout_s, connect=settings.upstream_connect_timeout_s
-        ),
-        # Keep every connection alive: httpx keeps only 20 by default, so past
-        # 20 requests in flight each response closed one and the next request
-        # paid a new TCP connection (and left a TIME_WAIT socket behind).
-        limits=httpx.Limits(
-            max_connections=settings.upstream_max_connections,
-            max_keepalive_connections=settings.upstream_max_connections,
-        ),
+    upstream = AiohttpUpstream(
+        connect_timeout_s=settings.upstream_connect_timeout_s,
+        read_timeout_s=settings.upstream_read_timeout_s,
+        max_connections=settings.upstream_max_connections,
     )
     app = create_app(
         store,

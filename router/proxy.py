@@ -28,16 +28,17 @@ from dataclasses import dataclass
 from typing import Any
 
 import anyio
-import httpx
 from fastapi.responses import Response, StreamingResponse
 from opentelemetry import trace
 from opentelemetry.propagate import inject
 from starlette.types import Receive, Scope, Send
 
+from llmgw.errors import UpstreamConnectError, UpstreamError
 from router.accounting import Outcome
 from router.errors import client_gone, no_ready_replica, replicas_saturated, upstream_failed
 from router.metrics import Metrics
 from router.routing import Route, RoutingTable
+from router.upstream import Upstream, UpstreamResponse
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +71,7 @@ class Proxy:
 
     def __init__(
         self,
-        http: httpx.AsyncClient,
+        http: Upstream,
         table: RoutingTable,
         engine_key: EngineKeyFn,
         metrics: Metrics,
@@ -94,15 +95,15 @@ class Proxy:
                 continue
             try:
                 return await self._try(route, call)
-            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-                # Nothing reached the client yet: another replica may answer.
-                last_error = f"{route.replica_id}: {type(exc).__name__}"
+            except UpstreamConnectError as exc:
+                # Nothing reached the engine nor the client: another replica may answer.
+                last_error = f"{route.replica_id}: {exc}"
                 self._metrics.upstream_errors.labels(call.model, route.replica_id, "connect").inc()
                 log.warning("replica %s unreachable, failing over: %s", route.replica_id, exc)
-            except httpx.HTTPError as exc:
+            except UpstreamError as exc:
                 # The engine may have started on it: no second try.
                 self._metrics.upstream_errors.labels(call.model, route.replica_id, "send").inc()
-                raise upstream_failed(f"{route.replica_id}: {type(exc).__name__}") from exc
+                raise upstream_failed(f"{route.replica_id}: {exc}") from exc
         if not last_error:  # every candidate filled up before its turn
             raise replicas_saturated(call.model)
         raise upstream_failed(last_error)
@@ -116,12 +117,7 @@ class Proxy:
         # tracing off the span is invalid and nothing is added.
         inject(headers)
         trace.get_current_span().set_attribute("llmgw.replica", route.replica_id)
-        request = self._http.build_request(
-            "POST",
-            f"{route.endpoint}{call.path}",
-            content=call.body if call.body_for is None else call.body_for(route),
-            headers=headers,
-        )
+        body = call.body if call.body_for is None else call.body_for(route)
         route.inflight += 1
         relayed = False
         try:
@@ -129,9 +125,9 @@ class Proxy:
             # a client that leaves meanwhile cancels it (one watch for the
             # whole exchange; a stream's relay watches for itself).
             async with _cancelled_if_gone(call):
-                upstream = await self._http.send(request, stream=True)
-                if upstream.status_code == 401:
-                    await upstream.aclose()
+                upstream = await self._http.post(f"{route.endpoint}{call.path}", body, headers)
+                if upstream.status == 401:
+                    await upstream.close()
                     self._metrics.upstream_errors.labels(
                         call.model, route.replica_id, "engine_key"
                     ).inc()
@@ -139,25 +135,25 @@ class Proxy:
                     log.error("replica %s rejected the engine key", route.replica_id)
                     raise upstream_failed("the engine refused the router's key")
                 headers = {"x-llmgw-replica": route.replica_id}
-                media = upstream.headers.get("content-type", "application/json")
-                if call.stream and upstream.status_code == 200:
+                media = upstream.content_type
+                if call.stream and upstream.status == 200:
                     relayed = True  # the relay releases the replica
                     relay = _Relay(upstream, route, call, self._metrics)
                     return _RelayResponse(relay, media_type=media, headers=headers)
                 try:
-                    content = await upstream.aread()
-                except httpx.HTTPError as exc:
+                    content = await upstream.read()
+                except UpstreamError as exc:
                     self._metrics.upstream_errors.labels(call.model, route.replica_id, "read").inc()
                     call.on_done(Outcome(error=True, status=502))
-                    raise upstream_failed(type(exc).__name__) from exc
+                    raise upstream_failed(str(exc)) from exc
                 finally:
-                    await upstream.aclose()
+                    await upstream.close()
         finally:
             if not relayed:
                 route.inflight -= 1
-        call.on_done(_outcome_of(upstream.status_code, content))
+        call.on_done(_outcome_of(upstream.status, content))
         return Response(
-            content=content, status_code=upstream.status_code, media_type=media, headers=headers
+            content=content, status_code=upstream.status, media_type=media, headers=headers
         )
 
 
@@ -250,7 +246,7 @@ def _has_content(choice: Any) -> bool:
 class _Relay:
     """Relays one SSE stream event by event, counting and (maybe) stripping usage."""
 
-    def __init__(self, upstream: httpx.Response, route: Route, call: Call, metrics: Metrics):
+    def __init__(self, upstream: UpstreamResponse, route: Route, call: Call, metrics: Metrics):
         self._upstream = upstream
         self._route = route
         self._call = call
@@ -296,7 +292,7 @@ class _Relay:
         first = True
         error = False
         try:
-            async for chunk in self._upstream.aiter_bytes():
+            async for chunk in self._upstream.chunks():
                 buf += chunk
                 cut = buf.rfind(b"\n\n")
                 if cut < 0:
@@ -312,7 +308,7 @@ class _Relay:
                     yield out
             if buf:
                 yield buf
-        except httpx.HTTPError as exc:
+        except UpstreamError as exc:
             error = True
             self._metrics.upstream_errors.labels(
                 self._call.model, self._route.replica_id, "stream"
@@ -332,7 +328,7 @@ class _Relay:
         self._route.inflight -= 1
         self._call.on_done(self._outcome(error))
         with anyio.CancelScope(shield=True):
-            await self._upstream.aclose()
+            await self._upstream.close()
 
     def _outcome(self, error: bool) -> Outcome:
         if self._usage is not None:

@@ -1,5 +1,9 @@
 """An in-process router in front of a scripted engine (httpx.MockTransport).
 
+The router's ``Upstream`` is injected: ``MockUpstream`` hands its requests
+to the scripted engine in process. The production client (aiohttp) is tested
+against real servers in tests/test_upstream.py and end to end.
+
 For the gateway's own logic (keys, quotas, usage, balancing, pass-through,
 admin API) where a real engine adds nothing but time; the real llama.cpp
 runs in tests/test_gateway_e2e.py.
@@ -8,7 +12,7 @@ runs in tests/test_gateway_e2e.py.
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +22,7 @@ import httpx
 from fastapi import FastAPI
 
 from llmgw.apikeys import KeyPolicy, create_key
+from llmgw.errors import UpstreamConnectError, UpstreamError
 from llmgw.store import Store
 from llmgw.types import EngineProfile, ModelSpec, ReplicaMemo, ReplicaPhase
 from router.app import create_app
@@ -109,6 +114,54 @@ class MockEngine:
         )
 
 
+class _MockResponse:
+    def __init__(self, response: httpx.Response) -> None:
+        self._r = response
+
+    @property
+    def status(self) -> int:
+        return self._r.status_code
+
+    @property
+    def content_type(self) -> str:
+        return str(self._r.headers.get("content-type", "application/json"))
+
+    async def read(self) -> bytes:
+        try:
+            return await self._r.aread()
+        except httpx.HTTPError as exc:
+            raise UpstreamError(type(exc).__name__) from exc
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in self._r.aiter_bytes():
+                yield chunk
+        except httpx.HTTPError as exc:
+            raise UpstreamError(type(exc).__name__) from exc
+
+    async def close(self) -> None:
+        await self._r.aclose()
+
+
+class MockUpstream:
+    """The router's Upstream, answered by a scripted engine in this process."""
+
+    def __init__(self, engine: MockEngine) -> None:
+        self._http = httpx.AsyncClient(transport=httpx.MockTransport(engine.handle))
+
+    async def post(self, url: str, body: bytes, headers: Mapping[str, str]) -> _MockResponse:
+        request = self._http.build_request("POST", url, content=body, headers=dict(headers))
+        try:
+            return _MockResponse(await self._http.send(request, stream=True))
+        except httpx.ConnectError as exc:
+            raise UpstreamConnectError(f"ConnectError: {exc}") from exc
+        except httpx.HTTPError as exc:
+            raise UpstreamError(type(exc).__name__) from exc
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+
 @dataclass
 class Gateway:
     """A router app, its store, its engine and an HTTP client to it."""
@@ -156,12 +209,11 @@ async def gateway(
     # Quota windows follow this clock: frozen, so no test straddles a minute.
     frozen = time.time()
     app_args.setdefault("clock", lambda: frozen)
-    upstream = httpx.AsyncClient(transport=httpx.MockTransport(engine.handle))
     app = create_app(
         store,
         FakeSource(replicas),
         refresh_interval_s=0.05,
-        http=upstream,
+        http=MockUpstream(engine),
         admin_key=ADMIN_KEY,
         usage_flush_interval_s=0.05,
         **app_args,

@@ -23,6 +23,7 @@ from tests.gateway_util import (
     FakeSource,
     Gateway,
     MockEngine,
+    MockUpstream,
     auth,
     gateway,
     ready,
@@ -447,7 +448,7 @@ async def test_requests_never_wait_on_temporal(tmp_path: Path) -> None:
         store,
         source,
         refresh_interval_s=0.01,
-        http=httpx.AsyncClient(transport=httpx.MockTransport(engine.handle)),
+        http=MockUpstream(engine),
     )
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)

@@ -22,7 +22,7 @@ from schemathesis.schemas import BaseSchema
 
 from llmgw.apikeys import KeyPolicy, create_key
 from llmgw.procs import wait_for
-from tests.gateway_util import ADMIN_KEY, MockEngine, ready, spec
+from tests.gateway_util import ADMIN_KEY, MockEngine, MockUpstream, ready, spec
 from tests.harness import free_port, port_open
 
 MAX_EXAMPLES = 25
@@ -52,7 +52,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_Served]:
         store,
         FakeSource([ready("r1", "m1", "http://e1:1")]),
         refresh_interval_s=0.05,
-        http=httpx.AsyncClient(transport=httpx.MockTransport(engine.handle)),
+        http=MockUpstream(engine),
         admin_key=ADMIN_KEY,
         max_request_bytes=64 * 1024,
     )

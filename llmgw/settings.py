@@ -100,6 +100,10 @@ class RouterSettings(_Common):
     key_cache_ttl_s: float = 5.0
     usage_flush_interval_s: float = 1.0
     max_request_bytes: int = 8 * 1024 * 1024
+    # uvicorn's line per request (LLMGW_ACCESS_LOG=true). Off by default: the
+    # request span and /metrics say more, and the line costs a tenth of the
+    # router's CPU per request.
+    access_log: bool = False
 
 
 class UpSettings(_Common):

@@ -5,8 +5,10 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import Response
 from opentelemetry.trace import Tracer
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -105,6 +107,8 @@ def create_app(
         tracer=tracer,
     )
     install_handlers(app)
+    for route in openai.inference_routes():
+        app.router.routes.append(route)
     app.include_router(openai.router)
     app.include_router(admin.router)
     app.include_router(engine_metrics.router)
@@ -118,4 +122,16 @@ def create_app(
         # The router's own metrics; an engine's /metrics is never reachable here.
         return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
+    def openapi() -> dict[str, Any]:
+        # FastAPI documents its own routes; the inference routes are plain
+        # Starlette ones (router/api/openai.py says why) and bring their entries.
+        if app.openapi_schema is None:
+            schema = get_openapi(
+                title=app.title, version=app.version, description=app.description, routes=app.routes
+            )
+            schema["paths"] = {**openai.inference_openapi(), **schema["paths"]}
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
     return app

@@ -48,6 +48,7 @@ class KeyVerifier:
         self._store = store
         self._ttl = ttl_s
         self._cache: dict[str, tuple[float, KeyInfo | None]] = {}
+        self._pending: dict[str, asyncio.Future[KeyInfo | None]] = {}
         # Only the hash of the configured admin key is kept in memory.
         self._admin_digest = hashlib.sha256(admin_key.encode()).digest() if admin_key else b""
 
@@ -57,7 +58,15 @@ class KeyVerifier:
         hit = self._cache.get(digest)
         if hit is not None and hit[0] > now:
             return hit[1]
-        info = await asyncio.to_thread(lookup, self._store, key)
+        # One store lookup per key at a time: when a busy key's entry
+        # expires, the requests arriving meanwhile wait for that one lookup
+        # rather than each sending its own.
+        pending = self._pending.get(digest)
+        if pending is None:
+            pending = asyncio.ensure_future(asyncio.to_thread(lookup, self._store, key))
+            self._pending[digest] = pending
+            pending.add_done_callback(lambda _: self._pending.pop(digest, None))
+        info = await asyncio.shield(pending)
         if info is None and len(self._cache) >= NEGATIVE_CACHE_MAX:
             self._cache.clear()  # bounded: a flood of bad keys cannot grow it
         self._cache[digest] = (now + self._ttl, info)

@@ -51,7 +51,11 @@ def build(
         tracer=tracer,
     )
     return uvicorn.Config(
-        app, host=settings.host, port=settings.port, log_level=settings.log_level.lower()
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level.lower(),
+        access_log=settings.access_log,
     )
 
 

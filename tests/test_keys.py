@@ -1,8 +1,16 @@
-"""Engine-key derivation and client key hashing."""
+"""Engine-key derivation, client key hashing, and the router's key checks."""
+
+import asyncio
+from pathlib import Path
 
 import pytest
+from sqlalchemy import event
 
+from llmgw.apikeys import KeyPolicy, create_key
 from llmgw.keys import API_KEY_PREFIX, engine_key, hash_api_key, new_api_key
+from llmgw.store import Store
+from router.auth import KeyVerifier
+from router.errors import OpenAIError
 
 
 def test_engine_key_is_a_function_of_secret_and_replica() -> None:
@@ -30,3 +38,28 @@ def test_api_keys_are_random_and_hashed() -> None:
     assert hash_api_key(a) == hash_api_key(a)
     assert hash_api_key(a) != hash_api_key(b)
 
+
+
+async def test_concurrent_checks_of_an_uncached_key_share_one_store_lookup(
+    tmp_path: Path,
+) -> None:
+    store = Store(f"sqlite:///{tmp_path / 's.db'}")
+    store.migrate()
+    info, key = create_key(store, "busy", KeyPolicy())
+    lookups: list[str] = []
+
+    def count(conn: object, cursor: object, statement: str, *args: object) -> None:
+        if "FROM apikey" in statement:
+            lookups.append(statement)
+
+    event.listen(store.engine, "before_cursor_execute", count)
+    verifier = KeyVerifier(store, ttl_s=60)
+    callers = await asyncio.gather(*(verifier.verify(f"Bearer {key}") for _ in range(50)))
+    assert {c.key_id for c in callers} == {info.id}
+    assert len(lookups) == 1
+    # Cached from then on; a bad key is looked up (once) and refused.
+    await verifier.verify(f"Bearer {key}")
+    with pytest.raises(OpenAIError):
+        await asyncio.gather(*(verifier.verify("Bearer sk-nope") for _ in range(5)))
+    assert len(lookups) == 2
+    store.close()

@@ -9,7 +9,7 @@ completions and embeddings. Nothing else of the engine's API (``/metrics``,
 import json
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Header, Request
@@ -18,6 +18,7 @@ from opentelemetry import trace
 from opentelemetry.propagate import extract
 from opentelemetry.trace import Span, SpanKind, StatusCode
 from pydantic import BaseModel, ValidationError
+from starlette.routing import Route as HttpRoute
 
 from llmgw.quotas import Rejection
 from llmgw.types import AdapterSpec, ModelSpec
@@ -284,22 +285,93 @@ def _end_span(span: Span, outcome: Outcome) -> None:
     span.end()
 
 
-@router.post("/chat/completions", openapi_extra=_openapi_body(ChatCompletionRequest))
-async def chat_completions(request: Request, deps: DepsDep, caller: CallerDep) -> Response:
-    """Chat completions, streamed (SSE) or not."""
-    return await _serve(deps, request, caller, ChatCompletionRequest, "/v1/chat/completions")
+Endpoint = Callable[[Request], Awaitable[Response]]
 
 
-@router.post("/completions", openapi_extra=_openapi_body(CompletionRequest))
-async def completions(request: Request, deps: DepsDep, caller: CallerDep) -> Response:
-    """Text completions, streamed (SSE) or not."""
-    return await _serve(deps, request, caller, CompletionRequest, "/v1/completions")
+def _endpoint(kind: type[Body], path: str) -> Endpoint:
+    async def endpoint(request: Request) -> Response:
+        deps: Deps = request.app.state.deps
+        caller = await _caller(request, deps, request.headers.get("authorization"))
+        return await _serve(deps, request, caller, kind, path)
+
+    return endpoint
 
 
-@router.post("/embeddings", openapi_extra=_openapi_body(EmbeddingRequest))
-async def embeddings(request: Request, deps: DepsDep, caller: CallerDep) -> Response:
-    """Embeddings (the model's engine must serve them: llama.cpp needs ``--embeddings``)."""
-    return await _serve(deps, request, caller, EmbeddingRequest, "/v1/embeddings")
+# The hot path: plain Starlette routes, not FastAPI's. A FastAPI route solves
+# its dependencies and parses query parameters on every request, about a
+# third of the router's CPU per request (py-spy under tests/bench/bench_router);
+# these handlers read the raw body anyway. Their OpenAPI entries are written
+# out in ``inference_openapi``.
+INFERENCE: list[tuple[str, type[Body], str, str]] = [
+    ("/v1/chat/completions", ChatCompletionRequest, "Chat Completions",
+     "Chat completions, streamed (SSE) or not."),
+    ("/v1/completions", CompletionRequest, "Completions",
+     "Text completions, streamed (SSE) or not."),
+    ("/v1/embeddings", EmbeddingRequest, "Embeddings",
+     "Embeddings (the model's engine must serve them: llama.cpp needs `--embeddings`)."),
+]  # fmt: skip
+
+
+def inference_routes() -> list[HttpRoute]:
+    """The inference endpoints, the only paths that reach an engine."""
+    return [
+        HttpRoute(path, _endpoint(kind, path), methods=["POST"], include_in_schema=False)
+        for path, kind, _, _ in INFERENCE
+    ]
+
+
+_ERRORS = {
+    "400": "Bad request: malformed JSON or an invalid field (`param` names it)",
+    "401": "Missing, unknown, revoked or expired API key",
+    "403": "The key may not use this model",
+    "404": "No such model",
+    "413": "Request body too large",
+    "429": "Quota exceeded (`Retry-After` says when to retry)",
+    "502": "The engine failed",
+    "503": "No ready replica, or all are saturated",
+}
+_ERROR_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "error": {
+            "type": "object",
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": ["string", "null"]},
+            },
+            "required": ["message", "type"],
+        }
+    },
+    "required": ["error"],
+}
+
+
+def inference_openapi() -> dict[str, Any]:
+    """OpenAPI path items of the inference endpoints."""
+    error = {"application/json": {"schema": _ERROR_SCHEMA}}
+    paths: dict[str, Any] = {}
+    for path, kind, summary, description in INFERENCE:
+        responses: dict[str, Any] = {
+            "200": {
+                "description": "The engine's answer, as it gave it",
+                "content": {"application/json": {"schema": {}}, "text/event-stream": {}},
+            }
+        }
+        for code, meaning in _ERRORS.items():
+            responses[code] = {"description": meaning, "content": error}
+        paths[path] = {
+            "post": {
+                "tags": ["openai"],
+                "summary": summary,
+                "description": description,
+                "operationId": path.strip("/").replace("/", "_"),
+                **_openapi_body(kind),
+                "responses": responses,
+            }
+        }
+    return paths
 
 
 @router.get("/models")

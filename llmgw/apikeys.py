@@ -143,6 +143,48 @@ def revoke_key(store: Store, key_id: int) -> KeyInfo | None:
         return _info(row)
 
 
+class KeyUpdate(BaseModel):
+    """Changes to a key (PATCH): only the fields given change; ``expires_at: null``
+    removes the expiry. Whether a key is an admin key is fixed at creation."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str | None = Field(default=None, min_length=1, max_length=200)
+    models: list[str] | None = None
+    expires_at: datetime | None = None
+    rpm: int | None = Field(default=None, ge=0, le=INT32_MAX)
+    tpm: int | None = Field(default=None, ge=0, le=INT32_MAX)
+    token_budget: int | None = Field(default=None, ge=0, le=INT32_MAX)
+    budget_period: Literal["day", "month"] | None = None
+
+
+def update_key(store: Store, key_id: int, update: KeyUpdate) -> KeyInfo | None:
+    """Change a key's name or policy in place (its secret and usage stay);
+    None when there is no such key. A revoked key stays revoked."""
+    given = update.model_fields_set
+    with store.session() as session:
+        row = session.get(ApiKey, key_id)
+        if row is None:
+            return None
+        if update.name is not None:
+            row.name = update.name
+        if update.models is not None:
+            row.models_json = json.dumps(update.models) if update.models else ""
+        if "expires_at" in given:
+            row.expires_at = update.expires_at.astimezone(UTC) if update.expires_at else None
+        for field in ("rpm", "tpm", "token_budget", "budget_period"):
+            value = getattr(update, field)
+            if value is not None:
+                setattr(row, field, value)
+        session.add(row)
+        session.commit()
+        session.refresh(row)
+        info = _info(row)
+    if info.policy.has_quota():
+        Quotas(store).ensure_row(info.id)
+    return info
+
+
 def lookup(store: Store, key: str) -> KeyInfo | None:
     """The live (not revoked) key matching a presented key, or None.
 

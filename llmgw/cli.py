@@ -5,17 +5,19 @@ import os
 import subprocess
 import sys
 from collections.abc import Coroutine
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Annotated, Any, NoReturn, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import typer
-from rich.console import Console
 from rich.table import Table
 from temporalio.client import Client
 
 from llmgw import replicas
 from llmgw.bench_cli import bench
+from llmgw.cli_common import CliSettings, console, out
+from llmgw.cli_common import fail as _fail
+from llmgw.cli_keys import keys_app
 from llmgw.errors import LlmgwError
 from llmgw.settings import UpSettings, _Common
 from llmgw.store import Store
@@ -28,19 +30,7 @@ app = typer.Typer(
     help="llmgw: LLM inference control plane and OpenAI gateway", no_args_is_help=True
 )
 app.command()(bench)
-keys_app = typer.Typer(help="Client API keys", no_args_is_help=True)
 app.add_typer(keys_app, name="keys")
-console = Console(stderr=True, soft_wrap=True)
-out = Console(soft_wrap=True)
-
-
-class CliSettings(_Common):
-    """Settings of one-shot CLI commands (same LLMGW_* variables)."""
-
-
-def _fail(message: str) -> NoReturn:
-    console.print(f"[red]error:[/red] {message}")
-    raise typer.Exit(1)
 
 
 T = TypeVar("T")
@@ -452,99 +442,6 @@ def store_migrate(
     except LlmgwError as exc:
         _fail(str(exc))
     out.print("now set LLMGW_STORE_URL to the new store and restart every llmgw process")
-
-
-def _expiry(text: str) -> datetime:
-    """``30d``, ``12h``, ``15m`` from now, or an ISO date/time (UTC when no zone)."""
-    units = {"d": 86400, "h": 3600, "m": 60, "s": 1}
-    if text[:-1].isdigit() and text[-1:] in units:
-        return datetime.now(UTC) + timedelta(seconds=int(text[:-1]) * units[text[-1]])
-    try:
-        when = datetime.fromisoformat(text)
-    except ValueError:
-        _fail(f"--expires: {text!r} is neither a duration (30d, 12h, 15m) nor an ISO date")
-    return when if when.tzinfo else when.replace(tzinfo=UTC)
-
-
-@keys_app.command("create")
-def keys_create(
-    name: str,
-    models: Annotated[
-        str, typer.Option(help="comma-separated models the key may use (default: all)")
-    ] = "",
-    expires: Annotated[
-        str, typer.Option(help="expiry: a duration (30d, 12h) or an ISO date")
-    ] = "",
-    admin: Annotated[bool, typer.Option("--admin", help="an admin API key")] = False,
-    rpm: Annotated[int, typer.Option(min=0, help="requests per minute (0 = no limit)")] = 0,
-    tpm: Annotated[int, typer.Option(min=0, help="tokens per minute (0 = no limit)")] = 0,
-    budget: Annotated[int, typer.Option(min=0, help="tokens per budget period")] = 0,
-    budget_period: Annotated[str, typer.Option(help="day or month")] = "day",
-) -> None:
-    """Create a client API key; it is printed once and stored hashed."""
-    from pydantic import ValidationError  # noqa: PLC0415
-
-    from llmgw.apikeys import KeyPolicy, create_key  # noqa: PLC0415
-
-    try:
-        policy = KeyPolicy(
-            models=[m.strip() for m in models.split(",") if m.strip()],
-            expires_at=_expiry(expires) if expires else None,
-            admin=admin,
-            rpm=rpm,
-            tpm=tpm,
-            token_budget=budget,
-            budget_period=budget_period,  # validated by KeyPolicy
-        )
-    except ValidationError as exc:
-        _fail("; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()))
-    settings = CliSettings()
-    store = Store(settings.resolved_store_url())
-    store.migrate()
-    info, key = create_key(store, name, policy)
-    console.print(f"key {info.id} ({name}) created; it is shown once:")
-    out.print(key)
-
-
-@keys_app.command("list")
-def keys_list() -> None:
-    """Every key: id, name, prefix, policy (never the key itself)."""
-    from llmgw.apikeys import list_keys  # noqa: PLC0415
-
-    settings = CliSettings()
-    store = Store(settings.resolved_store_url())
-    store.migrate()
-    table = Table("id", "name", "prefix", "created", "state", "models", "expires", "limits")
-    for k in list_keys(store):
-        p = k.policy
-        limits = ", ".join(
-            f"{label} {value}"
-            for label, value in (
-                ("rpm", p.rpm), ("tpm", p.tpm), (f"tokens/{p.budget_period}", p.token_budget)
-            )
-            if value
-        )  # fmt: skip
-        table.add_row(
-            str(k.id), k.name, k.prefix + "…", k.created_at.strftime("%Y-%m-%d %H:%M"),
-            "revoked" if k.revoked else ("admin" if p.admin else "active"),
-            ",".join(p.models) or "all",
-            p.expires_at.strftime("%Y-%m-%d %H:%M") if p.expires_at else "never",
-            limits or "none",
-        )  # fmt: skip
-    out.print(table)
-
-
-@keys_app.command("revoke")
-def keys_revoke(key_id: int) -> None:
-    """Revoke a key (routers refuse it within their key cache TTL, 5 s by default)."""
-    from llmgw.apikeys import revoke_key  # noqa: PLC0415
-
-    settings = CliSettings()
-    store = Store(settings.resolved_store_url())
-    store.migrate()
-    if revoke_key(store, key_id) is None:
-        _fail(f"no key {key_id}")
-    console.print(f"key {key_id} revoked")
 
 
 def main() -> None:

@@ -18,7 +18,7 @@ from temporalio.client import Client
 from temporalio.service import RPCError
 
 from llmgw import apikeys, replicas, usage
-from llmgw.apikeys import KeyInfo, KeyPolicy
+from llmgw.apikeys import KeyInfo, KeyPolicy, KeyUpdate
 from llmgw.catalog import CatalogModel, catalog_problems
 from llmgw.catalog_store import delete_entry, get_entry, list_entries
 from llmgw.errors import LlmgwError
@@ -228,6 +228,18 @@ async def admin_get_key(key_id: KeyId, deps: DepsDep) -> KeyInfo:
 async def admin_revoke_key(key_id: KeyId, deps: DepsDep) -> KeyInfo:
     """Revoke a key: refused here at once, by other routers within their cache TTL."""
     info = await asyncio.to_thread(apikeys.revoke_key, deps.store, key_id)
+    if info is None:
+        raise _not_found("key", str(key_id))
+    deps.keys.forget(key_id)
+    return info
+
+
+@router.patch("/keys/{key_id}")
+async def admin_update_key(key_id: KeyId, update: KeyUpdate, deps: DepsDep) -> KeyInfo:
+    """Change a key's name, models, expiry or quotas (only the fields given).
+    Applies here at once, on other routers within their key cache TTL; quota
+    windows already counted keep their counts."""
+    info = await asyncio.to_thread(apikeys.update_key, deps.store, key_id, update)
     if info is None:
         raise _not_found("key", str(key_id))
     deps.keys.forget(key_id)

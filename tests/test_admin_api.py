@@ -98,6 +98,43 @@ async def test_keys_are_shown_once_and_stored_hashed(gw: Gateway) -> None:
     assert (await gw.http.delete("/admin/keys/999", headers=ADMIN)).status_code == 404
 
 
+async def test_a_key_is_changed_in_place_and_the_router_applies_it_at_once(
+    gw: Gateway,
+) -> None:
+    key_id, key = gw.key(models=["m2"], rpm=5)
+    chat = {"model": "m1", "messages": [{"role": "user", "content": "hi"}]}
+    r = await gw.http.post("/v1/chat/completions", json=chat, headers=auth(key))
+    assert r.status_code == 403  # (and now cached as such)
+    r = await gw.http.patch(
+        f"/admin/keys/{key_id}",
+        json={"name": "renamed", "models": [], "tpm": 10**5, "expires_at": "2999-01-01T00:00:00Z"},
+        headers=ADMIN,
+    )
+    assert r.status_code == 200, r.text
+    policy = r.json()["policy"]
+    assert r.json()["name"] == "renamed"
+    assert (policy["models"], policy["rpm"], policy["tpm"]) == ([], 5, 10**5)  # rpm kept
+    assert policy["expires_at"].startswith("2999-01-01")
+    r = await gw.http.post("/v1/chat/completions", json=chat, headers=auth(key))
+    assert r.status_code == 200, r.text
+    # An explicit null removes the expiry; what is not named stays.
+    r = await gw.http.patch(f"/admin/keys/{key_id}", json={"expires_at": None}, headers=ADMIN)
+    assert r.json()["policy"]["expires_at"] is None and r.json()["policy"]["tpm"] == 10**5
+    found = lookup(gw.store, key)
+    assert found is not None and found.name == "renamed" and found.policy.expires_at is None
+    for bad, field in [({"rpm": -1}, "rpm"), ({"admin": True}, "admin"), ({"name": ""}, "name")]:
+        r = await gw.http.patch(f"/admin/keys/{key_id}", json=bad, headers=ADMIN)
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+    assert (await gw.http.patch("/admin/keys/999", json={}, headers=ADMIN)).status_code == 404
+    # Past its (new) expiry the key is refused here at once.
+    r = await gw.http.patch(
+        f"/admin/keys/{key_id}", json={"expires_at": "2000-01-01T00:00:00Z"}, headers=ADMIN
+    )
+    assert r.status_code == 200
+    r = await gw.http.post("/v1/chat/completions", json=chat, headers=auth(key))
+    assert r.status_code == 401 and r.json()["error"]["code"] == "expired_api_key", r.text
+
+
 async def test_replicas_and_engine_keys(gw: Gateway) -> None:
     reps = {
         r["replica_id"]: r for r in (await gw.http.get("/admin/replicas", headers=ADMIN)).json()

@@ -228,6 +228,16 @@ async def test_cli_keys_create_list_revoke(system: System, served: dict[str, str
             await mine.completions.create(model=CHAT, prompt="x", max_tokens=1)
         listed = await asyncio.to_thread(_cli, system, "keys", "list")
         assert "cli" in listed.stdout and key not in listed.stdout
+        # Widened by another process: the router sees it once its cache entry expires.
+        changed = await asyncio.to_thread(
+            _cli, system, "keys", "update", key_id.group(1), "--models", f"{EMBED},{CHAT}"
+        )
+        assert changed.returncode == 0, changed.stderr
+        async with asyncio.timeout(10):
+            while len((await mine.models.list()).data) != 2:
+                await asyncio.sleep(0.05)
+        missing = await asyncio.to_thread(_cli, system, "keys", "update", "999", "--rpm", "1")
+        assert missing.returncode == 1 and "no key 999" in missing.stderr
         revoked = await asyncio.to_thread(_cli, system, "keys", "revoke", key_id.group(1))
         assert revoked.returncode == 0, revoked.stderr
         # Another process revoked it: the router's cache (0.5 s here) lets it go soon.

@@ -13,6 +13,8 @@ Unknown fields are errors (a misspelt ``replicas`` must not silently mean 1),
 and every error names the field it is about.
 """
 
+from collections.abc import Callable
+
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -64,8 +66,11 @@ def parse_catalog(text: str) -> list[CatalogModel]:
     return catalog.models
 
 
-def catalog_problems(models: list[CatalogModel]) -> list[str]:
-    """What makes a set of entries unusable together, each naming its field.
+def catalog_problems(
+    models: list[CatalogModel], label: Callable[[int], str] = lambda i: f"models[{i}]."
+) -> list[str]:
+    """What makes a set of entries unusable together, each naming its field
+    (``label(i)`` prefixes the fields of entry ``i``).
 
     Clients address an adapter as the OpenAI ``model``, so adapter names
     share one namespace with model names.
@@ -78,7 +83,7 @@ def catalog_problems(models: list[CatalogModel]) -> list[str]:
     seen: dict[str, str] = {}
     for i, model in enumerate(models):
         for j, adapter in enumerate(model.adapters):
-            where = f"models[{i}].adapters[{j}].name"
+            where = f"{label(i)}adapters[{j}].name"
             if adapter.name in names:
                 problems.append(f"{where}: {adapter.name!r} is also a model's name")
             elif adapter.name in seen:
@@ -88,7 +93,29 @@ def catalog_problems(models: list[CatalogModel]) -> list[str]:
             seen.setdefault(adapter.name, model.name)
         if model.profile.runtime_lora and model.engine is not EngineKind.VLLM:
             problems.append(
-                f"models[{i}].profile.runtime_lora: only vLLM loads adapters at runtime "
+                f"{label(i)}profile.runtime_lora: only vLLM loads adapters at runtime "
                 f"({model.engine.value} loads them at start)"
             )
     return problems
+
+
+def problems_with(
+    entries: list[CatalogModel],
+    existing: list[CatalogModel],
+    label: Callable[[int], str] = lambda i: f"models[{i}].",
+) -> list[str]:
+    """What ``entries`` break in a catalog holding ``existing`` (an entry
+    replaces the existing one of its name). Problems the rest of the catalog
+    had already are not theirs to answer for. Entries are labelled by
+    ``label(index)``, the others by their name."""
+    mine = {e.name for e in entries}
+    others = [e for e in existing if e.name not in mine]
+
+    def other(i: int) -> str:
+        return f"model {others[i].name}: "
+
+    before = set(catalog_problems(others, other))
+    # The catalog first: a clash is blamed on the entry that comes to it.
+    n = len(others)
+    after = catalog_problems([*others, *entries], lambda i: other(i) if i < n else label(i - n))
+    return [p for p in after if p not in before]

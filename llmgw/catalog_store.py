@@ -1,8 +1,10 @@
 """The catalog in the store, as the admin API and the router read it."""
 
+from collections.abc import Callable
+
 from sqlmodel import select
 
-from llmgw.catalog import CatalogModel
+from llmgw.catalog import CatalogModel, problems_with
 from llmgw.store import ModelRecord, Store
 from llmgw.types import ModelSpec
 
@@ -31,3 +33,20 @@ def delete_entry(store: Store, name: str) -> bool:
     """Remove a model from the catalog; the control plane's reconcile pass then
     scales its deployment away and stops its replicas (llmgw/reconcile.py)."""
     return store.delete_model(name)
+
+
+def apply_entries(
+    store: Store,
+    entries: list[CatalogModel],
+    label: Callable[[int], str] = lambda i: f"models[{i}].",
+) -> list[str]:
+    """Add or replace ``entries`` unless they break the catalog; the problems
+    (none: written). Checked and written under the catalog lock, so writers
+    in other processes cannot slip a clashing entry in between."""
+    with store.catalog_lock():
+        problems = problems_with(entries, list_entries(store), label)
+        if problems:
+            return problems
+        for entry in entries:
+            store.put_model(entry.spec(), entry.replicas)
+    return []

@@ -15,6 +15,7 @@ from temporalio.client import Client
 
 from llmgw import replicas
 from llmgw.bench_cli import bench
+from llmgw.catalog_store import apply_entries
 from llmgw.cli_common import CliSettings, console, out
 from llmgw.cli_common import fail as _fail
 from llmgw.cli_keys import keys_app
@@ -141,8 +142,11 @@ def model_apply(
         return
     store = Store(settings.resolved_store_url())
     store.migrate()
+    # Checked against the rest of the catalog and written in one go, or not at all.
+    problems = apply_entries(store, entries)
+    if problems:
+        _fail(f"{file}: " + "; ".join(problems))
     for entry in entries:
-        store.put_model(entry.spec(), entry.replicas)
         console.print(f"model {entry.name}: {entry.engine.value}, {entry.replicas} replicas")
     if not deploy_:
         return

@@ -8,6 +8,7 @@ thread, which keeps one code path for both databases.
 
 import fcntl
 import json
+import threading
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from datetime import UTC, datetime
@@ -94,6 +95,8 @@ def _sqlite_pragmas(dbapi_conn: object, _record: object) -> None:
 # Any fixed 64-bit number; every llmgw process uses this one to take turns
 # migrating a PostgreSQL store.
 PG_MIGRATE_LOCK = 0x6C6C6D67_77000001
+# ...and this one to write the catalog one at a time (``Store.catalog_lock``).
+PG_CATALOG_LOCK = 0x6C6C6D67_77000002
 
 
 def sqlalchemy_url(url: str) -> URL:
@@ -150,6 +153,7 @@ class Store:
             raise StoreError(f"bad store URL {display_url(url)!r}: {exc}") from None
         self.backend = parsed.get_backend_name()
         self._sqlite_file: Path | None = None
+        self._memory_lock = threading.Lock()  # catalog_lock of an in-memory store
         if self.backend == "postgresql":
             # Timestamps are stored without a zone; UTC on every connection
             # keeps them meaning the same whatever the server's TimeZone.
@@ -202,6 +206,33 @@ class Store:
                 # finds everything in place.
                 if "already exists" not in str(exc) or attempt == 2:
                     raise
+
+    @contextmanager
+    def catalog_lock(self) -> Iterator[None]:
+        """One catalog writer at a time, across processes.
+
+        Whether an entry fits the catalog depends on the other entries
+        (adapter names share the models' namespace): the check and the write
+        happen under this lock, or two writers could each pass their check
+        and together break the catalog. PostgreSQL: an advisory lock; SQLite
+        (one host): a lock file beside the database.
+        """
+        if self.backend == "postgresql":
+            with self._engine.connect() as conn:
+                conn.execute(text("SELECT pg_advisory_lock(:k)"), {"k": PG_CATALOG_LOCK})
+                conn.commit()
+                try:
+                    yield
+                finally:
+                    conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": PG_CATALOG_LOCK})
+                    conn.commit()
+        elif self._sqlite_file is not None:
+            with open(f"{self._sqlite_file}.catalog-lock", "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                yield
+        else:
+            with self._memory_lock:
+                yield
 
     def close(self) -> None:
         """Release pooled connections."""

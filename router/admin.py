@@ -19,8 +19,8 @@ from temporalio.service import RPCError
 
 from llmgw import apikeys, replicas, usage
 from llmgw.apikeys import KeyInfo, KeyPolicy, KeyUpdate
-from llmgw.catalog import CatalogModel, catalog_problems
-from llmgw.catalog_store import delete_entry, get_entry, list_entries
+from llmgw.catalog import CatalogModel
+from llmgw.catalog_store import apply_entries, delete_entry, get_entry, list_entries
 from llmgw.errors import LlmgwError
 from llmgw.types import ReplicaMemo
 from llmgw.usage import UsageRow
@@ -83,28 +83,13 @@ async def admin_put_model(name: str, entry: CatalogModel, deps: DepsDep) -> Cata
         raise OpenAIError(
             400, f"name: `{entry.name}` differs from the path's `{name}`", param="name"
         )
-    problems = await asyncio.to_thread(_clashes, deps, entry)
+    # The entry's own fields unprefixed (`adapters[0].name`), others by name.
+    problems = await asyncio.to_thread(apply_entries, deps.store, [entry], lambda _: "")
     if problems:
         where = problems[0].split(":")[0]
-        raise OpenAIError(
-            400, "; ".join(problems), param="name" if where.startswith("models[") else where
-        )
-    await asyncio.to_thread(deps.store.put_model, entry.spec(), entry.replicas)
+        own = where.startswith(("adapters", "profile"))
+        raise OpenAIError(400, "; ".join(problems), param=where if own else "name")
     return entry
-
-
-def _clashes(deps: Deps, entry: CatalogModel) -> list[str]:
-    """What ``entry`` breaks in the catalog (adapter names share the models'
-    namespace), as ``llmgw model apply`` checks a file. Problems the catalog
-    had before are not this entry's to answer for."""
-    others = [e for e in list_entries(deps.store) if e.name != entry.name]
-    before = set(catalog_problems(others))
-    mine = f"models[{len(others)}]."
-    return [
-        p.replace(mine, "").replace(mine.rstrip("."), "entry")
-        for p in catalog_problems([*others, entry])
-        if p not in before
-    ]
 
 
 @router.delete("/models/{name}")

@@ -1,10 +1,15 @@
-"""The catalog file: what it accepts, and errors that name the field."""
+"""The catalog file: what it accepts, and errors that name the field; entries
+checked against the rest of the catalog and written under its lock."""
+
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from llmgw.catalog import parse_catalog
+from llmgw.catalog import CatalogModel, parse_catalog, problems_with
+from llmgw.catalog_store import apply_entries, list_entries
 from llmgw.errors import ConfigError
-from llmgw.types import EngineKind
+from llmgw.store import Store
+from llmgw.types import AdapterSpec, EngineKind
 
 GOOD = """
 models:
@@ -64,3 +69,40 @@ def test_runtime_lora_is_vllm_only() -> None:
     text = "models: [{name: m, source: /m.gguf, profile: {runtime_lora: true}}]"
     with pytest.raises(ConfigError, match=r"models\[0\].profile.runtime_lora: only vLLM"):
         parse_catalog(text)
+
+
+def _entry(name: str, *adapters: str) -> CatalogModel:
+    return CatalogModel(
+        name=name,
+        source=f"/srv/{name}",
+        adapters=[AdapterSpec(name=a, source=f"/srv/{a}") for a in adapters],
+    )
+
+
+def test_problems_with_names_what_the_new_entries_break() -> None:
+    existing = [_entry("base", "sql"), _entry("old", "dup"), _entry("dup")]  # old was broken
+    assert problems_with([_entry("sql")], existing) == [
+        "model base: adapters[0].name: 'sql' is also a model's name"
+    ]
+    assert problems_with([_entry("new", "a", "sql")], existing, lambda _: "") == [
+        "adapters[1].name: 'sql' is already an adapter of base"
+    ]
+    # Replacing an entry by itself, or fixing nothing that was broken, is no problem of theirs.
+    assert problems_with([_entry("base", "sql", "more")], existing) == []
+    assert problems_with([_entry("new")], existing) == []
+
+
+def test_concurrent_writers_cannot_both_add_a_clashing_adapter(store_url: str) -> None:
+    """Two processes (two stores on one database) each add a model whose adapter
+    has the same name: the check and the write are one step, so one of them wins."""
+    stores = [Store(store_url) for _ in range(2)]
+    stores[0].migrate()
+    for round_ in range(5):
+        entries = [_entry(f"m{round_}-{i}", f"shared{round_}") for i in range(2)]
+        with ThreadPoolExecutor(2) as pool:
+            results = list(pool.map(apply_entries, stores, [[e] for e in entries]))
+        assert sorted(bool(r) for r in results) == [False, True], results
+        assert any(f"'shared{round_}' is already an adapter of" in p for r in results for p in r)
+    assert len(list_entries(stores[0])) == 5
+    for store in stores:
+        store.close()

@@ -5,10 +5,16 @@ key: the engine is reachable without a key from nowhere but its node, and the
 paths come from the catalog (the AdapterLoad workflow's input), never from a
 client. Repeats are harmless: an adapter already loaded, or already gone on
 unload, is reported as no change.
+
+An unload asks the engine first whether the adapter has requests running or
+waiting (vLLM's ``vllm:lora_requests_info``): the router that chose it as
+idle knows only its own requests, and another router's may be in flight.
+Such an unload is refused (``AdapterBusy``) and the router chooses again.
 """
 
 import asyncio
 import logging
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -76,9 +82,29 @@ class AdapterActivities:
             non_retryable=resp.status_code in (404, 500),
         )
 
+    async def _busy(self, replica_id: str) -> set[str] | None:
+        """Adapters with requests running or waiting in the engine (None: unknown)."""
+        engine = self._engine(replica_id)
+        headers = {"Authorization": f"Bearer {self._engine_key(replica_id)}"}
+        try:
+            resp = await self._http.get(f"{engine.endpoint}/metrics", headers=headers)
+        except httpx.HTTPError as exc:
+            log.warning("replica %s: no metrics to check adapters with: %s", replica_id, exc)
+            return None
+        return busy_adapters(resp.text) if resp.status_code == 200 else None
+
     @activity.defn(name=names.UNLOAD_ADAPTER)
     async def unload_adapter(self, call: AdapterCall) -> AdapterCallResult:
-        """Unload an adapter (to make room); unknown to the engine is no change."""
+        """Unload an adapter (to make room) unless the engine is serving it;
+        unknown to the engine is no change."""
+        busy = await self._busy(call.replica_id)
+        if busy is not None and call.name in busy:
+            raise ApplicationError(
+                f"adapter {call.name} has requests in flight on replica {call.replica_id}"
+                " (another router's): not unloaded",
+                type="AdapterBusy",
+                non_retryable=True,
+            )
         resp = await self._post(
             call.replica_id, "/v1/unload_lora_adapter", {"lora_name": call.name}
         )
@@ -98,3 +124,29 @@ def _message(resp: httpx.Response) -> str:
         return str(resp.json().get("message") or resp.json())
     except ValueError:
         return resp.text[:200]
+
+
+_LORA_INFO = re.compile(r"^vllm:lora_requests_info\{(?P<labels>[^}]*)\}\s+(?P<value>\S+)", re.M)
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+def busy_adapters(metrics: str) -> set[str]:
+    """The adapters vLLM reports running or waiting, from its Prometheus text.
+
+    vLLM sets ``vllm:lora_requests_info`` to the current time under labels
+    naming them (comma-separated); label sets it used before stay exposed
+    with older times, so the newest sample is the current one.
+    """
+    newest: tuple[float, dict[str, str]] | None = None
+    for match in _LORA_INFO.finditer(metrics):
+        try:
+            value = float(match["value"])
+        except ValueError:
+            continue
+        if newest is None or value >= newest[0]:
+            newest = (value, dict(_LABEL.findall(match["labels"])))
+    if newest is None:
+        return set()
+    labels = newest[1]
+    names = f"{labels.get('running_lora_adapters', '')},{labels.get('waiting_lora_adapters', '')}"
+    return {n for n in names.split(",") if n}

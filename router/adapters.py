@@ -35,6 +35,7 @@ from typing import Protocol
 
 from temporalio.client import Client, WorkflowFailureError
 from temporalio.common import WorkflowIDConflictPolicy
+from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError
 
 from llmgw.queues import CONTROL_QUEUE
@@ -50,7 +51,15 @@ LOAD_TIMEOUT = timedelta(seconds=180)
 
 
 class AdapterLoadFailed(Exception):
-    """The engine (or Temporal) did not load the adapter; the message says why."""
+    """The engine (or Temporal) did not load the adapter; the message says why.
+
+    ``busy``: the adapter chosen for unloading had requests in flight in the
+    engine (another router's); nothing changed, another choice may work.
+    """
+
+    def __init__(self, message: str, *, busy: bool = False) -> None:
+        super().__init__(message)
+        self.busy = busy
 
 
 class AdapterLoader(Protocol):
@@ -71,6 +80,15 @@ def _root(err: BaseException) -> str:
     while (cause := getattr(err, "cause", None)) is not None:
         err = cause
     return str(err)
+
+
+def _busy(err: BaseException) -> bool:
+    """Whether the load failed because its eviction victim was in use."""
+    while err is not None:
+        if isinstance(err, ApplicationError) and err.type == "AdapterBusy":
+            return True
+        err = getattr(err, "cause", None)  # type: ignore[assignment]
+    return False
 
 
 class TemporalAdapterLoader:
@@ -94,7 +112,7 @@ class TemporalAdapterLoader:
             )
             return result
         except WorkflowFailureError as exc:
-            raise AdapterLoadFailed(_root(exc)) from exc
+            raise AdapterLoadFailed(_root(exc), busy=_busy(exc)) from exc
         except RPCError as exc:
             raise AdapterLoadFailed(f"Temporal: {exc.message}") from exc
 
@@ -254,9 +272,12 @@ class AdapterRouter:
             )
         return views
 
-    async def on_demand_route(self, base: ModelSpec, adapter: AdapterSpec) -> tuple[Route, Release]:
+    async def on_demand_route(
+        self, base: ModelSpec, adapter: AdapterSpec, *, again: bool = True
+    ) -> tuple[Route, Release]:
         """The replica to forward to once it holds ``adapter`` (loaded here if needed),
-        and the release to call when the request is over."""
+        and the release to call when the request is over. A load refused because
+        its victim was busy elsewhere is chosen again once."""
         routes = self._table.routes.get(base.name, [])
         if not routes:
             raise no_ready_replica(adapter.name)
@@ -304,6 +325,8 @@ class AdapterRouter:
                 await asyncio.shield(task)
             except AdapterLoadFailed as exc:
                 release()
+                if exc.busy and again:
+                    return await self.on_demand_route(base, adapter, again=False)
                 raise adapter_load_failed(adapter.name, route.replica_id, str(exc)) from None
             except BaseException:
                 release()
@@ -327,6 +350,12 @@ class AdapterRouter:
             )
         except AdapterLoadFailed as exc:
             log.warning("adapter %s failed to load on %s: %s", name, request.replica_id, exc)
+            if exc.busy and request.evict:
+                # Still loaded, and in use: shown again, and the most recently
+                # used, so the next choice passes it over.
+                state.evicted_here.pop(request.evict, None)
+                state.loaded_here.add(request.evict)
+                state.uses[request.evict] = AdapterUse(last_used=self._clock())
             raise
         except Exception as exc:  # the loader's own failure: same answer to the client
             log.exception("adapter %s: loader failed", name)

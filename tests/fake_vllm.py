@@ -11,8 +11,12 @@ for a real vLLM to start:
 - ``POST /v1/completions`` / ``/v1/chat/completions``: answers naming the
   adapter (or base) the ``model`` field selected; unknown model 404;
 - ``GET /metrics``: ``fake_vllm_lora_loads_total`` counts loads (what tests
-  check single flight with); a key on ``/v1`` like vLLM's ``--api-key`` (here
-  from ``VLLM_API_KEY``).
+  check single flight with), and ``vllm:lora_requests_info`` as vLLM sets it
+  (the current time under labels naming running and waiting adapters; the
+  label set used before stays, older); a key on ``/v1`` like vLLM's
+  ``--api-key`` (here from ``VLLM_API_KEY``);
+- ``POST /fake/running {"adapters": [...]}`` (the fake's own): which adapters
+  have requests running, as if other clients' requests were being served.
 
 Run as ``python tests/fake_vllm.py serve MODEL --port P [--served-model-name N]
 [--max-lora-rank R]``; other vLLM flags are accepted and ignored.
@@ -22,6 +26,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import uvicorn
@@ -38,6 +43,8 @@ class FakeVllm:
         self.key = key
         self.loaded: dict[str, str] = {}
         self.loads = 0
+        self.running: list[str] = []
+        self.lora_info: dict[str, float] = {}  # label set -> when it was last set
 
     def refused(self, request: Request) -> JSONResponse | None:
         if self.key and request.headers.get("authorization") != f"Bearer {self.key}":
@@ -97,8 +104,17 @@ class FakeVllm:
             {"id": "cmpl-fake", "model": model, "choices": [choice], "usage": usage}
         )
 
+    async def set_running(self, request: Request) -> Response:
+        self.running = list((await request.json())["adapters"])
+        return PlainTextResponse("")
+
     async def metrics(self, request: Request) -> Response:
+        labels = f'max_lora="4",running_lora_adapters="{",".join(self.running)}",'
+        labels += 'waiting_lora_adapters=""'
+        self.lora_info[labels] = time.time()
         text = f"fake_vllm_lora_loads_total {self.loads}\nvllm:num_requests_running 0\n"
+        text += "# TYPE vllm:lora_requests_info gauge\n"
+        text += "".join(f"vllm:lora_requests_info{{{k}}} {v}\n" for k, v in self.lora_info.items())
         return PlainTextResponse(text)
 
     async def health(self, request: Request) -> Response:
@@ -115,6 +131,7 @@ def build_app(served: str, max_rank: int, key: str) -> FastAPI:
     app.add_api_route("/v1/completions", fake.answer, methods=["POST"])
     app.add_api_route("/v1/chat/completions", fake.answer, methods=["POST"])
     app.add_api_route("/metrics", fake.metrics, methods=["GET"])
+    app.add_api_route("/fake/running", fake.set_running, methods=["POST"])
     app.add_api_route("/health", fake.health, methods=["GET"])
     return app
 

@@ -21,7 +21,7 @@ from temporalio.client import Client, WorkflowFailureError
 from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.worker import Worker
 
-from activities.adapters import AdapterActivities
+from activities.adapters import AdapterActivities, busy_adapters
 from llmgw.keys import engine_key
 from llmgw.procs import wait_for
 from llmgw.queues import node_queue
@@ -153,6 +153,36 @@ async def test_evict_unloads_the_idle_adapter_first(client: Client, node: Node) 
     result = await _load(client, node, "chat", evict="sql")
     assert result.loaded and result.evicted == "sql"
     assert await node.held() == ["chat"]
+
+
+async def test_an_adapter_another_router_is_using_is_not_unloaded(
+    client: Client, node: Node
+) -> None:
+    """The router that asks knows only its own requests: the engine is asked."""
+    await _load(client, node, "sql")
+    async with httpx.AsyncClient() as http:
+        await http.post(f"{node.endpoint}/fake/running", json={"adapters": ["sql"]})
+        with pytest.raises(WorkflowFailureError) as busy:
+            await _load(client, node, "chat", evict="sql")
+        assert "adapter sql has requests in flight" in _root(busy.value)
+        assert await node.held() == ["sql"]
+        await http.post(f"{node.endpoint}/fake/running", json={"adapters": []})
+    assert (await _load(client, node, "chat", evict="sql")).evicted == "sql"
+    assert await node.held() == ["chat"]
+
+
+def test_busy_adapters_are_read_from_the_newest_lora_info_sample() -> None:
+    text = (
+        "# TYPE vllm:lora_requests_info gauge\n"
+        'vllm:lora_requests_info{max_lora="4",running_lora_adapters="",'
+        'waiting_lora_adapters=""} 1.7e+09\n'
+        'vllm:lora_requests_info{max_lora="4",running_lora_adapters="sql,chat",'
+        'waiting_lora_adapters="x"} 1.8e+09\n'
+        'vllm:lora_requests_info{max_lora="4",running_lora_adapters="old",'
+        'waiting_lora_adapters=""} 1.75e+09\n'
+    )
+    assert busy_adapters(text) == {"sql", "chat", "x"}
+    assert busy_adapters("vllm:num_requests_running 0\n") == set()
 
 
 class _ToNode(MockEngine):

@@ -58,6 +58,8 @@ class Fleet:
     holds: dict[str, asyncio.Event] = field(default_factory=dict)  # adapter -> release
     arrived: list[str] = field(default_factory=list)  # models the engines were asked for
     memo_follows: bool = True  # False: the router knows only what it did itself
+    busy_elsewhere: set[str] = field(default_factory=set)  # other routers' requests
+
 
     async def load(self, request: AdapterLoadInput) -> AdapterLoadResult:
         """The fake AdapterLoad: the engine changes, then the replica's memo."""
@@ -67,6 +69,8 @@ class Fleet:
         if name in self.fail_next:
             self.fail_next.discard(name)
             raise AdapterLoadFailed(f"No adapter found for {request.adapter.source}")
+        if request.evict in self.busy_elsewhere:  # the node activity's refusal
+            raise AdapterLoadFailed(f"adapter {request.evict} has requests in flight", busy=True)
         held = self.held.setdefault(rid, [])
         if request.evict:
             held.remove(request.evict)
@@ -186,6 +190,24 @@ async def test_eviction_picks_the_lru_idle_adapter_never_one_in_flight(
         # The stream's end released a (its last use): once d is used after it,
         # a is the idle least recently used one and goes next.
         assert (await ask(gw, key, "d")).status_code == 200
+        assert (await ask(gw, key, "b")).status_code == 200
+        assert fleet.loads[-1].evict == "a"
+
+
+async def test_an_eviction_refused_as_busy_elsewhere_picks_another_victim(
+    tmp_path: Path,
+) -> None:
+    async with fleet_gateway(tmp_path / "s.db", ["r1"], max_loaded=2) as (gw, fleet, key):
+        for name in ("a", "b"):  # a is the least recently used
+            assert (await ask(gw, key, name)).status_code == 200
+        fleet.busy_elsewhere.add("a")  # another router's requests run on it
+        r = await ask(gw, key, "c")
+        assert r.status_code == 200, r.text
+        assert [x.evict for x in fleet.loads[-2:]] == ["a", "b"]
+        assert fleet.held["r1"] == ["a", "c"]
+        # Once free, a is evictable again (the least recently used idle one).
+        fleet.busy_elsewhere.clear()
+        assert (await ask(gw, key, "c")).status_code == 200
         assert (await ask(gw, key, "b")).status_code == 200
         assert fleet.loads[-1].evict == "a"
 

@@ -179,10 +179,10 @@ def explain(model: str) -> None:
             nodes = ", ".join(f"rank {s.rank} on {s.node_id}" for s in result.placement.shards())
             out.print(f"{model}: a new replica would be placed: {nodes}")
         elif plan := plan_preemption("explain", spec, live, fleet.allocations, fleet.reservations):
-            victims = ", ".join(plan.victims)
+            where = ", ".join(sorted({s.node_id for s in plan.placement.shards()}))
             out.print(
-                f"{model}: no free room; priority {spec.priority} would preempt {victims} "
-                f"on {plan.placement.node_id}"
+                f"{model}: no free room; priority {spec.priority} would preempt "
+                f"{', '.join(plan.victims)} on {where}"
             )
         else:
             out.print(f"{model}: no placement")

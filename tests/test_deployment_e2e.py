@@ -19,6 +19,7 @@ from llmgw.types import (
     DeploymentInput,
     DeploymentStatus,
     EngineKind,
+    EngineProfile,
     ModelSpec,
     ReplicaPhase,
     ReplicaTimeouts,
@@ -107,6 +108,64 @@ async def test_higher_priority_preempts_lower_and_both_sides_record_it(
     await record(client, replica_workflow_id(winner.replica_id), "replica_preemptor")
     await record(client, replica_workflow_id(victim.replica_id), "replica_preempted")
     await record(client, deployment_workflow_id(low.name), "deployment_preempted")
+
+
+async def test_a_two_node_replica_preempts_a_replica_on_each_of_its_nodes(
+    system: System, client: Client, tiny: TinyModel
+) -> None:
+    """Multi-node preemption with real engines: two nodes of one island with
+    one CPU slot each, both taken by low-priority replicas; a priority-5
+    two-node llama.cpp replica (rpc) drains one victim per node, runs on
+    both, and when it goes the low replicas come back."""
+    low = ModelSpec(name="tiny-low-mn", source=str(tiny.model_path), priority=0)
+    wide = ModelSpec(
+        name="tiny-wide",
+        engine=EngineKind.LLAMA_CPP,
+        source=str(tiny.model_path),
+        priority=5,
+        profile=EngineProfile(nodes=2),
+    )
+    system.spawn("control")
+    for node in ("pmn-a", "pmn-b"):
+        system.spawn_agent(node, {"LLMGW_MAX_CPU_REPLICAS": "1"})
+        await replicas.wait_node_registered(client, node, 60)
+    policy = RestartPolicy(initial_backoff_s=0.2)
+    await replicas.apply_deployment(client, low, 2, timeouts=FAST, restart=policy)
+    lows = await _until(client, low.name, lambda s: sum(sl.ready for sl in s.slots) == 2)
+    victims = {sl.replica_id: sl.node_id for sl in lows.slots}
+    assert sorted(victims.values()) == ["pmn-a", "pmn-b"]
+    system.catalog(low, wide)
+    explained = await asyncio.to_thread(
+        subprocess.run, [sys.executable, "-m", "llmgw", "explain", wide.name],
+        env=system.env, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert "priority 5 would preempt" in explained.stdout, explained.stdout + explained.stderr
+    assert "on pmn-a, pmn-b" in explained.stdout, explained.stdout
+
+    await replicas.apply_deployment(client, wide, 1, timeouts=FAST, restart=policy)
+    winner = await replicas.wait_deployment_ready(client, wide.name, 180)
+    fleet = await replicas.fleet_snapshot(client)
+    placed = fleet.allocations[winner.replica_id]
+    assert sorted(s.node_id for s in placed.shards()) == ["pmn-a", "pmn-b"]
+    mine = [r for r in fleet.preemptions if r.preemptor == winner.replica_id]
+    assert sorted((r.victim, r.node_id) for r in mine) == sorted(victims.items())
+    for victim in victims:
+        gone = await replicas.status_of(client, victim)
+        assert gone is not None and gone.phase is ReplicaPhase.STOPPED
+        assert gone.preempted_by == winner.replica_id
+    won = await replicas.status_of(client, winner.replica_id)
+    assert won is not None and sorted(won.preempting) == sorted(victims)
+    assert len(pids_with_args("ggml-rpc-server", "-p")) == 1
+    assert len(pids_with_args("--alias", wide.name, "--rpc")) == 1
+    assert pids_with_args("--alias", low.name) == []
+
+    # Room freed: both low replicas come back on their own.
+    await replicas.remove_deployment(client, wide, 60)
+    await _until(client, low.name, lambda s: sum(sl.ready for sl in s.slots) == 2, 180)
+    await replicas.remove_deployment(client, low, 60)
+    assert pids_with_args("--alias", low.name) == []
+    assert pids_with_args("ggml-rpc-server", "-p") == []
+    await record(client, replica_workflow_id(winner.replica_id), "replica_preemptor_multi_node")
 
 
 async def test_crashing_engine_restarts_with_backoff_then_is_reaped(

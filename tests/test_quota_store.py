@@ -10,7 +10,7 @@ import pytest
 from llmgw.apikeys import KeyPolicy, create_key, list_keys, lookup, revoke_key
 from llmgw.quotas import Limits, Quotas, Reservation, minute_of, period_end, period_of
 from llmgw.store import Store
-from llmgw.usage import UsageDelta, UsageKey, query, record
+from llmgw.usage import UsageDelta, UsageKey, day_of, query, record
 
 
 @pytest.fixture
@@ -28,6 +28,10 @@ def test_windows() -> None:
     assert period_end(jan, "month") == 1769904000.0  # 2026-02-01T00:00Z
     dec = period_of(1797292800.0, "month")  # 2026-12-15T00:00Z
     assert period_end(dec, "month") == 1798761600.0  # 2027-01-01T00:00Z
+    # Usage rows' day, cached per day: the last and first instants of days.
+    assert [day_of(t) for t in (1798761599.999, 1798761600.0, 0.0, -0.5)] == [
+        "2026-12-31", "2027-01-01", "1970-01-01", "1969-12-31",
+    ]  # fmt: skip
 
 
 def test_racing_reservations_admit_exactly_the_limit(stores: list[Store]) -> None:

@@ -7,8 +7,8 @@ another router inserted it first. Portable SQL: SQLite and PostgreSQL.
 """
 
 from dataclasses import dataclass
-from functools import lru_cache
 from datetime import UTC, datetime
+from functools import lru_cache
 
 from pydantic import BaseModel
 from sqlalchemy import Table, and_, insert, select, update

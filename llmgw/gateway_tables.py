@@ -13,15 +13,18 @@ from sqlmodel import Field, SQLModel
 class QuotaWindow(SQLModel, table=True):
     """A key's quota counters for the current minute and budget period.
 
-    Windows are fixed: ``minute`` is the epoch minute and ``period`` the
-    budget period's index the counters belong to; a reservation in a newer
-    window starts the counters again (see ``llmgw.quotas``).
+    ``minute`` is the epoch minute and ``period`` the budget period's index
+    the counters belong to; ``prev_*`` are the minute before ``minute``'s
+    (the sliding minute weighs them in); a reservation in a newer window
+    moves the counters along (see ``llmgw.quotas``).
     """
 
     key_id: int = Field(primary_key=True)
     minute: int = 0
     minute_requests: int = 0
     minute_tokens: int = Field(default=0, sa_type=BigInteger)
+    prev_minute_requests: int = 0
+    prev_minute_tokens: int = Field(default=0, sa_type=BigInteger)
     period: int = 0
     period_tokens: int = Field(default=0, sa_type=BigInteger)
 

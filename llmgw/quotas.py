@@ -10,16 +10,33 @@ number of routers. After the answer the reservation is *settled*: the
 difference between real and reserved tokens is applied to the windows it was
 taken in (batched; see ``router.accounting``).
 
-Windows are fixed: the epoch minute for requests and tokens per minute, the
-UTC day or month for the token budget. A reservation in a newer window than
-the row's starts that window's counters from zero in the same statement.
+Requests and tokens per minute count over a sliding minute, estimated the
+usual way from two fixed ones: the current epoch minute's count plus the
+previous minute's, weighted by how much of it the last 60 s still cover.
+A fixed window would let a key spend its whole limit at 00:59 and again at
+01:00; this one admits at most about one limit's worth in any 60 s. The
+token budget's window is the fixed UTC day or month. A reservation in a
+newer window than the row's moves the counters along in the same statement.
 """
 
+import math
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Literal
 
-from sqlalchemy import Integer, Table, Update, and_, bindparam, case, insert, or_, select, update
+from sqlalchemy import (
+    Float,
+    Integer,
+    Table,
+    Update,
+    and_,
+    bindparam,
+    case,
+    insert,
+    or_,
+    select,
+    update,
+)
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.sql.elements import ColumnElement
 
@@ -80,9 +97,46 @@ def period_end(index: int, period: Period) -> float:
     return datetime(year, month0 + 1, 1, tzinfo=UTC).timestamp()
 
 
+def previous_weight(now: float) -> float:
+    """How much of the previous minute the 60 s up to ``now`` still cover."""
+    return 1.0 - (now % 60) / 60
+
+
+def sliding_count(prev: int, current: int, now: float) -> float:
+    """The estimated count over the 60 s up to ``now``."""
+    return prev * previous_weight(now) + current
+
+
+def sliding_retry_after(prev: int, current: int, need: int, limit: int, now: float) -> int:
+    """Seconds until ``need`` more fits under ``limit`` if nothing else is taken."""
+    minute = minute_of(now)
+    room = limit - need - current
+    if room >= 0 and prev > 0:
+        # This minute: the previous one's weight falls until prev * w <= room.
+        at = minute * 60 + 60 * (1 - room / prev)
+    elif room >= 0:
+        at = now
+    elif limit - need >= 0 and current > 0:
+        # Next minute: this one's count becomes the previous one and decays.
+        at = (minute + 1) * 60 + 60 * (1 - (limit - need) / current)
+    else:
+        at = (minute + 1) * 60 if limit >= need else (minute + 2) * 60
+    return max(1, math.ceil(at - now))
+
+
 def _current(counter: str, window: str) -> ColumnElement[int]:
     """The counter's value in the request's window: zero when the row is of an older one."""
     return case((_T.c[window] == bindparam(window), _T.c[counter]), else_=0)
+
+
+def _previous(counter: str) -> ColumnElement[int]:
+    """The counter's value in the minute before the request's."""
+    minute = bindparam("minute", type_=Integer)
+    return case(
+        (_T.c.minute == minute, _T.c[f"prev_{counter}"]),
+        (_T.c.minute == minute - 1, _T.c[counter]),
+        else_=0,
+    )
 
 
 def _reserve_statement() -> Update:
@@ -90,7 +144,10 @@ def _reserve_statement() -> Update:
     # a limit of 0 disables its condition), so SQLAlchemy compiles it once.
     reqs = _current("minute_requests", "minute")
     mtok = _current("minute_tokens", "minute")
+    prev_reqs = _previous("minute_requests")
+    prev_mtok = _previous("minute_tokens")
     ptok = _current("period_tokens", "period")
+    weight = bindparam("weight", type_=Float)
     tokens = bindparam("tokens", type_=Integer)
     rpm = bindparam("rpm", type_=Integer)
     tpm = bindparam("tpm", type_=Integer)
@@ -99,14 +156,16 @@ def _reserve_statement() -> Update:
         update(_T)
         .where(
             _T.c.key_id == bindparam("key"),
-            or_(rpm == 0, reqs + 1 <= rpm),
-            or_(tpm == 0, mtok + tokens <= tpm),
+            or_(rpm == 0, prev_reqs * weight + reqs + 1 <= rpm),
+            or_(tpm == 0, prev_mtok * weight + mtok + tokens <= tpm),
             or_(budget == 0, ptok + tokens <= budget),
         )
         .values(
             minute=bindparam("minute"),
             minute_requests=reqs + 1,
             minute_tokens=mtok + tokens,
+            prev_minute_requests=prev_reqs,
+            prev_minute_tokens=prev_mtok,
             period=bindparam("period"),
             period_tokens=ptok + tokens,
         )
@@ -131,6 +190,7 @@ class Quotas:
             "key": key_id,
             "minute": minute,
             "period": period,
+            "weight": previous_weight(now),
             "tokens": tokens,
             "rpm": limits.rpm,
             "tpm": limits.tpm,
@@ -169,20 +229,27 @@ class Quotas:
         minute, period = minute_of(now), period_of(now, limits.budget_period)
         with self._store.session() as session:
             row = session.connection().execute(select(_T).where(_T.c.key_id == key_id)).first()
-        to_next_minute = max(1, int((minute + 1) * 60 - now + 0.999))
-        used_reqs = row.minute_requests if row is not None and row.minute == minute else 0
-        used_mtok = row.minute_tokens if row is not None and row.minute == minute else 0
-        used_ptok = row.period_tokens if row is not None and row.period == period else 0
-        if limits.rpm and used_reqs + 1 > limits.rpm:
+        reqs = mtok = prev_reqs = prev_mtok = used_ptok = 0
+        if row is not None and row.minute == minute:
+            reqs, mtok = row.minute_requests, row.minute_tokens
+            prev_reqs, prev_mtok = row.prev_minute_requests, row.prev_minute_tokens
+        elif row is not None and row.minute == minute - 1:
+            prev_reqs, prev_mtok = row.minute_requests, row.minute_tokens
+        if row is not None and row.period == period:
+            used_ptok = row.period_tokens
+        if limits.rpm and sliding_count(prev_reqs, reqs, now) + 1 > limits.rpm:
             return Rejection(
-                "rpm", to_next_minute, f"Rate limit reached: {limits.rpm} requests per minute."
+                "rpm",
+                sliding_retry_after(prev_reqs, reqs, 1, limits.rpm, now),
+                f"Rate limit reached: {limits.rpm} requests per minute.",
             )
-        if limits.tpm and used_mtok + tokens > limits.tpm:
+        if limits.tpm and sliding_count(prev_mtok, mtok, now) + tokens > limits.tpm:
+            used = round(sliding_count(prev_mtok, mtok, now))
             return Rejection(
                 "tpm",
-                to_next_minute,
+                sliding_retry_after(prev_mtok, mtok, tokens, limits.tpm, now),
                 f"Rate limit reached: {limits.tpm} tokens per minute "
-                f"(used {used_mtok}, this request reserves {tokens}).",
+                f"(used {used} in the last 60 s, this request reserves {tokens}).",
             )
         to_period_end = max(1, int(period_end(period, limits.budget_period) - now + 0.999))
         if not (limits.token_budget and used_ptok + tokens > limits.token_budget):
@@ -198,19 +265,27 @@ class Quotas:
     def settle(self, adjustments: dict[tuple[int, str, int], int]) -> None:
         """Apply token corrections: ``(key_id, "minute"|"period", window) -> delta``.
 
-        A correction for a window that has since rolled over is dropped (its
-        counters were reset). Counters never go below zero.
+        A minute's correction lands on it as the row's current or previous
+        minute; one for a window older than that is dropped (its counters
+        were reset). Counters never go below zero.
         """
         with self._store.session() as session:
             conn = session.connection()
             for (key_id, window, index), delta in adjustments.items():
                 if delta == 0:
                     continue
-                column = "minute_tokens" if window == "minute" else "period_tokens"
-                value = _T.c[column] + delta
-                conn.execute(
-                    update(_T)
-                    .where(and_(_T.c.key_id == key_id, _T.c[window] == index))
-                    .values({column: case((value < 0, 0), else_=value)})
-                )
+                targets = [(window, index, "period_tokens")]
+                if window == "minute":
+                    # The minute may have become the row's previous one.
+                    targets = [
+                        ("minute", index, "minute_tokens"),
+                        ("minute", index + 1, "prev_minute_tokens"),
+                    ]
+                for where, at, column in targets:
+                    value = _T.c[column] + delta
+                    conn.execute(
+                        update(_T)
+                        .where(and_(_T.c.key_id == key_id, _T.c[where] == at))
+                        .values({column: case((value < 0, 0), else_=value)})
+                    )
             session.commit()

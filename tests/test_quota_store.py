@@ -8,7 +8,15 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from llmgw.apikeys import KeyPolicy, create_key, list_keys, lookup, revoke_key
-from llmgw.quotas import Limits, Quotas, Reservation, minute_of, period_end, period_of
+from llmgw.quotas import (
+    Limits,
+    Quotas,
+    Reservation,
+    minute_of,
+    period_end,
+    period_of,
+    sliding_retry_after,
+)
 from llmgw.store import Store
 from llmgw.usage import UsageDelta, UsageKey, day_of, query, record
 
@@ -47,6 +55,52 @@ def test_racing_reservations_admit_exactly_the_limit(stores: list[Store]) -> Non
     admitted = [r for r in results if isinstance(r, Reservation)]
     assert len(admitted) == 10
     assert {getattr(r, "limit", None) for r in results if r not in admitted} == {"rpm"}
+
+
+def test_a_minute_boundary_does_not_double_the_rate(stores: list[Store]) -> None:
+    """Sliding minute: ten requests at 00:59 leave nearly no room at 01:01
+    (a fixed window would admit ten more), half at 01:30, all at 02:00."""
+    info, _ = create_key(stores[0], "k", KeyPolicy(rpm=10))
+    quotas, limits = Quotas(stores[1]), Limits(rpm=10)
+    m = minute_of(time.time()) * 60.0
+
+    def admitted(at: float) -> int:
+        results = [quotas.reserve(info.id, limits, 0, at) for _ in range(12)]
+        return sum(isinstance(r, Reservation) for r in results)
+
+    assert admitted(m + 59) == 10
+    refused = quotas.reserve(info.id, limits, 0, m + 61)
+    assert not isinstance(refused, Reservation) and refused.limit == "rpm"
+    # 10 * (1 - t/60) + 0 + 1 <= 10 from t = 6 s into the minute: 5 s from 01:01.
+    assert refused.retry_after_s == 5
+    assert admitted(m + 61) == 0
+    # At 01:30 the previous minute weighs 5: five more fit.
+    assert admitted(m + 90) == 5
+    # At 02:59 the previous minute (01:xx) held five, weighing 1/60 of them now.
+    assert admitted(m + 179) == 9
+
+
+def test_a_correction_reaches_a_minute_that_became_the_previous_one(stores: list[Store]) -> None:
+    info, _ = create_key(stores[0], "k", KeyPolicy(tpm=1000))
+    quotas, limits = Quotas(stores[1]), Limits(tpm=1000)
+    m = minute_of(time.time()) * 60.0
+    first = quotas.reserve(info.id, limits, 600, m + 50)
+    assert isinstance(first, Reservation)
+    # At 01:30, 600 * 0.5 = 300 of the last 60 s: 800 does not fit...
+    assert not isinstance(quotas.reserve(info.id, limits, 800, m + 90), Reservation)
+    # ...until the first request settles at 100 tokens (the row has moved on).
+    quotas.settle({(info.id, "minute", first.minute): -500})
+    assert isinstance(quotas.reserve(info.id, limits, 800, m + 90), Reservation)
+
+
+def test_sliding_retry_after() -> None:
+    m = 6000.0  # a minute boundary
+    assert sliding_retry_after(0, 3, 1, 10, m + 10) == 1  # fits now
+    assert sliding_retry_after(10, 0, 1, 10, m + 1) == 5  # 10 * (1 - f) <= 9 at f = 0.1
+    # This minute full: next minute, its count decays to room for one.
+    assert sliding_retry_after(0, 10, 1, 10, m + 30) == 36
+    # Asking more than the limit: after the next minute, and then refused again.
+    assert sliding_retry_after(0, 0, 20, 10, m + 30) == 90
 
 
 def test_budget_and_settlement(stores: list[Store]) -> None:

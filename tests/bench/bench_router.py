@@ -12,7 +12,9 @@ table), then through LiteLLM's proxy when it installs and starts offline.
 - throughput: closed-loop load from client processes for a fixed time; the
   router's CPU seconds give requests per CPU-second (its ceiling on one core
   when the client and the mock share the machine);
-- streams: time to the first SSE event, direct vs through the proxy.
+- streams: time to the first SSE event, direct vs through the proxy;
+- the same through a floor proxy (tests/bench/floor.py: the same server and
+  client stack with no gateway work), to show what being a gateway costs.
 
 Targets: p50 <= 0.5 ms and p99 <= 2 ms added, >= 2,000 requests/s per process.
 """
@@ -41,6 +43,7 @@ from tests.bench.fasthttp import (
     run_loop,
     serve_upstream,
 )
+from tests.bench.floor import serve_floor
 
 REPO = Path(__file__).resolve().parents[2]
 SELF = [sys.executable, "-m", "tests.bench.bench_router"]
@@ -315,6 +318,8 @@ def main() -> None:
             serve_upstream(int(rest[0]), float(rest[1]))
         elif role == "_router":
             serve_router(rest[0])
+        elif role == "_floor":
+            serve_floor(int(rest[0]), rest[1])
         elif role == "_load":
             load(int(rest[0]), sys.stdin.buffer.read(), int(rest[1]), float(rest[2]))
         return
@@ -369,6 +374,15 @@ def run(args: argparse.Namespace) -> None:
         for line in measure(Target("llmgw router", router_port, key, router.pid), up_port, args):
             print(line, flush=True)
         stop(router)
+        floor_port = free_port()
+        floor = spawn([*SELF, "_floor", str(floor_port), f"http://127.0.0.1:{up_port}"],
+                      dict(os.environ), work / "floor.log")  # fmt: skip
+        procs.append(floor)
+        if wait_http(floor_port, "/v1/models", lambda d: True, 30):
+            name = "floor: raw ASGI + aiohttp, no gateway work"
+            for line in measure(Target(name, floor_port, "-", floor.pid), up_port, args):
+                print(line, flush=True)
+        stop(floor)
         for line in client_cost(up_port, args.requests):
             print(line, flush=True)
         if args.no_litellm:

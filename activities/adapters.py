@@ -10,6 +10,12 @@ An unload asks the engine first whether the adapter has requests running or
 waiting (vLLM's ``vllm:lora_requests_info``): the router that chose it as
 idle knows only its own requests, and another router's may be in flight.
 Such an unload is refused (``AdapterBusy``) and the router chooses again.
+
+The engine's cap holds whatever the routers believe: a load given the
+replica's ``max_loaded`` first lists what the engine holds, and when it is
+full (a router's view lagged behind another router's loads) unloads an idle
+one itself, the oldest loaded first. Adapter calls to one replica run one at
+a time on its node, so two loads cannot both find the last free place.
 """
 
 import asyncio
@@ -38,6 +44,11 @@ class AdapterActivities:
         self._sup = supervisor
         self._engine_key = engine_key
         self._http = http
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    def _lock(self, replica_id: str) -> asyncio.Lock:
+        """One adapter change at a time per replica (check and change together)."""
+        return self._locks.setdefault(replica_id, asyncio.Lock())
 
     def _engine(self, replica_id: str) -> RunningShard:
         running = self._sup.find_running(ShardRef(replica_id=replica_id))
@@ -63,16 +74,18 @@ class AdapterActivities:
                 type="AdapterNotFound",
                 non_retryable=True,
             )
-        resp = await self._post(
-            call.replica_id,
-            "/v1/load_lora_adapter",
-            {"lora_name": call.name, "lora_path": call.path},
-        )
+        async with self._lock(call.replica_id):
+            unloaded = await self._make_room(call) if call.max_loaded else []
+            resp = await self._post(
+                call.replica_id,
+                "/v1/load_lora_adapter",
+                {"lora_name": call.name, "lora_path": call.path},
+            )
         if resp.status_code == 200:
             log.info("replica %s: adapter %s loaded", call.replica_id, call.name)
-            return AdapterCallResult(changed=True, detail=resp.text[:200])
+            return AdapterCallResult(changed=True, detail=resp.text[:200], unloaded=unloaded)
         if resp.status_code == 400 and "already" in resp.text:
-            return AdapterCallResult(changed=False, detail="already loaded")
+            return AdapterCallResult(changed=False, detail="already loaded", unloaded=unloaded)
         message = _message(resp)
         # 404 (path the engine cannot read) and 500 (rank too high, bad
         # adapter) will not change on a retry; anything else might.
@@ -81,6 +94,40 @@ class AdapterActivities:
             type="AdapterLoadFailed",
             non_retryable=resp.status_code in (404, 500),
         )
+
+    async def _loaded(self, replica_id: str) -> list[str]:
+        """The adapters the engine holds, in its listing's order (loading order)."""
+        engine = self._engine(replica_id)
+        headers = {"Authorization": f"Bearer {self._engine_key(replica_id)}"}
+        resp = await self._http.get(f"{engine.endpoint}/v1/models", headers=headers)
+        if resp.status_code != 200:
+            raise ApplicationError(
+                f"engine answered {resp.status_code} listing its models: {_message(resp)}",
+                type="AdapterLoadFailed",
+            )
+        return [str(m["id"]) for m in resp.json()["data"] if m.get("parent")]
+
+    async def _make_room(self, call: AdapterCall) -> list[str]:
+        """Unload an idle adapter when the engine is full; what was unloaded."""
+        loaded = await self._loaded(call.replica_id)
+        if call.name in loaded or len(loaded) < call.max_loaded:
+            return []
+        busy = await self._busy(call.replica_id)
+        idle = [n for n in loaded if busy is not None and n not in busy]
+        if not idle:
+            why = "none of them idle" if busy is not None else "its metrics unreadable"
+            raise ApplicationError(
+                f"replica {call.replica_id} holds {len(loaded)} adapters (its cap is"
+                f" {call.max_loaded}), {why}: {call.name} not loaded",
+                type="AdapterBusy",
+                non_retryable=True,
+            )
+        await self._unload(call.replica_id, idle[0])
+        log.warning(
+            "replica %s: full when asked for %s (a router's view lagged): unloaded %s",
+            call.replica_id, call.name, idle[0],
+        )  # fmt: skip
+        return [idle[0]]
 
     async def _busy(self, replica_id: str) -> set[str] | None:
         """Adapters with requests running or waiting in the engine (None: unknown)."""
@@ -97,24 +144,28 @@ class AdapterActivities:
     async def unload_adapter(self, call: AdapterCall) -> AdapterCallResult:
         """Unload an adapter (to make room) unless the engine is serving it;
         unknown to the engine is no change."""
-        busy = await self._busy(call.replica_id)
-        if busy is not None and call.name in busy:
-            raise ApplicationError(
-                f"adapter {call.name} has requests in flight on replica {call.replica_id}"
-                " (another router's): not unloaded",
-                type="AdapterBusy",
-                non_retryable=True,
-            )
-        resp = await self._post(
-            call.replica_id, "/v1/unload_lora_adapter", {"lora_name": call.name}
-        )
+        async with self._lock(call.replica_id):
+            busy = await self._busy(call.replica_id)
+            if busy is not None and call.name in busy:
+                raise ApplicationError(
+                    f"adapter {call.name} has requests in flight on replica {call.replica_id}"
+                    " (another router's): not unloaded",
+                    type="AdapterBusy",
+                    non_retryable=True,
+                )
+            changed = await self._unload(call.replica_id, call.name)
+        return AdapterCallResult(changed=changed, detail="" if changed else "not loaded")
+
+    async def _unload(self, replica_id: str, name: str) -> bool:
+        """Unload from the engine; False when it did not hold it."""
+        resp = await self._post(replica_id, "/v1/unload_lora_adapter", {"lora_name": name})
         if resp.status_code == 200:
-            log.info("replica %s: adapter %s unloaded", call.replica_id, call.name)
-            return AdapterCallResult(changed=True)
+            log.info("replica %s: adapter %s unloaded", replica_id, name)
+            return True
         if resp.status_code == 404:
-            return AdapterCallResult(changed=False, detail="not loaded")
+            return False
         raise ApplicationError(
-            f"unload {call.name}: engine answered {resp.status_code}: {_message(resp)}",
+            f"unload {name}: engine answered {resp.status_code}: {_message(resp)}",
             type="AdapterUnloadFailed",
         )
 

@@ -152,6 +152,9 @@ class _Replica:
     # Unloaded adapter -> the one loaded in its place: the replica records
     # both in one signal, so a memo showing the latter has dropped the former.
     evicted_here: dict[str, str] = field(default_factory=dict)
+    # Shown held, but the engine answered 404 for them: gone (unloaded by
+    # another router) until the memo stops showing them or we load them.
+    gone: set[str] = field(default_factory=set)
 
     def held(self, memo: list[str]) -> set[str]:
         """Adapters the engine holds or is loading, the memo caught up with ours."""
@@ -160,7 +163,9 @@ class _Replica:
         for victim, by in list(self.evicted_here.items()):
             if by in shown:
                 del self.evicted_here[victim]
-        return (shown | self.loaded_here | set(self.loading)) - set(self.evicted_here)
+        self.gone &= shown
+        held = (shown | self.loaded_here | set(self.loading)) - set(self.evicted_here)
+        return held - (self.gone - set(self.loading))
 
 
 Release = Callable[[], None]
@@ -313,6 +318,7 @@ class AdapterRouter:
                 node_id=route.node_id,
                 adapter=adapter,
                 evict=choice.evict,
+                max_loaded=base.profile.max_loaded_adapters,
             )
             task = asyncio.create_task(self._load(state, request))
             # Retrieved here too: every waiter may have gone before it failed.
@@ -335,6 +341,14 @@ class AdapterRouter:
                 state.waiting -= 1
         return route, release
 
+    def forget(self, route: Route, adapter: str) -> None:
+        """The replica's engine said it does not hold ``adapter``: stop believing it
+        (another router unloaded it and the memo has not caught up)."""
+        state = self._state(route)
+        state.loaded_here.discard(adapter)
+        state.uses.pop(adapter, None)
+        state.gone.add(adapter)
+
     async def _load(self, state: _Replica, request: AdapterLoadInput) -> None:
         assert self._loader is not None
         name = request.adapter.name
@@ -342,6 +356,12 @@ class AdapterRouter:
             result = await self._loader.load(request)
             state.loaded_here.add(name)
             state.evicted_here.pop(name, None)
+            state.gone.discard(name)
+            if result.evicted and result.evicted != request.evict:
+                # The engine was fuller than we knew: the node made room itself.
+                state.evicted_here[result.evicted] = name
+                state.loaded_here.discard(result.evicted)
+                state.uses.pop(result.evicted, None)
             log.info(
                 "adapter %s loaded on %s%s",
                 name,

@@ -64,6 +64,18 @@ class Call:
     client_gone: Callable[[], Awaitable[None]] | None = None
     # The body for a given replica (a llama.cpp adapter's id is the replica's own).
     body_for: Callable[[Route], bytes] | None = None
+    # An on-demand adapter the router believes the replica holds: a 404 means
+    # its view is stale (another router unloaded it), raised as StaleAdapter.
+    stale_on_404: bool = False
+
+
+class StaleAdapter(Exception):
+    """The engine does not hold the adapter the router sent it: nothing was
+    relayed or billed; the caller loads the adapter and forwards once more."""
+
+    def __init__(self, route: Route) -> None:
+        super().__init__(route.replica_id)
+        self.route = route
 
 
 class Proxy:
@@ -134,6 +146,10 @@ class Proxy:
                     # The engine refused our key: a router/agent secret mismatch.
                     log.error("replica %s rejected the engine key", route.replica_id)
                     raise upstream_failed("the engine refused the router's key")
+                if upstream.status == 404 and call.stale_on_404:
+                    await upstream.close()
+                    log.info("replica %s does not hold %s", route.replica_id, call.model)
+                    raise StaleAdapter(route)
                 headers = {"x-llmgw-replica": route.replica_id}
                 media = upstream.content_type
                 if call.stream and upstream.status == 200:

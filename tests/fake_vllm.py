@@ -16,13 +16,15 @@ for a real vLLM to start:
   label set used before stays, older); a key on ``/v1`` like vLLM's
   ``--api-key`` (here from ``VLLM_API_KEY``);
 - ``POST /fake/running {"adapters": [...]}`` (the fake's own): which adapters
-  have requests running, as if other clients' requests were being served.
+  have requests running, as if other clients' requests were being served;
+  ``POST /fake/load_delay {"seconds": S}``: loads take that long to show.
 
 Run as ``python tests/fake_vllm.py serve MODEL --port P [--served-model-name N]
 [--max-lora-rank R]``; other vLLM flags are accepted and ignored.
 """
 
 import argparse
+import asyncio
 import json
 import os
 import sys
@@ -44,6 +46,7 @@ class FakeVllm:
         self.loaded: dict[str, str] = {}
         self.loads = 0
         self.running: list[str] = []
+        self.load_delay_s = 0.0  # a load takes this long before it shows
         self.lora_info: dict[str, float] = {}  # label set -> when it was last set
 
     def refused(self, request: Request) -> JSONResponse | None:
@@ -64,6 +67,7 @@ class FakeVllm:
         rank = json.loads(config.read_text()).get("r", 8) if config.exists() else 8
         if rank > self.max_rank:
             return _error(500, f"LoRA rank {rank} is greater than max_lora_rank {self.max_rank}.")
+        await asyncio.sleep(self.load_delay_s)
         self.loaded[name] = str(path)
         self.loads += 1
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
@@ -108,6 +112,10 @@ class FakeVllm:
         self.running = list((await request.json())["adapters"])
         return PlainTextResponse("")
 
+    async def set_load_delay(self, request: Request) -> Response:
+        self.load_delay_s = float((await request.json())["seconds"])
+        return PlainTextResponse("")
+
     async def metrics(self, request: Request) -> Response:
         labels = f'max_lora="4",running_lora_adapters="{",".join(self.running)}",'
         labels += 'waiting_lora_adapters=""'
@@ -132,6 +140,7 @@ def build_app(served: str, max_rank: int, key: str) -> FastAPI:
     app.add_api_route("/v1/chat/completions", fake.answer, methods=["POST"])
     app.add_api_route("/metrics", fake.metrics, methods=["GET"])
     app.add_api_route("/fake/running", fake.set_running, methods=["POST"])
+    app.add_api_route("/fake/load_delay", fake.set_load_delay, methods=["POST"])
     app.add_api_route("/health", fake.health, methods=["GET"])
     return app
 

@@ -81,7 +81,7 @@ async def node(client: Client, tmp_path: Path) -> AsyncIterator[Node]:
     sup.launch(ref, [Command(argv, env)], port, endpoint, {"engine": "vllm"})
     assert await asyncio.to_thread(wait_for, lambda: port_open(port), 30)
     adapters = tmp_path / "adapters"
-    for name in ("sql", "chat", "bad-rank"):
+    for name in ("sql", "chat", "code", "bad-rank"):
         (adapters / name).mkdir(parents=True)
         rank = 64 if name == "bad-rank" else 8
         (adapters / name / "adapter_config.json").write_text(f'{{"r": {rank}}}')
@@ -105,13 +105,14 @@ async def node(client: Client, tmp_path: Path) -> AsyncIterator[Node]:
 
 
 async def _load(
-    client: Client, node: Node, name: str, evict: str | None = None
+    client: Client, node: Node, name: str, evict: str | None = None, max_loaded: int = 0
 ) -> AdapterLoadResult:
     spec = AdapterSpec(name=name, source=str(node.adapters / name))
     result: AdapterLoadResult = await client.execute_workflow(
         AdapterLoadWorkflow.run,
         AdapterLoadInput(
-            replica_id=node.replica_id, node_id=node.node_id, adapter=spec, evict=evict
+            replica_id=node.replica_id, node_id=node.node_id, adapter=spec, evict=evict,
+            max_loaded=max_loaded,
         ),
         id=f"adapter/{node.replica_id}/{name}",
         task_queue=node.queue,
@@ -169,6 +170,43 @@ async def test_an_adapter_another_router_is_using_is_not_unloaded(
         await http.post(f"{node.endpoint}/fake/running", json={"adapters": []})
     assert (await _load(client, node, "chat", evict="sql")).evicted == "sql"
     assert await node.held() == ["chat"]
+
+
+async def test_a_full_engine_makes_room_itself_when_the_routers_view_lagged(
+    client: Client, node: Node
+) -> None:
+    """Asked to load with no eviction into a replica already at its cap (another
+    router filled it), the node unloads an idle adapter, the oldest loaded
+    first, passing over one in use."""
+    await _load(client, node, "sql")
+    await _load(client, node, "chat")
+    async with httpx.AsyncClient() as http:
+        await http.post(f"{node.endpoint}/fake/running", json={"adapters": ["sql"]})
+        result = await _load(client, node, "code", max_loaded=2)
+        assert result.loaded and result.evicted == "chat"
+        assert await node.held() == ["code", "sql"]
+        # Every adapter in use: refused, nothing changed.
+        await http.post(f"{node.endpoint}/fake/running", json={"adapters": ["sql", "code"]})
+        with pytest.raises(WorkflowFailureError) as full:
+            await _load(client, node, "chat", max_loaded=2)
+        assert "none of them idle" in _root(full.value)
+        assert await node.held() == ["code", "sql"]
+
+
+async def test_concurrent_loads_of_different_adapters_keep_the_cap(
+    client: Client, node: Node
+) -> None:
+    """Two routers each see one free place and load different adapters at once:
+    the node takes them one at a time, so the second makes room."""
+    await _load(client, node, "sql")
+    async with httpx.AsyncClient() as http:
+        # Long enough for both to list the engine before either load shows.
+        await http.post(f"{node.endpoint}/fake/load_delay", json={"seconds": 1.0})
+    results = await asyncio.gather(
+        _load(client, node, "chat", max_loaded=2), _load(client, node, "code", max_loaded=2)
+    )
+    assert sorted(r.evicted or "" for r in results) == ["", "sql"]
+    assert len(await node.held()) == 2
 
 
 def test_busy_adapters_are_read_from_the_newest_lora_info_sample() -> None:

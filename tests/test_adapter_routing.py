@@ -212,6 +212,29 @@ async def test_an_eviction_refused_as_busy_elsewhere_picks_another_victim(
         assert fleet.loads[-1].evict == "a"
 
 
+async def test_an_adapter_another_router_unloaded_is_loaded_again_not_a_404(
+    tmp_path: Path,
+) -> None:
+    """This router's view says r1 holds a (its memo lags); the engine answers
+    404: the router loads a as for a cold adapter and answers the request."""
+    async with fleet_gateway(tmp_path / "s.db", ["r1"]) as (gw, fleet, key):
+        assert (await ask(gw, key, "a")).status_code == 200
+        fleet.held["r1"].remove("a")  # unloaded by another router; the memo still shows it
+        table = gw.app.state.deps.table
+        await until(lambda: table.routes[BASE][0].adapters == ["a"])
+        r = await ask(gw, key, "a")
+        assert r.status_code == 200, r.text
+        assert [x.adapter.name for x in fleet.loads] == ["a", "a"]
+        assert fleet.held["r1"] == ["a"] and fleet.arrived == ["a", "a"]
+        # Had the load not helped, the engine's 404 is the answer, once.
+        fleet.held["r1"].remove("a")
+        fleet.memo_follows = False
+        fleet.fail_next.add("a")
+        r = await ask(gw, key, "a")
+        assert r.status_code == 502 and "No adapter found" in r.text, r.text
+        assert len(fleet.loads) == 3
+
+
 async def test_a_saturated_holder_makes_another_replica_load(tmp_path: Path) -> None:
     async with fleet_gateway(tmp_path / "s.db", ["r1", "r2"], cap=1) as (gw, fleet, key):
         assert (await ask(gw, key, "a")).headers["x-llmgw-replica"] == "r1"

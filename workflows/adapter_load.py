@@ -50,20 +50,30 @@ class AdapterLoadWorkflow:
             decision(
                 "adapter.unload", replica=rid, adapter=request.evict, reason="LRU, to make room"
             )
+        call = AdapterCall(
+            replica_id=rid, name=name, path=request.adapter.source, max_loaded=request.max_loaded
+        )
         result: AdapterCallResult = await node_activity(
-            request.node_id, names.LOAD_ADAPTER,
-            AdapterCall(replica_id=rid, name=name, path=request.adapter.source), AdapterCallResult,
+            request.node_id, names.LOAD_ADAPTER, call, AdapterCallResult,
             TIMEOUTS, timedelta(seconds=120), retry=RetryPolicy(maximum_attempts=3),
         )  # fmt: skip
         decision("adapter.load", replica=rid, adapter=name, changed=result.changed)
         reason = f"loaded {name}" + (
             f", unloaded {evicted} (least recently used, idle)" if evicted else ""
         )
+        # The engine was full after all (the router's view lagged): the node
+        # unloaded an idle adapter itself.
+        made_room = [u for u in result.unloaded if u != evicted]
+        if made_room:
+            reason += f", unloaded {', '.join(made_room)} (engine full, idle)"
+            evicted = evicted or made_room[0]
         try:
             await workflow.get_external_workflow_handle(replica_workflow_id(rid)).signal(
                 "adapters_changed",
                 AdaptersChanged(
-                    loaded=[name], unloaded=[evicted] if evicted else [], reason=reason
+                    loaded=[name],
+                    unloaded=[*([request.evict] if request.evict else []), *made_room],
+                    reason=reason,
                 ),
             )
         except Exception as err:  # a replica that ended meanwhile needs no notice

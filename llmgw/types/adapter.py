@@ -20,6 +20,9 @@ class AdapterLoadInput(BaseModel):
     node_id: str
     adapter: AdapterSpec
     evict: str | None = Field(default=None, description="an idle adapter to unload first (LRU)")
+    max_loaded: int = Field(
+        default=0, ge=0, description="the replica's cap (0: unchecked); a full engine makes room"
+    )
 
 
 class AdapterLoadResult(BaseModel):
@@ -38,6 +41,7 @@ class AdapterCall(BaseModel):
     replica_id: str
     name: str
     path: str = ""
+    max_loaded: int = Field(default=0, description="load: the replica's cap (0: unchecked)")
 
 
 class AdapterCallResult(BaseModel):
@@ -45,6 +49,9 @@ class AdapterCallResult(BaseModel):
 
     changed: bool
     detail: str = ""
+    unloaded: list[str] = Field(
+        default_factory=list, description="load: idle adapters unloaded because the engine was full"
+    )
 
 
 class AdaptersChanged(BaseModel):

@@ -39,7 +39,7 @@ from router.errors import (
     model_not_found,
     quota_exceeded,
 )
-from router.proxy import Call
+from router.proxy import Call, StaleAdapter
 from router.routing import Route
 
 router = APIRouter(prefix="/v1", tags=["openai"])
@@ -212,28 +212,10 @@ async def _serve(
             raw = _with_usage(raw)
 
     endpoint = path.removeprefix("/v1/")
-    # One span per request, continuing the client's trace if it sent one;
-    # ended when the request is over (a stream: when its relay ends).
-    span = (
-        deps.tracer.start_span(
-            f"POST {path}",
-            context=extract(request.headers),
-            kind=SpanKind.SERVER,
-            attributes={
-                "llmgw.model": model,
-                "llmgw.key_id": caller.key_id,
-                "llmgw.stream": stream,
-            },
-        )
-        if deps.tracer is not None
-        else trace.INVALID_SPAN
-    )
+    span = _start_span(deps, request, path, model, caller.key_id, stream)
     reservation = await deps.accountant.reserve(caller.key_id, caller.policy, reserve)
     if isinstance(reservation, Rejection):
-        deps.metrics.quota_rejections.labels(reservation.limit).inc()
-        deps.metrics.requests.labels(endpoint, model, "429").inc()
-        _end_span(span, Outcome(error=True, status=429))
-        raise quota_exceeded(reservation.limit, reservation.message, reservation.retry_after_s)
+        raise _over_quota(deps, endpoint, model, span, reservation)
 
     finished = False
     release: Callable[[], None] | None = None  # an on-demand adapter's use
@@ -255,6 +237,10 @@ async def _serve(
         if outcome.completion_tokens:
             m.tokens.labels(model, "completion").inc(outcome.completion_tokens)
 
+    def set_release(using: Callable[[], None] | None) -> None:
+        nonlocal release
+        release = using
+
     call = Call(
         model=model,
         path=path,
@@ -269,11 +255,61 @@ async def _serve(
     try:
         with trace.use_span(span, end_on_exit=False):
             # An on-demand adapter's load is part of the request (and its span).
-            routes, release = await _adapter_routes(deps, target, call)
-            return await deps.proxy.forward(call, routes)
+            return await _forward(deps, target, call, set_release)
     except OpenAIError as exc:
         on_done(Outcome(error=True, status=exc.status))  # releases the reservation
         raise
+
+
+async def _forward(
+    deps: Deps,
+    target: tuple[ModelSpec, AdapterSpec] | None,
+    call: Call,
+    set_release: Callable[[Callable[[], None] | None], None],
+) -> Response:
+    """Forward to the model's replicas or the adapter's holder; ``set_release``
+    learns of the adapter use to release when the request is over."""
+    routes, release = await _adapter_routes(deps, target, call)
+    set_release(release)
+    call.stale_on_404 = release is not None
+    try:
+        return await deps.proxy.forward(call, routes)
+    except StaleAdapter as stale:
+        # Another router unloaded it and our view lagged: load it (as for a
+        # cold adapter) and send the request once more.
+        assert target is not None and release is not None
+        release()
+        set_release(None)
+        deps.adapters.forget(stale.route, target[1].name)
+        call.stale_on_404 = False
+        routes, release = await _adapter_routes(deps, target, call)
+        set_release(release)
+        return await deps.proxy.forward(call, routes)
+
+
+def _over_quota(
+    deps: Deps, endpoint: str, model: str, span: Span, rejection: Rejection
+) -> OpenAIError:
+    """Count and trace a request refused by its key's quota; the error to raise."""
+    deps.metrics.quota_rejections.labels(rejection.limit).inc()
+    deps.metrics.requests.labels(endpoint, model, "429").inc()
+    _end_span(span, Outcome(error=True, status=429))
+    return quota_exceeded(rejection.limit, rejection.message, rejection.retry_after_s)
+
+
+def _start_span(
+    deps: Deps, request: Request, path: str, model: str, key_id: int, stream: bool
+) -> Span:
+    """One span per request, continuing the client's trace if it sent one; ended
+    when the request is over (a stream: when its relay ends)."""
+    if deps.tracer is None:
+        return trace.INVALID_SPAN
+    return deps.tracer.start_span(
+        f"POST {path}",
+        context=extract(request.headers),
+        kind=SpanKind.SERVER,
+        attributes={"llmgw.model": model, "llmgw.key_id": key_id, "llmgw.stream": stream},
+    )
 
 
 def _end_span(span: Span, outcome: Outcome) -> None:

@@ -11,6 +11,9 @@ time), or it is answered 401 without reaching the engine. What passes goes to
 the engine unchanged (the key included, so an engine's own check still
 applies) and the answer, SSE streams included, comes back chunk by chunk.
 
+The client is aiohttp, as the router's: less than half the CPU per request
+of httpx here (tests/bench/bench_passthrough.py).
+
 It runs as a process of the shard (the first of its process group), not in
 the agent, so it lives and dies with its engine: it survives an agent
 restart the way the engine does, and one group signal stops both. The key
@@ -21,7 +24,7 @@ comes by environment (``LLMGW_PASSTHROUGH_KEY``), never argv.
 
 import argparse
 import asyncio
-import contextlib
+import functools
 import hmac
 import json
 import os
@@ -29,64 +32,74 @@ import signal
 import sys
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
+from urllib.parse import quote
 
-import httpx
+import aiohttp
+from yarl import URL
 
 KEY_ENV = "LLMGW_PASSTHROUGH_KEY"
+# Below the engines' keep-alive (5 s: llama-server's cpp-httplib, vLLM's uvicorn):
+# a pooled connection is retired before the engine closes it under a request.
+KEEPALIVE_S = 4.0
+# Hop-by-hop, and Host (the engine's address goes instead). Expect too: uvicorn
+# answered the client's 100-continue and the body is read; forwarded, it would
+# make aiohttp wait for the engine's.
 _HOP_BY_HOP = frozenset(
-    {
-        b"connection",
-        b"keep-alive",
-        b"proxy-authenticate",
-        b"proxy-authorization",
-        b"te",
-        b"trailer",
-        b"transfer-encoding",
-        b"upgrade",
-        b"host",
-    }
+    b"connection keep-alive proxy-authenticate proxy-authorization te trailer"
+    b" transfer-encoding upgrade host expect".split()
 )
+# aiohttp adds these to a request without them: the engine is to see the client's
+# (an Accept-Encoding of ours could get the client an encoding it never asked for).
+_NO_AUTO_HEADERS = ("User-Agent", "Accept", "Accept-Encoding", "Content-Type")
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
-_REFUSED = json.dumps(
-    {
-        "error": {
-            "message": "this engine answers only its router (engine key required)",
-            "type": "authentication_error",
-            "code": "invalid_api_key",
-            "param": None,
-        }
-    }
-).encode()
+_REFUSED = (
+    b'{"error": {"message": "this engine answers only its router (engine key required)",'
+    b' "type": "authentication_error", "code": "invalid_api_key", "param": null}}'
+)
 
 
 class PassThrough:
     """An ASGI app: check the key, then relay the request to ``upstream``."""
 
-    def __init__(self, upstream: str, key: str, http: httpx.AsyncClient | None = None) -> None:
+    def __init__(self, upstream: str, key: str, connect_timeout_s: float = 10.0) -> None:
         if not key:
             raise ValueError("the pass-through needs the engine key")
         self._upstream = upstream.rstrip("/")
         self._expected = f"Bearer {key}".encode()
-        # No pool limit: the router bounds concurrency; no read timeout: a
-        # long generation streams for as long as it streams.
-        self._http = http or httpx.AsyncClient(
-            timeout=httpx.Timeout(10.0, read=None),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
-        )
+        # No read timeout: a long generation streams for as long as it streams.
+        self._timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout_s)
+        self._session: aiohttp.ClientSession | None = None
 
-    async def _send(self, request: httpx.Request) -> httpx.Response:
-        try:
-            return await self._http.send(request, stream=True)
-        except httpx.RemoteProtocolError:
-            # The engine closed an idle kept-alive connection just as it was
-            # reused: it never read the request, so sending it again is safe
-            # (seen as one 502 in 200 requests under `llmgw bench`).
-            return await self._http.send(request, stream=True)
+    def _open(self) -> aiohttp.ClientSession:
+        # Made on first use, in the loop that serves: a session is bound to its loop.
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                # No connection limit: the router bounds concurrency.
+                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S),
+                timeout=self._timeout,
+                # One client's cookies must never reach another's request.
+                cookie_jar=aiohttp.DummyCookieJar(),
+                skip_auto_headers=_NO_AUTO_HEADERS,
+                # Bodies pass as the engine encoded them (Content-Encoding kept).
+                auto_decompress=False,
+            )
+            # aiohttp resends an idempotent request after a dropped connection
+            # on its own: _relay does that for every method, and only once. (A
+            # private flag, as aiohttp's test client sets it; the retry test's
+            # GET case fails if it stops working.)
+            self._session._retry_connection = False
+        return self._session
+
+    async def aclose(self) -> None:
+        """Close the engine connections (the lifespan's shutdown does it when served)."""
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
 
     def authorized(self, headers: list[tuple[bytes, bytes]]) -> bool:
         """Whether the request carries the engine key, compared in constant time."""
@@ -95,7 +108,7 @@ class PassThrough:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
-            await _lifespan(receive, send, self._http)
+            await _lifespan(receive, send, self.aclose)
             return
         if scope["type"] != "http":
             return  # websockets: engines serve none we front
@@ -103,41 +116,78 @@ class PassThrough:
             await _respond(send, 401, _REFUSED)
             return
         body = await _read_body(receive)
-        path = scope.get("raw_path") or scope["path"].encode()
-        query = scope.get("query_string", b"")
-        url = self._upstream + path.decode("latin-1") + (f"?{query.decode()}" if query else "")
-        headers = [(k, v) for k, v in scope["headers"] if k.lower() not in _HOP_BY_HOP]
-        request = self._http.build_request(scope["method"], url, headers=headers, content=body)
+        # A client that goes away must not leave the engine generating for
+        # nobody: its disconnect cancels this task wherever it waits (for the
+        # answer or for the next chunk), which closes the engine's connection,
+        # and the engine takes that as an abort.
+        task = asyncio.current_task()
+        assert task is not None
+        relaying, cut = True, False
+
+        def on_disconnect(_: object) -> None:
+            nonlocal cut
+            if relaying:
+                cut = True
+                task.cancel()
+
+        gone = asyncio.ensure_future(_disconnected(receive))
+        gone.add_done_callback(on_disconnect)
         try:
-            upstream = await self._send(request)
-        except httpx.HTTPError as exc:
+            await self._relay(scope, body, send)
+        except asyncio.CancelledError:
+            # Ours (the client left): done. Anyone else's (shutdown) goes on.
+            if not cut or task.uncancel() > 0:
+                raise
+        finally:
+            relaying = False  # no await since the last one: no cancel can follow
+            gone.cancel()
+
+    async def _relay(self, scope: Scope, body: bytes, send: Send) -> None:
+        target = scope.get("raw_path") or quote(scope["path"]).encode()
+        if query := scope.get("query_string"):
+            target += b"?" + query
+        # The Authorization header stays: it is the engine key, which the
+        # engine's own check (VLLM_API_KEY, LLAMA_API_KEY) wants too.
+        headers = [
+            (k.decode("latin-1"), v.decode("utf-8", "replace"))
+            for k, v in scope["headers"]
+            if k.lower() not in _HOP_BY_HOP
+        ]
+        request = functools.partial(
+            self._open().request,
+            scope["method"],
+            # encoded: the path goes out as the client wrote it, not re-quoted.
+            URL(self._upstream + target.decode("latin-1"), encoded=True),
+            headers=headers,
+            data=body or None,
+            allow_redirects=False,
+        )
+        try:
+            try:
+                upstream = await request()
+            except aiohttp.ServerDisconnectedError:
+                # The engine closed an idle kept-alive connection just as it was
+                # reused: it never answered, so sending it again is safe (seen as
+                # one 502 in 200 requests under `llmgw bench`). Once: an engine
+                # that died reading it refuses the second connection.
+                upstream = await request()
+        except (aiohttp.ClientError, TimeoutError) as exc:
             message = {"error": {"message": f"engine unreachable: {type(exc).__name__}"}}
             await _respond(send, 502, json.dumps(message).encode())
             return
         try:
-            await self._relay(upstream, receive, send)
-        finally:
-            await upstream.aclose()
-
-    async def _relay(self, upstream: httpx.Response, receive: Receive, send: Send) -> None:
-        out_headers = [(k, v) for k, v in upstream.headers.raw if k.lower() not in _HOP_BY_HOP]
-        await send(
-            {"type": "http.response.start", "status": upstream.status_code, "headers": out_headers}
-        )
-        # A client that goes away must not leave the engine generating for nobody:
-        # closing the upstream response closes the engine's connection, which it
-        # takes as an abort.
-        gone = asyncio.ensure_future(_disconnected(receive))
-        try:
-            async for chunk in upstream.aiter_raw():
-                if gone.done():
-                    return
+            out = [(k, v) for k, v in upstream.raw_headers if k.lower() not in _HOP_BY_HOP]
+            await send({"type": "http.response.start", "status": upstream.status, "headers": out})
+            async for chunk in upstream.content.iter_any():
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
-            gone.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await gone
+            # Read to its end, the connection goes back to the pool; otherwise (the
+            # client left, the engine broke off) it is closed: the engine sees that.
+            if upstream.content.at_eof():
+                upstream.release()
+            else:
+                upstream.close()
 
 
 async def _read_body(receive: Receive) -> bytes:
@@ -163,7 +213,7 @@ async def _respond(send: Send, status: int, body: bytes) -> None:
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
-async def _lifespan(receive: Receive, send: Send, http: httpx.AsyncClient) -> None:
+async def _lifespan(receive: Receive, send: Send, close: Callable[[], Awaitable[None]]) -> None:
     while True:
         message = await receive()
         if message["type"] == "lifespan.startup":
@@ -175,7 +225,7 @@ async def _lifespan(receive: Receive, send: Send, http: httpx.AsyncClient) -> No
                 loop.add_signal_handler(sig, os._exit, 0)
             await send({"type": "lifespan.startup.complete"})
         elif message["type"] == "lifespan.shutdown":
-            await http.aclose()
+            await close()
             await send({"type": "lifespan.shutdown.complete"})
             return
 

@@ -266,6 +266,9 @@ def main(argv: list[str] | None = None) -> int:
         access_log=False,
         lifespan="on",
         timeout_graceful_shutdown=5,
+        # The engine's own Date and Server headers pass through: not twice.
+        server_header=False,
+        date_header=False,
     )
     return 0
 

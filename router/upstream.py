@@ -122,6 +122,11 @@ class AiohttpUpstream:
                     raise UpstreamError(_describe(exc)) from exc
             except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
                 raise UpstreamConnectError(_describe(exc)) from exc
+            except aiohttp.ClientOSError as exc:
+                # The same, reset instead of closed (a server past its
+                # keep-alive limit): nothing was answered; once more.
+                if attempt == 2:
+                    raise UpstreamError(_describe(exc)) from exc
             except (TimeoutError, aiohttp.ClientError) as exc:
                 raise UpstreamError(_describe(exc)) from exc
         raise AssertionError("unreachable")

@@ -312,7 +312,7 @@ def test_bench_prints_a_table_and_valid_json(system: System, served: dict[str, s
     )
     assert run.returncode == 0, run.stderr
     gateway = json.loads(run.stdout)
-    assert (gateway["requests"], gateway["errors"]) == (12, 0)
+    assert (gateway["requests"], gateway["errors"]) == (12, 0), gateway["first_errors"]
     assert gateway["ttft_p50_ms"] > 0 and gateway["itl_p50_ms"] > 0
     assert gateway["output_tokens"] == 12 * 8 and gateway["requests_per_s"] > 0
 

@@ -9,6 +9,7 @@ import gzip
 import json
 import logging
 import socket
+import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -304,17 +305,23 @@ async def test_a_redirect_is_relayed_not_followed() -> None:
 
 @pytest.mark.parametrize("method", [b"GET", b"POST"])
 @pytest.mark.parametrize(("drops", "status"), [(1, 200), (2, 502)])
+@pytest.mark.parametrize("reset", [False, True])
 async def test_a_connection_the_engine_dropped_is_retried_once(
-    method: bytes, drops: int, status: int
+    method: bytes, drops: int, status: int, reset: bool
 ) -> None:
     """The first request leaves a kept-alive connection; the engine closes it
-    on the second without answering (as an engine's idle timeout does), and
-    the retry on a new connection is closed too when ``drops`` is 2."""
+    on the second without answering (as an engine's idle timeout does), or
+    resets it (llama-server's keep-alive limit, seen under `llmgw bench`), and
+    the retry on a new connection is dropped too when ``drops`` is 2."""
 
     async def flaky(seen: Engine, reader: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
         while (request := await read_request(reader)) is not None:
             seen.requests.append(request)
             if 2 <= len(seen.requests) <= 1 + drops:
+                if reset:  # RST, not FIN: the client's read fails with ECONNRESET
+                    sock = w.get_extra_info("socket")
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    w.transport.abort()
                 return  # closed, no answer
             w.write(response(200, [(b"content-length", b"2")], b"ok"))
 
@@ -328,7 +335,10 @@ async def test_a_connection_the_engine_dropped_is_retried_once(
     assert second[0] == status
     if status == 502:
         error = json.loads(second[2])["error"]["message"]
-        assert error == "engine unreachable: ServerDisconnectedError"
+        assert error == (
+            "engine unreachable: "
+            + ("ClientOSError" if reset else "ServerDisconnectedError")
+        )
     assert len(seen.requests) == 3  # once more, never more
     assert seen.connections == 2
 

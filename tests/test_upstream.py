@@ -7,6 +7,7 @@ exactly when bytes go out and when the connection closes.
 import asyncio
 import contextlib
 import socket
+import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
@@ -139,10 +140,18 @@ async def test_engine_breaking_off_mid_answer_is_an_upstream_error() -> None:
     await up.aclose()
 
 
-async def test_a_kept_alive_connection_closed_under_a_request_is_retried_once() -> None:
+def reset(writer: asyncio.StreamWriter) -> None:
+    """Close with RST, not FIN: the peer's next read fails with ECONNRESET."""
+    sock = writer.get_extra_info("socket")
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    writer.transport.abort()
+
+
+@pytest.mark.parametrize("rst", [False, True])
+async def test_a_kept_alive_connection_closed_under_a_request_is_retried_once(rst: bool) -> None:
     """The server reads the second request on a reused connection and closes it
-    without answering (what a keep-alive timeout does as a request arrives): the
-    request goes again on a new connection and is answered."""
+    (or resets it) without answering, as a keep-alive timeout or limit does as
+    a request arrives: the request goes again on a new connection, answered."""
     connections = 0
     requests: list[bytes] = []
 
@@ -152,7 +161,7 @@ async def test_a_kept_alive_connection_closed_under_a_request_is_retried_once() 
         while request := await read_request(reader):
             requests.append(request)
             if connections == 1 and len(requests) == 2:
-                writer.close()  # read, never answered
+                reset(writer) if rst else writer.close()  # read, never answered
                 return
             writer.write(answer(b"%d" % len(requests)))
             await writer.drain()

@@ -27,6 +27,7 @@ import asyncio
 import functools
 import hmac
 import json
+import logging
 import os
 import signal
 import sys
@@ -36,6 +37,8 @@ from urllib.parse import quote
 
 import aiohttp
 from yarl import URL
+
+log = logging.getLogger(__name__)
 
 KEY_ENV = "LLMGW_PASSTHROUGH_KEY"
 # Below the engines' keep-alive (5 s: llama-server's cpp-httplib, vLLM's uvicorn):
@@ -165,13 +168,17 @@ class PassThrough:
         try:
             try:
                 upstream = await request()
-            except aiohttp.ServerDisconnectedError:
-                # The engine closed an idle kept-alive connection just as it was
-                # reused: it never answered, so sending it again is safe (seen as
-                # one 502 in 200 requests under `llmgw bench`). Once: an engine
-                # that died reading it refuses the second connection.
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+                # The engine closed (FIN) or reset (RST: llama-server past its
+                # keep-alive limit) a kept-alive connection just as it was
+                # reused: it never answered, so sending it again is safe (each
+                # seen as one 502 in a few hundred requests under `llmgw
+                # bench`). Once: an engine that died reading it refuses the
+                # second connection.
+                log.info("engine connection lost before an answer (%r): sending again", exc)
                 upstream = await request()
         except (aiohttp.ClientError, TimeoutError) as exc:
+            log.warning("engine unreachable: %r", exc)
             message = {"error": {"message": f"engine unreachable: {type(exc).__name__}"}}
             await _respond(send, 502, json.dumps(message).encode())
             return

@@ -14,8 +14,9 @@ Such an unload is refused (``AdapterBusy``) and the router chooses again.
 The engine's cap holds whatever the routers believe: a load given the
 replica's ``max_loaded`` first lists what the engine holds, and when it is
 full (a router's view lagged behind another router's loads) unloads an idle
-one itself, the oldest loaded first. Adapter calls to one replica run one at
-a time on its node, so two loads cannot both find the last free place.
+one itself, the oldest loaded first (none idle: ``AdapterEngineFull``).
+Adapter calls to one replica run one at a time on its node, so two loads
+cannot both find the last free place.
 """
 
 import asyncio
@@ -119,7 +120,9 @@ class AdapterActivities:
             raise ApplicationError(
                 f"replica {call.replica_id} holds {len(loaded)} adapters (its cap is"
                 f" {call.max_loaded}), {why}: {call.name} not loaded",
-                type="AdapterBusy",
+                # Not AdapterBusy: that tells the router its chosen victim is
+                # still loaded, and this refusal comes after that unload.
+                type="AdapterEngineFull",
                 non_retryable=True,
             )
         await self._unload(call.replica_id, idle[0])

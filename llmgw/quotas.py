@@ -124,19 +124,30 @@ def sliding_retry_after(prev: int, current: int, need: int, limit: int, now: flo
     return max(1, math.ceil(at - now))
 
 
+# A row never moves back to an older window: a request stamped just before a
+# boundary whose UPDATE lands after one stamped just after it (threads,
+# routers' clocks) counts in the row's newer window instead of resetting it.
+
+
 def _current(counter: str, window: str) -> ColumnElement[int]:
     """The counter's value in the request's window: zero when the row is of an older one."""
-    return case((_T.c[window] == bindparam(window), _T.c[counter]), else_=0)
+    return case((_T.c[window] >= bindparam(window), _T.c[counter]), else_=0)
 
 
 def _previous(counter: str) -> ColumnElement[int]:
     """The counter's value in the minute before the request's."""
     minute = bindparam("minute", type_=Integer)
     return case(
-        (_T.c.minute == minute, _T.c[f"prev_{counter}"]),
+        (_T.c.minute >= minute, _T.c[f"prev_{counter}"]),
         (_T.c.minute == minute - 1, _T.c[counter]),
         else_=0,
     )
+
+
+def _newest(window: str) -> ColumnElement[int]:
+    """The window the row moves to: the request's, unless the row's is newer."""
+    ours = bindparam(window, type_=Integer)
+    return case((_T.c[window] > ours, _T.c[window]), else_=ours)
 
 
 def _reserve_statement() -> Update:
@@ -161,12 +172,12 @@ def _reserve_statement() -> Update:
             or_(budget == 0, ptok + tokens <= budget),
         )
         .values(
-            minute=bindparam("minute"),
+            minute=_newest("minute"),
             minute_requests=reqs + 1,
             minute_tokens=mtok + tokens,
             prev_minute_requests=prev_reqs,
             prev_minute_tokens=prev_mtok,
-            period=bindparam("period"),
+            period=_newest("period"),
             period_tokens=ptok + tokens,
         )
     )

@@ -346,7 +346,8 @@ class AdapterRouter:
         (another router unloaded it and the memo has not caught up)."""
         state = self._state(route)
         state.loaded_here.discard(adapter)
-        state.uses.pop(adapter, None)
+        # Its uses stay: requests still running with it keep it from being
+        # chosen as an idle victim once it is loaded again.
         state.gone.add(adapter)
 
     async def _load(self, state: _Replica, request: AdapterLoadInput) -> None:

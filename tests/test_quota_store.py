@@ -80,6 +80,22 @@ def test_a_minute_boundary_does_not_double_the_rate(stores: list[Store]) -> None
     assert admitted(m + 179) == 9
 
 
+def test_a_late_update_from_before_the_boundary_does_not_reset_the_window(
+    stores: list[Store],
+) -> None:
+    """A request stamped 00:59.99 whose UPDATE lands after one stamped 01:00.01
+    counts in 01:xx; it must not take the row back to 00:xx and lose both."""
+    info, _ = create_key(stores[0], "k", KeyPolicy(rpm=10))
+    quotas, limits = Quotas(stores[1]), Limits(rpm=10)
+    m = minute_of(time.time()) * 60.0
+    for i in range(9):
+        assert isinstance(quotas.reserve(info.id, limits, 0, m + 10 + i), Reservation)
+    assert isinstance(quotas.reserve(info.id, limits, 0, m + 60.01), Reservation)
+    assert isinstance(quotas.reserve(info.id, limits, 0, m + 59.99), Reservation)
+    # At 01:01: 9 * 59/60 + 2 + 1 > 10. Reset to 00:xx, nine more would pass.
+    assert not isinstance(quotas.reserve(info.id, limits, 0, m + 61), Reservation)
+
+
 def test_a_correction_reaches_a_minute_that_became_the_previous_one(stores: list[Store]) -> None:
     info, _ = create_key(stores[0], "k", KeyPolicy(tpm=1000))
     quotas, limits = Quotas(stores[1]), Limits(tpm=1000)

@@ -168,6 +168,8 @@ class PassThrough:
         try:
             try:
                 upstream = await request()
+            except aiohttp.ClientConnectorError:
+                raise  # no connection at all (a ClientOSError too): not sent again
             except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
                 # The engine closed (FIN) or reset (RST: llama-server past its
                 # keep-alive limit) a kept-alive connection just as it was

@@ -47,6 +47,9 @@ class AdapterActivities:
         self._http = http
         self._locks: dict[str, asyncio.Lock] = {}
 
+    def _auth(self, replica_id: str) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self._engine_key(replica_id)}"}
+
     def _lock(self, replica_id: str) -> asyncio.Lock:
         """One adapter change at a time per replica (check and change together)."""
         return self._locks.setdefault(replica_id, asyncio.Lock())
@@ -63,7 +66,7 @@ class AdapterActivities:
 
     async def _post(self, replica_id: str, path: str, body: dict[str, str]) -> httpx.Response:
         engine = self._engine(replica_id)
-        headers = {"Authorization": f"Bearer {self._engine_key(replica_id)}"}
+        headers = self._auth(replica_id)
         return await self._http.post(f"{engine.endpoint}{path}", json=body, headers=headers)
 
     @activity.defn(name=names.LOAD_ADAPTER)
@@ -99,7 +102,7 @@ class AdapterActivities:
     async def _loaded(self, replica_id: str) -> list[str]:
         """The adapters the engine holds, in its listing's order (loading order)."""
         engine = self._engine(replica_id)
-        headers = {"Authorization": f"Bearer {self._engine_key(replica_id)}"}
+        headers = self._auth(replica_id)
         resp = await self._http.get(f"{engine.endpoint}/v1/models", headers=headers)
         if resp.status_code != 200:
             raise ApplicationError(
@@ -135,7 +138,7 @@ class AdapterActivities:
     async def _busy(self, replica_id: str) -> set[str] | None:
         """Adapters with requests running or waiting in the engine (None: unknown)."""
         engine = self._engine(replica_id)
-        headers = {"Authorization": f"Bearer {self._engine_key(replica_id)}"}
+        headers = self._auth(replica_id)
         try:
             resp = await self._http.get(f"{engine.endpoint}/metrics", headers=headers)
         except httpx.HTTPError as exc:

@@ -9,7 +9,6 @@ import gzip
 import json
 import logging
 import socket
-import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -17,6 +16,7 @@ from dataclasses import dataclass, field
 import pytest
 import uvicorn
 
+from tests.test_upstream import reset as rst
 from worker_agent.passthrough import PassThrough
 
 KEY = "llmgw-engine-test"
@@ -319,9 +319,7 @@ async def test_a_connection_the_engine_dropped_is_retried_once(
             seen.requests.append(request)
             if 2 <= len(seen.requests) <= 1 + drops:
                 if reset:  # RST, not FIN: the client's read fails with ECONNRESET
-                    sock = w.get_extra_info("socket")
-                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-                    w.transport.abort()
+                    rst(w)
                 return  # closed, no answer
             w.write(response(200, [(b"content-length", b"2")], b"ok"))
 

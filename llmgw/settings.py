@@ -92,6 +92,15 @@ class RouterSettings(_Common):
     upstream_read_timeout_s: float = 600.0
     # Connections to engines, all replicas together; requests beyond wait.
     upstream_max_connections: int = 1024
+    # Client connections (llmgw/listener.py): a request head must arrive
+    # within header_timeout_s; an idle kept-alive connection is closed after
+    # keepalive_timeout_s (longer than clients' own pools keep one, httpx's
+    # and so the OpenAI SDK's 5 s, so the client retires it first); past
+    # max_connections open, more are refused at accept.
+    header_timeout_s: float = Field(default=10.0, gt=0)
+    keepalive_timeout_s: int = Field(default=15, ge=1)
+    max_connections: int = Field(default=4096, ge=1)
+    max_header_bytes: int = Field(default=64 * 1024, ge=1024)
     # The admin API's credential (LLMGW_ADMIN_KEY); admin keys made with
     # ``llmgw keys create --admin`` work as well.
     admin_key: SecretStr = SecretStr("")

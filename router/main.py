@@ -10,9 +10,10 @@ from opentelemetry.trace import Tracer
 from temporalio.client import Client
 
 from llmgw.lifecycle import setup_logging
+from llmgw.listener import ListenerLimits, fit_open_files, limited_protocol
 from llmgw.settings import RouterSettings
 from llmgw.store import Store
-from llmgw.temporal import connect
+from llmgw.temporal import connect_with
 from llmgw.tracing import setup_tracing
 from router.app import create_app
 from router.routing import ReplicaSource, TemporalReplicaSource
@@ -50,12 +51,24 @@ def build(
         max_request_bytes=settings.max_request_bytes,
         tracer=tracer,
     )
+    limits = fit_open_files(
+        ListenerLimits(
+            header_timeout_s=settings.header_timeout_s,
+            keepalive_timeout_s=settings.keepalive_timeout_s,
+            max_connections=settings.max_connections,
+            max_header_bytes=settings.max_header_bytes,
+        ),
+        other_fds=settings.upstream_max_connections,
+    )
     return uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level.lower(),
         access_log=settings.access_log,
+        # Slow and idle clients, and how many may be connected (llmgw/listener.py).
+        http=limited_protocol(limits),
+        timeout_keep_alive=limits.keepalive_timeout_s,
     )
 
 
@@ -79,7 +92,7 @@ async def run(settings: RouterSettings) -> None:
     tracing = setup_tracing(settings.tracing, "router")
     tracer = tracing.provider.get_tracer("llmgw.router") if tracing.provider else None
     # The routing table's refresh is not traced (a trace a second is noise).
-    client = await connect(settings.temporal_address, settings.temporal_namespace)
+    client = await connect_with(settings)
     try:
         await serve(settings, store, TemporalReplicaSource(client), client, tracer)
     finally:

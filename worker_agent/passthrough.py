@@ -38,6 +38,8 @@ from urllib.parse import quote
 import aiohttp
 from yarl import URL
 
+from llmgw.listener import ListenerLimits, fit_open_files, limited_protocol
+
 log = logging.getLogger(__name__)
 
 KEY_ENV = "LLMGW_PASSTHROUGH_KEY"
@@ -54,6 +56,12 @@ _HOP_BY_HOP = frozenset(
 # aiohttp adds these to a request without them: the engine is to see the client's
 # (an Accept-Encoding of ours could get the client an encoding it never asked for).
 _NO_AUTO_HEADERS = ("User-Agent", "Accept", "Accept-Encoding", "Content-Type")
+# The listener's limits (llmgw/listener.py). It listens on the node's address,
+# where anyone on that network can connect. Keep-alive stays above the
+# router's pooled keep-alive (4 s, router/upstream.py), so the router retires
+# a connection before it is closed under a request; the cap is above the
+# router's whole upstream pool (1024 by default).
+LIMITS = ListenerLimits(header_timeout_s=10.0, keepalive_timeout_s=5, max_connections=2048)
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -260,7 +268,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Authenticating pass-through to an engine.")
     parser.add_argument("--listen", required=True, help="HOST:PORT on the node's address")
     parser.add_argument("--upstream", required=True, help="the engine's loopback URL")
+    parser.add_argument("--header-timeout", type=float, default=LIMITS.header_timeout_s)
+    parser.add_argument("--keepalive-timeout", type=int, default=LIMITS.keepalive_timeout_s)
+    parser.add_argument("--max-connections", type=int, default=LIMITS.max_connections)
     args = parser.parse_args(argv)
+    limits = ListenerLimits(
+        header_timeout_s=args.header_timeout,
+        keepalive_timeout_s=args.keepalive_timeout,
+        max_connections=args.max_connections,
+    )
+    # Engine connections: at most one a client connection.
+    limits = fit_open_files(limits, other_fds=limits.max_connections)
     host, _, port = args.listen.rpartition(":")
     key = os.environ.pop(KEY_ENV, "")
     if not key:
@@ -278,6 +296,8 @@ def main(argv: list[str] | None = None) -> int:
         # The engine's own Date and Server headers pass through: not twice.
         server_header=False,
         date_header=False,
+        http=limited_protocol(limits),
+        timeout_keep_alive=limits.keepalive_timeout_s,
     )
     return 0
 

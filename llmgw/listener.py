@@ -1,0 +1,176 @@
+"""Limits on llmgw's HTTP listeners (the router and the engine pass-through).
+
+Both are served by uvicorn, which bounds nothing a slow client controls: its
+httptools protocol arms no timer on a new connection until a first response
+is sent (only the keep-alive timer exists), so a client that connects and
+sends nothing, or a request line one byte a minute, holds a socket forever;
+llhttp puts no bound on the size of a request head; and
+``limit_concurrency`` only answers 503 once a request's head is complete, so
+half-open connections are never refused. A thousand such connections cost
+the attacker nothing and the server a file descriptor each.
+
+So the listeners run a small subclass of uvicorn's ``HttpToolsProtocol``
+(uvicorn 0.55, httptools a hard dependency) that adds:
+
+* a header-read timeout: from accept, or from the first byte of the next
+  request on a kept-alive connection, until the head is complete; past it the
+  connection is closed;
+* a bound on a request head's size (431 and closed);
+* a cap on open connections: one more is aborted as soon as it is accepted
+  (log lines rate-limited);
+
+and the idle keep-alive timeout is uvicorn's own ``timeout_keep_alive``.
+A subclass rather than an asyncio guard around the server: the parser's own
+callbacks say when a head starts and ends, and what it adds per request is
+one timer armed and cancelled (no task, no extra read of the socket), so the
+router's hot path stays as it was. The body is not timed here: the router
+bounds its size, and a slow body holds one request task, not the listener.
+"""
+
+import asyncio
+import logging
+import resource
+import time
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+log = logging.getLogger(__name__)
+
+# What a process holds besides client connections (engine connections are
+# counted by the caller): logs, the store, Temporal, the loop's own.
+_FD_RESERVE = 64
+
+_TOO_LARGE = (
+    b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
+    b"content-length: 0\r\nconnection: close\r\n\r\n"
+)
+
+
+@dataclass(frozen=True)
+class ListenerLimits:
+    """What one client connection may hold, and how many may be open."""
+
+    header_timeout_s: float = 10.0
+    # uvicorn's timeout_keep_alive is whole seconds.
+    keepalive_timeout_s: int = 5
+    max_connections: int = 4096
+    max_header_bytes: int = 64 * 1024
+
+
+class _Throttled:
+    """One warning per ``every_s``, with the count since the last one."""
+
+    def __init__(self, every_s: float = 10.0) -> None:
+        self._every_s = every_s
+        self._last = -every_s
+        self._count = 0
+
+    def warn(self, message: str) -> None:
+        self._count += 1
+        now = time.monotonic()
+        if now - self._last >= self._every_s:
+            log.warning("%s (%d since the last warning)", message, self._count)
+            self._last, self._count = now, 0
+
+
+class _LimitedProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with the limits above (see the module docstring)."""
+
+    limits: ClassVar[ListenerLimits]
+    refused: ClassVar[_Throttled]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._head_bytes = 0
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        if len(self.connections) > self.limits.max_connections:
+            self.refused.warn(f"{self.limits.max_connections} connections open: refusing more")
+            # abort, not close: the descriptor is freed now, and the client
+            # sees a reset rather than a server that stopped answering.
+            transport.abort()
+            return
+        self._arm()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        # Still armed after parsing: everything received so far is head.
+        if self._head_timer is not None:
+            self._head_bytes += len(data)
+            if self._head_bytes > self.limits.max_header_bytes and not self.transport.is_closing():
+                self._disarm()
+                self.transport.write(_TOO_LARGE)
+                self.transport.close()
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        if self._head_timer is None:  # a kept-alive connection's next request
+            self._arm()
+
+    def on_headers_complete(self) -> None:
+        self._disarm()
+        super().on_headers_complete()
+
+    def _arm(self) -> None:
+        self._head_bytes = 0
+        self._head_timer = self.loop.call_later(self.limits.header_timeout_s, self._head_timed_out)
+
+    def _disarm(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if not self.transport.is_closing():
+            self.transport.close()
+
+
+def limited_protocol(limits: ListenerLimits) -> type[asyncio.Protocol]:
+    """The HTTP protocol class to give uvicorn (``http=``) for ``limits``."""
+
+    class LimitedHttpToolsProtocol(_LimitedProtocol):
+        pass
+
+    LimitedHttpToolsProtocol.limits = limits
+    LimitedHttpToolsProtocol.refused = _Throttled()
+    return LimitedHttpToolsProtocol
+
+
+def fit_open_files(limits: ListenerLimits, other_fds: int = 0) -> ListenerLimits:
+    """``limits``, after raising this process's open-file limit to hold them.
+
+    The soft RLIMIT_NOFILE is often 1024, below the connection cap: past it
+    accept() fails with EMFILE and asyncio stops accepting for a second at a
+    time, which is the outage the cap exists to prevent. So the soft limit is
+    raised toward the hard one, and where even that is too low the cap is
+    lowered to fit (with a warning).
+    """
+    needed = limits.max_connections + other_fds + _FD_RESERVE
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < needed:
+        target = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError) as err:
+            log.warning("could not raise the open-file limit to %d: %s", target, err)
+    if soft == resource.RLIM_INFINITY or soft >= needed:
+        return limits
+    fits = max(1, soft - other_fds - _FD_RESERVE)
+    log.warning(
+        "open-file limit %d (hard %d): at most %d client connections instead of %d",
+        soft,
+        hard,
+        fits,
+        limits.max_connections,
+    )
+    return replace(limits, max_connections=fits)

@@ -1,12 +1,14 @@
 """Per-key quotas shared by every router process through the store.
 
 A request *reserves* before it is forwarded: one request and its token
-estimate (prompt estimate + max_tokens) are added to the key's counters by a
+estimate (the prompt estimate plus every token the engine may generate:
+``router.api.openai.reserved_tokens``) are added to the key's counters by a
 single conditional ``UPDATE ... WHERE <every limit still holds>``. The
 database serialises concurrent UPDATEs of one row (SQLite locks the file,
 PostgreSQL the row and re-checks the WHERE on the newest version), so a
 check-then-increment race cannot admit more than the limits allow, across any
-number of routers. After the answer the reservation is *settled*: the
+number of routers; a request reserving more than a whole limit is refused
+outright. After the answer the reservation is *settled*: the
 difference between real and reserved tokens is applied to the windows it was
 taken in (batched; see ``router.accounting``).
 
@@ -74,6 +76,27 @@ class Rejection:
     limit: Literal["rpm", "tpm", "token_budget"]
     retry_after_s: int
     message: str
+    # The request alone is more than the limit: no window will ever admit it.
+    never: bool = False
+
+
+def too_large(limits: Limits, tokens: int) -> Rejection | None:
+    """A request reserving more than a whole token limit, refused without asking the store."""
+    if limits.tpm and tokens > limits.tpm:
+        limit: Literal["tpm", "token_budget"] = "tpm"
+        what = f"the key's {limits.tpm} tokens per minute"
+    elif limits.token_budget and tokens > limits.token_budget:
+        limit = "token_budget"
+        what = f"the key's budget of {limits.token_budget} tokens per {limits.budget_period}"
+    else:
+        return None
+    return Rejection(
+        limit,
+        0,
+        f"This request reserves {tokens} tokens (prompt estimate + max_tokens or n_predict"
+        f" x n/best_of), more than {what}: lower them.",
+        never=True,
+    )
 
 
 def minute_of(now: float) -> int:
@@ -196,6 +219,8 @@ class Quotas:
         self, key_id: int, limits: Limits, tokens: int, now: float
     ) -> Reservation | Rejection:
         """Take one request and ``tokens`` from the key's quotas, or say why not."""
+        if (refused := too_large(limits, tokens)) is not None:
+            return refused
         minute, period = minute_of(now), period_of(now, limits.budget_period)
         params = {
             "key": key_id,

@@ -20,6 +20,7 @@ from opentelemetry.trace import Span, SpanKind, StatusCode
 from pydantic import BaseModel, ValidationError
 from starlette.routing import Route as HttpRoute
 
+from llmgw.apikeys import KeyPolicy
 from llmgw.quotas import Rejection
 from llmgw.types import AdapterSpec, ModelSpec
 from router.accounting import Outcome
@@ -137,6 +138,32 @@ def _estimate(body: "Body") -> int:
     return prompt + 4
 
 
+# A reservation is stored in 64-bit counters; past any int32 limit it fits no quota anyway.
+MAX_RESERVATION = 2**31 - 1
+
+
+def reserved_tokens(body: "Body", context_length: int) -> int:
+    """What a request reserves of its key's tokens: the prompt estimate plus
+    every token the engine may generate, ``choices`` times for each prompt
+    (``n``, llama.cpp's ``n_cmpl``, ``best_of``), each at most the context."""
+    total = _estimate(body)
+    if isinstance(body, _Generation):
+        limit = body.completion_limit() or context_length
+        total += min(limit, context_length) * body.choices() * body.prompts()
+    return min(total, MAX_RESERVATION)
+
+
+def _bounded(body: "Body", policy: KeyPolicy) -> None:
+    """Refuse generation the client leaves unbounded when the key's tokens are counted."""
+    if isinstance(body, _Generation) and body.unbounded() and (policy.tpm or policy.token_budget):
+        raise OpenAIError(
+            400,
+            "n_predict -1 (generate until the context is full) is not allowed for a key"
+            " with a token quota; set max_tokens or a non-negative n_predict.",
+            param="n_predict",
+        )
+
+
 async def _disconnected(request: Request) -> None:
     """Return once the client has gone (the body has been read already)."""
     while (await request.receive())["type"] != "http.disconnect":
@@ -159,6 +186,7 @@ async def _admit(
             raise invalid_body(exc) from None
         if not caller.policy.allows(body.model):
             raise model_not_allowed(body.model)
+        _bounded(body, caller.policy)
         if body.model not in table.known_models and not table.has_replicas(body.model):
             raise model_not_found(body.model)
     except OpenAIError as exc:
@@ -196,15 +224,13 @@ async def _serve(
     raw, body = await _admit(deps, request, caller, kind, path)
     model = body.model
     prompt_estimate = _estimate(body)
-    reserve = prompt_estimate
     stream, strip_usage = False, False
     target = deps.adapters.base_of(model)
     spec = target[0] if target else deps.table.specs.get(model)
     if target is None and spec is not None and spec.adapters:
         raw = base_body(spec, raw)
+    reserve = reserved_tokens(body, spec.context_length if spec else DEFAULT_COMPLETION_RESERVE)
     if isinstance(body, _Generation):
-        context = spec.context_length if spec else DEFAULT_COMPLETION_RESERVE
-        reserve += min(body.completion_limit() or context, context)
         stream = body.stream
         if stream and not body.wants_usage():
             # Ask the engine for usage anyway, to bill the stream; hidden from the client.
@@ -291,10 +317,17 @@ def _over_quota(
     deps: Deps, endpoint: str, model: str, span: Span, rejection: Rejection
 ) -> OpenAIError:
     """Count and trace a request refused by its key's quota; the error to raise."""
+    # One that no window can ever admit is the request's fault: a 429 would
+    # have clients retry it forever.
+    error = (
+        quota_exceeded(rejection.limit, rejection.message, rejection.retry_after_s)
+        if not rejection.never
+        else OpenAIError(400, rejection.message, code="request_exceeds_quota")
+    )
     deps.metrics.quota_rejections.labels(rejection.limit).inc()
-    deps.metrics.requests.labels(endpoint, model, "429").inc()
-    _end_span(span, Outcome(error=True, status=429))
-    return quota_exceeded(rejection.limit, rejection.message, rejection.retry_after_s)
+    deps.metrics.requests.labels(endpoint, model, str(error.status)).inc()
+    _end_span(span, Outcome(error=True, status=error.status))
+    return error
 
 
 def _start_span(

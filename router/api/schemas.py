@@ -7,7 +7,7 @@ field is allowed and reaches the engine unchanged (``extra="allow"``).
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 TokenIds = list[int]
 
@@ -27,10 +27,25 @@ class StreamOptions(BaseModel):
 class _Generation(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
+    # The fields that bound what an engine generates, and so what a request
+    # reserves of its key's token quota, are strict integers: an engine may
+    # read "50" or 50.5 as no bound at all (llama.cpp then uses its default,
+    # -1) where lax parsing would reserve 50.
+    max_tokens: StrictInt | None = Field(default=None, ge=1)
+    # OpenAI's newer name; llama.cpp and vLLM obey it on both endpoints.
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
+    n_predict: StrictInt | None = Field(
+        default=None,
+        ge=-1,
+        description="llama.cpp: wins over max_tokens; -1 generates until the context is full",
+    )
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, ge=0, le=1)
-    n: int | None = Field(default=None, ge=1, le=128)
+    n: StrictInt | None = Field(default=None, ge=1, le=128)
+    n_cmpl: StrictInt | None = Field(default=None, ge=1, le=128, description="llama.cpp's n")
+    best_of: StrictInt | None = Field(
+        default=None, ge=1, le=128, description="sequences generated, n of them returned"
+    )
     stop: str | list[str] | None = None
     seed: int | None = None
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
@@ -40,9 +55,31 @@ class _Generation(_Body):
         """Whether the client asked for the usage chunk of a stream."""
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    def unbounded(self) -> bool:
+        """Whether the client asked for generation until the context is full."""
+        return self.n_predict == -1
+
     def completion_limit(self) -> int | None:
-        """The most completion tokens the client allows, when it says."""
-        return self.max_tokens
+        """The most tokens the engine may generate per choice, when the client bounds it.
+
+        Engines disagree on which field wins (llama.cpp: ``n_predict``, then
+        ``max_completion_tokens``, then ``max_tokens``; vLLM ignores
+        ``n_predict``), so the largest counts. llama.cpp generates one token
+        for an ``n_predict`` of 0.
+        """
+        if self.unbounded():
+            return None
+        fields = (self.max_tokens, self.max_completion_tokens, self.n_predict)
+        given = [x for x in fields if x is not None]
+        return max(1, *given) if given else None
+
+    def prompts(self) -> int:
+        """How many prompts are completed (each ``choices`` times)."""
+        return 1
+
+    def choices(self) -> int:
+        """Sequences the engine generates for each prompt."""
+        return max(self.n or 1, self.n_cmpl or 1, self.best_of or 1)
 
 
 class ChatMessage(BaseModel):
@@ -56,11 +93,6 @@ class ChatCompletionRequest(_Generation):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-
-    def completion_limit(self) -> int | None:
-        """max_completion_tokens (new name) or max_tokens."""
-        return self.max_completion_tokens or self.max_tokens
 
     def prompt_bytes(self) -> int:
         """Bytes of text in the messages (the prompt estimate's base)."""
@@ -77,6 +109,13 @@ class CompletionRequest(_Generation):
     """POST /v1/completions."""
 
     prompt: str | list[str] | TokenIds | list[TokenIds]
+
+    def prompts(self) -> int:
+        """How many prompts: a list of strings or of token id lists is a batch."""
+        p = self.prompt
+        if isinstance(p, str) or not p or isinstance(p[0], int):
+            return 1
+        return len(p)
 
     def prompt_bytes(self) -> int:
         """Bytes (or token ids) of the prompt."""

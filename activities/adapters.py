@@ -3,8 +3,9 @@
 They call vLLM's runtime LoRA API from the node, with the replica's engine
 key: the engine is reachable without a key from nowhere but its node, and the
 paths come from the catalog (the AdapterLoad workflow's input), never from a
-client. Repeats are harmless: an adapter already loaded, or already gone on
-unload, is reported as no change.
+client, and must resolve inside the weights roots (``LLMGW_WEIGHTS_ROOTS``), as
+weights do: the engine is handed the resolved path. Repeats are harmless: an
+adapter already loaded, or already gone on unload, is reported as no change.
 
 An unload asks the engine first whether the adapter has requests running or
 waiting (vLLM's ``vllm:lora_requests_info``): the router that chose it as
@@ -22,7 +23,7 @@ cannot both find the last free place.
 import asyncio
 import logging
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import httpx
@@ -32,6 +33,7 @@ from temporalio.exceptions import ApplicationError
 from activities import names
 from llmgw.types import AdapterCall, AdapterCallResult, ShardRef
 from worker_agent.supervisor import RunningShard, Supervisor
+from worker_agent.weights import Roots, SourceOutsideRoots
 
 log = logging.getLogger(__name__)
 
@@ -40,9 +42,15 @@ class AdapterActivities:
     """Adapter calls to this node's engines; built by the agent."""
 
     def __init__(
-        self, supervisor: Supervisor, engine_key: Callable[[str], str], http: httpx.AsyncClient
+        self,
+        supervisor: Supervisor,
+        engine_key: Callable[[str], str],
+        http: httpx.AsyncClient,
+        roots: Sequence[Path],
     ) -> None:
+        """``roots``: the only directories adapters may be loaded from."""
         self._sup = supervisor
+        self._roots = Roots.of(roots)
         self._engine_key = engine_key
         self._http = http
         self._locks: dict[str, asyncio.Lock] = {}
@@ -72,7 +80,14 @@ class AdapterActivities:
     @activity.defn(name=names.LOAD_ADAPTER)
     async def load_adapter(self, call: AdapterCall) -> AdapterCallResult:
         """Load a catalog adapter into the replica's engine."""
-        if not await asyncio.to_thread(Path(call.path).exists):
+        try:
+            # Before looking for it: whether a file outside exists is no one's business.
+            path = await asyncio.to_thread(self._roots.inside, call.path)
+        except SourceOutsideRoots as exc:
+            raise ApplicationError(
+                f"adapter {call.name}: {exc}", type="AdapterOutsideRoots", non_retryable=True
+            ) from None
+        if not await asyncio.to_thread(path.exists):
             raise ApplicationError(
                 f"adapter {call.name}: {call.path} does not exist on this node",
                 type="AdapterNotFound",
@@ -83,7 +98,7 @@ class AdapterActivities:
             resp = await self._post(
                 call.replica_id,
                 "/v1/load_lora_adapter",
-                {"lora_name": call.name, "lora_path": call.path},
+                {"lora_name": call.name, "lora_path": str(path)},
             )
         if resp.status_code == 200:
             log.info("replica %s: adapter %s loaded", call.replica_id, call.name)

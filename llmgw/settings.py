@@ -4,11 +4,14 @@ Each entry point builds its own settings object and passes it down; nothing
 reads the environment anywhere else.
 """
 
+import json
+import os
 import socket
 from pathlib import Path
+from typing import Annotated
 
-from pydantic import Field, SecretStr
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from llmgw.tracing import TracingSettings
 
@@ -76,10 +79,29 @@ class AgentSettings(_Common):
     # Discovery sources; tests and demos point them at recorded snapshots.
     sys_root: Path = Path("/sys")
     gpu_snapshot: Path | None = None
+    # The only directories catalog weights and LoRA adapters are read from,
+    # symlinks resolved (worker_agent.weights.Roots): a JSON list or
+    # os.pathsep-separated. Empty: <work_dir>/models (where `llmgw up` puts
+    # its model).
+    weights_roots: Annotated[list[Path], NoDecode] = Field(default_factory=list)
+
+    @field_validator("weights_roots", mode="before")
+    @classmethod
+    def _split_roots(cls, value: object) -> object:
+        if isinstance(value, str):
+            text = value.strip()
+            if text.startswith("["):
+                return json.loads(text)
+            return [part for part in text.split(os.pathsep) if part]
+        return value
 
     def resolved_engine_cache_dir(self) -> Path:
         """Where engine binaries are installed or built (cached per CPU)."""
         return self.engine_cache_dir or self.work_dir / "engines"
+
+    def resolved_weights_roots(self) -> list[Path]:
+        """Where weights and adapters may be read from, absolute."""
+        return [p.resolve() for p in self.weights_roots or [self.work_dir / "models"]]
 
 
 class RouterSettings(_Common):

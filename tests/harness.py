@@ -9,6 +9,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import httpx
@@ -87,6 +88,8 @@ class System:
                 "LLMGW_ENGINE_THREADS": "1",
                 # Most tests deploy models they never put in the catalog.
                 "LLMGW_RECONCILE_CATALOG": "false",
+                # Test models are generated under pytest's temp dirs.
+                "LLMGW_WEIGHTS_ROOTS": str(Path(tempfile.gettempdir()).resolve()),
                 "LLMGW_ENGINE_CACHE_DIR": os.environ.get(
                     "LLMGW_TEST_ENGINE_CACHE", str(REPO / ".llmgw" / "engines")
                 ),

@@ -93,7 +93,9 @@ async def node(client: Client, tmp_path: Path) -> AsyncIterator[Node]:
             task_queue=node_queue(node_id),
             activities=[
                 (
-                    acts := AdapterActivities(sup, lambda r: engine_key(SECRET, r), http)
+                    acts := AdapterActivities(
+                        sup, lambda r: engine_key(SECRET, r), http, [tmp_path]
+                    )
                 ).load_adapter,
                 acts.unload_adapter,
             ],

@@ -80,7 +80,7 @@ async def test_a_replica_whose_engine_cannot_install_fails_with_the_reason(
         engine_host="127.0.0.1",
         ports=range(free_port(), 65536)[:1],
         inventory=cpu_inventory,
-        weights=WeightsCache(tmp_path / "weights"),
+        weights=WeightsCache(tmp_path / "weights", [tmp_path]),
         installs=_Broken(tmp_path / "engines", llama),
     )
     request = FetchWeightsInput(

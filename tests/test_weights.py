@@ -15,6 +15,7 @@ from worker_agent.weights import (
     ChecksumMismatch,
     FetchedWeights,
     LocalSource,
+    Roots,
     SourceMissing,
     UnsupportedSource,
     WeightsCache,
@@ -23,6 +24,8 @@ from worker_agent.weights import (
 )
 
 MIB = 2**20
+# Sources built from URIs alone (nothing is read): confinement is tests/test_weights_roots.py's.
+ROOTS = Roots.of([Path("/models")])
 
 
 def sha(data: bytes) -> str:
@@ -85,7 +88,7 @@ def test_file_fetch_copies_then_serves_from_cache(
 ) -> None:
     src, data = weights_file
     uri = src.as_uri() if as_url else str(src)
-    cache = WeightsCache(tmp_path / "cache")
+    cache = WeightsCache(tmp_path / "cache", [tmp_path])
     first_progress = Recorder()
 
     first = cache.fetch(uri, progress=first_progress)
@@ -110,7 +113,7 @@ def test_file_fetch_copies_then_serves_from_cache(
 
 def test_changed_source_is_fetched_again(tmp_path: Path, weights_file: tuple[Path, bytes]) -> None:
     src, data = weights_file
-    cache = WeightsCache(tmp_path / "cache")
+    cache = WeightsCache(tmp_path / "cache", [tmp_path])
     old = cache.fetch(str(src))
 
     new_data = bytes(reversed(data))  # same size: only the mtime gives it away
@@ -132,7 +135,7 @@ def old_mtime_plus_one(mtime_ns: int) -> int:
 
 def test_expected_checksum_match(tmp_path: Path, weights_file: tuple[Path, bytes]) -> None:
     src, data = weights_file
-    cache = WeightsCache(tmp_path / "cache")
+    cache = WeightsCache(tmp_path / "cache", [tmp_path])
     assert cache.fetch(str(src), expected_sha256=sha(data)).sha256 == sha(data)
     assert cache.fetch(str(src), expected_sha256=sha(data).upper()).cached
 
@@ -141,7 +144,7 @@ def test_checksum_mismatch_leaves_nothing_in_cache(
     tmp_path: Path, weights_file: tuple[Path, bytes]
 ) -> None:
     src, data = weights_file
-    cache = WeightsCache(tmp_path / "cache")
+    cache = WeightsCache(tmp_path / "cache", [tmp_path])
     wrong = "0" * 64
 
     with pytest.raises(ChecksumMismatch) as raised:
@@ -157,15 +160,15 @@ def test_cached_entry_with_other_checksum_is_refused(
     tmp_path: Path, weights_file: tuple[Path, bytes]
 ) -> None:
     src, _ = weights_file
-    cache = WeightsCache(tmp_path / "cache")
+    cache = WeightsCache(tmp_path / "cache", [tmp_path])
     cache.fetch(str(src))
     with pytest.raises(ChecksumMismatch, match=r"0{64}"):
         cache.fetch(str(src), expected_sha256="0" * 64)
 
 
 def test_directory_fetch_copies_tree_with_stable_digest(tmp_path: Path, model_dir: Path) -> None:
-    one = WeightsCache(tmp_path / "cache-a").fetch(str(model_dir))
-    two = WeightsCache(tmp_path / "cache-b").fetch(model_dir.as_uri())
+    one = WeightsCache(tmp_path / "cache-a", [tmp_path]).fetch(str(model_dir))
+    two = WeightsCache(tmp_path / "cache-b", [tmp_path]).fetch(model_dir.as_uri())
 
     assert one.sha256 == two.sha256 == dir_digest(model_dir)
     assert one.path.name == "tiny-llama" and one.path.is_dir()
@@ -186,7 +189,7 @@ def test_directory_fetch_copies_tree_with_stable_digest(tmp_path: Path, model_di
 
 
 def test_directory_edit_in_place_is_fetched_again(tmp_path: Path, model_dir: Path) -> None:
-    cache = WeightsCache(tmp_path / "cache")
+    cache = WeightsCache(tmp_path / "cache", [tmp_path])
     old = cache.fetch(str(model_dir))
     config = model_dir / "tokenizer" / "tokenizer.json"
     config.write_text('{"vocab": {"a": 1}}')
@@ -199,7 +202,7 @@ def test_directory_edit_in_place_is_fetched_again(tmp_path: Path, model_dir: Pat
 
 def test_symlink_loop_in_directory_terminates(tmp_path: Path, model_dir: Path) -> None:
     (model_dir / "tokenizer" / "loop").symlink_to(model_dir)
-    fetched = WeightsCache(tmp_path / "cache").fetch(str(model_dir))
+    fetched = WeightsCache(tmp_path / "cache", [tmp_path]).fetch(str(model_dir))
     assert (fetched.path / "config.json").is_file()
     assert not (fetched.path / "tokenizer" / "loop").exists()
 
@@ -211,7 +214,7 @@ def test_results_are_world_readable(tmp_path: Path, model_dir: Path) -> None:
     # A strict umask too: new files would otherwise come out 0644 by luck.
     old_umask = os.umask(0o077)
     try:
-        fetched = WeightsCache(tmp_path / "cache").fetch(str(model_dir))
+        fetched = WeightsCache(tmp_path / "cache", [tmp_path]).fetch(str(model_dir))
     finally:
         os.umask(old_umask)
     try:
@@ -231,7 +234,8 @@ def test_progress_increases_and_ends_at_total(tmp_path: Path) -> None:
     src.write_bytes(os.urandom(total))
     progress = Recorder()
 
-    WeightsCache(tmp_path / "cache", progress_every_bytes=2 * MIB).fetch(str(src), None, progress)
+    cache = WeightsCache(tmp_path / "cache", [tmp_path], progress_every_bytes=2 * MIB)
+    cache.fetch(str(src), None, progress)
 
     done = [d for d, _ in progress.calls]
     assert progress.calls[0] == (0, total)
@@ -247,7 +251,7 @@ def test_failed_copy_leaves_nothing_and_next_fetch_works(
     tmp_path: Path, weights_file: tuple[Path, bytes]
 ) -> None:
     src, data = weights_file
-    cache = WeightsCache(tmp_path / "cache", progress_every_bytes=MIB)
+    cache = WeightsCache(tmp_path / "cache", [tmp_path], progress_every_bytes=MIB)
 
     def explode(done: int, total: int) -> None:
         if done > 0:
@@ -265,7 +269,7 @@ def test_entry_without_marker_is_fetched_again(
     tmp_path: Path, weights_file: tuple[Path, bytes]
 ) -> None:
     src, data = weights_file
-    cache = WeightsCache(tmp_path / "cache")
+    cache = WeightsCache(tmp_path / "cache", [tmp_path])
     first = cache.fetch(str(src))
     (first.path.parent / MARKER).unlink()
     first.path.write_bytes(data[:100])  # as if a crash cut the copy short
@@ -281,7 +285,7 @@ def test_entry_without_marker_is_fetched_again(
 )
 def test_remote_sources_are_not_supported_yet(uri: str, scheme: str) -> None:
     with pytest.raises(UnsupportedSource, match="not supported yet") as raised:
-        source_for(uri)
+        source_for(uri, ROOTS)
     assert repr(scheme) in str(raised.value)
     assert not raised.value.retryable
 
@@ -289,19 +293,19 @@ def test_remote_sources_are_not_supported_yet(uri: str, scheme: str) -> None:
 @pytest.mark.parametrize("uri", ["models/llama.gguf", "file://host/models/x", ""])
 def test_relative_or_foreign_paths_are_refused(tmp_path: Path, uri: str) -> None:
     with pytest.raises(UnsupportedSource, match="absolute"):
-        WeightsCache(tmp_path / "cache").fetch(uri)
+        WeightsCache(tmp_path / "cache", [tmp_path]).fetch(uri)
 
 
 def test_local_uris_map_to_local_source() -> None:
-    source = source_for("file:///models/my%20model")
+    source = source_for("file:///models/my%20model", ROOTS)
     assert isinstance(source, LocalSource) and source.path == Path("/models/my model")
-    assert isinstance(source_for("/models/x.gguf"), LocalSource)
+    assert isinstance(source_for("/models/x.gguf", ROOTS), LocalSource)
 
 
 def test_missing_source(tmp_path: Path) -> None:
     missing = tmp_path / "nope.gguf"
     with pytest.raises(SourceMissing, match=r"nope\.gguf") as raised:
-        WeightsCache(tmp_path / "cache").fetch(str(missing))
+        WeightsCache(tmp_path / "cache", [tmp_path]).fetch(str(missing))
     assert isinstance(raised.value, WeightsError) and not raised.value.retryable
 
 
@@ -309,7 +313,7 @@ def test_concurrent_fetches_share_one_copy(
     tmp_path: Path, weights_file: tuple[Path, bytes]
 ) -> None:
     src, data = weights_file
-    cache = WeightsCache(tmp_path / "cache")
+    cache = WeightsCache(tmp_path / "cache", [tmp_path])
     start = threading.Barrier(2)
     results: list[FetchedWeights] = []
     errors: list[BaseException] = []

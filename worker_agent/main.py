@@ -89,7 +89,7 @@ def build_activities(
         ports=range(settings.port_range_start, settings.port_range_end + 1),
         inventory=current_inventory,
         threads=settings.engine_threads,
-        weights=WeightsCache(supervisor.work_dir / "weights"),
+        weights=WeightsCache(supervisor.work_dir / "weights", settings.resolved_weights_roots()),
     )
 
 
@@ -194,7 +194,10 @@ async def run(settings: AgentSettings) -> None:
     node_activities = build_activities(settings, secret, supervisor, installs, lambda: latest[0])
     adapter_http = httpx.AsyncClient(timeout=httpx.Timeout(60.0))
     adapter_activities = AdapterActivities(
-        supervisor, lambda replica_id: engine_key(secret, replica_id), adapter_http
+        supervisor,
+        lambda replica_id: engine_key(secret, replica_id),
+        adapter_http,
+        settings.resolved_weights_roots(),
     )
     tracing = setup_tracing(settings.tracing, "agent")
     # Registration rounds are not traced (a trace every 30 s per node is

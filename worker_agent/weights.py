@@ -9,7 +9,8 @@ Why a per-node cache rather than pointing engines at the source:
 - Every copy is checksummed as it is written, so a truncated or corrupt copy is caught
   here rather than as an engine crash or silently wrong output.
 
-Only local sources (an absolute path or a ``file://`` URL) are supported today. Remote
+Only local sources (an absolute path or a ``file://`` URL) are supported today, and only
+inside the configured roots (``Roots``: ``LLMGW_WEIGHTS_ROOTS``). Remote
 sources (an object store, a model hub) will plug in later as another ``WeightSource``;
 until then ``source_for`` refuses them. The code is synchronous and knows nothing of
 Temporal: the caller runs ``fetch`` in a thread and turns progress into heartbeats.
@@ -24,10 +25,10 @@ import shutil
 import stat
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Protocol
+from typing import BinaryIO, Protocol
 from urllib.parse import unquote, urlsplit
 
 Progress = Callable[[int, int], None]
@@ -60,6 +61,62 @@ class SourceMissing(WeightsError):
     """The source path does not exist."""
 
     retryable = False
+
+
+class SourceOutsideRoots(WeightsError):
+    """The source, or a file reached through it, resolves outside the weights roots."""
+
+    retryable = False
+
+
+ROOTS_SETTING = "LLMGW_WEIGHTS_ROOTS"
+
+
+@dataclass(frozen=True)
+class Roots:
+    """The directories weights (and LoRA adapters) may be read from.
+
+    The agent reads what the catalog names, often as root, and copies it where
+    engines can read it: unbounded, whoever writes the catalog could read any
+    file of the node (``/etc/shadow`` as a model, or a model directory holding a
+    link to it). A path is inside once every symlink in it is resolved, so a
+    link inside a root that points out of it is refused.
+    """
+
+    dirs: tuple[Path, ...]
+
+    @classmethod
+    def of(cls, dirs: Sequence[Path]) -> "Roots":
+        """Roots from a list of directories."""
+        return cls(tuple(dirs))
+
+    def inside(self, path: Path | str) -> Path:
+        """``path`` with every link resolved, once it lies in a root; SourceOutsideRoots if not."""
+        real = Path(os.path.realpath(path))
+        # Resolved now, not once: a root may be created (or be a link) after startup.
+        if any(real.is_relative_to(os.path.realpath(d)) for d in self.dirs):
+            return real
+        allowed = ", ".join(str(d) for d in self.dirs) or "none"
+        shown = str(path) if str(path) == str(real) else f"{path} (resolving to {real})"
+        raise SourceOutsideRoots(
+            f"{shown} is outside the weights roots ({allowed}); {ROOTS_SETTING} lists the"
+            " directories weights and adapters may be read from"
+        )
+
+    def open(self, path: Path) -> BinaryIO:
+        """``path`` opened for reading, checked where the open landed: a link
+        swapped in after an earlier check cannot lead the read out."""
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            try:
+                landed = os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:  # no /proc: the path as it resolves now
+                landed = str(path)
+            self.inside(landed)
+        except BaseException:
+            os.close(fd)
+            raise
+        return os.fdopen(fd, "rb")
 
 
 @dataclass(frozen=True)
@@ -105,17 +162,22 @@ def _tree_digest(file_shas: dict[str, str]) -> str:
     return digest.hexdigest()
 
 
-def _regular_files(root: Path) -> list[tuple[str, Path, os.stat_result]]:
+def _regular_files(
+    root: Path, roots: Roots | None = None
+) -> list[tuple[str, Path, os.stat_result]]:
     """(posix relpath, path, stat) of each regular file at or under ``root``, by relpath.
 
-    Symlinks are followed (HF snapshot dirs link into a blob store). A directory that is
-    its own ancestor through links is not entered again, so a link loop cannot hang us.
+    Symlinks are followed (HF snapshot dirs link into a blob store), but with ``roots``
+    only within them (SourceOutsideRoots). A directory that is its own ancestor through
+    links is not entered again, so a link loop cannot hang us.
     """
     if not root.is_dir():
         return [(root.name, root, root.stat())]
     found: list[tuple[str, Path, os.stat_result]] = []
     above: dict[str, frozenset[tuple[int, int]]] = {}  # dirpath -> (dev, ino) of its chain
     for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
+        if roots is not None:
+            roots.inside(dirpath)  # before listing a directory a link led to
         st = os.stat(dirpath)
         chain = above.get(os.path.dirname(dirpath), frozenset())
         if (st.st_dev, st.st_ino) in chain:
@@ -128,19 +190,21 @@ def _regular_files(root: Path) -> list[tuple[str, Path, os.stat_result]]:
                 file_st = path.stat()
             except FileNotFoundError:  # a dangling symlink is not part of the model
                 continue
+            if roots is not None:
+                roots.inside(path)
             if stat.S_ISREG(file_st.st_mode):
                 found.append((path.relative_to(root).as_posix(), path, file_st))
     found.sort(key=lambda item: item[0])
     return found
 
 
-def _copy_file(src: Path, dst: Path, on_bytes: Callable[[int], None]) -> str:
+def _copy_file(src: Path, dst: Path, on_bytes: Callable[[int], None], roots: Roots) -> str:
     """Copy in 1 MiB chunks, hashing as we go.
 
     The copy is fsynced: the marker written after it must not reach the disk first.
     """
     digest = hashlib.sha256()
-    with src.open("rb") as reader, dst.open("wb") as writer:
+    with roots.open(src) as reader, dst.open("wb") as writer:
         while chunk := reader.read(CHUNK_BYTES):
             digest.update(chunk)
             writer.write(chunk)
@@ -163,10 +227,11 @@ def _digest_path(path: Path) -> str:
 
 
 class LocalSource:
-    """A file or directory on a filesystem this node can read."""
+    """A file or directory on a filesystem this node can read, inside ``roots``."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, roots: Roots) -> None:
         self.path = path
+        self.roots = roots
 
     def describe(self) -> SourceInfo:
         """Identity is resolved path + size + mtime(s): a rewritten source is fetched again."""
@@ -175,6 +240,7 @@ class LocalSource:
             st = resolved.stat()
         except FileNotFoundError as exc:
             raise SourceMissing(f"weights source {self.path} does not exist") from exc
+        self.roots.inside(resolved)
         if stat.S_ISREG(st.st_mode):
             return SourceInfo(f"file:{resolved}:{st.st_size}:{st.st_mtime_ns}", st.st_size, False)
         if not stat.S_ISDIR(st.st_mode):
@@ -182,15 +248,15 @@ class LocalSource:
         # A directory's own mtime misses files rewritten in place, so fold in every file's.
         listing = hashlib.sha256()
         size = 0
-        for rel, _, file_st in _regular_files(resolved):
+        for rel, _, file_st in _regular_files(resolved, self.roots):
             listing.update(f"{rel}\0{file_st.st_size}\0{file_st.st_mtime_ns}\n".encode())
             size += file_st.st_size
         return SourceInfo(f"dir:{resolved}:{size}:{listing.hexdigest()}", size, True)
 
     def copy_into(self, dest: Path, progress: Progress) -> str:
         """Copy the file or tree to ``dest`` and return its digest, computed while copying."""
-        src = self.path.resolve(strict=True)
-        files = _regular_files(src)
+        src = self.roots.inside(self.path.resolve(strict=True))
+        files = _regular_files(src, self.roots)
         total = sum(st.st_size for _, _, st in files)
         done = 0
 
@@ -200,26 +266,27 @@ class LocalSource:
             progress(done, total)
 
         if not src.is_dir():
-            return _copy_file(src, dest, on_bytes)
+            return _copy_file(src, dest, on_bytes, self.roots)
         dest.mkdir()
         shas: dict[str, str] = {}
         for rel, path, _ in files:
             target = dest / rel
             target.parent.mkdir(parents=True, exist_ok=True)
-            shas[rel] = _copy_file(path, target, on_bytes)
+            shas[rel] = _copy_file(path, target, on_bytes, self.roots)
         return _tree_digest(shas)
 
 
-def source_for(uri: str) -> WeightSource:
-    """Plain absolute path or file:// URL → LocalSource; anything else → UnsupportedSource."""
+def source_for(uri: str, roots: Roots) -> WeightSource:
+    """Plain absolute path or file:// URL → LocalSource in ``roots``; anything else →
+    UnsupportedSource."""
     parts = urlsplit(uri)
     if uri.startswith("/"):
-        return LocalSource(Path(uri))
+        return LocalSource(Path(uri), roots)
     if parts.scheme == "file":
         path = unquote(parts.path)
         if parts.netloc not in ("", "localhost") or not path.startswith("/"):
             raise UnsupportedSource(f"file URL {uri!r} must name an absolute local path")
-        return LocalSource(Path(path))
+        return LocalSource(Path(path), roots)
     if not parts.scheme:
         raise UnsupportedSource(f"weights path {uri!r} must be absolute")
     raise UnsupportedSource(
@@ -272,15 +339,21 @@ def _make_world_readable(root: Path) -> None:
 class WeightsCache:
     """Weights cached under ``root``, one ``root/<key>/`` entry per source identity."""
 
-    def __init__(self, root: Path, progress_every_bytes: int = 64 * 2**20) -> None:
+    def __init__(
+        self, root: Path, roots: Sequence[Path], progress_every_bytes: int = 64 * 2**20
+    ) -> None:
+        """``roots``: the only directories sources may lie in (``LLMGW_WEIGHTS_ROOTS``)."""
         self.root = root
+        self.roots = Roots.of(roots)
         self.progress_every_bytes = progress_every_bytes
 
     def fetch(
         self, uri: str, expected_sha256: str | None = None, progress: Progress | None = None
     ) -> FetchedWeights:
         """Return the weights at ``uri`` from the cache, copying them in on a miss."""
-        source = source_for(uri)
+        # Checked before the cache is looked at: an entry copied while a root
+        # allowed it is not served once the roots no longer do.
+        source = source_for(uri, self.roots)
         info = source.describe()
         key = hashlib.sha256(info.identity.encode()).hexdigest()[:KEY_HEX_CHARS]
         expected = expected_sha256.strip().lower() if expected_sha256 else None

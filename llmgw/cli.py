@@ -23,7 +23,7 @@ from llmgw.errors import LlmgwError
 from llmgw.settings import UpSettings, _Common
 from llmgw.store import Store
 from llmgw.store_copy import migrate_store
-from llmgw.temporal import connect
+from llmgw.temporal import connect_with
 from llmgw.tracing import Tracing, setup_tracing
 from llmgw.types import ModelSpec, ReplicaMemo
 
@@ -56,9 +56,7 @@ async def _connect(settings: _Common) -> Client:
     job started here is one trace with the workflows and node activities."""
     if not _tracing:
         _tracing.append(setup_tracing(settings.tracing, "cli"))
-    return await connect(
-        settings.temporal_address, settings.temporal_namespace, _tracing[0].interceptors()
-    )
+    return await connect_with(settings, _tracing[0].interceptors())
 
 
 def _run(work: Coroutine[Any, Any, T]) -> T:

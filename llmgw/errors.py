@@ -5,6 +5,7 @@
     LlmgwError                    base of everything raised on purpose
     ├── ConfigError               bad settings or input; retrying cannot help
     ├── StoreError                the store could not answer
+    ├── TemporalConnectError      no Temporal client: unreachable, or refused (TLS, API key)
     └── EngineError               an engine shard misbehaved
         ├── EngineLaunchError     it could not be started
         ├── EngineExitedError     it exited (exit code and log tail in message)
@@ -40,6 +41,12 @@ class ConfigError(LlmgwError):
 
 class StoreError(LlmgwError):
     """The store could not answer."""
+
+
+class TemporalConnectError(LlmgwError):
+    """No Temporal client could be made: the server is unreachable or refused
+    the connection (TLS handshake, certificate, API key). The message says how
+    llmgw tried, never the key."""
 
 
 class EngineError(LlmgwError):

@@ -21,10 +21,12 @@ So the listeners run a small subclass of uvicorn's ``HttpToolsProtocol``
 
 and the idle keep-alive timeout is uvicorn's own ``timeout_keep_alive``.
 A subclass rather than an asyncio guard around the server: the parser's own
-callbacks say when a head starts and ends, and what it adds per request is
-one timer armed and cancelled (no task, no extra read of the socket), so the
-router's hot path stays as it was. The body is not timed here: the router
-bounds its size, and a slow body holds one request task, not the listener.
+callbacks say when a head starts and ends. What it adds per request is a
+time stamp set and cleared (no timer, no task, no extra read of the socket);
+one sweep a second, while connections are open, closes those whose head is
+late, so a head gets between the timeout and a second more. The router's hot
+path stays as it was. The body is not timed here: the router bounds its
+size, and a slow body holds one request task, not the listener.
 """
 
 import asyncio
@@ -37,6 +39,10 @@ from typing import Any, ClassVar
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 log = logging.getLogger(__name__)
+
+# How often late heads are looked for: a head may take up to this much more
+# than the header timeout.
+_SWEEP_S = 1.0
 
 # What a process holds besides client connections (engine connections are
 # counted by the caller): logs, the store, Temporal, the loop's own.
@@ -80,10 +86,13 @@ class _LimitedProtocol(HttpToolsProtocol):
 
     limits: ClassVar[ListenerLimits]
     refused: ClassVar[_Throttled]
+    # One sweep per server (a class per server: see limited_protocol).
+    sweep: ClassVar[asyncio.TimerHandle | None] = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._head_timer: asyncio.TimerHandle | None = None
+        # When the head being read began (loop time); None between requests.
+        self._head_since: float | None = None
         self._head_bytes = 0
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -94,44 +103,42 @@ class _LimitedProtocol(HttpToolsProtocol):
             # sees a reset rather than a server that stopped answering.
             transport.abort()
             return
-        self._arm()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._disarm()
-        super().connection_lost(exc)
+        self._head_since = self.loop.time()
+        self._head_bytes = 0
+        cls = type(self)
+        if cls.sweep is None:
+            cls.sweep = self.loop.call_later(_SWEEP_S, _sweep, cls, self.loop, self.connections)
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
-        # Still armed after parsing: everything received so far is head.
-        if self._head_timer is not None:
+        # Still reading a head after parsing: everything received so far is head.
+        if self._head_since is not None:
             self._head_bytes += len(data)
             if self._head_bytes > self.limits.max_header_bytes and not self.transport.is_closing():
-                self._disarm()
+                self._head_since = None
                 self.transport.write(_TOO_LARGE)
                 self.transport.close()
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        if self._head_timer is None:  # a kept-alive connection's next request
-            self._arm()
+        if self._head_since is None:  # a kept-alive connection's next request
+            self._head_since = self.loop.time()
+            self._head_bytes = 0
 
     def on_headers_complete(self) -> None:
-        self._disarm()
+        self._head_since = None
         super().on_headers_complete()
 
-    def _arm(self) -> None:
-        self._head_bytes = 0
-        self._head_timer = self.loop.call_later(self.limits.header_timeout_s, self._head_timed_out)
 
-    def _disarm(self) -> None:
-        if self._head_timer is not None:
-            self._head_timer.cancel()
-            self._head_timer = None
-
-    def _head_timed_out(self) -> None:
-        self._head_timer = None
-        if not self.transport.is_closing():
-            self.transport.close()
+def _sweep(cls: type[_LimitedProtocol], loop: asyncio.AbstractEventLoop, open_: set[Any]) -> None:
+    """Close every connection whose head is late; again in a second while any is open."""
+    late = loop.time() - cls.limits.header_timeout_s
+    for conn in list(open_):
+        since = getattr(conn, "_head_since", None)  # the set may hold uvicorn's websockets
+        if since is not None and since <= late and not conn.transport.is_closing():
+            conn._head_since = None
+            conn.transport.close()
+    cls.sweep = loop.call_later(_SWEEP_S, _sweep, cls, loop, open_) if open_ else None
 
 
 def limited_protocol(limits: ListenerLimits) -> type[asyncio.Protocol]:

@@ -30,6 +30,14 @@ class _Common(BaseSettings):
 
     temporal_address: str = "127.0.0.1:7233"
     temporal_namespace: str = "default"
+    # Temporal in production (README "Temporal in production"): TLS is on
+    # when set true or when any of the rest is set; false turns it off.
+    temporal_tls: bool | None = None
+    temporal_tls_ca: Path | None = None  # PEM of the CA that signed the server
+    temporal_tls_cert: Path | None = None  # mTLS: client certificate (PEM)...
+    temporal_tls_key: Path | None = None  # ...and its private key
+    temporal_tls_server_name: str = ""  # when the address is not in the certificate
+    temporal_api_key: SecretStr = SecretStr("")  # Temporal Cloud API key
     work_dir: Path = DEFAULT_WORK_DIR
     store_url: str = ""
     log_level: str = "INFO"

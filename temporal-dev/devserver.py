@@ -11,6 +11,10 @@
   server runs.
 
 Usage: python temporal-dev/devserver.py --db PATH [--port 7233] [--ui-port 8233] [--headless]
+       [--namespace NAME ...]
+
+The dev server cannot serve TLS (``temporal server start-dev`` has no TLS
+settings); tests put tests/tls_front.py in front of it for that.
 """
 
 import argparse
@@ -18,6 +22,7 @@ import fcntl
 import os
 import sys
 import sysconfig
+from collections.abc import Sequence
 from pathlib import Path
 
 from llmgw.search_attributes import cli_flags
@@ -33,8 +38,11 @@ def temporal_binary() -> Path:
     return path
 
 
-def server_argv(db: Path, ip: str, port: int, ui_port: int, headless: bool) -> list[str]:
-    """The ``temporal server start-dev`` command line."""
+def server_argv(
+    db: Path, ip: str, port: int, ui_port: int, headless: bool, namespaces: Sequence[str] = ()
+) -> list[str]:
+    """The ``temporal server start-dev`` command line; ``namespaces`` are
+    created besides ``default``, with the search attributes."""
     argv = [
         str(temporal_binary()),
         "server",
@@ -53,6 +61,8 @@ def server_argv(db: Path, ip: str, port: int, ui_port: int, headless: bool) -> l
         "warn",
         *cli_flags(),
     ]
+    for namespace in namespaces:
+        argv += ["--namespace", namespace]
     if headless:
         argv.append("--headless")
     else:
@@ -80,10 +90,11 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=7233)
     parser.add_argument("--ui-port", type=int, default=8233)
     parser.add_argument("--headless", action="store_true")
+    parser.add_argument("--namespace", action="append", default=[], help="created at launch")
     args = parser.parse_args()
     db = args.db.resolve()
     lock_db(db)
-    argv = server_argv(db, args.ip, args.port, args.ui_port, args.headless)
+    argv = server_argv(db, args.ip, args.port, args.ui_port, args.headless, args.namespace)
     os.execv(argv[0], argv)
 
 

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
@@ -56,14 +57,12 @@ def node_address() -> str:
     return "127.0.0.1"
 
 
-def start_devserver(db: Path, port: int, log: Path) -> Child:
-    """A headless Temporal dev server on ``port`` with state in ``db``."""
-    child = Child(
-        "temporal",
-        [sys.executable, str(DEVSERVER), "--db", str(db), "--port", str(port), "--headless"],
-        os.environ,
-        log,
-    )
+def start_devserver(db: Path, port: int, log: Path, namespaces: Sequence[str] = ()) -> Child:
+    """A headless Temporal dev server on ``port`` with state in ``db``
+    (and ``namespaces`` created besides ``default``)."""
+    argv = [sys.executable, str(DEVSERVER), "--db", str(db), "--port", str(port), "--headless"]
+    argv += [arg for ns in namespaces for arg in ("--namespace", ns)]
+    child = Child("temporal", argv, os.environ, log)
     if not wait_for(lambda: port_open(port) or not child.alive(), 30):
         child.stop()
         raise RuntimeError("Temporal dev server did not start")
@@ -73,7 +72,14 @@ def start_devserver(db: Path, port: int, log: Path) -> Child:
 class System:
     """The llmgw processes of one test, sharing a Temporal server and a store."""
 
-    def __init__(self, temporal_address: str, work_dir: Path, engine_port_start: int) -> None:
+    def __init__(
+        self,
+        temporal_address: str,
+        work_dir: Path,
+        engine_port_start: int,
+        extra_env: dict[str, str] | None = None,
+    ) -> None:
+        """``extra_env`` goes to every process (Temporal TLS settings, say)."""
         self.work_dir = work_dir
         self.store_url = f"sqlite:///{work_dir / 'llmgw.db'}"
         self.env = dict(os.environ)
@@ -95,6 +101,7 @@ class System:
                 ),
             }
         )
+        self.env.update(extra_env or {})
         self.children: list[Child] = []
 
     def spawn(self, name: str, extra_env: dict[str, str] | None = None) -> Child:

@@ -183,6 +183,9 @@ def test_router_closes_idle_kept_alive_connection(router: int) -> None:
 
 class _Engine(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    # One write per answer, sent at once (else Nagle and delayed ACKs add 40 ms).
+    wbufsize = 65536
+    disable_nagle_algorithm = True
 
     def do_GET(self) -> None:
         body = b'{"status": "ok"}'

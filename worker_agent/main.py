@@ -28,7 +28,7 @@ from llmgw.queues import CONTROL_QUEUE, FLEET_WORKFLOW_ID, node_queue, replica_w
 from llmgw.reconcile import workflow_running
 from llmgw.settings import AgentSettings
 from llmgw.store import Store
-from llmgw.temporal import connect
+from llmgw.temporal import connect_with
 from llmgw.tracing import setup_tracing
 from llmgw.types import (
     EngineKind,
@@ -202,7 +202,7 @@ async def run(settings: AgentSettings) -> None:
     tracing = setup_tracing(settings.tracing, "agent")
     # Registration rounds are not traced (a trace every 30 s per node is
     # noise); the node's activities are, as part of their caller's trace.
-    client = await connect(settings.temporal_address, settings.temporal_namespace)
+    client = await connect_with(settings)
     queue = node_queue(settings.node_id)
     worker = Worker(
         client,

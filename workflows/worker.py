@@ -14,7 +14,7 @@ from llmgw.queues import CONTROL_QUEUE, FLEET_WORKFLOW_ID
 from llmgw.reconcile import reconcile_forever
 from llmgw.settings import ControlSettings
 from llmgw.store import Store
-from llmgw.temporal import connect
+from llmgw.temporal import connect_with
 from llmgw.tracing import setup_tracing
 from llmgw.types import FleetSnapshot
 from workflows.adapter_load import AdapterLoadWorkflow
@@ -74,9 +74,7 @@ def build_worker(
 async def run(settings: ControlSettings) -> None:
     """Serve until SIGTERM/SIGINT, then shut down gracefully."""
     tracing = setup_tracing(settings.tracing, "control")
-    client = await connect(
-        settings.temporal_address, settings.temporal_namespace, tracing.interceptors()
-    )
+    client = await connect_with(settings, tracing.interceptors())
     await ensure_fleet(client)
     worker = build_worker(client, settings)
     stop = stop_event_on_signals()
@@ -85,7 +83,7 @@ async def run(settings: ControlSettings) -> None:
     # Reconcile passes read through an untraced client (a trace every pass
     # would be noise); a pass that acts is a trace, its actions through
     # ``client`` part of it.
-    reads = await connect(settings.temporal_address, settings.temporal_namespace)
+    reads = await connect_with(settings)
     async with worker, asyncio.TaskGroup() as tasks:
         if settings.reconcile_interval_s > 0:
             reconciling = tasks.create_task(

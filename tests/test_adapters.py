@@ -193,6 +193,7 @@ def test_vllm_ray_leader_runs_head_then_serve() -> None:
     assert head.argv == (
         "ray", "start", "--head", "--port", "6379",
         "--node-ip-address", "10.0.0.1", "--num-gpus", "2", "--block",
+        "--include-dashboard=false",
     )  # fmt: skip
     assert after(serve.argv, "--distributed-executor-backend") == "ray"
     assert "--nnodes" not in serve.argv and "--master-addr" not in serve.argv

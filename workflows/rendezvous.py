@@ -179,8 +179,15 @@ class RendezvousWorkflow:
             return Rendezvous(rpc_workers=workers, timeout_s=self._t.rendezvous_s)
         leader = found[0]
         # The leader's HTTP port is its own pick; the reserved one is for the
-        # engines' own rendezvous (vLLM --master-port, SGLang --dist-init-addr).
+        # engines' own rendezvous (vLLM --master-port, SGLang --dist-init-addr,
+        # or the Ray head).
         self._ports.pop(0)
+        if engine is EngineKind.VLLM and self._req.model.profile.launch_mode == "ray":
+            # On Ray the head's GCS port is the meeting point; vLLM's Ray
+            # executor opens its own torch port on the head, so no master port.
+            return Rendezvous(
+                leader_address=leader.host, ray_port=leader.port, timeout_s=self._t.rendezvous_s
+            )
         return Rendezvous(
             leader_address=leader.host, leader_port=leader.port, timeout_s=self._t.rendezvous_s
         )

@@ -13,6 +13,9 @@ from worker_agent.adapters.spec import (
     ShardRequest,
 )
 
+# Addresses that mean "every interface" (or none at all) to a listener.
+WILDCARD_ADDRESSES = frozenset({"0.0.0.0", "::", "[::]", ""})
+
 # The agent's own settings (the store URL may carry a database password).
 _PRIVATE_PREFIXES = ("LLMGW_",)
 
@@ -96,7 +99,30 @@ def leader_endpoint(rdv: Rendezvous, port: int) -> Endpoint:
         raise LaunchValidationError(
             ["the rendezvous needs the leader's address and port for worker ranks to join"]
         )
-    return Endpoint(host=rdv.leader_address, port=port, timeout_s=rdv.timeout_s)
+    return Endpoint(
+        host=side_address(rdv.leader_address, "the rendezvous leader"),
+        port=port,
+        timeout_s=rdv.timeout_s,
+    )
+
+
+def side_address(address: str, what: str) -> str:
+    """``address``, which a multi-node side port (ggml RPC, Ray, the leader's
+    rendezvous) binds or advertises; a wildcard is refused.
+
+    These ports carry unauthenticated engine traffic (README, "Trust
+    boundary"): bound to every interface, anyone reaching any of the node's
+    networks could drive the engine; advertised, peers could not reach it.
+    """
+    if address in WILDCARD_ADDRESSES:
+        raise LaunchValidationError(
+            [
+                f"{what} would use {address or 'no address'!r}: multi-node ports are "
+                "unauthenticated and must bind the node's private (fabric or management) "
+                "address: set the agent's LLMGW_ENGINE_HOST to it"
+            ]
+        )
+    return address
 
 
 def split_host_port(hostport: str) -> tuple[str, int]:

@@ -19,7 +19,13 @@ is passed even when the leader itself has no GPU.
 
 from collections.abc import Mapping
 
-from worker_agent.adapters.base import EnvHook, scratch_env, split_host_port, start_env
+from worker_agent.adapters.base import (
+    EnvHook,
+    scratch_env,
+    side_address,
+    split_host_port,
+    start_env,
+)
 from worker_agent.adapters.nccl import gpu_env
 from worker_agent.adapters.spec import (
     CommandSpec,
@@ -118,5 +124,6 @@ class LlamaCppAdapter:
         if not workers:
             raise LaunchValidationError([f"rank {request.rank} of a single-node llama.cpp model"])
         port = workers[request.rank - 1].port
-        argv = [*self._launch.rpc_server, "-H", request.node.host, "-p", str(port)]
+        host = side_address(request.node.host, "ggml-rpc-server")
+        argv = [*self._launch.rpc_server, "-H", host, "-p", str(port)]
         return CommandSpec(name="ggml-rpc-server", argv=tuple(argv))

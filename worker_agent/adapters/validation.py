@@ -8,7 +8,7 @@ workflow can fail the start without retrying it.
 from collections.abc import Iterable, Sequence
 
 from llmgw.types import EngineKind, FabricKind, GpuInfo, ModelSpec
-from worker_agent.adapters.base import split_host_port
+from worker_agent.adapters.base import WILDCARD_ADDRESSES, split_host_port
 from worker_agent.adapters.nccl import fabric_problems
 from worker_agent.adapters.spec import (
     SECRET_FLAGS,
@@ -20,7 +20,6 @@ from worker_agent.adapters.spec import (
 )
 
 FP8_MIN_CAPABILITY = (8, 9)
-_WILDCARDS = frozenset({"0.0.0.0", "::", ""})
 
 
 def validate_launch(
@@ -64,6 +63,7 @@ def launch_problems(
     if profile.nodes > 1:
         problems += _fabric_rules(profile, nodes)
         problems += _rendezvous_problems(model.engine, profile, rendezvous)
+        problems += _wildcard_binds(model.engine, nodes)
     if model.engine is EngineKind.SGLANG and (loras or profile.runtime_lora):
         problems.append("LoRA adapters are not wired up for SGLang in llmgw: use vLLM")
     return problems
@@ -195,6 +195,11 @@ def _rendezvous_problems(
     problems = []
     if not rdv.leader_address:
         problems.append("the rendezvous has no leader address")
+    elif rdv.leader_address in WILDCARD_ADDRESSES:
+        problems.append(
+            f"the rendezvous leader address is {rdv.leader_address}: peers need the "
+            "leader's private address (the agent's LLMGW_ENGINE_HOST)"
+        )
     if engine is EngineKind.VLLM and profile.launch_mode == "ray":
         if rdv.ray_port is None:
             problems.append("launch_mode ray needs the rendezvous's ray_port (the Ray head)")
@@ -248,15 +253,23 @@ def _rpc_problems(
             continue
         if host not in (node.host, node.peer_address):
             problems.append(f"RPC worker {rank} is listed as {hostport} but runs on {node.host}")
-    problems += _wildcard_binds(nodes[1:])
+    problems += _wildcard_binds(EngineKind.LLAMA_CPP, nodes[1:])
     return problems
 
 
-def _wildcard_binds(workers: Iterable[NodeFacts]) -> list[str]:
-    open_ = [n.peer_address for n in workers if n.host in _WILDCARDS]
+def _wildcard_binds(engine: EngineKind, nodes: Iterable[NodeFacts]) -> list[str]:
+    """Multi-node side ports (ggml RPC, Ray, the engines' rendezvous) bind or
+    advertise the node's address: a wildcard would open them on every network."""
+    open_ = [
+        n.peer_address or n.host
+        for n in nodes
+        if n.host in WILDCARD_ADDRESSES or n.peer_address in WILDCARD_ADDRESSES
+    ]
     if not open_:
         return []
+    what = "ggml-rpc-server" if engine is EngineKind.LLAMA_CPP else f"{engine.value}'s side ports"
     return [
-        f"ggml-rpc-server has no authentication and would listen on every address of "
-        f"{', '.join(open_)}: bind it to the node's private address"
+        f"{what} (no authentication) would listen on every address of "
+        f"{', '.join(x or '(no address)' for x in open_)}: bind them to the node's private "
+        "address (the agent's LLMGW_ENGINE_HOST)"
     ]

@@ -26,6 +26,7 @@ from worker_agent.adapters.base import (
     leader_endpoint,
     require_rendezvous,
     scratch_env,
+    side_address,
     start_env,
 )
 from worker_agent.adapters.nccl import fabric_env, gpu_env
@@ -68,7 +69,7 @@ class VllmAdapter:
             env |= fabric_env(node, allow_tcp=profile.allow_tcp)
             # Each node's own address: a worker given the leader's would
             # advertise an address it does not hold.
-            env["VLLM_HOST_IP"] = node.peer_address
+            env["VLLM_HOST_IP"] = side_address(node.peer_address, "VLLM_HOST_IP")
         if profile.runtime_lora:
             env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
         serves = request.leader
@@ -99,7 +100,7 @@ class VllmAdapter:
             "--node-rank",
             str(request.rank),
             "--master-addr",
-            rdv.leader_address,
+            side_address(rdv.leader_address, "vLLM --master-addr"),
             "--master-port",
             str(port),
         ]
@@ -123,8 +124,10 @@ class VllmAdapter:
         head = leader_endpoint(rdv, rdv.ray_port)
         node = request.node
         common = [
+            # Recent Ray binds its servers (GCS, raylet, object manager) to this
+            # address rather than 0.0.0.0 (ray-project/ray#55484, #59852).
             "--node-ip-address",
-            node.peer_address,
+            side_address(node.peer_address, "the Ray node"),
             "--num-gpus",
             str(len(node.gpu_indices)),
             "--block",
@@ -135,6 +138,9 @@ class VllmAdapter:
             join = [*self._launch.ray, "start", "--address", f"{head.host}:{head.port}", *common]
             return (CommandSpec(name="ray-worker", argv=tuple(join), wait_for=(head,)),)
         start = [*self._launch.ray, "start", "--head", "--port", str(head.port), *common]
+        # No dashboard: it submits jobs (runs code) for anyone who reaches it,
+        # and a second head on the node would find its port taken.
+        start.append("--include-dashboard=false")
         flags = [*self._engine_flags(request), "--distributed-executor-backend", "ray"]
         serve = self._serve(request, flags).model_copy(
             update={

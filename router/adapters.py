@@ -55,11 +55,14 @@ class AdapterLoadFailed(Exception):
 
     ``busy``: the adapter chosen for unloading had requests in flight in the
     engine (another router's); nothing changed, another choice may work.
+    ``kind``: what failed, in a word the client may see (the message may name
+    the node's paths and addresses, so only the log gets it).
     """
 
-    def __init__(self, message: str, *, busy: bool = False) -> None:
+    def __init__(self, message: str, *, busy: bool = False, kind: str = "") -> None:
         super().__init__(message)
         self.busy = busy
+        self.kind = kind or type(self).__name__
 
 
 class AdapterLoader(Protocol):
@@ -80,6 +83,16 @@ def _root(err: BaseException) -> str:
     while (cause := getattr(err, "cause", None)) is not None:
         err = cause
     return str(err)
+
+
+def _kind(err: BaseException) -> str:
+    """The innermost application error's type (AdapterNotFound, AdapterLoadFailed...)."""
+    kind = ""
+    while err is not None:
+        if isinstance(err, ApplicationError) and err.type:
+            kind = err.type
+        err = getattr(err, "cause", None)  # type: ignore[assignment]
+    return kind
 
 
 def _busy(err: BaseException) -> bool:
@@ -112,16 +125,18 @@ class TemporalAdapterLoader:
             )
             return result
         except WorkflowFailureError as exc:
-            raise AdapterLoadFailed(_root(exc), busy=_busy(exc)) from exc
+            raise AdapterLoadFailed(_root(exc), busy=_busy(exc), kind=_kind(exc)) from exc
         except RPCError as exc:
-            raise AdapterLoadFailed(f"Temporal: {exc.message}") from exc
+            raise AdapterLoadFailed(f"Temporal: {exc.message}", kind="TemporalUnavailable") from exc
 
 
-def adapter_load_failed(adapter: str, replica_id: str, reason: str) -> OpenAIError:
-    """502: the adapter could not be loaded (a later request tries again)."""
+def adapter_load_failed(adapter: str, replica_id: str, kind: str) -> OpenAIError:
+    """502: the adapter could not be loaded (a later request tries again); why is
+    in the router's log, which may name paths and addresses the client must not see."""
     return OpenAIError(
         502,
-        f"Loading the adapter `{adapter}` on replica {replica_id} failed: {reason}",
+        f"Loading the adapter `{adapter}` on replica {replica_id} failed ({kind});"
+        " the router's log says why.",
         type="server_error",
         code="adapter_load_failed",
         param="model",
@@ -333,7 +348,7 @@ class AdapterRouter:
                 release()
                 if exc.busy and again:
                     return await self.on_demand_route(base, adapter, again=False)
-                raise adapter_load_failed(adapter.name, route.replica_id, str(exc)) from None
+                raise adapter_load_failed(adapter.name, route.replica_id, exc.kind) from None
             except BaseException:
                 release()
                 raise
@@ -380,6 +395,8 @@ class AdapterRouter:
             raise
         except Exception as exc:  # the loader's own failure: same answer to the client
             log.exception("adapter %s: loader failed", name)
-            raise AdapterLoadFailed(f"{type(exc).__name__}: {exc}") from exc
+            raise AdapterLoadFailed(
+                f"{type(exc).__name__}: {exc}", kind=type(exc).__name__
+            ) from exc
         finally:
             state.loading.pop(name, None)

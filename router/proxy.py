@@ -115,10 +115,12 @@ class Proxy:
             except UpstreamError as exc:
                 # The engine may have started on it: no second try.
                 self._metrics.upstream_errors.labels(call.model, route.replica_id, "send").inc()
-                raise upstream_failed(f"{route.replica_id}: {exc}") from exc
+                # The client learns no address or path of ours; the log has them.
+                log.warning("replica %s failed the request: %s", route.replica_id, exc)
+                raise upstream_failed(_broke(call.model)) from exc
         if not last_error:  # every candidate filled up before its turn
             raise replicas_saturated(call.model)
-        raise upstream_failed(last_error)
+        raise upstream_failed(f"no engine of the model `{call.model}` could be reached")
 
     async def _try(self, route: Route, call: Call) -> Response:
         headers = {
@@ -161,7 +163,8 @@ class Proxy:
                 except UpstreamError as exc:
                     self._metrics.upstream_errors.labels(call.model, route.replica_id, "read").inc()
                     call.on_done(Outcome(error=True, status=502))
-                    raise upstream_failed(str(exc)) from exc
+                    log.warning("replica %s broke off its answer: %s", route.replica_id, exc)
+                    raise upstream_failed(_broke(call.model)) from exc
                 finally:
                     await upstream.close()
         finally:
@@ -171,6 +174,10 @@ class Proxy:
         return Response(
             content=content, status_code=upstream.status, media_type=media, headers=headers
         )
+
+
+def _broke(model: str) -> str:
+    return f"the engine of the model `{model}` broke off the request"
 
 
 @contextlib.asynccontextmanager

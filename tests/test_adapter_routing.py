@@ -158,7 +158,8 @@ async def test_a_failed_load_is_a_clear_error_and_the_next_request_loads_again(
         assert {r.status_code for r in failed} == {502}
         error = failed[0].json()["error"]
         assert error["code"] == "adapter_load_failed"
-        assert "`b`" in error["message"] and "No adapter found for /adapters/b" in error["message"]
+        # Why is in the log: the client sees no path of the node.
+        assert "`b`" in error["message"] and "/adapters/b" not in error["message"]
         assert len(fleet.loads) == 1  # the waiters shared the failed load too
         ok = await ask(gw, key, "b")
         assert ok.status_code == 200, ok.text
@@ -231,7 +232,7 @@ async def test_an_adapter_another_router_unloaded_is_loaded_again_not_a_404(
         fleet.memo_follows = False
         fleet.fail_next.add("a")
         r = await ask(gw, key, "a")
-        assert r.status_code == 502 and "No adapter found" in r.text, r.text
+        assert r.status_code == 502 and r.json()["error"]["code"] == "adapter_load_failed"
         assert len(fleet.loads) == 3
 
 

@@ -1,10 +1,19 @@
-"""Control activities: the replica workflow's door to the fleet entity.
+"""Control activities: the replica workflow's door to the fleet entity, and
+its eyes on an engine whose node has gone quiet.
 
 A workflow cannot send an update to another workflow, so placement goes
 through this activity, which does it with a client. The fleet update is
 idempotent per replica, so an activity retry cannot double-book a GPU.
+
+``probe_engine`` runs on the control queue, not the node's: it is how the
+control plane tells "the agent is silent" from "the engine is dead" (DESIGN
+§8) without the agent's help.
 """
 
+import asyncio
+from collections.abc import Awaitable, Callable
+
+import httpx
 from opentelemetry import trace
 from temporalio import activity
 from temporalio.client import Client
@@ -17,6 +26,8 @@ from llmgw.types import (
     FleetSnapshot,
     PlaceRequest,
     PlaceResult,
+    ProbeEngineInput,
+    ProbeEngineResult,
     ReleaseRequest,
     ReleaseResult,
     ValidateInput,
@@ -24,12 +35,68 @@ from llmgw.types import (
 )
 from worker_agent.adapters import launch_problems, node_facts
 
+EngineKeyFn = Callable[[str], Awaitable[str]]
+PROBE_TIMEOUT_S = 3.0
+
+
+async def probe_once(http: httpx.AsyncClient, endpoint: str, key: str) -> str:
+    """Empty when the engine answers ``/health`` through its pass-through, else why not.
+
+    Any answer below 500 is the engine's own (the pass-through says 502 when
+    the engine behind it is gone); a 503 of an engine busy loading still counts
+    as answering, since a busy engine is not a dead one.
+    """
+    try:
+        response = await http.get(f"{endpoint}/health", headers={"Authorization": f"Bearer {key}"})
+    except httpx.HTTPError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    if response.status_code < 500 or response.status_code == 503:
+        return ""
+    return f"HTTP {response.status_code}"
+
 
 class ControlActivities:
-    """Activities served on the control queue; built with a Temporal client."""
+    """Activities served on the control queue; built with a Temporal client
+    and the engine-key function (probes authenticate as the router does)."""
 
-    def __init__(self, client: Client) -> None:
+    def __init__(self, client: Client, engine_key: EngineKeyFn | None = None) -> None:
         self._client = client
+        self._engine_key = engine_key
+
+    @activity.defn(name=names.PROBE_ENGINE)
+    async def probe_engine(self, request: ProbeEngineInput) -> ProbeEngineResult:
+        """Return once the engine has not answered for ``unreachable_s``.
+
+        Heartbeats carry how long it has been silent, so a retry on another
+        control worker resumes the count instead of starting it over.
+        """
+        if self._engine_key is None:
+            raise ApplicationError(
+                "this control worker has no engine key", type="ConfigError", non_retryable=True
+            )
+        key = await self._engine_key(request.replica_id)
+        details = activity.info().heartbeat_details
+        silent = float(details[0]) if details else 0.0
+        last_error = "no probe yet"
+        loop = asyncio.get_running_loop()
+        async with httpx.AsyncClient(timeout=PROBE_TIMEOUT_S) as http:
+            while True:
+                began = loop.time()
+                error = await probe_once(http, request.endpoint, key)
+                if error:
+                    last_error = error
+                    activity.logger.warning(
+                        "replica %s engine not answering for %.0fs: %s",
+                        request.replica_id, silent, error,
+                    )  # fmt: skip
+                else:
+                    silent = 0.0
+                if silent >= request.unreachable_s:
+                    return ProbeEngineResult(last_error=last_error, unanswered_s=silent)
+                activity.heartbeat(silent)
+                await asyncio.sleep(request.interval_s)
+                if error:
+                    silent += loop.time() - began
 
     @activity.defn(name=names.PLACE_REPLICA)
     async def place_replica(self, request: PlaceRequest) -> PlaceResult:

@@ -43,6 +43,7 @@ from llmgw.types import (
     ShardHandle,
     ShardLoad,
     ShardRef,
+    ShardRunning,
     ShardSpec,
     StopShardInput,
     StopShardResult,
@@ -477,6 +478,18 @@ class NodeActivities:
         key = self._engine_key(request.replica_id)
         load, detail = await engine_load(self._http, running.endpoint, key, engine)
         return ShardLoad(in_flight=load, detail=detail)
+
+    @activity.defn(name=names.SHARD_RUNNING)
+    async def shard_running(self, request: ShardRef) -> ShardRunning:
+        """The shard's engine as this agent finds it (a replica whose node was
+        lost asks this when the agent is back: same pid means adopted)."""
+        running = self._sup.find_running(request)
+        if running is not None:
+            return ShardRunning(pid=running.pid)
+        code = self._sup.exit_code(request)
+        tail = self._sup.log_tail(request, 30)
+        reason = f"engine exited (code {code}) while its node was lost"
+        return ShardRunning(pid=None, exit=ShardExit(exit_code=code, reason=reason, log_tail=tail))
 
     @activity.defn(name=names.STOP_SHARD)
     async def stop_shard(self, request: StopShardInput) -> StopShardResult:

@@ -24,6 +24,7 @@ from router.api import openai
 from router.auth import KeyVerifier
 from router.deps import Deps
 from router.errors import install_handlers
+from router.health import EngineProbe, HttpProbe, probe_forever
 from router.metrics import Metrics
 from router.proxy import Proxy
 from router.routing import ReplicaSource, RoutingTable, refresh_forever
@@ -47,6 +48,7 @@ def create_app(
     clock: Callable[[], float] = time.time,
     tracer: Tracer | None = None,
     adapter_loader: AdapterLoader | None = None,
+    probe: EngineProbe | None = None,
 ) -> FastAPI:
     """The FastAPI app; the routing table refreshes and usage is flushed while it runs.
 
@@ -67,6 +69,8 @@ def create_app(
     def key_of(replica_id: str) -> str:
         return engine_key(secret, replica_id)
 
+    prober = probe or HttpProbe(key_of)
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         tasks = [
@@ -74,6 +78,7 @@ def create_app(
                 refresh_forever(table, source, lambda: all_specs(store), refresh_interval_s, ready)
             ),
             asyncio.create_task(accountant.run()),
+            asyncio.create_task(probe_forever(table, prober)),
         ]
         try:
             yield
@@ -84,6 +89,7 @@ def create_app(
                     await task
             await accountant.flush()
             await client.aclose()
+            await prober.aclose()
             if on_close:
                 on_close()
 

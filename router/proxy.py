@@ -42,6 +42,10 @@ from router.upstream import Upstream, UpstreamResponse
 
 log = logging.getLogger(__name__)
 
+# Passive health: how long an engine that refused a connection is passed
+# over while another replica can serve (router.health probes the lost ones).
+PASSIVE_EJECT_S = 5.0
+
 EngineKeyFn = Callable[[str], str]
 
 
@@ -109,6 +113,9 @@ class Proxy:
                 return await self._try(route, call)
             except UpstreamConnectError as exc:
                 # Nothing reached the engine nor the client: another replica may answer.
+                route.eject(PASSIVE_EJECT_S)
+                if route.node_lost:
+                    route.answering = False  # the probe says when it answers again
                 last_error = f"{route.replica_id}: {exc}"
                 self._metrics.upstream_errors.labels(call.model, route.replica_id, "connect").inc()
                 log.warning("replica %s unreachable, failing over: %s", route.replica_id, exc)

@@ -5,10 +5,19 @@ workflows (their memo carries model, phase and endpoint) and swaps in a new
 table; a failed refresh keeps the last good one. The catalog (read in a
 thread) gives each model's in-flight cap.
 
-Balancing: least outstanding requests among the model's Ready replicas,
-ties broken round-robin; a replica at its model's ``profile.max_inflight``
-is skipped. Draining (and every other non-Ready) replica is not in the table,
-so it gets nothing new.
+Balancing: least outstanding requests among the model's routable replicas
+(ready, or node-lost while their engine answers), ties broken round-robin; a
+replica at its model's ``profile.max_inflight`` is skipped. Draining (and
+every other) replica is not in the table, so it gets nothing new.
+
+Health is the router's own evidence, not only the memo's (DESIGN §8): a
+replica whose engine refused a connection is passed over for a few seconds
+while others can serve, and one whose node is lost is probed by
+:mod:`router.health` and left out while its engine does not answer.
+
+Only endpoints on nodes the Fleet has registered are routed to: a Replica
+memo is written by whoever can start a workflow, and the router would send
+it client prompts and an engine key.
 """
 
 from __future__ import annotations
@@ -16,14 +25,18 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Protocol
+from urllib.parse import urlsplit
 
 from temporalio.client import Client
+from temporalio.service import RPCError
 
-from llmgw.types import ModelSpec, ReplicaMemo, ReplicaPhase
+from llmgw.queues import FLEET_NODES_MEMO, FLEET_WORKFLOW_ID
+from llmgw.types import ROUTABLE_PHASES, ModelSpec, ReplicaMemo, ReplicaPhase
 from router.blocking import in_thread
 
 log = logging.getLogger(__name__)
@@ -41,21 +54,66 @@ class ReplicaSource(Protocol):
         ...
 
 
+def on_registered_nodes(
+    memos: list[ReplicaMemo], nodes: Mapping[str, str]
+) -> tuple[list[ReplicaMemo], list[ReplicaMemo]]:
+    """Split memos into those whose endpoint is on its registered node and the rest.
+
+    ``nodes`` maps a registered node to the address its engines listen on. A
+    memo without an endpoint is kept (nothing is sent to it).
+    """
+    kept: list[ReplicaMemo] = []
+    foreign: list[ReplicaMemo] = []
+    for memo in memos:
+        if not memo.endpoint:
+            kept.append(memo)
+            continue
+        address = nodes.get(memo.node_id)
+        host = urlsplit(memo.endpoint).hostname
+        (kept if address is not None and host == address else foreign).append(memo)
+    return kept, foreign
+
+
 class TemporalReplicaSource:
-    """Reads replica memos with one visibility list call."""
+    """Reads replica memos with one visibility list call, and the Fleet's
+    registered nodes off its memo (a describe: no worker needed)."""
 
     def __init__(self, client: Client) -> None:
         self._client = client
+        self._nodes: dict[str, str] = {}
+        self._warned: set[str] = set()
 
     async def replicas(self) -> list[ReplicaMemo]:
-        """Every running replica workflow's published state."""
+        """Every running replica workflow's published state, less foreign endpoints."""
         found: list[ReplicaMemo] = []
         async for wf in self._client.list_workflows(LIST_QUERY, rpc_timeout=LIST_RPC_TIMEOUT):
             memo = await wf.memo()
             raw = memo.get("replica")
             if isinstance(raw, dict):
                 found.append(ReplicaMemo.model_validate(raw))
-        return found
+        await self._refresh_nodes()
+        kept, foreign = on_registered_nodes(found, self._nodes)
+        for stray in foreign:
+            if stray.replica_id not in self._warned:
+                self._warned.add(stray.replica_id)
+                log.warning(
+                    "replica %s ignored: endpoint %s is not on registered node %r",
+                    stray.replica_id, stray.endpoint, stray.node_id,
+                )  # fmt: skip
+        return kept
+
+    async def _refresh_nodes(self) -> None:
+        """The Fleet's nodes; on failure the last known ones stay."""
+        try:
+            desc = await self._client.get_workflow_handle(FLEET_WORKFLOW_ID).describe(
+                rpc_timeout=LIST_RPC_TIMEOUT
+            )
+            raw = (await desc.memo()).get(FLEET_NODES_MEMO)
+        except RPCError as exc:
+            log.info("fleet nodes not read: %s", exc)
+            return
+        if isinstance(raw, dict):
+            self._nodes = {str(k): str(v) for k, v in raw.items()}
 
 
 @dataclass
@@ -70,10 +128,21 @@ class Route:
     node_id: str = ""
     # LoRA adapters its engine holds, per its memo (llama.cpp: in id order).
     adapters: list[str] = field(default_factory=list)
+    # Its node's agent is silent: only the router's own probe vouches for it.
+    node_lost: bool = False
+    # The last active probe's verdict (probed only while node_lost).
+    answering: bool = True
+    # Passive health: passed over until then (time.monotonic()) while
+    # another replica can serve, after the engine refused a connection.
+    ejected_until: float = 0.0
 
     def saturated(self) -> bool:
         """Whether the replica is at its in-flight cap."""
         return self.cap > 0 and self.inflight >= self.cap
+
+    def eject(self, seconds: float) -> None:
+        """Pass this replica over for ``seconds`` (it just failed a request)."""
+        self.ejected_until = time.monotonic() + seconds
 
 
 @dataclass
@@ -94,7 +163,7 @@ class RoutingTable:
         old = {r.replica_id: r for rs in self.routes.values() for r in rs}
         fresh: dict[str, list[Route]] = {}
         for memo in replicas:
-            if memo.phase is not ReplicaPhase.READY or not memo.endpoint:
+            if memo.phase not in ROUTABLE_PHASES or not memo.endpoint:
                 continue
             prev = old.get(memo.replica_id)
             spec = catalog.get(memo.model)
@@ -105,6 +174,9 @@ class RoutingTable:
             route.cap = cap
             route.node_id = memo.node_id
             route.adapters = memo.adapters
+            route.node_lost = memo.phase is ReplicaPhase.NODE_LOST
+            if not route.node_lost:
+                route.answering = True  # its agent vouches for it again
             fresh.setdefault(memo.model, []).append(route)
         self.routes = fresh
         self.specs = catalog
@@ -119,12 +191,20 @@ class RoutingTable:
             return []
         # Rotate before the (stable) sort: equal loads take turns.
         turn = next(self._turn) % len(routes)
-        rotated = routes[turn:] + routes[:turn]
-        return sorted((r for r in rotated if not r.saturated()), key=lambda r: r.inflight)
+        rotated = [r for r in routes[turn:] + routes[:turn] if r.answering]
+        now = time.monotonic()
+        healthy = [r for r in rotated if r.ejected_until <= now]
+        # Every replica recently failed: trying one beats refusing outright.
+        pool = healthy or rotated
+        return sorted((r for r in pool if not r.saturated()), key=lambda r: r.inflight)
+
+    def lost_routes(self) -> list[Route]:
+        """Routes whose node is lost: the router probes their engines itself."""
+        return [r for rs in self.routes.values() for r in rs if r.node_lost]
 
     def has_replicas(self, model: str) -> bool:
-        """Whether ``model`` has Ready replicas (saturated or not)."""
-        return bool(self.routes.get(model))
+        """Whether ``model`` has routable replicas (saturated or not)."""
+        return any(r.answering for r in self.routes.get(model, []))
 
     def routable_models(self) -> list[str]:
         """Models with at least one ready replica, and their adapters."""

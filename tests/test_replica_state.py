@@ -45,8 +45,9 @@ def test_illegal_transitions_raise(start: ReplicaPhase, bad: ReplicaPhase) -> No
         transition(s, bad, "t")
 
 
-def test_only_ready_is_routable() -> None:
-    assert [p for p in P if routable(p)] == [P.READY]
+def test_ready_and_node_lost_are_routable() -> None:
+    # A lost node's engine keeps serving; the router's probe vouches for it.
+    assert [p for p in P if routable(p)] == [P.READY, P.NODE_LOST]
 
 
 def test_history_is_bounded() -> None:

@@ -27,6 +27,8 @@ from llmgw.types import (
     Placement,
     PlaceRequest,
     PlaceResult,
+    ProbeEngineInput,
+    ProbeEngineResult,
     Rejection,
     ReleaseRequest,
     ReleaseResult,
@@ -36,6 +38,8 @@ from llmgw.types import (
     ReplicaTimeouts,
     ShardExit,
     ShardHandle,
+    ShardRef,
+    ShardRunning,
     StopReplicaInput,
     StopShardInput,
     StopShardResult,
@@ -66,6 +70,11 @@ class Fakes:
     launched_sources: list[str] = field(default_factory=list)
     stops: int = 0
     releases: int = 0
+    # Node loss: the agent stops heartbeating, comes back, or the engine dies.
+    agent_silent: asyncio.Event = field(default_factory=asyncio.Event)
+    agent_back: asyncio.Event = field(default_factory=asyncio.Event)
+    engine_dead: asyncio.Event = field(default_factory=asyncio.Event)
+    probes: int = 0
 
     def __post_init__(self) -> None:
         self.ready_gate.set()
@@ -116,9 +125,27 @@ class Fakes:
     @activity.defn(name=names.WATCH_SHARD)
     async def watch(self, req: WatchShardInput) -> ShardExit:
         while not self.engine_exit.is_set():
-            activity.heartbeat()
+            # A frozen agent sends no heartbeat; once back, the first one
+            # learns that Temporal timed this attempt out (and cancels it).
+            if not self.agent_silent.is_set() or self.agent_back.is_set():
+                activity.heartbeat()
             await asyncio.sleep(0.05)
         return ShardExit(exit_code=139, reason="engine exited with code 139", log_tail=["segfault"])
+
+    @activity.defn(name=names.SHARD_RUNNING)
+    async def running(self, req: ShardRef) -> ShardRunning:
+        while not self.agent_back.is_set():
+            activity.heartbeat()
+            await asyncio.sleep(0.05)
+        return ShardRunning(pid=4242)
+
+    @activity.defn(name=names.PROBE_ENGINE)
+    async def probe(self, req: ProbeEngineInput) -> ProbeEngineResult:
+        self.probes += 1
+        while not self.engine_dead.is_set():
+            activity.heartbeat()
+            await asyncio.sleep(0.05)
+        return ProbeEngineResult(last_error="ConnectError: refused", unanswered_s=60.0)
 
     @activity.defn(name=names.DRAIN_SHARD)
     async def drain(self, req: DrainInput) -> DrainResult:
@@ -139,7 +166,7 @@ async def env(client: Client) -> AsyncIterator[tuple[Client, str, Fakes]]:
         client,
         task_queue=queue,
         workflows=[ReplicaWorkflow],
-        activities=[fakes.place, fakes.release, fakes.validate],
+        activities=[fakes.place, fakes.release, fakes.validate, fakes.probe],
     )
     node = Worker(
         client,
@@ -151,6 +178,7 @@ async def env(client: Client) -> AsyncIterator[tuple[Client, str, Fakes]]:
             fakes.watch,
             fakes.drain,
             fakes.stop,
+            fakes.running,
         ],
     )
     async with control, node:
@@ -261,6 +289,60 @@ async def test_stop_while_loading(env: tuple[Client, str, Fakes]) -> None:
     assert final.phase is P.STOPPED
     assert P.READY not in [h.phase for h in final.history]
     assert (fakes.stops, fakes.releases) == (1, 1)
+
+
+async def test_silent_agent_is_node_lost_not_a_dead_engine(
+    env: tuple[Client, str, Fakes],
+) -> None:
+    client, queue, fakes = env
+    handle = await _start(client, queue)
+    await _phase(handle, P.READY)
+    fakes.agent_silent.set()
+    await _phase(handle, P.NODE_LOST)
+    memo = (await (await handle.describe()).memo())["replica"]
+    assert memo["phase"] == "node-lost" and memo["endpoint"] == "http://127.0.0.1:1"
+    fakes.agent_back.set()
+    await _phase(handle, P.READY)
+    status = await handle.query(ReplicaWorkflow.status)
+    assert [h.phase for h in status.history][-3:] == [P.READY, P.NODE_LOST, P.READY]
+    assert "engine pid 4242 (same pid)" in status.history[-1].detail
+    # Nothing was stopped, released or launched again; the engine was probed.
+    assert (fakes.launches, fakes.stops, fakes.releases) == (1, 0, 0)
+    assert fakes.probes >= 1
+    # Watching resumed: the engine's exit still fails the replica.
+    fakes.engine_exit.set()
+    final = await handle.result()
+    assert final.phase is P.FAILED and "code 139" in final.reason
+
+
+async def test_node_lost_and_engine_silent_fails_and_releases(
+    env: tuple[Client, str, Fakes],
+) -> None:
+    client, queue, fakes = env
+    handle = await _start(client, queue)
+    await _phase(handle, P.READY)
+    fakes.agent_silent.set()
+    await _phase(handle, P.NODE_LOST)
+    fakes.engine_dead.set()
+    final = await handle.result()
+    assert final.phase is P.FAILED
+    assert "lost and engine unreachable for 60s: ConnectError" in final.reason
+    # The GPUs go back to the ledger; nobody can stop an engine on a lost node.
+    assert (fakes.releases, fakes.stops) == (1, 0)
+
+
+async def test_stop_while_node_lost(env: tuple[Client, str, Fakes]) -> None:
+    client, queue, fakes = env
+    handle = await _start(client, queue)
+    await _phase(handle, P.READY)
+    fakes.agent_silent.set()
+    await _phase(handle, P.NODE_LOST)
+    final = await handle.execute_update(
+        "stop", StopReplicaInput(reason="scaled down"), result_type=ReplicaStatus
+    )
+    assert final.phase is P.STOPPED
+    assert P.DRAINING in [h.phase for h in final.history]
+    assert (fakes.drains, fakes.releases) == (0, 1)
 
 
 HISTORIES = Path(__file__).parent / "histories"

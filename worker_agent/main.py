@@ -216,6 +216,7 @@ async def run(settings: AgentSettings) -> None:
             node_activities.watch_shard,
             node_activities.drain_shard,
             node_activities.shard_load,
+            node_activities.shard_running,
             node_activities.stop_shard,
             node_activities.shard_log_tail,
             adapter_activities.load_adapter,

@@ -30,7 +30,6 @@ with workflow.unsafe.imports_passed_through():
         DeploymentInput,
         DeploymentStatus,
         ReplicaInput,
-        ReplicaPhase,
         ReplicaReadyNotice,
         ReplicaStatus,
         RollingRestartInput,
@@ -42,13 +41,15 @@ with workflow.unsafe.imports_passed_through():
         StopReplicaInput,
     )
     from workflows.calls import node_activity
-    from workflows.deployment_rules import backoff_s, should_reap, slots_to_retire
+    from workflows.deployment_rules import backoff_s, slots_to_retire
+    from workflows.deployment_slots import Ended, SlotBook
     from workflows.spans import decision
 
 Outcome = tuple[int, ReplicaStatus | None, str]
 JOB_SEARCH_ATTRIBUTES_PATCH = "job-search-attributes-v1"
 LEAST_LOADED_PATCH = "scale-down-least-loaded-v1"
 REAPED_HOLDS_PATCH = "reaped-slot-holds-its-place-v1"
+CONVERGE_PATCH = "converge-after-roll-v1"
 
 
 @workflow.defn(name="Deployment")
@@ -59,31 +60,37 @@ class DeploymentWorkflow:
     def __init__(self, input: DeploymentInput) -> None:
         carry = input.carry or DeploymentCarry(desired=input.replicas, slots=[], next_slot=0)
         self._input = input.model_copy(update={"carry": None})
-        self._desired = carry.desired
-        self._slots: list[Slot] = carry.slots
+        self._book = SlotBook(
+            desired=carry.desired,
+            slots=carry.slots,
+            next_slot=carry.next_slot,
+            rolling=carry.rolling,
+            retiring=set(carry.retiring),
+            active=set(carry.live),
+            reaped_hold=False,
+            converge=False,
+        )
         # Replicas this run started: their end arrives as a child result.
         self._running: dict[int, asyncio.Future[Outcome]] = {}
         self._handles: dict[int, ChildWorkflowHandle[object, ReplicaStatus]] = {}
         # Replicas an earlier run started: their end arrives as a signal.
         self._inherited: set[int] = set(carry.live)
         self._ended: dict[str, ReplicaStatus] = {}
-        self._retiring: set[int] = set(carry.retiring)
         self._changed = False
-        self._next_slot = carry.next_slot
-        self._rolling: list[int] = carry.rolling
         self._published = ""
-        self._reaped_hold = False
 
     @workflow.run
     async def run(self, input: DeploymentInput) -> DeploymentStatus:
         """Reconcile until scaled to zero with nothing left running."""
         # Runs from before the fix replaced a reaped slot with a new one.
-        self._reaped_hold = workflow.patched(REAPED_HOLDS_PATCH)
+        self._book.reaped_hold = workflow.patched(REAPED_HOLDS_PATCH)
+        # Runs from before the fix could keep the surplus of a finished roll.
+        self._book.converge = workflow.patched(CONVERGE_PATCH)
         try:
             while True:
                 await self._reconcile()
                 self._publish()
-                if self._desired == 0 and not self._active():
+                if self._book.desired == 0 and not self._active():
                     break
                 if self._history_long():
                     await workflow.wait_condition(workflow.all_handlers_finished)
@@ -93,7 +100,7 @@ class DeploymentWorkflow:
         except asyncio.CancelledError:
             # Replicas outlive their deployment's run (so that continue-as-new
             # keeps them): on cancel, drain them all before ending.
-            self._desired = 0
+            self._book.desired = 0
             while self._active():
                 await self._reconcile()
                 await self._wait_for_change()
@@ -110,15 +117,16 @@ class DeploymentWorkflow:
 
     def _publish(self) -> None:
         """Model and state as search attributes: the Temporal UI lists jobs by them."""
-        live = self._live()
-        if self._rolling or any(s.replaces is not None for s in self._slots):
+        book = self._book
+        live = book.live()
+        if book.rolling or any(s.replaces is not None for s in book.slots):
             state = "rolling"
         elif any(s.reaped for s in live):
             state = "degraded"
-        elif len(live) == self._desired and all(s.ready for s in live):
+        elif len(live) == book.desired and all(s.ready for s in live):
             state = "steady"
         else:
-            state = "scaling" if self._desired else "removing"
+            state = "scaling" if book.desired else "removing"
         if state == self._published or not workflow.patched(JOB_SEARCH_ATTRIBUTES_PATCH):
             return
         self._published = state
@@ -129,8 +137,8 @@ class DeploymentWorkflow:
     def _active(self, number: int | None = None) -> bool:
         """Whether slot ``number`` (any slot, when None) has a replica running."""
         if number is None:
-            return bool(self._running or self._inherited)
-        return number in self._running or number in self._inherited
+            return bool(self._book.active)
+        return number in self._book.active
 
     def _history_long(self) -> bool:
         info = workflow.info()
@@ -140,23 +148,24 @@ class DeploymentWorkflow:
         )
 
     def _carry(self) -> DeploymentInput:
+        book = self._book
         workflow.logger.info(
-            "deployment %s continues as new with %d slots", self._input.model.name, len(self._slots)
+            "deployment %s continues as new with %d slots", self._input.model.name, len(book.slots)
         )
         carry = DeploymentCarry(
-            desired=self._desired,
-            slots=self._slots,
-            next_slot=self._next_slot,
-            rolling=self._rolling,
-            retiring=sorted(self._retiring),
-            live=sorted({*self._running, *self._inherited}),
+            desired=book.desired,
+            slots=book.slots,
+            next_slot=book.next_slot,
+            rolling=book.rolling,
+            retiring=sorted(book.retiring),
+            live=sorted(book.active),
         )
         return self._input.model_copy(update={"carry": carry})
 
     @workflow.update(name="scale")
     def scale(self, request: ScaleInput) -> DeploymentStatus:
         """Set the desired number of replicas."""
-        self._desired = request.replicas
+        self._book.desired = request.replicas
         self._changed = True
         return self.status()
 
@@ -174,25 +183,21 @@ class DeploymentWorkflow:
         return self.status()
 
     def _begin_roll(self, reason: str) -> None:
-        for slot in self._slots:
-            if slot.reaped:  # a restart (or a new model) is a new chance
-                slot.reaped = False
-                slot.consecutive_failures = 0
-                slot.next_start_at = ""
-        if not self._rolling:
-            self._rolling = [s.slot for s in self._live() if s.replaces is None]
+        rolling = bool(self._book.rolling)
+        self._book.begin_roll()
+        if not rolling:
             workflow.logger.info(
-                "deployment %s: %s of %d slots", self._input.model.name, reason, len(self._rolling)
+                "deployment %s: %s of %d slots",
+                self._input.model.name,
+                reason,
+                len(self._book.rolling),
             )
         self._changed = True
 
     @workflow.signal(name="replica_ready")
     def replica_ready(self, notice: ReplicaReadyNotice) -> None:
         """A child replica serves: a rolling restart may retire what it replaces."""
-        for slot in self._slots:
-            if slot.replica_id == notice.replica_id:
-                slot.ready = True
-                slot.node_id = notice.node_id
+        self._book.ready(notice.replica_id, notice.node_id)
         self._changed = True
 
     @workflow.query(name="status")
@@ -200,42 +205,32 @@ class DeploymentWorkflow:
         """Every slot: its current replica, restarts, and why the last one ended."""
         return DeploymentStatus(
             model=self._input.model.name,
-            desired=self._desired,
-            slots=self._slots,
-            rolling=self._rolling,
+            desired=self._book.desired,
+            slots=self._book.slots,
+            rolling=self._book.rolling,
             model_digest=self._input.model.digest(),
         )
 
-    def _live(self) -> list[Slot]:
-        """Slots that count towards the desired number (not leaving or surging).
-
-        A reaped slot keeps its place: replacing it with a new slot would
-        restart the crash loop it was reaped for. A scale-down removes it
-        first; a rolling restart (or a changed model) gives it a new chance.
-        """
-        return [
-            s
-            for s in self._slots
-            if (self._reaped_hold or not s.reaped)
-            and s.slot not in self._retiring
-            and s.replaces is None
-        ]
-
     async def _reconcile(self) -> None:
-        while len(self._live()) < self._desired:
-            self._slots.append(Slot(slot=self._next_slot))
-            self._next_slot += 1
-        live = self._live()
-        if len(live) > self._desired:
-            loads = await self._loads(live) if workflow.patched(LEAST_LOADED_PATCH) else {}
-            for slot in slots_to_retire(live, self._desired, loads):
-                await self._retire(slot)
+        book = self._book
+        book.grow()
+        await self._scale_down()
         await self._roll()
+        if book.converge:
+            # A roll that just ended counts its surge slot as live: drain the
+            # surplus now rather than at some later change.
+            await self._scale_down()
         now = workflow.now()
-        for slot in self._slots:
-            due = not slot.next_start_at or datetime.fromisoformat(slot.next_start_at) <= now
-            if not slot.reaped and not self._active(slot.slot) and due:
-                await self._start(slot)
+        for slot in book.due(now):
+            await self._start(slot)
+
+    async def _scale_down(self) -> None:
+        live = self._book.surplus()
+        if not live:
+            return
+        loads = await self._loads(live) if workflow.patched(LEAST_LOADED_PATCH) else {}
+        for slot in slots_to_retire(live, self._book.desired, loads):
+            await self._retire(slot)
 
     async def _loads(self, slots: list[Slot]) -> dict[int, float | None]:
         """Requests in flight on each serving replica, asked of its node's agent."""
@@ -266,27 +261,13 @@ class DeploymentWorkflow:
 
     async def _roll(self) -> None:
         """One step of a rolling restart: at most one surge replica at a time."""
-        surge = next((s for s in self._slots if s.replaces is not None), None)
-        if surge is not None:
-            if surge.ready:
-                old = next((s for s in self._slots if s.slot == surge.replaces), None)
-                surge.replaces = None  # it counts as a regular slot from now on
-                if old is not None:
-                    await self._retire(old)
-            return
-        while self._rolling:
-            number = self._rolling.pop(0)
-            if any(s.slot == number and not s.reaped for s in self._slots):
-                self._slots.append(Slot(slot=self._next_slot, replaces=number))
-                self._next_slot += 1
-                return
+        old = self._book.roll_step()
+        if old is not None:
+            await self._retire(old)
 
     async def _start(self, slot: Slot) -> None:
         name = self._input.model.name
-        slot.replica_id = f"{name}-{str(workflow.uuid4())[:8]}"
-        slot.starts += 1
-        slot.next_start_at = ""
-        slot.ready = False
+        self._book.started(slot, f"{name}-{str(workflow.uuid4())[:8]}")
         handle = await workflow.start_child_workflow(
             "Replica",
             ReplicaInput(
@@ -305,11 +286,12 @@ class DeploymentWorkflow:
         workflow.logger.info("deployment %s slot %d: replica %s", name, slot.slot, slot.replica_id)
 
     async def _retire(self, slot: Slot) -> None:
-        if slot.slot in self._retiring:
+        if slot.slot in self._book.retiring:
             return
-        self._retiring.add(slot.slot)
         decision("deployment.retire", model=self._input.model.name, slot=slot.slot,
                  replica=slot.replica_id)  # fmt: skip
+        if not self._book.retire(slot):
+            return
         handle = self._handles.get(slot.slot)
         stop = StopReplicaInput(reason="scaled down")
         if handle is not None and slot.slot in self._running:
@@ -317,8 +299,6 @@ class DeploymentWorkflow:
         elif slot.slot in self._inherited:
             external = workflow.get_external_workflow_handle(replica_workflow_id(slot.replica_id))
             await external.signal("request_stop", stop)
-        else:
-            self._slots.remove(slot)
 
     async def _wait_for_change(self) -> None:
         self._changed = False
@@ -326,7 +306,7 @@ class DeploymentWorkflow:
             asyncio.ensure_future(workflow.wait_condition(lambda: self._changed)),
             *self._running.values(),  # type: ignore[list-item]
         ]
-        due = [datetime.fromisoformat(s.next_start_at) for s in self._slots if s.next_start_at]
+        due = [datetime.fromisoformat(s.next_start_at) for s in self._book.slots if s.next_start_at]
         if due:
             delay = max(0.0, (min(due) - workflow.now()).total_seconds())
             waits.append(asyncio.ensure_future(asyncio.sleep(delay)))
@@ -344,7 +324,7 @@ class DeploymentWorkflow:
             _, final, error = fut.result()
             self._slot_ended(number, final, error)
         for number in sorted(self._inherited):
-            slot = next(s for s in self._slots if s.slot == number)
+            slot = self._book.slot(number)
             final = self._ended.pop(slot.replica_id, None)
             if final is not None:
                 self._inherited.discard(number)
@@ -354,50 +334,29 @@ class DeploymentWorkflow:
         self._ended.clear()
 
     def _slot_ended(self, number: int, final: ReplicaStatus | None, error: str) -> None:
-        slot = next(s for s in self._slots if s.slot == number)
-        if number in self._retiring:
-            self._retiring.discard(number)
-            self._slots.remove(slot)
-            return
-        self._record_end(slot, final, error)
-
-    def _record_end(self, slot: Slot, final: ReplicaStatus | None, error: str) -> None:
-        slot.last_reason = error or (final.reason if final else "") or "ended"
-        slot.last_log_tail = final.log_tail if final else []
         policy = self._input.restart
-        if final is not None and final.preempted_by:
-            # Made room for a more important model: not a failure of ours.
-            # The replacement waits in placement until room frees up.
-            slot.preempted_by = final.preempted_by
-            decision("deployment.preempted", model=self._input.model.name, slot=slot.slot,
-                     replica=slot.replica_id, by=final.preempted_by)  # fmt: skip
-            slot.next_start_at = (
-                workflow.now() + timedelta(seconds=policy.initial_backoff_s)
-            ).isoformat()
-            workflow.logger.warning(
-                "deployment %s slot %d: %s", self._input.model.name, slot.slot, slot.last_reason
-            )
+        slot, what = self._book.ended(number, final, error, workflow.now(), policy)
+        model = self._input.model.name
+        if what is Ended.RETIRED:
             return
-        served = final is not None and any(h.phase is ReplicaPhase.READY for h in final.history)
-        if served:
-            slot.consecutive_failures = 0  # it worked for a while: not a crash loop
-        slot.consecutive_failures += 1
-        if should_reap(slot, policy):
-            slot.reaped = True
-            decision("deployment.reap", model=self._input.model.name, slot=slot.slot,
+        if what is Ended.PREEMPTED:
+            decision("deployment.preempted", model=model, slot=slot.slot,
+                     replica=slot.replica_id, by=slot.preempted_by)  # fmt: skip
+            workflow.logger.warning("deployment %s slot %d: %s", model, slot.slot, slot.last_reason)
+        elif what is Ended.REAPED:
+            decision("deployment.reap", model=model, slot=slot.slot,
                      replica=slot.replica_id, reason=slot.last_reason)  # fmt: skip
             workflow.logger.warning(
                 "deployment %s slot %d reaped after %d failures: %s",
-                self._input.model.name,
+                model,
                 slot.slot,
                 slot.consecutive_failures,
                 slot.last_reason,
             )
-            return
-        delay = backoff_s(slot.consecutive_failures, policy)
-        decision("deployment.restart_scheduled", model=self._input.model.name, slot=slot.slot,
-                 after_s=delay, reason=slot.last_reason)  # fmt: skip
-        slot.next_start_at = (workflow.now() + timedelta(seconds=delay)).isoformat()
+        else:
+            delay = backoff_s(slot.consecutive_failures, policy)
+            decision("deployment.restart_scheduled", model=model, slot=slot.slot,
+                     after_s=delay, reason=slot.last_reason)  # fmt: skip
 
 
 async def _outcome(number: int, handle: ChildWorkflowHandle[object, ReplicaStatus]) -> Outcome:

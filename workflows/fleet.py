@@ -7,6 +7,7 @@ GPU is never handed out twice; agents register by signal-with-start.
 from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
+    from llmgw.queues import FLEET_NODES_MEMO
     from llmgw.types import (
         CordonInput,
         FleetSnapshot,
@@ -27,6 +28,7 @@ with workflow.unsafe.imports_passed_through():
 # Preemption records kept in the fleet's state (older ones are in the history).
 KEEP_PREEMPTIONS = 50
 MULTI_NODE_PREEMPTION = "multi-node-preemption-v1"
+NODES_MEMO_PATCH = "fleet-nodes-memo-v1"
 
 
 @workflow.defn(name="Fleet")
@@ -37,10 +39,12 @@ class FleetWorkflow:
     def __init__(self, snapshot: FleetSnapshot) -> None:
         # Signals delivered with the start run before run(): state must exist here.
         self._state = snapshot
+        self._published_nodes: dict[str, str] | None = None
 
     @workflow.run
     async def run(self, snapshot: FleetSnapshot) -> FleetSnapshot:
         """Wait until history is long, then carry the state into a new run."""
+        self._publish_nodes()
         await workflow.wait_condition(lambda: workflow.info().is_continue_as_new_suggested())
         await workflow.wait_condition(workflow.all_handlers_finished)
         workflow.continue_as_new(self._state)
@@ -51,6 +55,7 @@ class FleetWorkflow:
         first = inventory.node_id not in self._state.liveness
         self._state.nodes[inventory.node_id] = inventory
         self._state.liveness[inventory.node_id] = NodeLiveness(last_seen=workflow.now().isoformat())
+        self._publish_nodes()
         added = rebuild_from_report(self._state.allocations, inventory)
         if added:
             workflow.logger.warning(
@@ -61,6 +66,16 @@ class FleetWorkflow:
             workflow.logger.info(
                 "node %s registered: %d GPUs", inventory.node_id, len(inventory.gpus)
             )
+
+    def _publish_nodes(self) -> None:
+        """Registered nodes' engine addresses as memo, when they changed."""
+        nodes = {n.node_id: n.address for n in self._state.nodes.values()}
+        if nodes == self._published_nodes or not workflow.patched(NODES_MEMO_PATCH):
+            return
+        self._published_nodes = nodes
+        # Routers send requests (and engine keys) only to these addresses,
+        # so a forged Replica memo cannot point them elsewhere.
+        workflow.upsert_memo({FLEET_NODES_MEMO: nodes})
 
     @workflow.signal(name="deregister_node")
     def deregister_node(self, node: NodeRef) -> None:

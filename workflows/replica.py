@@ -16,7 +16,7 @@ from typing import TypeVar
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy
-from temporalio.exceptions import ActivityError, ChildWorkflowError
+from temporalio.exceptions import ActivityError, CancelledError, ChildWorkflowError
 
 with workflow.unsafe.imports_passed_through():
     from activities import names
@@ -35,6 +35,8 @@ with workflow.unsafe.imports_passed_through():
         Placement,
         PlaceRequest,
         PlaceResult,
+        ProbeEngineInput,
+        ProbeEngineResult,
         ReleaseRequest,
         ReleaseResult,
         RendezvousInput,
@@ -47,6 +49,7 @@ with workflow.unsafe.imports_passed_through():
         ShardHandle,
         ShardPlacement,
         ShardRef,
+        ShardRunning,
         ShardSpec,
         StopReplicaInput,
         ValidateInput,
@@ -67,10 +70,15 @@ DRAIN_PATCH = "drain-wait-v1"
 NOTIFY_PARENT_PATCH = "notify-parent-ready-v1"
 FAIL_TAIL_PATCH = "fail-log-tail-v1"
 NOTIFY_PARENT_END_PATCH = "notify-parent-ended-v1"
+NODE_LOST_PATCH = "node-lost-v1"
 LOG_TAIL_LINES = 40
 # The watch activity lives as long as the engine; its heartbeats, not this
 # bound, are what notice a dead agent.
 WATCH_LIFETIME = timedelta(days=3650)
+# While its node is lost, a replica waits this long for the agent per
+# attempt (then asks again): the wait costs nothing, the history grows by a
+# few events per attempt.
+AGENT_WAIT = timedelta(hours=1)
 
 
 class _StopRequested(Exception):
@@ -210,18 +218,126 @@ class ReplicaWorkflow:
             # Loaded at start, in catalog order (llama.cpp's per-request ids).
             self._status.adapters = [a.name for a in model.adapters]
         self._move(P.READY, f"serving {', '.join(ready.model_ids)}")
-        exit_info: ShardExit = await self._interruptible(
-            self._node_activity(
-                names.WATCH_SHARD,
-                WatchShardInput(shard=self._shard()),
-                ShardExit,
-                WATCH_LIFETIME,
-                retry=RetryPolicy(maximum_interval=timedelta(seconds=10)),
+        if workflow.patched(NODE_LOST_PATCH):
+            exit_info = await self._interruptible(self._watch_through_node_loss())
+        else:
+            exit_info = await self._interruptible(
+                self._node_activity(
+                    names.WATCH_SHARD,
+                    WatchShardInput(shard=self._shard()),
+                    ShardExit,
+                    WATCH_LIFETIME,
+                    retry=RetryPolicy(maximum_interval=timedelta(seconds=10)),
+                )
             )
-        )
         self._status.log_tail = exit_info.log_tail
         self._launched = False
         await self._fail(exit_info.reason, engine_gone=True)
+
+    async def _watch_through_node_loss(self) -> ShardExit:
+        """Watch the engine until it exits; a silent agent is not an exit.
+
+        The watch fails when the agent stops heartbeating (frozen, killed,
+        partitioned). That is evidence about the agent only, so the replica
+        goes ``node-lost`` and stays routable while the control plane probes
+        the engine itself; it is back to ``ready`` when an agent answers for
+        the same engine, and fails only once the engine has not answered
+        for ``engine_unreachable_s`` (DESIGN §8).
+        """
+        while True:
+            try:
+                exit_info: ShardExit = await self._node_activity(
+                    names.WATCH_SHARD,
+                    WatchShardInput(shard=self._shard()),
+                    ShardExit,
+                    WATCH_LIFETIME,
+                    retry=RetryPolicy(maximum_attempts=1),
+                )
+                return exit_info
+            except ActivityError as err:
+                if isinstance(err.cause, CancelledError):
+                    raise  # a stop request cancelled the watch: not a lost node
+                lost = failure_reason(err)
+            ended = await self._node_lost(lost)
+            if ended is not None:
+                return ended
+
+    async def _node_lost(self, why: str) -> ShardExit | None:
+        """Wait for the agent or for the engine's silence, whichever comes first.
+
+        Returns None when the agent is back with the engine still running,
+        else how the engine ended.
+        """
+        assert self._placement is not None
+        node = self._placement.node_id
+        self._move(P.NODE_LOST, f"agent on {node} silent ({why}); probing the engine")
+        patient = self._t.model_copy(update={"schedule_to_start_s": AGENT_WAIT.total_seconds()})
+        agent = asyncio.ensure_future(
+            node_activity(
+                node,
+                names.SHARD_RUNNING,
+                self._shard(),
+                ShardRunning,
+                patient,
+                timedelta(seconds=30),
+                retry=RetryPolicy(maximum_interval=timedelta(seconds=10)),
+            )
+        )
+        probe = asyncio.ensure_future(
+            workflow.execute_activity(
+                names.PROBE_ENGINE,
+                ProbeEngineInput(
+                    replica_id=self._input.replica_id,
+                    endpoint=self._status.endpoint,
+                    interval_s=self._t.probe_interval_s,
+                    unreachable_s=self._t.engine_unreachable_s,
+                ),
+                result_type=ProbeEngineResult,
+                start_to_close_timeout=WATCH_LIFETIME,
+                heartbeat_timeout=timedelta(seconds=max(30.0, 3 * self._t.probe_interval_s)),
+                retry_policy=RetryPolicy(maximum_interval=timedelta(seconds=10)),
+            )
+        )
+        try:
+            while True:
+                await workflow.wait([agent, probe], return_when=asyncio.FIRST_COMPLETED)
+                if probe.done():
+                    silent = probe.result()
+                    reason = (
+                        f"node {node} lost and engine unreachable for "
+                        f"{silent.unanswered_s:.0f}s: {silent.last_error}"
+                    )
+                    return ShardExit(exit_code=None, reason=reason)
+                try:
+                    found = agent.result()
+                except ActivityError as err:
+                    # The agent did not come back within AGENT_WAIT: ask again.
+                    workflow.logger.info(
+                        "replica %s: still no agent: %s", self._input.replica_id, err
+                    )
+                    agent = asyncio.ensure_future(
+                        node_activity(
+                            node,
+                            names.SHARD_RUNNING,
+                            self._shard(),
+                            ShardRunning,
+                            patient,
+                            timedelta(seconds=30),
+                            retry=RetryPolicy(maximum_interval=timedelta(seconds=10)),
+                        )
+                    )
+                    continue
+                if found.pid is None:
+                    return found.exit or ShardExit(
+                        exit_code=None, reason="engine gone while its node was lost"
+                    )
+                adopted = "same pid" if found.pid == self._status.pid else "new pid"
+                self._status.pid = found.pid
+                self._move(P.READY, f"agent on {node} back; engine pid {found.pid} ({adopted})")
+                return None
+        finally:
+            agent.cancel()
+            probe.cancel()
 
     async def _start_and_serve_ranks(self, placement: Placement) -> None:
         """A multi-node replica: a Rendezvous child starts the ranks, then
@@ -387,12 +503,17 @@ class ReplicaWorkflow:
     async def _stop_engine(self) -> None:
         reason = self._stop.reason if self._stop else "cancelled"
         self._status.reason = reason
-        if self._status.phase in (P.STARTING, P.LOADING, P.READY) and (
+        lost = self._status.phase is P.NODE_LOST
+        if self._status.phase in (P.STARTING, P.LOADING, P.READY, P.NODE_LOST) and (
             self._stop is None or self._stop.drain
         ):
             # Published first, so routers stop sending before the engine goes.
             self._move(P.DRAINING, reason)
-            if workflow.patched(DRAIN_PATCH):
+            if lost:
+                # No agent to ask whether requests are in flight: the routers'
+                # grace is all the drain there is.
+                await workflow.sleep(timedelta(seconds=self._t.router_grace_s))
+            elif workflow.patched(DRAIN_PATCH):
                 await self._drain()
         if not is_terminal(self._status.phase):
             self._move(P.STOPPING, reason)

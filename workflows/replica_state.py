@@ -1,6 +1,7 @@
 """Replica lifecycle rules, as pure functions the workflow applies."""
 
 from llmgw.types import (
+    ROUTABLE_PHASES,
     TERMINAL_PHASES,
     PhaseChange,
     ReplicaMemo,
@@ -16,7 +17,8 @@ ALLOWED: dict[ReplicaPhase, frozenset[ReplicaPhase]] = {
     P.FETCHING: frozenset({P.STARTING, P.STOPPING, P.FAILED}),
     P.STARTING: frozenset({P.LOADING, P.DRAINING, P.STOPPING, P.FAILED}),
     P.LOADING: frozenset({P.READY, P.DRAINING, P.STOPPING, P.FAILED}),
-    P.READY: frozenset({P.DRAINING, P.STOPPING, P.FAILED}),
+    P.READY: frozenset({P.NODE_LOST, P.DRAINING, P.STOPPING, P.FAILED}),
+    P.NODE_LOST: frozenset({P.READY, P.DRAINING, P.STOPPING, P.FAILED}),
     P.DRAINING: frozenset({P.STOPPING, P.FAILED}),
     P.STOPPING: frozenset({P.STOPPED, P.FAILED}),
     P.STOPPED: frozenset(),
@@ -47,7 +49,7 @@ def is_terminal(phase: ReplicaPhase) -> bool:
 
 def routable(phase: ReplicaPhase) -> bool:
     """Whether the router may send new requests to a replica in ``phase``."""
-    return phase is ReplicaPhase.READY
+    return phase in ROUTABLE_PHASES
 
 
 def memo_of(status: ReplicaStatus) -> ReplicaMemo:

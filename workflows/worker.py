@@ -8,7 +8,8 @@ from temporalio.client import Client
 from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.worker import Worker
 
-from activities.control import ControlActivities
+from activities.control import ControlActivities, EngineKeyFn
+from llmgw.keys import engine_key
 from llmgw.lifecycle import setup_logging, stop_event_on_signals
 from llmgw.queues import CONTROL_QUEUE, FLEET_WORKFLOW_ID
 from llmgw.reconcile import reconcile_forever
@@ -49,11 +50,31 @@ async def ensure_fleet(client: Client) -> None:
     )
 
 
+def engine_key_from(settings: ControlSettings) -> EngineKeyFn:
+    """Engine keys for probes, from the store's secret (read once, when first needed)."""
+    secret: list[str] = []
+
+    async def key_of(replica_id: str) -> str:
+        if not secret:
+
+            def read() -> str:
+                store = Store(settings.resolved_store_url())
+                try:
+                    return store.engine_key_secret()
+                finally:
+                    store.close()
+
+            secret.append(await asyncio.to_thread(read))
+        return engine_key(secret[0], replica_id)
+
+    return key_of
+
+
 def build_worker(
     client: Client, settings: ControlSettings, task_queue: str = CONTROL_QUEUE
 ) -> Worker:
     """The control worker, built from its dependencies."""
-    control = ControlActivities(client)
+    control = ControlActivities(client, engine_key_from(settings))
     return Worker(
         client,
         task_queue=task_queue,
@@ -63,6 +84,7 @@ def build_worker(
             control.release_replica,
             control.validate_replica,
             control.fleet_cordon,
+            control.probe_engine,
         ],
         sticky_queue_schedule_to_start_timeout=timedelta(
             seconds=settings.sticky_schedule_to_start_s

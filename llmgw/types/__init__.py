@@ -62,6 +62,7 @@ from llmgw.types.node import (
     ShardReport,
 )
 from llmgw.types.replica import (
+    ROUTABLE_PHASES,
     TERMINAL_PHASES,
     PhaseChange,
     RendezvousInput,
@@ -84,10 +85,13 @@ from llmgw.types.shard import (
     LogTail,
     LogTailInput,
     PortReservation,
+    ProbeEngineInput,
+    ProbeEngineResult,
     ShardExit,
     ShardHandle,
     ShardLoad,
     ShardLogsInput,
+    ShardRunning,
     ShardSpec,
     StopShardInput,
     StopShardResult,
@@ -97,6 +101,7 @@ from llmgw.types.shard import (
 )
 
 __all__ = [
+    "ROUTABLE_PHASES",
     "TERMINAL_PHASES",
     "AdapterCall",
     "AdapterCallResult",
@@ -137,6 +142,8 @@ __all__ = [
     "Placement",
     "PortReservation",
     "PreemptionRecord",
+    "ProbeEngineInput",
+    "ProbeEngineResult",
     "RdmaPort",
     "Rejection",
     "ReleaseRequest",
@@ -162,6 +169,7 @@ __all__ = [
     "ShardPlacement",
     "ShardRef",
     "ShardReport",
+    "ShardRunning",
     "ShardSpec",
     "Slot",
     "StopReplicaInput",

@@ -18,6 +18,10 @@ class ReplicaPhase(StrEnum):
     STARTING = "starting"
     LOADING = "loading"
     READY = "ready"
+    # The node's agent is silent (frozen, dead, partitioned). That says
+    # nothing about the engine: the replica stays routable while the engine
+    # answers, and returns to ready when an agent adopts it again.
+    NODE_LOST = "node-lost"
     DRAINING = "draining"
     STOPPING = "stopping"
     STOPPED = "stopped"
@@ -25,6 +29,8 @@ class ReplicaPhase(StrEnum):
 
 
 TERMINAL_PHASES = frozenset({ReplicaPhase.STOPPED, ReplicaPhase.FAILED})
+# Phases in which routers send a replica new requests.
+ROUTABLE_PHASES = frozenset({ReplicaPhase.READY, ReplicaPhase.NODE_LOST})
 
 
 class ReplicaTimeouts(BaseModel):
@@ -43,6 +49,11 @@ class ReplicaTimeouts(BaseModel):
     place_retry_s: float = 5.0
     rendezvous_s: float = 900.0
     place_attempts: int = 12
+    # Node lost (agent silent): the control plane probes the engine every
+    # probe_interval_s and fails the replica (releasing its GPUs) only once
+    # the engine itself has not answered for engine_unreachable_s.
+    probe_interval_s: float = 5.0
+    engine_unreachable_s: float = 60.0
 
 
 class ReplicaInput(BaseModel):

@@ -96,6 +96,29 @@ class ShardExit(BaseModel):
     log_tail: list[str] = Field(default_factory=list)
 
 
+class ShardRunning(BaseModel):
+    """Result of ``shard_running``: the engine process the agent finds for a shard."""
+
+    pid: int | None = Field(description="the leader's pid; None when it is not running")
+    exit: ShardExit | None = Field(default=None, description="how it ended, when it has")
+
+
+class ProbeEngineInput(BaseModel):
+    """Input of ``probe_engine``: watch an engine from outside its node."""
+
+    replica_id: str
+    endpoint: str
+    interval_s: float = 5.0
+    unreachable_s: float = 60.0
+
+
+class ProbeEngineResult(BaseModel):
+    """The engine stopped answering for ``unreachable_s``: what was seen last."""
+
+    last_error: str
+    unanswered_s: float
+
+
 class DrainInput(BaseModel):
     """Input of ``drain_shard``: wait until the engine has nothing in flight."""
 

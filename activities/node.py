@@ -8,11 +8,9 @@ no-op on a stopped shard, wait and watch are pure observation.
 import asyncio
 import logging
 import os
-import shutil
 import sys
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TypeVar
 
 import httpx
@@ -60,7 +58,6 @@ from worker_agent.adapters import (
     ReadyProbe,
     ShardPlan,
     ShardRequest,
-    engine_base_env,
     node_facts,
     plan_shard,
 )
@@ -75,13 +72,13 @@ from worker_agent.cpu_share import (
 from worker_agent.engines import EngineInstalls
 from worker_agent.launching import (
     engine_busy,
+    engine_env,
     engine_load,
     pick_port,
     probe_ready,
     wait_listening,
 )
 from worker_agent.supervisor import Command, RunningShard, Supervisor, shard_key
-from worker_agent.users import reachable
 from worker_agent.weights import WeightsCache, WeightsError
 
 log = logging.getLogger(__name__)
@@ -325,7 +322,7 @@ class NodeActivities:
         adapters = (
             self._installs.adapters(spec.model.profile.device) if self._installs else self._adapters
         )
-        plan = plan_shard(request, key, engine_base_env(os.environ), adapters)
+        plan = plan_shard(request, key, engine_env(os.environ), adapters)
         if plan.serves_http and not fronted:
             raise ConfigError(f"rank {spec.rank} serves HTTP but only rank 0 is fronted")
         return _Launch(
@@ -339,13 +336,13 @@ class NodeActivities:
     def _start(self, ref: ShardRef, spec: ShardSpec, launch: _Launch) -> RunningShard:
         plan, port = launch.plan, launch.port
         specs = list(plan.commands)
-        commands = [self._command(c.argv, {**plan.env, **c.env}) for c in specs]
+        commands = [Command(list(c.argv), {**plan.env, **c.env}) for c in specs]
         if plan.serves_http and launch.internal_port is not None:
             # First, so it leads the process group: one signal stops it with the engine.
             upstream = f"http://{LOOPBACK}:{launch.internal_port}"
-            env = {**engine_base_env(os.environ), passthrough.KEY_ENV: launch.key}
+            env = {**engine_env(os.environ), passthrough.KEY_ENV: launch.key}
             argv = passthrough.command(sys.executable, self._host, port, upstream)
-            commands.insert(0, self._command(tuple(argv), env))
+            commands.insert(0, Command(argv, env, drops_privileges=True))
             specs.insert(0, CommandSpec(name="passthrough", argv=tuple(argv)))
         endpoint = f"http://{self._host}:{port}" if plan.serves_http else f"{self._host}:{port}"
         record = {
@@ -368,17 +365,6 @@ class NodeActivities:
             record,
             before_each=lambda i: wait_listening(specs[i].wait_for),
         )
-
-    def _command(self, argv: Sequence[str], env: Mapping[str, str]) -> Command:
-        """A command, run as the agent's user when the engine user cannot reach its program."""
-        run_as = self._sup.run_as
-        if run_as is None:
-            return Command(list(argv), env)
-        program = Path(shutil.which(argv[0]) or argv[0]).resolve()
-        if reachable(program, run_as.uid, run_as.groups):
-            return Command(list(argv), env)
-        log.warning("%s cannot reach %s: it runs as the agent's user", run_as.user, program)
-        return Command(list(argv), env, as_agent=True)
 
     @activity.defn(name=names.WAIT_SHARD_READY)
     async def wait_shard_ready(self, request: WaitReadyInput) -> WaitReadyResult:

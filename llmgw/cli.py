@@ -2,7 +2,6 @@
 
 import asyncio
 import os
-import subprocess
 import sys
 from collections.abc import Coroutine
 from datetime import UTC, datetime
@@ -291,9 +290,7 @@ def node_setup() -> None:
     try:
         for line in setup_node():
             console.print(line)
-    except (OSError, RuntimeError) as exc:
-        _fail(f"node setup failed: {exc}")
-    except subprocess.CalledProcessError as exc:
+    except (OSError, RuntimeError, LlmgwError) as exc:
         _fail(f"node setup failed: {exc}")
 
 

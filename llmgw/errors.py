@@ -8,6 +8,7 @@
     ├── TemporalConnectError      no Temporal client: unreachable, or refused (TLS, API key)
     └── EngineError               an engine shard misbehaved
         ├── EngineLaunchError     it could not be started
+        │   └── EngineUserError   ...because it would have to run as root
         ├── EngineExitedError     it exited (exit code and log tail in message)
         ├── EngineNotReadyError   it did not become ready in time
         └── UpstreamError         the router's request to it failed (mid-way)
@@ -57,6 +58,10 @@ class EngineLaunchError(EngineError):
     """The engine could not be started (binary missing, bad model path...)."""
 
     retryable = False
+
+
+class EngineUserError(EngineLaunchError):
+    """The engine user is missing or unusable and root engines are not allowed."""
 
 
 class EngineExitedError(EngineError):

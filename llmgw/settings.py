@@ -81,9 +81,11 @@ class AgentSettings(_Common):
     graceful_shutdown_s: float = 5.0
     register_interval_s: float = 30.0
     engine_cache_dir: Path | None = None
-    # When the agent is root, engines run as this user; empty keeps them as
-    # the agent's user.
+    # When the agent is root, engines and their pass-throughs run as this
+    # user, created by the agent when missing. Without a usable one (or with
+    # an empty name) engines are refused, unless root engines are allowed.
     engine_user: str = "llmgw-engine"
+    allow_root_engines: bool = False
     # Discovery sources; tests and demos point them at recorded snapshots.
     sys_root: Path = Path("/sys")
     gpu_snapshot: Path | None = None

@@ -2,17 +2,22 @@
 
 SQLite by default, PostgreSQL by URL. Temporal holds what runs where; the
 store holds configuration and accounting, never the same fact twice.
+It holds the engine-key secret, from which every engine's key derives: a
+SQLite store's file, its -wal/-shm and lock files are 0600 (a directory the
+store creates, 0700), and errors never carry a statement's bound parameters.
 The class is synchronous (SQLModel sessions); async callers go through a
 thread, which keeps one code path for both databases.
 """
 
 import fcntl
 import json
+import os
 import threading
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import TextIO
 
 from sqlalchemy import event, inspect, text
 from sqlalchemy import literal as sa_literal
@@ -119,6 +124,28 @@ def display_url(url: str) -> str:
         return "<unparseable store URL>"
 
 
+def _private_file(path: Path, create: bool = True) -> None:
+    """Make ``path`` 0600 (creating it empty when asked); a file we do not own is left."""
+    flags = os.O_RDONLY | (os.O_CREAT if create else 0)
+    try:
+        fd = os.open(path, flags, 0o600)
+    except OSError:
+        return  # missing (or its directory is): SQLite reports that itself
+    try:
+        if os.fstat(fd).st_uid == os.geteuid():
+            os.fchmod(fd, 0o600)
+    finally:
+        os.close(fd)
+
+
+def _lock_file(path: str) -> TextIO:
+    """A lock file beside the database, opened for writing, 0600."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+    if os.fstat(fd).st_uid == os.geteuid():
+        os.fchmod(fd, 0o600)
+    return os.fdopen(fd, "w")
+
+
 def _create_tables(conn: Connection) -> None:
     """Every table in SQLModel.metadata, then columns added since a table was made."""
     SQLModel.metadata.create_all(conn)
@@ -158,14 +185,29 @@ class Store:
             # Timestamps are stored without a zone; UTC on every connection
             # keeps them meaning the same whatever the server's TimeZone.
             self._engine: Engine = create_engine(
-                parsed, pool_pre_ping=True, connect_args={"options": "-c timezone=UTC"}
+                parsed,
+                pool_pre_ping=True,
+                hide_parameters=True,
+                connect_args={"options": "-c timezone=UTC"},
             )
         else:
-            self._engine = create_engine(parsed, pool_pre_ping=True)
+            # hide_parameters: an error's text would otherwise quote the values
+            # of the failing statement (a secret, a key hash) into logs.
+            self._engine = create_engine(parsed, pool_pre_ping=True, hide_parameters=True)
         if self.backend == "sqlite":
-            event.listen(self._engine, "connect", _sqlite_pragmas)
             if parsed.database and parsed.database != ":memory:":
                 self._sqlite_file = Path(parsed.database)
+            event.listen(self._engine, "connect", self._sqlite_connect)
+
+    def _sqlite_connect(self, dbapi_conn: object, record: object) -> None:
+        if self._sqlite_file is not None:
+            # Before SQLite opens the file: it creates the -wal and -shm files
+            # with the database file's permissions.
+            _private_file(self._sqlite_file)
+        _sqlite_pragmas(dbapi_conn, record)
+        if self._sqlite_file is not None:
+            for suffix in ("-wal", "-shm"):
+                _private_file(Path(f"{self._sqlite_file}{suffix}"), create=False)
 
     @property
     def engine(self) -> Engine:
@@ -185,8 +227,8 @@ class Store:
             elif self._sqlite_file is not None:
                 # Processes starting together (agent, router, CLI) would each
                 # see a table missing and race to create it: one at a time.
-                self._sqlite_file.parent.mkdir(parents=True, exist_ok=True)
-                with open(f"{self._sqlite_file}.migrate-lock", "w") as lock:
+                self._sqlite_file.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+                with _lock_file(f"{self._sqlite_file}.migrate-lock") as lock:
                     fcntl.flock(lock, fcntl.LOCK_EX)
                     self._create_sqlite_tables()
             else:
@@ -227,7 +269,7 @@ class Store:
                     conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": PG_CATALOG_LOCK})
                     conn.commit()
         elif self._sqlite_file is not None:
-            with open(f"{self._sqlite_file}.catalog-lock", "w") as lock:
+            with _lock_file(f"{self._sqlite_file}.catalog-lock") as lock:
                 fcntl.flock(lock, fcntl.LOCK_EX)
                 yield
         else:

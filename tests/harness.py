@@ -94,6 +94,10 @@ class System:
                 "LLMGW_ENGINE_THREADS": "1",
                 # Most tests deploy models they never put in the catalog.
                 "LLMGW_RECONCILE_CATALOG": "false",
+                # Their models and work dirs sit under pytest's 0700 temp dir,
+                # which no engine user can reach: engines run as root, as the
+                # operator may allow. tests/test_engine_user*.py test the default.
+                "LLMGW_ALLOW_ROOT_ENGINES": "true",
                 # Test models are generated under pytest's temp dirs.
                 "LLMGW_WEIGHTS_ROOTS": str(Path(tempfile.gettempdir()).resolve()),
                 "LLMGW_ENGINE_CACHE_DIR": os.environ.get(

@@ -6,7 +6,10 @@ server_args.py, llama.cpp master tools/rpc + tools/server READMEs, Ray CLI).
 """
 
 import json
+import subprocess
+import sys
 from collections.abc import Mapping
+from pathlib import Path
 
 import pytest
 
@@ -20,6 +23,7 @@ from worker_agent.adapters import (
     LoraAdapter,
     NodeFacts,
     Rendezvous,
+    SglangAdapter,
     ShardPlan,
     ShardRequest,
     default_adapters,
@@ -32,6 +36,8 @@ from worker_agent.adapters import (
     vllm,
     vllm_module_launcher,
 )
+from worker_agent.adapters.sglang import KEY_ENV as SGLANG_KEY_ENV
+from worker_agent.adapters.sglang import KEY_SHIM
 
 KEY = "sk-engine-0123456789abcdef"
 IB = tuple(
@@ -250,19 +256,50 @@ def test_vllm_lora_capacity_reaches_worker_ranks() -> None:
 # --- SGLang --------------------------------------------------------------------------
 
 
-def test_sglang_single_node_key_on_argv_is_marked_and_redacted() -> None:
+def test_sglang_key_goes_by_environment_through_the_shim() -> None:
     plan = plan_shard(request(EngineKind.SGLANG, quantization="fp8"), KEY, {})
     (cmd,) = plan.commands
     assert cmd.argv == (
-        "python", "-m", "sglang.launch_server", "--model-path", "/models/llama-70b",
+        "python", "-c", KEY_SHIM, "sglang.launch_server", "--model-path", "/models/llama-70b",
         "--tp-size", "2", "--quantization", "fp8", "--host", "10.0.0.1", "--port", "8001",
-        "--served-model-name", "llama-70b", "--api-key", KEY,
+        "--served-model-name", "llama-70b",
     )  # fmt: skip
+    assert KEY not in " ".join(cmd.argv) and cmd.secret_argv_indices == ()
+    assert plan.env[SGLANG_KEY_ENV] == KEY and plan.secret_env == (SGLANG_KEY_ENV,)
+    assert KEY not in json.dumps(plan.loggable())
+    assert plan.serves_http and plan.ready_probe is not None
+
+
+def test_sglang_key_on_argv_only_with_a_script_launcher_and_redacted() -> None:
+    launchers = Launchers(sglang=("/opt/sglang/bin/sglang-serve",))
+    plan = SglangAdapter(launchers).plan(request(EngineKind.SGLANG), KEY, {})
+    (cmd,) = plan.commands
+    assert cmd.argv[-2:] == ("--api-key", KEY)
     assert cmd.secret_argv_indices == (len(cmd.argv) - 1,)
     assert KEY not in cmd.redacted() and cmd.redacted()[-1] == REDACTED
     assert KEY not in json.dumps(plan.loggable())
     assert KEY not in plan.env.values()
-    assert plan.serves_http and plan.ready_probe is not None
+
+
+def test_sglang_key_shim_hands_the_key_to_the_module_not_to_argv(tmp_path: Path) -> None:
+    """The shim, run for real over a stand-in module: the key reaches the module's
+    argv, while the process's command line and environment no longer hold it."""
+    (tmp_path / "fake_sglang.py").write_text(
+        "import json, os, sys\n"
+        "cmdline = open('/proc/self/cmdline', 'rb').read().decode()\n"
+        "print(json.dumps({'argv': sys.argv[1:], 'cmdline': cmdline,\n"
+        "                  'env': os.environ.get('LLMGW_SGLANG_API_KEY')}))\n"
+    )
+    launchers = Launchers(sglang=(sys.executable, "-m", "fake_sglang"))
+    plan = SglangAdapter(launchers).plan(request(EngineKind.SGLANG), KEY, {})
+    (cmd,) = plan.commands
+    env = {**plan.env, "PYTHONPATH": str(tmp_path)}
+    out = subprocess.run(cmd.argv, env=env, capture_output=True, text=True, check=True, timeout=60)
+    seen = json.loads(out.stdout)
+    assert seen["argv"][-2:] == ["--api-key", KEY]
+    assert seen["argv"][:2] == ["--model-path", "/models/llama-70b"]
+    assert KEY not in seen["cmdline"] and "fake_sglang" in seen["cmdline"]
+    assert seen["env"] is None
 
 
 def test_sglang_without_key_has_no_api_key_flag() -> None:
@@ -281,7 +318,8 @@ def test_sglang_multi_node(rank: int) -> None:
     assert after(argv, "--port") == str(8001 + rank)
     assert plan.env["NCCL_SOCKET_IFNAME"] == "=eno1"
     if rank == 0:
-        assert cmd.wait_for == () and plan.serves_http and KEY in argv
+        assert cmd.wait_for == () and plan.serves_http and KEY not in argv
+        assert plan.env[SGLANG_KEY_ENV] == KEY
     else:
         assert [(e.host, e.port) for e in cmd.wait_for] == [("10.0.0.1", 29501)]
         assert not plan.serves_http and plan.http_port is None

@@ -1,7 +1,13 @@
-"""Engines run as llmgw-engine, not root, with a 0700 home of their own."""
+"""Engines run as an unprivileged user, never silently as root.
+
+Each test that creates a user gives it a name of its own and deletes it
+afterwards, so the tests can be repeated on one machine (they run as root,
+as CI does).
+"""
 
 import os
 import pwd
+import secrets
 import shutil
 import subprocess
 import sys
@@ -10,9 +16,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from temporalio.exceptions import ApplicationError
 from temporalio.testing import ActivityEnvironment
 
 from llmgw.engine_install import LlamaCppInstall
+from llmgw.errors import EngineUserError
 from llmgw.tinymodel import TinyModel
 from llmgw.types import (
     LaunchShardInput,
@@ -23,26 +31,62 @@ from llmgw.types import (
     WaitReadyInput,
 )
 from tests.harness import node_activities
-from worker_agent.supervisor import Supervisor
-from worker_agent.users import DEFAULT_ENGINE_USER, prepare_home, resolve_run_as
+from worker_agent import procfs
+from worker_agent.launching import engine_env
+from worker_agent.supervisor import Command, Supervisor
+from worker_agent.users import (
+    DEFAULT_ENGINE_USER,
+    SystemUsers,
+    engine_identity,
+    make_private,
+)
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="dropping to another user needs root")
 
 
+def _delete_user(name: str) -> None:
+    subprocess.run(["userdel", name], capture_output=True, check=False)
+    subprocess.run(["groupdel", name], capture_output=True, check=False)
+
+
+@pytest.fixture
+def throwaway_user() -> Iterator[str]:
+    """A user name nobody has; the user is deleted afterwards if a test made it."""
+    name = f"llmgw-t{secrets.token_hex(4)}"
+    assert not SystemUsers().exists(name)
+    yield name
+    _delete_user(name)
+
+
 @pytest.fixture
 def open_work_dir() -> Iterator[Path]:
-    """A work dir the engine user can reach (pytest's own tmp dirs are 0700)."""
+    """A work dir whose parents the engine user can pass (pytest's tmp dirs are 0700)."""
     work = Path(tempfile.mkdtemp(prefix="llmgw-user-", dir="/tmp"))
     work.chmod(0o755)
     yield work
     shutil.rmtree(work, ignore_errors=True)
 
 
-def _uid_of(pid: int) -> int:
+class CannotCreateUsers:
+    """A system where user creation fails (no useradd, a read-only /etc...)."""
+
+    def exists(self, user: str) -> bool:
+        return False
+
+    def create(self, user: str) -> list[str]:
+        raise EngineUserError(f"useradd failed: cannot create {user} (injected)")
+
+
+def _uids(pid: int) -> list[int]:
+    """Real, effective, saved and filesystem uids of a live process."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("Uid:"):
-            return int(line.split()[1])
+            return [int(v) for v in line.split()[1:]]
     raise AssertionError("no Uid line")
+
+
+def _mode(path: Path) -> int:
+    return path.stat().st_mode & 0o7777
 
 
 def test_node_setup_creates_the_user_in_gpu_groups() -> None:
@@ -59,48 +103,176 @@ def test_node_setup_creates_the_user_in_gpu_groups() -> None:
     assert entry.pw_uid != 0
 
 
-async def test_engine_runs_as_engine_user(
-    llama: LlamaCppInstall, tiny: TinyModel, open_work_dir: Path
-) -> None:
+def test_agent_creates_a_missing_engine_user(throwaway_user: str, open_work_dir: Path) -> None:
+    agent_dir = open_work_dir / "agent" / "n1"
+    identity = engine_identity(throwaway_user, open_work_dir, agent_dir, [], admin=SystemUsers())
+    assert identity.refusal == "" and identity.run_as is not None, identity.why
+    entry = pwd.getpwnam(throwaway_user)
+    assert entry.pw_uid != 0 and identity.run_as.uid == entry.pw_uid
+    groups = subprocess.run(
+        ["id", "-nG", throwaway_user], capture_output=True, text=True, check=True
+    )
+    assert {"video", "render"} <= set(groups.stdout.split())
+    # The work dir is private, but the engine user's group may pass to its home.
+    for path in (open_work_dir, open_work_dir / "agent", agent_dir):
+        assert _mode(path) == 0o710 and path.stat().st_gid == entry.pw_gid, path
+    home = identity.run_as.home.stat()
+    assert home.st_uid == entry.pw_uid and (home.st_mode & 0o777) == 0o700
+
+
+def test_refuses_engines_when_the_user_cannot_be_created(open_work_dir: Path) -> None:
+    agent_dir = open_work_dir / "agent" / "n1"
+    identity = engine_identity(
+        "llmgw-never-made", open_work_dir, agent_dir, [], admin=CannotCreateUsers()
+    )
+    assert identity.run_as is None
+    assert "cannot create llmgw-never-made" in identity.refusal
+    assert "LLMGW_ALLOW_ROOT_ENGINES=true" in identity.refusal
+    assert _mode(open_work_dir) == 0o700  # nobody else needs to pass
+
+
+def test_allow_root_engines_runs_them_as_root_instead(open_work_dir: Path) -> None:
+    identity = engine_identity(
+        "llmgw-never-made",
+        open_work_dir,
+        open_work_dir / "agent" / "n1",
+        [],
+        admin=CannotCreateUsers(),
+        allow_root=True,
+    )
+    assert identity.run_as is None and identity.refusal == "" and identity.allow_root
+    assert "LLMGW_ALLOW_ROOT_ENGINES=true" in identity.why
+
+
+def test_empty_engine_user_is_refused_not_root(open_work_dir: Path) -> None:
+    identity = engine_identity("", open_work_dir, open_work_dir / "a", [], admin=SystemUsers())
+    assert identity.run_as is None and "no engine user" in identity.refusal
+
+
+def test_unreachable_work_dir_is_refused_not_root(tmp_path: Path) -> None:
+    """pytest's tmp dirs sit under a 0700 dir: the engine user cannot reach them."""
     subprocess.run(
         [sys.executable, "-m", "llmgw", "node", "setup"], check=True, capture_output=True
     )
+    identity = engine_identity(
+        DEFAULT_ENGINE_USER, tmp_path, tmp_path / "agent" / "n1", [], admin=SystemUsers()
+    )
+    assert identity.run_as is None
+    assert "cannot reach" in identity.refusal
+
+
+async def test_refused_launch_fails_with_engine_user_error(
+    llama: LlamaCppInstall, tiny: TinyModel, open_work_dir: Path
+) -> None:
+    """The refusal is the launch's error, typed and not retried: the replica's reason."""
+    agent_dir = open_work_dir / "agent" / "n1"
+    identity = engine_identity(
+        "llmgw-never-made", open_work_dir, agent_dir, [], admin=CannotCreateUsers()
+    )
+    sup = Supervisor(agent_dir, "n1", identity.run_as, refusal=identity.refusal)
+    acts = node_activities(llama, sup)
+    spec = ShardSpec(replica_id="refused", model=ModelSpec(name="t", source=str(tiny.model_path)))
+    try:
+        with pytest.raises(ApplicationError) as err:
+            await ActivityEnvironment().run(acts.launch_shard, LaunchShardInput(spec=spec))
+    finally:
+        await acts.aclose()
+    assert err.value.type == "EngineUserError" and err.value.non_retryable
+    assert "cannot create llmgw-never-made" in str(err.value)
+    assert sup.running() == []
+
+
+def test_unreachable_program_is_refused_not_run_as_root(
+    throwaway_user: str, open_work_dir: Path
+) -> None:
+    agent_dir = open_work_dir / "agent" / "n1"
+    identity = engine_identity(throwaway_user, open_work_dir, agent_dir, [], admin=SystemUsers())
+    assert identity.run_as is not None, identity.why
+    hidden = open_work_dir / "hidden"
+    hidden.mkdir(mode=0o700)
+    program = hidden / "engine"
+    program.write_text("#!/bin/sh\nsleep 60\n")
+    program.chmod(0o755)
+    sup = Supervisor(agent_dir, "n1", identity.run_as)
+    ref = ShardRef(replica_id="hidden")
+    with pytest.raises(EngineUserError, match="cannot reach"):
+        sup.launch(ref, [Command([str(program)], {})], 1, "x", {})
+    # Allowed: it runs, as the agent's user, and says so.
+    allowed = Supervisor(agent_dir, "n1", identity.run_as, allow_root=True)
+    running = allowed.launch(ref, [Command([str(program)], {})], 1, "x", {})
+    try:
+        assert _uids(running.pid)[0] == 0
+    finally:
+        allowed.stop(ref, 5)
+
+
+def test_make_private_leaves_shared_directories_alone(tmp_path: Path) -> None:
+    """A work dir pointed at /tmp by mistake must not turn /tmp private."""
+    before = _mode(Path("/tmp"))
+    make_private(Path("/tmp"), Path("/tmp"))
+    assert _mode(Path("/tmp")) == before
+
+
+def test_engine_env_is_an_allow_list() -> None:
+    agent = {
+        "PATH": "/usr/bin",
+        "LANG": "C.UTF-8",
+        "LC_ALL": "C.UTF-8",
+        "CUDA_HOME": "/usr/local/cuda",
+        "NCCL_DEBUG": "INFO",
+        "PGPASSWORD": "pg-secret",
+        "AWS_SECRET_ACCESS_KEY": "aws-secret",
+        "AWS_ACCESS_KEY_ID": "aws-id",
+        "HF_TOKEN": "hf-secret",
+        "OTEL_EXPORTER_OTLP_HEADERS": "authorization=Bearer x",
+        "LLMGW_STORE_URL": "postgresql://u:pw@db/llmgw",
+        "VLLM_API_KEY": "old-key",
+        "SSH_AUTH_SOCK": "/tmp/ssh-x/agent.1",
+        "http_proxy": "http://user:pw@proxy:3128",
+    }
+    assert engine_env(agent) == {
+        "PATH": "/usr/bin",
+        "LANG": "C.UTF-8",
+        "LC_ALL": "C.UTF-8",
+        "CUDA_HOME": "/usr/local/cuda",
+        "NCCL_DEBUG": "INFO",
+    }
+
+
+async def test_engine_and_pass_through_run_as_engine_user(
+    llama: LlamaCppInstall, tiny: TinyModel, open_work_dir: Path, throwaway_user: str
+) -> None:
     model = open_work_dir / "tiny.gguf"
     shutil.copy(tiny.model_path, model)
     model.chmod(0o644)
-    run_as, why = resolve_run_as(DEFAULT_ENGINE_USER, open_work_dir, [llama.server, model])
-    assert run_as is not None, why
-    prepare_home(run_as)
-    acts = node_activities(llama, Supervisor(open_work_dir / "agent", "user-node", run_as))
+    agent_dir = open_work_dir / "agent" / "n1"
+    identity = engine_identity(
+        throwaway_user, open_work_dir, agent_dir, [llama.server, model], admin=SystemUsers()
+    )
+    run_as = identity.run_as
+    assert run_as is not None, identity.why
+    sup = Supervisor(agent_dir, "user-node", run_as)
+    acts = node_activities(llama, sup)
     env = ActivityEnvironment()
     ref = ShardRef(replica_id="as-user")
     spec = ShardSpec(replica_id="as-user", model=ModelSpec(name="tiny-user", source=str(model)))
     handle = await env.run(acts.launch_shard, LaunchShardInput(spec=spec))
     try:
         await env.run(acts.wait_shard_ready, WaitReadyInput(shard=ref, timeout_s=60))
-        assert _uid_of(handle.pid) == run_as.uid
-        home = run_as.home.stat()
-        assert home.st_uid == run_as.uid and (home.st_mode & 0o777) == 0o700
-        environ = Path(f"/proc/{handle.pid}/environ").read_bytes().split(b"\0")
-        assert f"HOME={run_as.home}".encode() in environ
-        assert Path(f"/proc/{handle.pid}/cwd").resolve() == run_as.home
+        running = sup.find_running(ref)
+        assert running is not None
+        members = procfs.group_members(running.group)
+        assert len(members) == 2, "pass-through and llama-server"
+        for pid in members:
+            assert _uids(pid) == [run_as.uid] * 4, pid
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            assert f"HOME={run_as.home}".encode() in environ
+            assert Path(f"/proc/{pid}/cwd").resolve() == run_as.home
+        log = running.log_path
+        assert _mode(log) == 0o600 and log.stat().st_uid == 0
+        assert _mode(sup.shard_dir(ref)) == 0o700
+        assert _mode(sup.shard_dir(ref) / "spec.json") == 0o600
+        assert handle.pid == running.pid
     finally:
         await env.run(acts.stop_shard, StopShardInput(shard=ref, grace_s=5))
         await acts.aclose()
-
-
-def test_unreachable_work_dir_keeps_root_and_says_why(tmp_path: Path) -> None:
-    subprocess.run(
-        [sys.executable, "-m", "llmgw", "node", "setup"], check=True, capture_output=True
-    )
-    hidden = tmp_path / "hidden"
-    hidden.mkdir(mode=0o700)
-    run_as, why = resolve_run_as(DEFAULT_ENGINE_USER, hidden, [])
-    assert run_as is None
-    assert "cannot reach" in why
-
-
-def test_missing_user_keeps_root_and_says_why(tmp_path: Path) -> None:
-    run_as, why = resolve_run_as("no-such-llmgw-user", tmp_path, [])
-    assert run_as is None
-    assert "does not exist" in why and "llmgw node setup" in why

@@ -207,7 +207,7 @@ def test_symlink_loop_in_directory_terminates(tmp_path: Path, model_dir: Path) -
     assert not (fetched.path / "tokenizer" / "loop").exists()
 
 
-def test_results_are_world_readable(tmp_path: Path, model_dir: Path) -> None:
+def test_results_are_group_readable_not_world_readable(tmp_path: Path, model_dir: Path) -> None:
     for path in [model_dir, *model_dir.rglob("*")]:
         if not path.is_symlink():
             path.chmod(0o700 if path.is_dir() else 0o600)
@@ -220,8 +220,8 @@ def test_results_are_world_readable(tmp_path: Path, model_dir: Path) -> None:
     try:
         for path in [fetched.path.parent, fetched.path, *fetched.path.parent.rglob("*")]:
             mode = stat.S_IMODE(path.stat().st_mode)
-            assert mode == (0o755 if path.is_dir() else 0o644), path
-        assert stat.S_IMODE((tmp_path / "cache").stat().st_mode) == 0o755
+            assert mode == (0o750 if path.is_dir() else 0o640), path
+        assert stat.S_IMODE((tmp_path / "cache").stat().st_mode) == 0o750
     finally:
         for path in [model_dir, *model_dir.rglob("*")]:
             if not path.is_symlink():

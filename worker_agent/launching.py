@@ -1,16 +1,72 @@
-"""The waiting parts of starting a shard: ports, rendezvous points, readiness.
+"""The waiting parts of starting a shard: ports, rendezvous points, readiness;
+and the environment engines start from.
 
 Kept apart from the activities so each can be tested without Temporal.
 """
 
 import socket
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import httpx
 
 from llmgw.errors import EngineLaunchError
 from worker_agent.adapters import Endpoint, ReadyProbe
+
+# What an engine may inherit from the agent's environment. An allow-list,
+# not a deny-list: the agent's environment holds secrets under any name
+# (PGPASSWORD, AWS_*, HF_TOKEN, OTEL_EXPORTER_OTLP_HEADERS, LLMGW_*...), and
+# an engine needs only these. Plans add what else they decide (keys, GPUs,
+# fabric, TMPDIR), and the supervisor sets HOME/USER/XDG_CACHE_HOME for the
+# engine user.
+ENGINE_ENV_NAMES = frozenset(
+    {
+        "PATH",
+        "LANG",
+        "LANGUAGE",
+        "TZ",
+        "HOME",
+        "USER",
+        "LOGNAME",
+        "LD_LIBRARY_PATH",
+        "SSL_CERT_FILE",
+        "SSL_CERT_DIR",
+        "HF_HUB_OFFLINE",
+        "TRANSFORMERS_OFFLINE",
+    }
+)
+ENGINE_ENV_PREFIXES = (
+    "LC_",
+    "CUDA_",
+    "NVIDIA_",
+    "NCCL_",
+    "GLOO_",
+    "UCX_",
+    "OMP_",
+    "KMP_",
+    "MKL_",
+    "ROCR_",
+    "HIP_",
+    "HSA_",
+    "VLLM_",
+    "SGLANG_",
+    "TORCH_",
+    "PYTORCH_",
+    "TRITON_",
+    "GGML_",
+)
+# Inside an allowed prefix but a credential or a setting the plan owns.
+_ENGINE_ENV_DENIED_SUFFIXES = ("_KEY", "_TOKEN", "_SECRET", "_PASSWORD")
+
+
+def engine_env(agent_env: Mapping[str, str]) -> dict[str, str]:
+    """The part of the agent's environment an engine (or pass-through) may see."""
+    return {
+        k: v
+        for k, v in agent_env.items()
+        if (k in ENGINE_ENV_NAMES or k.startswith(ENGINE_ENV_PREFIXES))
+        and not k.endswith(_ENGINE_ENV_DENIED_SUFFIXES)
+    }
 
 
 def pick_port(host: str, candidates: Iterable[int], used: set[int]) -> int:

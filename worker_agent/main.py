@@ -43,7 +43,7 @@ from worker_agent.adoption import adopt
 from worker_agent.engines import EngineInstalls
 from worker_agent.inventory import Sources, collect, sources_from
 from worker_agent.supervisor import RunningShard, Supervisor
-from worker_agent.users import prepare_home, resolve_run_as
+from worker_agent.users import SystemUsers, engine_identity
 from worker_agent.weights import WeightsCache
 
 log = logging.getLogger(__name__)
@@ -89,8 +89,17 @@ def build_activities(
         ports=range(settings.port_range_start, settings.port_range_end + 1),
         inventory=current_inventory,
         threads=settings.engine_threads,
-        weights=WeightsCache(supervisor.work_dir / "weights", settings.resolved_weights_roots()),
+        weights=WeightsCache(
+            supervisor.work_dir / "weights",
+            settings.resolved_weights_roots(),
+            group=_engine_group(supervisor),
+        ),
     )
+
+
+def _engine_group(supervisor: Supervisor) -> int | None:
+    """The group that may read the weights cache: the engine user's."""
+    return supervisor.run_as.gid if supervisor.run_as is not None else None
 
 
 def inventory(
@@ -175,12 +184,22 @@ async def run(settings: AgentSettings) -> None:
     for found in installs.installed():
         log.info("engine %s: %s==%s at %s", found.engine, found.package, found.version, found.path)
     agent_dir = settings.work_dir / "agent" / settings.node_id
-    agent_dir.mkdir(parents=True, exist_ok=True)
-    run_as, why = resolve_run_as(settings.engine_user, agent_dir, [llama.server])
-    log.info("agent %s: %s", settings.node_id, why)
-    if run_as is not None:
-        prepare_home(run_as)
-    supervisor = Supervisor(agent_dir, settings.node_id, run_as)
+    identity = engine_identity(
+        settings.engine_user,
+        settings.work_dir,
+        agent_dir,
+        [llama.server],
+        admin=SystemUsers(),
+        allow_root=settings.allow_root_engines,
+    )
+    (log.error if identity.refusal else log.info)("agent %s: %s", settings.node_id, identity.why)
+    supervisor = Supervisor(
+        agent_dir,
+        settings.node_id,
+        identity.run_as,
+        refusal=identity.refusal,
+        allow_root=identity.allow_root,
+    )
     report = adopt(supervisor)
     log.info(
         "agent %s: adopted %d engines, %d shards lost, %d unidentified engines killed",

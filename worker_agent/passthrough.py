@@ -39,6 +39,7 @@ import aiohttp
 from yarl import URL
 
 from llmgw.listener import ListenerLimits, fit_open_files, limited_protocol
+from worker_agent.users import drop_privileges_on_startup
 
 log = logging.getLogger(__name__)
 
@@ -286,7 +287,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     app = PassThrough(args.upstream, key)
     uvicorn.run(
-        app,
+        # Started as root only when the engine user cannot read our interpreter.
+        drop_privileges_on_startup(app, os.environ),
         host=host.strip("[]"),
         port=int(port),
         log_level="warning",

@@ -3,6 +3,8 @@
 from dataclasses import dataclass
 from pathlib import Path
 
+from worker_agent.adapters.spec import redacted
+
 PROC = Path("/proc")
 
 
@@ -55,7 +57,11 @@ def matches(recorded: object, current: Fingerprint) -> bool:
     """Whether a live process's fingerprint is the one a launch recorded."""
     if not isinstance(recorded, dict) or current.start_time != recorded.get("start_time"):
         return False
-    return not current.cmdline or list(current.cmdline) == recorded.get("cmdline")
+    if not current.cmdline:
+        return True
+    cmdline = recorded.get("cmdline")
+    # Launches record the command line with secrets redacted (older ones in clear).
+    return cmdline in (list(current.cmdline), redacted(current.cmdline))
 
 
 def is_zombie_or_gone(pid: int) -> bool:

@@ -7,6 +7,11 @@ time + command line) written atomically, so that a repeated launch - an
 activity retried after the agent finished it but before Temporal heard -
 finds the engine instead of starting a second one, and so that a restarted
 agent can find engines it did not start.
+
+What the agent writes here is private: shard dirs 0700, spec files and
+engine logs 0600 (the engine writes its log through the descriptor it is
+given, so it needs no access to the file). A spec file records the command
+line with secrets redacted.
 """
 
 import contextlib
@@ -16,6 +21,7 @@ import os
 import re
 import shutil
 import signal
+import stat
 import subprocess
 import tempfile
 import time
@@ -24,10 +30,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from llmgw.errors import EngineLaunchError
+from llmgw.errors import EngineLaunchError, EngineUserError
 from llmgw.types import ShardRef
 from worker_agent import procfs
-from worker_agent.users import RunAs
+from worker_agent.adapters.spec import redacted
+from worker_agent.users import ALLOW_ROOT_HINT, DROP_TO_ENV, RunAs, reachable
 
 log = logging.getLogger(__name__)
 
@@ -48,9 +55,19 @@ class Command:
 
     argv: list[str]
     env: Mapping[str, str]
-    # Run as the agent's user even where engines run as the engine user: for
-    # a program that user cannot reach (an interpreter under a 0700 home).
-    as_agent: bool = False
+    # The program becomes the engine user itself when told (the pass-through,
+    # through DROP_TO_ENV): it may be started as root when that user cannot
+    # read it (an interpreter under root's 0700 home).
+    drops_privileges: bool = False
+
+
+@dataclass(frozen=True)
+class _As:
+    """How one command is started: by whom, where, with what added to its environment."""
+
+    user: RunAs | None  # dropped to between fork and exec; None: the agent's user
+    home: RunAs | None  # whose home is its cwd and HOME
+    env: Mapping[str, str]
 
 
 @dataclass(frozen=True)
@@ -87,12 +104,26 @@ def shard_key(ref: ShardRef) -> str:
 class Supervisor:
     """Owns the shard processes of one node agent."""
 
-    def __init__(self, work_dir: Path, node_id: str = "", run_as: RunAs | None = None) -> None:
+    def __init__(
+        self,
+        work_dir: Path,
+        node_id: str = "",
+        run_as: RunAs | None = None,
+        *,
+        refusal: str = "",
+        allow_root: bool = False,
+    ) -> None:
+        """``run_as`` None: engines run as the agent's user. ``refusal``: every
+        launch fails with it (the agent is root and has no usable engine
+        user). ``allow_root``: a program the engine user cannot reach runs as
+        the agent's user instead of failing the launch."""
         self.node_id = node_id
         self.run_as = run_as
+        self.refusal = refusal
+        self.allow_root = allow_root
         self.work_dir = work_dir
         self._dir = work_dir / "shards"
-        self._dir.mkdir(parents=True, exist_ok=True)
+        _private_dir(self._dir)
         self.marker = str(self._dir.resolve())
         self._children: dict[str, subprocess.Popen[bytes]] = {}
         self._sidecars: dict[str, list[subprocess.Popen[bytes]]] = {}
@@ -175,7 +206,7 @@ class Supervisor:
         except FileNotFoundError:
             root = Path("")
         if not root.name or not root.is_dir():
-            pointer.parent.mkdir(parents=True, exist_ok=True)
+            _private_dir(pointer.parent)
             root = Path(tempfile.mkdtemp(prefix="llmgw-"))  # 0700, unpredictable
             pointer.write_text(str(root))
         for path in (root, root / "tmp", root / "cache"):
@@ -247,8 +278,11 @@ class Supervisor:
         raises, what already started is killed, so a failed start leaves
         nothing behind.
         """
+        if self.refusal:
+            raise EngineUserError(self.refusal)
+        users = [self._user_for(command) for command in commands]
         shard_dir = self.shard_dir(ref)
-        shard_dir.mkdir(parents=True, exist_ok=True)
+        _private_dir(shard_dir)
         log_path = shard_dir / "engine.log"
         pgid: int | None = None
         procs: list[subprocess.Popen[bytes]] = []
@@ -256,7 +290,7 @@ class Supervisor:
             for i, command in enumerate(commands):
                 if before_each is not None:
                     before_each(i)
-                procs.append(self._spawn(command, shard_dir, log_path, pgid))
+                procs.append(self._spawn(command, users[i], shard_dir, log_path, pgid))
                 pgid = pgid or procs[0].pid
         except BaseException:
             if pgid is not None:
@@ -278,9 +312,11 @@ class Supervisor:
             "endpoint": endpoint,
             # The argv we exec'd, not a read of /proc: right after exec the
             # kernel may not have published the new command line yet.
+            # Redacted: a key on argv (SGLang's, with a custom launcher) must
+            # not be kept in a file; procfs.matches compares redacted forms.
             "fingerprint": {
                 "start_time": fp.start_time if fp else None,
-                "cmdline": commands[-1].argv,
+                "cmdline": redacted(commands[-1].argv),
             },
             "spec": dict(spec),
         }
@@ -290,12 +326,40 @@ class Supervisor:
             ref=ref, pid=main.pid, port=port, endpoint=endpoint, log_path=log_path, pgid=pgid
         )
 
+    def _user_for(self, command: Command) -> _As:
+        """Whom ``command`` runs as: the engine user, unless it cannot reach the program."""
+        run_as = self.run_as
+        if run_as is None:
+            return _As(None, None, {})
+        program = Path(shutil.which(command.argv[0]) or command.argv[0]).resolve()
+        if reachable(program, run_as.uid, run_as.groups):
+            return _As(run_as, run_as, run_as.env())
+        if command.drops_privileges:
+            return _As(None, run_as, {**run_as.env(), DROP_TO_ENV: run_as.drop_to()})
+        if not self.allow_root:
+            raise EngineUserError(
+                f"{run_as.user} cannot reach {program}: not starting it as root; {ALLOW_ROOT_HINT}"
+            )
+        log.warning(
+            "%s cannot reach %s: it runs as the agent's user (allowed)", run_as.user, program
+        )
+        return _As(None, None, {})
+
     def _spawn(
-        self, command: Command, cwd: Path, log_path: Path, pgid: int | None
+        self,
+        command: Command,
+        how: _As,
+        cwd: Path,
+        log_path: Path,
+        pgid: int | None,
     ) -> subprocess.Popen[bytes]:
-        user = None if command.as_agent else self.run_as
-        env = {**command.env, **(user.env() if user else {}), ENGINE_MARKER: self.marker}
-        with open(log_path, "ab") as log_file:
+        user = how.user
+        env = {**command.env, **how.env, ENGINE_MARKER: self.marker}
+        # Opened by the agent and handed over as stdout: 0600 and the agent's,
+        # so neither the engine user nor anyone else can read other shards' logs.
+        fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        os.fchmod(fd, 0o600)
+        with os.fdopen(fd, "ab") as log_file:
             try:
                 return subprocess.Popen(
                     command.argv,
@@ -303,7 +367,7 @@ class Supervisor:
                     stdin=subprocess.DEVNULL,
                     stdout=log_file,
                     stderr=subprocess.STDOUT,
-                    cwd=user.home if user else cwd,
+                    cwd=how.home.home if how.home else cwd,
                     # The first command leads a new process group and the rest
                     # join it, so one group signal stops the whole shard. (A
                     # new session would be cleaner, but a process cannot join
@@ -365,7 +429,11 @@ class Supervisor:
             with open(path, "r+b") as fh:
                 fh.seek(size - LOG_KEEP_BYTES)
                 newest = fh.read()
-                (path.parent / "engine.log.1").write_bytes(newest)
+                older = os.open(
+                    path.parent / "engine.log.1", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600
+                )
+                with os.fdopen(older, "wb") as out:
+                    out.write(newest)
                 fh.seek(0)
                 fh.truncate(0)
                 fh.write(b"--- log trimmed; the previous 1 MiB is in engine.log.1 ---\n")
@@ -427,6 +495,13 @@ class Supervisor:
             if time.monotonic() >= deadline:
                 return False
             time.sleep(0.05)
+
+
+def _private_dir(path: Path) -> None:
+    """A directory only the agent's user can enter (created or tightened)."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if stat.S_IMODE(path.stat().st_mode) != 0o700:
+        path.chmod(0o700)
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:

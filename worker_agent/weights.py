@@ -3,7 +3,9 @@
 Why a per-node cache rather than pointing engines at the source:
 
 - Engines read weights only from here. The cache is under the agent's work dir and is
-  world-readable (dirs 0755, files 0644), so engines can run as a non-root user.
+  readable by the engine user's group but not the world (dirs 0750, files 0640, group
+  the engine user's), so engines run as a non-root user and other local users see
+  nothing.
 - A complete entry (one with its ``COMPLETE`` marker) survives an agent or node restart
   and is served again without copying hundreds of GiB.
 - Every copy is checksummed as it is written, so a truncated or corrupt copy is caught
@@ -325,27 +327,41 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _make_world_readable(root: Path) -> None:
-    """Dirs 0755, files 0644 (engines may run as another user), and fsync the dirs."""
+def _make_group_readable(root: Path, group: int | None) -> None:
+    """Dirs 0750, files 0640, owned by ``group`` when given (the engine user's), and
+    fsync the dirs."""
     for dirpath, _, filenames in os.walk(root):
-        os.chmod(dirpath, 0o755)
+        _set_mode(dirpath, 0o750, group)
         for name in filenames:
             path = os.path.join(dirpath, name)
             if not os.path.islink(path):  # chmod would follow it out of the cache
-                os.chmod(path, 0o644)
+                _set_mode(path, 0o640, group)
         _fsync_dir(Path(dirpath))
+
+
+def _set_mode(path: str | Path, mode: int, group: int | None) -> None:
+    if group is not None:
+        os.chown(path, -1, group)
+    os.chmod(path, mode)
 
 
 class WeightsCache:
     """Weights cached under ``root``, one ``root/<key>/`` entry per source identity."""
 
     def __init__(
-        self, root: Path, roots: Sequence[Path], progress_every_bytes: int = 64 * 2**20
+        self,
+        root: Path,
+        roots: Sequence[Path],
+        progress_every_bytes: int = 64 * 2**20,
+        group: int | None = None,
     ) -> None:
-        """``roots``: the only directories sources may lie in (``LLMGW_WEIGHTS_ROOTS``)."""
+        """``roots``: the only directories sources may lie in (``LLMGW_WEIGHTS_ROOTS``).
+        ``group``: the engine user's group, which may read the cache (None: the
+        agent's own group)."""
         self.root = root
         self.roots = Roots.of(roots)
         self.progress_every_bytes = progress_every_bytes
+        self.group = group
 
     def fetch(
         self, uri: str, expected_sha256: str | None = None, progress: Progress | None = None
@@ -359,7 +375,7 @@ class WeightsCache:
         expected = expected_sha256.strip().lower() if expected_sha256 else None
         self.root.mkdir(parents=True, exist_ok=True)
         with contextlib.suppress(PermissionError):  # a root we do not own is set up already
-            os.chmod(self.root, 0o755)
+            _set_mode(self.root, 0o750, self.group)
         with self._locked(key):
             hit = self._lookup(key)
             if hit is None:
@@ -368,7 +384,17 @@ class WeightsCache:
                 raise ChecksumMismatch(
                     f"weights {uri}: expected sha256 {expected}, cached copy has {hit.sha256}"
                 )
+            self._align_modes(self.root / key)
             return hit
+
+    def _align_modes(self, entry: Path) -> None:
+        """Bring an entry made by an older agent (0755/0644) or for another engine
+        group to this cache's modes."""
+        st = entry.stat()
+        if stat.S_IMODE(st.st_mode) != 0o750 or (
+            self.group is not None and st.st_gid != self.group
+        ):
+            _make_group_readable(entry, self.group)
 
     @contextlib.contextmanager
     def _locked(self, key: str) -> Iterator[None]:
@@ -378,7 +404,7 @@ class WeightsCache:
         the file exclude each other. The lock file is left behind: unlinking it would let
         a waiter lock an orphaned inode while a newcomer locks a fresh file.
         """
-        fd = os.open(self.root / f"{key}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(self.root / f"{key}.lock", os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield
@@ -426,7 +452,7 @@ class WeightsCache:
                 raise ChecksumMismatch(f"weights {uri}: expected sha256 {expected}, got {sha}")
             size = sum(st.st_size for _, _, st in _regular_files(tmp / name))
             throttle(size, size)  # a no-op unless the source never reported its end
-            _make_world_readable(tmp)
+            _make_group_readable(tmp, self.group)
             marker = {"uri": uri, "name": name, "sha256": sha, "size": size}
             marker["fetched_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
             # Written last: its presence is what makes the entry complete.
@@ -434,7 +460,7 @@ class WeightsCache:
                 json.dump(marker, out)
                 out.flush()
                 os.fsync(out.fileno())
-            os.chmod(tmp / MARKER, 0o644)
+            _set_mode(tmp / MARKER, 0o640, self.group)
             _fsync_dir(tmp)
             os.replace(tmp, entry)
             _fsync_dir(self.root)

@@ -12,12 +12,18 @@ Checked against (see ``CHECKED_AGAINST``):
   launch_server with the same ``--tp``, ``--dist-init-addr`` of node 0, its
   own ``--node-rank``; only node 0 serves HTTP.
 
-The key is on argv because SGLang takes it nowhere else: the plan marks its
-position so every logged or stored command line hides it, and only the
-serving rank gets it.
+SGLang takes its key nowhere but argv, and a process's argv is readable by
+every local user (``ps``) and lands in spec files and logs. So the serving
+rank does not exec ``python -m sglang.launch_server ... --api-key KEY``: it
+execs ``python -c KEY_SHIM sglang.launch_server ...`` with the key in the
+environment (``KEY_ENV``, private to the engine's user); the shim takes it out
+of the environment, appends ``--api-key KEY`` to ``sys.argv`` in memory, and
+runs the module as ``-m`` would. Only with a launcher that is not
+``PYTHON -m MODULE`` does the key go on argv, its position marked so every
+logged or stored command line hides it.
 """
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from worker_agent.adapters.base import EnvHook, leader_endpoint, require_rendezvous, start_env
 from worker_agent.adapters.nccl import fabric_env, gpu_env
@@ -30,6 +36,25 @@ from worker_agent.adapters.spec import (
     ShardPlan,
     ShardRequest,
 )
+
+KEY_ENV = "LLMGW_SGLANG_API_KEY"
+# Runs as ``python -c KEY_SHIM MODULE ARGS...``: sys.argv is then
+# ["-c", MODULE, ARGS...]. run_module with alter_sys sets sys.argv[0] and
+# __main__ as ``python -m MODULE`` does (multiprocessing children included).
+KEY_SHIM = (
+    "import os, runpy, sys; "
+    f"key = os.environ.pop({KEY_ENV!r}, ''); "
+    "module = sys.argv[1]; "
+    "sys.argv = [module, *sys.argv[2:], *(['--api-key', key] if key else [])]; "
+    "runpy.run_module(module, run_name='__main__', alter_sys=True)"
+)
+
+
+def _module_launcher(prefix: Sequence[str]) -> tuple[str, str] | None:
+    """(python, module) when ``prefix`` is ``PYTHON -m MODULE``, else None."""
+    if len(prefix) == 3 and prefix[1] == "-m":
+        return prefix[0], prefix[2]
+    return None
 
 
 class SglangAdapter:
@@ -68,12 +93,20 @@ class SglangAdapter:
         # Every rank gets a port it owns: SGLang derives internal ports from it.
         argv += ["--host", node.http_bind, "--port", str(node.http_port)]
         secret: tuple[int, ...] = ()
+        secret_env: tuple[str, ...] = ()
         if request.leader:
             argv += ["--served-model-name", request.model.name]
-            if key:
+        argv += [*request.model.engine_args, *profile.engine_args]
+        if request.leader and key:
+            module = _module_launcher(self._launch.sglang)
+            if module is not None:
+                python, name = module
+                argv = [python, "-c", KEY_SHIM, name, *argv[len(self._launch.sglang) :]]
+                env[KEY_ENV] = key
+                secret_env = (KEY_ENV,)
+            else:
                 argv += ["--api-key", key]
                 secret = (len(argv) - 1,)
-        argv += [*request.model.engine_args, *profile.engine_args]
         command = CommandSpec(
             name="sglang", argv=tuple(argv), wait_for=wait_for, secret_argv_indices=secret
         )
@@ -83,6 +116,7 @@ class SglangAdapter:
             serves_http=request.leader,
             http_port=node.http_port if request.leader else None,
             ready_probe=ReadyProbe() if request.leader else None,
+            secret_env=secret_env,
         )
 
 

@@ -1,0 +1,205 @@
+"""A real agent (as root, as CI runs) makes its engine user, and its engines and
+pass-throughs run as that user with an allow-listed environment; without a
+user it can make, it refuses to start engines and the replica says why."""
+
+import contextlib
+import json
+import os
+import secrets
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from temporalio.client import Client
+
+from llmgw import replicas
+from llmgw.errors import EngineError
+from llmgw.keys import engine_key
+from llmgw.store import Store
+from llmgw.tinymodel import TinyModel
+from llmgw.types import EngineKind, ModelSpec, ReplicaTimeouts, ShardRef
+from tests.harness import System, free_port
+from worker_agent import procfs
+from worker_agent.supervisor import Supervisor
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="dropping to another user needs root")
+
+# In the agent's environment; no engine or pass-through may see them.
+SECRETS = {
+    "PGPASSWORD": "pg-secret-e2e",
+    "AWS_SECRET_ACCESS_KEY": "aws-secret-e2e",
+    "HF_TOKEN": "hf-secret-e2e",
+    "OTEL_EXPORTER_OTLP_HEADERS": "authorization=Bearer otlp-secret-e2e",
+}
+
+
+@pytest.fixture
+def open_root() -> Iterator[Path]:
+    """A directory whose parents the engine user can pass (pytest's tmp dirs are 0700)."""
+    root = Path(tempfile.mkdtemp(prefix="llmgw-agent-user-", dir="/tmp"))
+    root.chmod(0o755)
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def user_name() -> Iterator[str]:
+    name = f"llmgw-t{secrets.token_hex(4)}"
+    yield name
+    subprocess.run(["userdel", name], capture_output=True, check=False)
+    subprocess.run(["groupdel", name], capture_output=True, check=False)
+
+
+def _status(pid: int, field: str) -> list[int]:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return [int(v) for v in line.split()[1:]]
+    raise AssertionError(f"no {field} line")
+
+
+def _mode(path: Path) -> int:
+    return path.stat().st_mode & 0o7777
+
+
+def _assert_run_as_without_secrets(pids: list[int], uid: int) -> None:
+    """Every uid of each process is ``uid`` (as ps shows too), and no secret is in its
+    environment."""
+    ps = subprocess.run(
+        ["ps", "-o", "uid=,comm=", "-p", ",".join(map(str, pids))],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    assert {line.split()[0] for line in ps.splitlines()} == {str(uid)}, ps
+    for pid in pids:
+        assert _status(pid, "Uid") == [uid] * 4, ps
+        environ = Path(f"/proc/{pid}/environ").read_bytes()
+        names = {e.split(b"=", 1)[0].decode() for e in environ.split(b"\0") if e}
+        assert not names & SECRETS.keys(), names
+        agent_settings = {n for n in names if n.startswith("LLMGW_")}
+        assert agent_settings <= {"LLMGW_ENGINE_OF", "LLMGW_PASSTHROUGH_KEY", "LLMGW_DROP_TO"}, (
+            names
+        )
+        for value in SECRETS.values():
+            assert value.encode() not in environ
+
+
+def _model_in(root: Path, tiny: TinyModel) -> Path:
+    models = root / "models"
+    models.mkdir(mode=0o755)
+    model = models / "tiny.gguf"
+    shutil.copy(tiny.model_path, model)
+    model.chmod(0o644)
+    return model
+
+
+async def test_agent_creates_its_engine_user_and_runs_engines_as_it(
+    temporal_address: str, client: Client, tiny: TinyModel, open_root: Path, user_name: str
+) -> None:
+    system = System(temporal_address, open_root / "work", free_port())
+    system.work_dir.mkdir()
+    node = f"user-node-{user_name}"
+    replica_id = ""
+    model = _model_in(open_root, tiny)
+    spec = ModelSpec(name=f"tiny-{user_name}", engine=EngineKind.LLAMA_CPP, source=str(model))
+    try:
+        system.catalog(spec)
+        system.spawn("control")
+        agent_env = {
+            "LLMGW_NODE_ID": node,
+            "LLMGW_ENGINE_USER": user_name,
+            "LLMGW_ALLOW_ROOT_ENGINES": "false",
+            **SECRETS,
+        }
+        agent = system.spawn("agent", agent_env)
+        await replicas.wait_node_registered(client, node, 60)
+        replica_id = await replicas.start_replica(client, spec)
+        memo = await replicas.wait_ready(client, replica_id, 120)
+
+        # The agent made the user, in the GPU groups, and not root.
+        entry = subprocess.run(["id", "-u", user_name], capture_output=True, text=True, check=True)
+        uid = int(entry.stdout)
+        groups = subprocess.run(
+            ["id", "-nG", user_name], capture_output=True, text=True, check=True
+        ).stdout.split()
+        assert uid != 0 and {"video", "render"} <= set(groups)
+
+        agent_dir = system.work_dir / "agent" / node
+        shard = Supervisor(agent_dir).find_running(ShardRef(replica_id=replica_id))
+        assert shard is not None
+        members = procfs.group_members(shard.group)
+        assert len(members) == 2, "pass-through and llama-server"
+        _assert_run_as_without_secrets(members, uid)
+
+        # The pass-through, dropped to the user, still serves a stream with the key.
+        key = engine_key(Store(system.store_url).engine_key_secret(), replica_id)
+        body = {"model": spec.name, "prompt": "hi", "max_tokens": 4, "stream": True}
+        async with httpx.AsyncClient(timeout=60) as http:
+            r = await http.post(
+                f"{memo.endpoint}/v1/completions",
+                json=body,
+                headers={"Authorization": f"Bearer {key}"},
+            )
+            assert r.status_code == 200 and "data: [DONE]" in r.text
+            denied = await http.get(f"{memo.endpoint}/v1/models")
+            assert denied.status_code == 401
+
+        # Private files: the work dir passable only by the engine group, the
+        # store 0600, logs and spec 0600, weights not world-readable.
+        gid = int(
+            subprocess.run(
+                ["id", "-g", user_name], capture_output=True, text=True, check=True
+            ).stdout
+        )
+        assert _mode(system.work_dir) == 0o710 and system.work_dir.stat().st_gid == gid
+        assert _mode(system.work_dir / "llmgw.db") == 0o600
+        shard_dir = shard.log_path.parent
+        assert _mode(shard_dir) == 0o700 and _mode(shard.log_path) == 0o600
+        assert _mode(shard_dir / "spec.json") == 0o600
+        weights = agent_dir / "weights"
+        for path in [weights, *weights.rglob("*")]:
+            if not path.name.endswith(".lock"):
+                assert _mode(path) & 0o007 == 0 and path.stat().st_gid == gid, path
+        assert "engines run as root" not in agent.log_tail(200)
+    finally:
+        # Cleanup, not a check: system.stop() kills what a failed stop leaves.
+        with contextlib.suppress(Exception):
+            await replicas.stop_replica(client, replica_id, "test over", 30)
+        system.stop()
+
+
+async def test_agent_refuses_engines_when_it_cannot_make_the_user(
+    temporal_address: str, client: Client, tiny: TinyModel, open_root: Path
+) -> None:
+    """useradd refuses the name: the failure is real, injected through a setting."""
+    system = System(temporal_address, open_root / "work", free_port())
+    system.work_dir.mkdir()
+    node = f"no-user-node-{secrets.token_hex(3)}"
+    spec = ModelSpec(name="tiny-refused", engine=EngineKind.LLAMA_CPP, source=str(tiny.model_path))
+    try:
+        system.spawn("control")
+        agent = system.spawn(
+            "agent",
+            {
+                "LLMGW_NODE_ID": node,
+                "LLMGW_ENGINE_USER": "not a valid name!",
+                "LLMGW_ALLOW_ROOT_ENGINES": "false",
+            },
+        )
+        await replicas.wait_node_registered(client, node, 60)
+        replica_id = await replicas.start_replica(
+            client, spec, ReplicaTimeouts(launch_s=60, ready_s=60)
+        )
+        with pytest.raises(EngineError) as err:
+            await replicas.wait_ready(client, replica_id, 120)
+        reason = str(err.value)
+        assert "engines are not started as root" in reason, reason
+        assert "useradd failed" in reason and "LLMGW_ALLOW_ROOT_ENGINES=true" in reason
+        assert "engines are not started as root" in agent.log_tail(200)
+        leftovers = list((system.work_dir / "agent" / node / "shards").glob("*/spec.json"))
+        assert leftovers == [], [json.loads(p.read_text()) for p in leftovers]
+        assert _mode(system.work_dir) == 0o700
+    finally:
+        system.stop()

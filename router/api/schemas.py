@@ -7,7 +7,7 @@ field is allowed and reaches the engine unchanged (``extra="allow"``).
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, ConfigDict, Field
 
 TokenIds = list[int]
 
@@ -27,23 +27,21 @@ class StreamOptions(BaseModel):
 class _Generation(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
-    # The fields that bound what an engine generates, and so what a request
-    # reserves of its key's token quota, are strict integers: an engine may
-    # read "50" or 50.5 as no bound at all (llama.cpp then uses its default,
-    # -1) where lax parsing would reserve 50.
-    max_tokens: StrictInt | None = Field(default=None, ge=1)
+    # The fields that bound what an engine generates: what a request reserves
+    # of its key's token quota (router.api.openai.reserved_tokens).
+    max_tokens: int | None = Field(default=None, ge=1)
     # OpenAI's newer name; llama.cpp and vLLM obey it on both endpoints.
-    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
-    n_predict: StrictInt | None = Field(
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    n_predict: int | None = Field(
         default=None,
         ge=-1,
         description="llama.cpp: wins over max_tokens; -1 generates until the context is full",
     )
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, ge=0, le=1)
-    n: StrictInt | None = Field(default=None, ge=1, le=128)
-    n_cmpl: StrictInt | None = Field(default=None, ge=1, le=128, description="llama.cpp's n")
-    best_of: StrictInt | None = Field(
+    n: int | None = Field(default=None, ge=1, le=128)
+    n_cmpl: int | None = Field(default=None, ge=1, le=128, description="llama.cpp's n")
+    best_of: int | None = Field(
         default=None, ge=1, le=128, description="sequences generated, n of them returned"
     )
     stop: str | list[str] | None = None

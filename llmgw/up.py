@@ -47,7 +47,9 @@ def port_open(host: str, port: int) -> bool:
 
 def child_env(settings: UpSettings) -> dict[str, str]:
     """The environment every child runs with: the settings, spelled as LLMGW_*."""
-    env = dict(os.environ)
+    # Its Temporal is the plain dev server it started on loopback: namespace,
+    # TLS and API key meant for a cluster (LLMGW_TEMPORAL_*) do not apply.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LLMGW_TEMPORAL_")}
     env.update(
         {
             "LLMGW_TEMPORAL_ADDRESS": f"127.0.0.1:{settings.temporal_port}",

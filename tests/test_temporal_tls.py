@@ -7,6 +7,7 @@ their own: one that read ``default`` anywhere would never see its tasks.
 """
 
 import asyncio
+import json
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -142,6 +143,27 @@ def test_tls_off_with_tls_files_is_refused(pki: Pki) -> None:
 def test_api_key_is_not_in_the_settings_repr() -> None:
     s = settings("x:1", temporal_api_key=API_KEY)
     assert API_KEY not in repr(s) and API_KEY not in str(s.model_dump())
+
+
+def test_llmgw_up_children_leave_cluster_settings_behind(tmp_path: Path) -> None:
+    # `llmgw up` serves its own plain dev server on loopback; TLS files, a key
+    # or a namespace meant for a cluster would keep its children off it.
+    script = (
+        "import json; from llmgw.settings import UpSettings; from llmgw.up import child_env;"
+        " print(json.dumps(child_env(UpSettings())))"
+    )
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "LLMGW_WORK_DIR": str(tmp_path),
+        "LLMGW_TEMPORAL_NAMESPACE": "prod",
+        "LLMGW_TEMPORAL_TLS_CA": "/etc/temporal/ca.pem",
+        "LLMGW_TEMPORAL_API_KEY": API_KEY,
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True
+    ).stdout
+    temporal = {k: v for k, v in json.loads(out).items() if k.startswith("LLMGW_TEMPORAL_")}
+    assert temporal == {"LLMGW_TEMPORAL_ADDRESS": "127.0.0.1:7233"}
 
 
 # --- real handshakes ----------------------------------------------------------

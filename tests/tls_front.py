@@ -110,7 +110,7 @@ class TlsFront:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._server: asyncio.Server | None = None
-        self._writers: set[asyncio.StreamWriter] = set()
+        self._serving: set[asyncio.Task[None]] = set()
 
     def start(self) -> None:
         """Listen; returns once the port accepts connections."""
@@ -134,30 +134,38 @@ class TlsFront:
     async def _close(self) -> None:
         assert self._server is not None
         self._server.close()
-        for writer in self._writers:
-            writer.transport.abort()
+        for task in self._serving:
+            task.cancel()
+        await asyncio.gather(*self._serving, return_exceptions=True)
         await self._server.wait_closed()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._serving.add(task)
+        try:
+            await self._relay(reader, writer)
+        finally:
+            self._serving.discard(task)
+            writer.transport.abort()
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         # The handshake is done here rather than by start_server(ssl=...), so
         # that a refused one is recorded instead of only logged by asyncio.
         try:
             await writer.start_tls(self._ctx, ssl_handshake_timeout=10)
         except (ssl.SSLError, OSError, TimeoutError) as exc:
             self.handshakes.failed.append(f"{type(exc).__name__}: {exc}")
-            writer.transport.abort()
             return
         self.handshakes.done += 1
         try:
             up_reader, up_writer = await asyncio.open_connection(*self._target)
         except OSError:
-            writer.transport.abort()
             return
-        self._writers |= {writer, up_writer}
         try:
             await asyncio.gather(_pipe(reader, up_writer), _pipe(up_reader, writer))
         finally:
-            self._writers -= {writer, up_writer}
+            up_writer.transport.abort()
 
 
 async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

@@ -75,6 +75,8 @@ class Fakes:
     agent_back: asyncio.Event = field(default_factory=asyncio.Event)
     engine_dead: asyncio.Event = field(default_factory=asyncio.Event)
     probes: int = 0
+    agent_restarts: int = 0
+    watches: int = 0
 
     def __post_init__(self) -> None:
         self.ready_gate.set()
@@ -124,6 +126,10 @@ class Fakes:
 
     @activity.defn(name=names.WATCH_SHARD)
     async def watch(self, req: WatchShardInput) -> ShardExit:
+        self.watches += 1
+        if self.agent_restarts:
+            self.agent_restarts -= 1
+            raise ApplicationError("agent shutting down", type="AgentShutdown")
         while not self.engine_exit.is_set():
             # A frozen agent sends no heartbeat; once back, the first one
             # learns that Temporal timed this attempt out (and cancels it).
@@ -134,8 +140,8 @@ class Fakes:
 
     @activity.defn(name=names.SHARD_RUNNING)
     async def running(self, req: ShardRef) -> ShardRunning:
-        while not self.agent_back.is_set():
-            activity.heartbeat()
+        # A frozen agent answers nothing: this attempt times out (no heartbeat).
+        while self.agent_silent.is_set() and not self.agent_back.is_set():
             await asyncio.sleep(0.05)
         return ShardRunning(pid=4242)
 
@@ -313,6 +319,21 @@ async def test_silent_agent_is_node_lost_not_a_dead_engine(
     fakes.engine_exit.set()
     final = await handle.result()
     assert final.phase is P.FAILED and "code 139" in final.reason
+
+
+async def test_a_restarted_agent_is_no_lost_node(env: tuple[Client, str, Fakes]) -> None:
+    client, queue, fakes = env
+    fakes.agent_restarts = 1
+    handle = await _start(client, queue)
+    await _phase(handle, P.READY)
+    async with asyncio.timeout(20):
+        while fakes.watches < 2:  # the watch resumed on the "new" agent
+            await asyncio.sleep(0.05)
+    fakes.engine_exit.set()
+    final = await handle.result()
+    assert "code 139" in final.reason
+    assert P.NODE_LOST not in [h.phase for h in final.history]
+    assert fakes.probes == 0
 
 
 async def test_node_lost_and_engine_silent_fails_and_releases(

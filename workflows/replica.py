@@ -79,10 +79,16 @@ WATCH_LIFETIME = timedelta(days=3650)
 # attempt (then asks again): the wait costs nothing, the history grows by a
 # few events per attempt.
 AGENT_WAIT = timedelta(hours=1)
+# How long a failed watch waits for an agent before the node counts as lost.
+AGENT_QUICK = timedelta(seconds=5)
 
 
 class _StopRequested(Exception):
     """Internal: a stop update arrived while waiting for something else."""
+
+
+class _NoAgent(Exception):
+    """Internal: no agent answered for the node in time."""
 
 
 @workflow.defn(name="Replica")
@@ -258,9 +264,38 @@ class ReplicaWorkflow:
                 if isinstance(err.cause, CancelledError):
                     raise  # a stop request cancelled the watch: not a lost node
                 lost = failure_reason(err)
-            ended = await self._node_lost(lost)
+            # An agent that restarted (or shut down for an upgrade) answers
+            # within seconds: that is no lost node, the watch just resumes.
+            try:
+                ended = await self._agent_answers(AGENT_QUICK)
+            except _NoAgent:
+                ended = await self._node_lost(lost)
             if ended is not None:
                 return ended
+
+    async def _agent_answers(self, within: timedelta) -> ShardExit | None:
+        """None when an agent answers for the running engine within ``within``;
+        how the engine ended when it answers that it has; raises when no agent
+        answers in time."""
+        assert self._placement is not None
+        quick = self._t.model_copy(update={"schedule_to_start_s": within.total_seconds()})
+        try:
+            found: ShardRunning = await node_activity(
+                self._placement.node_id,
+                names.SHARD_RUNNING,
+                self._shard(),
+                ShardRunning,
+                quick,
+                timedelta(seconds=30),
+                retry=RetryPolicy(maximum_attempts=1),
+            )
+        except ActivityError as err:
+            if isinstance(err.cause, CancelledError):
+                raise
+            raise _NoAgent(failure_reason(err)) from err
+        if found.pid is None:
+            return found.exit or ShardExit(exit_code=None, reason="engine gone")
+        return None
 
     async def _node_lost(self, why: str) -> ShardExit | None:
         """Wait for the agent or for the engine's silence, whichever comes first.

@@ -63,6 +63,7 @@ class MockEngine:
 
     seen: list[httpx.Request] = field(default_factory=list)
     down: set[str] = field(default_factory=set)  # hosts that refuse connections
+    refused: list[str] = field(default_factory=list)  # requests they refused
     hold: asyncio.Event | None = None
 
     def body(self, i: int = -1) -> dict[str, Any]:
@@ -71,6 +72,7 @@ class MockEngine:
 
     async def handle(self, request: httpx.Request) -> httpx.Response:
         if request.url.host in self.down:
+            self.refused.append(request.url.host)
             raise httpx.ConnectError("refused", request=request)
         self.seen.append(request)
         if self.hold is not None:

@@ -43,6 +43,9 @@ class _Common(BaseSettings):
     log_level: str = "INFO"
     # LLMGW_TRACING__EXPORTER=otlp|console|none, LLMGW_TRACING__ENDPOINT=...
     tracing: TracingSettings = Field(default_factory=TracingSettings)
+    # SIGTERM/SIGINT to exit, at most: a watchdog ends a shutdown still
+    # waiting then (on a frozen Temporal server or database) with status 124.
+    shutdown_timeout_s: float = 8.0
 
     def resolved_store_url(self) -> str:
         """The store URL, defaulting to SQLite in the work dir."""
@@ -55,7 +58,9 @@ class ControlSettings(_Common):
     # A SIGKILLed worker's sticky queue holds its workflows' next task until
     # this passes; the server default (10 s) stalls every in-flight start.
     sticky_schedule_to_start_s: float = 2.0
-    graceful_shutdown_s: float = 10.0
+    # Running control activities (all short) get this to finish on SIGTERM;
+    # it must leave room inside shutdown_timeout_s.
+    graceful_shutdown_s: float = 5.0
     # Recovery passes (llmgw/reconcile.py): 0 turns them off. Without the
     # catalog part only the ledger is audited.
     reconcile_interval_s: float = 30.0

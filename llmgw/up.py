@@ -2,10 +2,16 @@
 
 Order on the way up: Temporal dev server → control worker → node agent →
 router → the default model's replica → one real completion through the
-router. Only then is the endpoint printed. On SIGINT/SIGTERM the replicas are
-stopped through their workflows (so engines exit the normal way and GPUs are
-released in the ledger), then the processes in reverse order, and finally any
-engine still recorded in the agent's spec files is killed as a safety net.
+router. Only then is the endpoint printed. Once all four processes run, one
+that dies is started again after a backoff (1 s doubling to 30 s), and the
+console says so; a restarted agent adopts the engines that kept running.
+
+On SIGINT/SIGTERM the replicas are stopped through their workflows (so
+engines exit the normal way and GPUs are released in the ledger), then the
+processes in reverse order, and finally any engine still recorded in the
+agent's spec files is killed as a safety net. The whole of it is bounded by
+``shutdown_timeout_s``: a Temporal server that does not answer gets a share
+of it, and a process still running at the end is killed.
 """
 
 import asyncio
@@ -14,6 +20,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -24,7 +31,8 @@ from temporalio.service import RPCError
 from llmgw import replicas
 from llmgw.engine_install import ensure_llama_cpp
 from llmgw.errors import LlmgwError
-from llmgw.procs import Child, wait_for
+from llmgw.lifecycle import stop_event_on_signals, unless_stopped
+from llmgw.procs import Child, Supervised, log_tail, wait_for
 from llmgw.settings import UpSettings
 from llmgw.store import Store
 from llmgw.temporal import connect
@@ -36,6 +44,12 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 DEVSERVER = REPO_ROOT / "temporal-dev" / "devserver.py"
 
 Say = Callable[[str], None]
+Announce = Callable[[str, str, str], None]
+# Of the shutdown bound, what the processes and engines are left after
+# replicas are stopped through Temporal (each process needs about a second).
+PROCESS_STOP_RESERVE_S = 4.0
+# How often the supervisor looks for a child that died.
+CHECK_INTERVAL_S = 0.2
 
 
 def port_open(host: str, port: int) -> bool:
@@ -86,8 +100,12 @@ class Up:
         self.s = settings
         self.say = say
         self.work = settings.work_dir.resolve()
-        self.children: list[Child] = []
+        self.children: list[Supervised] = []
         self.spec: ModelSpec | None = None
+        self.client: Client | None = None
+        # Set on shutdown: start-up work still running in a thread spawns
+        # nothing more and stops waiting.
+        self._closing = threading.Event()
 
     def prepare(self) -> ModelSpec:
         """Engine binary, tiny model, store, catalog entry."""
@@ -105,8 +123,15 @@ class Up:
         store.close()
         return spec
 
-    def _spawn(self, name: str, argv: list[str]) -> Child:
-        child = Child(name, argv, child_env(self.s), self.work / "logs" / f"{name}.log")
+    def _log_path(self, name: str) -> Path:
+        return self.work / "logs" / f"{name}.log"
+
+    def _spawn(self, name: str, argv: list[str]) -> Supervised:
+        if self._closing.is_set():
+            raise LlmgwError("stopping")
+        env = child_env(self.s)
+        log = self._log_path(name)
+        child = Supervised(name, lambda: Child(name, argv, env, log), self.say)
         self.children.append(child)
         return child
 
@@ -129,23 +154,40 @@ class Up:
             ],
         )
         if not wait_for(
-            lambda: port_open("127.0.0.1", self.s.temporal_port) or not temporal.alive(), 30
+            lambda: (
+                port_open("127.0.0.1", self.s.temporal_port)
+                or not temporal.alive()
+                or self._closing.is_set()
+            ),
+            30,
         ):
             raise LlmgwError("Temporal did not start listening in 30s")
         if not temporal.alive():
-            raise LlmgwError(f"Temporal exited:\n{temporal.log_tail()}")
+            raise LlmgwError(f"Temporal exited:\n{log_tail(self._log_path('temporal'))}")
         for name in ("control", "agent"):
             self.say(f"starting {name}")
             self._spawn(name, [sys.executable, "-m", "llmgw", name])
         self.say("starting router")
         router = self._spawn("router", [sys.executable, "-m", "llmgw", "router"])
         if not wait_for(
-            lambda: port_open("127.0.0.1", self.s.router_port) or not router.alive(), 60
+            lambda: (
+                port_open("127.0.0.1", self.s.router_port)
+                or not router.alive()
+                or self._closing.is_set()
+            ),
+            60,
         ):
             raise LlmgwError("router did not start listening in 60s")
         for child in self.children:
             if not child.alive():
-                raise LlmgwError(f"{child.name} exited:\n{child.log_tail()}")
+                raise LlmgwError(f"{child.name} exited:\n{log_tail(self._log_path(child.name))}")
+
+    async def supervise(self) -> None:
+        """Restart, with backoff, any child that dies; runs until cancelled."""
+        while True:
+            for child in self.children:
+                child.check()
+            await asyncio.sleep(CHECK_INTERVAL_S)
 
     async def ensure_deployed(self, client: Client, spec: ModelSpec) -> str:
         """Deploy the default model (one replica, restarted if it fails) and
@@ -173,35 +215,78 @@ class Up:
                 await asyncio.sleep(0.2)
         raise LlmgwError(f"no completion through the router: {resp.status_code} {resp.text}")
 
-    async def _scale_to_zero(self, client: Client) -> None:
+    async def run(self, announce: Announce) -> None:
+        """Bring everything up, announce it, then supervise until cancelled."""
+        spec = await asyncio.to_thread(self.prepare)
+        await asyncio.to_thread(self.start_processes)
+        supervising = asyncio.create_task(self.supervise())
+        try:
+            self.client = client = await connect(f"127.0.0.1:{self.s.temporal_port}")
+            self.say("waiting for the agent to register")
+            await replicas.wait_node_registered(client, self.s.node_id, 120)
+            await self.ensure_deployed(client, spec)
+            store = Store(self.s.resolved_store_url())
+            key = dev_api_key(store, self.work / "dev-api-key")
+            store.close()
+            text = await self.first_completion(key, spec.name)
+            self.say(f"first completion: {text!r}")
+            announce(
+                f"http://127.0.0.1:{self.s.router_port}/v1",
+                f"http://127.0.0.1:{self.s.ui_port}",
+                key,
+            )
+            await supervising
+        finally:
+            supervising.cancel()
+
+    async def _scale_to_zero(self, client: Client, timeout_s: float) -> None:
         """Drain the default deployment: its replicas stop, then it ends."""
         spec = self.spec
         if spec is None:
             return
         try:
-            await replicas.remove_deployment(client, spec, self.s.stop_timeout_s)
+            await replicas.remove_deployment(client, spec, timeout_s)
         except (RPCError, TimeoutError, WorkflowFailureError) as exc:
             self.say(f"deployment did not drain cleanly: {exc}")
 
-    async def shutdown(self, client: Client | None) -> None:
-        """Stop replicas through Temporal, then the processes, then stragglers."""
-        if client is not None and any(c.name == "control" and c.alive() for c in self.children):
+    async def _stop_replicas(self, client: Client, timeout_s: float) -> None:
+        await self._scale_to_zero(client, timeout_s)
+        running = await replicas.list_replicas(client)
+        await asyncio.gather(
+            *(
+                replicas.stop_replica(client, m.replica_id, "llmgw up stopping", timeout_s)
+                for m in running
+            ),
+            return_exceptions=True,
+        )
+
+    async def shutdown(self) -> None:
+        """Stop replicas through Temporal, then the processes, then stragglers,
+        all within ``shutdown_timeout_s``."""
+        self._closing.set()
+        for child in self.children:
+            # No restart from here on, not even of a child in backoff.
+            child.hold()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.s.shutdown_timeout_s
+        budget = min(self.s.stop_timeout_s, self.s.shutdown_timeout_s - PROCESS_STOP_RESERVE_S)
+        serving = {c.name for c in self.children if c.alive()}
+        client = self.client
+        if client is not None and {"temporal", "control"} <= serving and budget > 0:
             try:
-                await self._scale_to_zero(client)
-                running = await replicas.list_replicas(client)
-                await asyncio.gather(
-                    *(
-                        replicas.stop_replica(
-                            client, m.replica_id, "llmgw up stopping", self.s.stop_timeout_s
-                        )
-                        for m in running
-                    ),
-                    return_exceptions=True,
+                async with asyncio.timeout(budget):
+                    await self._stop_replicas(client, budget)
+            except TimeoutError:
+                self.say(
+                    f"replicas not stopped through Temporal within {budget:g} s:"
+                    " their engines are killed instead"
                 )
             except Exception as exc:
                 self.say(f"could not stop replicas through Temporal: {exc}")
         for child in reversed(self.children):
-            child.stop()
+            # Leaves about a second of the bound for the engines below.
+            grace = max(0.0, deadline - 1.0 - loop.time())
+            await asyncio.to_thread(child.stop, grace)
         for pgid in kill_recorded_engines(self.work / "agent"):
             self.say(f"killed leftover engine process group {pgid}")
 
@@ -232,32 +317,14 @@ def kill_recorded_engines(agent_dir: Path) -> list[int]:
     return killed
 
 
-async def run_up(settings: UpSettings, say: Say, announce: Callable[[str, str, str], None]) -> None:
-    """Bring everything up, announce it, and wait for SIGINT/SIGTERM."""
+async def run_up(settings: UpSettings, say: Say, announce: Announce) -> None:
+    """Bring everything up, announce it, and supervise until SIGINT/SIGTERM
+    (which also interrupts a start-up still under way)."""
     up = Up(settings, say)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    client: Client | None = None
+    # The watchdog is a last resort behind shutdown's own deadline.
+    stop = stop_event_on_signals(settings.shutdown_timeout_s + 0.9)
     try:
-        spec = await asyncio.to_thread(up.prepare)
-        await asyncio.to_thread(up.start_processes)
-        client = await connect(f"127.0.0.1:{settings.temporal_port}")
-        say("waiting for the agent to register")
-        await replicas.wait_node_registered(client, settings.node_id, 120)
-        await up.ensure_deployed(client, spec)
-        store = Store(settings.resolved_store_url())
-        key = dev_api_key(store, up.work / "dev-api-key")
-        store.close()
-        text = await up.first_completion(key, spec.name)
-        say(f"first completion: {text!r}")
-        announce(
-            f"http://127.0.0.1:{settings.router_port}/v1",
-            f"http://127.0.0.1:{settings.ui_port}",
-            key,
-        )
-        await stop.wait()
+        await unless_stopped(stop, up.run(announce))
     finally:
         say("stopping")
-        await up.shutdown(client)
+        await up.shutdown()

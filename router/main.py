@@ -3,13 +3,14 @@
 import asyncio
 import logging
 from collections.abc import Coroutine
+from types import FrameType
 from typing import Any
 
 import uvicorn
 from opentelemetry.trace import Tracer
 from temporalio.client import Client
 
-from llmgw.lifecycle import setup_logging
+from llmgw.lifecycle import ShutdownWatchdog, setup_logging
 from llmgw.listener import ListenerLimits, fit_open_files, limited_protocol
 from llmgw.settings import RouterSettings
 from llmgw.store import Store
@@ -20,6 +21,9 @@ from router.routing import ReplicaSource, TemporalReplicaSource
 from router.upstream import AiohttpUpstream
 
 log = logging.getLogger(__name__)
+# Of shutdown_timeout_s, what is kept for the lifespan's shutdown (the last
+# usage flush, closing the store) after open requests.
+LIFESPAN_SHUTDOWN_RESERVE_S = 3.0
 
 
 def build(
@@ -81,8 +85,28 @@ async def serve(
 ) -> None:
     """Serve until uvicorn is told to stop (it handles SIGINT/SIGTERM)."""
     config = build(settings, store, source, temporal, tracer)
+    if config.timeout_graceful_shutdown is None:
+        # Open requests (a stream may run for minutes) get what the bound
+        # leaves after the lifespan's last usage flush; then they are cut.
+        config.timeout_graceful_shutdown = max(
+            1, int(settings.shutdown_timeout_s - LIFESPAN_SHUTDOWN_RESERVE_S)
+        )
     log.info("router on http://%s:%d", settings.host, settings.port)
-    await uvicorn.Server(config).serve()
+    await _Server(config, ShutdownWatchdog(settings.shutdown_timeout_s)).serve()
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, whose SIGTERM/SIGINT also arms the shutdown watchdog:
+    the lifespan's shutdown flushes usage to a store that may not answer."""
+
+    def __init__(self, config: uvicorn.Config, watchdog: ShutdownWatchdog) -> None:
+        super().__init__(config)
+        self._watchdog = watchdog
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        """Start the watchdog, then uvicorn's own graceful exit."""
+        self._watchdog.arm()
+        super().handle_exit(sig, frame)
 
 
 async def run(settings: RouterSettings) -> None:

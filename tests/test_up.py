@@ -45,6 +45,9 @@ def test_up_serves_a_completion_and_ctrl_c_cleans_up(tmp_path: Path) -> None:
             "LLMGW_TEST_ENGINE_CACHE", str(REPO / ".llmgw" / "engines")
         ),
         LLMGW_PORT_RANGE_START=str(free_port()),
+        # pytest's temp dirs are 0700: an engine user could not reach them
+        # (as in tests/harness.py).
+        LLMGW_ALLOW_ROOT_ENGINES="true",
     )
     stderr = open(tmp_path / "up.stderr", "w")  # noqa: SIM115 - closed in finally
     proc = subprocess.Popen(

@@ -23,7 +23,7 @@ from activities.adapters import AdapterActivities
 from activities.node import NodeActivities
 from llmgw.engine_install import LlamaCppInstall, ensure_llama_cpp
 from llmgw.keys import engine_key
-from llmgw.lifecycle import setup_logging, stop_event_on_signals
+from llmgw.lifecycle import setup_logging, stop_event_on_signals, unless_stopped
 from llmgw.queues import CONTROL_QUEUE, FLEET_WORKFLOW_ID, node_queue, replica_workflow_id
 from llmgw.reconcile import workflow_running
 from llmgw.settings import AgentSettings
@@ -47,6 +47,10 @@ from worker_agent.users import SystemUsers, engine_identity
 from worker_agent.weights import WeightsCache
 
 log = logging.getLogger(__name__)
+# Shutdown (all within shutdown_timeout_s): deregistering, and beside it the
+# worker's graceful period for running activities plus this for its pollers.
+DEREGISTER_TIMEOUT_S = 2.0
+WORKER_STOP_MARGIN_S = 1.0
 
 
 async def register(client: Client, inventory: NodeInventory) -> None:
@@ -152,6 +156,28 @@ async def stop_orphans(client: Client, supervisor: Supervisor, grace_s: float) -
     return stopped
 
 
+async def _first_round(client: Client, supervisor: Supervisor, latest: NodeInventory) -> None:
+    await stop_orphans(client, supervisor, grace_s=10)
+    await register(client, latest)
+
+
+async def deregister(client: Client, node_id: str, timeout_s: float) -> None:
+    """Tell the fleet this node is leaving, giving up after ``timeout_s``: a
+    shutdown must not wait on an unreachable Temporal (the client retries a
+    refused connection for ~10 s and waits on a frozen server for 30 s), and
+    the fleet notices a node that stopped registering anyway."""
+    fleet = client.get_workflow_handle(FLEET_WORKFLOW_ID)
+    try:
+        async with asyncio.timeout(timeout_s):
+            await fleet.signal(
+                "deregister_node",
+                NodeRef(node_id=node_id),
+                rpc_timeout=timedelta(seconds=timeout_s),
+            )
+    except (RPCError, TimeoutError) as exc:
+        log.warning("could not deregister within %g s: %s", timeout_s, exc or "timed out")
+
+
 async def _keep_registered(
     client: Client,
     settings: AgentSettings,
@@ -244,24 +270,34 @@ async def run(settings: AgentSettings) -> None:
         max_concurrent_activities=64,
         graceful_shutdown_timeout=timedelta(seconds=settings.graceful_shutdown_s),
     )
-    stop = stop_event_on_signals()
-    async with worker:
-        await stop_orphans(client, supervisor, grace_s=10)
-        await register(client, latest[0])
-        log.info("agent %s serving %s (pid %d)", settings.node_id, queue, os.getpid())
-        keeper = asyncio.create_task(
-            _keep_registered(client, settings, supervisor, sources, latest, installs)
-        )
-        await stop.wait()
-        keeper.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await keeper
-        log.info("agent %s shutting down; engines keep running", settings.node_id)
-        try:
-            fleet = client.get_workflow_handle(FLEET_WORKFLOW_ID)
-            await fleet.signal("deregister_node", NodeRef(node_id=settings.node_id))
-        except RPCError as exc:
-            log.warning("could not deregister: %s", exc)
+    stop = stop_event_on_signals(settings.shutdown_timeout_s)
+    loop = asyncio.get_running_loop()
+    try:
+        async with asyncio.timeout(None) as stopping, worker:
+            # Calls to a Temporal that does not answer are retried for a long
+            # while: a SIGTERM meanwhile ends them.
+            await unless_stopped(stop, _first_round(client, supervisor, latest[0]))
+            if not stop.is_set():
+                log.info("agent %s serving %s (pid %d)", settings.node_id, queue, os.getpid())
+                keeper = asyncio.create_task(
+                    _keep_registered(client, settings, supervisor, sources, latest, installs)
+                )
+                await stop.wait()
+                keeper.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await keeper
+            log.info("agent %s shutting down; engines keep running", settings.node_id)
+            # Side by side with the worker's stop, each bounded: the stop
+            # waits on pollers that a frozen Temporal server never answers.
+            leaving = asyncio.create_task(
+                deregister(client, settings.node_id, DEREGISTER_TIMEOUT_S)
+            )
+            stopping.reschedule(loop.time() + settings.graceful_shutdown_s + WORKER_STOP_MARGIN_S)
+    except TimeoutError:
+        if not stopping.expired():
+            raise
+        log.warning("agent %s: worker did not stop in time; exiting anyway", settings.node_id)
+    await leaving
     await node_activities.aclose()
     await adapter_http.aclose()
     tracing.shutdown()

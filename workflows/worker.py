@@ -27,6 +27,9 @@ from workflows.rendezvous import RendezvousWorkflow
 from workflows.replica import ReplicaWorkflow
 
 log = logging.getLogger(__name__)
+# On SIGTERM: the graceful period for running activities plus this for the
+# worker's pollers to stop (all within shutdown_timeout_s).
+WORKER_STOP_MARGIN_S = 1.0
 
 WORKFLOWS = [
     AdapterLoadWorkflow,
@@ -99,22 +102,31 @@ async def run(settings: ControlSettings) -> None:
     client = await connect_with(settings, tracing.interceptors())
     await ensure_fleet(client)
     worker = build_worker(client, settings)
-    stop = stop_event_on_signals()
     log.info("control worker on %s (Temporal %s)", CONTROL_QUEUE, settings.temporal_address)
     store = Store(settings.resolved_store_url()) if settings.reconcile_catalog else None
     # Reconcile passes read through an untraced client (a trace every pass
     # would be noise); a pass that acts is a trace, its actions through
     # ``client`` part of it.
     reads = await connect_with(settings)
-    async with worker, asyncio.TaskGroup() as tasks:
-        if settings.reconcile_interval_s > 0:
-            reconciling = tasks.create_task(
-                reconcile_forever(reads, client, store, settings.reconcile_interval_s)
-            )
-        await stop.wait()
-        log.info("control worker shutting down")
-        if settings.reconcile_interval_s > 0:
-            reconciling.cancel()
+    stop = stop_event_on_signals(settings.shutdown_timeout_s)
+    loop = asyncio.get_running_loop()
+    try:
+        async with asyncio.timeout(None) as stopping, worker, asyncio.TaskGroup() as tasks:
+            if settings.reconcile_interval_s > 0:
+                reconciling = tasks.create_task(
+                    reconcile_forever(reads, client, store, settings.reconcile_interval_s)
+                )
+            await stop.wait()
+            log.info("control worker shutting down")
+            # The worker's stop waits on pollers that a frozen Temporal
+            # server never answers: bounded.
+            stopping.reschedule(loop.time() + settings.graceful_shutdown_s + WORKER_STOP_MARGIN_S)
+            if settings.reconcile_interval_s > 0:
+                reconciling.cancel()
+    except TimeoutError:
+        if not stopping.expired():
+            raise
+        log.warning("control worker did not stop in time; exiting anyway")
     if store is not None:
         store.close()
     tracing.shutdown()

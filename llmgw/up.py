@@ -22,6 +22,7 @@ import socket
 import sys
 import threading
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 
 import httpx
@@ -48,6 +49,8 @@ Announce = Callable[[str, str, str], None]
 # Of the shutdown bound, what the processes and engines are left after
 # replicas are stopped through Temporal (each process needs about a second).
 PROCESS_STOP_RESERVE_S = 4.0
+# A Temporal server that does not answer this fast is not asked to drain.
+TEMPORAL_CHECK_S = 1.0
 # How often the supervisor looks for a child that died.
 CHECK_INTERVAL_S = 0.2
 
@@ -260,6 +263,28 @@ class Up:
             return_exceptions=True,
         )
 
+    async def _drain(self, budget_s: float) -> None:
+        """Stop the replicas through Temporal within ``budget_s``, when it
+        and the control worker are there to do it."""
+        budget_s = min(self.s.stop_timeout_s, budget_s)
+        serving = {c.name for c in self.children if c.alive()}
+        client = self.client
+        if client is None or not {"temporal", "control"} <= serving or budget_s <= 0:
+            return
+        if not await answers(client, TEMPORAL_CHECK_S):
+            self.say("Temporal does not answer: engines are killed instead of drained")
+            return
+        try:
+            async with asyncio.timeout(budget_s):
+                await self._stop_replicas(client, budget_s)
+        except TimeoutError:
+            self.say(
+                f"replicas not stopped through Temporal within {budget_s:g} s:"
+                " their engines are killed instead"
+            )
+        except Exception as exc:
+            self.say(f"could not stop replicas through Temporal: {exc}")
+
     async def shutdown(self) -> None:
         """Stop replicas through Temporal, then the processes, then stragglers,
         all within ``shutdown_timeout_s``."""
@@ -269,26 +294,22 @@ class Up:
             child.hold()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.s.shutdown_timeout_s
-        budget = min(self.s.stop_timeout_s, self.s.shutdown_timeout_s - PROCESS_STOP_RESERVE_S)
-        serving = {c.name for c in self.children if c.alive()}
-        client = self.client
-        if client is not None and {"temporal", "control"} <= serving and budget > 0:
-            try:
-                async with asyncio.timeout(budget):
-                    await self._stop_replicas(client, budget)
-            except TimeoutError:
-                self.say(
-                    f"replicas not stopped through Temporal within {budget:g} s:"
-                    " their engines are killed instead"
-                )
-            except Exception as exc:
-                self.say(f"could not stop replicas through Temporal: {exc}")
+        await self._drain(self.s.shutdown_timeout_s - PROCESS_STOP_RESERVE_S)
         for child in reversed(self.children):
             # Leaves about a second of the bound for the engines below.
             grace = max(0.0, deadline - 1.0 - loop.time())
             await asyncio.to_thread(child.stop, grace)
         for pgid in kill_recorded_engines(self.work / "agent"):
             self.say(f"killed leftover engine process group {pgid}")
+
+
+async def answers(client: Client, timeout_s: float) -> bool:
+    """Whether the Temporal server answers a health check within ``timeout_s``."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await client.service_client.check_health(timeout=timedelta(seconds=timeout_s))
+    except (RPCError, TimeoutError):
+        return False
 
 
 def kill_recorded_engines(agent_dir: Path) -> list[int]:

@@ -38,6 +38,7 @@ from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError
 
+from llmgw import messages
 from llmgw.queues import CONTROL_QUEUE
 from llmgw.types import AdapterLoadInput, AdapterLoadResult, AdapterSpec, EngineKind, ModelSpec
 from router.adapter_policy import Action, AdapterUse, ReplicaView, choose
@@ -115,7 +116,7 @@ class TemporalAdapterLoader:
         """Start or join the (replica, adapter) load and wait for its result."""
         try:
             result: AdapterLoadResult = await self._client.execute_workflow(
-                "AdapterLoad",
+                messages.ADAPTER_LOAD,
                 request,
                 id=adapter_workflow_id(request.replica_id, request.adapter.name),
                 task_queue=self._queue,

@@ -21,6 +21,7 @@ from temporalio.worker import Worker
 
 from activities.adapters import AdapterActivities
 from activities.node import NodeActivities
+from llmgw import messages
 from llmgw.engine_install import LlamaCppInstall, ensure_llama_cpp
 from llmgw.keys import engine_key
 from llmgw.lifecycle import setup_logging, stop_event_on_signals, unless_stopped
@@ -56,11 +57,11 @@ WORKER_STOP_MARGIN_S = 1.0
 async def register(client: Client, inventory: NodeInventory) -> None:
     """Report this node to the fleet, starting the fleet if it is not running."""
     await client.start_workflow(
-        "Fleet",
+        messages.FLEET,
         FleetSnapshot(),
         id=FLEET_WORKFLOW_ID,
         task_queue=CONTROL_QUEUE,
-        start_signal="register_node",
+        start_signal=messages.REGISTER_NODE,
         start_signal_args=[inventory],
         id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
     )
@@ -170,7 +171,7 @@ async def deregister(client: Client, node_id: str, timeout_s: float) -> None:
     try:
         async with asyncio.timeout(timeout_s):
             await fleet.signal(
-                "deregister_node",
+                messages.DEREGISTER_NODE,
                 NodeRef(node_id=node_id),
                 rpc_timeout=timedelta(seconds=timeout_s),
             )

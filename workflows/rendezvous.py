@@ -20,6 +20,7 @@ from temporalio.exceptions import ActivityError, ApplicationError
 
 with workflow.unsafe.imports_passed_through():
     from activities import names
+    from llmgw import messages
     from llmgw.types import (
         EngineKind,
         FetchWeightsInput,
@@ -53,7 +54,7 @@ def needs_weights(engine: EngineKind, rank: int) -> bool:
     return rank == 0 or engine is not EngineKind.LLAMA_CPP
 
 
-@workflow.defn(name="Rendezvous")
+@workflow.defn(name=messages.RENDEZVOUS)
 class RendezvousWorkflow:
     """Starts the ranks of one multi-node replica; compensates on failure."""
 

@@ -20,7 +20,7 @@ from temporalio.client import Client
 from temporalio.exceptions import ApplicationError
 
 from activities import names
-from llmgw import messages
+from llmgw import error_types, messages
 from llmgw.queues import FLEET_WORKFLOW_ID
 from llmgw.types import (
     CordonInput,
@@ -73,7 +73,9 @@ class ControlActivities:
         """
         if self._engine_key is None:
             raise ApplicationError(
-                "this control worker has no engine key", type="ConfigError", non_retryable=True
+                "this control worker has no engine key",
+                type=error_types.CONFIG_ERROR,
+                non_retryable=True,
             )
         key = await self._engine_key(request.replica_id)
         details = activity.info().heartbeat_details
@@ -141,7 +143,7 @@ class ControlActivities:
         if problems:
             raise ApplicationError(
                 "cannot start: " + "; ".join(problems),
-                type="LaunchValidationError",
+                type=error_types.LAUNCH_VALIDATION_ERROR,
                 non_retryable=True,
             )
         return ValidateResult()

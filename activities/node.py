@@ -19,6 +19,7 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from activities import names
+from llmgw import error_types
 from llmgw.engine_install import EngineInstallError
 from llmgw.errors import (
     ConfigError,
@@ -212,7 +213,7 @@ class NodeActivities:
             # deployment's backoff decides when to try again.
             raise ApplicationError(
                 f"installing {engine.value} failed: {err}",
-                type="EngineInstallError",
+                type=error_types.ENGINE_INSTALL_ERROR,
                 non_retryable=True,
             ) from err
 
@@ -406,7 +407,7 @@ class NodeActivities:
             if activity.is_worker_shutdown():
                 # The engine outlives the agent; a retry on the next agent
                 # process resumes watching it.
-                raise ApplicationError("agent shutting down", type="AgentShutdown")
+                raise ApplicationError("agent shutting down", type=error_types.AGENT_SHUTDOWN)
             sidecar = self._sup.dead_sidecar(ref)
             if sidecar is not None:
                 # An engine nobody can reach (its pass-through is gone) is down.

@@ -38,7 +38,7 @@ from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError
 
-from llmgw import messages
+from llmgw import error_types, messages
 from llmgw.queues import CONTROL_QUEUE
 from llmgw.types import AdapterLoadInput, AdapterLoadResult, AdapterSpec, EngineKind, ModelSpec
 from router.adapter_policy import Action, AdapterUse, ReplicaView, choose
@@ -99,7 +99,7 @@ def _kind(err: BaseException) -> str:
 def _busy(err: BaseException) -> bool:
     """Whether the load failed because its eviction victim was in use."""
     while err is not None:
-        if isinstance(err, ApplicationError) and err.type == "AdapterBusy":
+        if isinstance(err, ApplicationError) and err.type == error_types.ADAPTER_BUSY:
             return True
         err = getattr(err, "cause", None)  # type: ignore[assignment]
     return False

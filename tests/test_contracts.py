@@ -4,7 +4,10 @@ Stored histories, running workflows and older clients carry them: a renamed
 constant is fine, a changed value is not.
 """
 
-from llmgw import messages
+from llmgw import error_types, errors, messages
+from llmgw.engine_install import EngineInstallError
+from worker_agent import weights
+from worker_agent.adapters.spec import LaunchValidationError
 
 WIRE_MESSAGES = {
     "FLEET": "Fleet",
@@ -38,3 +41,51 @@ def _constants(module: object) -> dict[str, str]:
 
 def test_message_names_keep_their_values() -> None:
     assert _constants(messages) == WIRE_MESSAGES
+
+
+WIRE_ERROR_TYPES = {
+    "CONFIG_ERROR": "ConfigError",
+    "ENGINE_LAUNCH_ERROR": "EngineLaunchError",
+    "ENGINE_USER_ERROR": "EngineUserError",
+    "ENGINE_EXITED_ERROR": "EngineExitedError",
+    "ENGINE_NOT_READY_ERROR": "EngineNotReadyError",
+    "ENGINE_INSTALL_ERROR": "EngineInstallError",
+    "LAUNCH_VALIDATION_ERROR": "LaunchValidationError",
+    "WEIGHTS_ERROR": "WeightsError",
+    "UNSUPPORTED_SOURCE": "UnsupportedSource",
+    "CHECKSUM_MISMATCH": "ChecksumMismatch",
+    "SOURCE_MISSING": "SourceMissing",
+    "SOURCE_OUTSIDE_ROOTS": "SourceOutsideRoots",
+    "AGENT_SHUTDOWN": "AgentShutdown",
+    "RENDEZVOUS_FAILED": "RendezvousFailed",
+    "ENGINE_GONE": "EngineGone",
+    "ADAPTER_OUTSIDE_ROOTS": "AdapterOutsideRoots",
+    "ADAPTER_NOT_FOUND": "AdapterNotFound",
+    "ADAPTER_LOAD_FAILED": "AdapterLoadFailed",
+    "ADAPTER_ENGINE_FULL": "AdapterEngineFull",
+    "ADAPTER_BUSY": "AdapterBusy",
+    "ADAPTER_UNLOAD_FAILED": "AdapterUnloadFailed",
+}
+
+
+def test_error_types_keep_their_values() -> None:
+    assert _constants(error_types) == WIRE_ERROR_TYPES
+
+
+def test_error_types_raised_from_classes_are_their_class_names() -> None:
+    """``to_application_error`` sends the class name: the constant must be it."""
+    pairs = {
+        error_types.CONFIG_ERROR: errors.ConfigError,
+        error_types.ENGINE_LAUNCH_ERROR: errors.EngineLaunchError,
+        error_types.ENGINE_USER_ERROR: errors.EngineUserError,
+        error_types.ENGINE_EXITED_ERROR: errors.EngineExitedError,
+        error_types.ENGINE_NOT_READY_ERROR: errors.EngineNotReadyError,
+        error_types.ENGINE_INSTALL_ERROR: EngineInstallError,
+        error_types.LAUNCH_VALIDATION_ERROR: LaunchValidationError,
+        error_types.WEIGHTS_ERROR: weights.WeightsError,
+        error_types.UNSUPPORTED_SOURCE: weights.UnsupportedSource,
+        error_types.CHECKSUM_MISMATCH: weights.ChecksumMismatch,
+        error_types.SOURCE_MISSING: weights.SourceMissing,
+        error_types.SOURCE_OUTSIDE_ROOTS: weights.SourceOutsideRoots,
+    }
+    assert {name: cls.__name__ for name, cls in pairs.items()} == {n: n for n in pairs}

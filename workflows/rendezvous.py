@@ -20,7 +20,7 @@ from temporalio.exceptions import ActivityError, ApplicationError
 
 with workflow.unsafe.imports_passed_through():
     from activities import names
-    from llmgw import messages
+    from llmgw import error_types, messages
     from llmgw.types import (
         EngineKind,
         FetchWeightsInput,
@@ -69,7 +69,7 @@ class RendezvousWorkflow:
             await self._stop_all()
             raise ApplicationError(
                 f"multi-node start failed: {_why(err, self._t.rendezvous_s)}",
-                type="RendezvousFailed",
+                type=error_types.RENDEZVOUS_FAILED,
                 non_retryable=True,
             ) from err
         except asyncio.CancelledError:

@@ -172,9 +172,7 @@ class NodeActivities:
                 lambda: f"{done[0]}/{done[1]} bytes",
             )
         except WeightsError as err:
-            raise ApplicationError(
-                str(err), type=type(err).__name__, non_retryable=not err.retryable
-            ) from err
+            raise err.to_application_error() from err
         log.info(
             "replica %s weights at %s (%d bytes, %s)",
             request.replica_id,

@@ -39,6 +39,7 @@ from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError
 
 from llmgw import error_types, messages
+from llmgw.errors import LlmgwError
 from llmgw.queues import CONTROL_QUEUE
 from llmgw.types import AdapterLoadInput, AdapterLoadResult, AdapterSpec, EngineKind, ModelSpec
 from router.adapter_policy import Action, AdapterUse, ReplicaView, choose
@@ -51,7 +52,7 @@ log = logging.getLogger(__name__)
 LOAD_TIMEOUT = timedelta(seconds=180)
 
 
-class AdapterLoadFailed(Exception):
+class AdapterLoadFailed(LlmgwError):
     """The engine (or Temporal) did not load the adapter; the message says why.
 
     ``busy``: the adapter chosen for unloading had requests in flight in the

@@ -5,8 +5,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from llmgw.errors import LlmgwError
 
-class OpenAIError(Exception):
+
+class OpenAIError(LlmgwError):
     """An error the client sees as ``{"error": {...}}`` with an HTTP status."""
 
     def __init__(

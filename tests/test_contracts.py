@@ -4,6 +4,10 @@ Stored histories, running workflows and older clients carry them: a renamed
 constant is fine, a changed value is not.
 """
 
+import importlib
+import inspect
+import pkgutil
+
 from llmgw import error_types, errors, messages
 from llmgw.engine_install import EngineInstallError
 from worker_agent import weights
@@ -89,3 +93,32 @@ def test_error_types_raised_from_classes_are_their_class_names() -> None:
         error_types.SOURCE_OUTSIDE_ROOTS: weights.SourceOutsideRoots,
     }
     assert {name: cls.__name__ for name, cls in pairs.items()} == {n: n for n in pairs}
+
+
+PACKAGES = ("llmgw", "workflows", "activities", "router", "worker_agent")
+
+
+def _project_exceptions() -> list[type[BaseException]]:
+    found: list[type[BaseException]] = []
+    for package in PACKAGES:
+        path = importlib.import_module(package).__path__
+        for info in pkgutil.walk_packages(path, f"{package}."):
+            if info.name.endswith(".__main__"):
+                continue
+            module = importlib.import_module(info.name)
+            found += [
+                obj
+                for obj in vars(module).values()
+                if inspect.isclass(obj)
+                and issubclass(obj, BaseException)
+                and obj.__module__ == module.__name__
+            ]
+    return found
+
+
+def test_every_project_exception_is_under_the_root_and_drawn_in_the_tree() -> None:
+    found = _project_exceptions()
+    assert len(found) > 20  # the walk did reach the packages
+    assert [c.__qualname__ for c in found if not issubclass(c, errors.LlmgwError)] == []
+    assert errors.__doc__ is not None
+    assert [c.__qualname__ for c in found if c.__name__ not in errors.__doc__] == []

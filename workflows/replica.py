@@ -22,6 +22,7 @@ with workflow.unsafe.imports_passed_through():
     from activities import names
     from llmgw import messages
     from llmgw import search_attributes as sa
+    from llmgw.errors import LlmgwError
     from llmgw.queues import replica_workflow_id
     from llmgw.types import (
         AdaptersChanged,
@@ -84,11 +85,11 @@ AGENT_WAIT = timedelta(hours=1)
 AGENT_QUICK = timedelta(seconds=5)
 
 
-class _StopRequested(Exception):
+class _StopRequested(LlmgwError):
     """Internal: a stop update arrived while waiting for something else."""
 
 
-class _NoAgent(Exception):
+class _NoAgent(LlmgwError):
     """Internal: no agent answered for the node in time."""
 
 

@@ -43,7 +43,12 @@ from llmgw.errors import LlmgwError
 from llmgw.queues import CONTROL_QUEUE
 from llmgw.types import AdapterLoadInput, AdapterLoadResult, AdapterSpec, EngineKind, ModelSpec
 from router.adapter_policy import Action, AdapterUse, ReplicaView, choose
-from router.errors import OpenAIError, no_ready_replica, replicas_saturated
+from router.errors import (
+    adapter_load_failed,
+    adapters_unavailable,
+    no_ready_replica,
+    replicas_saturated,
+)
 from router.routing import Route, RoutingTable
 
 log = logging.getLogger(__name__)
@@ -130,29 +135,6 @@ class TemporalAdapterLoader:
             raise AdapterLoadFailed(_root(exc), busy=_busy(exc), kind=_kind(exc)) from exc
         except RPCError as exc:
             raise AdapterLoadFailed(f"Temporal: {exc.message}", kind="TemporalUnavailable") from exc
-
-
-def adapter_load_failed(adapter: str, replica_id: str, kind: str) -> OpenAIError:
-    """502: the adapter could not be loaded (a later request tries again); why is
-    in the router's log, which may name paths and addresses the client must not see."""
-    return OpenAIError(
-        502,
-        f"Loading the adapter `{adapter}` on replica {replica_id} failed ({kind});"
-        " the router's log says why.",
-        type="server_error",
-        code="adapter_load_failed",
-        param="model",
-    )
-
-
-def adapters_unavailable(adapter: str) -> OpenAIError:
-    """503: on-demand adapters need Temporal, and this router has none."""
-    return OpenAIError(
-        503,
-        f"The adapter `{adapter}` is loaded on demand and this router cannot load adapters.",
-        type="service_unavailable_error",
-        code="adapter_loading_unavailable",
-    )
 
 
 @dataclass

@@ -4,9 +4,11 @@ Stored histories, running workflows and older clients carry them: a renamed
 constant is fine, a changed value is not.
 """
 
+import ast
 import importlib
 import inspect
 import pkgutil
+from pathlib import Path
 
 from llmgw import error_types, errors, messages
 from llmgw.engine_install import EngineInstallError
@@ -122,3 +124,18 @@ def test_every_project_exception_is_under_the_root_and_drawn_in_the_tree() -> No
     assert [c.__qualname__ for c in found if not issubclass(c, errors.LlmgwError)] == []
     assert errors.__doc__ is not None
     assert [c.__qualname__ for c in found if c.__name__ not in errors.__doc__] == []
+
+
+def test_router_failures_are_built_in_router_errors() -> None:
+    """router/errors.py is the one place that says what a client sees on failure."""
+    root = Path(__file__).resolve().parent.parent / "router"
+    built_elsewhere = [
+        f"{path.relative_to(root.parent)}:{node.lineno}"
+        for path in sorted(root.rglob("*.py"))
+        if path.name != "errors.py" or path.parent != root
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id == "OpenAIError"
+    ]
+    assert built_elsewhere == []

@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 
 import httpx
@@ -43,6 +43,7 @@ from worker_agent.adapters import EngineAdapter, Launchers, default_adapters
 from worker_agent.adoption import adopt
 from worker_agent.engines import EngineInstalls
 from worker_agent.inventory import Sources, collect, sources_from
+from worker_agent.shard_record import ShardRecord
 from worker_agent.supervisor import RunningShard, Supervisor
 from worker_agent.users import SystemUsers, engine_identity
 from worker_agent.weights import WeightsCache
@@ -129,18 +130,17 @@ def inventory(
     return inv
 
 
-def report(shard: RunningShard, plan: Mapping[str, object]) -> ShardReport:
+def report(shard: RunningShard, plan: ShardRecord) -> ShardReport:
     """A running shard as the fleet sees it: enough to rebuild its allocation."""
-    gpus = plan.get("gpu_indices")
     return ShardReport(
         replica_id=shard.ref.replica_id,
         rank=shard.ref.rank,
         pid=shard.pid,
         endpoint=shard.endpoint,
-        model=str(plan.get("model") or ""),
-        gpu_indices=[int(g) for g in gpus] if isinstance(gpus, list) else [],
-        priority=int(str(plan.get("priority") or 0)),
-        catalog_digest=str(plan.get("catalog_digest") or ""),
+        model=plan.model,
+        gpu_indices=list(plan.gpu_indices),
+        priority=plan.priority,
+        catalog_digest=plan.catalog_digest,
     )
 
 

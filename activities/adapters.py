@@ -31,6 +31,7 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from activities import names
+from llmgw import error_types
 from llmgw.types import AdapterCall, AdapterCallResult, ShardRef
 from worker_agent.supervisor import RunningShard, Supervisor
 from worker_agent.weights import Roots, SourceOutsideRoots
@@ -67,7 +68,7 @@ class AdapterActivities:
         if running is None:
             raise ApplicationError(
                 f"replica {replica_id} has no running engine on this node",
-                type="EngineGone",
+                type=error_types.ENGINE_GONE,
                 non_retryable=True,
             )
         return running
@@ -85,12 +86,14 @@ class AdapterActivities:
             path = await asyncio.to_thread(self._roots.inside, call.path)
         except SourceOutsideRoots as exc:
             raise ApplicationError(
-                f"adapter {call.name}: {exc}", type="AdapterOutsideRoots", non_retryable=True
+                f"adapter {call.name}: {exc}",
+                type=error_types.ADAPTER_OUTSIDE_ROOTS,
+                non_retryable=True,
             ) from None
         if not await asyncio.to_thread(path.exists):
             raise ApplicationError(
                 f"adapter {call.name}: {call.path} does not exist on this node",
-                type="AdapterNotFound",
+                type=error_types.ADAPTER_NOT_FOUND,
                 non_retryable=True,
             )
         async with self._lock(call.replica_id):
@@ -110,7 +113,7 @@ class AdapterActivities:
         # adapter) will not change on a retry; anything else might.
         raise ApplicationError(
             f"adapter {call.name}: engine answered {resp.status_code}: {message}",
-            type="AdapterLoadFailed",
+            type=error_types.ADAPTER_LOAD_FAILED,
             non_retryable=resp.status_code in (404, 500),
         )
 
@@ -122,7 +125,7 @@ class AdapterActivities:
         if resp.status_code != 200:
             raise ApplicationError(
                 f"engine answered {resp.status_code} listing its models: {_message(resp)}",
-                type="AdapterLoadFailed",
+                type=error_types.ADAPTER_LOAD_FAILED,
             )
         return [str(m["id"]) for m in resp.json()["data"] if m.get("parent")]
 
@@ -140,7 +143,7 @@ class AdapterActivities:
                 f" {call.max_loaded}), {why}: {call.name} not loaded",
                 # Not AdapterBusy: that tells the router its chosen victim is
                 # still loaded, and this refusal comes after that unload.
-                type="AdapterEngineFull",
+                type=error_types.ADAPTER_ENGINE_FULL,
                 non_retryable=True,
             )
         await self._unload(call.replica_id, idle[0])
@@ -171,7 +174,7 @@ class AdapterActivities:
                 raise ApplicationError(
                     f"adapter {call.name} has requests in flight on replica {call.replica_id}"
                     " (another router's): not unloaded",
-                    type="AdapterBusy",
+                    type=error_types.ADAPTER_BUSY,
                     non_retryable=True,
                 )
             changed = await self._unload(call.replica_id, call.name)
@@ -187,7 +190,7 @@ class AdapterActivities:
             return False
         raise ApplicationError(
             f"unload {name}: engine answered {resp.status_code}: {_message(resp)}",
-            type="AdapterUnloadFailed",
+            type=error_types.ADAPTER_UNLOAD_FAILED,
         )
 
 

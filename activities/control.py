@@ -20,6 +20,7 @@ from temporalio.client import Client
 from temporalio.exceptions import ApplicationError
 
 from activities import names
+from llmgw import error_types, messages
 from llmgw.queues import FLEET_WORKFLOW_ID
 from llmgw.types import (
     CordonInput,
@@ -72,7 +73,9 @@ class ControlActivities:
         """
         if self._engine_key is None:
             raise ApplicationError(
-                "this control worker has no engine key", type="ConfigError", non_retryable=True
+                "this control worker has no engine key",
+                type=error_types.CONFIG_ERROR,
+                non_retryable=True,
             )
         key = await self._engine_key(request.replica_id)
         details = activity.info().heartbeat_details
@@ -102,7 +105,9 @@ class ControlActivities:
     async def place_replica(self, request: PlaceRequest) -> PlaceResult:
         """Ask the fleet to place a replica."""
         handle = self._client.get_workflow_handle(FLEET_WORKFLOW_ID)
-        result: PlaceResult = await handle.execute_update("place", request, result_type=PlaceResult)
+        result: PlaceResult = await handle.execute_update(
+            messages.PLACE, request, result_type=PlaceResult
+        )
         span = trace.get_current_span()
         span.set_attribute("llmgw.replica", request.replica_id)
         span.set_attribute("llmgw.model", request.model.name)
@@ -127,7 +132,7 @@ class ControlActivities:
         hang or run degraded (mixed GPU types in a TP group, fp8 on GPUs that
         cannot run it, parallelism that does not add up...)."""
         handle = self._client.get_workflow_handle(FLEET_WORKFLOW_ID)
-        fleet: FleetSnapshot = await handle.query("snapshot", result_type=FleetSnapshot)
+        fleet: FleetSnapshot = await handle.query(messages.SNAPSHOT, result_type=FleetSnapshot)
         facts = []
         for shard in request.placement.shards():
             node = fleet.nodes.get(shard.node_id)
@@ -138,7 +143,7 @@ class ControlActivities:
         if problems:
             raise ApplicationError(
                 "cannot start: " + "; ".join(problems),
-                type="LaunchValidationError",
+                type=error_types.LAUNCH_VALIDATION_ERROR,
                 non_retryable=True,
             )
         return ValidateResult()
@@ -148,10 +153,10 @@ class ControlActivities:
         """Cordon or uncordon a node (an empty node id only reads the fleet)."""
         handle = self._client.get_workflow_handle(FLEET_WORKFLOW_ID)
         if not request.node_id:
-            snap: FleetSnapshot = await handle.query("snapshot", result_type=FleetSnapshot)
+            snap: FleetSnapshot = await handle.query(messages.SNAPSHOT, result_type=FleetSnapshot)
             return snap
         result: FleetSnapshot = await handle.execute_update(
-            "cordon", request, result_type=FleetSnapshot
+            messages.CORDON, request, result_type=FleetSnapshot
         )
         return result
 
@@ -160,6 +165,6 @@ class ControlActivities:
         """Give a replica's allocation back to the fleet."""
         handle = self._client.get_workflow_handle(FLEET_WORKFLOW_ID)
         result: ReleaseResult = await handle.execute_update(
-            "release", request, result_type=ReleaseResult
+            messages.RELEASE, request, result_type=ReleaseResult
         )
         return result

@@ -19,6 +19,7 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from activities import names
+from llmgw import error_types
 from llmgw.engine_install import EngineInstallError
 from llmgw.errors import (
     ConfigError,
@@ -78,6 +79,7 @@ from worker_agent.launching import (
     probe_ready,
     wait_listening,
 )
+from worker_agent.shard_record import ShardRecord
 from worker_agent.supervisor import Command, RunningShard, Supervisor, shard_key
 from worker_agent.weights import WeightsCache, WeightsError
 
@@ -171,9 +173,7 @@ class NodeActivities:
                 lambda: f"{done[0]}/{done[1]} bytes",
             )
         except WeightsError as err:
-            raise ApplicationError(
-                str(err), type=type(err).__name__, non_retryable=not err.retryable
-            ) from err
+            raise err.to_application_error() from err
         log.info(
             "replica %s weights at %s (%d bytes, %s)",
             request.replica_id,
@@ -212,7 +212,7 @@ class NodeActivities:
             # deployment's backoff decides when to try again.
             raise ApplicationError(
                 f"installing {engine.value} failed: {err}",
-                type="EngineInstallError",
+                type=error_types.ENGINE_INSTALL_ERROR,
                 non_retryable=True,
             ) from err
 
@@ -277,7 +277,7 @@ class NodeActivities:
             return ""
         taken = set().union(*self._binding.values())
         for running in self._sup.running():
-            taken |= parse_cpu_list(str(self._sup.plan_of(running.ref).get("cpu_bind", "")))
+            taken |= parse_cpu_list(self._sup.plan_of(running.ref).cpu_bind)
         inv = self._inventory()
         per_rank = cores_per_engine(len(self._cores), inv.max_cpu_replicas, self._threads)
         bind = choose_binding(self._cores, taken, per_rank, model.profile.tp)
@@ -345,18 +345,18 @@ class NodeActivities:
             commands.insert(0, Command(argv, env, drops_privileges=True))
             specs.insert(0, CommandSpec(name="passthrough", argv=tuple(argv)))
         endpoint = f"http://{self._host}:{port}" if plan.serves_http else f"{self._host}:{port}"
-        record = {
-            "model": spec.model.name,
-            "engine": spec.model.engine.value,
-            "gpu_indices": spec.gpu_indices,
-            "priority": spec.model.priority,
-            "catalog_digest": spec.catalog_digest,
-            "serves_http": plan.serves_http,
-            "ready_probe": plan.ready_probe.model_dump(mode="json") if plan.ready_probe else None,
-            "plan": plan.loggable(),
-            "internal_port": launch.internal_port,
-            "cpu_bind": launch.bind,
-        }
+        record = ShardRecord(
+            model=spec.model.name,
+            engine=spec.model.engine.value,
+            gpu_indices=spec.gpu_indices,
+            priority=spec.model.priority,
+            catalog_digest=spec.catalog_digest,
+            serves_http=plan.serves_http,
+            ready_probe=plan.ready_probe,
+            plan=plan.loggable(),
+            internal_port=launch.internal_port,
+            cpu_bind=launch.bind,
+        )
         return self._sup.launch(
             ref,
             commands,
@@ -371,16 +371,13 @@ class NodeActivities:
         """Wait until the shard serves (or, for a worker rank, stays alive)."""
         ref = request.shard
         plan = self._sup.plan_of(ref)
-        if plan.get("serves_http") is False:
+        if not plan.serves_http:
             # A worker rank is judged by staying alive; the replica's
             # readiness is its leader answering, once every worker joined.
             self._running_or_raise(ref)
             return WaitReadyResult(model_ids=[])
-        raw_probe = plan.get("ready_probe")
-        probe = (
-            ReadyProbe.model_validate(raw_probe) if isinstance(raw_probe, dict) else ReadyProbe()
-        )
-        model = str(plan.get("model", ""))
+        probe = plan.ready_probe if plan.ready_probe is not None else ReadyProbe()
+        model = plan.model
         loop = asyncio.get_running_loop()
         deadline = loop.time() + request.timeout_s
         while True:
@@ -406,7 +403,7 @@ class NodeActivities:
             if activity.is_worker_shutdown():
                 # The engine outlives the agent; a retry on the next agent
                 # process resumes watching it.
-                raise ApplicationError("agent shutting down", type="AgentShutdown")
+                raise ApplicationError("agent shutting down", type=error_types.AGENT_SHUTDOWN)
             sidecar = self._sup.dead_sidecar(ref)
             if sidecar is not None:
                 # An engine nobody can reach (its pass-through is gone) is down.
@@ -438,7 +435,7 @@ class NodeActivities:
         running = self._sup.find_running(ref)
         if running is None:
             return DrainResult(idle=True, waited_s=0.0, detail="not running")
-        engine = str(self._sup.plan_of(ref).get("engine", ""))
+        engine = self._sup.plan_of(ref).engine
         key = self._engine_key(ref.replica_id)
         loop = asyncio.get_running_loop()
         start = loop.time()
@@ -460,7 +457,7 @@ class NodeActivities:
         running = self._sup.find_running(request)
         if running is None:
             return ShardLoad(in_flight=0.0, detail="not running")
-        engine = str(self._sup.plan_of(request).get("engine", ""))
+        engine = self._sup.plan_of(request).engine
         key = self._engine_key(request.replica_id)
         load, detail = await engine_load(self._http, running.endpoint, key, engine)
         return ShardLoad(in_flight=load, detail=detail)

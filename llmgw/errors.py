@@ -1,22 +1,45 @@
 """The llmgw error hierarchy.
 
-::
+Every exception class the project defines derives from ``LlmgwError``
+(tests/test_contracts.py walks the packages to check). Classes outside this
+module are named with where they live::
 
     LlmgwError                    base of everything raised on purpose
     ├── ConfigError               bad settings or input; retrying cannot help
+    │   └── LaunchValidationError a shard that must not start, with every reason
+    │                             (worker_agent/adapters/spec.py; also a ValueError)
     ├── StoreError                the store could not answer
     ├── TemporalConnectError      no Temporal client: unreachable, or refused (TLS, API key)
-    └── EngineError               an engine shard misbehaved
-        ├── EngineLaunchError     it could not be started
-        │   └── EngineUserError   ...because it would have to run as root
-        ├── EngineExitedError     it exited (exit code and log tail in message)
-        ├── EngineNotReadyError   it did not become ready in time
-        └── UpstreamError         the router's request to it failed (mid-way)
-            └── UpstreamConnectError  ...before anything was sent: another may take it
+    ├── EngineError               an engine shard misbehaved
+    │   ├── EngineLaunchError     it could not be started
+    │   │   └── EngineUserError   ...because it would have to run as root
+    │   ├── EngineExitedError     it exited (exit code and log tail in message)
+    │   ├── EngineNotReadyError   it did not become ready in time
+    │   └── UpstreamError         the router's request to it failed (mid-way)
+    │       └── UpstreamConnectError  ...before anything was sent: another may take it
+    ├── EngineInstallError        an engine could not be installed (llmgw/engine_install.py)
+    ├── WeightsError              a weights fetch failed (worker_agent/weights.py)
+    │   ├── UnsupportedSource     ...from a kind of source the agent cannot read
+    │   ├── ChecksumMismatch      ...to a digest other than the expected one
+    │   ├── SourceMissing         ...from a path that does not exist
+    │   └── SourceOutsideRoots    ...from outside the weights roots
+    ├── GpuDiscoveryUnavailable   no NVML on this node: a CPU node (worker_agent/gpus.py)
+    ├── IllegalTransition         a replica phase change the lifecycle forbids: a bug
+    │                             (workflows/replica_state.py; also a ValueError)
+    ├── OpenAIError               what a router client sees: status and OpenAI error JSON,
+    │                             built in router/errors.py
+    ├── AdapterLoadFailed         the router could not have a LoRA adapter loaded
+    │                             (router/adapters.py)
+    └── StaleAdapter              the engine no longer holds the LoRA adapter the router
+                                  sent it to (router/proxy.py)
+
+The replica workflow's private ``_StopRequested`` and ``_NoAgent`` derive
+from the root too; they never leave the workflow.
 
 Errors that cross Temporal are raised as ``ApplicationError`` with ``type``
 set to the class name and ``non_retryable`` from the class, so a workflow can
-tell "try again" from "give up" without importing process code.
+tell "try again" from "give up" without importing process code; every type
+string that crosses is in ``llmgw/error_types.py``.
 """
 
 from temporalio.exceptions import ApplicationError

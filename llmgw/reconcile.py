@@ -30,6 +30,7 @@ from pydantic import BaseModel, Field
 from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.service import RPCError, RPCStatusCode
 
+from llmgw import messages
 from llmgw.queues import FLEET_WORKFLOW_ID, deployment_workflow_id, replica_workflow_id
 from llmgw.store import Store
 from llmgw.types import (
@@ -127,7 +128,7 @@ async def ledger_orders(client: Client, fleet: FleetSnapshot) -> list[Order]:
 async def ownership_orders(client: Client, deployments: list[DeploymentStatus]) -> list[Order]:
     """Replicas whose deployment ended, and slots whose replica vanished untold."""
     orders: list[Order] = []
-    query = "WorkflowType = 'Replica' AND ExecutionStatus = 'Running'"
+    query = f"WorkflowType = '{messages.REPLICA}' AND ExecutionStatus = 'Running'"
     async for wf in client.list_workflows(query):
         if wf.parent_id and await workflow_running(client, wf.parent_id) is False:
             rid = wf.id.removeprefix(replica_workflow_id(""))
@@ -153,11 +154,11 @@ async def ownership_orders(client: Client, deployments: list[DeploymentStatus]) 
 
 async def _deployments(client: Client) -> list[DeploymentStatus]:
     found: list[DeploymentStatus] = []
-    query = "WorkflowType = 'Deployment' AND ExecutionStatus = 'Running'"
+    query = f"WorkflowType = '{messages.DEPLOYMENT}' AND ExecutionStatus = 'Running'"
     async for wf in client.list_workflows(query):
         try:
             status: DeploymentStatus = await client.get_workflow_handle(wf.id).query(
-                "status", result_type=DeploymentStatus, rpc_timeout=timedelta(seconds=5)
+                messages.STATUS, result_type=DeploymentStatus, rpc_timeout=timedelta(seconds=5)
             )
         except RPCError as exc:
             log.info("reconcile: cannot read %s: %s", wf.id, exc)
@@ -170,11 +171,11 @@ async def _carry_out(client: Client, order: Order, catalog: Mapping[str, ModelSp
     log.warning("reconcile: %s %s: %s", order.action.value, order.target, order.reason)
     if order.action is Action.REMOVE_DEPLOYMENT:
         await client.get_workflow_handle(deployment_workflow_id(order.target)).execute_update(
-            "scale", ScaleInput(replicas=0), result_type=DeploymentStatus
+            messages.SCALE, ScaleInput(replicas=0), result_type=DeploymentStatus
         )
     elif order.action is Action.UPDATE_DEPLOYMENT:
         await client.get_workflow_handle(deployment_workflow_id(order.target)).execute_update(
-            "set_model",
+            messages.SET_MODEL,
             SetModelInput(model=catalog[order.target], reason=order.reason),
             result_type=DeploymentStatus,
         )
@@ -186,15 +187,15 @@ async def _carry_out(client: Client, order: Order, catalog: Mapping[str, ModelSp
             reason=order.reason,
         )
         await client.get_workflow_handle(deployment_workflow_id(order.target)).signal(
-            "replica_ended", ended
+            messages.REPLICA_ENDED, ended
         )
     elif order.action is Action.STOP_REPLICA:
         await client.get_workflow_handle(replica_workflow_id(order.target)).signal(
-            "request_stop", StopReplicaInput(reason=order.reason)
+            messages.REQUEST_STOP, StopReplicaInput(reason=order.reason)
         )
     else:
         await client.get_workflow_handle(FLEET_WORKFLOW_ID).execute_update(
-            "release", ReleaseRequest(replica_id=order.target), result_type=ReleaseResult
+            messages.RELEASE, ReleaseRequest(replica_id=order.target), result_type=ReleaseResult
         )
 
 
@@ -207,7 +208,7 @@ async def reconcile_once(
     a pass that does something is one trace, a span per action beneath it.
     """
     fleet: FleetSnapshot = await client.get_workflow_handle(FLEET_WORKFLOW_ID).query(
-        "snapshot", result_type=FleetSnapshot, rpc_timeout=timedelta(seconds=5)
+        messages.SNAPSHOT, result_type=FleetSnapshot, rpc_timeout=timedelta(seconds=5)
     )
     orders = await ledger_orders(client, fleet)
     deployments = await _deployments(client)

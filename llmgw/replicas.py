@@ -14,6 +14,7 @@ from temporalio.common import (
 )
 from temporalio.service import RPCError, RPCStatusCode
 
+from llmgw import messages
 from llmgw import search_attributes as sa
 from llmgw.errors import EngineError
 from llmgw.queues import (
@@ -60,7 +61,7 @@ async def start_replica(
     """Start one replica's workflow; returns the replica id."""
     replica_id = new_replica_id(spec.name)
     await client.start_workflow(
-        "Replica",
+        messages.REPLICA,
         ReplicaInput(replica_id=replica_id, model=spec, timeouts=timeouts or ReplicaTimeouts()),
         id=replica_workflow_id(replica_id),
         task_queue=CONTROL_QUEUE,
@@ -118,7 +119,7 @@ async def status_of(client: Client, replica_id: str) -> ReplicaStatus | None:
     if desc.status == WorkflowExecutionStatus.RUNNING:
         # Bounded: a query blocks ~30 s when no control worker is up.
         status: ReplicaStatus = await handle.query(
-            "status", result_type=ReplicaStatus, rpc_timeout=timedelta(seconds=5)
+            messages.STATUS, result_type=ReplicaStatus, rpc_timeout=timedelta(seconds=5)
         )
         return status
     if desc.status == WorkflowExecutionStatus.COMPLETED:
@@ -129,7 +130,7 @@ async def status_of(client: Client, replica_id: str) -> ReplicaStatus | None:
 
 async def list_replicas(client: Client, include_closed: bool = False) -> list[ReplicaMemo]:
     """Replicas as their memos say, newest first."""
-    query = 'WorkflowType="Replica"'
+    query = f'WorkflowType="{messages.REPLICA}"'
     if not include_closed:
         query += ' AND ExecutionStatus="Running"'
     found: list[ReplicaMemo] = []
@@ -148,7 +149,7 @@ async def stop_replica(
     try:
         return await asyncio.wait_for(
             handle.execute_update(
-                "stop", StopReplicaInput(reason=reason), result_type=ReplicaStatus
+                messages.STOP, StopReplicaInput(reason=reason), result_type=ReplicaStatus
             ),
             timeout_s,
         )
@@ -160,7 +161,7 @@ async def fleet_snapshot(client: Client) -> FleetSnapshot:
     """The fleet's inventory and allocations (a query: needs a control worker)."""
     handle = client.get_workflow_handle(FLEET_WORKFLOW_ID)
     snap: FleetSnapshot = await handle.query(
-        "snapshot", result_type=FleetSnapshot, rpc_timeout=timedelta(seconds=5)
+        messages.SNAPSHOT, result_type=FleetSnapshot, rpc_timeout=timedelta(seconds=5)
     )
     return snap
 
@@ -187,7 +188,7 @@ async def log_tail(client: Client, replica_id: str, lines: int) -> list[str]:
     if memo is None or not memo.node_id:
         raise EngineError(f"replica {replica_id} has not been placed on a node")
     tail: LogTail = await client.execute_workflow(
-        "ShardLogs",
+        messages.SHARD_LOGS,
         ShardLogsInput(node_id=memo.node_id, shard=ShardRef(replica_id=replica_id), lines=lines),
         id=f"logs/{replica_id}/{secrets.token_hex(4)}",
         task_queue=CONTROL_QUEUE,
@@ -214,7 +215,7 @@ async def apply_deployment(
         if replicas == 0 and not await _deployment_running(client, spec.name):
             return DeploymentStatus(model=spec.name, desired=0)
         handle = await client.start_workflow(
-            "Deployment",
+            messages.DEPLOYMENT,
             DeploymentInput(
                 model=spec,
                 replicas=replicas,
@@ -227,7 +228,7 @@ async def apply_deployment(
         )
         try:
             status: DeploymentStatus = await handle.execute_update(
-                "scale", ScaleInput(replicas=replicas), result_type=DeploymentStatus
+                messages.SCALE, ScaleInput(replicas=replicas), result_type=DeploymentStatus
             )
             return status
         except RPCError as exc:
@@ -250,7 +251,7 @@ async def deployment_status(client: Client, model: str) -> DeploymentStatus:
     """A deployment's slots, restarts and last failure reasons."""
     handle = client.get_workflow_handle(deployment_workflow_id(model))
     status: DeploymentStatus = await handle.query(
-        "status", result_type=DeploymentStatus, rpc_timeout=timedelta(seconds=5)
+        messages.STATUS, result_type=DeploymentStatus, rpc_timeout=timedelta(seconds=5)
     )
     return status
 
@@ -283,7 +284,7 @@ async def wait_deployment_ready(
 async def drain_node(client: Client, node_id: str, timeout_s: float) -> DrainNodeResult:
     """Run the DrainNode job: cordon, then drain every replica on the node."""
     result: DrainNodeResult = await client.execute_workflow(
-        "DrainNode",
+        messages.DRAIN_NODE,
         DrainNodeInput(node_id=node_id, timeout_s=timeout_s),
         id=f"drain-node/{node_id}/{secrets.token_hex(4)}",
         task_queue=CONTROL_QUEUE,
@@ -296,7 +297,7 @@ async def cordon(client: Client, node_id: str, cordoned: bool) -> FleetSnapshot:
     """Cordon or uncordon a node."""
     handle = client.get_workflow_handle(FLEET_WORKFLOW_ID)
     snap: FleetSnapshot = await handle.execute_update(
-        "cordon", CordonInput(node_id=node_id, cordoned=cordoned), result_type=FleetSnapshot
+        messages.CORDON, CordonInput(node_id=node_id, cordoned=cordoned), result_type=FleetSnapshot
     )
     return snap
 
@@ -305,7 +306,7 @@ async def rolling_restart(client: Client, model: str, reason: str) -> Deployment
     """Replace every replica of the deployment, one at a time."""
     handle = client.get_workflow_handle(deployment_workflow_id(model))
     status: DeploymentStatus = await handle.execute_update(
-        "rolling_restart", RollingRestartInput(reason=reason), result_type=DeploymentStatus
+        messages.ROLLING_RESTART, RollingRestartInput(reason=reason), result_type=DeploymentStatus
     )
     return status
 

@@ -15,7 +15,6 @@ of it, and a process still running at the end is killed.
 """
 
 import asyncio
-import json
 import os
 import signal
 import socket
@@ -40,6 +39,7 @@ from llmgw.temporal import connect
 from llmgw.tinymodel import generate_tiny_model
 from llmgw.types import EngineKind, ModelSpec, ReplicaMemo
 from worker_agent import procfs
+from worker_agent.shard_record import SpecFile
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEVSERVER = REPO_ROOT / "temporal-dev" / "devserver.py"
@@ -316,18 +316,16 @@ def kill_recorded_engines(agent_dir: Path) -> list[int]:
     """SIGKILL every engine group the agent's spec files still record."""
     killed: list[int] = []
     for spec_file in agent_dir.glob("*/shards/*/spec.json"):
-        try:
-            spec = json.loads(spec_file.read_text())
-            pid = int(spec["pid"])
-            pgid = int(spec.get("pgid") or pid)
-            recorded = spec.get("fingerprint") or {}
-        except (ValueError, KeyError, json.JSONDecodeError):
+        spec = SpecFile.load(spec_file)
+        if spec is None:
             continue
+        pid, pgid = spec.pid, spec.group
+        started = spec.fingerprint.start_time if spec.fingerprint else None
         current = procfs.fingerprint(pid)
         # The engine itself, or what is left of its group once it died (the
         # pass-through leads the group); a group id is not reused while any
         # member lives.
-        ours = current is not None and current.start_time == recorded.get("start_time")
+        ours = current is not None and current.start_time == started
         if ours or procfs.group_members(pgid):
             try:
                 os.killpg(pgid, signal.SIGKILL)

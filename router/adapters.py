@@ -38,10 +38,17 @@ from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError
 
+from llmgw import error_types, messages
+from llmgw.errors import LlmgwError
 from llmgw.queues import CONTROL_QUEUE
 from llmgw.types import AdapterLoadInput, AdapterLoadResult, AdapterSpec, EngineKind, ModelSpec
 from router.adapter_policy import Action, AdapterUse, ReplicaView, choose
-from router.errors import OpenAIError, no_ready_replica, replicas_saturated
+from router.errors import (
+    adapter_load_failed,
+    adapters_unavailable,
+    no_ready_replica,
+    replicas_saturated,
+)
 from router.routing import Route, RoutingTable
 
 log = logging.getLogger(__name__)
@@ -50,7 +57,7 @@ log = logging.getLogger(__name__)
 LOAD_TIMEOUT = timedelta(seconds=180)
 
 
-class AdapterLoadFailed(Exception):
+class AdapterLoadFailed(LlmgwError):
     """The engine (or Temporal) did not load the adapter; the message says why.
 
     ``busy``: the adapter chosen for unloading had requests in flight in the
@@ -98,7 +105,7 @@ def _kind(err: BaseException) -> str:
 def _busy(err: BaseException) -> bool:
     """Whether the load failed because its eviction victim was in use."""
     while err is not None:
-        if isinstance(err, ApplicationError) and err.type == "AdapterBusy":
+        if isinstance(err, ApplicationError) and err.type == error_types.ADAPTER_BUSY:
             return True
         err = getattr(err, "cause", None)  # type: ignore[assignment]
     return False
@@ -115,7 +122,7 @@ class TemporalAdapterLoader:
         """Start or join the (replica, adapter) load and wait for its result."""
         try:
             result: AdapterLoadResult = await self._client.execute_workflow(
-                "AdapterLoad",
+                messages.ADAPTER_LOAD,
                 request,
                 id=adapter_workflow_id(request.replica_id, request.adapter.name),
                 task_queue=self._queue,
@@ -128,29 +135,6 @@ class TemporalAdapterLoader:
             raise AdapterLoadFailed(_root(exc), busy=_busy(exc), kind=_kind(exc)) from exc
         except RPCError as exc:
             raise AdapterLoadFailed(f"Temporal: {exc.message}", kind="TemporalUnavailable") from exc
-
-
-def adapter_load_failed(adapter: str, replica_id: str, kind: str) -> OpenAIError:
-    """502: the adapter could not be loaded (a later request tries again); why is
-    in the router's log, which may name paths and addresses the client must not see."""
-    return OpenAIError(
-        502,
-        f"Loading the adapter `{adapter}` on replica {replica_id} failed ({kind});"
-        " the router's log says why.",
-        type="server_error",
-        code="adapter_load_failed",
-        param="model",
-    )
-
-
-def adapters_unavailable(adapter: str) -> OpenAIError:
-    """503: on-demand adapters need Temporal, and this router has none."""
-    return OpenAIError(
-        503,
-        f"The adapter `{adapter}` is loaded on demand and this router cannot load adapters.",
-        type="service_unavailable_error",
-        code="adapter_loading_unavailable",
-    )
 
 
 @dataclass

@@ -25,7 +25,13 @@ from llmgw.errors import LlmgwError
 from llmgw.types import ReplicaMemo
 from llmgw.usage import UsageRow
 from router.deps import Deps, get_deps
-from router.errors import OpenAIError
+from router.errors import (
+    invalid_fields,
+    name_mismatch,
+    no_temporal_client,
+    not_found,
+    temporal_unavailable,
+)
 
 DepsDep = Annotated[Deps, Depends(get_deps)]
 # Store integers are 32-bit on PostgreSQL: larger ones are refused up front.
@@ -42,20 +48,10 @@ async def _admin(
 router = APIRouter(prefix="/admin", tags=["admin"], dependencies=[Depends(_admin)])
 
 
-def _not_found(what: str, name: str) -> OpenAIError:
-    return OpenAIError(404, f"No {what} `{name}`.", code="not_found")
-
-
 def _temporal(deps: Deps) -> Client:
     if deps.temporal is None:
-        raise OpenAIError(503, "This router has no Temporal client.", type="server_error")
+        raise no_temporal_client()
     return deps.temporal
-
-
-def _unavailable(exc: Exception) -> OpenAIError:
-    return OpenAIError(
-        503, f"Temporal did not answer: {exc}", type="service_unavailable_error", code="temporal"
-    )
 
 
 # Models -----------------------------------------------------------------
@@ -72,7 +68,7 @@ async def admin_get_model(name: str, deps: DepsDep) -> CatalogModel:
     """One catalog entry."""
     entry = await asyncio.to_thread(get_entry, deps.store, name)
     if entry is None:
-        raise _not_found("model", name)
+        raise not_found("model", name)
     return entry
 
 
@@ -80,15 +76,13 @@ async def admin_get_model(name: str, deps: DepsDep) -> CatalogModel:
 async def admin_put_model(name: str, entry: CatalogModel, deps: DepsDep) -> CatalogModel:
     """Add or replace a catalog entry (the catalog file's fields; errors name the field)."""
     if entry.name != name:
-        raise OpenAIError(
-            400, f"name: `{entry.name}` differs from the path's `{name}`", param="name"
-        )
+        raise name_mismatch(entry.name, name)
     # The entry's own fields unprefixed (`adapters[0].name`), others by name.
     problems = await asyncio.to_thread(apply_entries, deps.store, [entry], lambda _: "")
     if problems:
         where = problems[0].split(":")[0]
         own = where.startswith(("adapters", "profile"))
-        raise OpenAIError(400, "; ".join(problems), param=where if own else "name")
+        raise invalid_fields(problems, where if own else "name")
     return entry
 
 
@@ -96,7 +90,7 @@ async def admin_put_model(name: str, entry: CatalogModel, deps: DepsDep) -> Cata
 async def admin_delete_model(name: str, deps: DepsDep) -> dict[str, Any]:
     """Remove a catalog entry (running replicas are not stopped)."""
     if not await asyncio.to_thread(delete_entry, deps.store, name):
-        raise _not_found("model", name)
+        raise not_found("model", name)
     return {"deleted": name}
 
 
@@ -123,7 +117,7 @@ def _replica(deps: Deps, replica_id: str) -> ReplicaMemo:
     for memo in deps.table.replicas:
         if memo.replica_id == replica_id:
             return memo
-    raise _not_found("running replica", replica_id)
+    raise not_found("running replica", replica_id)
 
 
 class LogTailView(BaseModel):
@@ -141,7 +135,7 @@ async def admin_replica_logs(
     try:
         tail = await asyncio.wait_for(replicas.log_tail(client, replica_id, lines), 35)
     except (RPCError, TimeoutError, LlmgwError) as exc:
-        raise _unavailable(exc) from exc
+        raise temporal_unavailable(exc) from exc
     return LogTailView(replica_id=replica_id, lines=tail)
 
 
@@ -167,7 +161,7 @@ async def admin_nodes(deps: DepsDep) -> dict[str, Any]:
     try:
         snap = await replicas.fleet_snapshot(client)
     except RPCError as exc:
-        raise _unavailable(exc) from exc
+        raise temporal_unavailable(exc) from exc
     return snap.model_dump(mode="json")
 
 
@@ -205,7 +199,7 @@ async def admin_get_key(key_id: KeyId, deps: DepsDep) -> KeyInfo:
     """One key."""
     info = await asyncio.to_thread(apikeys.get_key, deps.store, key_id)
     if info is None:
-        raise _not_found("key", str(key_id))
+        raise not_found("key", str(key_id))
     return info
 
 
@@ -214,7 +208,7 @@ async def admin_revoke_key(key_id: KeyId, deps: DepsDep) -> KeyInfo:
     """Revoke a key: refused here at once, by other routers within their cache TTL."""
     info = await asyncio.to_thread(apikeys.revoke_key, deps.store, key_id)
     if info is None:
-        raise _not_found("key", str(key_id))
+        raise not_found("key", str(key_id))
     deps.keys.forget(key_id)
     return info
 
@@ -226,7 +220,7 @@ async def admin_update_key(key_id: KeyId, update: KeyUpdate, deps: DepsDep) -> K
     windows already counted keep their counts."""
     info = await asyncio.to_thread(apikeys.update_key, deps.store, key_id, update)
     if info is None:
-        raise _not_found("key", str(key_id))
+        raise not_found("key", str(key_id))
     deps.keys.forget(key_id)
     return info
 

@@ -1,12 +1,17 @@
 """OpenAI-shaped errors: every failure the router returns goes through here."""
 
+from collections.abc import Sequence
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from llmgw.errors import LlmgwError
 
-class OpenAIError(Exception):
+
+class OpenAIError(LlmgwError):
     """An error the client sees as ``{"error": {...}}`` with an HTTP status."""
 
     def __init__(
@@ -114,6 +119,99 @@ def upstream_failed(detail: str) -> OpenAIError:
     )
 
 
+def invalid_fields(problems: Sequence[str], param: str | None) -> OpenAIError:
+    """400: every problem with the request in the message, the first field in param."""
+    return OpenAIError(400, "; ".join(problems), param=param)
+
+
+def invalid_body(exc: ValidationError) -> OpenAIError:
+    """A 400 naming the first bad field (every problem in the message)."""
+    errors = exc.errors()
+    if errors and errors[0]["type"] == "json_invalid":
+        return OpenAIError(400, "The request body is not valid JSON.")
+    if errors and errors[0]["type"] == "model_type" and not errors[0]["loc"]:
+        return OpenAIError(400, "The request body must be a JSON object.")
+    problems = []
+    for e in errors:
+        loc = ".".join(str(p) for p in e["loc"])
+        problems.append(f"{loc}: {e['msg']}" if loc else e["msg"])
+    first = ".".join(str(p) for p in errors[0]["loc"]) if errors else ""
+    return invalid_fields(problems, first or None)
+
+
+def unbounded_generation() -> OpenAIError:
+    """400: a key whose tokens are counted may not generate until the context is full."""
+    return OpenAIError(
+        400,
+        "n_predict -1 (generate until the context is full) is not allowed for a key"
+        " with a token quota; set max_tokens or a non-negative n_predict.",
+        param="n_predict",
+    )
+
+
+def request_exceeds_quota(message: str) -> OpenAIError:
+    """400, not 429: no window of the key's quota can ever admit this request,
+    and a 429 would have clients retry it forever."""
+    return OpenAIError(400, message, code="request_exceeds_quota")
+
+
+def adapter_load_failed(adapter: str, replica_id: str, kind: str) -> OpenAIError:
+    """502: the adapter could not be loaded (a later request tries again); why is
+    in the router's log, which may name paths and addresses the client must not see."""
+    return OpenAIError(
+        502,
+        f"Loading the adapter `{adapter}` on replica {replica_id} failed ({kind});"
+        " the router's log says why.",
+        type="server_error",
+        code="adapter_load_failed",
+        param="model",
+    )
+
+
+def adapters_unavailable(adapter: str) -> OpenAIError:
+    """503: on-demand adapters need Temporal, and this router has none."""
+    return OpenAIError(
+        503,
+        f"The adapter `{adapter}` is loaded on demand and this router cannot load adapters.",
+        type="service_unavailable_error",
+        code="adapter_loading_unavailable",
+    )
+
+
+def not_found(what: str, name: str) -> OpenAIError:
+    """404 from the admin API: no such model, key or running replica."""
+    return OpenAIError(404, f"No {what} `{name}`.", code="not_found")
+
+
+def name_mismatch(body_name: str, path_name: str) -> OpenAIError:
+    """400: an admin PUT whose body names another entry than its path."""
+    return OpenAIError(
+        400, f"name: `{body_name}` differs from the path's `{path_name}`", param="name"
+    )
+
+
+def no_temporal_client() -> OpenAIError:
+    """503: the admin call needs Temporal and this router runs without it."""
+    return OpenAIError(503, "This router has no Temporal client.", type="server_error")
+
+
+def temporal_unavailable(exc: Exception) -> OpenAIError:
+    """503: Temporal did not answer the admin call."""
+    return OpenAIError(
+        503, f"Temporal did not answer: {exc}", type="service_unavailable_error", code="temporal"
+    )
+
+
+def http_error(status: int, detail: str) -> OpenAIError:
+    """The framework's own HTTP errors (unknown path, wrong method) in the OpenAI shape."""
+    return OpenAIError(status, detail, code=None)
+
+
+def internal_error() -> OpenAIError:
+    """500: a bug in the router; the client gets no details (Starlette logs them)."""
+    return OpenAIError(500, "Internal error in the router.", type="server_error")
+
+
 def install_handlers(app: FastAPI) -> None:
     """Map every error, ours and the framework's, to the OpenAI shape."""
 
@@ -133,17 +231,17 @@ def install_handlers(app: FastAPI) -> None:
             for w, e in zip(where, exc.errors(), strict=True)
         ]
         first = where[0] if where else ""
-        err = OpenAIError(400, "; ".join(problems) or "invalid request", param=first or None)
+        err = invalid_fields(problems or ["invalid request"], first or None)
         return JSONResponse(err.body(), status_code=400)
 
     async def on_http(_: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)
-        err = OpenAIError(exc.status_code, str(exc.detail), code=None)
+        err = http_error(exc.status_code, str(exc.detail))
         return JSONResponse(err.body(), status_code=exc.status_code)
 
     async def on_bug(_: Request, exc: Exception) -> JSONResponse:
         # Starlette logs the exception; the client gets the OpenAI shape, no details.
-        err = OpenAIError(500, "Internal error in the router.", type="server_error")
+        err = internal_error()
         return JSONResponse(err.body(), status_code=500)
 
     app.add_exception_handler(OpenAIError, on_openai)

@@ -33,7 +33,7 @@ from opentelemetry import trace
 from opentelemetry.propagate import inject
 from starlette.types import Receive, Scope, Send
 
-from llmgw.errors import UpstreamConnectError, UpstreamError
+from llmgw.errors import LlmgwError, UpstreamConnectError, UpstreamError
 from router.accounting import Outcome
 from router.errors import client_gone, no_ready_replica, replicas_saturated, upstream_failed
 from router.metrics import Metrics
@@ -73,7 +73,7 @@ class Call:
     stale_on_404: bool = False
 
 
-class StaleAdapter(Exception):
+class StaleAdapter(LlmgwError):
     """The engine does not hold the adapter the router sent it: nothing was
     relayed or billed; the caller loads the adapter and forwards once more."""
 

@@ -35,6 +35,7 @@ from urllib.parse import urlsplit
 from temporalio.client import Client
 from temporalio.service import RPCError
 
+from llmgw import messages
 from llmgw.queues import FLEET_NODES_MEMO, FLEET_WORKFLOW_ID
 from llmgw.types import ROUTABLE_PHASES, ModelSpec, ReplicaMemo, ReplicaPhase
 from router.blocking import in_thread
@@ -43,7 +44,7 @@ log = logging.getLogger(__name__)
 
 # Bounded: a slow Temporal delays a refresh, never a request.
 LIST_RPC_TIMEOUT = timedelta(seconds=5)
-LIST_QUERY = 'WorkflowType="Replica" AND ExecutionStatus="Running"'
+LIST_QUERY = f'WorkflowType="{messages.REPLICA}" AND ExecutionStatus="Running"'
 
 
 class ReplicaSource(Protocol):

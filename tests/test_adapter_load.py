@@ -39,6 +39,7 @@ from llmgw.types import (
 from router.adapters import TemporalAdapterLoader
 from tests.gateway_util import MockEngine, auth, gateway
 from tests.harness import free_port, port_open
+from worker_agent.shard_record import ShardRecord
 from worker_agent.supervisor import Command, Supervisor
 from workflows.adapter_load import AdapterLoadWorkflow
 
@@ -78,7 +79,7 @@ async def node(client: Client, tmp_path: Path) -> AsyncIterator[Node]:
     argv = [sys.executable, str(FAKE), "serve", "base", "--port", str(port)]
     ref = ShardRef(replica_id=replica_id)
     endpoint = f"http://127.0.0.1:{port}"
-    sup.launch(ref, [Command(argv, env)], port, endpoint, {"engine": "vllm"})
+    sup.launch(ref, [Command(argv, env)], port, endpoint, ShardRecord(engine="vllm"))
     assert await asyncio.to_thread(wait_for, lambda: port_open(port), 30)
     adapters = tmp_path / "adapters"
     for name in ("sql", "chat", "code", "bad-rank"):

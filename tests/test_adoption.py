@@ -17,6 +17,7 @@ from tests.procs_util import pids_with_args
 from worker_agent import procfs
 from worker_agent.adoption import adopt
 from worker_agent.main import stop_orphans
+from worker_agent.shard_record import ShardRecord
 from worker_agent.supervisor import ENGINE_MARKER, Command, Supervisor
 
 ENGINE = """
@@ -29,7 +30,9 @@ while True: time.sleep(1)
 
 def _launch(sup: Supervisor, replica: str, tag: str) -> int:
     command = Command([sys.executable, "-c", ENGINE, tag], dict(os.environ))
-    running = sup.launch(ShardRef(replica_id=replica), [command], 1, "http://127.0.0.1:1", {})
+    running = sup.launch(
+        ShardRef(replica_id=replica), [command], 1, "http://127.0.0.1:1", ShardRecord()
+    )
     assert wait_for(lambda: len(pids_with_args(tag)) == 2, 10)
     return running.pid
 

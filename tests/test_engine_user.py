@@ -33,6 +33,7 @@ from llmgw.types import (
 from tests.harness import node_activities
 from worker_agent import procfs
 from worker_agent.launching import engine_env
+from worker_agent.shard_record import ShardRecord
 from worker_agent.supervisor import Command, Supervisor
 from worker_agent.users import (
     DEFAULT_ENGINE_USER,
@@ -196,10 +197,10 @@ def test_unreachable_program_is_refused_not_run_as_root(
     sup = Supervisor(agent_dir, "n1", identity.run_as)
     ref = ShardRef(replica_id="hidden")
     with pytest.raises(EngineUserError, match="cannot reach"):
-        sup.launch(ref, [Command([str(program)], {})], 1, "x", {})
+        sup.launch(ref, [Command([str(program)], {})], 1, "x", ShardRecord())
     # Allowed: it runs, as the agent's user, and says so.
     allowed = Supervisor(agent_dir, "n1", identity.run_as, allow_root=True)
-    running = allowed.launch(ref, [Command([str(program)], {})], 1, "x", {})
+    running = allowed.launch(ref, [Command([str(program)], {})], 1, "x", ShardRecord())
     try:
         assert _uids(running.pid)[0] == 0
     finally:

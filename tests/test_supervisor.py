@@ -2,6 +2,7 @@
 
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -11,6 +12,7 @@ from llmgw.procs import wait_for
 from llmgw.types import ShardRef
 from tests.procs_util import pids_with_args
 from worker_agent import procfs
+from worker_agent.shard_record import ShardRecord, SpecFile
 from worker_agent.supervisor import Command, Supervisor
 
 # A stand-in engine that forks a worker, as vLLM and SGLang do, and ignores
@@ -27,7 +29,7 @@ while True: time.sleep(1)
 
 def _launch(sup: Supervisor, ref: ShardRef, tag: str) -> int:
     command = Command([sys.executable, "-c", FORKING_ENGINE, tag], dict(os.environ))
-    running = sup.launch(ref, [command], 1, "http://x:1", {})
+    running = sup.launch(ref, [command], 1, "http://x:1", ShardRecord())
     return running.pid
 
 
@@ -100,7 +102,9 @@ def test_sidecar_and_engine_share_one_group(tmp_path: Path) -> None:
     waited: list[int] = []
     sidecar = Command([sys.executable, "-c", FORKING_ENGINE, "tag-sidecar"], dict(os.environ))
     engine = Command([sys.executable, "-c", FORKING_ENGINE, "tag-main"], dict(os.environ))
-    running = sup.launch(ref, [sidecar, engine], 1, "http://x:1", {}, before_each=waited.append)
+    running = sup.launch(
+        ref, [sidecar, engine], 1, "http://x:1", ShardRecord(), before_each=waited.append
+    )
     assert waited == [0, 1]
     assert wait_for(lambda: len(pids_with_args("tag-sidecar")) == 2, 10)
     assert running.group != running.pid  # the sidecar leads the group
@@ -119,7 +123,12 @@ def test_failed_wait_kills_what_already_started(tmp_path: Path) -> None:
 
     with pytest.raises(TimeoutError):
         sup.launch(
-            ShardRef(replica_id="x"), [sidecar, engine], 1, "h", {}, rendezvous_never_listens
+            ShardRef(replica_id="x"),
+            [sidecar, engine],
+            1,
+            "h",
+            ShardRecord(),
+            rendezvous_never_listens,
         )
     assert wait_for(lambda: pids_with_args("tag-orphan") == [], 5)
     assert pids_with_args("tag-never") == []
@@ -156,3 +165,78 @@ def test_own_live_child_is_found_without_reading_its_command_line(tmp_path: Path
     finally:
         sup.stop(ref, grace_s=0.5)
     assert pids_with_args("tag-own") == []
+
+
+def _old_spec_file(pid: int, start_time: int, cmdline: list[str]) -> dict[str, object]:
+    """A spec.json as agents wrote it before ShardRecord (a plain dict, json.dumps)."""
+    return {
+        "shard": {"replica_id": "old", "rank": 0},
+        "pid": pid,
+        "pgid": pid,
+        "port": 8123,
+        "endpoint": "http://127.0.0.1:8123",
+        "fingerprint": {"start_time": start_time, "cmdline": cmdline},
+        "spec": {
+            "model": "tiny",
+            "engine": "vllm",
+            "gpu_indices": [0, 1],
+            "priority": 5,
+            "catalog_digest": "abc123",
+            "serves_http": False,
+            "ready_probe": {
+                "health_path": "/health",
+                "models_path": "/v1/models",
+                "completion": {"path": "/v1/completions", "prompt": "Hi", "max_tokens": 1},
+            },
+            "plan": {"commands": [{"name": "engine", "argv": ["vllm", "serve"]}], "env": {}},
+            "internal_port": 8124,
+            "cpu_bind": "0-3",
+        },
+    }
+
+
+def test_spec_files_written_before_shard_record_still_load(tmp_path: Path) -> None:
+    """A restarted (upgraded) agent adopts engines recorded by the previous one."""
+    stranger = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True
+    )
+    try:
+        assert wait_for(lambda: bool((fp := procfs.fingerprint(stranger.pid)) and fp.cmdline), 5)
+        fp = procfs.fingerprint(stranger.pid)
+        assert fp is not None
+        old = _old_spec_file(stranger.pid, fp.start_time, list(fp.cmdline))
+        sup = Supervisor(tmp_path)
+        ref = ShardRef(replica_id="old")
+        sup.shard_dir(ref).mkdir(parents=True)
+        (sup.shard_dir(ref) / "spec.json").write_text(json.dumps(old, indent=2))
+
+        assert sup.recorded() == [ref]
+        running = sup.find_running(ref)
+        assert running is not None and running.pid == stranger.pid and running.port == 8123
+        assert running.group == stranger.pid
+        plan = sup.plan_of(ref)
+        assert (plan.model, plan.engine, plan.gpu_indices, plan.priority) == (
+            "tiny", "vllm", [0, 1], 5,
+        )  # fmt: skip
+        assert not plan.serves_http and plan.internal_port == 8124 and plan.cpu_bind == "0-3"
+        assert plan.ready_probe is not None and plan.ready_probe.completion is not None
+        assert sup.used_ports() == {8123, 8124}
+        # Nothing lost or added: the typed record writes back the same file.
+        loaded = SpecFile.load(sup.shard_dir(ref) / "spec.json")
+        assert loaded is not None and loaded.model_dump(mode="json") == old
+    finally:
+        stranger.kill()
+        stranger.wait()
+
+
+def test_older_spec_files_without_later_keys_load_with_defaults(tmp_path: Path) -> None:
+    """No pgid (the pid leads the group), no plan keys: defaults, as ``.get`` gave."""
+    record = SpecFile.model_validate(
+        {"shard": {"replica_id": "older"}, "pid": 42, "port": 1, "endpoint": "x:1", "extra": 1}
+    )
+    assert record.group == 42 and record.fingerprint is None
+    assert record.spec == ShardRecord()
+    assert record.spec.serves_http and record.spec.ready_probe is None
+    assert SpecFile.load(tmp_path / "missing.json") is None
+    (tmp_path / "torn.json").write_text("{")
+    assert SpecFile.load(tmp_path / "torn.json") is None

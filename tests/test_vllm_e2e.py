@@ -193,7 +193,7 @@ async def test_engines_answer_only_with_their_key(
         keyed = await http.get(endpoint + "/health", headers={"Authorization": f"Bearer {key}"})
         assert keyed.status_code == 200
     shard = _shard(system, served[engine])
-    internal = Supervisor(system.work_dir / "agent" / NODE).plan_of(shard.ref)["internal_port"]
+    internal = Supervisor(system.work_dir / "agent" / NODE).plan_of(shard.ref).internal_port
     assert isinstance(internal, int) and internal != shard.port
     if ADDRESS != "127.0.0.1":
         # The engine itself listens on loopback only: the node's address has no way in.

@@ -22,6 +22,7 @@ from typing import Protocol, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from llmgw.errors import LlmgwError
 from llmgw.types import GpuHealth, GpuInfo
 
 MIB = 1024**2
@@ -40,7 +41,7 @@ _VOLATILE_ECC = 0
 T = TypeVar("T")
 
 
-class GpuDiscoveryUnavailable(Exception):
+class GpuDiscoveryUnavailable(LlmgwError):
     """NVML cannot be used on this node (no library, no driver, driver too old).
 
     Not an error for the agent: such a node is a CPU node, and ``reason`` says why.

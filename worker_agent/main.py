@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 
 import httpx
@@ -21,6 +21,7 @@ from temporalio.worker import Worker
 
 from activities.adapters import AdapterActivities
 from activities.node import NodeActivities
+from llmgw import messages
 from llmgw.engine_install import LlamaCppInstall, ensure_llama_cpp
 from llmgw.keys import engine_key
 from llmgw.lifecycle import setup_logging, stop_event_on_signals, unless_stopped
@@ -42,6 +43,7 @@ from worker_agent.adapters import EngineAdapter, Launchers, default_adapters
 from worker_agent.adoption import adopt
 from worker_agent.engines import EngineInstalls
 from worker_agent.inventory import Sources, collect, sources_from
+from worker_agent.shard_record import ShardRecord
 from worker_agent.supervisor import RunningShard, Supervisor
 from worker_agent.users import SystemUsers, engine_identity
 from worker_agent.weights import WeightsCache
@@ -56,11 +58,11 @@ WORKER_STOP_MARGIN_S = 1.0
 async def register(client: Client, inventory: NodeInventory) -> None:
     """Report this node to the fleet, starting the fleet if it is not running."""
     await client.start_workflow(
-        "Fleet",
+        messages.FLEET,
         FleetSnapshot(),
         id=FLEET_WORKFLOW_ID,
         task_queue=CONTROL_QUEUE,
-        start_signal="register_node",
+        start_signal=messages.REGISTER_NODE,
         start_signal_args=[inventory],
         id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
     )
@@ -128,18 +130,17 @@ def inventory(
     return inv
 
 
-def report(shard: RunningShard, plan: Mapping[str, object]) -> ShardReport:
+def report(shard: RunningShard, plan: ShardRecord) -> ShardReport:
     """A running shard as the fleet sees it: enough to rebuild its allocation."""
-    gpus = plan.get("gpu_indices")
     return ShardReport(
         replica_id=shard.ref.replica_id,
         rank=shard.ref.rank,
         pid=shard.pid,
         endpoint=shard.endpoint,
-        model=str(plan.get("model") or ""),
-        gpu_indices=[int(g) for g in gpus] if isinstance(gpus, list) else [],
-        priority=int(str(plan.get("priority") or 0)),
-        catalog_digest=str(plan.get("catalog_digest") or ""),
+        model=plan.model,
+        gpu_indices=list(plan.gpu_indices),
+        priority=plan.priority,
+        catalog_digest=plan.catalog_digest,
     )
 
 
@@ -170,7 +171,7 @@ async def deregister(client: Client, node_id: str, timeout_s: float) -> None:
     try:
         async with asyncio.timeout(timeout_s):
             await fleet.signal(
-                "deregister_node",
+                messages.DEREGISTER_NODE,
                 NodeRef(node_id=node_id),
                 rpc_timeout=timedelta(seconds=timeout_s),
             )

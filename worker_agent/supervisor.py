@@ -15,7 +15,6 @@ line with secrets redacted.
 """
 
 import contextlib
-import json
 import logging
 import os
 import re
@@ -34,6 +33,7 @@ from llmgw.errors import EngineLaunchError, EngineUserError
 from llmgw.types import ShardRef
 from worker_agent import procfs
 from worker_agent.adapters.spec import redacted
+from worker_agent.shard_record import RecordedFingerprint, ShardRecord, SpecFile
 from worker_agent.users import ALLOW_ROOT_HINT, DROP_TO_ENV, RunAs, reachable
 
 log = logging.getLogger(__name__)
@@ -136,19 +136,15 @@ class Supervisor:
     def _spec_path(self, ref: ShardRef) -> Path:
         return self.shard_dir(ref) / "spec.json"
 
-    def _read_spec(self, ref: ShardRef) -> dict[str, object] | None:
-        try:
-            data: dict[str, object] = json.loads(self._spec_path(ref).read_text())
-        except (FileNotFoundError, json.JSONDecodeError):
-            return None
-        return data
+    def _read_spec(self, ref: ShardRef) -> SpecFile | None:
+        return SpecFile.load(self._spec_path(ref))
 
     def find_running(self, ref: ShardRef) -> RunningShard | None:
         """The live engine of a shard, matched by spec file and fingerprint."""
         spec = self._read_spec(ref)
         if spec is None:
             return None
-        pid = int(str(spec["pid"]))
+        pid = spec.pid
         child = self._children.get(shard_key(ref))
         if child is not None and child.poll() is not None:
             return None
@@ -156,25 +152,27 @@ class Supervisor:
         # no need to read /proc (which, right after exec, can show an empty
         # command line and made a healthy start look like a dead engine).
         ours = child is not None and child.pid == pid
-        if not ours and not procfs.same_process(pid, spec.get("fingerprint")):
+        recorded = spec.fingerprint.model_dump() if spec.fingerprint else None
+        if not ours and not procfs.same_process(pid, recorded):
             return None
         return RunningShard(
             ref=ref,
             pid=pid,
-            port=int(str(spec["port"])),
-            endpoint=str(spec["endpoint"]),
+            port=spec.port,
+            endpoint=spec.endpoint,
             log_path=self.shard_dir(ref) / "engine.log",
-            pgid=int(str(spec.get("pgid") or pid)),
+            pgid=spec.group,
         )
 
     def recorded(self) -> list[ShardRef]:
         """Every shard a spec file records, running or not."""
         refs: list[ShardRef] = []
         for spec_file in sorted(self._dir.glob("*/spec.json")):
-            try:
-                refs.append(ShardRef.model_validate(json.loads(spec_file.read_text())["shard"]))
-            except (json.JSONDecodeError, KeyError, ValueError):
+            spec = SpecFile.load(spec_file)
+            if spec is None:
                 log.warning("unreadable spec file %s", spec_file)
+            else:
+                refs.append(spec.shard)
         return refs
 
     def running(self) -> list[RunningShard]:
@@ -186,8 +184,8 @@ class Supervisor:
         ports: set[int] = set()
         for r in self.running():
             ports.add(r.port)
-            internal = self.plan_of(r.ref).get("internal_port")
-            if isinstance(internal, int):
+            internal = self.plan_of(r.ref).internal_port
+            if internal is not None:
                 ports.add(internal)
         return ports
 
@@ -237,7 +235,7 @@ class Supervisor:
         spec = self._read_spec(ref)
         if spec is None:
             return []
-        pgid = int(str(spec.get("pgid") or spec.get("pid") or 0))
+        pgid = spec.group
         members = procfs.group_members(pgid) if pgid > 0 else []
         if members:
             log.warning("shard %s: killing %d leftover processes", shard_key(ref), len(members))
@@ -267,7 +265,7 @@ class Supervisor:
         commands: Sequence[Command],
         port: int,
         endpoint: str,
-        spec: Mapping[str, object],
+        spec: ShardRecord,
         before_each: Callable[[int], None] | None = None,
     ) -> RunningShard:
         """Start a shard's commands in one new process group and record it.
@@ -304,23 +302,23 @@ class Supervisor:
         self._sidecars[shard_key(ref)] = procs[:-1]
         self._stopped.discard(shard_key(ref))
         fp = procfs.fingerprint(main.pid)
-        record = {
-            "shard": ref.model_dump(),
-            "pid": main.pid,
-            "pgid": pgid,
-            "port": port,
-            "endpoint": endpoint,
+        record = SpecFile(
+            shard=ref,
+            pid=main.pid,
+            pgid=pgid,
+            port=port,
+            endpoint=endpoint,
             # The argv we exec'd, not a read of /proc: right after exec the
             # kernel may not have published the new command line yet.
             # Redacted: a key on argv (SGLang's, with a custom launcher) must
             # not be kept in a file; procfs.matches compares redacted forms.
-            "fingerprint": {
-                "start_time": fp.start_time if fp else None,
-                "cmdline": redacted(commands[-1].argv),
-            },
-            "spec": dict(spec),
-        }
-        _write_atomic(self._spec_path(ref), json.dumps(record, indent=2))
+            fingerprint=RecordedFingerprint(
+                start_time=fp.start_time if fp else None,
+                cmdline=redacted(commands[-1].argv),
+            ),
+            spec=spec,
+        )
+        _write_atomic(self._spec_path(ref), record.model_dump_json(indent=2))
         log.info("shard %s started: pid %d group %d port %d", shard_key(ref), main.pid, pgid, port)
         return RunningShard(
             ref=ref, pid=main.pid, port=port, endpoint=endpoint, log_path=log_path, pgid=pgid
@@ -382,11 +380,11 @@ class Supervisor:
             except OSError as exc:
                 raise EngineLaunchError(f"cannot start {command.argv[0]}: {exc}") from exc
 
-    def plan_of(self, ref: ShardRef) -> dict[str, object]:
-        """What the launch recorded about the shard's plan (probe, HTTP or not)."""
-        spec = self._read_spec(ref) or {}
-        extra = spec.get("spec")
-        return extra if isinstance(extra, dict) else {}
+    def plan_of(self, ref: ShardRef) -> ShardRecord:
+        """What the launch recorded about the shard's plan (probe, HTTP or not);
+        all defaults when there is no record."""
+        spec = self._read_spec(ref)
+        return spec.spec if spec is not None else ShardRecord()
 
     def dead_sidecar(self, ref: ShardRef) -> tuple[str, int] | None:
         """A sidecar (the pass-through, a Ray head) of this shard that has exited: argv0, code."""

@@ -33,6 +33,8 @@ from pathlib import Path, PurePosixPath
 from typing import BinaryIO, Protocol
 from urllib.parse import unquote, urlsplit
 
+from llmgw.errors import LlmgwError
+
 Progress = Callable[[int, int], None]
 """Called with (bytes_done, bytes_total)."""
 
@@ -41,7 +43,7 @@ MARKER = "COMPLETE"
 KEY_HEX_CHARS = 24
 
 
-class WeightsError(Exception):
+class WeightsError(LlmgwError):
     """A weights fetch failed; ``retryable`` tells the caller whether trying again can help."""
 
     retryable: bool = True

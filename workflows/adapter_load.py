@@ -15,6 +15,7 @@ from temporalio.common import RetryPolicy
 
 with workflow.unsafe.imports_passed_through():
     from activities import names
+    from llmgw import messages
     from llmgw.queues import replica_workflow_id
     from llmgw.types import (
         AdapterCall,
@@ -31,7 +32,7 @@ with workflow.unsafe.imports_passed_through():
 TIMEOUTS = ReplicaTimeouts(schedule_to_start_s=15.0, heartbeat_s=60.0)
 
 
-@workflow.defn(name="AdapterLoad")
+@workflow.defn(name=messages.ADAPTER_LOAD)
 class AdapterLoadWorkflow:
     """Unload an idle adapter if asked, load the wanted one, tell the replica."""
 
@@ -69,7 +70,7 @@ class AdapterLoadWorkflow:
             evicted = evicted or made_room[0]
         try:
             await workflow.get_external_workflow_handle(replica_workflow_id(rid)).signal(
-                "adapters_changed",
+                messages.ADAPTERS_CHANGED,
                 AdaptersChanged(
                     loaded=[name],
                     unloaded=[*([request.evict] if request.evict else []), *made_room],

@@ -23,6 +23,7 @@ from temporalio.workflow import ChildWorkflowHandle, ParentClosePolicy
 
 with workflow.unsafe.imports_passed_through():
     from activities import names
+    from llmgw import messages
     from llmgw import search_attributes as sa
     from llmgw.queues import replica_workflow_id
     from llmgw.types import (
@@ -52,7 +53,7 @@ REAPED_HOLDS_PATCH = "reaped-slot-holds-its-place-v1"
 CONVERGE_PATCH = "converge-after-roll-v1"
 
 
-@workflow.defn(name="Deployment")
+@workflow.defn(name=messages.DEPLOYMENT)
 class DeploymentWorkflow:
     """Reconciles desired replicas of one model against those running."""
 
@@ -109,7 +110,7 @@ class DeploymentWorkflow:
         await workflow.wait_condition(workflow.all_handlers_finished)
         return self.status()
 
-    @workflow.signal(name="replica_ended")
+    @workflow.signal(name=messages.REPLICA_ENDED)
     def replica_ended(self, final: ReplicaStatus) -> None:
         """A replica ended (sent by replicas, whichever run started them)."""
         self._ended[final.replica_id] = final
@@ -162,21 +163,21 @@ class DeploymentWorkflow:
         )
         return self._input.model_copy(update={"carry": carry})
 
-    @workflow.update(name="scale")
+    @workflow.update(name=messages.SCALE)
     def scale(self, request: ScaleInput) -> DeploymentStatus:
         """Set the desired number of replicas."""
         self._book.desired = request.replicas
         self._changed = True
         return self.status()
 
-    @workflow.update(name="set_model")
+    @workflow.update(name=messages.SET_MODEL)
     def set_model(self, request: SetModelInput) -> DeploymentStatus:
         """Start new replicas from ``request.model`` and roll the running ones onto it."""
         self._input = self._input.model_copy(update={"model": request.model})
         self._begin_roll(request.reason)
         return self.status()
 
-    @workflow.update(name="rolling_restart")
+    @workflow.update(name=messages.ROLLING_RESTART)
     def rolling_restart(self, request: RollingRestartInput) -> DeploymentStatus:
         """Replace every replica one at a time: start new, wait ready, drain old."""
         self._begin_roll(request.reason)
@@ -194,13 +195,13 @@ class DeploymentWorkflow:
             )
         self._changed = True
 
-    @workflow.signal(name="replica_ready")
+    @workflow.signal(name=messages.REPLICA_READY)
     def replica_ready(self, notice: ReplicaReadyNotice) -> None:
         """A child replica serves: a rolling restart may retire what it replaces."""
         self._book.ready(notice.replica_id, notice.node_id)
         self._changed = True
 
-    @workflow.query(name="status")
+    @workflow.query(name=messages.STATUS)
     def status(self) -> DeploymentStatus:
         """Every slot: its current replica, restarts, and why the last one ended."""
         return DeploymentStatus(
@@ -269,7 +270,7 @@ class DeploymentWorkflow:
         name = self._input.model.name
         self._book.started(slot, f"{name}-{str(workflow.uuid4())[:8]}")
         handle = await workflow.start_child_workflow(
-            "Replica",
+            messages.REPLICA,
             ReplicaInput(
                 replica_id=slot.replica_id, model=self._input.model, timeouts=self._input.timeouts
             ),
@@ -295,10 +296,10 @@ class DeploymentWorkflow:
         handle = self._handles.get(slot.slot)
         stop = StopReplicaInput(reason="scaled down")
         if handle is not None and slot.slot in self._running:
-            await handle.signal("request_stop", stop)
+            await handle.signal(messages.REQUEST_STOP, stop)
         elif slot.slot in self._inherited:
             external = workflow.get_external_workflow_handle(replica_workflow_id(slot.replica_id))
-            await external.signal("request_stop", stop)
+            await external.signal(messages.REQUEST_STOP, stop)
 
     async def _wait_for_change(self) -> None:
         self._changed = False

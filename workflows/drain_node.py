@@ -13,6 +13,7 @@ from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
     from activities import names
+    from llmgw import messages
     from llmgw import search_attributes as sa
     from llmgw.queues import replica_workflow_id
     from llmgw.types import (
@@ -36,7 +37,7 @@ def on_node(fleet: FleetSnapshot, node_id: str) -> list[str]:
     )
 
 
-@workflow.defn(name="DrainNode")
+@workflow.defn(name=messages.DRAIN_NODE)
 class DrainNodeWorkflow:
     """Cordon a node and drain its replicas, bounded."""
 
@@ -54,7 +55,7 @@ class DrainNodeWorkflow:
         for rid in asked:
             handle = workflow.get_external_workflow_handle(replica_workflow_id(rid))
             await handle.signal(
-                "request_stop", StopReplicaInput(reason=f"node {request.node_id} drained")
+                messages.REQUEST_STOP, StopReplicaInput(reason=f"node {request.node_id} drained")
             )
         deadline = workflow.now() + timedelta(seconds=request.timeout_s)
         remaining = asked

@@ -7,6 +7,7 @@ GPU is never handed out twice; agents register by signal-with-start.
 from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
+    from llmgw import messages
     from llmgw.queues import FLEET_NODES_MEMO
     from llmgw.types import (
         CordonInput,
@@ -31,7 +32,7 @@ MULTI_NODE_PREEMPTION = "multi-node-preemption-v1"
 NODES_MEMO_PATCH = "fleet-nodes-memo-v1"
 
 
-@workflow.defn(name="Fleet")
+@workflow.defn(name=messages.FLEET)
 class FleetWorkflow:
     """Node inventory and allocation ledger; continues as new when long."""
 
@@ -49,7 +50,7 @@ class FleetWorkflow:
         await workflow.wait_condition(workflow.all_handlers_finished)
         workflow.continue_as_new(self._state)
 
-    @workflow.signal(name="register_node")
+    @workflow.signal(name=messages.REGISTER_NODE)
     def register_node(self, inventory: NodeInventory) -> None:
         """An agent (re)registered: replace its inventory."""
         first = inventory.node_id not in self._state.liveness
@@ -77,7 +78,7 @@ class FleetWorkflow:
         # so a forged Replica memo cannot point them elsewhere.
         workflow.upsert_memo({FLEET_NODES_MEMO: nodes})
 
-    @workflow.signal(name="deregister_node")
+    @workflow.signal(name=messages.DEREGISTER_NODE)
     def deregister_node(self, node: NodeRef) -> None:
         """An agent shut down cleanly: offer its node to no new replica."""
         seen = self._state.liveness.get(node.node_id)
@@ -85,7 +86,7 @@ class FleetWorkflow:
             seen.up = False
             workflow.logger.info("node %s deregistered", node.node_id)
 
-    @workflow.update(name="place")
+    @workflow.update(name=messages.PLACE)
     def place(self, request: PlaceRequest) -> PlaceResult:
         """Choose a node and record the allocation (idempotent per replica).
 
@@ -146,14 +147,14 @@ class FleetWorkflow:
             )  # fmt: skip
         del self._state.preemptions[:-KEEP_PREEMPTIONS]
 
-    @workflow.update(name="release")
+    @workflow.update(name=messages.RELEASE)
     def release(self, request: ReleaseRequest) -> ReleaseResult:
         """Give back a replica's allocation (and any room reserved for it)."""
         self._state.reservations.pop(request.replica_id, None)
         released = self._state.allocations.pop(request.replica_id, None) is not None
         return ReleaseResult(released=released)
 
-    @workflow.update(name="cordon")
+    @workflow.update(name=messages.CORDON)
     def cordon(self, request: CordonInput) -> FleetSnapshot:
         """Cordon (or uncordon) a node: running replicas stay, new ones go elsewhere."""
         cordoned = set(self._state.cordoned)
@@ -164,7 +165,7 @@ class FleetWorkflow:
         self._state.cordoned = sorted(cordoned)
         return self._state
 
-    @workflow.query(name="snapshot")
+    @workflow.query(name=messages.SNAPSHOT)
     def snapshot(self) -> FleetSnapshot:
         """The whole fleet state."""
         return self._state

@@ -10,11 +10,12 @@ from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
     from activities import names
+    from llmgw import messages
     from llmgw.queues import node_queue
     from llmgw.types import LogTail, LogTailInput, ShardLogsInput
 
 
-@workflow.defn(name="ShardLogs")
+@workflow.defn(name=messages.SHARD_LOGS)
 class ShardLogsWorkflow:
     """Runs one node activity and returns its answer."""
 

@@ -20,6 +20,7 @@ from temporalio.exceptions import ActivityError, ApplicationError
 
 with workflow.unsafe.imports_passed_through():
     from activities import names
+    from llmgw import error_types, messages
     from llmgw.types import (
         EngineKind,
         FetchWeightsInput,
@@ -53,7 +54,7 @@ def needs_weights(engine: EngineKind, rank: int) -> bool:
     return rank == 0 or engine is not EngineKind.LLAMA_CPP
 
 
-@workflow.defn(name="Rendezvous")
+@workflow.defn(name=messages.RENDEZVOUS)
 class RendezvousWorkflow:
     """Starts the ranks of one multi-node replica; compensates on failure."""
 
@@ -68,7 +69,7 @@ class RendezvousWorkflow:
             await self._stop_all()
             raise ApplicationError(
                 f"multi-node start failed: {_why(err, self._t.rendezvous_s)}",
-                type="RendezvousFailed",
+                type=error_types.RENDEZVOUS_FAILED,
                 non_retryable=True,
             ) from err
         except asyncio.CancelledError:

@@ -20,7 +20,9 @@ from temporalio.exceptions import ActivityError, CancelledError, ChildWorkflowEr
 
 with workflow.unsafe.imports_passed_through():
     from activities import names
+    from llmgw import messages
     from llmgw import search_attributes as sa
+    from llmgw.errors import LlmgwError
     from llmgw.queues import replica_workflow_id
     from llmgw.types import (
         AdaptersChanged,
@@ -83,15 +85,15 @@ AGENT_WAIT = timedelta(hours=1)
 AGENT_QUICK = timedelta(seconds=5)
 
 
-class _StopRequested(Exception):
+class _StopRequested(LlmgwError):
     """Internal: a stop update arrived while waiting for something else."""
 
 
-class _NoAgent(Exception):
+class _NoAgent(LlmgwError):
     """Internal: no agent answered for the node in time."""
 
 
-@workflow.defn(name="Replica")
+@workflow.defn(name=messages.REPLICA)
 class ReplicaWorkflow:
     """The lifecycle of one replica."""
 
@@ -143,9 +145,9 @@ class ReplicaWorkflow:
             return
         handle = workflow.get_external_workflow_handle(parent.workflow_id)
         with contextlib.suppress(Exception):  # a deployment already gone needs no notice
-            await handle.signal("replica_ended", self._status)
+            await handle.signal(messages.REPLICA_ENDED, self._status)
 
-    @workflow.update(name="stop")
+    @workflow.update(name=messages.STOP)
     async def stop(self, request: StopReplicaInput) -> ReplicaStatus:
         """Stop the replica (draining first) and answer once it has stopped."""
         if self._stop is None:
@@ -153,14 +155,14 @@ class ReplicaWorkflow:
         await workflow.wait_condition(lambda: is_terminal(self._status.phase))
         return self._status
 
-    @workflow.signal(name="request_stop")
+    @workflow.signal(name=messages.REQUEST_STOP)
     def request_stop(self, request: StopReplicaInput) -> None:
         """Stop the replica (workflows, which cannot send updates, signal)."""
         if self._stop is None:
             self._stop = request
             self._status.preempted_by = request.preempted_by
 
-    @workflow.signal(name="adapters_changed")
+    @workflow.signal(name=messages.ADAPTERS_CHANGED)
     def adapters_changed(self, change: AdaptersChanged) -> None:
         """An AdapterLoad changed what the engine holds: recorded and published."""
         held = [a for a in self._status.adapters if a not in change.unloaded]
@@ -170,7 +172,7 @@ class ReplicaWorkflow:
         workflow.logger.info("replica %s: %s", self._input.replica_id, change.reason)
         self._publish()
 
-    @workflow.query(name="status")
+    @workflow.query(name=messages.STATUS)
     def status(self) -> ReplicaStatus:
         """The replica's full state."""
         return self._status
@@ -384,7 +386,7 @@ class ReplicaWorkflow:
             self._move(P.STARTING, f"rendezvous of {len(self._ranks)} ranks")
         started: RendezvousResult = await self._interruptible(
             workflow.execute_child_workflow(
-                "Rendezvous",
+                messages.RENDEZVOUS,
                 RendezvousInput(
                     replica_id=rid, model=self._input.model, placement=placement, timeouts=self._t
                 ),
@@ -478,7 +480,7 @@ class ReplicaWorkflow:
             )
             try:
                 await workflow.get_external_workflow_handle(replica_workflow_id(victim)).signal(
-                    "request_stop", request
+                    messages.REQUEST_STOP, request
                 )
             except Exception as err:  # a victim that already ended needs no signal
                 workflow.logger.info(
@@ -657,7 +659,7 @@ class ReplicaWorkflow:
             # once this one serves.
             self._notify = asyncio.ensure_future(
                 workflow.get_external_workflow_handle(parent.workflow_id).signal(
-                    "replica_ready",
+                    messages.REPLICA_READY,
                     ReplicaReadyNotice(
                         replica_id=self._input.replica_id, node_id=self._status.node_id
                     ),

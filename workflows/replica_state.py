@@ -1,5 +1,6 @@
 """Replica lifecycle rules, as pure functions the workflow applies."""
 
+from llmgw.errors import LlmgwError
 from llmgw.types import (
     ROUTABLE_PHASES,
     TERMINAL_PHASES,
@@ -28,7 +29,7 @@ ALLOWED: dict[ReplicaPhase, frozenset[ReplicaPhase]] = {
 MAX_HISTORY = 50
 
 
-class IllegalTransition(ValueError):
+class IllegalTransition(LlmgwError, ValueError):
     """A phase change the lifecycle does not allow: a bug, never user input."""
 
 

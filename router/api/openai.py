@@ -36,9 +36,12 @@ from router.deps import Deps, get_deps
 from router.errors import (
     OpenAIError,
     body_too_large,
+    invalid_body,
     model_not_allowed,
     model_not_found,
     quota_exceeded,
+    request_exceeds_quota,
+    unbounded_generation,
 )
 from router.proxy import Call, StaleAdapter
 from router.routing import Route
@@ -114,21 +117,6 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-def invalid_body(exc: ValidationError) -> OpenAIError:
-    """A 400 naming the first bad field (every problem in the message)."""
-    errors = exc.errors()
-    if errors and errors[0]["type"] == "json_invalid":
-        return OpenAIError(400, "The request body is not valid JSON.")
-    if errors and errors[0]["type"] == "model_type" and not errors[0]["loc"]:
-        return OpenAIError(400, "The request body must be a JSON object.")
-    problems = []
-    for e in errors:
-        loc = ".".join(str(p) for p in e["loc"])
-        problems.append(f"{loc}: {e['msg']}" if loc else e["msg"])
-    first = ".".join(str(p) for p in errors[0]["loc"]) if errors else ""
-    return OpenAIError(400, "; ".join(problems), param=first or None)
-
-
 def _estimate(body: "Body") -> int:
     prompt = math.ceil(body.prompt_bytes() / 2)
     if isinstance(body, ChatCompletionRequest):
@@ -156,12 +144,7 @@ def reserved_tokens(body: "Body", context_length: int) -> int:
 def _bounded(body: "Body", policy: KeyPolicy) -> None:
     """Refuse generation the client leaves unbounded when the key's tokens are counted."""
     if isinstance(body, _Generation) and body.unbounded() and (policy.tpm or policy.token_budget):
-        raise OpenAIError(
-            400,
-            "n_predict -1 (generate until the context is full) is not allowed for a key"
-            " with a token quota; set max_tokens or a non-negative n_predict.",
-            param="n_predict",
-        )
+        raise unbounded_generation()
 
 
 async def _disconnected(request: Request) -> None:
@@ -322,7 +305,7 @@ def _over_quota(
     error = (
         quota_exceeded(rejection.limit, rejection.message, rejection.retry_after_s)
         if not rejection.never
-        else OpenAIError(400, rejection.message, code="request_exceeds_quota")
+        else request_exceeds_quota(rejection.message)
     )
     deps.metrics.quota_rejections.labels(rejection.limit).inc()
     deps.metrics.requests.labels(endpoint, model, str(error.status)).inc()

@@ -10,6 +10,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from llmgw.errors import ConfigError
 from llmgw.types import EngineProfile, FabricKind, GpuInfo, ModelSpec, RdmaPort, Rendezvous
 
 __all__ = [  # EngineProfile and Rendezvous cross Temporal, so they live in llmgw.types
@@ -37,7 +38,7 @@ REDACTED = "<redacted>"
 SECRET_FLAGS = frozenset({"--api-key", "--admin-api-key"})
 
 
-class LaunchValidationError(ValueError):
+class LaunchValidationError(ConfigError, ValueError):
     """A shard or replica that must not be started, with every reason found.
 
     Each problem says what to change; ``str()`` joins them so a workflow

@@ -309,17 +309,21 @@ class ReplicaWorkflow:
         node = self._placement.node_id
         self._move(P.NODE_LOST, f"agent on {node} silent ({why}); probing the engine")
         patient = self._t.model_copy(update={"schedule_to_start_s": AGENT_WAIT.total_seconds()})
-        agent = asyncio.ensure_future(
-            node_activity(
-                node,
-                names.SHARD_RUNNING,
-                self._shard(),
-                ShardRunning,
-                patient,
-                timedelta(seconds=30),
-                retry=RetryPolicy(maximum_interval=timedelta(seconds=10)),
+
+        def ask_agent() -> asyncio.Future[ShardRunning]:
+            return asyncio.ensure_future(
+                node_activity(
+                    node,
+                    names.SHARD_RUNNING,
+                    self._shard(),
+                    ShardRunning,
+                    patient,
+                    timedelta(seconds=30),
+                    retry=RetryPolicy(maximum_interval=timedelta(seconds=10)),
+                )
             )
-        )
+
+        agent = ask_agent()
         probe = asyncio.ensure_future(
             workflow.execute_activity(
                 names.PROBE_ENGINE,
@@ -352,17 +356,7 @@ class ReplicaWorkflow:
                     workflow.logger.info(
                         "replica %s: still no agent: %s", self._input.replica_id, err
                     )
-                    agent = asyncio.ensure_future(
-                        node_activity(
-                            node,
-                            names.SHARD_RUNNING,
-                            self._shard(),
-                            ShardRunning,
-                            patient,
-                            timedelta(seconds=30),
-                            retry=RetryPolicy(maximum_interval=timedelta(seconds=10)),
-                        )
-                    )
+                    agent = ask_agent()
                     continue
                 if found.pid is None:
                     return found.exit or ShardExit(

@@ -60,7 +60,6 @@ RANK = {
 EXCEPTIONS: dict[tuple[str, str], str] = {
     ("activities.control", "worker_agent.adapters"): "engine plans not yet out of the agent",
     ("worker_agent.engines", "worker_agent.adapters"): "engine installs not yet in installs/",
-    ("llmgw.reconcile", "llmgw.store"): "the control worker's, not yet on the control side",
     ("llmgw.cli_keys", "llmgw.store"): "CLI, not yet in llmgw/cli/",
     ("llmgw.cli_keys", "router.apikeys"): "CLI, not yet in llmgw/cli/",
     ("llmgw.store_copy", "llmgw.store"): "CLI, not yet in llmgw/cli/",

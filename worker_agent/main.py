@@ -25,10 +25,9 @@ from llmgw.engine_install import LlamaCppInstall, ensure_llama_cpp
 from llmgw.keys import engine_key
 from llmgw.lifecycle import setup_logging, stop_event_on_signals, unless_stopped
 from llmgw.queues import CONTROL_QUEUE, FLEET_WORKFLOW_ID, node_queue, replica_workflow_id
-from llmgw.reconcile import workflow_running
 from llmgw.settings import AgentSettings
 from llmgw.store import Store
-from llmgw.temporal import connect_with
+from llmgw.temporal import connect_with, workflow_running
 from llmgw.tracing import setup_tracing
 from llmgw.types import (
     EngineKind,

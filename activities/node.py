@@ -19,7 +19,6 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from activities import names
-from llmgw.engine_install import EngineInstallError
 from llmgw.errors import (
     ConfigError,
     EngineExitedError,
@@ -69,7 +68,8 @@ from worker_agent.cpu_share import (
     kv_cache_bytes,
     parse_cpu_list,
 )
-from worker_agent.engines import EngineInstalls
+from worker_agent.installs.installed import EngineInstalls
+from worker_agent.installs.llamacpp import EngineInstallError
 from worker_agent.launching import (
     engine_busy,
     engine_env,

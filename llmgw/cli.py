@@ -204,7 +204,7 @@ def agent_inventory(
 ) -> None:
     """What the scheduler would see for this node."""
     from llmgw.settings import AgentSettings  # noqa: PLC0415
-    from worker_agent.engines import installed_engines  # noqa: PLC0415
+    from worker_agent.installs.installed import installed_engines  # noqa: PLC0415
     from worker_agent.inventory import sources_from  # noqa: PLC0415
     from worker_agent.main import inventory  # noqa: PLC0415
     from worker_agent.supervisor import Supervisor  # noqa: PLC0415

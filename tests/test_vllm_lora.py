@@ -26,8 +26,8 @@ from llmgw.types import (
     EngineProfile,
     ModelSpec,
 )
-from llmgw.vllm_install import VllmInstall
 from tests.harness import System, free_port, wait_routable
+from worker_agent.installs.vllm import VllmInstall
 
 pytestmark = pytest.mark.timeout(900)
 

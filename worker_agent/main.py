@@ -21,7 +21,6 @@ from temporalio.worker import Worker
 
 from activities.adapters import AdapterActivities
 from activities.node import NodeActivities
-from llmgw.engine_install import LlamaCppInstall, ensure_llama_cpp
 from llmgw.keys import engine_key
 from llmgw.lifecycle import setup_logging, stop_event_on_signals, unless_stopped
 from llmgw.queues import CONTROL_QUEUE, FLEET_WORKFLOW_ID, node_queue, replica_workflow_id
@@ -39,7 +38,8 @@ from llmgw.types import (
 )
 from worker_agent.adapters import EngineAdapter, Launchers, default_adapters
 from worker_agent.adoption import adopt
-from worker_agent.engines import EngineInstalls
+from worker_agent.installs.installed import EngineInstalls
+from worker_agent.installs.llamacpp import LlamaCppInstall, ensure_llama_cpp
 from worker_agent.inventory import Sources, collect, sources_from
 from worker_agent.supervisor import RunningShard, Supervisor
 from worker_agent.users import SystemUsers, engine_identity

@@ -49,7 +49,15 @@ from llmgw.types import (
     WatchShardInput,
 )
 from worker_agent import passthrough
-from worker_agent.adapters import (
+from worker_agent.cpu_share import (
+    NOBIND,
+    choose_binding,
+    cores_per_engine,
+    format_cpu_list,
+    kv_cache_bytes,
+    parse_cpu_list,
+)
+from worker_agent.engines import (
     CommandSpec,
     EngineAdapter,
     LaunchValidationError,
@@ -59,14 +67,6 @@ from worker_agent.adapters import (
     ShardRequest,
     node_facts,
     plan_shard,
-)
-from worker_agent.cpu_share import (
-    NOBIND,
-    choose_binding,
-    cores_per_engine,
-    format_cpu_list,
-    kv_cache_bytes,
-    parse_cpu_list,
 )
 from worker_agent.installs.installed import EngineInstalls
 from worker_agent.installs.llamacpp import EngineInstallError

@@ -36,8 +36,8 @@ from llmgw.types import (
     ShardRef,
     ShardReport,
 )
-from worker_agent.adapters import EngineAdapter, Launchers, default_adapters
 from worker_agent.adoption import adopt
+from worker_agent.engines import EngineAdapter, Launchers, default_adapters
 from worker_agent.installs.installed import EngineInstalls
 from worker_agent.installs.llamacpp import LlamaCppInstall, ensure_llama_cpp
 from worker_agent.inventory import Sources, collect, sources_from

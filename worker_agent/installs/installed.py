@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from llmgw.types import EngineInstallInfo, EngineKind
-from worker_agent.adapters import EngineAdapter, Launchers, VllmAdapter, default_adapters
+from worker_agent.engines import EngineAdapter, Launchers, VllmAdapter, default_adapters
 from worker_agent.installs.llamacpp import (
     SOURCE_PACKAGE,
     SOURCE_VERSION,

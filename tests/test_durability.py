@@ -8,7 +8,7 @@ from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client
 
 from llmgw import replicas
-from llmgw.procs import Child
+from llmgw.cli.procs import Child
 from llmgw.queues import replica_workflow_id
 from llmgw.tinymodel import TinyModel
 from llmgw.types import EngineKind, ModelSpec, ReplicaPhase

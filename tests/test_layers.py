@@ -57,15 +57,7 @@ RANK = {
 
 # Imports that break the rule today, each with why it is still there. Only
 # ever remove entries: a stale one fails the test.
-EXCEPTIONS: dict[tuple[str, str], str] = {
-    ("llmgw.cli_keys", "llmgw.store"): "CLI, not yet in llmgw/cli/",
-    ("llmgw.cli_keys", "router.apikeys"): "CLI, not yet in llmgw/cli/",
-    ("llmgw.store_copy", "llmgw.store"): "CLI, not yet in llmgw/cli/",
-    ("llmgw.up", "llmgw.store"): "CLI, not yet in llmgw/cli/",
-    ("llmgw.up", "worker_agent"): "CLI, not yet in llmgw/cli/",
-    ("llmgw.up", "worker_agent.procfs"): "CLI, not yet in llmgw/cli/",
-    ("llmgw.up", "worker_agent.installs.llamacpp"): "CLI, not yet in llmgw/cli/",
-}
+EXCEPTIONS: dict[tuple[str, str], str] = {}
 
 
 def _module_name(path: Path) -> str:

@@ -149,7 +149,7 @@ def test_llmgw_up_children_leave_cluster_settings_behind(tmp_path: Path) -> None
     # `llmgw up` serves its own plain dev server on loopback; TLS files, a key
     # or a namespace meant for a cluster would keep its children off it.
     script = (
-        "import json; from llmgw.settings import UpSettings; from llmgw.up import child_env;"
+        "import json; from llmgw.settings import UpSettings; from llmgw.cli.up import child_env;"
         " print(json.dumps(child_env(UpSettings())))"
     )
     env = {

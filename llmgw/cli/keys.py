@@ -6,8 +6,8 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from llmgw.cli_common import CliSettings, console, out
-from llmgw.cli_common import fail as _fail
+from llmgw.cli.common import CliSettings, console, out
+from llmgw.cli.common import fail as _fail
 from llmgw.store import Store
 
 keys_app = typer.Typer(help="Client API keys", no_args_is_help=True)

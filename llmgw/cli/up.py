@@ -30,9 +30,9 @@ from temporalio.client import Client, WorkflowFailureError
 from temporalio.service import RPCError
 
 from llmgw import replicas
+from llmgw.cli.procs import Child, Supervised, log_tail, wait_for
 from llmgw.errors import LlmgwError
 from llmgw.lifecycle import stop_event_on_signals, unless_stopped
-from llmgw.procs import Child, Supervised, log_tail, wait_for
 from llmgw.settings import UpSettings
 from llmgw.store import Store
 from llmgw.temporal import connect
@@ -41,7 +41,7 @@ from llmgw.types import EngineKind, ModelSpec, ReplicaMemo
 from worker_agent import procfs
 from worker_agent.installs.llamacpp import ensure_llama_cpp
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 DEVSERVER = REPO_ROOT / "temporal-dev" / "devserver.py"
 
 Say = Callable[[str], None]

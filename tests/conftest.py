@@ -8,13 +8,13 @@ from typing import TYPE_CHECKING
 import pytest
 from temporalio.client import Client
 
+from llmgw.dev.tinymodel import TinyModel, generate_tiny_model
 from llmgw.temporal import connect
-from llmgw.tinymodel import TinyModel, generate_tiny_model
 from tests.harness import REPO, System, free_port, start_devserver
 from tests.pg import PgCluster, find_bindir
 
 if TYPE_CHECKING:
-    from llmgw.tinyhf import TinyHfModel
+    from llmgw.dev.tinyhf import TinyHfModel
     from worker_agent.installs.llamacpp import LlamaCppInstall
     from worker_agent.installs.vllm import VllmInstall
 
@@ -68,7 +68,7 @@ def vllm_cpu() -> "VllmInstall":
 @pytest.fixture(scope="session")
 def tinyhf(tmp_path_factory: pytest.TempPathFactory) -> "TinyHfModel":
     """The generated tiny Hugging Face-format model."""
-    from llmgw.tinyhf import generate_tiny_hf_model  # noqa: PLC0415
+    from llmgw.dev.tinyhf import generate_tiny_hf_model  # noqa: PLC0415
 
     return generate_tiny_hf_model(tmp_path_factory.mktemp("tinyhf"))
 

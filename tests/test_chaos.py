@@ -18,7 +18,7 @@ from temporalio.client import Client
 
 from llmgw import replicas
 from llmgw.cli.procs import Child
-from llmgw.tinymodel import TinyModel
+from llmgw.dev.tinymodel import TinyModel
 from llmgw.types import ModelSpec, ReplicaPhase, ReplicaTimeouts, RestartPolicy
 from tests.harness import System
 from tests.procs_util import pids_with_args

@@ -19,8 +19,8 @@ import pytest
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import ActivityEnvironment
 
+from llmgw.dev.tinymodel import TinyModel
 from llmgw.errors import EngineUserError
-from llmgw.tinymodel import TinyModel
 from llmgw.types import (
     LaunchShardInput,
     ModelSpec,

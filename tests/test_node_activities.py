@@ -10,8 +10,8 @@ import pytest
 from temporalio.testing import ActivityEnvironment
 
 from activities.node import NodeActivities
+from llmgw.dev.tinymodel import TinyModel
 from llmgw.keys import engine_key
-from llmgw.tinymodel import TinyModel
 from llmgw.types import (
     EngineKind,
     LaunchShardInput,

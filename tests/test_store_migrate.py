@@ -13,9 +13,9 @@ from temporalio.client import Client
 from llmgw import replicas
 from llmgw.cli.procs import wait_for
 from llmgw.cli.store_copy import copy_store, migrate_store
+from llmgw.dev.tinymodel import TinyModel
 from llmgw.errors import ConfigError
 from llmgw.store import Store
-from llmgw.tinymodel import TinyModel
 from llmgw.types import EngineKind, ModelSpec
 from tests.harness import System, free_port, port_open, wait_routable
 from tests.pg import PgCluster

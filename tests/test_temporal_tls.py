@@ -20,10 +20,10 @@ from temporalio.client import Client
 from temporalio.service import TLSConfig
 
 from llmgw import replicas
+from llmgw.dev.tinymodel import TinyModel
 from llmgw.errors import ConfigError, TemporalConnectError
 from llmgw.settings import ControlSettings
 from llmgw.temporal import connect_with, tls_config
-from llmgw.tinymodel import TinyModel
 from llmgw.types import EngineKind, ModelSpec
 from tests.harness import System, free_port, start_devserver, wait_routable
 from tests.tls_front import Pki, TlsFront, issue, make_ca, make_pki

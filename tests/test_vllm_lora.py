@@ -13,11 +13,11 @@ from temporalio.common import WorkflowIDConflictPolicy
 
 from activities.adapters import busy_adapters
 from llmgw import replicas
+from llmgw.dev.tinyhf import TinyHfModel
+from llmgw.dev.tinypeft import generate_peft_adapter
 from llmgw.keys import engine_key
 from llmgw.queues import CONTROL_QUEUE
 from llmgw.store import Store
-from llmgw.tinyhf import TinyHfModel
-from llmgw.tinypeft import generate_peft_adapter
 from llmgw.types import (
     AdapterLoadInput,
     AdapterLoadResult,

@@ -31,12 +31,12 @@ from temporalio.service import RPCError
 
 from llmgw import replicas
 from llmgw.cli.procs import Child, Supervised, log_tail, wait_for
+from llmgw.dev.tinymodel import generate_tiny_model
 from llmgw.errors import LlmgwError
 from llmgw.lifecycle import stop_event_on_signals, unless_stopped
 from llmgw.settings import UpSettings
 from llmgw.store import Store
 from llmgw.temporal import connect
-from llmgw.tinymodel import generate_tiny_model
 from llmgw.types import EngineKind, ModelSpec, ReplicaMemo
 from worker_agent import procfs
 from worker_agent.installs.llamacpp import ensure_llama_cpp

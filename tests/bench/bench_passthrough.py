@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 
 from llmgw.cli.procs import Child, wait_for
-from llmgw.tinymodel import generate_tiny_model
+from llmgw.dev.tinymodel import generate_tiny_model
 from worker_agent import passthrough
 from worker_agent.installs.llamacpp import ensure_llama_cpp
 

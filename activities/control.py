@@ -34,7 +34,7 @@ from llmgw.types import (
     ValidateInput,
     ValidateResult,
 )
-from worker_agent.adapters import launch_problems, node_facts
+from worker_agent.engines import launch_problems, node_facts
 
 EngineKeyFn = Callable[[str], Awaitable[str]]
 PROBE_TIMEOUT_S = 3.0

@@ -20,7 +20,6 @@ from temporalio.exceptions import ApplicationError
 
 from activities import names
 from llmgw import error_types
-from llmgw.engine_install import EngineInstallError
 from llmgw.errors import (
     ConfigError,
     EngineExitedError,
@@ -51,7 +50,15 @@ from llmgw.types import (
     WatchShardInput,
 )
 from worker_agent import passthrough
-from worker_agent.adapters import (
+from worker_agent.cpu_share import (
+    NOBIND,
+    choose_binding,
+    cores_per_engine,
+    format_cpu_list,
+    kv_cache_bytes,
+    parse_cpu_list,
+)
+from worker_agent.engines import (
     CommandSpec,
     EngineAdapter,
     LaunchValidationError,
@@ -62,15 +69,8 @@ from worker_agent.adapters import (
     node_facts,
     plan_shard,
 )
-from worker_agent.cpu_share import (
-    NOBIND,
-    choose_binding,
-    cores_per_engine,
-    format_cpu_list,
-    kv_cache_bytes,
-    parse_cpu_list,
-)
-from worker_agent.engines import EngineInstalls
+from worker_agent.installs.installed import EngineInstalls
+from worker_agent.installs.llamacpp import EngineInstallError
 from worker_agent.launching import (
     engine_busy,
     engine_env,

@@ -13,9 +13,9 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from llmgw.apikeys import KeyPolicy, create_key
-from llmgw.quotas import Limits, Quotas
 from llmgw.store import Store
+from router.apikeys import KeyPolicy, create_key
+from router.quotas import Limits, Quotas
 
 
 def main() -> None:

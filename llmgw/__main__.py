@@ -1,5 +1,5 @@
 """``python -m llmgw`` is the ``llmgw`` CLI."""
 
-from llmgw.cli import main
+from llmgw.cli.app import main
 
 main()

@@ -31,7 +31,7 @@ def get_entry(store: Store, name: str) -> CatalogModel | None:
 
 def delete_entry(store: Store, name: str) -> bool:
     """Remove a model from the catalog; the control plane's reconcile pass then
-    scales its deployment away and stops its replicas (llmgw/reconcile.py)."""
+    scales its deployment away and stops its replicas (workflows/reconcile.py)."""
     return store.delete_model(name)
 
 

@@ -7,7 +7,7 @@ module are named with where they live::
     LlmgwError                    base of everything raised on purpose
     ├── ConfigError               bad settings or input; retrying cannot help
     │   └── LaunchValidationError a shard that must not start, with every reason
-    │                             (worker_agent/adapters/spec.py; also a ValueError)
+    │                             (worker_agent/engines/spec.py; also a ValueError)
     ├── StoreError                the store could not answer
     ├── TemporalConnectError      no Temporal client: unreachable, or refused (TLS, API key)
     ├── EngineError               an engine shard misbehaved
@@ -17,7 +17,7 @@ module are named with where they live::
     │   ├── EngineNotReadyError   it did not become ready in time
     │   └── UpstreamError         the router's request to it failed (mid-way)
     │       └── UpstreamConnectError  ...before anything was sent: another may take it
-    ├── EngineInstallError        an engine could not be installed (llmgw/engine_install.py)
+    ├── EngineInstallError        an engine could not be installed (worker_agent/installs/)
     ├── WeightsError              a weights fetch failed (worker_agent/weights.py)
     │   ├── UnsupportedSource     ...from a kind of source the agent cannot read
     │   ├── ChecksumMismatch      ...to a digest other than the expected one

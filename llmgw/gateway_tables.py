@@ -16,7 +16,7 @@ class QuotaWindow(SQLModel, table=True):
     ``minute`` is the epoch minute and ``period`` the budget period's index
     the counters belong to; ``prev_*`` are the minute before ``minute``'s
     (the sliding minute weighs them in); a reservation in a newer window
-    moves the counters along (see ``llmgw.quotas``).
+    moves the counters along (see ``router.quotas``).
     """
 
     key_id: int = Field(primary_key=True)

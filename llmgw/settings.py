@@ -61,7 +61,7 @@ class ControlSettings(_Common):
     # Running control activities (all short) get this to finish on SIGTERM;
     # it must leave room inside shutdown_timeout_s.
     graceful_shutdown_s: float = 5.0
-    # Recovery passes (llmgw/reconcile.py): 0 turns them off. Without the
+    # Recovery passes (workflows/reconcile.py): 0 turns them off. Without the
     # catalog part only the ledger is audited.
     reconcile_interval_s: float = 30.0
     reconcile_catalog: bool = True

@@ -49,8 +49,8 @@ class ApiKey(SQLModel, table=True):
     prefix: str
     created_at: datetime
     revoked: bool = False
-    # Policy (llmgw.apikeys): JSON list of models ("" = every model), expiry,
-    # admin (admin API only), quotas (0 = unlimited; llmgw.quotas).
+    # Policy (router.apikeys): JSON list of models ("" = every model), expiry,
+    # admin (admin API only), quotas (0 = unlimited; router.quotas).
     models_json: str = ""
     expires_at: datetime | None = None
     admin: bool = False

@@ -7,11 +7,12 @@ step underneath, for callers that reach a server they started themselves.
 
 import asyncio
 from collections.abc import Sequence
+from datetime import timedelta
 from pathlib import Path
 
-from temporalio.client import Client, Interceptor
+from temporalio.client import Client, Interceptor, WorkflowExecutionStatus
 from temporalio.contrib.pydantic import pydantic_data_converter
-from temporalio.service import TLSConfig
+from temporalio.service import RPCError, RPCStatusCode, TLSConfig
 
 from llmgw.errors import ConfigError, TemporalConnectError
 from llmgw.settings import _Common
@@ -179,3 +180,14 @@ def _how(tls: TLSConfig | bool, api_key: str | None) -> str:
     else:
         how = "TLS with the system's CAs" if tls else "no TLS"
     return how + (", API key" if api_key else "")
+
+
+async def workflow_running(client: Client, workflow_id: str) -> bool | None:
+    """Whether a workflow runs; None when Temporal cannot say right now."""
+    try:
+        desc = await client.get_workflow_handle(workflow_id).describe(
+            rpc_timeout=timedelta(seconds=5)
+        )
+    except RPCError as exc:
+        return False if exc.status == RPCStatusCode.NOT_FOUND else None
+    return desc.status == WorkflowExecutionStatus.RUNNING

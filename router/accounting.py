@@ -16,11 +16,11 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from llmgw.apikeys import KeyPolicy
-from llmgw.quotas import Limits, Quotas, Rejection, Reservation
 from llmgw.store import Store
-from llmgw.usage import UsageDelta, UsageKey, day_of, record
+from router.apikeys import KeyPolicy
 from router.blocking import in_thread
+from router.quotas import Limits, Quotas, Rejection, Reservation
+from router.usage import UsageDelta, UsageKey, day_of, record
 
 log = logging.getLogger(__name__)
 

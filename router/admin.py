@@ -17,13 +17,13 @@ from pydantic import BaseModel, ConfigDict, Field
 from temporalio.client import Client
 from temporalio.service import RPCError
 
-from llmgw import apikeys, replicas, usage
-from llmgw.apikeys import KeyInfo, KeyPolicy, KeyUpdate
+from llmgw import replicas
 from llmgw.catalog import CatalogModel
 from llmgw.catalog_store import apply_entries, delete_entry, get_entry, list_entries
 from llmgw.errors import LlmgwError
 from llmgw.types import ReplicaMemo
-from llmgw.usage import UsageRow
+from router import apikeys, usage
+from router.apikeys import KeyInfo, KeyPolicy, KeyUpdate
 from router.deps import Deps, get_deps
 from router.errors import (
     invalid_fields,
@@ -32,6 +32,7 @@ from router.errors import (
     not_found,
     temporal_unavailable,
 )
+from router.usage import UsageRow
 
 DepsDep = Annotated[Deps, Depends(get_deps)]
 # Store integers are 32-bit on PostgreSQL: larger ones are refused up front.

@@ -14,9 +14,9 @@ import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from llmgw.apikeys import KeyInfo, KeyPolicy, lookup
 from llmgw.keys import hash_api_key
 from llmgw.store import Store
+from router.apikeys import KeyInfo, KeyPolicy, lookup
 from router.errors import admin_required, invalid_key, key_expired
 
 NEGATIVE_CACHE_MAX = 10_000

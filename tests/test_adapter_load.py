@@ -22,8 +22,8 @@ from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.worker import Worker
 
 from activities.adapters import AdapterActivities, busy_adapters
+from llmgw.cli.procs import wait_for
 from llmgw.keys import engine_key
-from llmgw.procs import wait_for
 from llmgw.queues import node_queue
 from llmgw.types import (
     AdapterLoadInput,

@@ -1,7 +1,7 @@
 """Command sequences and environments of every engine x single/multi-node x rank x launch mode.
 
 Flags as checked against the engines' own pages, recorded in
-``worker_agent.adapters.CHECKED_AGAINST`` (vLLM 0.33 line, SGLang 0.5.x
+``worker_agent.engines.CHECKED_AGAINST`` (vLLM 0.33 line, SGLang 0.5.x
 server_args.py, llama.cpp master tools/rpc + tools/server READMEs, Ray CLI).
 """
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from llmgw.types import EngineKind, FabricKind, LinkLayer, ModelSpec, RdmaPort
-from worker_agent.adapters import (
+from worker_agent.engines import (
     CHECKED_AGAINST,
     REDACTED,
     EngineProfile,
@@ -36,8 +36,8 @@ from worker_agent.adapters import (
     vllm,
     vllm_module_launcher,
 )
-from worker_agent.adapters.sglang import KEY_ENV as SGLANG_KEY_ENV
-from worker_agent.adapters.sglang import KEY_SHIM
+from worker_agent.engines.sglang import KEY_ENV as SGLANG_KEY_ENV
+from worker_agent.engines.sglang import KEY_SHIM
 
 KEY = "sk-engine-0123456789abcdef"
 IB = tuple(

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from temporalio.client import Client
 
-from llmgw.procs import wait_for
+from llmgw.cli.procs import wait_for
 from llmgw.types import ShardRef
 from tests.procs_util import pids_with_args
 from worker_agent import procfs

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from temporalio.client import Client
 
 from llmgw import replicas
-from llmgw.procs import Child
-from llmgw.tinymodel import TinyModel
+from llmgw.cli.procs import Child
+from llmgw.dev.tinymodel import TinyModel
 from llmgw.types import ModelSpec, ReplicaPhase, ReplicaTimeouts, RestartPolicy
 from tests.harness import System
 from tests.procs_util import pids_with_args

@@ -6,8 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from llmgw.engine_install import MARKER
-from llmgw.vllm_install import CPU_PACKAGE, GPU_PACKAGE, VLLM_VERSION, install_dir
+from worker_agent.installs.llamacpp import MARKER
+from worker_agent.installs.vllm import CPU_PACKAGE, GPU_PACKAGE, VLLM_VERSION, install_dir
 
 FIXTURES = Path(__file__).parent / "fixtures"
 

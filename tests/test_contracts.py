@@ -11,9 +11,9 @@ import pkgutil
 from pathlib import Path
 
 from llmgw import error_types, errors, messages
-from llmgw.engine_install import EngineInstallError
 from worker_agent import weights
-from worker_agent.adapters.spec import LaunchValidationError
+from worker_agent.engines.spec import LaunchValidationError
+from worker_agent.installs.llamacpp import EngineInstallError
 
 WIRE_MESSAGES = {
     "FLEET": "Fleet",

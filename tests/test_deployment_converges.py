@@ -7,8 +7,8 @@ import asyncio
 from temporalio.client import Client
 
 from llmgw import replicas
+from llmgw.dev.tinymodel import TinyModel
 from llmgw.queues import deployment_workflow_id
-from llmgw.tinymodel import TinyModel
 from llmgw.types import (
     DeploymentStatus,
     EngineKind,

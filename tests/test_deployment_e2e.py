@@ -11,10 +11,10 @@ from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client
 
 from llmgw import replicas
+from llmgw.dev.tinymodel import TinyModel
 from llmgw.keys import engine_key
 from llmgw.queues import CONTROL_QUEUE, deployment_workflow_id, replica_workflow_id
 from llmgw.store import Store
-from llmgw.tinymodel import TinyModel
 from llmgw.types import (
     DeploymentInput,
     DeploymentStatus,

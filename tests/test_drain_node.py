@@ -7,7 +7,7 @@ import sys
 from temporalio.client import Client
 
 from llmgw import replicas
-from llmgw.tinymodel import TinyModel
+from llmgw.dev.tinymodel import TinyModel
 from llmgw.types import EngineKind, ModelSpec, ReplicaPhase, RestartPolicy
 from tests.harness import System
 from tests.recording import record

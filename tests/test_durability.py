@@ -8,9 +8,9 @@ from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client
 
 from llmgw import replicas
-from llmgw.procs import Child
+from llmgw.cli.procs import Child
+from llmgw.dev.tinymodel import TinyModel
 from llmgw.queues import replica_workflow_id
-from llmgw.tinymodel import TinyModel
 from llmgw.types import EngineKind, ModelSpec, ReplicaPhase
 from tests.harness import System
 from tests.procs_util import pids_with_args

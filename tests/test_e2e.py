@@ -16,11 +16,11 @@ import pytest
 from temporalio.client import Client
 
 from llmgw import replicas
+from llmgw.dev.tinymodel import TinyModel
 from llmgw.errors import EngineError
 from llmgw.keys import engine_key
 from llmgw.queues import replica_workflow_id
 from llmgw.store import Store
-from llmgw.tinymodel import TinyModel
 from llmgw.types import EngineKind, ModelSpec, ReplicaPhase, ReplicaTimeouts
 from tests.harness import System, free_port, wait_routable
 from tests.procs_util import pids_with_args

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from llmgw import engine_install
-from llmgw.engine_install import (
+from worker_agent.installs import llamacpp as engine_install
+from worker_agent.installs.llamacpp import (
     MARKER,
     EngineInstallError,
     LlamaCppInstall,

@@ -9,7 +9,7 @@ import openai
 from temporalio.client import Client
 
 from llmgw import replicas
-from llmgw.tinymodel import TinyModel
+from llmgw.dev.tinymodel import TinyModel
 from llmgw.types import EngineKind, ModelSpec, ReplicaPhase, RestartPolicy, ShardRef
 from tests.harness import System, free_port, wait_routable
 from worker_agent import procfs

@@ -19,9 +19,8 @@ import pytest
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import ActivityEnvironment
 
-from llmgw.engine_install import LlamaCppInstall
+from llmgw.dev.tinymodel import TinyModel
 from llmgw.errors import EngineUserError
-from llmgw.tinymodel import TinyModel
 from llmgw.types import (
     LaunchShardInput,
     ModelSpec,
@@ -32,6 +31,7 @@ from llmgw.types import (
 )
 from tests.harness import node_activities
 from worker_agent import procfs
+from worker_agent.installs.llamacpp import LlamaCppInstall
 from worker_agent.launching import engine_env
 from worker_agent.shard_record import ShardRecord
 from worker_agent.supervisor import Command, Supervisor

@@ -17,10 +17,10 @@ import pytest
 from temporalio.client import Client
 
 from llmgw import replicas
+from llmgw.dev.tinymodel import TinyModel
 from llmgw.errors import EngineError
 from llmgw.keys import engine_key
 from llmgw.store import Store
-from llmgw.tinymodel import TinyModel
 from llmgw.types import EngineKind, ModelSpec, ReplicaTimeouts, ShardRef
 from tests.harness import System, free_port
 from worker_agent import procfs

@@ -13,8 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from llmgw.apikeys import KeyPolicy, create_key
 from llmgw.store import Store
+from router.apikeys import KeyPolicy, create_key
 from router.app import create_app
 from router.upstream import AiohttpUpstream
 from tests.gateway_util import FakeSource, auth, ready, serving, spec

@@ -11,13 +11,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from llmgw import usage
-from llmgw.apikeys import KeyPolicy, create_key, revoke_key
 from llmgw.keys import engine_key
-from llmgw.quotas import minute_of
 from llmgw.store import Store
 from llmgw.types import ReplicaMemo
+from router import usage
+from router.apikeys import KeyPolicy, create_key, revoke_key
 from router.app import create_app
+from router.quotas import minute_of
 from tests.gateway_util import (
     ADMIN_KEY,
     PROMPT_TOKENS,

@@ -15,7 +15,7 @@ import pytest
 from temporalio.client import Client
 
 from llmgw import replicas
-from llmgw.tinymodel import TinyModel
+from llmgw.dev.tinymodel import TinyModel
 from llmgw.types import EngineKind, ModelSpec, ReplicaPhase
 from tests.harness import System, free_port, wait_routable
 

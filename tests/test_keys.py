@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 from sqlalchemy import event
 
-from llmgw.apikeys import KeyPolicy, create_key
 from llmgw.keys import API_KEY_PREFIX, engine_key, hash_api_key, new_api_key
 from llmgw.store import Store
+from router.apikeys import KeyPolicy, create_key
 from router.auth import KeyVerifier
 from router.errors import OpenAIError
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from llmgw.types import EngineKind, FabricKind, GpuInfo, LinkLayer, ModelSpec, RdmaPort
-from worker_agent.adapters import (
+from worker_agent.engines import (
     EngineProfile,
     LaunchValidationError,
     LoraAdapter,

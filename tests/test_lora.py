@@ -4,9 +4,9 @@ import httpx
 from temporalio.client import Client
 
 from llmgw import replicas
+from llmgw.dev.tinymodel import TinyModel
 from llmgw.keys import engine_key
 from llmgw.store import Store
-from llmgw.tinymodel import TinyModel
 from llmgw.types import AdapterSpec, ModelSpec
 from tests.harness import System
 

@@ -8,11 +8,11 @@ import pytest
 from temporalio.client import Client
 
 from llmgw import replicas
-from llmgw.apikeys import KeyPolicy, create_key
+from llmgw.dev.tinymodel import TinyModel
 from llmgw.keys import engine_key
 from llmgw.store import Store
-from llmgw.tinymodel import TinyModel
 from llmgw.types import AdapterSpec, ModelSpec
+from router.apikeys import KeyPolicy, create_key
 from tests.harness import System, free_port, wait_routable
 
 BASE = "tiny-lora-gw"

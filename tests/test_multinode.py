@@ -10,8 +10,8 @@ import pytest
 from temporalio.client import Client
 
 from llmgw import replicas
+from llmgw.dev.tinymodel import TinyModel
 from llmgw.errors import EngineError
-from llmgw.tinymodel import TinyModel
 from llmgw.types import (
     EngineKind,
     EngineProfile,

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from llmgw.types import EngineKind, FabricKind, LinkLayer, ModelSpec, NodeInventory, RdmaPort
-from worker_agent.adapters import (
+from worker_agent.engines import (
     CHECKED_AGAINST,
     EngineProfile,
     LaunchValidationError,

@@ -10,9 +10,8 @@ import pytest
 from temporalio.testing import ActivityEnvironment
 
 from activities.node import NodeActivities
-from llmgw.engine_install import LlamaCppInstall
+from llmgw.dev.tinymodel import TinyModel
 from llmgw.keys import engine_key
-from llmgw.tinymodel import TinyModel
 from llmgw.types import (
     EngineKind,
     LaunchShardInput,
@@ -25,6 +24,7 @@ from llmgw.types import (
 )
 from tests.harness import node_activities
 from tests.procs_util import pids_with_args
+from worker_agent.installs.llamacpp import LlamaCppInstall
 from worker_agent.supervisor import Supervisor
 
 SECRET = "test-secret"

@@ -12,7 +12,7 @@ import openai
 from temporalio.client import Client
 
 from llmgw import replicas
-from llmgw.tinymodel import TinyModel
+from llmgw.dev.tinymodel import TinyModel
 from llmgw.types import DeploymentStatus, ModelSpec, ReplicaPhase, ReplicaTimeouts, RestartPolicy
 from tests.harness import System, free_port, wait_routable
 from tests.procs_util import pids_with_args

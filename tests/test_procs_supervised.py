@@ -1,4 +1,4 @@
-"""``llmgw up``'s restart decisions (llmgw/procs.py): the backoff as pure
+"""``llmgw up``'s restart decisions (llmgw/cli/procs.py): the backoff as pure
 decisions over a fake clock and fake children, then one real child killed
 and started again; and the shutdown watchdog (llmgw/lifecycle.py) ending a
 real process whose shutdown hangs."""
@@ -11,8 +11,8 @@ import textwrap
 import time
 from pathlib import Path
 
+from llmgw.cli.procs import Backoff, Child, Supervised, wait_for
 from llmgw.lifecycle import WATCHDOG_EXIT
-from llmgw.procs import Backoff, Child, Supervised, wait_for
 
 
 class FakeClock:

@@ -7,8 +7,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from llmgw.apikeys import KeyPolicy, create_key, list_keys, lookup, revoke_key
-from llmgw.quotas import (
+from llmgw.store import Store
+from router.apikeys import KeyPolicy, create_key, list_keys, lookup, revoke_key
+from router.quotas import (
     Limits,
     Quotas,
     Reservation,
@@ -17,8 +18,7 @@ from llmgw.quotas import (
     period_of,
     sliding_retry_after,
 )
-from llmgw.store import Store
-from llmgw.usage import UsageDelta, UsageKey, day_of, query, record
+from router.usage import UsageDelta, UsageKey, day_of, query, record
 
 
 @pytest.fixture

@@ -1,8 +1,8 @@
 """Recovery decisions, without Temporal: catalog drift and ledger rebuild."""
 
-from llmgw.reconcile import Action, catalog_orders
 from llmgw.types import ModelSpec, NodeInventory, Placement, ShardPlacement, ShardReport
 from workflows.ledger import rebuild_from_report
+from workflows.reconcile import Action, catalog_orders
 
 A = ModelSpec(name="a", source="/a.gguf")
 B = ModelSpec(name="b", source="/b.gguf")

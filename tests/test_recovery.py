@@ -6,9 +6,9 @@ from collections.abc import Awaitable, Callable
 from temporalio.client import Client
 
 from llmgw import replicas
+from llmgw.dev.tinymodel import TinyModel
 from llmgw.queues import FLEET_WORKFLOW_ID, replica_workflow_id
 from llmgw.store import Store
-from llmgw.tinymodel import TinyModel
 from llmgw.types import DeploymentStatus, ModelSpec, ReplicaPhase, RestartPolicy
 from tests.harness import System
 from tests.procs_util import pids_with_args

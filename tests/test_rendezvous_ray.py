@@ -46,7 +46,7 @@ from llmgw.types import (
     WaitReadyInput,
     WaitReadyResult,
 )
-from worker_agent.adapters import (
+from worker_agent.engines import (
     ShardPlan,
     ShardRequest,
     launch_problems,

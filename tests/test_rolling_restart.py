@@ -8,7 +8,7 @@ from datetime import datetime
 from temporalio.client import Client
 
 from llmgw import replicas
-from llmgw.tinymodel import TinyModel
+from llmgw.dev.tinymodel import TinyModel
 from llmgw.types import DeploymentStatus, EngineKind, ModelSpec, ReplicaPhase
 from tests.harness import System
 from tests.procs_util import pids_with_args

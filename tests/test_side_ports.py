@@ -5,14 +5,14 @@ and before anything starts by the control plane's validation."""
 import pytest
 
 from llmgw.types import EngineKind, EngineProfile, FabricKind, ModelSpec, Rendezvous
-from worker_agent.adapters import (
+from worker_agent.engines import (
     LaunchValidationError,
     NodeFacts,
     ShardRequest,
     launch_problems,
     plan_shard,
 )
-from worker_agent.adapters.base import WILDCARD_ADDRESSES
+from worker_agent.engines.base import WILDCARD_ADDRESSES
 
 # (engine, launch_mode): every way llmgw spans nodes.
 MULTI_NODE = [

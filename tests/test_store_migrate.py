@@ -11,11 +11,11 @@ from sqlalchemy import text
 from temporalio.client import Client
 
 from llmgw import replicas
+from llmgw.cli.procs import wait_for
+from llmgw.cli.store_copy import copy_store, migrate_store
+from llmgw.dev.tinymodel import TinyModel
 from llmgw.errors import ConfigError
-from llmgw.procs import wait_for
 from llmgw.store import Store
-from llmgw.store_copy import copy_store, migrate_store
-from llmgw.tinymodel import TinyModel
 from llmgw.types import EngineKind, ModelSpec
 from tests.harness import System, free_port, port_open, wait_routable
 from tests.pg import PgCluster
@@ -143,7 +143,10 @@ def test_every_table_reaches_the_migrate_command() -> None:
         "            importlib.import_module(m.name)\n"
         "print(' '.join(sorted(sqlmodel.SQLModel.metadata.tables)))\n"
     )
-    cli = "import llmgw.cli, sqlmodel; print(' '.join(sorted(sqlmodel.SQLModel.metadata.tables)))"
+    cli = (
+        "import llmgw.cli.app, sqlmodel; "
+        "print(' '.join(sorted(sqlmodel.SQLModel.metadata.tables)))"
+    )
     tables = []
     for code in (walk, cli):
         done = subprocess.run(

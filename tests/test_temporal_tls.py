@@ -20,10 +20,10 @@ from temporalio.client import Client
 from temporalio.service import TLSConfig
 
 from llmgw import replicas
+from llmgw.dev.tinymodel import TinyModel
 from llmgw.errors import ConfigError, TemporalConnectError
 from llmgw.settings import ControlSettings
 from llmgw.temporal import connect_with, tls_config
-from llmgw.tinymodel import TinyModel
 from llmgw.types import EngineKind, ModelSpec
 from tests.harness import System, free_port, start_devserver, wait_routable
 from tests.tls_front import Pki, TlsFront, issue, make_ca, make_pki
@@ -149,7 +149,7 @@ def test_llmgw_up_children_leave_cluster_settings_behind(tmp_path: Path) -> None
     # `llmgw up` serves its own plain dev server on loopback; TLS files, a key
     # or a namespace meant for a cluster would keep its children off it.
     script = (
-        "import json; from llmgw.settings import UpSettings; from llmgw.up import child_env;"
+        "import json; from llmgw.settings import UpSettings; from llmgw.cli.up import child_env;"
         " print(json.dumps(child_env(UpSettings())))"
     )
     env = {

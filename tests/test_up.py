@@ -21,7 +21,7 @@ from temporalio.client import Client
 
 from activities import names
 from llmgw import replicas
-from llmgw.procs import wait_for
+from llmgw.cli.procs import wait_for
 from llmgw.queues import replica_workflow_id
 from llmgw.temporal import connect
 from llmgw.types import ReplicaPhase, ReplicaStatus

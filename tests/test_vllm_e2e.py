@@ -19,14 +19,14 @@ import pytest
 from temporalio.client import Client
 
 from llmgw import replicas
+from llmgw.dev.tinyhf import TinyHfModel
+from llmgw.dev.tinymodel import TinyModel
 from llmgw.keys import engine_key
 from llmgw.store import Store
-from llmgw.tinyhf import TinyHfModel
-from llmgw.tinymodel import TinyModel
 from llmgw.types import EngineKind, EngineProfile, ModelSpec, ReplicaPhase, ShardRef
-from llmgw.vllm_install import VllmInstall
 from tests.harness import System, free_port, node_address, wait_routable
 from worker_agent import procfs
+from worker_agent.installs.vllm import VllmInstall
 from worker_agent.supervisor import RunningShard, Supervisor
 
 pytestmark = pytest.mark.timeout(900)

@@ -10,10 +10,12 @@ from temporalio.exceptions import ApplicationError
 from temporalio.testing import ActivityEnvironment
 
 from activities.node import NodeActivities
-from llmgw.engine_install import MARKER, EngineInstallError, LlamaCppInstall
 from llmgw.keys import engine_key
 from llmgw.types import EngineKind, FetchWeightsInput
-from llmgw.vllm_install import (
+from tests.harness import cpu_inventory, free_port
+from worker_agent.installs.installed import EngineInstalls, Progress
+from worker_agent.installs.llamacpp import MARKER, EngineInstallError, LlamaCppInstall
+from worker_agent.installs.vllm import (
     CPU_PACKAGE,
     GPU_PACKAGE,
     VLLM_VERSION,
@@ -22,8 +24,6 @@ from llmgw.vllm_install import (
     install_dir,
     package_for,
 )
-from tests.harness import cpu_inventory, free_port
-from worker_agent.engines import EngineInstalls, Progress
 from worker_agent.main import engine_adapters
 from worker_agent.supervisor import Supervisor
 from worker_agent.weights import WeightsCache

@@ -13,11 +13,11 @@ from temporalio.common import WorkflowIDConflictPolicy
 
 from activities.adapters import busy_adapters
 from llmgw import replicas
+from llmgw.dev.tinyhf import TinyHfModel
+from llmgw.dev.tinypeft import generate_peft_adapter
 from llmgw.keys import engine_key
 from llmgw.queues import CONTROL_QUEUE
 from llmgw.store import Store
-from llmgw.tinyhf import TinyHfModel
-from llmgw.tinypeft import generate_peft_adapter
 from llmgw.types import (
     AdapterLoadInput,
     AdapterLoadResult,
@@ -26,8 +26,8 @@ from llmgw.types import (
     EngineProfile,
     ModelSpec,
 )
-from llmgw.vllm_install import VllmInstall
 from tests.harness import System, free_port, wait_routable
+from worker_agent.installs.vllm import VllmInstall
 
 pytestmark = pytest.mark.timeout(900)
 

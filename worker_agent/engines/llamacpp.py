@@ -19,15 +19,15 @@ is passed even when the leader itself has no GPU.
 
 from collections.abc import Mapping
 
-from worker_agent.adapters.base import (
+from worker_agent.engines.base import (
     EnvHook,
     scratch_env,
     side_address,
     split_host_port,
     start_env,
 )
-from worker_agent.adapters.nccl import gpu_env
-from worker_agent.adapters.spec import (
+from worker_agent.engines.nccl import gpu_env
+from worker_agent.engines.spec import (
     CommandSpec,
     Endpoint,
     Launchers,

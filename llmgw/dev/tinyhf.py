@@ -1,7 +1,7 @@
 """A tiny, deterministic Hugging Face-format llama model, generated on demand.
 
 vLLM loads Hugging Face checkpoints (``config.json``, safetensors, a tokenizer),
-not GGUF, so the vLLM tests need their own tiny model. Like ``llmgw.tinymodel``
+not GGUF, so the vLLM tests need their own tiny model. Like ``llmgw.dev.tinymodel``
 it is synthesised rather than downloaded, with no torch or transformers in the
 project's environment: the weights are numpy arrays written with ``safetensors``,
 the tokenizer is a byte-level BPE trained with ``tokenizers`` on generated text.
@@ -21,7 +21,7 @@ the tokenizer is a byte-level BPE trained with ``tokenizers`` on generated text.
 Files are rewritten only when their bytes change, each through a temp file and
 ``os.replace``, so an engine reading the directory never sees a partial file.
 
-Run ``python -m llmgw.tinyhf OUT_DIR`` to write the files and print the directory.
+Run ``python -m llmgw.dev.tinyhf OUT_DIR`` to write the files and print the directory.
 """
 
 from __future__ import annotations
@@ -398,10 +398,10 @@ def generate_tiny_hf_model(out_dir: Path) -> TinyHfModel:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m llmgw.tinyhf OUT_DIR``."""
+    """``python -m llmgw.dev.tinyhf OUT_DIR``."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        print("usage: python -m llmgw.tinyhf OUT_DIR", file=sys.stderr)
+        print("usage: python -m llmgw.dev.tinyhf OUT_DIR", file=sys.stderr)
         return 2
     print(generate_tiny_hf_model(Path(args[0])).path)
     return 0

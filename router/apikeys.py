@@ -15,8 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from sqlmodel import select
 
 from llmgw.keys import hash_api_key, new_api_key
-from llmgw.quotas import Quotas
 from llmgw.store import ApiKey, Store
+from router.quotas import Quotas
 
 # The limits are INTEGER columns: 32-bit on PostgreSQL.
 INT32_MAX = 2**31 - 1

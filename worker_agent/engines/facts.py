@@ -3,8 +3,8 @@
 from collections.abc import Sequence
 
 from llmgw.types import NodeInventory
-from worker_agent.adapters.nccl import chosen_ports
-from worker_agent.adapters.spec import NodeFacts
+from worker_agent.engines.nccl import chosen_ports
+from worker_agent.engines.spec import NodeFacts
 
 
 def node_facts(

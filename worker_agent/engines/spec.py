@@ -1,4 +1,4 @@
-"""Inputs and outputs of the engine adapters: what a shard is asked to be, and how to run it.
+"""Inputs and outputs of the engine plans: what a shard is asked to be, and how to run it.
 
 Everything here is a frozen pydantic model so it can cross a Temporal boundary
 (the control plane plans a replica, an agent plans its own shard) and be

@@ -27,12 +27,13 @@ from enum import StrEnum
 
 from opentelemetry import trace
 from pydantic import BaseModel, Field
-from temporalio.client import Client, WorkflowExecutionStatus
-from temporalio.service import RPCError, RPCStatusCode
+from temporalio.client import Client
+from temporalio.service import RPCError
 
 from llmgw import messages
 from llmgw.queues import FLEET_WORKFLOW_ID, deployment_workflow_id, replica_workflow_id
 from llmgw.store import Store
+from llmgw.temporal import workflow_running
 from llmgw.types import (
     DeploymentStatus,
     FleetSnapshot,
@@ -102,17 +103,6 @@ def catalog_orders(
             continue
         orders.append(Order(action=Action.STOP_REPLICA, target=shard.replica_id, reason=reason))
     return orders
-
-
-async def workflow_running(client: Client, workflow_id: str) -> bool | None:
-    """Whether a workflow runs; None when Temporal cannot say right now."""
-    try:
-        desc = await client.get_workflow_handle(workflow_id).describe(
-            rpc_timeout=timedelta(seconds=5)
-        )
-    except RPCError as exc:
-        return False if exc.status == RPCStatusCode.NOT_FOUND else None
-    return desc.status == WorkflowExecutionStatus.RUNNING
 
 
 async def ledger_orders(client: Client, fleet: FleetSnapshot) -> list[Order]:

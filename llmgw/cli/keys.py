@@ -6,8 +6,8 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from llmgw.cli_common import CliSettings, console, out
-from llmgw.cli_common import fail as _fail
+from llmgw.cli.common import CliSettings, console, out
+from llmgw.cli.common import fail as _fail
 from llmgw.store import Store
 
 keys_app = typer.Typer(help="Client API keys", no_args_is_help=True)
@@ -49,7 +49,7 @@ def keys_create(
     """Create a client API key; it is printed once and stored hashed."""
     from pydantic import ValidationError  # noqa: PLC0415
 
-    from llmgw.apikeys import KeyPolicy, create_key  # noqa: PLC0415
+    from router.apikeys import KeyPolicy, create_key  # noqa: PLC0415
 
     try:
         policy = KeyPolicy(
@@ -72,7 +72,7 @@ def keys_create(
 @keys_app.command("list")
 def keys_list() -> None:
     """Every key: id, name, prefix, policy (never the key itself)."""
-    from llmgw.apikeys import list_keys  # noqa: PLC0415
+    from router.apikeys import list_keys  # noqa: PLC0415
 
     store = _store()
     table = Table("id", "name", "prefix", "created", "state", "models", "expires", "limits")
@@ -114,7 +114,7 @@ def keys_update(
     Routers apply it within their key cache TTL (5 s by default)."""
     from pydantic import ValidationError  # noqa: PLC0415
 
-    from llmgw.apikeys import KeyUpdate, update_key  # noqa: PLC0415
+    from router.apikeys import KeyUpdate, update_key  # noqa: PLC0415
 
     changes: dict[str, object] = {
         "name": name, "rpm": rpm, "tpm": tpm, "token_budget": budget,
@@ -147,7 +147,7 @@ def keys_update(
 @keys_app.command("revoke")
 def keys_revoke(key_id: int) -> None:
     """Revoke a key (routers refuse it within their key cache TTL, 5 s by default)."""
-    from llmgw.apikeys import revoke_key  # noqa: PLC0415
+    from router.apikeys import revoke_key  # noqa: PLC0415
 
     store = _store()
     if revoke_key(store, key_id) is None:

@@ -1,4 +1,4 @@
-"""Engine adapters: turn (engine, model, profile, rank, node facts) into a ShardPlan.
+"""Engine plans: turn (engine, model, profile, rank, node facts) into a ShardPlan.
 
 Pure code: flags, environment and ordering, no processes. A shard is a
 sequence of commands (sidecars first, the engine last), an environment, and
@@ -12,12 +12,12 @@ engine module's docstring).
 from collections.abc import Mapping
 
 from llmgw.types import EngineKind
-from worker_agent.adapters.base import EngineAdapter, EnvHook, engine_base_env
-from worker_agent.adapters.facts import node_facts
-from worker_agent.adapters.llamacpp import LlamaCppAdapter
-from worker_agent.adapters.nccl import chosen_ports, fabric_env, gpu_env, ib_hca
-from worker_agent.adapters.sglang import SglangAdapter
-from worker_agent.adapters.spec import (
+from worker_agent.engines.base import EngineAdapter, EnvHook, engine_base_env
+from worker_agent.engines.facts import node_facts
+from worker_agent.engines.llamacpp import LlamaCppAdapter
+from worker_agent.engines.nccl import chosen_ports, fabric_env, gpu_env, ib_hca
+from worker_agent.engines.sglang import SglangAdapter
+from worker_agent.engines.spec import (
     REDACTED,
     CommandSpec,
     CompletionProbe,
@@ -34,8 +34,8 @@ from worker_agent.adapters.spec import (
     redacted,
     vllm_module_launcher,
 )
-from worker_agent.adapters.validation import launch_problems, validate_launch
-from worker_agent.adapters.vllm import VllmAdapter
+from worker_agent.engines.validation import launch_problems, validate_launch
+from worker_agent.engines.vllm import VllmAdapter
 
 CHECKED_AGAINST: Mapping[str, str] = {
     "vllm": (

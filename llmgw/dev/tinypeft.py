@@ -1,4 +1,4 @@
-"""Tiny PEFT LoRA adapters for the generated HF model (llmgw/tinyhf.py).
+"""Tiny PEFT LoRA adapters for the generated HF model (llmgw/dev/tinyhf.py).
 
 vLLM loads PEFT adapters: an ``adapter_config.json`` and an
 ``adapter_model.safetensors`` whose tensors are named after the base model's
@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import save as save_safetensors
 
-from llmgw.tinyhf import HEAD_DIM, HIDDEN, N_HEAD, N_HEAD_KV, N_LAYER, TinyHfModel
+from llmgw.dev.tinyhf import HEAD_DIM, HIDDEN, N_HEAD, N_HEAD_KV, N_LAYER, TinyHfModel
 
 RANK = 8
 ALPHA = 16

@@ -1,10 +1,10 @@
-"""What every engine adapter shares: the interface, the base environment, small parsers."""
+"""What every engine plan shares: the interface, the base environment, small parsers."""
 
 from collections.abc import Mapping
 from typing import Protocol
 
-from worker_agent.adapters.nccl import OWNED_ENV
-from worker_agent.adapters.spec import (
+from worker_agent.engines.nccl import OWNED_ENV
+from worker_agent.engines.spec import (
     Endpoint,
     LaunchValidationError,
     NodeFacts,

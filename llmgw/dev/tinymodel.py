@@ -21,7 +21,7 @@ matrix has a large negative weight on it for every token that must never be samp
 Only whole-word pieces ("▁the" -> " the") survive, so greedy output is printable ASCII
 and generation always runs to ``max_tokens``.
 
-Run ``python -m llmgw.tinymodel OUT_DIR`` to write the files and print their paths.
+Run ``python -m llmgw.dev.tinymodel OUT_DIR`` to write the files and print their paths.
 """
 
 from __future__ import annotations
@@ -271,7 +271,7 @@ def generate_tiny_model(out_dir: Path) -> TinyModel:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        print("usage: python -m llmgw.tinymodel OUT_DIR", file=sys.stderr)
+        print("usage: python -m llmgw.dev.tinymodel OUT_DIR", file=sys.stderr)
         return 2
     tiny = generate_tiny_model(Path(args[0]))
     print(f"model {tiny.model_path}")

@@ -29,19 +29,19 @@ from temporalio.client import Client, WorkflowFailureError
 from temporalio.service import RPCError
 
 from llmgw import replicas
-from llmgw.engine_install import ensure_llama_cpp
+from llmgw.cli.procs import Child, Supervised, log_tail, wait_for
+from llmgw.dev.tinymodel import generate_tiny_model
 from llmgw.errors import LlmgwError
 from llmgw.lifecycle import stop_event_on_signals, unless_stopped
-from llmgw.procs import Child, Supervised, log_tail, wait_for
 from llmgw.settings import UpSettings
 from llmgw.store import Store
 from llmgw.temporal import connect
-from llmgw.tinymodel import generate_tiny_model
 from llmgw.types import EngineKind, ModelSpec, ReplicaMemo
 from worker_agent import procfs
+from worker_agent.installs.llamacpp import ensure_llama_cpp
 from worker_agent.shard_record import SpecFile
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 DEVSERVER = REPO_ROOT / "temporal-dev" / "devserver.py"
 
 Say = Callable[[str], None]

@@ -28,7 +28,7 @@ Why each variable:
 from collections.abc import Iterable, Sequence
 
 from llmgw.types import FabricKind, LinkLayer, RdmaPort
-from worker_agent.adapters.spec import LaunchValidationError, NodeFacts
+from worker_agent.engines.spec import LaunchValidationError, NodeFacts
 
 _ACTIVE = "ACTIVE"
 _LAYER = {FabricKind.INFINIBAND: LinkLayer.INFINIBAND, FabricKind.ROCE: LinkLayer.ETHERNET}

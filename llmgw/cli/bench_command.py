@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from llmgw.bench import BenchConfig, BenchResult, run_bench
+from llmgw.cli.bench import BenchConfig, BenchResult, run_bench
 
 ENGINE_KEY_ENV = "LLMGW_ENGINE_KEY"
 

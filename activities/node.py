@@ -291,6 +291,14 @@ class NodeActivities:
         self._binding[shard_key(ref)] = parse_cpu_list(bind)
         return bind
 
+    def _adapter_path(self, source: str) -> str:
+        """A catalog adapter's file, resolved inside the weights roots as the
+        model's weights are (SourceOutsideRoots if not); the engine gets the
+        resolved path, so a link swapped in later cannot lead it out."""
+        if self._weights is None:
+            return source
+        return str(self._weights.roots.inside(source))
+
     def _plan(self, spec: ShardSpec, ports: list[int], bind: str) -> _Launch:
         fronted = len(ports) > 1
         inv = self._inventory()
@@ -316,7 +324,9 @@ class NodeActivities:
             rendezvous=spec.rendezvous,
             # Catalog adapters only, loaded at start; on-demand ones come
             # through AdapterLoad (never a path a client supplied).
-            loras=tuple(LoraAdapter(name=a.name, path=a.source) for a in static),
+            loras=tuple(
+                LoraAdapter(name=a.name, path=self._adapter_path(a.source)) for a in static
+            ),
         )
         key = self._engine_key(spec.replica_id)
         adapters = (

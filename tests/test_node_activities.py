@@ -7,12 +7,14 @@ from pathlib import Path
 
 import httpx
 import pytest
+from temporalio.exceptions import ApplicationError
 from temporalio.testing import ActivityEnvironment
 
 from activities.node import NodeActivities
 from llmgw.dev.tinymodel import TinyModel
 from llmgw.keys import engine_key
 from llmgw.types import (
+    AdapterSpec,
     EngineKind,
     LaunchShardInput,
     ModelSpec,
@@ -22,10 +24,12 @@ from llmgw.types import (
     WaitReadyInput,
     WatchShardInput,
 )
-from tests.harness import node_activities
+from tests.harness import cpu_inventory, node_activities
 from tests.procs_util import pids_with_args
 from worker_agent.installs.llamacpp import LlamaCppInstall
+from worker_agent.main import engine_adapters
 from worker_agent.supervisor import Supervisor
+from worker_agent.weights import WeightsCache
 
 SECRET = "test-secret"
 
@@ -136,3 +140,39 @@ async def test_an_engine_whose_pass_through_dies_is_stopped_and_reported(
         await env.run(acts.stop_shard, StopShardInput(shard=ref, grace_s=5))
     assert exit_.reason.startswith("worker_agent.passthrough exited with code -9")
     assert pids_with_args("--alias", "tiny-front") == []
+
+
+async def test_a_static_adapter_outside_the_weights_roots_is_refused(
+    llama: LlamaCppInstall, tiny: TinyModel, tmp_path: Path
+) -> None:
+    """Adapters loaded at start obey LLMGW_WEIGHTS_ROOTS as weights do: a link
+    inside a root that points out is refused, and nothing is started."""
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / "a.gguf").symlink_to(tiny.adapters["lora-a"])  # the generated adapter lives outside
+    acts = NodeActivities(
+        supervisor=Supervisor(tmp_path / "work"),
+        adapters=engine_adapters(llama),
+        engine_key=lambda rid: engine_key(SECRET, rid),
+        engine_host="127.0.0.1",
+        ports=range(41000, 41050),
+        inventory=cpu_inventory,
+        threads=1,
+        weights=WeightsCache(tmp_path / "weights", [root]),
+    )
+    model = ModelSpec(
+        name="tiny-lora-out",
+        engine=EngineKind.LLAMA_CPP,
+        source=str(tiny.model_path),
+        adapters=[AdapterSpec(name="a", source=str(root / "a.gguf"))],
+    )
+    try:
+        with pytest.raises(ApplicationError) as caught:
+            await ActivityEnvironment().run(
+                acts.launch_shard, LaunchShardInput(spec=ShardSpec(replica_id="out-1", model=model))
+            )
+    finally:
+        await acts.aclose()
+    assert caught.value.type == "SourceOutsideRoots" and caught.value.non_retryable
+    assert "LLMGW_WEIGHTS_ROOTS" in caught.value.message
+    assert pids_with_args("--alias", "tiny-lora-out") == []

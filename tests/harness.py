@@ -2,30 +2,38 @@
 
 Everything listens on loopback, on free ports, with its state under a test
 temp dir; every process is in its own group and is stopped at teardown.
+Also the small builders the test folders share: node inventories, a
+connection reset, polling a deployment's status.
 """
 
 import asyncio
 import os
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import httpx
+from temporalio.client import Client
 
 from activities.node import NodeActivities
+from llmgw import replicas
 from llmgw.engine_install import LlamaCppInstall
 from llmgw.keys import engine_key
 from llmgw.procs import Child, wait_for
 from llmgw.store import Store
-from llmgw.types import ModelSpec, NodeInventory
+from llmgw.types import DeploymentStatus, GpuHealth, GpuInfo, ModelSpec, NodeInventory
 from llmgw.up import kill_recorded_engines
 from worker_agent.main import engine_adapters
 from worker_agent.supervisor import Supervisor
 
 REPO = Path(__file__).resolve().parents[1]
+TESTS = REPO / "tests"
+# Recorded machines (sysfs trees, GPU snapshots, inventories) the tests load.
+FIXTURES = TESTS / "fixtures"
 DEVSERVER = REPO / "temporal-dev" / "devserver.py"
 
 
@@ -55,6 +63,13 @@ def node_address() -> str:
         if "." in addr and not addr.startswith("127."):
             return addr
     return "127.0.0.1"
+
+
+def reset(writer: asyncio.StreamWriter) -> None:
+    """Close with RST, not FIN: the peer's next read fails with ECONNRESET."""
+    sock = writer.get_extra_info("socket")
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    writer.transport.abort()
 
 
 def start_devserver(db: Path, port: int, log: Path, namespaces: Sequence[str] = ()) -> Child:
@@ -167,10 +182,47 @@ async def wait_routable(base_url: str, key: str, model: str, timeout_s: float = 
             await asyncio.sleep(0.05)
 
 
+async def wait_deployment(
+    client: Client, model: str, ok: Callable[[DeploymentStatus], bool], timeout_s: float = 120
+) -> DeploymentStatus:
+    """Poll the deployment's status until ``ok`` holds for it."""
+    async with asyncio.timeout(timeout_s):
+        while True:
+            status = await replicas.deployment_status(client, model)
+            if ok(status):
+                return status
+            await asyncio.sleep(0.2)
+
+
 def cpu_inventory(node_id: str = "test-node") -> NodeInventory:
     """A GPU-less node on loopback, as the agent would report this machine."""
     return NodeInventory(
         node_id=node_id, hostname=node_id, address="127.0.0.1", cpu_count=2, memory_mib=1024
+    )
+
+
+def node_inventory(
+    node_id: str, gpus: int = 0, cpu_slots: int = 4, unhealthy: tuple[int, ...] = ()
+) -> NodeInventory:
+    """A node for the pure placement rules: ``gpus`` H100s (those in ``unhealthy``
+    with an uncorrected ECC error) and ``cpu_slots`` CPU replicas."""
+    return NodeInventory(
+        node_id=node_id,
+        hostname=node_id,
+        address="127.0.0.1",
+        cpu_count=8,
+        memory_mib=1024,
+        max_cpu_replicas=cpu_slots,
+        gpus=[
+            GpuInfo(
+                index=i,
+                uuid=f"GPU-{node_id}-{i}",
+                name="H100",
+                memory_mib=81559,
+                health_flags=[GpuHealth.ECC_UNCORRECTED] if i in unhealthy else [],
+            )
+            for i in range(gpus)
+        ],
     )
 
 

@@ -6,7 +6,6 @@ import os
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import pytest
 from temporalio import activity
@@ -49,6 +48,7 @@ from llmgw.types import (
     WaitReadyResult,
     WatchShardInput,
 )
+from tests.recording import HISTORIES
 from workflows.replica import ReplicaWorkflow
 
 P = ReplicaPhase
@@ -364,9 +364,6 @@ async def test_stop_while_node_lost(env: tuple[Client, str, Fakes]) -> None:
     assert final.phase is P.STOPPED
     assert P.DRAINING in [h.phase for h in final.history]
     assert (fakes.drains, fakes.releases) == (0, 1)
-
-
-HISTORIES = Path(__file__).parent / "histories"
 
 
 async def test_fresh_history_replays_deterministically(env: tuple[Client, str, Fakes]) -> None:

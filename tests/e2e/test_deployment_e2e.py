@@ -3,7 +3,6 @@
 import asyncio
 import subprocess
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -17,7 +16,6 @@ from llmgw.store import Store
 from llmgw.tinymodel import TinyModel
 from llmgw.types import (
     DeploymentInput,
-    DeploymentStatus,
     EngineKind,
     EngineProfile,
     ModelSpec,
@@ -25,22 +23,11 @@ from llmgw.types import (
     ReplicaTimeouts,
     RestartPolicy,
 )
-from tests.harness import System
+from tests.harness import System, wait_deployment
 from tests.procs_util import pids_with_args
 from tests.recording import record
 
 FAST = ReplicaTimeouts(place_retry_s=0.5, place_attempts=1000, router_grace_s=0.5, drain_s=10)
-
-
-async def _until(
-    client: Client, model: str, ok: Callable[[DeploymentStatus], bool], timeout_s: float = 120
-) -> DeploymentStatus:
-    async with asyncio.timeout(timeout_s):
-        while True:
-            status = await replicas.deployment_status(client, model)
-            if ok(status):
-                return status
-            await asyncio.sleep(0.2)
 
 
 async def test_higher_priority_preempts_lower_and_both_sides_record_it(
@@ -89,7 +76,7 @@ async def test_higher_priority_preempts_lower_and_both_sides_record_it(
         (winner.replica_id, victim.replica_id, "pre-node")
     ]
     # The low model's slot is not counted as failing; its replacement waits for room.
-    waiting = await _until(
+    waiting = await wait_deployment(
         client,
         low.name,
         lambda s: s.slots[0].replica_id not in ("", victim.replica_id),
@@ -131,7 +118,7 @@ async def test_a_two_node_replica_preempts_a_replica_on_each_of_its_nodes(
         await replicas.wait_node_registered(client, node, 60)
     policy = RestartPolicy(initial_backoff_s=0.2)
     await replicas.apply_deployment(client, low, 2, timeouts=FAST, restart=policy)
-    lows = await _until(client, low.name, lambda s: sum(sl.ready for sl in s.slots) == 2)
+    lows = await wait_deployment(client, low.name, lambda s: sum(sl.ready for sl in s.slots) == 2)
     victims = {sl.replica_id: sl.node_id for sl in lows.slots}
     assert sorted(victims.values()) == ["pmn-a", "pmn-b"]
     system.catalog(low, wide)
@@ -161,7 +148,7 @@ async def test_a_two_node_replica_preempts_a_replica_on_each_of_its_nodes(
 
     # Room freed: both low replicas come back on their own.
     await replicas.remove_deployment(client, wide, 60)
-    await _until(client, low.name, lambda s: sum(sl.ready for sl in s.slots) == 2, 180)
+    await wait_deployment(client, low.name, lambda s: sum(sl.ready for sl in s.slots) == 2, 180)
     await replicas.remove_deployment(client, low, 60)
     assert pids_with_args("--alias", low.name) == []
     assert pids_with_args("ggml-rpc-server", "-p") == []
@@ -180,7 +167,7 @@ async def test_crashing_engine_restarts_with_backoff_then_is_reaped(
     policy = RestartPolicy(initial_backoff_s=0.5, max_backoff_s=10, max_consecutive_failures=3)
     await replicas.apply_deployment(client, spec, 1, timeouts=FAST, restart=policy)
 
-    status = await _until(client, spec.name, lambda s: bool(s.slots) and s.slots[0].reaped)
+    status = await wait_deployment(client, spec.name, lambda s: bool(s.slots) and s.slots[0].reaped)
     # The reaped slot keeps its place: no new slot restarts the crash loop (a
     # replacement would have been added in the same workflow task as the reap).
     assert len(status.slots) == 1, status.slots
@@ -220,7 +207,7 @@ async def test_long_lived_deployment_continues_as_new_and_keeps_its_replicas(
         task_queue=CONTROL_QUEUE,
     )
     first_run = handle.first_execution_run_id or handle.result_run_id
-    before = await _until(
+    before = await wait_deployment(
         client, spec.name, lambda s: len(s.slots) == 2 and all(x.ready for x in s.slots)
     )
     runs = [wf.run_id async for wf in client.list_workflows(f"WorkflowId = '{handle.id}'")]
@@ -232,7 +219,7 @@ async def test_long_lived_deployment_continues_as_new_and_keeps_its_replicas(
     # A replica an earlier run started ends: the current run hears of it and replaces it.
     victim = before.slots[0]
     await replicas.stop_replica(client, victim.replica_id, "test: stop one", 60)
-    after = await _until(
+    after = await wait_deployment(
         client,
         spec.name,
         lambda s: any(
@@ -271,7 +258,7 @@ async def test_scale_down_drains_the_least_loaded_replica(
     system.spawn_agent("load-node")
     await replicas.wait_node_registered(client, "load-node", 60)
     await replicas.apply_deployment(client, spec, 2, timeouts=FAST)
-    both = await _until(
+    both = await wait_deployment(
         client, spec.name, lambda s: len(s.slots) == 2 and all(x.ready for x in s.slots)
     )
     # Load the newest replica: "newest first" would have drained it.
@@ -293,7 +280,7 @@ async def test_scale_down_drains_the_least_loaded_replica(
         lines = stream.aiter_lines()
         await anext(lines)  # generating
         await replicas.apply_deployment(client, spec, 1, timeouts=FAST)
-        after = await _until(client, spec.name, lambda s: len(s.slots) == 1)
+        after = await wait_deployment(client, spec.name, lambda s: len(s.slots) == 1)
         assert after.slots[0].replica_id == busy.replica_id
         chunks = [line async for line in lines if line.startswith("data: ")]
     assert chunks[-1] == "data: [DONE]", "the busy replica's stream ran to its end"

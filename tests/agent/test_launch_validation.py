@@ -5,11 +5,11 @@ compute capabilities are the ones real A100 / H100 / L40S nodes report.
 """
 
 import functools
-from pathlib import Path
 
 import pytest
 
 from llmgw.types import EngineKind, FabricKind, GpuInfo, LinkLayer, ModelSpec, RdmaPort
+from tests.harness import FIXTURES
 from worker_agent.adapters import (
     EngineProfile,
     LaunchValidationError,
@@ -21,7 +21,7 @@ from worker_agent.adapters import (
 )
 from worker_agent.gpus import RecordedSource, discover
 
-GPUS = Path(__file__).parent / "fixtures" / "gpus"
+GPUS = FIXTURES / "gpus"
 RDV = Rendezvous(leader_address="10.0.0.1", leader_port=29501, ray_port=6379)
 
 

@@ -3,11 +3,11 @@ source against the real (absent) driver and a fake library passed in."""
 
 import ctypes
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import pytest
 
 from llmgw.types import GpuHealth, GpuInfo
+from tests.harness import FIXTURES
 from worker_agent.gpus import (
     NVML_ERROR_GPU_IS_LOST,
     NVML_ERROR_NOT_SUPPORTED,
@@ -20,7 +20,7 @@ from worker_agent.gpus import (
     gpu_class,
 )
 
-FIXTURES = Path(__file__).parent / "fixtures" / "gpus"
+GPUS = FIXTURES / "gpus"
 GIB = 1024**3
 H100_BYTES = 85520809984
 L40S_BYTES = 48305799168
@@ -29,7 +29,7 @@ H100_ENGINE_PIDS = range(48213, 48221)  # the vLLM workers recorded in 8xH100-SX
 
 
 def load(name: str) -> NodeGpuSnapshot:
-    source: NvmlSource = RecordedSource(FIXTURES / name)
+    source: NvmlSource = RecordedSource(GPUS / name)
     return source.snapshot()
 
 

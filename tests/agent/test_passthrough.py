@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import pytest
 import uvicorn
 
-from tests.test_upstream import reset as rst
+from tests.harness import reset as rst
 from worker_agent.passthrough import PassThrough
 
 KEY = "llmgw-engine-test"

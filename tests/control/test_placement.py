@@ -6,39 +6,14 @@ from llmgw.types import (
     EngineProfile,
     FabricKind,
     FleetSnapshot,
-    GpuHealth,
-    GpuInfo,
     ModelSpec,
     NodeFabric,
     NodeInventory,
     NodeLiveness,
     Placement,
 )
+from tests.harness import node_inventory as node
 from workflows.placement import choose_node, split_live
-
-
-def node(
-    node_id: str, gpus: int = 0, cpu_slots: int = 4, unhealthy: tuple[int, ...] = ()
-) -> NodeInventory:
-    return NodeInventory(
-        node_id=node_id,
-        hostname=node_id,
-        address="127.0.0.1",
-        cpu_count=8,
-        memory_mib=1024,
-        max_cpu_replicas=cpu_slots,
-        gpus=[
-            GpuInfo(
-                index=i,
-                uuid=f"GPU-{node_id}-{i}",
-                name="H100",
-                memory_mib=81559,
-                health_flags=[GpuHealth.ECC_UNCORRECTED] if i in unhealthy else [],
-            )
-            for i in range(gpus)
-        ],
-    )
-
 
 CPU = ModelSpec(name="tiny", source="/m.gguf")
 GPU2 = ModelSpec(name="big", source="/m", gpus=2)

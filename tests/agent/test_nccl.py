@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from llmgw.types import EngineKind, FabricKind, LinkLayer, ModelSpec, NodeInventory, RdmaPort
+from tests.harness import FIXTURES
 from worker_agent.adapters import (
     CHECKED_AGAINST,
     EngineProfile,
@@ -28,8 +29,8 @@ from worker_agent.adapters import (
 from worker_agent.fabric import discover_fabric, discover_rdma
 from worker_agent.gpus import RecordedSource, discover
 
-SYSFS = Path(__file__).parent / "fixtures" / "sysfs"
-GPUS = Path(__file__).parent / "fixtures" / "gpus"
+SYSFS = FIXTURES / "sysfs"
+GPUS = FIXTURES / "gpus"
 OWNED = ("NCCL_IB_HCA", "NCCL_IB_GID_INDEX", "NCCL_IB_DISABLE")
 
 

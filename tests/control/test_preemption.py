@@ -1,7 +1,7 @@
 """Preemption decisions, without Temporal."""
 
 from llmgw.types import ModelSpec, NodeInventory, Placement, Reservation, ShardPlacement
-from tests.test_placement import node
+from tests.harness import node_inventory as node
 from workflows.placement import choose_node
 from workflows.preemption import claims, plan_preemption
 

@@ -7,7 +7,6 @@ exactly when bytes go out and when the connection closes.
 import asyncio
 import contextlib
 import socket
-import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
@@ -15,6 +14,7 @@ import pytest
 
 from llmgw.errors import UpstreamConnectError, UpstreamError
 from router.upstream import AiohttpUpstream
+from tests.harness import reset
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
@@ -138,13 +138,6 @@ async def test_engine_breaking_off_mid_answer_is_an_upstream_error() -> None:
             await response.read()
         await response.close()
     await up.aclose()
-
-
-def reset(writer: asyncio.StreamWriter) -> None:
-    """Close with RST, not FIN: the peer's next read fails with ECONNRESET."""
-    sock = writer.get_extra_info("socket")
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-    writer.transport.abort()
 
 
 @pytest.mark.parametrize("rst", [False, True])

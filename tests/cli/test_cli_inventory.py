@@ -8,8 +8,7 @@ from pathlib import Path
 
 from llmgw.engine_install import MARKER
 from llmgw.vllm_install import CPU_PACKAGE, GPU_PACKAGE, VLLM_VERSION, install_dir
-
-FIXTURES = Path(__file__).parent / "fixtures"
+from tests.harness import FIXTURES
 
 
 def _inventory(

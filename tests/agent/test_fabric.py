@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from llmgw.types import FabricKind, Gid, LinkLayer
+from tests.harness import FIXTURES
 from worker_agent.fabric import (
     discover_fabric,
     discover_rdma,
@@ -20,7 +21,7 @@ from worker_agent.fabric import (
     roce_v2_ipv4_gid_index,
 )
 
-SYSFS = Path(__file__).parent / "fixtures" / "sysfs"
+SYSFS = FIXTURES / "sysfs"
 ZERO_GID = "0000:0000:0000:0000:0000:0000:0000:0000"
 INTERFACES = {"lo": ["127.0.0.1"], "eno1": ["10.0.0.5"], "ens1f0np0": ["10.0.1.11"]}
 

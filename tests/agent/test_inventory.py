@@ -1,12 +1,9 @@
 """Node inventory: recorded GPUs and fabrics, and this (GPU-less) machine."""
 
-from pathlib import Path
-
 from llmgw.types import FabricKind
+from tests.harness import FIXTURES
 from worker_agent.gpus import PynvmlSource, RecordedSource
 from worker_agent.inventory import Sources, collect, gpus, memory_mib
-
-FIXTURES = Path(__file__).parent / "fixtures"
 
 
 def test_this_machine_without_driver_is_a_cpu_node() -> None:

@@ -38,13 +38,13 @@ from llmgw.types import (
 )
 from router.adapters import TemporalAdapterLoader
 from tests.gateway_util import MockEngine, auth, gateway
-from tests.harness import free_port, port_open
+from tests.harness import TESTS, free_port, port_open
 from worker_agent.shard_record import ShardRecord
 from worker_agent.supervisor import Command, Supervisor
 from workflows.adapter_load import AdapterLoadWorkflow
 
 SECRET = "adapter-secret"
-FAKE = Path(__file__).with_name("fake_vllm.py")
+FAKE = TESTS / "fake_vllm.py"
 
 
 @dataclass

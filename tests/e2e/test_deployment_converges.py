@@ -20,9 +20,8 @@ from llmgw.types import (
     ScaleInput,
     SetModelInput,
 )
-from tests.harness import System
+from tests.harness import System, wait_deployment
 from tests.procs_util import pids_with_args
-from tests.test_deployment_e2e import _until
 
 TIMEOUTS = ReplicaTimeouts(
     place_retry_s=0.3, place_attempts=3, router_grace_s=2, drain_s=10, heartbeat_s=5
@@ -51,7 +50,7 @@ async def test_bad_then_good_catalog_entry_ends_with_the_desired_count(
     await handle.execute_update(
         "set_model", SetModelInput(model=bad, reason="bad entry"), result_type=DeploymentStatus
     )
-    await _until(
+    await wait_deployment(
         client,
         good.name,
         lambda s: any(sl.replaces is not None and sl.consecutive_failures for sl in s.slots),
@@ -82,7 +81,7 @@ async def test_bad_then_good_catalog_entry_ends_with_the_desired_count(
             and s.slots[0].replica_id != first.replica_id
         )
 
-    status = await _until(client, good.name, steady, 120)
+    status = await wait_deployment(client, good.name, steady, 120)
     last = await replicas.wait_ready(client, status.slots[0].replica_id, 60)
     assert last.phase is ReplicaPhase.READY
     gone = await replicas.status_of(client, first.replica_id)

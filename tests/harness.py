@@ -111,7 +111,8 @@ class System:
                 "LLMGW_RECONCILE_CATALOG": "false",
                 # Their models and work dirs sit under pytest's 0700 temp dir,
                 # which no engine user can reach: engines run as root, as the
-                # operator may allow. tests/test_engine_user*.py test the default.
+                # operator may allow. tests/agent/test_engine_user.py and
+                # tests/e2e/test_engine_user_agent.py test the default.
                 "LLMGW_ALLOW_ROOT_ENGINES": "true",
                 # Test models are generated under pytest's temp dirs.
                 "LLMGW_WEIGHTS_ROOTS": str(Path(tempfile.gettempdir()).resolve()),

@@ -24,7 +24,8 @@ from worker_agent.weights import (
 )
 
 MIB = 2**20
-# Sources built from URIs alone (nothing is read): confinement is tests/test_weights_roots.py's.
+# Sources built from URIs alone (nothing is read): confinement is
+# tests/agent/test_weights_roots.py's.
 ROOTS = Roots.of([Path("/models")])
 
 

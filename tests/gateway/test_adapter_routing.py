@@ -4,8 +4,8 @@ for the AdapterLoad workflow (it counts loads; the router's own coalescing is
 what makes 50 cold requests one load here) and scripted vLLM-like engines that
 answer only for adapters they hold (404 otherwise, as vLLM does).
 
-The workflow itself runs against the fake vLLM in tests/test_adapter_load.py;
-the routing decision alone in tests/test_adapter_policy.py.
+The workflow itself runs against the fake vLLM in tests/control/test_adapter_load.py;
+the routing decision alone in tests/gateway/test_adapter_policy.py.
 """
 
 import asyncio

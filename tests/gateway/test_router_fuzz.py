@@ -74,7 +74,7 @@ def api_schema(served: _Served) -> BaseSchema:
     )
     schema = schemathesis.openapi.from_url(f"{served.root}/openapi.json", config=config)
     # Revoking keys would only turn later cases into 401s; /admin/nodes has no
-    # input and answers 503 without Temporal (tests/test_gateway_e2e.py has it).
+    # input and answers 503 without Temporal (tests/e2e/test_gateway_e2e.py has it).
     return schema.exclude(method="DELETE").exclude(path="/admin/nodes")
 
 

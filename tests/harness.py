@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -165,12 +166,54 @@ class System:
             raise RuntimeError(f"router exited:\n{child.log_tail()}")
         return child
 
+    async def start(
+        self,
+        client: Client,
+        *nodes: str,
+        agent_env: dict[str, str] | None = None,
+        own_ports: bool = False,
+    ) -> "Started":
+        """The whole spine: the control worker, an agent per node in ``nodes``,
+        the router on a free port, returning once every node has registered.
+        ``own_ports`` gives each agent its own port range (``spawn_agent``),
+        as if on its own machine; otherwise they share the system's."""
+        self.spawn("control")
+        agents = [
+            self.spawn_agent(node, agent_env)
+            if own_ports
+            else self.spawn("agent", {"LLMGW_NODE_ID": node, **(agent_env or {})})
+            for node in nodes
+        ]
+        port = free_port()
+        self.start_router(port)
+        for node in nodes:
+            await replicas.wait_node_registered(client, node, 60)
+        return Started(port, agents)
+
     def stop(self) -> None:
         """Stop every process this system started."""
         for child in reversed(self.children):
             child.stop(grace_s=10)
         # A failed test must not leave engines running into the next one.
         kill_recorded_engines(self.work_dir / "agent")
+
+
+@dataclass(frozen=True)
+class Started:
+    """What ``System.start`` brought up: the router's port and the agents."""
+
+    port: int
+    agents: list[Child]
+
+    @property
+    def root(self) -> str:
+        """The router's address."""
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def base(self) -> str:
+        """The router's OpenAI base URL."""
+        return f"{self.root}/v1"
 
 
 async def wait_routable(base_url: str, key: str, model: str, timeout_s: float = 30) -> None:

@@ -9,7 +9,7 @@ from temporalio.client import Client
 from llmgw import replicas
 from llmgw.tinymodel import TinyModel
 from llmgw.types import EngineKind, ModelSpec, ReplicaPhase
-from tests.harness import System, free_port, wait_routable
+from tests.harness import System, wait_routable
 from tests.procs_util import pids_with_args
 
 MODEL = "tiny-adopt"
@@ -32,20 +32,17 @@ async def test_agent_sigkill_engines_adopted_and_keep_serving(
 ) -> None:
     spec = ModelSpec(name=MODEL, engine=EngineKind.LLAMA_CPP, source=str(tiny.model_path))
     key = system.catalog(spec)
-    system.spawn("control")
-    agent = system.spawn("agent", {"LLMGW_NODE_ID": "adopt-node"})
-    port = free_port()
-    system.start_router(port)
-    await replicas.wait_node_registered(client, "adopt-node", 60)
+    started = await system.start(client, "adopt-node")
+    [agent] = started.agents
     ids = [await replicas.start_replica(client, spec) for _ in range(2)]
     await asyncio.gather(*(replicas.wait_ready(client, r, 120) for r in ids))
-    await wait_routable(f"http://127.0.0.1:{port}/v1", key, MODEL)
+    await wait_routable(started.base, key, MODEL)
     pids_before = sorted(pids_with_args("--alias", MODEL))
     assert len(pids_before) == 2
 
     agent.signal(signal.SIGKILL)
     agent.proc.wait()
-    oai = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0)
+    oai = openai.AsyncOpenAI(base_url=started.base, api_key=key, max_retries=0)
     try:
         # With no agent at all, the engines still serve through the router.
         for _ in range(4):

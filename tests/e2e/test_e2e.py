@@ -6,7 +6,7 @@ import json
 import re
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -22,7 +22,7 @@ from llmgw.queues import replica_workflow_id
 from llmgw.store import Store
 from llmgw.tinymodel import TinyModel
 from llmgw.types import EngineKind, ModelSpec, ReplicaPhase, ReplicaTimeouts
-from tests.harness import System, free_port, wait_routable
+from tests.harness import System, wait_routable
 from tests.procs_util import pids_with_args
 from tests.recording import record
 
@@ -30,10 +30,8 @@ MODEL = "tiny-e2e"
 
 
 @pytest.fixture(scope="module")
-def system(temporal_address: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[System]:
-    sys_ = System(temporal_address, tmp_path_factory.mktemp("e2e"), free_port())
-    yield sys_
-    sys_.stop()
+def system(module_system: System) -> System:
+    return module_system
 
 
 @pytest.fixture(scope="module")
@@ -41,14 +39,9 @@ async def served(system: System, client: Client, tiny: TinyModel) -> AsyncIterat
     """A ready replica behind a running router; yields url, key and replica id."""
     spec = ModelSpec(name=MODEL, engine=EngineKind.LLAMA_CPP, source=str(tiny.model_path))
     key = system.catalog(spec)
-    system.spawn("control")
-    system.spawn("agent", {"LLMGW_NODE_ID": "e2e-node"})
-    port = free_port()
-    system.start_router(port)
-    await replicas.wait_node_registered(client, "e2e-node", 60)
+    base = (await system.start(client, "e2e-node")).base
     replica_id = await replicas.start_replica(client, spec)
     memo = await replicas.wait_ready(client, replica_id, 120)
-    base = f"http://127.0.0.1:{port}/v1"
     await wait_routable(base, key, MODEL)
     yield {"base": base, "key": key, "replica": replica_id, "endpoint": memo.endpoint}
     await replicas.stop_replica(client, replica_id, "test over", 30)

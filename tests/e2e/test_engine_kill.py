@@ -11,7 +11,7 @@ from temporalio.client import Client
 from llmgw import replicas
 from llmgw.tinymodel import TinyModel
 from llmgw.types import EngineKind, ModelSpec, ReplicaPhase, RestartPolicy, ShardRef
-from tests.harness import System, free_port, wait_routable
+from tests.harness import System, wait_routable
 from worker_agent import procfs
 from worker_agent.supervisor import Supervisor
 
@@ -24,12 +24,7 @@ async def test_sigkilled_engine_leaves_nothing_and_its_replica_is_replaced(
 ) -> None:
     spec = ModelSpec(name=MODEL, engine=EngineKind.LLAMA_CPP, source=str(tiny.model_path))
     key = system.catalog(spec)
-    system.spawn("control")
-    system.spawn("agent", {"LLMGW_NODE_ID": NODE})
-    port = free_port()
-    system.start_router(port)
-    base = f"http://127.0.0.1:{port}/v1"
-    await replicas.wait_node_registered(client, NODE, 60)
+    base = (await system.start(client, NODE)).base
     await replicas.apply_deployment(client, spec, 1, restart=RestartPolicy(initial_backoff_s=0.5))
     first = await replicas.wait_deployment_ready(client, MODEL, 120)
     shard = Supervisor(system.work_dir / "agent" / NODE).find_running(

@@ -7,7 +7,7 @@ import json
 import re
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
 import httpx
 import openai
@@ -17,7 +17,7 @@ from temporalio.client import Client
 from llmgw import replicas
 from llmgw.tinymodel import TinyModel
 from llmgw.types import EngineKind, ModelSpec, ReplicaPhase
-from tests.harness import System, free_port, wait_routable
+from tests.harness import System, wait_routable
 
 CHAT = "tiny-gw"
 EMBED = "tiny-embed"
@@ -25,10 +25,8 @@ ADMIN = "e2e-admin-key"
 
 
 @pytest.fixture(scope="module")
-def system(temporal_address: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[System]:
-    sys_ = System(temporal_address, tmp_path_factory.mktemp("gw-e2e"), free_port())
-    yield sys_
-    sys_.stop()
+def system(module_system: System) -> System:
+    return module_system
 
 
 @pytest.fixture(scope="module")
@@ -56,14 +54,9 @@ async def served(system: System, client: Client, tiny: TinyModel) -> AsyncIterat
             "LLMGW_USAGE_FLUSH_INTERVAL_S": "0.1",
         }
     )
-    system.spawn("control")
-    system.spawn("agent", {"LLMGW_NODE_ID": "gw-node"})
-    port = free_port()
-    system.start_router(port)
-    await replicas.wait_node_registered(client, "gw-node", 60)
+    root = (await system.start(client, "gw-node")).root
     ids = [await replicas.start_replica(client, s) for s in (chat, embed)]
     memos = [await replicas.wait_ready(client, rid, 120) for rid in ids]
-    root = f"http://127.0.0.1:{port}"
     await wait_routable(f"{root}/v1", key, CHAT)
     await wait_routable(f"{root}/v1", key, EMBED)
     yield {

@@ -13,7 +13,7 @@ from llmgw.keys import engine_key
 from llmgw.store import Store
 from llmgw.tinymodel import TinyModel
 from llmgw.types import AdapterSpec, ModelSpec
-from tests.harness import System, free_port, wait_routable
+from tests.harness import System, wait_routable
 
 BASE = "tiny-lora-gw"
 PROMPT = "The quick brown fox"
@@ -52,17 +52,13 @@ async def test_adapters_are_addressed_as_models_through_the_router(
     key = system.catalog(spec)
     store = Store(system.store_url)
     _, base_only = create_key(store, "base-only", KeyPolicy(models=[BASE]))
-    system.spawn("control")
-    system.spawn_agent("lora-gw-node")
-    port = free_port()
-    system.start_router(port)
-    await replicas.wait_node_registered(client, "lora-gw-node", 60)
+    started = await system.start(client, "lora-gw-node", own_ports=True)
     rid = await replicas.start_replica(client, spec)
     memo = await replicas.wait_ready(client, rid, 120)
     assert memo.adapters == ["lora-b", "lora-a"]
     secret = engine_key(store.engine_key_secret(), rid)
     store.close()
-    base_url = f"http://127.0.0.1:{port}/v1"
+    base_url = started.base
     await wait_routable(base_url, key, "lora-a")
 
     expected = {

@@ -20,7 +20,7 @@ from llmgw.types import (
     ReplicaTimeouts,
     RestartPolicy,
 )
-from tests.harness import System, free_port, wait_routable
+from tests.harness import System, wait_routable
 from tests.procs_util import pids_with_args
 
 MODEL = "tiny-two-nodes"
@@ -36,13 +36,7 @@ async def test_two_node_llama_cpp_replica_serves_fails_whole_and_restarts(
         profile=EngineProfile(nodes=2),
     )
     key = system.catalog(spec)
-    system.spawn("control")
-    system.spawn_agent("mn-a")
-    system.spawn_agent("mn-b")
-    port = free_port()
-    system.start_router(port)
-    await replicas.wait_node_registered(client, "mn-a", 60)
-    await replicas.wait_node_registered(client, "mn-b", 60)
+    started = await system.start(client, "mn-a", "mn-b", own_ports=True)
 
     restart = RestartPolicy(initial_backoff_s=0.5)
     status = await replicas.apply_deployment(client, spec, 1, restart=restart)
@@ -55,7 +49,7 @@ async def test_two_node_llama_cpp_replica_serves_fails_whole_and_restarts(
     placed = snapshot.allocations[rid]
     assert {placed.node_id, placed.workers[0].node_id} == {"mn-a", "mn-b"}
 
-    base = f"http://127.0.0.1:{port}/v1"
+    base = started.base
     await wait_routable(base, key, MODEL)
     async with openai.AsyncOpenAI(base_url=base, api_key=key, max_retries=0) as oai:
         resp = await oai.completions.create(model=MODEL, prompt="hello", max_tokens=4)

@@ -14,7 +14,7 @@ from temporalio.client import Client
 from llmgw import replicas
 from llmgw.tinymodel import TinyModel
 from llmgw.types import DeploymentStatus, ModelSpec, ReplicaPhase, ReplicaTimeouts, RestartPolicy
-from tests.harness import System, free_port, wait_routable
+from tests.harness import System, wait_routable
 from tests.procs_util import pids_with_args
 
 FREEZE_S = 150.0
@@ -71,14 +71,11 @@ async def test_frozen_agent_never_takes_down_a_serving_engine(
 ) -> None:
     spec = ModelSpec(name="tiny-frozen", source=str(tiny.model_path))
     key = system.catalog(spec)
-    system.spawn("control")
-    agent = system.spawn_agent("frozen-node")
-    port = free_port()
-    system.start_router(port)
-    await replicas.wait_node_registered(client, "frozen-node", 60)
+    started = await system.start(client, "frozen-node", own_ports=True)
+    [agent] = started.agents
     await replicas.apply_deployment(client, spec, 1)
     memo = await replicas.wait_deployment_ready(client, spec.name, 120)
-    base = f"http://127.0.0.1:{port}/v1"
+    base = started.base
     await wait_routable(base, key, spec.name)
     engines = pids_with_args("--alias", spec.name)
     assert len(engines) == 1
@@ -127,11 +124,8 @@ async def test_lost_node_whose_engine_died_fails_frees_the_gpu_and_converges(
 ) -> None:
     spec = ModelSpec(name="tiny-gone", source=str(tiny.model_path))
     key = system.catalog(spec)
-    system.spawn("control")
-    agent = system.spawn_agent("gone-node")
-    port = free_port()
-    system.start_router(port)
-    await replicas.wait_node_registered(client, "gone-node", 60)
+    started = await system.start(client, "gone-node", own_ports=True)
+    [agent] = started.agents
     quick = ReplicaTimeouts(
         heartbeat_s=2,
         probe_interval_s=1,
@@ -145,7 +139,7 @@ async def test_lost_node_whose_engine_died_fails_frees_the_gpu_and_converges(
         client, spec, 1, timeouts=quick, restart=RestartPolicy(initial_backoff_s=0.5)
     )
     memo = await replicas.wait_deployment_ready(client, spec.name, 120)
-    await wait_routable(f"http://127.0.0.1:{port}/v1", key, spec.name)
+    await wait_routable(started.base, key, spec.name)
     [engine] = pids_with_args("--alias", spec.name)
 
     agent.signal(signal.SIGSTOP)
@@ -168,7 +162,7 @@ async def test_lost_node_whose_engine_died_fails_frees_the_gpu_and_converges(
     status = await _deployment(client, spec.name, 120)
     [slot] = status.slots
     assert slot.replica_id != memo.replica_id
-    await wait_routable(f"http://127.0.0.1:{port}/v1", key, spec.name)
+    await wait_routable(started.base, key, spec.name)
     async with asyncio.timeout(60):
         while len(pids_with_args("--alias", spec.name)) != 1:
             await asyncio.sleep(0.2)

@@ -294,14 +294,9 @@ async def test_a_replica_is_served_with_every_process_on_mtls(
     spec = ModelSpec(name=MODEL, engine=EngineKind.LLAMA_CPP, source=str(tiny.model_path))
     key = system.catalog(spec)
     handshakes = mtls_front.handshakes.done
-    system.spawn("control")
-    system.spawn_agent("tls-node")
-    port = free_port()
-    system.start_router(port)
-    await replicas.wait_node_registered(tls_client, "tls-node", 60)
+    base = (await system.start(tls_client, "tls-node", own_ports=True)).base
     replica_id = await replicas.start_replica(tls_client, spec)
     await replicas.wait_ready(tls_client, replica_id, 120)
-    base = f"http://127.0.0.1:{port}/v1"
     await wait_routable(base, key, MODEL)
     async with httpx.AsyncClient(timeout=60) as http:
         r = await http.post(

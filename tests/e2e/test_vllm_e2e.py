@@ -9,7 +9,7 @@ takes about 2 minutes), so everything vLLM shares one module and one agent.
 import asyncio
 import os
 import signal
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -25,7 +25,7 @@ from llmgw.tinyhf import TinyHfModel
 from llmgw.tinymodel import TinyModel
 from llmgw.types import EngineKind, EngineProfile, ModelSpec, ReplicaPhase, ShardRef
 from llmgw.vllm_install import VllmInstall
-from tests.harness import System, free_port, node_address, wait_routable
+from tests.harness import System, node_address, wait_routable
 from worker_agent import procfs
 from worker_agent.supervisor import RunningShard, Supervisor
 
@@ -38,10 +38,8 @@ ADDRESS = node_address()
 
 
 @pytest.fixture(scope="module")
-def system(temporal_address: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[System]:
-    sys_ = System(temporal_address, tmp_path_factory.mktemp("vllm"), free_port())
-    yield sys_
-    sys_.stop()
+def system(module_system: System) -> System:
+    return module_system
 
 
 def _vllm_spec(tinyhf: TinyHfModel) -> ModelSpec:
@@ -67,19 +65,12 @@ async def served(
     vspec = _vllm_spec(tinyhf)
     lspec = ModelSpec(name=LLAMA, engine=EngineKind.LLAMA_CPP, source=str(tiny.model_path))
     key = system.catalog(vspec, lspec)
-    system.spawn("control")
-    system.spawn(
-        "agent",
-        {"LLMGW_NODE_ID": NODE, "LLMGW_ENGINE_HOST": ADDRESS, "LLMGW_CPU_KV_CACHE_MIB": "64"},
-    )
-    port = free_port()
-    system.start_router(port)
-    await replicas.wait_node_registered(client, NODE, 60)
+    agent_env = {"LLMGW_ENGINE_HOST": ADDRESS, "LLMGW_CPU_KV_CACHE_MIB": "64"}
+    base = (await system.start(client, NODE, agent_env=agent_env)).base
     await replicas.apply_deployment(client, vspec, 1)
     llama_id = await replicas.start_replica(client, lspec)
     vmemo = await replicas.wait_deployment_ready(client, MODEL, 300)
     lmemo = await replicas.wait_ready(client, llama_id, 120)
-    base = f"http://127.0.0.1:{port}/v1"
     await wait_routable(base, key, MODEL)
     yield {
         "base": base,

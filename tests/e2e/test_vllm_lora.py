@@ -3,7 +3,7 @@ AdapterLoad workflow through the node's agent, one load for many concurrent
 callers, an LRU unload to make room, and outputs that differ per adapter."""
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
 import httpx
 import openai
@@ -27,7 +27,7 @@ from llmgw.types import (
     ModelSpec,
 )
 from llmgw.vllm_install import VllmInstall
-from tests.harness import System, free_port, wait_routable
+from tests.harness import System, wait_routable
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -39,10 +39,8 @@ NODE = "vllm-lora-node"
 
 
 @pytest.fixture(scope="module")
-def system(temporal_address: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[System]:
-    sys_ = System(temporal_address, tmp_path_factory.mktemp("vllm-lora"), free_port())
-    yield sys_
-    sys_.stop()
+def system(module_system: System) -> System:
+    return module_system
 
 
 @pytest.fixture(scope="module")
@@ -72,12 +70,10 @@ async def served(
         ),
     )  # fmt: skip
     KEYS["client"] = system.catalog(spec)
-    system.spawn("control")
-    system.spawn_agent(NODE, {"LLMGW_CPU_KV_CACHE_MIB": "64"})
-    port = free_port()
-    system.start_router(port)
-    KEYS["base"] = f"http://127.0.0.1:{port}/v1"
-    await replicas.wait_node_registered(client, NODE, 60)
+    started = await system.start(
+        client, NODE, agent_env={"LLMGW_CPU_KV_CACHE_MIB": "64"}, own_ports=True
+    )
+    KEYS["base"] = started.base
     rid = await replicas.start_replica(client, spec)
     memo = await replicas.wait_ready(client, rid, 300)
     await wait_routable(KEYS["base"], KEYS["client"], MODEL)

@@ -5,7 +5,7 @@ the workflow that receives them, so neither side retypes the other's
 string. Activity names are in ``activities/names.py``.
 
 The values are part of stored workflow histories and of running workflows
-on upgraded clusters: never change one (tests/test_replay.py replays them).
+on upgraded clusters: never change one (tests/control/test_replay.py replays them).
 """
 
 # Workflow types

@@ -197,7 +197,7 @@ def _llama_cpp_uncached(raw: bytes) -> bytes:
 
     This project's llama.cpp build reuses a cached prompt's KV computed under
     another adapter (checked: the base answer after an adapter's request on
-    the same prompt differs from a fresh one; tests/test_lora_gateway.py), so
+    the same prompt differs from a fresh one; tests/e2e/test_lora_gateway.py), so
     requests to a model with adapters re-read their prompt.
     """
     data = json.loads(raw)

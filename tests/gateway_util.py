@@ -2,11 +2,11 @@
 
 The router's ``Upstream`` is injected: ``MockUpstream`` hands its requests
 to the scripted engine in process. The production client (aiohttp) is tested
-against real servers in tests/test_upstream.py and end to end.
+against real servers in tests/gateway/test_upstream.py and end to end.
 
 For the gateway's own logic (keys, quotas, usage, balancing, pass-through,
 admin API) where a real engine adds nothing but time; the real llama.cpp
-runs in tests/test_gateway_e2e.py.
+runs in tests/e2e/test_gateway_e2e.py.
 """
 
 import asyncio

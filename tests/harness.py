@@ -2,30 +2,39 @@
 
 Everything listens on loopback, on free ports, with its state under a test
 temp dir; every process is in its own group and is stopped at teardown.
+Also the small builders the test folders share: node inventories, a
+connection reset, polling a deployment's status.
 """
 
 import asyncio
 import os
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+from temporalio.client import Client
 
 from activities.node import NodeActivities
+from llmgw import replicas
 from llmgw.cli.procs import Child, wait_for
 from llmgw.cli.up import kill_recorded_engines
 from llmgw.keys import engine_key
 from llmgw.store import Store
-from llmgw.types import ModelSpec, NodeInventory
+from llmgw.types import DeploymentStatus, GpuHealth, GpuInfo, ModelSpec, NodeInventory
 from worker_agent.installs.llamacpp import LlamaCppInstall
 from worker_agent.main import engine_adapters
 from worker_agent.supervisor import Supervisor
 
 REPO = Path(__file__).resolve().parents[1]
+TESTS = REPO / "tests"
+# Recorded machines (sysfs trees, GPU snapshots, inventories) the tests load.
+FIXTURES = TESTS / "fixtures"
 DEVSERVER = REPO / "temporal-dev" / "devserver.py"
 
 
@@ -55,6 +64,13 @@ def node_address() -> str:
         if "." in addr and not addr.startswith("127."):
             return addr
     return "127.0.0.1"
+
+
+def reset(writer: asyncio.StreamWriter) -> None:
+    """Close with RST, not FIN: the peer's next read fails with ECONNRESET."""
+    sock = writer.get_extra_info("socket")
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    writer.transport.abort()
 
 
 def start_devserver(db: Path, port: int, log: Path, namespaces: Sequence[str] = ()) -> Child:
@@ -96,7 +112,8 @@ class System:
                 "LLMGW_RECONCILE_CATALOG": "false",
                 # Their models and work dirs sit under pytest's 0700 temp dir,
                 # which no engine user can reach: engines run as root, as the
-                # operator may allow. tests/test_engine_user*.py test the default.
+                # operator may allow. tests/agent/test_engine_user.py and
+                # tests/e2e/test_engine_user_agent.py test the default.
                 "LLMGW_ALLOW_ROOT_ENGINES": "true",
                 # Test models are generated under pytest's temp dirs.
                 "LLMGW_WEIGHTS_ROOTS": str(Path(tempfile.gettempdir()).resolve()),
@@ -149,12 +166,54 @@ class System:
             raise RuntimeError(f"router exited:\n{child.log_tail()}")
         return child
 
+    async def start(
+        self,
+        client: Client,
+        *nodes: str,
+        agent_env: dict[str, str] | None = None,
+        own_ports: bool = False,
+    ) -> "Started":
+        """The whole spine: the control worker, an agent per node in ``nodes``,
+        the router on a free port, returning once every node has registered.
+        ``own_ports`` gives each agent its own port range (``spawn_agent``),
+        as if on its own machine; otherwise they share the system's."""
+        self.spawn("control")
+        agents = [
+            self.spawn_agent(node, agent_env)
+            if own_ports
+            else self.spawn("agent", {"LLMGW_NODE_ID": node, **(agent_env or {})})
+            for node in nodes
+        ]
+        port = free_port()
+        self.start_router(port)
+        for node in nodes:
+            await replicas.wait_node_registered(client, node, 60)
+        return Started(port, agents)
+
     def stop(self) -> None:
         """Stop every process this system started."""
         for child in reversed(self.children):
             child.stop(grace_s=10)
         # A failed test must not leave engines running into the next one.
         kill_recorded_engines(self.work_dir / "agent")
+
+
+@dataclass(frozen=True)
+class Started:
+    """What ``System.start`` brought up: the router's port and the agents."""
+
+    port: int
+    agents: list[Child]
+
+    @property
+    def root(self) -> str:
+        """The router's address."""
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def base(self) -> str:
+        """The router's OpenAI base URL."""
+        return f"{self.root}/v1"
 
 
 async def wait_routable(base_url: str, key: str, model: str, timeout_s: float = 30) -> None:
@@ -167,10 +226,47 @@ async def wait_routable(base_url: str, key: str, model: str, timeout_s: float = 
             await asyncio.sleep(0.05)
 
 
+async def wait_deployment(
+    client: Client, model: str, ok: Callable[[DeploymentStatus], bool], timeout_s: float = 120
+) -> DeploymentStatus:
+    """Poll the deployment's status until ``ok`` holds for it."""
+    async with asyncio.timeout(timeout_s):
+        while True:
+            status = await replicas.deployment_status(client, model)
+            if ok(status):
+                return status
+            await asyncio.sleep(0.2)
+
+
 def cpu_inventory(node_id: str = "test-node") -> NodeInventory:
     """A GPU-less node on loopback, as the agent would report this machine."""
     return NodeInventory(
         node_id=node_id, hostname=node_id, address="127.0.0.1", cpu_count=2, memory_mib=1024
+    )
+
+
+def node_inventory(
+    node_id: str, gpus: int = 0, cpu_slots: int = 4, unhealthy: tuple[int, ...] = ()
+) -> NodeInventory:
+    """A node for the pure placement rules: ``gpus`` H100s (those in ``unhealthy``
+    with an uncorrected ECC error) and ``cpu_slots`` CPU replicas."""
+    return NodeInventory(
+        node_id=node_id,
+        hostname=node_id,
+        address="127.0.0.1",
+        cpu_count=8,
+        memory_mib=1024,
+        max_cpu_replicas=cpu_slots,
+        gpus=[
+            GpuInfo(
+                index=i,
+                uuid=f"GPU-{node_id}-{i}",
+                name="H100",
+                memory_mib=81559,
+                health_flags=[GpuHealth.ECC_UNCORRECTED] if i in unhealthy else [],
+            )
+            for i in range(gpus)
+        ],
     )
 
 

@@ -1,4 +1,4 @@
-"""Recording workflow histories for the replay test (tests/test_replay.py).
+"""Recording workflow histories for the replay test (tests/control/test_replay.py).
 
 Run the tests with ``LLMGW_RECORD_HISTORIES=1`` to (re)write the stored
 histories from representative runs; normally this does nothing. Re-record

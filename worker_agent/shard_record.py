@@ -6,7 +6,7 @@ inventory report, by a restarted agent adopting its engines and by
 ``llmgw up`` cleaning up after a crash. Files outlive the code that wrote
 them: every field a later version added has a default, and keys this
 version does not know are ignored, so records written by older agents load
-(tests/test_supervisor.py loads one).
+(tests/agent/test_supervisor.py loads one).
 """
 
 from pathlib import Path

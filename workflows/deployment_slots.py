@@ -4,7 +4,7 @@ The Deployment workflow owns the awaits (starting children, signalling
 stops, asking loads); every decision about its slots is made here, without
 Temporal, so that it can be driven through random sequences of failures,
 scaling, model changes and rolling restarts in a test
-(``tests/test_deployment_slots.py``) and shown to converge to the desired
+(``tests/control/test_deployment_slots.py``) and shown to converge to the desired
 count with no replica left unowned.
 
 A slot is one desired replica across its restarts. Live slots count towards

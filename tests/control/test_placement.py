@@ -1,0 +1,176 @@
+"""Placement decisions, without Temporal."""
+
+from datetime import UTC, datetime, timedelta
+
+from llmgw.types import (
+    EngineProfile,
+    FabricKind,
+    FleetSnapshot,
+    ModelSpec,
+    NodeFabric,
+    NodeInventory,
+    NodeLiveness,
+    Placement,
+)
+from tests.harness import node_inventory as node
+from workflows.placement import choose_node, split_live
+
+CPU = ModelSpec(name="tiny", source="/m.gguf")
+GPU2 = ModelSpec(name="big", source="/m", gpus=2)
+
+
+def test_no_nodes_says_so() -> None:
+    result = choose_node("r1", CPU, {}, {})
+    assert result.placement is None
+    assert result.rejections[0].reason == "no node has registered"
+
+
+def test_cpu_model_on_cpu_node() -> None:
+    result = choose_node("r1", CPU, {"a": node("a")}, {})
+    assert result.placement is not None and result.placement.node_id == "a"
+    assert result.placement.gpu_indices == []
+
+
+def test_placement_is_idempotent_per_replica() -> None:
+    existing = Placement(replica_id="r1", model="big", node_id="b", gpu_indices=[0, 1])
+    result = choose_node("r1", GPU2, {"a": node("a", 8), "b": node("b", 8)}, {"r1": existing})
+    assert result.placement == existing
+
+
+def test_gpus_never_handed_out_twice() -> None:
+    nodes = {"a": node("a", 4)}
+    allocs: dict[str, Placement] = {}
+    for rid in ("r1", "r2"):
+        result = choose_node(rid, GPU2, nodes, allocs)
+        assert result.placement is not None
+        allocs[rid] = result.placement
+    assert allocs["r1"].gpu_indices == [0, 1]
+    assert allocs["r2"].gpu_indices == [2, 3]
+    third = choose_node("r3", GPU2, nodes, allocs)
+    assert third.placement is None
+    assert third.rejections[0].reason == "needs 2 free healthy GPUs, has 0"
+
+
+def test_unhealthy_gpus_are_skipped() -> None:
+    result = choose_node("r1", GPU2, {"a": node("a", 3, unhealthy=(1,))}, {})
+    assert result.placement is not None and result.placement.gpu_indices == [0, 2]
+
+
+def test_bin_packs_onto_the_busier_node() -> None:
+    nodes = {"a": node("a", 8), "b": node("b", 8)}
+    allocs = {"r0": Placement(replica_id="r0", model="big", node_id="b", gpu_indices=[0, 1])}
+    result = choose_node("r1", GPU2, nodes, allocs)
+    assert result.placement is not None and result.placement.node_id == "b"
+
+
+def test_rejections_name_every_node() -> None:
+    nodes = {"a": node("a", 1), "b": node("b", cpu_slots=0)}
+    result = choose_node("r1", GPU2, nodes, {})
+    assert result.placement is None
+    assert {r.node_id: r.reason for r in result.rejections} == {
+        "a": "needs 2 free healthy GPUs, has 1",
+        "b": "needs 2 free healthy GPUs, has 0",
+    }
+    cpu = choose_node("r2", CPU, {"b": node("b", cpu_slots=0)}, {})
+    assert cpu.rejections[0].reason == "CPU replica slots full (0/0)"
+
+
+def on_island(n: NodeInventory, island: str) -> NodeInventory:
+    n.fabric = NodeFabric(kind=FabricKind.INFINIBAND, island=island)
+    return n
+
+
+TWO_NODE = ModelSpec(name="huge", source="/m", gpus=8, profile=EngineProfile(tp=8, nodes=2))
+
+
+def test_multi_node_replica_stays_in_one_island() -> None:
+    nodes = {
+        "a": on_island(node("a", 8), "fabric:ib-1"),
+        "b": on_island(node("b", 8), "fabric:ib-2"),
+        "c": on_island(node("c", 8), "fabric:ib-2"),
+    }
+    result = choose_node("r1", TWO_NODE, nodes, {})
+    assert result.placement is not None
+    ranks = [(s.rank, s.node_id, len(s.gpu_indices)) for s in result.placement.shards()]
+    assert ranks == [(0, "c", 8), (1, "b", 8)]
+    assert {r.node_id: r.reason for r in result.rejections} == {
+        "a": "island fabric:ib-1 has 1 usable nodes, needs 2"
+    }
+
+
+def test_multi_node_ranks_hold_gpus_on_every_node() -> None:
+    nodes = {n: on_island(node(n, 8), "fabric:ib") for n in ("a", "b")}
+    first = choose_node("r1", TWO_NODE, nodes, {})
+    assert first.placement is not None
+    second = choose_node("r2", TWO_NODE, nodes, {"r1": first.placement})
+    assert second.placement is None
+    assert {r.reason for r in second.rejections} == {"needs 8 free healthy GPUs, has 0"}
+
+
+def test_nodes_without_fabric_are_islands_of_their_own() -> None:
+    nodes = {n: node(n, 8) for n in ("a", "b")}
+    result = choose_node("r1", TWO_NODE, nodes, {})
+    assert result.placement is None
+    assert all("needs 2" in r.reason for r in result.rejections)
+
+
+def test_silent_and_deregistered_nodes_are_not_offered() -> None:
+    now = datetime(2026, 12, 2, 12, 0, tzinfo=UTC)
+    state = FleetSnapshot(
+        cordoned=["maintenance"],
+        nodes={n: node(n) for n in ("fresh", "silent", "gone", "maintenance")},
+        liveness={
+            "fresh": NodeLiveness(last_seen=(now - timedelta(seconds=20)).isoformat()),
+            "silent": NodeLiveness(last_seen=(now - timedelta(seconds=600)).isoformat()),
+            "gone": NodeLiveness(last_seen=now.isoformat(), up=False),
+            "maintenance": NodeLiveness(last_seen=now.isoformat()),
+        },
+    )
+    live, down = split_live(state, now)
+    assert list(live) == ["fresh"]
+    assert {r.node_id: r.reason for r in down} == {
+        "silent": "agent silent for 600s",
+        "gone": "agent shut down (deregistered)",
+        "maintenance": "cordoned",
+    }
+
+
+def test_spread_prefers_the_idle_node() -> None:
+    nodes = {"a": node("a", 8), "b": node("b", 8)}
+    allocs = {"r0": Placement(replica_id="r0", model="big", node_id="b", gpu_indices=[0, 1])}
+    spread = GPU2.model_copy(update={"spread": True})
+    result = choose_node("r1", spread, nodes, allocs)
+    assert result.placement is not None and result.placement.node_id == "a"
+    packed = choose_node("r1", GPU2, nodes, allocs)
+    assert packed.placement is not None and packed.placement.node_id == "b"
+
+
+def test_gpu_class_filter_names_what_the_node_has() -> None:
+    a100 = node("a", 4)
+    for g in a100.gpus:
+        g.gpu_class = "a100-80g"
+    h100 = node("b", 4)
+    for g in h100.gpus:
+        g.gpu_class = "h100-80g"
+    want = GPU2.model_copy(update={"gpu_class": "h100-80g"})
+    result = choose_node("r1", want, {"a": a100, "b": h100}, {})
+    assert result.placement is not None and result.placement.node_id == "b"
+    assert [(r.node_id, r.reason) for r in result.rejections] == [
+        ("a", "needs h100-80g GPUs, has a100-80g")
+    ]
+
+
+def test_gpu_class_counts_only_gpus_of_that_class() -> None:
+    mixed = node("a", 4)
+    for g in mixed.gpus:
+        g.gpu_class = "h100-80g" if g.index < 1 else "l40s-45g"
+    want = GPU2.model_copy(update={"gpu_class": "h100-80g"})
+    result = choose_node("r1", want, {"a": mixed}, {})
+    assert result.placement is None
+    assert result.rejections[0].reason == "needs 2 free healthy GPUs, has 1"
+
+
+def test_placement_records_priority() -> None:
+    urgent = GPU2.model_copy(update={"priority": 7})
+    result = choose_node("r1", urgent, {"a": node("a", 2)}, {})
+    assert result.placement is not None and result.placement.priority == 7

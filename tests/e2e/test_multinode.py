@@ -1,0 +1,119 @@
+"""A real multi-node replica on this machine: two agents with different node
+ids on loopback; rank 1 runs ggml-rpc-server, rank 0 llama-server --rpc."""
+
+import asyncio
+import os
+import signal
+
+import openai
+import pytest
+from temporalio.client import Client
+
+from llmgw import replicas
+from llmgw.dev.tinymodel import TinyModel
+from llmgw.errors import EngineError
+from llmgw.types import (
+    EngineKind,
+    EngineProfile,
+    ModelSpec,
+    ReplicaPhase,
+    ReplicaTimeouts,
+    RestartPolicy,
+)
+from tests.harness import System, wait_routable
+from tests.procs_util import pids_with_args
+
+MODEL = "tiny-two-nodes"
+
+
+async def test_two_node_llama_cpp_replica_serves_fails_whole_and_restarts(
+    system: System, client: Client, tiny: TinyModel
+) -> None:
+    spec = ModelSpec(
+        name=MODEL,
+        engine=EngineKind.LLAMA_CPP,
+        source=str(tiny.model_path),
+        profile=EngineProfile(nodes=2),
+    )
+    key = system.catalog(spec)
+    started = await system.start(client, "mn-a", "mn-b", own_ports=True)
+
+    restart = RestartPolicy(initial_backoff_s=0.5)
+    status = await replicas.apply_deployment(client, spec, 1, restart=restart)
+    rid = await _slot_replica(client, starts=1)
+    await replicas.wait_ready(client, rid, 120)
+    rpc_workers = pids_with_args("ggml-rpc-server", "-p")
+    leaders = pids_with_args("--alias", MODEL, "--rpc")
+    assert len(rpc_workers) == 1 and len(leaders) == 1
+    snapshot = await replicas.fleet_snapshot(client)
+    placed = snapshot.allocations[rid]
+    assert {placed.node_id, placed.workers[0].node_id} == {"mn-a", "mn-b"}
+
+    base = started.base
+    await wait_routable(base, key, MODEL)
+    async with openai.AsyncOpenAI(base_url=base, api_key=key, max_retries=0) as oai:
+        resp = await oai.completions.create(model=MODEL, prompt="hello", max_tokens=4)
+        assert resp.usage is not None and resp.usage.completion_tokens == 4
+
+    # Losing a worker loses the replica: it fails whole, and the deployment
+    # starts a new one in its place; nothing of the first attempt is left.
+    os.kill(rpc_workers[0], signal.SIGKILL)
+    new_rid = await _slot_replica(client, starts=2)
+    failed = await replicas.status_of(client, rid)
+    assert failed is not None and failed.phase is ReplicaPhase.FAILED
+    assert "rank 1" in failed.reason
+    await replicas.wait_ready(client, new_rid, 120)
+    assert not set(rpc_workers + leaders) & set(
+        pids_with_args("ggml-rpc-server", "-p") + pids_with_args("--alias", MODEL)
+    )
+    assert len(pids_with_args("ggml-rpc-server", "-p")) == 1
+    assert rid not in (await replicas.fleet_snapshot(client)).allocations
+    status = await replicas.deployment_status(client, MODEL)
+    assert "rank 1" in status.slots[0].last_reason
+
+    # Scaling to zero drains the replica; the deployment then ends.
+    final = await replicas.remove_deployment(client, spec, 60)
+    assert final.desired == 0
+    assert pids_with_args("--alias", MODEL) == []
+    assert pids_with_args("ggml-rpc-server", "-p") == []
+
+
+async def _slot_replica(client: Client, starts: int) -> str:
+    """The replica of slot 0 once the deployment has started it ``starts`` times."""
+    async with asyncio.timeout(60):
+        while True:
+            status = await replicas.deployment_status(client, MODEL)
+            if status.slots and status.slots[0].starts == starts:
+                return status.slots[0].replica_id
+            await asyncio.sleep(0.1)
+
+
+async def test_rendezvous_that_never_completes_fails_within_its_bound(
+    system: System, client: Client, tiny: TinyModel
+) -> None:
+    spec = ModelSpec(
+        name="tiny-never-meets",
+        engine=EngineKind.LLAMA_CPP,
+        source=str(tiny.model_path),
+        profile=EngineProfile(nodes=2),
+    )
+    system.spawn("control")
+    # Rank 0 lands on the node whose id sorts last (placement is deterministic).
+    system.spawn_agent("rv-b")
+    worker_agent = system.spawn("agent", {"LLMGW_NODE_ID": "rv-a"})
+    await replicas.wait_node_registered(client, "rv-a", 60)
+    await replicas.wait_node_registered(client, "rv-b", 60)
+    worker_agent.signal(signal.SIGSTOP)  # the worker's node stops answering
+    try:
+        timeouts = ReplicaTimeouts(rendezvous_s=6, schedule_to_start_s=8, heartbeat_s=2)
+        rid = await replicas.start_replica(client, spec, timeouts)
+        with pytest.raises(EngineError) as failed:
+            await replicas.wait_ready(client, rid, 90)
+        assert "not complete within 6s" in str(failed.value)
+        status = await replicas.status_of(client, rid)
+        assert status is not None and status.phase is ReplicaPhase.FAILED
+        assert rid not in (await replicas.fleet_snapshot(client)).allocations
+        assert pids_with_args("--alias", "tiny-never-meets") == []
+        assert pids_with_args("ggml-rpc-server", "-p") == []
+    finally:
+        worker_agent.signal(signal.SIGCONT)

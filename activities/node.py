@@ -60,7 +60,7 @@ from worker_agent.cpu_share import (
 )
 from worker_agent.engines import (
     CommandSpec,
-    EngineAdapter,
+    EnginePlanner,
     LaunchValidationError,
     LoraAdapter,
     ReadyProbe,
@@ -119,7 +119,7 @@ class NodeActivities:
     def __init__(
         self,
         supervisor: Supervisor,
-        adapters: Mapping[EngineKind, EngineAdapter],
+        planners: Mapping[EngineKind, EnginePlanner],
         engine_key: EngineKeyFn,
         engine_host: str,
         ports: range,
@@ -139,7 +139,7 @@ class NodeActivities:
         self._binding: dict[str, set[int]] = {}
         self._weights = weights
         self._inventory = inventory
-        self._adapters = adapters
+        self._planners = planners
         self._engine_key = engine_key
         self._host = engine_host
         self._ports = ports
@@ -329,10 +329,10 @@ class NodeActivities:
             ),
         )
         key = self._engine_key(spec.replica_id)
-        adapters = (
-            self._installs.adapters(spec.model.profile.device) if self._installs else self._adapters
+        planners = (
+            self._installs.planners(spec.model.profile.device) if self._installs else self._planners
         )
-        plan = plan_shard(request, key, engine_env(os.environ), adapters)
+        plan = plan_shard(request, key, engine_env(os.environ), planners)
         if plan.serves_http and not fronted:
             raise ConfigError(f"rank {spec.rank} serves HTTP but only rank 0 is fronted")
         return _Launch(

@@ -28,7 +28,7 @@ from llmgw.keys import engine_key
 from llmgw.store import Store
 from llmgw.types import DeploymentStatus, GpuHealth, GpuInfo, ModelSpec, NodeInventory
 from worker_agent.installs.llamacpp import LlamaCppInstall
-from worker_agent.main import engine_adapters
+from worker_agent.main import engine_planners
 from worker_agent.supervisor import Supervisor
 
 REPO = Path(__file__).resolve().parents[1]
@@ -277,7 +277,7 @@ def node_activities(
     start = free_port()
     return NodeActivities(
         supervisor=supervisor,
-        adapters=engine_adapters(llama),
+        planners=engine_planners(llama),
         engine_key=lambda rid: engine_key(secret, rid),
         engine_host="127.0.0.1",
         ports=range(start, start + 50),

@@ -38,7 +38,7 @@ from llmgw.types import (
     ShardReport,
 )
 from worker_agent.adoption import adopt
-from worker_agent.engines import EngineAdapter, Launchers, default_adapters
+from worker_agent.engines import EnginePlanner, Launchers, default_planners
 from worker_agent.installs.installed import EngineInstalls
 from worker_agent.installs.llamacpp import LlamaCppInstall, ensure_llama_cpp
 from worker_agent.inventory import Sources, collect, sources_from
@@ -67,13 +67,13 @@ async def register(client: Client, inventory: NodeInventory) -> None:
     )
 
 
-def engine_adapters(llama: LlamaCppInstall) -> dict[EngineKind, EngineAdapter]:
+def engine_planners(llama: LlamaCppInstall) -> dict[EngineKind, EnginePlanner]:
     """The engines this node can plan, with where their programs are."""
     launchers = Launchers(
         llama_server=(str(llama.server),),
         rpc_server=(str(llama.rpc_server),) if llama.rpc_server else ("ggml-rpc-server",),
     )
-    return default_adapters(launchers, {EngineKind.LLAMA_CPP: llama.environment})
+    return default_planners(launchers, {EngineKind.LLAMA_CPP: llama.environment})
 
 
 def build_activities(
@@ -86,7 +86,7 @@ def build_activities(
     """The node's activities with their real dependencies."""
     return NodeActivities(
         supervisor=supervisor,
-        adapters=engine_adapters(installs.llama),
+        planners=engine_planners(installs.llama),
         installs=installs,
         cpu_kv_cache_mib=settings.cpu_kv_cache_mib,
         engine_key=lambda replica_id: engine_key(secret, replica_id),

@@ -27,7 +27,7 @@ from llmgw.types import (
 from tests.harness import cpu_inventory, node_activities
 from tests.procs_util import pids_with_args
 from worker_agent.installs.llamacpp import LlamaCppInstall
-from worker_agent.main import engine_adapters
+from worker_agent.main import engine_planners
 from worker_agent.supervisor import Supervisor
 from worker_agent.weights import WeightsCache
 
@@ -152,7 +152,7 @@ async def test_a_static_adapter_outside_the_weights_roots_is_refused(
     (root / "a.gguf").symlink_to(tiny.adapters["lora-a"])  # the generated adapter lives outside
     acts = NodeActivities(
         supervisor=Supervisor(tmp_path / "work"),
-        adapters=engine_adapters(llama),
+        planners=engine_planners(llama),
         engine_key=lambda rid: engine_key(SECRET, rid),
         engine_host="127.0.0.1",
         ports=range(41000, 41050),

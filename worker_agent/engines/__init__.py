@@ -12,11 +12,11 @@ engine module's docstring).
 from collections.abc import Mapping
 
 from llmgw.types import EngineKind
-from worker_agent.engines.base import EngineAdapter, EnvHook, engine_base_env
+from worker_agent.engines.base import EnginePlanner, EnvHook, engine_base_env
 from worker_agent.engines.facts import node_facts
-from worker_agent.engines.llamacpp import LlamaCppAdapter
+from worker_agent.engines.llamacpp import LlamaCppPlanner
 from worker_agent.engines.nccl import chosen_ports, fabric_env, gpu_env, ib_hca
-from worker_agent.engines.sglang import SglangAdapter
+from worker_agent.engines.sglang import SglangPlanner
 from worker_agent.engines.spec import (
     REDACTED,
     CommandSpec,
@@ -35,7 +35,7 @@ from worker_agent.engines.spec import (
     vllm_module_launcher,
 )
 from worker_agent.engines.validation import launch_problems, validate_launch
-from worker_agent.engines.vllm import VllmAdapter
+from worker_agent.engines.vllm import VllmPlanner
 
 CHECKED_AGAINST: Mapping[str, str] = {
     "vllm": (
@@ -56,15 +56,15 @@ CHECKED_AGAINST: Mapping[str, str] = {
 }
 
 
-def default_adapters(
+def default_planners(
     launchers: Launchers | None = None, env_hooks: Mapping[EngineKind, EnvHook] | None = None
-) -> dict[EngineKind, EngineAdapter]:
-    """One adapter per engine kind, all using ``launchers``, each with its install's hook."""
+) -> dict[EngineKind, EnginePlanner]:
+    """One planner per engine kind, all using ``launchers``, each with its install's hook."""
     hooks = env_hooks or {}
     return {
-        EngineKind.VLLM: VllmAdapter(launchers, hooks.get(EngineKind.VLLM)),
-        EngineKind.SGLANG: SglangAdapter(launchers, hooks.get(EngineKind.SGLANG)),
-        EngineKind.LLAMA_CPP: LlamaCppAdapter(launchers, hooks.get(EngineKind.LLAMA_CPP)),
+        EngineKind.VLLM: VllmPlanner(launchers, hooks.get(EngineKind.VLLM)),
+        EngineKind.SGLANG: SglangPlanner(launchers, hooks.get(EngineKind.SGLANG)),
+        EngineKind.LLAMA_CPP: LlamaCppPlanner(launchers, hooks.get(EngineKind.LLAMA_CPP)),
     }
 
 
@@ -72,14 +72,14 @@ def plan_shard(
     request: ShardRequest,
     key: str,
     base_env: Mapping[str, str],
-    adapters: Mapping[EngineKind, EngineAdapter] | None = None,
+    planners: Mapping[EngineKind, EnginePlanner] | None = None,
 ) -> ShardPlan:
     """The plan of ``request``'s shard by its model's engine."""
-    table = adapters if adapters is not None else default_adapters()
-    adapter = table.get(request.model.engine)
-    if adapter is None:
+    table = planners if planners is not None else default_planners()
+    planner = table.get(request.model.engine)
+    if planner is None:
         raise LaunchValidationError([f"engine {request.model.engine.value} is not available"])
-    return adapter.plan(request, key, base_env)
+    return planner.plan(request, key, base_env)
 
 
 __all__ = [
@@ -88,22 +88,22 @@ __all__ = [
     "CommandSpec",
     "CompletionProbe",
     "Endpoint",
-    "EngineAdapter",
+    "EnginePlanner",
     "EngineProfile",
     "EnvHook",
     "LaunchValidationError",
     "Launchers",
-    "LlamaCppAdapter",
+    "LlamaCppPlanner",
     "LoraAdapter",
     "NodeFacts",
     "ReadyProbe",
     "Rendezvous",
-    "SglangAdapter",
+    "SglangPlanner",
     "ShardPlan",
     "ShardRequest",
-    "VllmAdapter",
+    "VllmPlanner",
     "chosen_ports",
-    "default_adapters",
+    "default_planners",
     "engine_base_env",
     "fabric_env",
     "gpu_env",

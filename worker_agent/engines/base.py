@@ -19,7 +19,7 @@ WILDCARD_ADDRESSES = frozenset({"0.0.0.0", "::", "[::]", ""})
 # The agent's own settings (the store URL may carry a database password).
 _PRIVATE_PREFIXES = ("LLMGW_",)
 
-# Set by adapters when wanted; inherited from the agent they would be wrong
+# Set by planners when wanted; inherited from the agent they would be wrong
 # (another node's address, another replica's key or Ray cluster).
 _ENGINE_OWNED = frozenset(
     {
@@ -36,7 +36,7 @@ _ENGINE_OWNED = frozenset(
 )
 
 
-class EngineAdapter(Protocol):
+class EnginePlanner(Protocol):
     """Builds the plan of one shard for one engine kind."""
 
     def plan(self, request: ShardRequest, key: str, base_env: Mapping[str, str]) -> ShardPlan:

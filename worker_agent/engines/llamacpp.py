@@ -41,7 +41,7 @@ API_KEY_ENV = "LLAMA_API_KEY"
 ALL_LAYERS = "999"
 
 
-class LlamaCppAdapter:
+class LlamaCppPlanner:
     """Plans llama.cpp shards: ``llama-server`` (rank 0) and ``ggml-rpc-server`` workers."""
 
     def __init__(self, launchers: Launchers | None = None, env_hook: EnvHook | None = None) -> None:

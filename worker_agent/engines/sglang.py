@@ -57,7 +57,7 @@ def _module_launcher(prefix: Sequence[str]) -> tuple[str, str] | None:
     return None
 
 
-class SglangAdapter:
+class SglangPlanner:
     """Plans SGLang shards. ``launchers.sglang`` is the launch_server prefix."""
 
     def __init__(self, launchers: Launchers | None = None, env_hook: EnvHook | None = None) -> None:

@@ -49,7 +49,7 @@ def lora_enabled(request: ShardRequest) -> bool:
     return bool(request.loras) or p.runtime_lora or p.max_loras > 0
 
 
-class VllmAdapter:
+class VllmPlanner:
     """Plans vLLM shards. ``launchers.vllm`` is the serve prefix (see ``Launchers``)."""
 
     def __init__(self, launchers: Launchers | None = None, env_hook: EnvHook | None = None) -> None:

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from llmgw.types import EngineInstallInfo, EngineKind
-from worker_agent.engines import EngineAdapter, Launchers, VllmAdapter, default_adapters
+from worker_agent.engines import EnginePlanner, Launchers, VllmPlanner, default_planners
 from worker_agent.installs.llamacpp import (
     SOURCE_PACKAGE,
     SOURCE_VERSION,
@@ -93,7 +93,7 @@ class EngineInstalls:
         """The vLLM install for ``device``, if it is in the cache."""
         return find_vllm(self.cache_dir, package_for(device))
 
-    def adapters(self, device: str = "cpu") -> dict[EngineKind, EngineAdapter]:
+    def planners(self, device: str = "cpu") -> dict[EngineKind, EnginePlanner]:
         """Adapters whose launchers point at this node's installs."""
         launchers = Launchers(
             llama_server=(str(self.llama.server),),
@@ -101,10 +101,10 @@ class EngineInstalls:
             if self.llama.rpc_server
             else ("ggml-rpc-server",),
         )
-        table = default_adapters(launchers, {EngineKind.LLAMA_CPP: self.llama.environment})
+        table = default_planners(launchers, {EngineKind.LLAMA_CPP: self.llama.environment})
         vllm = self.vllm(device)
         if vllm is not None:
-            table[EngineKind.VLLM] = VllmAdapter(
+            table[EngineKind.VLLM] = VllmPlanner(
                 launchers.model_copy(update={"vllm": vllm.launcher()}), vllm.environment
             )
         return table

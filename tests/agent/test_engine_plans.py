@@ -23,10 +23,10 @@ from worker_agent.engines import (
     LoraAdapter,
     NodeFacts,
     Rendezvous,
-    SglangAdapter,
+    SglangPlanner,
     ShardPlan,
     ShardRequest,
-    default_adapters,
+    default_planners,
     engine_base_env,
     llamacpp,
     nccl,
@@ -119,7 +119,7 @@ def test_vllm_module_launcher_and_cpu_flags_pass_through() -> None:
     cpu_args += ("--enforce-eager", "--kv-cache-memory-bytes", "64M")
     req = request(EngineKind.VLLM, tp=1, device="cpu", engine_args=cpu_args)
     req = req.model_copy(update={"node": node(1, gpus=())})
-    adapter = vllm.VllmAdapter(Launchers(vllm=vllm_module_launcher("/venvs/vllm/bin/python")))
+    adapter = vllm.VllmPlanner(Launchers(vllm=vllm_module_launcher("/venvs/vllm/bin/python")))
     plan = adapter.plan(req, KEY, {})
     argv = plan.commands[0].argv
     assert argv[:3] == ("/venvs/vllm/bin/python", "-m", "vllm.entrypoints.openai.api_server")
@@ -185,7 +185,7 @@ def test_vllm_mp_worker() -> None:
 
 
 def test_vllm_headless_worker_refuses_the_api_server_module() -> None:
-    adapter = vllm.VllmAdapter(Launchers(vllm=vllm_module_launcher()))
+    adapter = vllm.VllmPlanner(Launchers(vllm=vllm_module_launcher()))
     with pytest.raises(LaunchValidationError, match="--headless"):
         adapter.plan(request(EngineKind.VLLM, rank=1, nodes=2), KEY, {})
     # The leader is an ordinary API server and may use it.
@@ -272,7 +272,7 @@ def test_sglang_key_goes_by_environment_through_the_shim() -> None:
 
 def test_sglang_key_on_argv_only_with_a_script_launcher_and_redacted() -> None:
     launchers = Launchers(sglang=("/opt/sglang/bin/sglang-serve",))
-    plan = SglangAdapter(launchers).plan(request(EngineKind.SGLANG), KEY, {})
+    plan = SglangPlanner(launchers).plan(request(EngineKind.SGLANG), KEY, {})
     (cmd,) = plan.commands
     assert cmd.argv[-2:] == ("--api-key", KEY)
     assert cmd.secret_argv_indices == (len(cmd.argv) - 1,)
@@ -291,7 +291,7 @@ def test_sglang_key_shim_hands_the_key_to_the_module_not_to_argv(tmp_path: Path)
         "                  'env': os.environ.get('LLMGW_SGLANG_API_KEY')}))\n"
     )
     launchers = Launchers(sglang=(sys.executable, "-m", "fake_sglang"))
-    plan = SglangAdapter(launchers).plan(request(EngineKind.SGLANG), KEY, {})
+    plan = SglangPlanner(launchers).plan(request(EngineKind.SGLANG), KEY, {})
     (cmd,) = plan.commands
     env = {**plan.env, "PYTHONPATH": str(tmp_path)}
     out = subprocess.run(cmd.argv, env=env, capture_output=True, text=True, check=True, timeout=60)
@@ -438,7 +438,7 @@ def test_install_env_hook_runs_before_the_plan_decides() -> None:
     def hook(base: Mapping[str, str]) -> dict[str, str]:
         return {**base, "LD_LIBRARY_PATH": "/engines/llama", "CUDA_VISIBLE_DEVICES": "9"}
 
-    adapters = default_adapters(env_hooks={EngineKind.LLAMA_CPP: hook})
+    adapters = default_planners(env_hooks={EngineKind.LLAMA_CPP: hook})
     plan = plan_shard(request(EngineKind.LLAMA_CPP, tp=1), KEY, {"LLMGW_X": "1"}, adapters)
     assert plan.env["LD_LIBRARY_PATH"] == "/engines/llama"
     assert plan.env["CUDA_VISIBLE_DEVICES"] == "0,1" and "LLMGW_X" not in plan.env

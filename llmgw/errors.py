@@ -33,8 +33,9 @@ module are named with where they live::
     └── StaleAdapter              the engine no longer holds the LoRA adapter the router
                                   sent it to (router/proxy.py)
 
-The replica workflow's private ``_StopRequested`` and ``_NoAgent`` derive
-from the root too; they never leave the workflow.
+The replica workflow's private ``_StopRequested`` and ``NoAgent``
+(workflows/node_loss.py) derive from the root too; they never leave the
+workflow.
 
 Errors that cross Temporal are raised as ``ApplicationError`` with ``type``
 set to the class name and ``non_retryable`` from the class, so a workflow can

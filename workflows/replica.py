@@ -37,7 +37,6 @@ with workflow.unsafe.imports_passed_through():
         Placement,
         PlaceRequest,
         PlaceResult,
-        ProbeEngineInput,
         ProbeEngineResult,
         ReleaseRequest,
         ReleaseResult,
@@ -51,7 +50,6 @@ with workflow.unsafe.imports_passed_through():
         ShardHandle,
         ShardPlacement,
         ShardRef,
-        ShardRunning,
         ShardSpec,
         StopReplicaInput,
         ValidateInput,
@@ -61,6 +59,7 @@ with workflow.unsafe.imports_passed_through():
         WatchShardInput,
     )
     from workflows.calls import failure_reason, node_activity, stop_rank
+    from workflows.node_loss import NoAgent, agent_answers, agent_or_silence
     from workflows.replica_state import is_terminal, memo_of, note, transition
     from workflows.spans import decision
 
@@ -77,20 +76,10 @@ LOG_TAIL_LINES = 40
 # The watch activity lives as long as the engine; its heartbeats, not this
 # bound, are what notice a dead agent.
 WATCH_LIFETIME = timedelta(days=3650)
-# While its node is lost, a replica waits this long for the agent per
-# attempt (then asks again): the wait costs nothing, the history grows by a
-# few events per attempt.
-AGENT_WAIT = timedelta(hours=1)
-# How long a failed watch waits for an agent before the node counts as lost.
-AGENT_QUICK = timedelta(seconds=5)
 
 
 class _StopRequested(LlmgwError):
     """Internal: a stop update arrived while waiting for something else."""
-
-
-class _NoAgent(LlmgwError):
-    """Internal: no agent answered for the node in time."""
 
 
 @workflow.defn(name=messages.REPLICA)
@@ -268,107 +257,26 @@ class ReplicaWorkflow:
                 lost = failure_reason(err)
             # An agent that restarted (or shut down for an upgrade) answers
             # within seconds: that is no lost node, the watch just resumes.
+            assert self._placement is not None
+            node = self._placement.node_id
             try:
-                ended = await self._agent_answers(AGENT_QUICK)
-            except _NoAgent:
-                ended = await self._node_lost(lost)
-            if ended is not None:
-                return ended
-
-    async def _agent_answers(self, within: timedelta) -> ShardExit | None:
-        """None when an agent answers for the running engine within ``within``;
-        how the engine ended when it answers that it has; raises when no agent
-        answers in time."""
-        assert self._placement is not None
-        quick = self._t.model_copy(update={"schedule_to_start_s": within.total_seconds()})
-        try:
-            found: ShardRunning = await node_activity(
-                self._placement.node_id,
-                names.SHARD_RUNNING,
-                self._shard(),
-                ShardRunning,
-                quick,
-                timedelta(seconds=30),
-                retry=RetryPolicy(maximum_attempts=1),
-            )
-        except ActivityError as err:
-            if isinstance(err.cause, CancelledError):
-                raise
-            raise _NoAgent(failure_reason(err)) from err
-        if found.pid is None:
-            return found.exit or ShardExit(exit_code=None, reason="engine gone")
-        return None
-
-    async def _node_lost(self, why: str) -> ShardExit | None:
-        """Wait for the agent or for the engine's silence, whichever comes first.
-
-        Returns None when the agent is back with the engine still running,
-        else how the engine ended.
-        """
-        assert self._placement is not None
-        node = self._placement.node_id
-        self._move(P.NODE_LOST, f"agent on {node} silent ({why}); probing the engine")
-        patient = self._t.model_copy(update={"schedule_to_start_s": AGENT_WAIT.total_seconds()})
-
-        def ask_agent() -> asyncio.Future[ShardRunning]:
-            return asyncio.ensure_future(
-                node_activity(
-                    node,
-                    names.SHARD_RUNNING,
-                    self._shard(),
-                    ShardRunning,
-                    patient,
-                    timedelta(seconds=30),
-                    retry=RetryPolicy(maximum_interval=timedelta(seconds=10)),
-                )
-            )
-
-        agent = ask_agent()
-        probe = asyncio.ensure_future(
-            workflow.execute_activity(
-                names.PROBE_ENGINE,
-                ProbeEngineInput(
-                    replica_id=self._input.replica_id,
-                    endpoint=self._status.endpoint,
-                    interval_s=self._t.probe_interval_s,
-                    unreachable_s=self._t.engine_unreachable_s,
-                ),
-                result_type=ProbeEngineResult,
-                start_to_close_timeout=WATCH_LIFETIME,
-                heartbeat_timeout=timedelta(seconds=max(30.0, 3 * self._t.probe_interval_s)),
-                retry_policy=RetryPolicy(maximum_interval=timedelta(seconds=10)),
-            )
-        )
-        try:
-            while True:
-                await workflow.wait([agent, probe], return_when=asyncio.FIRST_COMPLETED)
-                if probe.done():
-                    silent = probe.result()
+                found = await agent_answers(node, self._shard(), self._t)
+            except NoAgent:
+                self._move(P.NODE_LOST, f"agent on {node} silent ({lost}); probing the engine")
+                seen = await agent_or_silence(node, self._shard(), self._status.endpoint, self._t)
+                if isinstance(seen, ProbeEngineResult):
                     reason = (
                         f"node {node} lost and engine unreachable for "
-                        f"{silent.unanswered_s:.0f}s: {silent.last_error}"
+                        f"{seen.unanswered_s:.0f}s: {seen.last_error}"
                     )
                     return ShardExit(exit_code=None, reason=reason)
-                try:
-                    found = agent.result()
-                except ActivityError as err:
-                    # The agent did not come back within AGENT_WAIT: ask again.
-                    workflow.logger.info(
-                        "replica %s: still no agent: %s", self._input.replica_id, err
-                    )
-                    agent = ask_agent()
-                    continue
-                if found.pid is None:
-                    return found.exit or ShardExit(
-                        exit_code=None, reason="engine gone while its node was lost"
-                    )
-                adopted = "same pid" if found.pid == self._status.pid else "new pid"
-                self._status.pid = found.pid
-                self._move(P.READY, f"agent on {node} back; engine pid {found.pid} ({adopted})")
-                return None
-        finally:
-            agent.cancel()
-            probe.cancel()
+                found = seen
+                if found.pid is not None:
+                    adopted = "same pid" if found.pid == self._status.pid else "new pid"
+                    self._status.pid = found.pid
+                    self._move(P.READY, f"agent on {node} back; engine pid {found.pid} ({adopted})")
+            if found.pid is None:
+                return found.exit or ShardExit(exit_code=None, reason="engine gone")
 
     async def _start_and_serve_ranks(self, placement: Placement) -> None:
         """A multi-node replica: a Rendezvous child starts the ranks, then

@@ -39,3 +39,9 @@ ROLLING_RESTART = "rolling_restart"
 
 # Replica and Deployment both answer it with their state.
 STATUS = "status"
+
+# Deployment, elastic serving: load from the routers, a wake from a router
+# holding requests for a model at zero, and the autoscale bounds.
+REPORT_LOAD = "report_load"
+WAKE = "wake"
+SET_AUTOSCALE = "set_autoscale"

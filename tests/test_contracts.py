@@ -38,6 +38,9 @@ WIRE_MESSAGES = {
     "SET_MODEL": "set_model",
     "ROLLING_RESTART": "rolling_restart",
     "STATUS": "status",
+    "REPORT_LOAD": "report_load",
+    "WAKE": "wake",
+    "SET_AUTOSCALE": "set_autoscale",
 }
 
 

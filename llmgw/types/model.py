@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from llmgw.types.adapter import AdapterSpec
+from llmgw.types.elastic import AutoscalePolicy, QueuePolicy
 
 
 class EngineKind(StrEnum):
@@ -94,11 +95,23 @@ class ModelSpec(BaseModel):
         default_factory=list,
         description="LoRA adapters of this model: loaded at start, or on demand (runtime_lora)",
     )
+    autoscale: AutoscalePolicy | None = Field(
+        default=None, description="follow the load within bounds; None keeps a fixed count"
+    )
+    queue: QueuePolicy = Field(
+        default_factory=QueuePolicy, description="the routers' admission queue for this model"
+    )
 
     def digest(self) -> str:
         """Identifies this exact entry: an engine started from another differs.
 
         Fields at their defaults are left out, so a release that adds a field
-        does not make every running engine look out of date.
+        does not make every running engine look out of date. How many
+        replicas run and how requests queue for them are not how an engine
+        runs: changing them must not restart one.
         """
-        return hashlib.sha256(self.model_dump_json(exclude_defaults=True).encode()).hexdigest()[:16]
+        text = self.model_dump_json(exclude_defaults=True, exclude=_NOT_ENGINE)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+_NOT_ENGINE = {"autoscale", "queue"}

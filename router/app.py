@@ -12,6 +12,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import Response
 from opentelemetry.trace import Tracer
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.types import ASGIApp, Receive, Scope, Send
 from temporalio.client import Client
 
 from llmgw.catalog_store import all_specs
@@ -31,6 +32,26 @@ from router.routing import ReplicaSource, RoutingTable, refresh_forever
 from router.upstream import AiohttpUpstream, Upstream
 
 MiB = 1024 * 1024
+
+
+class RouterApp(FastAPI):
+    """FastAPI, except that a POST to an inference path goes straight to its
+    plain ASGI endpoint: no middleware, no route matching (the hot path).
+    Anything else (another method, a trailing slash, a mounted root path)
+    takes FastAPI's way, where the same endpoints are routes too."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.direct: dict[str, ASGIApp] = {}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST" and not scope.get("root_path"):
+            endpoint = self.direct.get(scope["path"])
+            if endpoint is not None:
+                scope["app"] = self
+                await endpoint(scope, receive, send)
+                return
+        await super().__call__(scope, receive, send)
 
 
 def create_app(
@@ -93,7 +114,7 @@ def create_app(
             if on_close:
                 on_close()
 
-    app = FastAPI(
+    app = RouterApp(
         title="llmgw router",
         version="0.1.0",
         lifespan=lifespan,
@@ -115,6 +136,7 @@ def create_app(
     install_handlers(app)
     for route in openai.inference_routes():
         app.router.routes.append(route)
+        app.direct[route.path] = route.endpoint
     app.include_router(openai.router)
     app.include_router(admin.router)
     app.include_router(engine_metrics.router)

@@ -21,30 +21,27 @@ import asyncio
 import contextlib
 import json
 import logging
-import re
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
 
-import anyio
-from fastapi.responses import Response, StreamingResponse
 from opentelemetry import trace
 from opentelemetry.propagate import inject
-from starlette.types import Receive, Scope, Send
 
 from llmgw.errors import LlmgwError, UpstreamConnectError, UpstreamError
 from router.accounting import Outcome
 from router.errors import client_gone, no_ready_replica, replicas_saturated, upstream_failed
 from router.metrics import Metrics
+from router.relay import Relay, Reply, StreamReply, count, media_header
 from router.routing import Route, RoutingTable
-from router.upstream import Upstream, UpstreamResponse
+from router.upstream import Upstream
 
 log = logging.getLogger(__name__)
 
 # Passive health: how long an engine that refused a connection is passed
 # over while another replica can serve (router.health probes the lost ones).
 PASSIVE_EJECT_S = 5.0
+# Engine headers kept per replica id (cleared past this: replicas come and go).
+MAX_CACHED_REPLICAS = 10_000
 
 EngineKeyFn = Callable[[str], str]
 
@@ -71,6 +68,9 @@ class Call:
     # An on-demand adapter the router believes the replica holds: a 404 means
     # its view is stale (another router unloaded it), raised as StaleAdapter.
     stale_on_404: bool = False
+    # False with tracing off: no span to name the replica on, no trace
+    # context to hand the engine (saves the propagators' work per request).
+    traced: bool = True
 
 
 class StaleAdapter(LlmgwError):
@@ -96,8 +96,22 @@ class Proxy:
         self._table = table
         self._engine_key = engine_key
         self._metrics = metrics
+        # The engine key is a MAC of the replica id: computed once per replica.
+        self._headers: dict[str, dict[str, str]] = {}
 
-    async def forward(self, call: Call, routes: list[Route] | None = None) -> Response:
+    def _engine_headers(self, replica_id: str) -> dict[str, str]:
+        headers = self._headers.get(replica_id)
+        if headers is None:
+            if len(self._headers) >= MAX_CACHED_REPLICAS:
+                self._headers.clear()  # bounded under replica churn
+            headers = {
+                "Authorization": f"Bearer {self._engine_key(replica_id)}",
+                "Content-Type": "application/json",
+            }
+            self._headers[replica_id] = headers
+        return headers
+
+    async def forward(self, call: Call, routes: list[Route] | None = None) -> Reply | StreamReply:
         """Send the call to the least busy ready replica of its model (or of ``routes``,
         chosen by the caller: an adapter's holders)."""
         candidates = self._table.candidates(call.model) if routes is None else routes
@@ -129,15 +143,13 @@ class Proxy:
             raise replicas_saturated(call.model)
         raise upstream_failed(f"no engine of the model `{call.model}` could be reached")
 
-    async def _try(self, route: Route, call: Call) -> Response:
-        headers = {
-            "Authorization": f"Bearer {self._engine_key(route.replica_id)}",
-            "Content-Type": "application/json",
-        }
-        # The request's span continues in the engine (traceparent); with
-        # tracing off the span is invalid and nothing is added.
-        inject(headers)
-        trace.get_current_span().set_attribute("llmgw.replica", route.replica_id)
+    async def _try(self, route: Route, call: Call) -> Reply | StreamReply:
+        headers = self._engine_headers(route.replica_id)
+        if call.traced:
+            # The request's span continues in the engine (traceparent).
+            headers = dict(headers)
+            inject(headers)
+            trace.get_current_span().set_attribute("llmgw.replica", route.replica_id)
         body = call.body if call.body_for is None else call.body_for(route)
         route.inflight += 1
         relayed = False
@@ -159,12 +171,11 @@ class Proxy:
                     await upstream.close()
                     log.info("replica %s does not hold %s", route.replica_id, call.model)
                     raise StaleAdapter(route)
-                headers = {"x-llmgw-replica": route.replica_id}
                 media = upstream.content_type
                 if call.stream and upstream.status == 200:
                     relayed = True  # the relay releases the replica
-                    relay = _Relay(upstream, route, call, self._metrics)
-                    return _RelayResponse(relay, media_type=media, headers=headers)
+                    relay = Relay(upstream, route, call, self._metrics)
+                    return StreamReply(relay, media, route.replica_id)
                 try:
                     content = await upstream.read()
                 except UpstreamError as exc:
@@ -178,8 +189,14 @@ class Proxy:
             if not relayed:
                 route.inflight -= 1
         call.on_done(_outcome_of(upstream.status, content))
-        return Response(
-            content=content, status_code=upstream.status, media_type=media, headers=headers
+        return Reply(
+            upstream.status,
+            [
+                (b"x-llmgw-replica", route.replica_id.encode()),
+                (b"content-length", b"%d" % len(content)),
+                (b"content-type", media_header(media)),
+            ],
+            content,
         )
 
 
@@ -228,11 +245,6 @@ async def _cancelled_if_gone(call: Call) -> AsyncIterator[None]:
         watcher.cancel()
 
 
-def _count(value: object) -> int:
-    """A token count from an engine's usage; anything odd counts 0."""
-    return value if isinstance(value, int) and value > 0 else 0
-
-
 def _outcome_of(status: int, content: bytes) -> Outcome:
     if status != 200:
         return Outcome(error=True, status=status)
@@ -243,145 +255,6 @@ def _outcome_of(status: int, content: bytes) -> Outcome:
     if not isinstance(usage, dict):
         return Outcome()
     return Outcome(
-        prompt_tokens=_count(usage.get("prompt_tokens")),
-        completion_tokens=_count(usage.get("completion_tokens")),
+        prompt_tokens=count(usage.get("prompt_tokens")),
+        completion_tokens=count(usage.get("completion_tokens")),
     )
-
-
-# A choice's delta (or text) with something in it: one token, as engines stream.
-_CONTENT = re.compile(rb'"(?:content|text|reasoning_content)":"(?!")|"tool_calls":\[')
-
-
-def _json_event(event: bytes) -> dict[str, Any] | None:
-    if not event.startswith(b"data: {"):
-        return None
-    try:
-        obj = json.loads(event[6:])
-    except ValueError:
-        return None
-    return obj if isinstance(obj, dict) else None
-
-
-def _has_content(choice: Any) -> bool:
-    if not isinstance(choice, dict):
-        return False
-    delta = choice.get("delta")
-    part = delta if isinstance(delta, dict) else choice
-    return bool(
-        part.get("content") or part.get("text") or part.get("reasoning_content")
-        or part.get("tool_calls")
-    )  # fmt: skip
-
-
-class _Relay:
-    """Relays one SSE stream event by event, counting and (maybe) stripping usage."""
-
-    def __init__(self, upstream: UpstreamResponse, route: Route, call: Call, metrics: Metrics):
-        self._upstream = upstream
-        self._route = route
-        self._call = call
-        self._metrics = metrics
-        self._counted = 0
-        self._usage: dict[str, Any] | None = None
-        self._finished = False
-
-    def _scan(self, events: bytes) -> bytes:
-        """The events to pass on; counts content chunks and notes usage.
-
-        Only an event that mentions usage is parsed (the last one, normally);
-        the others are counted by a byte pattern, a fraction of a JSON parse.
-        """
-        out: list[bytes] = []
-        for event in events.split(b"\n\n"):
-            if not event:
-                continue
-            if b'"usage"' not in event:
-                self._counted += len(_CONTENT.findall(event))
-                out.append(event + b"\n\n")
-                continue
-            keep = event
-            obj = _json_event(event)
-            if obj is not None:
-                choices = obj.get("choices")
-                if isinstance(choices, list):
-                    self._counted += sum(1 for c in choices if _has_content(c))
-                usage = obj.get("usage")
-                if isinstance(usage, dict):
-                    self._usage = usage
-                    if self._call.strip_usage:
-                        if not choices:
-                            continue  # the usage-only chunk: the client did not ask
-                        del obj["usage"]
-                        keep = b"data: " + json.dumps(obj, separators=(",", ":")).encode()
-            out.append(keep + b"\n\n")
-        return b"".join(out)
-
-    async def events(self) -> AsyncIterator[bytes]:
-        """The stream as the client gets it."""
-        buf = b""
-        first = True
-        error = False
-        try:
-            async for chunk in self._upstream.chunks():
-                buf += chunk
-                cut = buf.rfind(b"\n\n")
-                if cut < 0:
-                    continue
-                out = self._scan(buf[: cut + 2])
-                buf = buf[cut + 2 :]
-                if out:
-                    if first:
-                        first = False
-                        self._metrics.ttft.labels(self._call.model).observe(
-                            time.monotonic() - self._call.started
-                        )
-                    yield out
-            if buf:
-                yield buf
-        except UpstreamError as exc:
-            error = True
-            self._metrics.upstream_errors.labels(
-                self._call.model, self._route.replica_id, "stream"
-            ).inc()
-            log.warning("stream from %s broke: %s", self._route.replica_id, exc)
-        finally:
-            # Also runs when the client went away (the relay is cancelled).
-            await self.finish(error)
-
-    async def finish(self, error: bool = False) -> None:
-        """Account and release, once: after the stream, or when it never started."""
-        if self._finished:
-            return
-        self._finished = True
-        # Accounting first, with no await, then close upstream shielded from
-        # the cancellation so the engine sees the connection close.
-        self._route.inflight -= 1
-        self._call.on_done(self._outcome(error))
-        with anyio.CancelScope(shield=True):
-            await self._upstream.close()
-
-    def _outcome(self, error: bool) -> Outcome:
-        if self._usage is not None:
-            return Outcome(
-                prompt_tokens=_count(self._usage.get("prompt_tokens")),
-                completion_tokens=_count(self._usage.get("completion_tokens")),
-                error=error,
-            )
-        return Outcome(
-            prompt_tokens=self._call.prompt_estimate, completion_tokens=self._counted, error=error
-        )
-
-
-class _RelayResponse(StreamingResponse):
-    """A streamed answer that releases its relay even if the stream never started
-    (a client gone before the first byte: Starlette then never iterates it)."""
-
-    def __init__(self, relay: _Relay, media_type: str, headers: dict[str, str]) -> None:
-        super().__init__(relay.events(), media_type=media_type, headers=headers)
-        self._relay = relay
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self._relay.finish()

@@ -6,19 +6,22 @@ completions and embeddings. Nothing else of the engine's API (``/metrics``,
 ``/invocations``, ``/pause`` ...) is routed: the router has no route for it.
 """
 
+import contextlib
 import json
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Annotated, Any
 
+import orjson
 from fastapi import APIRouter, Depends, Header, Request
-from fastapi.responses import Response
 from opentelemetry import trace
 from opentelemetry.propagate import extract
 from opentelemetry.trace import Span, SpanKind, StatusCode
 from pydantic import BaseModel, ValidationError
+from starlette.datastructures import Headers
 from starlette.routing import Route as HttpRoute
+from starlette.types import Receive, Scope, Send
 
 from llmgw.types import AdapterSpec, ModelSpec
 from router.accounting import Outcome
@@ -35,6 +38,8 @@ from router.deps import Deps, get_deps
 from router.errors import (
     OpenAIError,
     body_too_large,
+    client_gone,
+    internal_error,
     invalid_body,
     model_not_allowed,
     model_not_found,
@@ -44,7 +49,11 @@ from router.errors import (
 )
 from router.proxy import Call, StaleAdapter
 from router.quotas import Rejection
+from router.relay import Reply, StreamReply
 from router.routing import Route
+
+# Reusable: entering and leaving it does nothing.
+_NO_SPAN = contextlib.nullcontext()
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 
@@ -102,19 +111,35 @@ def _openapi_body(model: type[BaseModel]) -> dict[str, Any]:
     }
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, or 413 once it passes ``limit`` bytes."""
-    length = request.headers.get("content-length", "")
+def header(scope: Scope, name: bytes) -> str | None:
+    """A request header's value (``name`` in lower case, as ASGI servers give them)."""
+    for key, value in scope["headers"]:
+        if key == name:
+            return str(value.decode("latin-1"))
+    return None
+
+
+async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
+    """The request body, or 413 once it passes ``limit`` bytes (499 if the client left)."""
+    length = header(scope, b"content-length") or ""
     if length.isdigit() and int(length) > limit:
         raise body_too_large(limit)
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            raise client_gone()
+        chunk: bytes = message.get("body", b"")
         size += len(chunk)
         if size > limit:
             raise body_too_large(limit)
+        if not message.get("more_body", False):
+            if not chunks:
+                return chunk  # the common case: the whole body in one message
+            chunks.append(chunk)
+            return b"".join(chunks)
         chunks.append(chunk)
-    return b"".join(chunks)
 
 
 def _estimate(body: "Body") -> int:
@@ -147,9 +172,9 @@ def _bounded(body: "Body", policy: KeyPolicy) -> None:
         raise unbounded_generation()
 
 
-async def _disconnected(request: Request) -> None:
+async def _disconnected(receive: Receive) -> None:
     """Return once the client has gone (the body has been read already)."""
-    while (await request.receive())["type"] != "http.disconnect":
+    while (await receive())["type"] != "http.disconnect":
         pass
 
 
@@ -157,12 +182,12 @@ Body = ChatCompletionRequest | CompletionRequest | EmbeddingRequest
 
 
 async def _admit(
-    deps: Deps, request: Request, caller: Caller, kind: type[Body], path: str
+    deps: Deps, scope: Scope, receive: Receive, caller: Caller, kind: type[Body], path: str
 ) -> tuple[bytes, Body]:
     """The raw body and its parse, once it is valid and names a model the key may use."""
     table = deps.table
     try:
-        raw = await read_body(request, deps.max_request_bytes)
+        raw = await read_body(scope, receive, deps.max_request_bytes)
         try:
             body = kind.model_validate_json(raw)
         except ValidationError as exc:
@@ -180,9 +205,16 @@ async def _admit(
 
 def _with_usage(raw: bytes) -> bytes:
     """The body asking the engine for a stream's usage (the client did not)."""
-    data = json.loads(raw)
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        # What orjson refuses and the validation let through (NaN, integers
+        # past 64 bits): the standard library's parser takes it.
+        data = json.loads(raw)
+        data["stream_options"] = {**(data.get("stream_options") or {}), "include_usage": True}
+        return json.dumps(data, separators=(",", ":")).encode()
     data["stream_options"] = {**(data.get("stream_options") or {}), "include_usage": True}
-    return json.dumps(data, separators=(",", ":")).encode()
+    return orjson.dumps(data)
 
 
 async def _adapter_routes(
@@ -201,10 +233,10 @@ async def _adapter_routes(
 
 
 async def _serve(
-    deps: Deps, request: Request, caller: Caller, kind: type[Body], path: str
-) -> Response:
+    deps: Deps, scope: Scope, receive: Receive, caller: Caller, kind: type[Body], path: str
+) -> Reply | StreamReply:
     started = time.monotonic()
-    raw, body = await _admit(deps, request, caller, kind, path)
+    raw, body = await _admit(deps, scope, receive, caller, kind, path)
     model = body.model
     prompt_estimate = _estimate(body)
     stream, strip_usage = False, False
@@ -221,7 +253,7 @@ async def _serve(
             raw = _with_usage(raw)
 
     endpoint = path.removeprefix("/v1/")
-    span = _start_span(deps, request, path, model, caller.key_id, stream)
+    span = _start_span(deps, scope, path, model, caller.key_id, stream)
     reservation = await deps.accountant.reserve(caller.key_id, caller.policy, reserve)
     if isinstance(reservation, Rejection):
         raise _over_quota(deps, endpoint, model, span, reservation)
@@ -259,11 +291,13 @@ async def _serve(
         on_done=on_done,
         started=started,
         prompt_estimate=prompt_estimate,
-        client_gone=lambda: _disconnected(request),
+        client_gone=lambda: _disconnected(receive),
+        traced=deps.tracer is not None,
     )
     try:
-        with trace.use_span(span, end_on_exit=False):
-            # An on-demand adapter's load is part of the request (and its span).
+        # An on-demand adapter's load is part of the request (and its span);
+        # with tracing off there is no span to make current.
+        with trace.use_span(span, end_on_exit=False) if call.traced else _NO_SPAN:
             return await _forward(deps, target, call, set_release)
     except OpenAIError as exc:
         on_done(Outcome(error=True, status=exc.status))  # releases the reservation
@@ -275,7 +309,7 @@ async def _forward(
     target: tuple[ModelSpec, AdapterSpec] | None,
     call: Call,
     set_release: Callable[[Callable[[], None] | None], None],
-) -> Response:
+) -> Reply | StreamReply:
     """Forward to the model's replicas or the adapter's holder; ``set_release``
     learns of the adapter use to release when the request is over."""
     routes, release = await _adapter_routes(deps, target, call)
@@ -313,16 +347,14 @@ def _over_quota(
     return error
 
 
-def _start_span(
-    deps: Deps, request: Request, path: str, model: str, key_id: int, stream: bool
-) -> Span:
+def _start_span(deps: Deps, scope: Scope, path: str, model: str, key_id: int, stream: bool) -> Span:
     """One span per request, continuing the client's trace if it sent one; ended
     when the request is over (a stream: when its relay ends)."""
     if deps.tracer is None:
         return trace.INVALID_SPAN
     return deps.tracer.start_span(
         f"POST {path}",
-        context=extract(request.headers),
+        context=extract(Headers(scope=scope)),
         kind=SpanKind.SERVER,
         attributes={"llmgw.model": model, "llmgw.key_id": key_id, "llmgw.stream": stream},
     )
@@ -337,23 +369,46 @@ def _end_span(span: Span, outcome: Outcome) -> None:
     span.end()
 
 
-Endpoint = Callable[[Request], Awaitable[Response]]
+def error_reply(exc: OpenAIError) -> Reply:
+    """An OpenAIError as the client gets it (as Starlette's JSONResponse rendered it)."""
+    body = orjson.dumps(exc.body())
+    headers = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in exc.headers.items()]
+    headers += [(b"content-length", b"%d" % len(body)), (b"content-type", b"application/json")]
+    return Reply(exc.status, headers, body)
 
 
-def _endpoint(kind: type[Body], path: str) -> Endpoint:
-    async def endpoint(request: Request) -> Response:
-        deps: Deps = request.app.state.deps
-        caller = await _caller(request, deps, request.headers.get("authorization"))
-        return await _serve(deps, request, caller, kind, path)
+class InferenceEndpoint:
+    """One inference route as a plain ASGI app: no Starlette Request or Response,
+    no middleware (``router.app.RouterApp`` calls it directly for its path)."""
 
-    return endpoint
+    def __init__(self, kind: type[Body], path: str) -> None:
+        self.kind = kind
+        self.path = path
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        deps: Deps = scope["app"].state.deps
+        try:
+            try:
+                caller = await deps.keys.verify(header(scope, b"authorization"))
+            except OpenAIError as exc:
+                _refused(deps, self.path, exc)
+                raise
+            reply = await _serve(deps, scope, receive, caller, self.kind, self.path)
+        except OpenAIError as exc:
+            reply = error_reply(exc)
+        except Exception:
+            # A bug: the client gets the OpenAI shape, no details; the server
+            # logs it (re-raised, as Starlette's error middleware did).
+            await error_reply(internal_error())(scope, receive, send)
+            raise
+        await reply(scope, receive, send)
 
 
-# The hot path: plain Starlette routes, not FastAPI's. A FastAPI route solves
-# its dependencies and parses query parameters on every request, about a
-# third of the router's CPU per request (py-spy under tests/bench/bench_router);
-# these handlers read the raw body anyway. Their OpenAPI entries are written
-# out in ``inference_openapi``.
+# The hot path: plain ASGI endpoints, not FastAPI's routes. A FastAPI route
+# solves its dependencies and parses query parameters on every request, and
+# Starlette's Request/Response objects and middleware cost as much again
+# (py-spy under tests/bench/bench_router); these handlers read the raw body
+# anyway. Their OpenAPI entries are written out in ``inference_openapi``.
 INFERENCE: list[tuple[str, type[Body], str, str]] = [
     ("/v1/chat/completions", ChatCompletionRequest, "Chat Completions",
      "Chat completions, streamed (SSE) or not."),
@@ -367,7 +422,7 @@ INFERENCE: list[tuple[str, type[Body], str, str]] = [
 def inference_routes() -> list[HttpRoute]:
     """The inference endpoints, the only paths that reach an engine."""
     return [
-        HttpRoute(path, _endpoint(kind, path), methods=["POST"], include_in_schema=False)
+        HttpRoute(path, InferenceEndpoint(kind, path), methods=["POST"], include_in_schema=False)
         for path, kind, _, _ in INFERENCE
     ]
 

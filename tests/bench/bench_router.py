@@ -44,6 +44,7 @@ from tests.bench.fasthttp import (
     serve_upstream,
 )
 from tests.bench.floor import serve_floor
+from tests.bench.wrk import ensure_wrk, lua_script, run_wrk
 
 REPO = Path(__file__).resolve().parents[2]
 SELF = [sys.executable, "-m", "tests.bench.bench_router"]
@@ -168,7 +169,7 @@ class Target:
     pid: int
 
 
-def measure(target: Target, up_port: int, args: argparse.Namespace) -> list[str]:
+def measure(target: Target, up_port: int, args: argparse.Namespace, work: Path) -> list[str]:
     path = "/v1/chat/completions"
     direct = request_bytes(path, "none", False)
     proxied = request_bytes(path, target.key, False)
@@ -188,6 +189,7 @@ def measure(target: Target, up_port: int, args: argparse.Namespace) -> list[str]
     load_ = throughput(
         target.port, proxied, args.client_procs, args.conns, args.seconds, target.pid
     )
+    outside = measure_wrk(target, up_port, args, work) if args.wrk_seconds > 0 else []
     ms = 1e3
     # Warm-up requests were served too: count them in the CPU per request.
     per_request = (cpu1 - cpu0) / (args.requests + args.requests // 10) * 1e6
@@ -195,17 +197,17 @@ def measure(target: Target, up_port: int, args: argparse.Namespace) -> list[str]
     return [
         f"== {target.name}",
         f"sequential requests: {len(seq.proxied_total)} (errors {seq.errors})",
-        f"  direct  p50 {pct(seq.direct_total, .5) * ms:.3f} ms  p99 {pct(seq.direct_total, .99) * ms:.3f} ms",  # noqa: E501
-        f"  proxied p50 {pct(seq.proxied_total, .5) * ms:.3f} ms  p99 {pct(seq.proxied_total, .99) * ms:.3f} ms",  # noqa: E501
-        f"  ADDED   p50 {(pct(seq.proxied_total, .5) - pct(seq.direct_total, .5)) * ms:.3f} ms"
-        f"  p99 {(pct(seq.proxied_total, .99) - pct(seq.direct_total, .99)) * ms:.3f} ms"
+        f"  direct  p50 {pct(seq.direct_total, 0.5) * ms:.3f} ms  p99 {pct(seq.direct_total, 0.99) * ms:.3f} ms",  # noqa: E501
+        f"  proxied p50 {pct(seq.proxied_total, 0.5) * ms:.3f} ms  p99 {pct(seq.proxied_total, 0.99) * ms:.3f} ms",  # noqa: E501
+        f"  ADDED   p50 {(pct(seq.proxied_total, 0.5) - pct(seq.direct_total, 0.5)) * ms:.3f} ms"
+        f"  p99 {(pct(seq.proxied_total, 0.99) - pct(seq.direct_total, 0.99)) * ms:.3f} ms"
         "   (target <= 0.5 / 2 ms)",
         f"  proxy process CPU per request {per_request:.0f} us",
         f"streams: {len(streams.proxied_first)} (errors {streams.errors}), time to first event",
-        f"  direct  p50 {pct(streams.direct_first, .5) * ms:.3f} ms  p99 {pct(streams.direct_first, .99) * ms:.3f} ms",  # noqa: E501
-        f"  proxied p50 {pct(streams.proxied_first, .5) * ms:.3f} ms  p99 {pct(streams.proxied_first, .99) * ms:.3f} ms",  # noqa: E501
-        f"  TTFT ADDED p50 {(pct(streams.proxied_first, .5) - pct(streams.direct_first, .5)) * ms:.3f} ms"  # noqa: E501
-        f"  p99 {(pct(streams.proxied_first, .99) - pct(streams.direct_first, .99)) * ms:.3f} ms",
+        f"  direct  p50 {pct(streams.direct_first, 0.5) * ms:.3f} ms  p99 {pct(streams.direct_first, 0.99) * ms:.3f} ms",  # noqa: E501
+        f"  proxied p50 {pct(streams.proxied_first, 0.5) * ms:.3f} ms  p99 {pct(streams.proxied_first, 0.99) * ms:.3f} ms",  # noqa: E501
+        f"  TTFT ADDED p50 {(pct(streams.proxied_first, 0.5) - pct(streams.direct_first, 0.5)) * ms:.3f} ms"  # noqa: E501
+        f"  p99 {(pct(streams.proxied_first, 0.99) - pct(streams.direct_first, 0.99)) * ms:.3f} ms",
         f"  proxy process CPU per stream ({TOKENS} upstream writes) {per_stream:.0f} us,"
         f" ~{(per_stream - per_request) / (TOKENS - 1):.0f} us per event beyond a request's",
         f"load: {args.client_procs} client procs x {args.conns} conns, {args.seconds:.0f} s",
@@ -213,6 +215,36 @@ def measure(target: Target, up_port: int, args: argparse.Namespace) -> list[str]
         f" p99 {load_.p99_ms:.2f} ms   (target >= 2,000/s)",
         f"  proxy process CPU {load_.cpu_s:.2f} s in {args.seconds:.0f} s ->"
         f" {load_.rps * args.seconds / max(load_.cpu_s, 1e-9):,.0f} requests per CPU-second",
+        *outside,
+    ]
+
+
+def measure_wrk(target: Target, up_port: int, args: argparse.Namespace, work: Path) -> list[str]:
+    """The same figures from outside: wrk, sequential (1 connection) then 64 connections."""
+    exe, why = ensure_wrk()
+    if exe is None:
+        return [f"  wrk: not measured, {why}"]
+    path = "/v1/chat/completions"
+    direct = lua_script(request_bytes(path, "none", False), work)
+    proxied = lua_script(request_bytes(path, target.key, False), work)
+    secs = args.wrk_seconds
+    d = run_wrk(exe, f"http://127.0.0.1:{up_port}{path}", direct, 1, 1, secs)
+    p = run_wrk(exe, f"http://127.0.0.1:{target.port}{path}", proxied, 1, 1, secs)
+    cpu0 = cpu_seconds(target.pid)
+    t0 = time.perf_counter()
+    c = run_wrk(exe, f"http://127.0.0.1:{target.port}{path}", proxied, 64, 2, secs)
+    cpu = cpu_seconds(target.pid) - cpu0
+    elapsed = time.perf_counter() - t0
+    return [
+        f"wrk, 1 connection, {secs:.0f} s each (errors {d.errors + p.errors})",
+        f"  direct  p50 {d.p50_ms:.3f} ms  p99 {d.p99_ms:.3f} ms",
+        f"  proxied p50 {p.p50_ms:.3f} ms  p99 {p.p99_ms:.3f} ms",
+        f"  ADDED   p50 {p.p50_ms - d.p50_ms:.3f} ms  p99 {p.p99_ms - d.p99_ms:.3f} ms"
+        "   (target <= 0.5 / 2 ms)",
+        f"wrk, 64 connections, 2 threads, {secs:.0f} s: {c.rps:,.0f} requests/s"
+        f" (errors {c.errors}), p50 {c.p50_ms:.2f} ms p99 {c.p99_ms:.2f} ms",
+        f"  proxy process CPU {cpu:.2f} s in {elapsed:.1f} s ->"
+        f" {c.requests / max(cpu, 1e-9):,.0f} requests per CPU-second   (target >= 2,500)",
     ]
 
 
@@ -315,7 +347,7 @@ def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1].startswith("_"):  # child processes
         role, rest = sys.argv[1], sys.argv[2:]
         if role == "_upstream":
-            serve_upstream(int(rest[0]), float(rest[1]))
+            serve_upstream(int(rest[0]), float(rest[1]), *(int(x) for x in rest[2:3]))
         elif role == "_router":
             serve_router(rest[0])
         elif role == "_floor":
@@ -330,10 +362,27 @@ def main() -> None:
     p.add_argument("--client-procs", type=int, default=2)
     p.add_argument("--conns", type=int, default=32, help="connections per client process")
     p.add_argument("--token-gap-ms", type=float, default=1.0, help="mock: between stream events")
+    p.add_argument("--wrk-seconds", type=float, default=5.0, help="each wrk run; 0: no wrk")
+    p.add_argument("--no-floor", action="store_true")
     p.add_argument("--no-litellm", action="store_true")
     p.add_argument("--litellm-venv", type=Path, default=LITELLM_VENV)
     args = p.parse_args()
     run(args)
+
+
+def measure_floor(up_port: int, args: argparse.Namespace, work: Path) -> subprocess.Popen[bytes]:
+    """The floor proxy's figures (printed); its process, stopped."""
+    port = free_port()
+    floor = spawn([*SELF, "_floor", str(port), f"http://127.0.0.1:{up_port}"],
+                  dict(os.environ), work / "floor.log")  # fmt: skip
+    try:
+        if wait_http(port, "/v1/models", lambda d: True, 30):
+            name = "floor: raw ASGI + aiohttp, no gateway work"
+            for line in measure(Target(name, port, "-", floor.pid), up_port, args, work):
+                print(line, flush=True)
+    finally:
+        stop(floor)
+    return floor
 
 
 def run(args: argparse.Namespace) -> None:
@@ -371,18 +420,12 @@ def run(args: argparse.Namespace) -> None:
         )
         print(f"== mock upstream alone: {baseline.rps:,.0f} requests/s"
               f" (p50 {baseline.p50_ms:.2f} ms), the ceiling of what follows")  # fmt: skip
-        for line in measure(Target("llmgw router", router_port, key, router.pid), up_port, args):
+        llmgw = Target("llmgw router", router_port, key, router.pid)
+        for line in measure(llmgw, up_port, args, work):
             print(line, flush=True)
         stop(router)
-        floor_port = free_port()
-        floor = spawn([*SELF, "_floor", str(floor_port), f"http://127.0.0.1:{up_port}"],
-                      dict(os.environ), work / "floor.log")  # fmt: skip
-        procs.append(floor)
-        if wait_http(floor_port, "/v1/models", lambda d: True, 30):
-            name = "floor: raw ASGI + aiohttp, no gateway work"
-            for line in measure(Target(name, floor_port, "-", floor.pid), up_port, args):
-                print(line, flush=True)
-        stop(floor)
+        if not args.no_floor:
+            procs.append(measure_floor(up_port, args, work))
         for line in client_cost(up_port, args.requests):
             print(line, flush=True)
         if args.no_litellm:
@@ -397,7 +440,7 @@ def run(args: argparse.Namespace) -> None:
             return
         procs.append(litellm)
         target = Target("LiteLLM proxy (1 worker)", port, "sk-bench-litellm", litellm.pid)
-        for line in measure(target, up_port, args):
+        for line in measure(target, up_port, args, work):
             print(line, flush=True)
     finally:
         for proc in procs:

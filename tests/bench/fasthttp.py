@@ -76,16 +76,24 @@ STREAM_HEAD = (
 )
 # One write per token after the first, as engines stream; the last with the
 # finish reason, [DONE] and the end of the chunked body.
-STREAM_REST = [_event({"content": "ok "}) for _ in range(TOKENS - 2)] + [
-    _event({"content": "ok "}) + _event({}, "stop") + b"e\r\ndata: [DONE]\n\n\r\n0\r\n\r\n"
-]
+
+
+def stream_rest(tokens: int) -> list[bytes]:
+    """The writes after the head of a stream of ``tokens`` tokens."""
+    return [_event({"content": "ok "}) for _ in range(tokens - 2)] + [
+        _event({"content": "ok "}) + _event({}, "stop") + b"e\r\ndata: [DONE]\n\n\r\n0\r\n\r\n"
+    ]
+
+
+STREAM_REST = stream_rest(TOKENS)
 
 
 class _Upstream(asyncio.Protocol):
     """HTTP/1.1 keep-alive, Content-Length bodies only (what proxies send)."""
 
-    def __init__(self, gap_s: float) -> None:
+    def __init__(self, gap_s: float, rest: list[bytes]) -> None:
         self.gap_s = gap_s
+        self.rest = rest
         self.buf = b""
         self.transport: asyncio.Transport | None = None
 
@@ -114,7 +122,7 @@ class _Upstream(asyncio.Protocol):
         # decodes: time to first token and time to last differ.
         self.transport.write(STREAM_HEAD)
         loop = asyncio.get_running_loop()
-        for i, event in enumerate(STREAM_REST, start=1):
+        for i, event in enumerate(self.rest, start=1):
             loop.call_later(self.gap_s * i, self._send, event)
 
     def _send(self, data: bytes) -> None:
@@ -122,12 +130,16 @@ class _Upstream(asyncio.Protocol):
             self.transport.write(data)
 
 
-def serve_upstream(port: int, gap_s: float) -> None:
+def serve_upstream(port: int, gap_s: float, tokens: int = TOKENS) -> None:
     """The mock engine, until killed."""
+
+    rest = stream_rest(tokens)
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
-        server = await loop.create_server(lambda: _Upstream(gap_s), "127.0.0.1", port, backlog=4096)
+        server = await loop.create_server(
+            lambda: _Upstream(gap_s, rest), "127.0.0.1", port, backlog=4096
+        )
         await server.serve_forever()
 
     run_loop(main)
@@ -247,5 +259,3 @@ def load(port: int, raw: bytes, conns: int, seconds: float) -> None:
         print(json.dumps({"ok": len(lat), "errors": errors[0], "lat": lat[::10]}))
 
     run_loop(main)
-
-

@@ -5,13 +5,17 @@ per replica is read off the routing table at scrape time rather than kept in
 a gauge updated on every request.
 """
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from router.routing import RoutingTable
+
+# Label sets of cached children (models x endpoints x statuses, normally a few dozen).
+MAX_CACHED_CHILDREN = 10_000
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -64,6 +68,36 @@ class Metrics:
             registry=r,
         )
         r.register(_InflightCollector(table))
+        # Labelled children by their labels: ``labels()`` validates and locks
+        # on every call, a cost on each request; a child, once made, is the
+        # same object for good (nothing here removes label sets).
+        self._children: dict[tuple[object, ...], Any] = {}
+
+    def _child(self, key: tuple[object, ...], make: Callable[[], Any]) -> Any:
+        child = self._children.get(key)
+        if child is None:
+            if len(self._children) >= MAX_CACHED_CHILDREN:
+                self._children.clear()  # only a cache: prometheus keeps the series
+            child = self._children[key] = make()
+        return child
+
+    def request_done(
+        self, endpoint: str, model: str, status: int, seconds: float, prompt: int, completion: int
+    ) -> None:
+        """Count a finished request: its status, duration and tokens."""
+        self._child(
+            ("r", endpoint, model, status),
+            lambda: self.requests.labels(endpoint, model, str(status)),
+        ).inc()
+        self._child(("l", endpoint, model), lambda: self.latency.labels(endpoint, model)).observe(
+            seconds
+        )
+        if prompt:
+            self._child(("t", model, "p"), lambda: self.tokens.labels(model, "prompt")).inc(prompt)
+        if completion:
+            self._child(("t", model, "c"), lambda: self.tokens.labels(model, "completion")).inc(
+                completion
+            )
 
     def exposition(self) -> bytes:
         """The text format Prometheus scrapes."""

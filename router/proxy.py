@@ -23,7 +23,9 @@ import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
+import orjson
 from opentelemetry import trace
 from opentelemetry.propagate import inject
 
@@ -245,11 +247,20 @@ async def _cancelled_if_gone(call: Call) -> AsyncIterator[None]:
         watcher.cancel()
 
 
+def _parse(content: bytes) -> Any:
+    try:
+        return orjson.loads(content)
+    except orjson.JSONDecodeError:
+        # What orjson refuses and the standard library reads (NaN, integers
+        # past 64 bits, UTF-16): as before.
+        return json.loads(content)
+
+
 def _outcome_of(status: int, content: bytes) -> Outcome:
     if status != 200:
         return Outcome(error=True, status=status)
     try:
-        usage = json.loads(content).get("usage")
+        usage = _parse(content).get("usage")
     except (ValueError, AttributeError):
         return Outcome()
     if not isinstance(usage, dict):

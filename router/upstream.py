@@ -47,9 +47,7 @@ class UpstreamResponse(Protocol):
 class Upstream(Protocol):
     """Sends one request to an engine."""
 
-    async def post(
-        self, url: str, body: bytes, headers: Mapping[str, str]
-    ) -> UpstreamResponse: ...
+    async def post(self, url: str, body: bytes, headers: Mapping[str, str]) -> UpstreamResponse: ...
 
     async def aclose(self) -> None: ...
 
@@ -72,18 +70,36 @@ class _AiohttpResponse:
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise UpstreamError(_describe(exc)) from exc
 
-    async def chunks(self) -> AsyncIterator[bytes]:
-        try:
-            async for chunk in self._r.content.iter_any():
-                yield chunk
-        except (TimeoutError, aiohttp.ClientError) as exc:
-            raise UpstreamError(_describe(exc)) from exc
+    def chunks(self) -> AsyncIterator[bytes]:
+        return _Chunks(self._r.content)
 
     async def close(self) -> None:
         if self._r.content.at_eof():
             self._r.release()  # back to the pool
         else:
             self._r.close()  # the engine sees the connection go: it stops
+
+
+class _Chunks:
+    """A body read as it arrives: one ``readany`` per step, no generator layers
+    between the socket and the relay (a stream's per-event cost)."""
+
+    __slots__ = ("_content",)
+
+    def __init__(self, content: aiohttp.StreamReader) -> None:
+        self._content = content
+
+    def __aiter__(self) -> "_Chunks":
+        return self
+
+    async def __anext__(self) -> bytes:
+        try:
+            chunk = await self._content.readany()
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            raise UpstreamError(_describe(exc)) from exc
+        if not chunk:
+            raise StopAsyncIteration
+        return chunk
 
 
 class AiohttpUpstream:

@@ -270,13 +270,14 @@ async def _serve(
             release()
         _end_span(span, outcome)
         deps.accountant.done(caller.key_id, model, reservation, outcome)
-        m = deps.metrics
-        m.requests.labels(endpoint, model, str(outcome.status)).inc()
-        m.latency.labels(endpoint, model).observe(time.monotonic() - started)
-        if outcome.prompt_tokens:
-            m.tokens.labels(model, "prompt").inc(outcome.prompt_tokens)
-        if outcome.completion_tokens:
-            m.tokens.labels(model, "completion").inc(outcome.completion_tokens)
+        deps.metrics.request_done(
+            endpoint,
+            model,
+            outcome.status,
+            time.monotonic() - started,
+            outcome.prompt_tokens,
+            outcome.completion_tokens,
+        )
 
     def set_release(using: Callable[[], None] | None) -> None:
         nonlocal release

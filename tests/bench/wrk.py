@@ -80,7 +80,7 @@ def run_wrk(
          url],
         capture_output=True, text=True, timeout=seconds + 60, check=True,
     ).stdout  # fmt: skip
-    pcts = dict(re.findall(r"^\s+(50|99)%\s+(\S+)$", out, re.M))
+    pcts = dict(re.findall(r"^\s+(50|99)%\s+(\S+)\s*$", out, re.M))
     total = re.search(r"(\d+) requests in", out)
     rps = re.search(r"Requests/sec:\s+([\d.]+)", out)
     errors = sum(int(n) for n in re.findall(r"(?:Non-2xx or 3xx responses|timeout):?\s+(\d+)", out))

@@ -10,7 +10,10 @@ engine: the router sends the replica's own engine key instead.
 Failover: a connection failure before anything was sent to the client tries
 the next replica; once a byte has gone out there is no retry.
 
-A client that goes away mid-stream cancels the relay; closing the upstream
+A stream is relayed read by read: a read that holds no usage passes through
+untouched, its content chunks counted by a byte pattern (no per-event
+work); only the event carrying usage is parsed. A client that goes away
+mid-stream cancels the relay (router.relay watches); closing the upstream
 response closes the connection, which llama.cpp and vLLM take as a
 cancellation. What was relayed until then is billed: one token per streamed
 chunk with content (exact for llama.cpp, which sends a chunk per token), or
@@ -21,21 +24,25 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+import anyio
 import orjson
 from opentelemetry import trace
 from opentelemetry.propagate import inject
+from starlette.types import Send
 
 from llmgw.errors import LlmgwError, UpstreamConnectError, UpstreamError
 from router.accounting import Outcome
 from router.errors import client_gone, no_ready_replica, replicas_saturated, upstream_failed
 from router.metrics import Metrics
-from router.relay import Relay, Reply, StreamReply, count, media_header
+from router.relay import Reply, StreamReply, media_header
 from router.routing import Route, RoutingTable
-from router.upstream import Upstream
+from router.upstream import Upstream, UpstreamResponse
 
 log = logging.getLogger(__name__)
 
@@ -176,7 +183,7 @@ class Proxy:
                 media = upstream.content_type
                 if call.stream and upstream.status == 200:
                     relayed = True  # the relay releases the replica
-                    relay = Relay(upstream, route, call, self._metrics)
+                    relay = _Relay(upstream, route, call, self._metrics)
                     return StreamReply(relay, media, route.replica_id)
                 try:
                     content = await upstream.read()
@@ -247,6 +254,11 @@ async def _cancelled_if_gone(call: Call) -> AsyncIterator[None]:
         watcher.cancel()
 
 
+def _count(value: object) -> int:
+    """A token count from an engine's usage; anything odd counts 0."""
+    return value if isinstance(value, int) and value > 0 else 0
+
+
 def _parse(content: bytes) -> Any:
     try:
         return orjson.loads(content)
@@ -266,6 +278,144 @@ def _outcome_of(status: int, content: bytes) -> Outcome:
     if not isinstance(usage, dict):
         return Outcome()
     return Outcome(
-        prompt_tokens=count(usage.get("prompt_tokens")),
-        completion_tokens=count(usage.get("completion_tokens")),
+        prompt_tokens=_count(usage.get("prompt_tokens")),
+        completion_tokens=_count(usage.get("completion_tokens")),
     )
+
+
+# A choice's delta (or text) with something in it: one token, as engines stream.
+_CONTENT = re.compile(rb'"(?:content|text|reasoning_content)":"(?!")|"tool_calls":\[')
+
+
+def _json_event(event: bytes) -> dict[str, Any] | None:
+    if not event.startswith(b"data: {"):
+        return None
+    try:
+        obj = json.loads(event[6:])
+    except ValueError:
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
+def _has_content(choice: Any) -> bool:
+    if not isinstance(choice, dict):
+        return False
+    delta = choice.get("delta")
+    part = delta if isinstance(delta, dict) else choice
+    return bool(
+        part.get("content") or part.get("text") or part.get("reasoning_content")
+        or part.get("tool_calls")
+    )  # fmt: skip
+
+
+class _Relay:
+    """Relays one SSE stream, counting content chunks and (maybe) stripping usage."""
+
+    def __init__(self, upstream: UpstreamResponse, route: Route, call: Call, metrics: Metrics):
+        self._upstream = upstream
+        self._route = route
+        self._call = call
+        self._metrics = metrics
+        self._counted = 0
+        self._usage: dict[str, Any] | None = None
+        self._finished = False
+
+    def _scan(self, events: bytes) -> bytes:
+        """The events to pass on, event by event; counts content chunks and notes usage.
+
+        Only an event that mentions usage is parsed (the last one, normally);
+        the others are counted by a byte pattern, a fraction of a JSON parse.
+        """
+        out: list[bytes] = []
+        for event in events.split(b"\n\n"):
+            if not event:
+                continue
+            if b'"usage"' not in event:
+                self._counted += len(_CONTENT.findall(event))
+                out.append(event + b"\n\n")
+                continue
+            keep = event
+            obj = _json_event(event)
+            if obj is not None:
+                choices = obj.get("choices")
+                if isinstance(choices, list):
+                    self._counted += sum(1 for c in choices if _has_content(c))
+                usage = obj.get("usage")
+                if isinstance(usage, dict):
+                    self._usage = usage
+                    if self._call.strip_usage:
+                        if not choices:
+                            continue  # the usage-only chunk: the client did not ask
+                        del obj["usage"]
+                        keep = b"data: " + json.dumps(obj, separators=(",", ":")).encode()
+            out.append(keep + b"\n\n")
+        return b"".join(out)
+
+    def _pass(self, events: bytes) -> bytes:
+        """What ``_scan`` gives, without splitting when it would give ``events`` back:
+        no usage, no empty event (four newlines, or one ending the last read)."""
+        if b'"usage"' in events or b"\n\n\n\n" in events or events.startswith(b"\n\n"):
+            return self._scan(events)
+        # The pattern holds no newline: counting the whole read counts each event.
+        self._counted += len(_CONTENT.findall(events))
+        return events
+
+    async def pump(self, send: Send, headers: list[tuple[bytes, bytes]]) -> None:
+        """Answer with ``headers`` and relay the stream until it ends (or this task
+        is cancelled: the client left, even before it took the answer's head)."""
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        buf = b""
+        first = True
+        error = False
+        try:
+            async for chunk in self._upstream.chunks():
+                data = buf + chunk if buf else chunk
+                cut = data.rfind(b"\n\n") + 2
+                if cut < 2:
+                    buf = data
+                    continue
+                if cut == len(data):
+                    buf = b""
+                else:
+                    data, buf = data[:cut], data[cut:]
+                out = self._pass(data)
+                if out:
+                    if first:
+                        first = False
+                        self._metrics.ttft.labels(self._call.model).observe(
+                            time.monotonic() - self._call.started
+                        )
+                    await send({"type": "http.response.body", "body": out, "more_body": True})
+            if buf:
+                await send({"type": "http.response.body", "body": buf, "more_body": True})
+        except UpstreamError as exc:
+            error = True
+            self._metrics.upstream_errors.labels(
+                self._call.model, self._route.replica_id, "stream"
+            ).inc()
+            log.warning("stream from %s broke: %s", self._route.replica_id, exc)
+        await self.finish(error)
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def finish(self, error: bool = False) -> None:
+        """Account and release, once: after the stream, or when it never started."""
+        if self._finished:
+            return
+        self._finished = True
+        # Accounting first, with no await, then close upstream shielded from
+        # the cancellation so the engine sees the connection close.
+        self._route.inflight -= 1
+        self._call.on_done(self._outcome(error))
+        with anyio.CancelScope(shield=True):
+            await self._upstream.close()
+
+    def _outcome(self, error: bool) -> Outcome:
+        if self._usage is not None:
+            return Outcome(
+                prompt_tokens=_count(self._usage.get("prompt_tokens")),
+                completion_tokens=_count(self._usage.get("completion_tokens")),
+                error=error,
+            )
+        return Outcome(
+            prompt_tokens=self._call.prompt_estimate, completion_tokens=self._counted, error=error
+        )

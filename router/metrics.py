@@ -5,7 +5,7 @@ per replica is read off the routing table at scrape time rather than kept in
 a gauge updated on every request.
 """
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
@@ -28,6 +28,19 @@ class _InflightCollector(Collector):
             for route in routes:
                 inflight.add_metric([model, route.replica_id], route.inflight)
         yield inflight
+
+
+class _QueueCollector(Collector):
+    def __init__(self, depths: Callable[[], dict[str, int]]) -> None:
+        self._depths = depths
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        waiting = GaugeMetricFamily(
+            "llmgw_queue_waiting", "requests waiting in the admission queue", labels=["model"]
+        )
+        for model, depth in sorted(self._depths().items()):
+            waiting.add_metric([model], depth)
+        yield waiting
 
 
 class Metrics:
@@ -64,6 +77,27 @@ class Metrics:
             registry=r,
         )
         r.register(_InflightCollector(table))
+        # Elastic serving (router/admission.py, router/wake.py).
+        self.queue_wait = Histogram(
+            "llmgw_queue_wait_seconds",
+            "time a request waited in the admission queue (served or not)",
+            ["model"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_rejections = Counter(
+            "llmgw_queue_rejections",
+            "requests that left the admission queue unserved",
+            ["model", "reason"],
+            registry=r,
+        )
+        self.wakes = Counter(
+            "llmgw_wakes", "wakes of a model scaled to zero", ["model", "result"], registry=r
+        )
+
+    def watch_queues(self, depths: Callable[[], dict[str, int]]) -> None:
+        """Export the admission queue's depth per model, read at scrape time."""
+        self.registry.register(_QueueCollector(depths))
 
     def exposition(self) -> bytes:
         """The text format Prometheus scrapes."""

@@ -264,7 +264,11 @@ async def _serve(
     try:
         with trace.use_span(span, end_on_exit=False):
             # An on-demand adapter's load is part of the request (and its span).
-            return await _forward(deps, target, call, set_release)
+            # A model's request may wait for a replica first (router/admission.py).
+            return await deps.admission.forward(
+                call, caller.key_id, caller.policy, reserve,
+                lambda: _forward(deps, target, call, set_release), queueable=target is None,
+            )  # fmt: skip
     except OpenAIError as exc:
         on_done(Outcome(error=True, status=exc.status))  # releases the reservation
         raise
@@ -380,7 +384,8 @@ _ERRORS = {
     "413": "Request body too large",
     "429": "Quota exceeded (`Retry-After` says when to retry)",
     "502": "The engine failed",
-    "503": "No ready replica, or all are saturated",
+    "503": "No ready replica, all are saturated and the queue is full or waited too long"
+    " (`Retry-After`), or a model scaled to zero could not be woken",
 }
 _ERROR_SCHEMA: dict[str, Any] = {
     "type": "object",
@@ -428,13 +433,14 @@ def inference_openapi() -> dict[str, Any]:
 
 @router.get("/models")
 async def list_models(deps: DepsDep, caller: CallerDep) -> dict[str, Any]:
-    """Models with at least one ready replica (those the key may use)."""
+    """Models with at least one ready replica, and those scaled to zero that a
+    request wakes (those the key may use); ``llmgw_state`` says which."""
     now = int(time.time())
     return {
         "object": "list",
         "data": [
-            {"id": m, "object": "model", "created": now, "owned_by": "llmgw"}
-            for m in deps.table.routable_models()
+            {"id": m, "object": "model", "created": now, "owned_by": "llmgw", "llmgw_state": state}
+            for m, state in deps.admission.model_states()
             if caller.policy.allows(m)
         ],
     }

@@ -108,6 +108,11 @@ def wake_failed(model: str, reason: str) -> OpenAIError:
     )
 
 
+def engine_refused(status: int, text: str) -> OpenAIError:
+    """An engine's error answer without the OpenAI shape, as its status and text."""
+    return OpenAIError(status, text[:500] or f"HTTP {status}", type="server_error")
+
+
 def sse_error(error: OpenAIError) -> bytes:
     """An error as an SSE event: a stream that already answered 200 ends with it
     (the openai client raises an APIError on an event carrying ``error``)."""

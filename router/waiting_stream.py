@@ -20,7 +20,7 @@ from fastapi.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
 from router.accounting import Outcome
-from router.errors import OpenAIError, internal_error, sse_error
+from router.errors import OpenAIError, engine_refused, internal_error, sse_error
 from router.proxy import Call
 
 if TYPE_CHECKING:
@@ -136,7 +136,4 @@ def _error_event(status: int, body: bytes) -> bytes:
         parsed = None
     if isinstance(parsed, dict) and isinstance(parsed.get("error"), dict):
         return b"data: " + json.dumps(parsed, separators=(",", ":")).encode() + b"\n\n"
-    error = OpenAIError(
-        status, body.decode(errors="replace")[:500] or f"HTTP {status}", type="server_error"
-    )
-    return sse_error(error)
+    return sse_error(engine_refused(status, body.decode(errors="replace")))

@@ -374,3 +374,34 @@ async def test_loads_are_reported_for_autoscaled_models_then_a_final_zero(tmp_pa
     # The load stopped: one report of zero, then none (tests/gateway/test_load_report.py).
     last = link.reports[-1][1].load
     assert (last.inflight, last.waiting, last.arrivals, last.tokens) == (0, 0, 0, 0)
+
+
+class RefusingEngine(MockEngine):
+    async def handle(self, request: httpx.Request) -> httpx.Response:
+        self.seen.append(request)
+        error = {"message": "the prompt is too long", "type": "invalid_request_error"}
+        return httpx.Response(400, json={"error": error})
+
+
+async def test_an_engine_refusal_after_the_wait_is_the_streams_error_event(
+    tmp_path: Path,
+) -> None:
+    link = FakeLink()
+    engine = RefusingEngine()
+    async with gateway(tmp_path / "s.db", [], [elastic()], engine, deployment_link=link) as gw:
+        _, key = gw.key()
+        gw.app.state.deps.admission.stream_quiet_s = 0.0  # a waiting stream gets its 200 at once
+        streamed = post(gw, key, stream=True)
+        await until(lambda: waiting(gw) == 1)
+        _source(gw).items = [ready("r1", M, "http://e1:1")]
+        assert link.answer is not None
+        link.answer.set_result(WakeResult(ready=True, desired=1))
+        s = await streamed
+        assert s.status_code == 200 and len(engine.seen) == 1
+        last = s.text.strip().splitlines()[-1]
+        assert json.loads(last.removeprefix("data: "))["error"]["message"] == (
+            "the prompt is too long"
+        )
+        await gw.app.state.deps.accountant.flush()
+        rows = (await gw.http.get("/admin/usage", headers=auth(ADMIN_KEY))).json()
+    assert [(r["requests"], r["errors"]) for r in rows] == [(1, 1)]

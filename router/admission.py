@@ -276,9 +276,12 @@ class Admission:
 
     def _free(self, model: str) -> int:
         """Slots free on the model's replicas, less those promised to dispatched requests."""
+        all_routes = self._table.routes.get(model, [])
+        if all_routes and all_routes[0].cap <= 0:
+            return UNLIMITED  # every replica of a model has its catalog cap; 0: none
         # As RoutingTable.candidates picks (without turning its round-robin):
         # answering replicas, the recently failed ones only when all are.
-        answering = [r for r in self._table.routes.get(model, []) if r.answering]
+        answering = [r for r in all_routes if r.answering]
         now = time.monotonic()
         routes = [r for r in answering if r.ejected_until <= now] or answering
         if any(r.cap <= 0 for r in routes):

@@ -100,6 +100,7 @@ class LoadReporter:
         self._router_id = router_id
         self._interval_s = interval_s
         self._reported: set[str] = set()
+        self._failing: set[str] = set()
 
     async def run(self) -> None:
         """Report every interval until cancelled."""
@@ -123,4 +124,10 @@ class LoadReporter:
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            log.info("load report for %s dropped: %s", load.model, exc)
+            # Once per model until a report goes through: a model whose
+            # deployment is missing would log every second otherwise.
+            if load.model not in self._failing:
+                self._failing.add(load.model)
+                log.warning("load reports for %s dropped: %s", load.model, exc)
+            return
+        self._failing.discard(load.model)

@@ -94,7 +94,9 @@ class WaitingStream(Response):
                     return False
                 await send({"type": "http.response.body", "body": COMMENT, "more_body": True})
         except BaseException:
+            # Cancelled, or a comment could not be sent: the client is gone.
             admission.leave(ticket, "gone")
+            self._call.on_done(Outcome(error=True, status=499))
             raise
         finally:
             gone.cancel()

@@ -405,3 +405,26 @@ async def test_an_engine_refusal_after_the_wait_is_the_streams_error_event(
         await gw.app.state.deps.accountant.flush()
         rows = (await gw.http.get("/admin/usage", headers=auth(ADMIN_KEY))).json()
     assert [(r["requests"], r["errors"]) for r in rows] == [(1, 1)]
+
+
+async def test_a_high_priority_key_goes_before_those_waiting_already(tmp_path: Path) -> None:
+    engine = GatedEngine()
+    one = [ready("r1", M, "http://e1:1")]
+    async with gateway(tmp_path / "s.db", one, [spec(M, 1)], engine) as gw:
+        _, normal = gw.key()
+        _, batch = gw.key(priority="batch")
+        _, high = gw.key(priority="high", weight=5)
+        first = post(gw, normal, user="first")
+        await until(lambda: len(engine.gates) == 1)
+        tasks = [post(gw, batch, user="batch")]
+        await until(lambda: waiting(gw) == 1)
+        tasks += [post(gw, normal, user=f"normal{i}") for i in range(2)]
+        await until(lambda: waiting(gw) == 3)
+        tasks.append(post(gw, high, user="high"))
+        await until(lambda: waiting(gw) == 4)
+        for i in range(5):
+            await until(lambda i=i: len(engine.gates) == i + 1)  # type: ignore[misc]
+            engine.gates[i].set()
+        assert all(r.status_code == 200 for r in await asyncio.gather(first, *tasks))
+    order = [json.loads(r.content)["user"] for r in engine.seen]
+    assert order == ["first", "high", "normal0", "normal1", "batch"]

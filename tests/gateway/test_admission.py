@@ -366,7 +366,15 @@ async def test_loads_are_reported_for_autoscaled_models_then_a_final_zero(tmp_pa
         for model in (M, M, "fixed"):
             body = {**chat(), "model": model}
             assert (await gw.http.post(CHAT, json=body, headers=auth(key))).status_code == 200
-        await until(lambda: any(r.load.arrivals == 0 for _, r in link.reports))
+
+        def settled() -> bool:
+            # Every request reported, then the load's end.
+            arrived = sum(r.load.arrivals for _, r in link.reports) == 2
+            tokens = sum(r.load.tokens for _, r in link.reports) == 2 * (7 + 3)
+            last = link.reports[-1][1].load if link.reports else None
+            return arrived and tokens and last is not None and not last.arrivals + last.tokens
+
+        await until(settled)
     assert {m for m, _ in link.reports} == {M}
     assert all(r.router_id == "router-a" for _, r in link.reports)
     assert sum(r.load.arrivals for _, r in link.reports) == 2

@@ -259,7 +259,7 @@ async def test_twenty_requests_for_a_model_at_zero_wake_it_once(tmp_path: Path) 
         listed = (await gw.http.get("/v1/models", headers=auth(key))).json()["data"]
         assert [(m["id"], m["llmgw_state"]) for m in listed] == [(M, "scaled-to-zero")]
         tasks = [post(gw, key) for _ in range(20)]
-        await until(lambda: waiting(gw) == 20)
+        await until(lambda: waiting(gw) == 20 and link.answer is not None)
         assert [m for m, _ in link.wakes] == [M]
         listed = (await gw.http.get("/v1/models", headers=auth(key))).json()["data"]
         assert listed[0]["llmgw_state"] == "waking"
@@ -291,7 +291,7 @@ async def test_a_failed_wake_answers_every_waiting_request_with_its_reason(
         gw.app.state.deps.admission.stream_quiet_s = 0.0  # a waiting stream gets its 200 at once
         tasks = [post(gw, key) for _ in range(3)]
         streamed = post(gw, key, stream=True)
-        await until(lambda: waiting(gw) == 4)
+        await until(lambda: waiting(gw) == 4 and link.answer is not None)
         assert link.answer is not None
         link.answer.set_result(WakeResult(ready=False, reason="no node has 80 GiB of GPU memory"))
         for r in await asyncio.gather(*tasks):
@@ -321,7 +321,7 @@ async def test_a_stream_waiting_for_a_wake_gets_comments_then_its_events(tmp_pat
         admission.stream_quiet_s = 0.0  # a waiting stream gets its 200 at once
         admission.stream_comment_s = 0.02
         streamed = post(gw, key, stream=True)
-        await until(lambda: waiting(gw) == 1)
+        await until(lambda: waiting(gw) == 1 and link.answer is not None)
         # A few comment periods pass before the replica is ready.
         await until(lambda: admission.clock() - _enqueued(admission) > 0.1)
         _source(gw).items = [ready("r1", M, "http://e1:1")]
@@ -400,7 +400,7 @@ async def test_an_engine_refusal_after_the_wait_is_the_streams_error_event(
         _, key = gw.key()
         gw.app.state.deps.admission.stream_quiet_s = 0.0  # a waiting stream gets its 200 at once
         streamed = post(gw, key, stream=True)
-        await until(lambda: waiting(gw) == 1)
+        await until(lambda: waiting(gw) == 1 and link.answer is not None)
         _source(gw).items = [ready("r1", M, "http://e1:1")]
         assert link.answer is not None
         link.answer.set_result(WakeResult(ready=True, desired=1))

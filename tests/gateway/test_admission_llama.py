@@ -275,7 +275,7 @@ async def test_twenty_requests_at_zero_wake_once_and_are_served(engine: Engine) 
             (M, "scaled-to-zero")
         ]
         tasks = [asyncio.create_task(ask(c)) for _ in range(20)]
-        await until(lambda: r.waiting() == 20)
+        await until(lambda: r.waiting() == 20 and r.link.answer is not None)
         assert [m for m, _ in r.link.wakes] == [M]
         # The deployment started a replica: the routing table shows it, the wake answers.
         r.replica_up(engine.endpoint)
@@ -306,7 +306,7 @@ async def test_a_stream_waiting_for_the_wake_reads_normally(engine: Engine) -> N
 async def test_a_failed_wake_answers_with_its_reason(engine: Engine) -> None:
     async with router(engine, model(autoscale=True), replica=False) as r, r.client(r.key()) as c:
         tasks = [asyncio.create_task(ask(c)) for _ in range(3)]
-        await until(lambda: r.waiting() == 3)
+        await until(lambda: r.waiting() == 3 and r.link.answer is not None)
         assert r.link.answer is not None
         r.link.answer.set_result(WakeResult(ready=False, reason="no node has a free GPU"))
         for outcome in await asyncio.gather(*tasks, return_exceptions=True):

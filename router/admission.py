@@ -33,6 +33,7 @@ from fastapi.responses import Response
 
 from llmgw.types import Priority, QueuePolicy, WakeResult
 from router.accounting import Outcome
+from router.api.schemas import _Generation
 from router.apikeys import KeyPolicy
 from router.deployment_link import DeploymentLink
 from router.errors import OpenAIError, client_gone, queue_full, queue_timeout, wake_failed
@@ -52,6 +53,18 @@ Forward = Callable[[], Awaitable[Response]]
 UNLIMITED = 1 << 30
 # A safety net under the event-driven dispatch (request ends, table changes).
 TICK_S = 0.5
+# What a request that does not bound its generation costs in the queue, per
+# choice (its quota reservation assumes the whole context instead).
+DEFAULT_COMPLETION_COST = 256
+
+
+def queue_cost(body: object, prompt_estimate: int) -> int:
+    """A request's cost for fair queuing, in tokens: the prompt estimate plus
+    what it asks to generate (or a default) for every choice and prompt."""
+    if not isinstance(body, _Generation):
+        return prompt_estimate  # embeddings
+    limit = body.completion_limit() or DEFAULT_COMPLETION_COST
+    return prompt_estimate + limit * body.choices() * body.prompts()
 
 
 class State(enum.Enum):

@@ -23,6 +23,7 @@ from starlette.routing import Route as HttpRoute
 from llmgw.types import AdapterSpec, ModelSpec
 from router.accounting import Outcome
 from router.adapters import base_body
+from router.admission import queue_cost
 from router.api.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -266,7 +267,7 @@ async def _serve(
             # An on-demand adapter's load is part of the request (and its span).
             # A model's request may wait for a replica first (router/admission.py).
             return await deps.admission.forward(
-                call, caller.key_id, caller.policy, reserve,
+                call, caller.key_id, caller.policy, queue_cost(body, prompt_estimate),
                 lambda: _forward(deps, target, call, set_release), queueable=target is None,
             )  # fmt: skip
     except OpenAIError as exc:

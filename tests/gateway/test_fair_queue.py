@@ -1,9 +1,11 @@
 """The admission queue's order, without a server: priority classes strictly,
-then weighted fair queuing on tokens across keys."""
+then weighted fair queuing on tokens across keys; a request's cost."""
 
 from collections import Counter
 
 from llmgw.types import Priority
+from router.admission import DEFAULT_COMPLETION_COST, queue_cost
+from router.api.schemas import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from router.fair_queue import FairQueue
 
 A, B, C = 1, 2, 3
@@ -113,3 +115,18 @@ def test_an_idle_key_gets_no_credit_for_its_idleness() -> None:
         q.push("b", B, cost=10)
     # B shares from now on: it does not take the next ten in a row.
     assert Counter(served(q, 10)) == {"a": 5, "b": 5}
+
+
+def test_a_requests_cost_is_its_prompt_and_what_it_may_generate() -> None:
+    def chat(**extra: object) -> ChatCompletionRequest:
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **extra}
+        return ChatCompletionRequest.model_validate(body)
+
+    assert queue_cost(chat(max_tokens=10), 100) == 110
+    assert queue_cost(chat(max_tokens=10, n=3), 100) == 130
+    # Unbounded: a default, not the whole context the quota reserves.
+    assert queue_cost(chat(), 100) == 100 + DEFAULT_COMPLETION_COST
+    batch = CompletionRequest.model_validate({"model": "m", "prompt": ["a", "b"], "max_tokens": 5})
+    assert queue_cost(batch, 10) == 10 + 2 * 5
+    embed = EmbeddingRequest.model_validate({"model": "m", "input": "hello"})
+    assert queue_cost(embed, 7) == 7

@@ -37,9 +37,7 @@ def keys_create(
     models: Annotated[
         str, typer.Option(help="comma-separated models the key may use (default: all)")
     ] = "",
-    expires: Annotated[
-        str, typer.Option(help="expiry: a duration (30d, 12h) or an ISO date")
-    ] = "",
+    expires: Annotated[str, typer.Option(help="expiry: a duration (30d, 12h) or an ISO date")] = "",
     admin: Annotated[bool, typer.Option("--admin", help="an admin API key")] = False,
     rpm: Annotated[int, typer.Option(min=0, help="requests per minute (0 = no limit)")] = 0,
     tpm: Annotated[int, typer.Option(min=0, help="tokens per minute (0 = no limit)")] = 0,
@@ -121,9 +119,7 @@ def keys_update(
     weight: Annotated[
         float | None, typer.Option(help="share of a busy model's tokens relative to other keys")
     ] = None,
-    priority: Annotated[
-        str | None, typer.Option(help="queue class: high, normal or batch")
-    ] = None,
+    priority: Annotated[str | None, typer.Option(help="queue class: high, normal or batch")] = None,
 ) -> None:
     """Change a key's name, models, expiry, quotas or queue weight and priority;
     what is not given stays.

@@ -146,6 +146,9 @@ class RouterSettings(_Common):
     key_cache_ttl_s: float = 5.0
     usage_flush_interval_s: float = 1.0
     max_request_bytes: int = 8 * 1024 * 1024
+    # Names this router in its load reports to the deployments (elastic
+    # serving): unique among the routers of one system.
+    router_id: str = Field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
     # uvicorn's line per request (LLMGW_ACCESS_LOG=true). Off by default: the
     # request span and /metrics say more, and the line costs a tenth of the
     # router's CPU per request.

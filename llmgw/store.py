@@ -58,6 +58,10 @@ class ApiKey(SQLModel, table=True):
     tpm: int = 0
     token_budget: int = 0
     budget_period: str = "day"
+    # The admission queue (router/fair_queue.py): share of a saturated
+    # model's tokens relative to other keys, and priority class.
+    weight: float = 1.0
+    priority: str = "normal"
 
 
 class ModelRecord(SQLModel, table=True):

@@ -16,10 +16,13 @@ from sqlmodel import select
 
 from llmgw.keys import hash_api_key, new_api_key
 from llmgw.store import ApiKey, Store
+from llmgw.types import Priority
 from router.quotas import Quotas
 
 # The limits are INTEGER columns: 32-bit on PostgreSQL.
 INT32_MAX = 2**31 - 1
+# Weights are relative; a bound keeps virtual finish times well-behaved.
+MAX_WEIGHT = 1000.0
 
 
 class KeyPolicy(BaseModel):
@@ -36,6 +39,12 @@ class KeyPolicy(BaseModel):
     )
     token_budget: int = Field(default=0, ge=0, le=INT32_MAX, description="tokens per budget period")
     budget_period: Literal["day", "month"] = "day"
+    weight: float = Field(
+        default=1.0, gt=0, le=MAX_WEIGHT, description="share of a busy model's tokens vs other keys"
+    )
+    priority: Priority = Field(
+        default=Priority.NORMAL, description="admission queue class: high, normal, batch"
+    )
 
     def has_quota(self) -> bool:
         """Whether requests of this key go through the quota store at all."""
@@ -68,6 +77,13 @@ def _utc(when: datetime | None) -> datetime | None:
     return when.replace(tzinfo=UTC)
 
 
+def _priority(text: str) -> Priority:
+    try:
+        return Priority(text)
+    except ValueError:
+        return Priority.NORMAL
+
+
 def _info(row: ApiKey) -> KeyInfo:
     assert row.id is not None
     created = _utc(row.created_at)
@@ -86,6 +102,8 @@ def _info(row: ApiKey) -> KeyInfo:
             tpm=row.tpm,
             token_budget=row.token_budget,
             budget_period="month" if row.budget_period == "month" else "day",
+            weight=row.weight if row.weight > 0 else 1.0,
+            priority=_priority(row.priority),
         ),
     )
 
@@ -106,6 +124,8 @@ def create_key(store: Store, name: str, policy: KeyPolicy) -> tuple[KeyInfo, str
         tpm=policy.tpm,
         token_budget=policy.token_budget,
         budget_period=policy.budget_period,
+        weight=policy.weight,
+        priority=policy.priority.value,
     )
     with store.session() as session:
         session.add(row)
@@ -156,6 +176,8 @@ class KeyUpdate(BaseModel):
     tpm: int | None = Field(default=None, ge=0, le=INT32_MAX)
     token_budget: int | None = Field(default=None, ge=0, le=INT32_MAX)
     budget_period: Literal["day", "month"] | None = None
+    weight: float | None = Field(default=None, gt=0, le=MAX_WEIGHT)
+    priority: Priority | None = None
 
 
 def update_key(store: Store, key_id: int, update: KeyUpdate) -> KeyInfo | None:
@@ -172,10 +194,12 @@ def update_key(store: Store, key_id: int, update: KeyUpdate) -> KeyInfo | None:
             row.models_json = json.dumps(update.models) if update.models else ""
         if "expires_at" in given:
             row.expires_at = update.expires_at.astimezone(UTC) if update.expires_at else None
-        for field in ("rpm", "tpm", "token_budget", "budget_period"):
+        for field in ("rpm", "tpm", "token_budget", "budget_period", "weight"):
             value = getattr(update, field)
             if value is not None:
                 setattr(row, field, value)
+        if update.priority is not None:
+            row.priority = update.priority.value
         session.add(row)
         session.commit()
         session.refresh(row)

@@ -2,6 +2,8 @@
 
 import asyncio
 import contextlib
+import os
+import socket
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -21,11 +23,14 @@ from llmgw.store import Store
 from router import admin, engine_metrics
 from router.accounting import Accountant
 from router.adapters import AdapterLoader, AdapterRouter, TemporalAdapterLoader
+from router.admission import Admission
 from router.api import openai
 from router.auth import KeyVerifier
+from router.deployment_link import DeploymentLink, TemporalDeploymentLink
 from router.deps import Deps
 from router.errors import install_handlers
 from router.health import EngineProbe, HttpProbe, probe_forever
+from router.load_report import REPORT_INTERVAL_S, LoadReporter
 from router.metrics import Metrics
 from router.proxy import Proxy
 from router.routing import ReplicaSource, RoutingTable, refresh_forever
@@ -54,6 +59,28 @@ class RouterApp(FastAPI):
         await super().__call__(scope, receive, send)
 
 
+def _elastic(
+    table: RoutingTable,
+    metrics: Metrics,
+    temporal: Client | None,
+    link: DeploymentLink | None,
+    router_id: str,
+    report_interval_s: float,
+) -> tuple[Admission, LoadReporter | None]:
+    """The admission queue, and the load reporter when there is a deployment link."""
+    if link is None and temporal is not None:
+        link = TemporalDeploymentLink(temporal)
+    router_id = router_id or f"{socket.gethostname()}-{os.getpid()}"
+    admission = Admission(table, metrics, link, router_id)
+    table.on_update.append(admission.table_changed)
+    if link is None:
+        return admission, None
+    reporter = LoadReporter(
+        table, admission.counter, admission.waiting, link, router_id, report_interval_s
+    )
+    return admission, reporter
+
+
 def create_app(
     store: Store,
     source: ReplicaSource,
@@ -70,11 +97,17 @@ def create_app(
     tracer: Tracer | None = None,
     adapter_loader: AdapterLoader | None = None,
     probe: EngineProbe | None = None,
+    deployment_link: DeploymentLink | None = None,
+    router_id: str = "",
+    load_report_interval_s: float = REPORT_INTERVAL_S,
 ) -> FastAPI:
     """The FastAPI app; the routing table refreshes and usage is flushed while it runs.
 
     ``adapter_loader`` loads on-demand LoRA adapters (default: the AdapterLoad
     workflow through ``temporal``; without either, such requests get 503).
+    ``deployment_link`` carries load reports and wakes to the deployments
+    (default: through ``temporal``; without either, a model scaled to zero
+    cannot be woken and no load is reported).
     """
     if adapter_loader is None and temporal is not None:
         adapter_loader = TemporalAdapterLoader(temporal)
@@ -91,6 +124,9 @@ def create_app(
         return engine_key(secret, replica_id)
 
     prober = probe or HttpProbe(key_of)
+    admission, reporter = _elastic(
+        table, metrics, temporal, deployment_link, router_id, load_report_interval_s
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -100,7 +136,10 @@ def create_app(
             ),
             asyncio.create_task(accountant.run()),
             asyncio.create_task(probe_forever(table, prober)),
+            asyncio.create_task(admission.run()),
         ]
+        if reporter is not None:
+            tasks.append(asyncio.create_task(reporter.run()))
         try:
             yield
         finally:
@@ -108,6 +147,7 @@ def create_app(
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+            await admission.aclose()
             await accountant.flush()
             await client.aclose()
             await prober.aclose()
@@ -130,6 +170,7 @@ def create_app(
         engine_key=key_of,
         max_request_bytes=max_request_bytes,
         adapters=AdapterRouter(table, adapter_loader),
+        admission=admission,
         temporal=temporal,
         tracer=tracer,
     )

@@ -9,6 +9,7 @@ from temporalio.client import Client
 from llmgw.store import Store
 from router.accounting import Accountant
 from router.adapters import AdapterRouter
+from router.admission import Admission
 from router.auth import KeyVerifier
 from router.metrics import Metrics
 from router.proxy import EngineKeyFn, Proxy
@@ -28,6 +29,8 @@ class Deps:
     engine_key: EngineKeyFn
     max_request_bytes: int
     adapters: AdapterRouter
+    # Requests that wait for a replica (saturated, or scaled to zero).
+    admission: Admission
     # Admin calls that ask Temporal (nodes, log tails); None in tests without one.
     temporal: Client | None = None
     # A span per request; None (tracing off): no span, no trace context

@@ -1,5 +1,6 @@
 """OpenAI-shaped errors: every failure the router returns goes through here."""
 
+import json
 from collections.abc import Sequence
 
 from fastapi import FastAPI, Request
@@ -71,6 +72,51 @@ def replicas_saturated(model: str) -> OpenAIError:
         code="replicas_saturated",
         headers={"Retry-After": "1"},
     )
+
+
+def queue_full(model: str, max_waiting: int) -> OpenAIError:
+    """503: the model's admission queue holds ``max_waiting`` requests already."""
+    return OpenAIError(
+        503,
+        f"Every replica of `{model}` is busy and {max_waiting} requests wait already"
+        " (queue.max_waiting); retry shortly.",
+        type="service_unavailable_error",
+        code="queue_full",
+        headers={"Retry-After": "1"},
+    )
+
+
+def queue_timeout(model: str, max_wait_s: float) -> OpenAIError:
+    """503: the request waited ``queue.max_wait_s`` without a replica taking it."""
+    return OpenAIError(
+        503,
+        f"No replica of `{model}` took the request within {max_wait_s:g} s"
+        " (queue.max_wait_s); retry later.",
+        type="service_unavailable_error",
+        code="queue_timeout",
+        headers={"Retry-After": str(max(1, round(max_wait_s / 4)))},
+    )
+
+
+def wake_failed(model: str, reason: str) -> OpenAIError:
+    """503: the model is scaled to zero and its wake failed (``reason`` says why)."""
+    return OpenAIError(
+        503,
+        f"The model `{model}` is scaled to zero and could not be woken: {reason}",
+        type="service_unavailable_error",
+        code="wake_failed",
+    )
+
+
+def engine_refused(status: int, text: str) -> OpenAIError:
+    """An engine's error answer without the OpenAI shape, as its status and text."""
+    return OpenAIError(status, text[:500] or f"HTTP {status}", type="server_error")
+
+
+def sse_error(error: OpenAIError) -> bytes:
+    """An error as an SSE event: a stream that already answered 200 ends with it
+    (the openai client raises an APIError on an event carrying ``error``)."""
+    return b"data: " + json.dumps(error.body(), separators=(",", ":")).encode() + b"\n\n"
 
 
 def key_expired() -> OpenAIError:

@@ -54,6 +54,7 @@ def build(
         usage_flush_interval_s=settings.usage_flush_interval_s,
         max_request_bytes=settings.max_request_bytes,
         tracer=tracer,
+        router_id=settings.router_id,
     )
     limits = fit_open_files(
         ListenerLimits(

@@ -34,6 +34,19 @@ class _InflightCollector(Collector):
         yield inflight
 
 
+class _QueueCollector(Collector):
+    def __init__(self, depths: Callable[[], dict[str, int]]) -> None:
+        self._depths = depths
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        waiting = GaugeMetricFamily(
+            "llmgw_queue_waiting", "requests waiting in the admission queue", labels=["model"]
+        )
+        for model, depth in sorted(self._depths().items()):
+            waiting.add_metric([model], depth)
+        yield waiting
+
+
 class Metrics:
     """Every metric the router exports."""
 
@@ -68,6 +81,24 @@ class Metrics:
             registry=r,
         )
         r.register(_InflightCollector(table))
+        # Elastic serving (router/admission.py, router/wake.py).
+        self.queue_wait = Histogram(
+            "llmgw_queue_wait_seconds",
+            "time a request waited in the admission queue (served or not)",
+            ["model"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_rejections = Counter(
+            "llmgw_queue_rejections",
+            "requests that left the admission queue unserved",
+            ["model", "reason"],
+            registry=r,
+        )
+        self.wakes = Counter(
+            "llmgw_wakes", "wakes of a model scaled to zero", ["model", "result"], registry=r
+        )
+
         # Labelled children by their labels: ``labels()`` validates and locks
         # on every call, a cost on each request; a child, once made, is the
         # same object for good (nothing here removes label sets).
@@ -98,6 +129,10 @@ class Metrics:
             self._child(("t", model, "c"), lambda: self.tokens.labels(model, "completion")).inc(
                 completion
             )
+
+    def watch_queues(self, depths: Callable[[], dict[str, int]]) -> None:
+        """Export the admission queue's depth per model, read at scrape time."""
+        self.registry.register(_QueueCollector(depths))
 
     def exposition(self) -> bytes:
         """The text format Prometheus scrapes."""

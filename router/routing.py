@@ -158,6 +158,8 @@ class RoutingTable:
     # Every running replica as last seen, whatever its phase (admin API).
     replicas: list[ReplicaMemo] = field(default_factory=list)
     _turn: itertools.count[int] = field(default_factory=itertools.count)
+    # Called after each rebuild (the admission queue dispatches to new replicas).
+    on_update: list[Callable[[], None]] = field(default_factory=list)
 
     def update(self, replicas: list[ReplicaMemo], catalog: dict[str, ModelSpec]) -> None:
         """Replace the routes, keeping in-flight counts of replicas that remain."""
@@ -184,6 +186,8 @@ class RoutingTable:
         self.replicas = replicas
         self.adapter_base = {a.name: s.name for s in catalog.values() for a in s.adapters}
         self.known_models = set(catalog) | {m.model for m in replicas} | set(self.adapter_base)
+        for listener in self.on_update:
+            listener()
 
     def candidates(self, model: str) -> list[Route]:
         """Ready, unsaturated replicas of ``model``, least outstanding requests first."""

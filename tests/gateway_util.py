@@ -172,6 +172,8 @@ class Gateway:
     store: Store
     engine: MockEngine
     http: httpx.AsyncClient
+    # What the routing table reads: a test may change its replicas.
+    source: FakeSource | None = None
 
     def key(self, **policy: Any) -> tuple[int, str]:
         info, key = create_key(self.store, "k", KeyPolicy(**policy))
@@ -211,9 +213,10 @@ async def gateway(
     # Quota windows follow this clock: frozen, so no test straddles a minute.
     frozen = time.time()
     app_args.setdefault("clock", lambda: frozen)
+    source = FakeSource(replicas)
     app = create_app(
         store,
-        FakeSource(replicas),
+        source,
         refresh_interval_s=0.05,
         http=MockUpstream(engine),
         admin_key=ADMIN_KEY,
@@ -221,7 +224,7 @@ async def gateway(
         **app_args,
     )
     async with serving(app) as http:
-        yield Gateway(app, store, engine, http)
+        yield Gateway(app, store, engine, http, source)
     store.close()
 
 

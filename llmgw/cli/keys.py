@@ -37,14 +37,16 @@ def keys_create(
     models: Annotated[
         str, typer.Option(help="comma-separated models the key may use (default: all)")
     ] = "",
-    expires: Annotated[
-        str, typer.Option(help="expiry: a duration (30d, 12h) or an ISO date")
-    ] = "",
+    expires: Annotated[str, typer.Option(help="expiry: a duration (30d, 12h) or an ISO date")] = "",
     admin: Annotated[bool, typer.Option("--admin", help="an admin API key")] = False,
     rpm: Annotated[int, typer.Option(min=0, help="requests per minute (0 = no limit)")] = 0,
     tpm: Annotated[int, typer.Option(min=0, help="tokens per minute (0 = no limit)")] = 0,
     budget: Annotated[int, typer.Option(min=0, help="tokens per budget period")] = 0,
     budget_period: Annotated[str, typer.Option(help="day or month")] = "day",
+    weight: Annotated[
+        float, typer.Option(help="share of a busy model's tokens relative to other keys")
+    ] = 1.0,
+    priority: Annotated[str, typer.Option(help="queue class: high, normal or batch")] = "normal",
 ) -> None:
     """Create a client API key; it is printed once and stored hashed."""
     from pydantic import ValidationError  # noqa: PLC0415
@@ -60,6 +62,8 @@ def keys_create(
             tpm=tpm,
             token_budget=budget,
             budget_period=budget_period,  # validated by KeyPolicy
+            weight=weight,
+            priority=priority,  # validated by KeyPolicy
         )
     except ValidationError as exc:
         _fail("; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()))
@@ -85,6 +89,9 @@ def keys_list() -> None:
             )
             if value
         )  # fmt: skip
+        if p.weight != 1.0 or p.priority.value != "normal":
+            queue = f"weight {p.weight:g}, {p.priority.value}"
+            limits = f"{limits}, {queue}" if limits else queue
         table.add_row(
             str(k.id), k.name, k.prefix + "…", k.created_at.strftime("%Y-%m-%d %H:%M"),
             "revoked" if k.revoked else ("admin" if p.admin else "active"),
@@ -109,8 +116,13 @@ def keys_update(
     tpm: Annotated[int | None, typer.Option(min=0, help="tokens per minute (0: none)")] = None,
     budget: Annotated[int | None, typer.Option(min=0, help="tokens per budget period")] = None,
     budget_period: Annotated[str | None, typer.Option(help="day or month")] = None,
+    weight: Annotated[
+        float | None, typer.Option(help="share of a busy model's tokens relative to other keys")
+    ] = None,
+    priority: Annotated[str | None, typer.Option(help="queue class: high, normal or batch")] = None,
 ) -> None:
-    """Change a key's name, models, expiry or quotas; what is not given stays.
+    """Change a key's name, models, expiry, quotas or queue weight and priority;
+    what is not given stays.
     Routers apply it within their key cache TTL (5 s by default)."""
     from pydantic import ValidationError  # noqa: PLC0415
 
@@ -118,7 +130,7 @@ def keys_update(
 
     changes: dict[str, object] = {
         "name": name, "rpm": rpm, "tpm": tpm, "token_budget": budget,
-        "budget_period": budget_period,
+        "budget_period": budget_period, "weight": weight, "priority": priority,
     }  # fmt: skip
     if models is not None:
         changes["models"] = [m.strip() for m in models.split(",") if m.strip()]
@@ -140,7 +152,8 @@ def keys_update(
     console.print(
         f"key {key_id} ({info.name}) updated: models {','.join(p.models) or 'all'}, "
         f"expires {p.expires_at.isoformat() if p.expires_at else 'never'}, "
-        f"rpm {p.rpm}, tpm {p.tpm}, tokens/{p.budget_period} {p.token_budget}"
+        f"rpm {p.rpm}, tpm {p.tpm}, tokens/{p.budget_period} {p.token_budget}, "
+        f"weight {p.weight:g}, priority {p.priority.value}"
     )
 
 

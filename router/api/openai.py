@@ -21,11 +21,12 @@ from opentelemetry.trace import Span, SpanKind, StatusCode
 from pydantic import BaseModel, ValidationError
 from starlette.datastructures import Headers
 from starlette.routing import Route as HttpRoute
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from llmgw.types import AdapterSpec, ModelSpec
 from router.accounting import Outcome
 from router.adapters import base_body
+from router.admission import queue_cost
 from router.api.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -234,7 +235,7 @@ async def _adapter_routes(
 
 async def _serve(
     deps: Deps, scope: Scope, receive: Receive, caller: Caller, kind: type[Body], path: str
-) -> Reply | StreamReply:
+) -> ASGIApp:
     started = time.monotonic()
     raw, body = await _admit(deps, scope, receive, caller, kind, path)
     model = body.model
@@ -297,9 +298,13 @@ async def _serve(
     )
     try:
         # An on-demand adapter's load is part of the request (and its span);
-        # with tracing off there is no span to make current.
+        # with tracing off there is no span to make current. A model's
+        # request may wait for a replica first (router/admission.py).
         with trace.use_span(span, end_on_exit=False) if call.traced else _NO_SPAN:
-            return await _forward(deps, target, call, set_release)
+            return await deps.admission.forward(
+                call, caller.key_id, caller.policy, queue_cost(body, prompt_estimate),
+                lambda: _forward(deps, target, call, set_release), queueable=target is None,
+            )  # fmt: skip
     except OpenAIError as exc:
         on_done(Outcome(error=True, status=exc.status))  # releases the reservation
         raise
@@ -436,7 +441,8 @@ _ERRORS = {
     "413": "Request body too large",
     "429": "Quota exceeded (`Retry-After` says when to retry)",
     "502": "The engine failed",
-    "503": "No ready replica, or all are saturated",
+    "503": "No ready replica, all are saturated and the queue is full or waited too long"
+    " (`Retry-After`), or a model scaled to zero could not be woken",
 }
 _ERROR_SCHEMA: dict[str, Any] = {
     "type": "object",
@@ -484,13 +490,14 @@ def inference_openapi() -> dict[str, Any]:
 
 @router.get("/models")
 async def list_models(deps: DepsDep, caller: CallerDep) -> dict[str, Any]:
-    """Models with at least one ready replica (those the key may use)."""
+    """Models with at least one ready replica, and those scaled to zero that a
+    request wakes (those the key may use); ``llmgw_state`` says which."""
     now = int(time.time())
     return {
         "object": "list",
         "data": [
-            {"id": m, "object": "model", "created": now, "owned_by": "llmgw"}
-            for m in deps.table.routable_models()
+            {"id": m, "object": "model", "created": now, "owned_by": "llmgw", "llmgw_state": state}
+            for m, state in deps.admission.model_states()
             if caller.policy.allows(m)
         ],
     }

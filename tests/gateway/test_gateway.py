@@ -13,7 +13,7 @@ import pytest
 
 from llmgw.keys import engine_key
 from llmgw.store import Store
-from llmgw.types import ReplicaMemo
+from llmgw.types import QueuePolicy, ReplicaMemo
 from router import usage
 from router.apikeys import KeyPolicy, create_key, revoke_key
 from router.app import create_app
@@ -330,7 +330,10 @@ async def test_failover_before_the_first_byte(tmp_path: Path) -> None:
 async def test_least_outstanding_with_a_cap_then_503(tmp_path: Path) -> None:
     engine = MockEngine(hold=asyncio.Event())
     replicas = [ready("r1", M, "http://e1:1"), ready("r2", M, "http://e2:1")]
-    async with gateway(tmp_path / "s.db", replicas, [spec(M, max_inflight=1)], engine) as gw:
+    # No admission queue (max_waiting 0): a full model answers 503 at once
+    # (the queue's own tests: tests/gateway/test_admission.py).
+    capped = spec(M, max_inflight=1).model_copy(update={"queue": QueuePolicy(max_waiting=0)})
+    async with gateway(tmp_path / "s.db", replicas, [capped], engine) as gw:
         _, key = gw.key()
 
         async def post() -> httpx.Response:

@@ -27,8 +27,8 @@ from llmgw.cli.up import kill_recorded_engines
 from llmgw.keys import engine_key
 from llmgw.store import Store
 from llmgw.types import DeploymentStatus, GpuHealth, GpuInfo, ModelSpec, NodeInventory
+from worker_agent.installs.installed import EngineInstalls
 from worker_agent.installs.llamacpp import LlamaCppInstall
-from worker_agent.main import engine_planners
 from worker_agent.supervisor import Supervisor
 
 REPO = Path(__file__).resolve().parents[1]
@@ -270,6 +270,11 @@ def node_inventory(
     )
 
 
+def llama_only(llama: LlamaCppInstall, work: Path) -> EngineInstalls:
+    """A node's engines with llama.cpp installed and an empty cache for the rest."""
+    return EngineInstalls(work / "engines", llama)
+
+
 def node_activities(
     llama: LlamaCppInstall, supervisor: Supervisor, secret: str = "test-secret"
 ) -> NodeActivities:
@@ -277,7 +282,7 @@ def node_activities(
     start = free_port()
     return NodeActivities(
         supervisor=supervisor,
-        planners=engine_planners(llama),
+        installs=llama_only(llama, supervisor.work_dir),
         engine_key=lambda rid: engine_key(secret, rid),
         engine_host="127.0.0.1",
         ports=range(start, start + 50),

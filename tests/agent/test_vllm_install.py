@@ -24,7 +24,6 @@ from worker_agent.installs.vllm import (
     install_dir,
     package_for,
 )
-from worker_agent.main import engine_planners
 from worker_agent.supervisor import Supervisor
 from worker_agent.weights import WeightsCache
 
@@ -75,7 +74,6 @@ async def test_a_replica_whose_engine_cannot_install_fails_with_the_reason(
 ) -> None:
     acts = NodeActivities(
         supervisor=Supervisor(tmp_path / "agent"),
-        planners=engine_planners(llama),
         engine_key=lambda rid: engine_key("secret", rid),
         engine_host="127.0.0.1",
         ports=range(free_port(), 65536)[:1],

@@ -11,7 +11,7 @@ watch are pure observation.
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 import httpx
@@ -36,7 +36,6 @@ from llmgw.types import (
     LaunchShardInput,
     LogTail,
     LogTailInput,
-    NodeInventory,
     PortReservation,
     ShardExit,
     ShardHandle,
@@ -50,12 +49,11 @@ from llmgw.types import (
     WatchShardInput,
 )
 from worker_agent.engines import LaunchValidationError, ReadyProbe
-from worker_agent.installs.installed import EngineInstalls
 from worker_agent.installs.llamacpp import EngineInstallError
-from worker_agent.launch import EngineKeyFn, Launcher
+from worker_agent.launch import Launcher
 from worker_agent.probes import engine_busy, engine_load, probe_ready
-from worker_agent.supervisor import RunningShard, Supervisor
-from worker_agent.weights import WeightsCache, WeightsError
+from worker_agent.supervisor import RunningShard
+from worker_agent.weights import WeightsError
 
 log = logging.getLogger(__name__)
 
@@ -74,39 +72,16 @@ async def _heartbeat_while(work: Awaitable[T], detail: Callable[[], str]) -> T:
 class NodeActivities:
     """The activities of one node; dependencies come through the constructor."""
 
-    def __init__(
-        self,
-        supervisor: Supervisor,
-        installs: EngineInstalls,
-        engine_key: EngineKeyFn,
-        engine_host: str,
-        ports: range,
-        inventory: Callable[[], NodeInventory],
-        threads: int = 0,
-        http: httpx.AsyncClient | None = None,
-        weights: WeightsCache | None = None,
-        cpu_kv_cache_mib: int = 0,
-        cores: Sequence[int] | None = None,
-    ) -> None:
-        """``installs``: where this node's engines are, and the one table of
-        engine planners launches use (``EngineInstalls.planners``)."""
-        self._sup = supervisor
-        self._installs = installs
-        self._weights = weights
-        self._engine_key = engine_key
+    def __init__(self, launcher: Launcher, http: httpx.AsyncClient | None = None) -> None:
+        """``launcher``: the node's supervisor, engine installs (the one table
+        of engine planners), weights cache and engine keys, and what
+        launches decide; ``http``: the client readiness and load checks use."""
+        self._launcher = launcher
+        self._sup = launcher.supervisor
+        self._installs = launcher.installs
+        self._weights = launcher.weights
+        self._engine_key = launcher.engine_key
         self._http = http or httpx.AsyncClient(timeout=httpx.Timeout(5.0))
-        self._launcher = Launcher(
-            supervisor,
-            installs,
-            engine_key,
-            engine_host,
-            ports,
-            inventory,
-            threads=threads,
-            weights=weights,
-            cpu_kv_cache_mib=cpu_kv_cache_mib,
-            cores=cores,
-        )
 
     async def aclose(self) -> None:
         """Close the HTTP client used for readiness checks."""

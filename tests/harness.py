@@ -29,6 +29,7 @@ from llmgw.store import Store
 from llmgw.types import DeploymentStatus, GpuHealth, GpuInfo, ModelSpec, NodeInventory
 from worker_agent.installs.installed import EngineInstalls
 from worker_agent.installs.llamacpp import LlamaCppInstall
+from worker_agent.launch import Launcher
 from worker_agent.supervisor import Supervisor
 
 REPO = Path(__file__).resolve().parents[1]
@@ -281,11 +282,13 @@ def node_activities(
     """Node activities over real llama.cpp binaries, on a fresh port range."""
     start = free_port()
     return NodeActivities(
-        supervisor=supervisor,
-        installs=llama_only(llama, supervisor.work_dir),
-        engine_key=lambda rid: engine_key(secret, rid),
-        engine_host="127.0.0.1",
-        ports=range(start, start + 50),
-        inventory=cpu_inventory,
-        threads=1,
+        Launcher(
+            supervisor=supervisor,
+            installs=llama_only(llama, supervisor.work_dir),
+            engine_key=lambda rid: engine_key(secret, rid),
+            engine_host="127.0.0.1",
+            ports=range(start, start + 50),
+            inventory=cpu_inventory,
+            threads=1,
+        )
     )

@@ -19,15 +19,7 @@ from dataclasses import dataclass
 
 from llmgw.errors import ConfigError, EngineLaunchError
 from llmgw.types import EngineKind, NodeInventory, PortReservation, ShardRef, ShardSpec
-from worker_agent import passthrough
-from worker_agent.cpu_share import (
-    NOBIND,
-    choose_binding,
-    cores_per_engine,
-    format_cpu_list,
-    kv_cache_bytes,
-    parse_cpu_list,
-)
+from worker_agent import cpu_share, passthrough
 from worker_agent.engines import (
     CommandSpec,
     Endpoint,
@@ -169,14 +161,15 @@ class Launcher:
         cpu_kv_cache_mib: int = 0,
         cores: Sequence[int] | None = None,
     ) -> None:
-        self._sup = supervisor
-        self._installs = installs
-        self._engine_key = engine_key
+        # Read by the node's activities too (watching, draining, installing).
+        self.supervisor = supervisor
+        self.installs = installs
+        self.engine_key = engine_key
+        self.weights = weights
         self._host = engine_host
         self._ports = ports
         self._inventory = inventory
         self._threads = threads
-        self._weights = weights
         self._kv_mib = cpu_kv_cache_mib
         self._cores = list(cores) if cores is not None else sorted(os.sched_getaffinity(0))
         # Cores promised to launches whose spec file is not written yet.
@@ -193,7 +186,7 @@ class Launcher:
 
     async def reserve_port(self, ref: ShardRef) -> PortReservation:
         """A port for a shard that peers must know before it starts (idempotent)."""
-        record = self._sup.shard_dir(ref) / "reserved-port"
+        record = self.supervisor.shard_dir(ref) / "reserved-port"
         async with self._port_lock:
             if record.exists():
                 port = int(record.read_text())
@@ -226,7 +219,7 @@ class Launcher:
             self._binding.pop(shard_key(ref), None)
 
     def _take_port(self, host: str = "") -> int:
-        used = self._sup.used_ports() | self._reserved
+        used = self.supervisor.used_ports() | self._reserved
         port = pick_port(host or self._host, self._ports, used)
         self._reserved.add(port)
         return port
@@ -237,28 +230,28 @@ class Launcher:
         if model.engine is not EngineKind.VLLM or model.profile.device != "cpu":
             return ""
         taken = set().union(*self._binding.values())
-        for running in self._sup.running():
-            taken |= parse_cpu_list(self._sup.plan_of(running.ref).cpu_bind)
+        for running in self.supervisor.running():
+            taken |= cpu_share.parse_cpu_list(self.supervisor.plan_of(running.ref).cpu_bind)
         inv = self._inventory()
-        per_rank = cores_per_engine(len(self._cores), inv.max_cpu_replicas, self._threads)
-        bind = choose_binding(self._cores, taken, per_rank, model.profile.tp)
-        if bind == NOBIND:
+        per_rank = cpu_share.cores_per_engine(len(self._cores), inv.max_cpu_replicas, self._threads)
+        bind = cpu_share.choose_binding(self._cores, taken, per_rank, model.profile.tp)
+        if bind == cpu_share.NOBIND:
             log.warning(
                 "replica %s: no %d free cores to bind (held: %s): its threads run unbound",
                 ref.replica_id,
                 per_rank * model.profile.tp,
-                format_cpu_list(taken) or "none",
+                cpu_share.format_cpu_list(taken) or "none",
             )
-        self._binding[shard_key(ref)] = parse_cpu_list(bind)
+        self._binding[shard_key(ref)] = cpu_share.parse_cpu_list(bind)
         return bind
 
     def _adapter_path(self, source: str) -> str:
         """A catalog adapter's file, resolved inside the weights roots as the
         model's weights are (SourceOutsideRoots if not); the engine gets the
         resolved path, so a link swapped in later cannot lead it out."""
-        if self._weights is None:
+        if self.weights is None:
             return source
-        return str(self._weights.roots.inside(source))
+        return str(self.weights.roots.inside(source))
 
     def _plan(self, spec: ShardSpec, ports: list[int], bind: str) -> Launch:
         fronted = len(ports) > 1
@@ -269,11 +262,11 @@ class Launcher:
         ).model_copy(
             update={
                 "http_host": LOOPBACK if fronted else "",
-                "cpu_threads_bind": bind or NOBIND,
-                "kv_cache_bytes": kv_cache_bytes(
+                "cpu_threads_bind": bind or cpu_share.NOBIND,
+                "kv_cache_bytes": cpu_share.kv_cache_bytes(
                     inv.memory_mib, inv.max_cpu_replicas, self._kv_mib
                 ),
-                "scratch_dir": str(self._sup.scratch_dir(ref)),
+                "scratch_dir": str(self.supervisor.scratch_dir(ref)),
             }
         )
         static = () if spec.model.profile.runtime_lora else spec.model.adapters
@@ -289,8 +282,8 @@ class Launcher:
                 LoraAdapter(name=a.name, path=self._adapter_path(a.source)) for a in static
             ),
         )
-        key = self._engine_key(spec.replica_id)
-        planners = self._installs.planners(spec.model.profile.device)
+        key = self.engine_key(spec.replica_id)
+        planners = self.installs.planners(spec.model.profile.device)
         plan = plan_shard(request, key, engine_env(os.environ), planners)
         if plan.serves_http and not fronted:
             raise ConfigError(f"rank {spec.rank} serves HTTP but only rank 0 is fronted")
@@ -329,7 +322,7 @@ class Launcher:
             internal_port=launch.internal_port,
             cpu_bind=launch.bind,
         )
-        return self._sup.launch(
+        return self.supervisor.launch(
             ref,
             commands,
             port,

@@ -40,6 +40,7 @@ from worker_agent.adoption import adopt
 from worker_agent.installs.installed import EngineInstalls
 from worker_agent.installs.llamacpp import ensure_llama_cpp
 from worker_agent.inventory import Sources, collect, sources_from
+from worker_agent.launch import Launcher
 from worker_agent.shard_record import ShardRecord
 from worker_agent.supervisor import RunningShard, Supervisor
 from worker_agent.users import SystemUsers, engine_identity
@@ -74,19 +75,21 @@ def build_activities(
 ) -> NodeActivities:
     """The node's activities with their real dependencies."""
     return NodeActivities(
-        supervisor=supervisor,
-        installs=installs,
-        cpu_kv_cache_mib=settings.cpu_kv_cache_mib,
-        engine_key=lambda replica_id: engine_key(secret, replica_id),
-        engine_host=settings.engine_host,
-        ports=range(settings.port_range_start, settings.port_range_end + 1),
-        inventory=current_inventory,
-        threads=settings.engine_threads,
-        weights=WeightsCache(
-            supervisor.work_dir / "weights",
-            settings.resolved_weights_roots(),
-            group=_engine_group(supervisor),
-        ),
+        Launcher(
+            supervisor=supervisor,
+            installs=installs,
+            cpu_kv_cache_mib=settings.cpu_kv_cache_mib,
+            engine_key=lambda replica_id: engine_key(secret, replica_id),
+            engine_host=settings.engine_host,
+            ports=range(settings.port_range_start, settings.port_range_end + 1),
+            inventory=current_inventory,
+            threads=settings.engine_threads,
+            weights=WeightsCache(
+                supervisor.work_dir / "weights",
+                settings.resolved_weights_roots(),
+                group=_engine_group(supervisor),
+            ),
+        )
     )
 
 

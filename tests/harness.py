@@ -126,6 +126,17 @@ class System:
         self.env.update(extra_env or {})
         self.children: list[Child] = []
 
+    def cli(self, *args: str, timeout_s: float = 180) -> subprocess.CompletedProcess[str]:
+        """Run ``llmgw <args>`` against this system, its output captured (blocking)."""
+        return subprocess.run(
+            [sys.executable, "-m", "llmgw", *args],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            check=False,
+        )
+
     def spawn(self, name: str, extra_env: dict[str, str] | None = None) -> Child:
         """Start ``llmgw <name>`` as a child process."""
         env = dict(self.env, **(extra_env or {}))

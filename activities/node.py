@@ -1,16 +1,17 @@
 """Node activities: launch, wait-ready, watch and stop engine shards.
 
-Served by the node agent on ``node-<id>``. At-least-once delivery means each
-may run twice: launch finds a running engine before starting one, stop is a
-no-op on a stopped shard, wait and watch are pure observation.
+Served by the node agent on ``node-<id>``: the Temporal layer (heartbeats,
+activity failures) over the agent's own modules, ``worker_agent/launch.py``
+(ports, cores, the plan, the pass-through, the spec record),
+``worker_agent/probes.py`` (readiness and load) and the supervisor.
+At-least-once delivery means each may run twice: launch finds a running
+engine before starting one, stop is a no-op on a stopped shard, wait and
+watch are pure observation.
 """
 
 import asyncio
 import logging
-import os
-import sys
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 import httpx
@@ -35,71 +36,26 @@ from llmgw.types import (
     LaunchShardInput,
     LogTail,
     LogTailInput,
-    NodeInventory,
     PortReservation,
     ShardExit,
     ShardHandle,
     ShardLoad,
     ShardRef,
     ShardRunning,
-    ShardSpec,
     StopShardInput,
     StopShardResult,
     WaitReadyInput,
     WaitReadyResult,
     WatchShardInput,
 )
-from worker_agent import passthrough
-from worker_agent.cpu_share import (
-    NOBIND,
-    choose_binding,
-    cores_per_engine,
-    format_cpu_list,
-    kv_cache_bytes,
-    parse_cpu_list,
-)
-from worker_agent.engines import (
-    CommandSpec,
-    EnginePlanner,
-    LaunchValidationError,
-    LoraAdapter,
-    ReadyProbe,
-    ShardPlan,
-    ShardRequest,
-    node_facts,
-    plan_shard,
-)
-from worker_agent.installs.installed import EngineInstalls
+from worker_agent.engines import LaunchValidationError, ReadyProbe
 from worker_agent.installs.llamacpp import EngineInstallError
-from worker_agent.launching import (
-    engine_busy,
-    engine_env,
-    engine_load,
-    pick_port,
-    probe_ready,
-    wait_listening,
-)
-from worker_agent.shard_record import ShardRecord
-from worker_agent.supervisor import Command, RunningShard, Supervisor, shard_key
-from worker_agent.weights import WeightsCache, WeightsError
+from worker_agent.launch import Launcher
+from worker_agent.probes import engine_busy, engine_load, probe_ready
+from worker_agent.supervisor import RunningShard
+from worker_agent.weights import WeightsError
 
 log = logging.getLogger(__name__)
-
-EngineKeyFn = Callable[[str], str]
-# Engines listen here only; the node's address is the pass-through's.
-LOOPBACK = "127.0.0.1"
-
-
-@dataclass(frozen=True)
-class _Launch:
-    """A planned shard with the ports and cores the agent gave it."""
-
-    plan: ShardPlan
-    port: int  # published: the pass-through's, or the shard's own when not fronted
-    internal_port: int | None  # the engine's loopback HTTP port behind the pass-through
-    key: str
-    bind: str  # VLLM_CPU_OMP_THREADS_BIND, "" when not bound
-
 
 T = TypeVar("T")
 
@@ -116,40 +72,16 @@ async def _heartbeat_while(work: Awaitable[T], detail: Callable[[], str]) -> T:
 class NodeActivities:
     """The activities of one node; dependencies come through the constructor."""
 
-    def __init__(
-        self,
-        supervisor: Supervisor,
-        planners: Mapping[EngineKind, EnginePlanner],
-        engine_key: EngineKeyFn,
-        engine_host: str,
-        ports: range,
-        inventory: Callable[[], NodeInventory],
-        threads: int = 0,
-        http: httpx.AsyncClient | None = None,
-        weights: WeightsCache | None = None,
-        installs: EngineInstalls | None = None,
-        cpu_kv_cache_mib: int = 0,
-        cores: Sequence[int] | None = None,
-    ) -> None:
-        self._sup = supervisor
-        self._installs = installs
-        self._kv_mib = cpu_kv_cache_mib
-        self._cores = list(cores) if cores is not None else sorted(os.sched_getaffinity(0))
-        # Cores promised to launches whose spec file is not written yet.
-        self._binding: dict[str, set[int]] = {}
-        self._weights = weights
-        self._inventory = inventory
-        self._planners = planners
-        self._engine_key = engine_key
-        self._host = engine_host
-        self._ports = ports
-        self._threads = threads
+    def __init__(self, launcher: Launcher, http: httpx.AsyncClient | None = None) -> None:
+        """``launcher``: the node's supervisor, engine installs (the one table
+        of engine planners), weights cache and engine keys, and what
+        launches decide; ``http``: the client readiness and load checks use."""
+        self._launcher = launcher
+        self._sup = launcher.supervisor
+        self._installs = launcher.installs
+        self._weights = launcher.weights
+        self._engine_key = launcher.engine_key
         self._http = http or httpx.AsyncClient(timeout=httpx.Timeout(5.0))
-        # Per shard: two launches of one shard must not both miss its spec
-        # file. One port lock: two shards must not take the same port.
-        self._shard_locks: dict[str, asyncio.Lock] = {}
-        self._port_lock = asyncio.Lock()
-        self._reserved: set[int] = set()
 
     async def aclose(self) -> None:
         """Close the HTTP client used for readiness checks."""
@@ -190,7 +122,7 @@ class NodeActivities:
 
     async def _ensure_engine(self, engine: EngineKind | None, device: str) -> None:
         """Install the engine on this node if it is not yet (heartbeating its progress)."""
-        if self._installs is None or engine is None:
+        if engine is None:
             return
         installs = self._installs
         last = ["checking the engine install"]
@@ -219,162 +151,31 @@ class NodeActivities:
     @activity.defn(name=names.RESERVE_PORT)
     async def reserve_port(self, ref: ShardRef) -> PortReservation:
         """A port for a shard that peers must know before it starts (idempotent)."""
-        record = self._sup.shard_dir(ref) / "reserved-port"
-        async with self._port_lock:
-            if record.exists():
-                port = int(record.read_text())
-            else:
-                port = self._take_port()
-                record.parent.mkdir(parents=True, exist_ok=True)
-                record.write_text(str(port))
-        return PortReservation(host=self._host, port=port)
+        return await self._launcher.reserve_port(ref)
 
     @activity.defn(name=names.LAUNCH_SHARD)
     async def launch_shard(self, request: LaunchShardInput) -> ShardHandle:
         """Start a shard, or return the one already running for it."""
         spec = request.spec
         ref = ShardRef(replica_id=spec.replica_id, rank=spec.rank)
-        lock = self._shard_locks.setdefault(f"{ref.replica_id}/{ref.rank}", asyncio.Lock())
-        async with lock:
+        async with self._launcher.shard_lock(ref):
             found = self._sup.find_running(ref)
             if found is not None:
                 log.info("replica %s rank %d already running", ref.replica_id, ref.rank)
                 return _handle(found, already_running=True)
             await self._ensure_engine(spec.model.engine, spec.model.profile.device)
-            ports: list[int] = []
             try:
-                async with self._port_lock:
-                    ports.append(spec.port or self._take_port())
-                    if spec.rank == 0:  # the engine's own, loopback-only HTTP port
-                        ports.append(self._take_port(LOOPBACK))
-                    bind = self._bind_cores(ref, spec)
-                launch = self._plan(spec, ports, bind)
-                running = await _heartbeat_while(
-                    asyncio.to_thread(self._start, ref, spec, launch),
-                    lambda: "waiting for the rendezvous point",
-                )
+                async with self._launcher.planned(spec) as launch:
+                    running = await _heartbeat_while(
+                        asyncio.to_thread(self._launcher.start, spec, launch),
+                        lambda: "waiting for the rendezvous point",
+                    )
             except LaunchValidationError as err:
                 raise ConfigError(str(err)).to_application_error() from err
             except LlmgwError as err:
                 raise err.to_application_error() from err
-            finally:
-                # Recorded in the spec file once launched; released if not.
-                self._reserved.difference_update(ports)
-                self._binding.pop(shard_key(ref), None)
         log.info("replica %s rank %d launched pid %d", ref.replica_id, ref.rank, running.pid)
         return _handle(running, already_running=False)
-
-    def _take_port(self, host: str = "") -> int:
-        used = self._sup.used_ports() | self._reserved
-        port = pick_port(host or self._host, self._ports, used)
-        self._reserved.add(port)
-        return port
-
-    def _bind_cores(self, ref: ShardRef, spec: ShardSpec) -> str:
-        """Cores of their own for a vLLM CPU engine; ``""`` for every other shard."""
-        model = spec.model
-        if model.engine is not EngineKind.VLLM or model.profile.device != "cpu":
-            return ""
-        taken = set().union(*self._binding.values())
-        for running in self._sup.running():
-            taken |= parse_cpu_list(self._sup.plan_of(running.ref).cpu_bind)
-        inv = self._inventory()
-        per_rank = cores_per_engine(len(self._cores), inv.max_cpu_replicas, self._threads)
-        bind = choose_binding(self._cores, taken, per_rank, model.profile.tp)
-        if bind == NOBIND:
-            log.warning(
-                "replica %s: no %d free cores to bind (held: %s): its threads run unbound",
-                ref.replica_id,
-                per_rank * model.profile.tp,
-                format_cpu_list(taken) or "none",
-            )
-        self._binding[shard_key(ref)] = parse_cpu_list(bind)
-        return bind
-
-    def _adapter_path(self, source: str) -> str:
-        """A catalog adapter's file, resolved inside the weights roots as the
-        model's weights are (SourceOutsideRoots if not); the engine gets the
-        resolved path, so a link swapped in later cannot lead it out."""
-        if self._weights is None:
-            return source
-        return str(self._weights.roots.inside(source))
-
-    def _plan(self, spec: ShardSpec, ports: list[int], bind: str) -> _Launch:
-        fronted = len(ports) > 1
-        inv = self._inventory()
-        ref = ShardRef(replica_id=spec.replica_id, rank=spec.rank)
-        facts = node_facts(
-            inv, spec.gpu_indices, ports[-1], host=self._host, threads=self._threads
-        ).model_copy(
-            update={
-                "http_host": LOOPBACK if fronted else "",
-                "cpu_threads_bind": bind or NOBIND,
-                "kv_cache_bytes": kv_cache_bytes(
-                    inv.memory_mib, inv.max_cpu_replicas, self._kv_mib
-                ),
-                "scratch_dir": str(self._sup.scratch_dir(ref)),
-            }
-        )
-        static = () if spec.model.profile.runtime_lora else spec.model.adapters
-        request = ShardRequest(
-            model=spec.model,
-            profile=spec.model.profile,
-            rank=spec.rank,
-            node=facts,
-            rendezvous=spec.rendezvous,
-            # Catalog adapters only, loaded at start; on-demand ones come
-            # through AdapterLoad (never a path a client supplied).
-            loras=tuple(
-                LoraAdapter(name=a.name, path=self._adapter_path(a.source)) for a in static
-            ),
-        )
-        key = self._engine_key(spec.replica_id)
-        planners = (
-            self._installs.planners(spec.model.profile.device) if self._installs else self._planners
-        )
-        plan = plan_shard(request, key, engine_env(os.environ), planners)
-        if plan.serves_http and not fronted:
-            raise ConfigError(f"rank {spec.rank} serves HTTP but only rank 0 is fronted")
-        return _Launch(
-            plan=plan,
-            port=ports[0],
-            internal_port=ports[-1] if fronted else None,
-            key=key,
-            bind=bind,
-        )
-
-    def _start(self, ref: ShardRef, spec: ShardSpec, launch: _Launch) -> RunningShard:
-        plan, port = launch.plan, launch.port
-        specs = list(plan.commands)
-        commands = [Command(list(c.argv), {**plan.env, **c.env}) for c in specs]
-        if plan.serves_http and launch.internal_port is not None:
-            # First, so it leads the process group: one signal stops it with the engine.
-            upstream = f"http://{LOOPBACK}:{launch.internal_port}"
-            env = {**engine_env(os.environ), passthrough.KEY_ENV: launch.key}
-            argv = passthrough.command(sys.executable, self._host, port, upstream)
-            commands.insert(0, Command(argv, env, drops_privileges=True))
-            specs.insert(0, CommandSpec(name="passthrough", argv=tuple(argv)))
-        endpoint = f"http://{self._host}:{port}" if plan.serves_http else f"{self._host}:{port}"
-        record = ShardRecord(
-            model=spec.model.name,
-            engine=spec.model.engine.value,
-            gpu_indices=spec.gpu_indices,
-            priority=spec.model.priority,
-            catalog_digest=spec.catalog_digest,
-            serves_http=plan.serves_http,
-            ready_probe=plan.ready_probe,
-            plan=plan.loggable(),
-            internal_port=launch.internal_port,
-            cpu_bind=launch.bind,
-        )
-        return self._sup.launch(
-            ref,
-            commands,
-            port,
-            endpoint,
-            record,
-            before_each=lambda i: wait_listening(specs[i].wait_for),
-        )
 
     @activity.defn(name=names.WAIT_SHARD_READY)
     async def wait_shard_ready(self, request: WaitReadyInput) -> WaitReadyResult:

@@ -27,8 +27,9 @@ from llmgw.cli.up import kill_recorded_engines
 from llmgw.keys import engine_key
 from llmgw.store import Store
 from llmgw.types import DeploymentStatus, GpuHealth, GpuInfo, ModelSpec, NodeInventory
+from worker_agent.installs.installed import EngineInstalls
 from worker_agent.installs.llamacpp import LlamaCppInstall
-from worker_agent.main import engine_planners
+from worker_agent.launch import Launcher
 from worker_agent.supervisor import Supervisor
 
 REPO = Path(__file__).resolve().parents[1]
@@ -124,6 +125,17 @@ class System:
         )
         self.env.update(extra_env or {})
         self.children: list[Child] = []
+
+    def cli(self, *args: str, timeout_s: float = 180) -> subprocess.CompletedProcess[str]:
+        """Run ``llmgw <args>`` against this system, its output captured (blocking)."""
+        return subprocess.run(
+            [sys.executable, "-m", "llmgw", *args],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            check=False,
+        )
 
     def spawn(self, name: str, extra_env: dict[str, str] | None = None) -> Child:
         """Start ``llmgw <name>`` as a child process."""
@@ -270,17 +282,24 @@ def node_inventory(
     )
 
 
+def llama_only(llama: LlamaCppInstall, work: Path) -> EngineInstalls:
+    """A node's engines with llama.cpp installed and an empty cache for the rest."""
+    return EngineInstalls(work / "engines", llama)
+
+
 def node_activities(
     llama: LlamaCppInstall, supervisor: Supervisor, secret: str = "test-secret"
 ) -> NodeActivities:
     """Node activities over real llama.cpp binaries, on a fresh port range."""
     start = free_port()
     return NodeActivities(
-        supervisor=supervisor,
-        planners=engine_planners(llama),
-        engine_key=lambda rid: engine_key(secret, rid),
-        engine_host="127.0.0.1",
-        ports=range(start, start + 50),
-        inventory=cpu_inventory,
-        threads=1,
+        Launcher(
+            supervisor=supervisor,
+            installs=llama_only(llama, supervisor.work_dir),
+            engine_key=lambda rid: engine_key(secret, rid),
+            engine_host="127.0.0.1",
+            ports=range(start, start + 50),
+            inventory=cpu_inventory,
+            threads=1,
+        )
     )

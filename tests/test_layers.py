@@ -142,6 +142,7 @@ def test_the_rule_itself() -> None:
     assert allowed("activities.control", "worker_agent.engines.validation")
     assert not allowed("worker_agent.engines.vllm", "worker_agent.supervisor")
     assert not allowed("workflows.worker", "worker_agent.main")
+    assert not allowed("activities.control", "worker_agent.launch")
     assert not allowed("router.admin", "workflows.replica")
     assert not allowed("llmgw.store", "router.app")
     assert not allowed("llmgw.types", "llmgw.store")

@@ -30,7 +30,6 @@ from llmgw.store import Store
 from llmgw.temporal import connect_with, workflow_running
 from llmgw.tracing import setup_tracing
 from llmgw.types import (
-    EngineKind,
     FleetSnapshot,
     NodeInventory,
     NodeRef,
@@ -38,10 +37,10 @@ from llmgw.types import (
     ShardReport,
 )
 from worker_agent.adoption import adopt
-from worker_agent.engines import EnginePlanner, Launchers, default_planners
 from worker_agent.installs.installed import EngineInstalls
-from worker_agent.installs.llamacpp import LlamaCppInstall, ensure_llama_cpp
+from worker_agent.installs.llamacpp import ensure_llama_cpp
 from worker_agent.inventory import Sources, collect, sources_from
+from worker_agent.launch import Launcher
 from worker_agent.shard_record import ShardRecord
 from worker_agent.supervisor import RunningShard, Supervisor
 from worker_agent.users import SystemUsers, engine_identity
@@ -67,15 +66,6 @@ async def register(client: Client, inventory: NodeInventory) -> None:
     )
 
 
-def engine_planners(llama: LlamaCppInstall) -> dict[EngineKind, EnginePlanner]:
-    """The engines this node can plan, with where their programs are."""
-    launchers = Launchers(
-        llama_server=(str(llama.server),),
-        rpc_server=(str(llama.rpc_server),) if llama.rpc_server else ("ggml-rpc-server",),
-    )
-    return default_planners(launchers, {EngineKind.LLAMA_CPP: llama.environment})
-
-
 def build_activities(
     settings: AgentSettings,
     secret: str,
@@ -85,20 +75,21 @@ def build_activities(
 ) -> NodeActivities:
     """The node's activities with their real dependencies."""
     return NodeActivities(
-        supervisor=supervisor,
-        planners=engine_planners(installs.llama),
-        installs=installs,
-        cpu_kv_cache_mib=settings.cpu_kv_cache_mib,
-        engine_key=lambda replica_id: engine_key(secret, replica_id),
-        engine_host=settings.engine_host,
-        ports=range(settings.port_range_start, settings.port_range_end + 1),
-        inventory=current_inventory,
-        threads=settings.engine_threads,
-        weights=WeightsCache(
-            supervisor.work_dir / "weights",
-            settings.resolved_weights_roots(),
-            group=_engine_group(supervisor),
-        ),
+        Launcher(
+            supervisor=supervisor,
+            installs=installs,
+            cpu_kv_cache_mib=settings.cpu_kv_cache_mib,
+            engine_key=lambda replica_id: engine_key(secret, replica_id),
+            engine_host=settings.engine_host,
+            ports=range(settings.port_range_start, settings.port_range_end + 1),
+            inventory=current_inventory,
+            threads=settings.engine_threads,
+            weights=WeightsCache(
+                supervisor.work_dir / "weights",
+                settings.resolved_weights_roots(),
+                group=_engine_group(supervisor),
+            ),
+        )
     )
 
 

@@ -1,4 +1,7 @@
-"""The engine supervisor: spawn, find, watch and stop shard processes.
+"""The engine supervisor: start, find, watch and stop shard processes.
+
+Which processes a shard has and what is recorded about them is here; how
+one process is started (as whom, in which group) is ``worker_agent/spawn.py``.
 
 Each shard runs in its own process group, because engines fork
 workers that hold (GPU) memory and outlive a signal sent only to the leader.
@@ -14,7 +17,6 @@ given, so it needs no access to the file). A spec file records the command
 line with secrets redacted.
 """
 
-import contextlib
 import logging
 import os
 import re
@@ -25,7 +27,7 @@ import subprocess
 import tempfile
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,7 +36,8 @@ from llmgw.types import ShardRef
 from worker_agent import procfs
 from worker_agent.engines.spec import redacted
 from worker_agent.shard_record import RecordedFingerprint, ShardRecord, SpecFile
-from worker_agent.users import ALLOW_ROOT_HINT, DROP_TO_ENV, RunAs, reachable
+from worker_agent.spawn import Command, signal_group, spawn, user_for, wait_group_gone
+from worker_agent.users import RunAs
 
 log = logging.getLogger(__name__)
 
@@ -47,27 +50,6 @@ LOG_KEEP_BYTES = 2**20
 # this agent's engines from any other process (another agent's on the same
 # host included), so an engine whose spec file is gone can still be found.
 ENGINE_MARKER = "LLMGW_ENGINE_OF"
-
-
-@dataclass(frozen=True)
-class Command:
-    """One process of a shard: its argv and its whole environment."""
-
-    argv: list[str]
-    env: Mapping[str, str]
-    # The program becomes the engine user itself when told (the pass-through,
-    # through DROP_TO_ENV): it may be started as root when that user cannot
-    # read it (an interpreter under root's 0700 home).
-    drops_privileges: bool = False
-
-
-@dataclass(frozen=True)
-class _As:
-    """How one command is started: by whom, where, with what added to its environment."""
-
-    user: RunAs | None  # dropped to between fork and exec; None: the agent's user
-    home: RunAs | None  # whose home is its cwd and HOME
-    env: Mapping[str, str]
 
 
 @dataclass(frozen=True)
@@ -239,8 +221,8 @@ class Supervisor:
         members = procfs.group_members(pgid) if pgid > 0 else []
         if members:
             log.warning("shard %s: killing %d leftover processes", shard_key(ref), len(members))
-            _signal_group(pgid, signal.SIGKILL)
-            self._wait_group_gone(pgid, self._children.get(shard_key(ref)), 10.0)
+            signal_group(pgid, signal.SIGKILL)
+            wait_group_gone(pgid, self._children.get(shard_key(ref)), 10.0)
         return list(members)
 
     def engine_pids(self) -> set[int]:
@@ -278,21 +260,22 @@ class Supervisor:
         """
         if self.refusal:
             raise EngineUserError(self.refusal)
-        users = [self._user_for(command) for command in commands]
+        users = [user_for(c, self.run_as, self.allow_root) for c in commands]
         shard_dir = self.shard_dir(ref)
         _private_dir(shard_dir)
         log_path = shard_dir / "engine.log"
+        marker = {ENGINE_MARKER: self.marker}
         pgid: int | None = None
         procs: list[subprocess.Popen[bytes]] = []
         try:
             for i, command in enumerate(commands):
                 if before_each is not None:
                     before_each(i)
-                procs.append(self._spawn(command, users[i], shard_dir, log_path, pgid))
+                procs.append(spawn(command, users[i], shard_dir, log_path, pgid, marker))
                 pgid = pgid or procs[0].pid
         except BaseException:
             if pgid is not None:
-                _signal_group(pgid, signal.SIGKILL)
+                signal_group(pgid, signal.SIGKILL)
             for proc in procs:
                 proc.wait()
             raise
@@ -323,62 +306,6 @@ class Supervisor:
         return RunningShard(
             ref=ref, pid=main.pid, port=port, endpoint=endpoint, log_path=log_path, pgid=pgid
         )
-
-    def _user_for(self, command: Command) -> _As:
-        """Whom ``command`` runs as: the engine user, unless it cannot reach the program."""
-        run_as = self.run_as
-        if run_as is None:
-            return _As(None, None, {})
-        program = Path(shutil.which(command.argv[0]) or command.argv[0]).resolve()
-        if reachable(program, run_as.uid, run_as.groups):
-            return _As(run_as, run_as, run_as.env())
-        if command.drops_privileges:
-            return _As(None, run_as, {**run_as.env(), DROP_TO_ENV: run_as.drop_to()})
-        if not self.allow_root:
-            raise EngineUserError(
-                f"{run_as.user} cannot reach {program}: not starting it as root; {ALLOW_ROOT_HINT}"
-            )
-        log.warning(
-            "%s cannot reach %s: it runs as the agent's user (allowed)", run_as.user, program
-        )
-        return _As(None, None, {})
-
-    def _spawn(
-        self,
-        command: Command,
-        how: _As,
-        cwd: Path,
-        log_path: Path,
-        pgid: int | None,
-    ) -> subprocess.Popen[bytes]:
-        user = how.user
-        env = {**command.env, **how.env, ENGINE_MARKER: self.marker}
-        # Opened by the agent and handed over as stdout: 0600 and the agent's,
-        # so neither the engine user nor anyone else can read other shards' logs.
-        fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-        os.fchmod(fd, 0o600)
-        with os.fdopen(fd, "ab") as log_file:
-            try:
-                return subprocess.Popen(
-                    command.argv,
-                    env=env,
-                    stdin=subprocess.DEVNULL,
-                    stdout=log_file,
-                    stderr=subprocess.STDOUT,
-                    cwd=how.home.home if how.home else cwd,
-                    # The first command leads a new process group and the rest
-                    # join it, so one group signal stops the whole shard. (A
-                    # new session would be cleaner, but a process cannot join
-                    # a group in another session.)
-                    process_group=pgid or 0,
-                    # Dropped in the child between fork and exec: the engine
-                    # never runs a single instruction as root.
-                    user=user.uid if user else None,
-                    group=user.gid if user else None,
-                    extra_groups=list(user.groups) if user else None,
-                )
-            except OSError as exc:
-                raise EngineLaunchError(f"cannot start {command.argv[0]}: {exc}") from exc
 
     def plan_of(self, ref: ShardRef) -> ShardRecord:
         """What the launch recorded about the shard's plan (probe, HTTP or not);
@@ -452,11 +379,11 @@ class Supervisor:
             self._forget(ref)
             return StopOutcome(was_running=False, exit_code=child.poll() if child else None)
         pgid = running.group
-        _signal_group(pgid, signal.SIGTERM)
-        if not self._wait_group_gone(pgid, child, grace_s):
+        signal_group(pgid, signal.SIGTERM)
+        if not wait_group_gone(pgid, child, grace_s):
             log.warning("shard %s ignored SIGTERM for %.1fs: SIGKILL", shard_key(ref), grace_s)
-            _signal_group(pgid, signal.SIGKILL)
-            if not self._wait_group_gone(pgid, child, 10.0):
+            signal_group(pgid, signal.SIGKILL)
+            if not wait_group_gone(pgid, child, 10.0):
                 raise EngineLaunchError(f"shard {shard_key(ref)} survived SIGKILL (pgid {pgid})")
         code = child.poll() if child else None
         self._forget(ref)
@@ -480,31 +407,12 @@ class Supervisor:
         self._spec_path(ref).unlink(missing_ok=True)
         self._remove_scratch(ref)
 
-    @staticmethod
-    def _wait_group_gone(pgid: int, child: subprocess.Popen[bytes] | None, timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
-        while True:
-            # A multi-threaded leader shows as a zombie before its last
-            # thread is gone and only then can be reaped: wait for both, or
-            # its exit code is lost.
-            reaped = child is None or child.poll() is not None
-            if reaped and not procfs.group_members(pgid):
-                return True
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.05)
-
 
 def _private_dir(path: Path) -> None:
     """A directory only the agent's user can enter (created or tightened)."""
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
     if stat.S_IMODE(path.stat().st_mode) != 0o700:
         path.chmod(0o700)
-
-
-def _signal_group(pgid: int, sig: signal.Signals) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pgid, sig)
 
 
 def _write_atomic(path: Path, text: str) -> None:

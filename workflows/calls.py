@@ -15,7 +15,14 @@ from temporalio.exceptions import ApplicationError
 with workflow.unsafe.imports_passed_through():
     from activities import names
     from llmgw.queues import node_queue
-    from llmgw.types import ReplicaTimeouts, ShardRef, StopShardInput, StopShardResult
+    from llmgw.types import (
+        FetchWeightsInput,
+        ModelSpec,
+        ReplicaTimeouts,
+        ShardRef,
+        StopShardInput,
+        StopShardResult,
+    )
 
 T = TypeVar("T")
 
@@ -53,6 +60,17 @@ async def stop_rank(node_id: str, shard: ShardRef, timeouts: ReplicaTimeouts) ->
         timeouts,
         timedelta(seconds=timeouts.stop_grace_s + 30),
         retry=RetryPolicy(maximum_attempts=5),
+    )
+
+
+def fetch_input(replica_id: str, model: ModelSpec) -> FetchWeightsInput:
+    """What a node is asked to fetch for ``model`` (and the engine it installs)."""
+    return FetchWeightsInput(
+        replica_id=replica_id,
+        source=model.source,
+        sha256=model.sha256,
+        engine=model.engine,
+        device=model.profile.device,
     )
 
 

@@ -23,7 +23,6 @@ with workflow.unsafe.imports_passed_through():
     from llmgw import error_types, messages
     from llmgw.types import (
         EngineKind,
-        FetchWeightsInput,
         FetchWeightsResult,
         LaunchShardInput,
         ModelSpec,
@@ -40,7 +39,7 @@ with workflow.unsafe.imports_passed_through():
         WaitReadyInput,
         WaitReadyResult,
     )
-    from workflows.calls import failure_reason, node_activity, stop_rank
+    from workflows.calls import failure_reason, fetch_input, node_activity, stop_rank
 
 
 def start_order(engine: EngineKind, nodes: int) -> list[int]:
@@ -145,13 +144,7 @@ class RendezvousWorkflow:
         fetched = await node_activity(
             shard.node_id,
             names.FETCH_WEIGHTS,
-            FetchWeightsInput(
-                replica_id=self._req.replica_id,
-                source=model.source,
-                sha256=model.sha256,
-                engine=model.engine,
-                device=model.profile.device,
-            ),
+            fetch_input(self._req.replica_id, model),
             FetchWeightsResult,
             self._t,
             timedelta(seconds=self._t.fetch_s),

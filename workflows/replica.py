@@ -1,5 +1,11 @@
 """One replica's lifecycle: place → launch → wait ready → serve/watch → stop.
 
+This module is the lifecycle both kinds of replica share (placing,
+preempting, stopping, draining, failing, releasing, publishing); how a
+replica starts and is watched is its serving path, on one node
+(``workflows/replica_one_node.py``) or as ranks on several
+(``workflows/replica_ranks.py``).
+
 Workflow id ``replica/<replica_id>``. Every phase is published as memo and
 search attributes (the router and the Temporal UI read them) and the full
 state answers the ``status`` query. Activities for the engine run on the
@@ -15,8 +21,7 @@ from datetime import timedelta
 from typing import TypeVar
 
 from temporalio import workflow
-from temporalio.common import RetryPolicy
-from temporalio.exceptions import ActivityError, CancelledError, ChildWorkflowError
+from temporalio.exceptions import ActivityError, ChildWorkflowError
 
 with workflow.unsafe.imports_passed_through():
     from activities import names
@@ -28,54 +33,31 @@ with workflow.unsafe.imports_passed_through():
         AdaptersChanged,
         DrainInput,
         DrainResult,
-        FetchWeightsInput,
-        FetchWeightsResult,
-        LaunchShardInput,
-        LogTail,
-        LogTailInput,
-        ModelSpec,
         Placement,
         PlaceRequest,
         PlaceResult,
-        ProbeEngineResult,
         ReleaseRequest,
         ReleaseResult,
-        RendezvousInput,
-        RendezvousResult,
         ReplicaInput,
         ReplicaPhase,
         ReplicaReadyNotice,
         ReplicaStatus,
-        ShardExit,
-        ShardHandle,
-        ShardPlacement,
         ShardRef,
-        ShardSpec,
         StopReplicaInput,
-        ValidateInput,
-        ValidateResult,
-        WaitReadyInput,
-        WaitReadyResult,
-        WatchShardInput,
     )
-    from workflows.calls import failure_reason, node_activity, stop_rank
-    from workflows.node_loss import NoAgent, agent_answers, agent_or_silence
+    from workflows.calls import failure_reason, node_activity
+    from workflows.replica_one_node import OneNode
+    from workflows.replica_ranks import Ranks
+    from workflows.replica_serving import ServingPath
     from workflows.replica_state import is_terminal, memo_of, note, transition
     from workflows.spans import decision
 
 P = ReplicaPhase
 T = TypeVar("T")
 FETCH_WEIGHTS_PATCH = "fetch-weights-v1"
-VALIDATE_PATCH = "validate-before-launch-v1"
 DRAIN_PATCH = "drain-wait-v1"
 NOTIFY_PARENT_PATCH = "notify-parent-ready-v1"
-FAIL_TAIL_PATCH = "fail-log-tail-v1"
 NOTIFY_PARENT_END_PATCH = "notify-parent-ended-v1"
-NODE_LOST_PATCH = "node-lost-v1"
-LOG_TAIL_LINES = 40
-# The watch activity lives as long as the engine; its heartbeats, not this
-# bound, are what notice a dead agent.
-WATCH_LIFETIME = timedelta(days=3650)
 
 
 class _StopRequested(LlmgwError):
@@ -95,9 +77,9 @@ class ReplicaWorkflow:
         )
         self._stop: StopReplicaInput | None = None
         self._placement: Placement | None = None
-        self._launched = False
         self._fetches = False
-        self._ranks: list[ShardPlacement] = []
+        # How the replica serves, once placed.
+        self._path: ServingPath | None = None
         self._notify: asyncio.Future[None] | None = None
 
     @workflow.run
@@ -170,164 +152,17 @@ class ReplicaWorkflow:
         placement = await self._place()
         if placement is None:
             return
-        model = self._input.model
-        if model.profile.nodes > 1:
-            await self._start_and_serve_ranks(placement)
-            return
-        if workflow.patched(VALIDATE_PATCH):
-            await workflow.execute_activity(
-                names.VALIDATE_REPLICA,
-                ValidateInput(model=model, placement=placement),
-                result_type=ValidateResult,
-                start_to_close_timeout=timedelta(seconds=30),
-            )
-        if self._fetches:
-            fetched: FetchWeightsResult = await self._interruptible(
-                self._node_activity(
-                    names.FETCH_WEIGHTS,
-                    FetchWeightsInput(
-                        replica_id=self._input.replica_id,
-                        source=model.source,
-                        sha256=model.sha256,
-                        engine=model.engine,
-                        device=model.profile.device,
-                    ),
-                    FetchWeightsResult,
-                    timedelta(seconds=self._t.fetch_s),
-                )
-            )
-            model = model.model_copy(update={"source": fetched.path})
-            how = "from the node's cache" if fetched.cached else "fetched"
-            self._move(P.STARTING, f"weights {how}: {fetched.size_bytes} bytes")
-        handle = await self._interruptible(self._launch(placement, model))
-        self._status.endpoint = handle.endpoint
-        self._status.pid = handle.pid
-        self._move(P.LOADING, f"pid {handle.pid} on {handle.endpoint}")
-        ready: WaitReadyResult = await self._interruptible(
-            self._node_activity(
-                names.WAIT_SHARD_READY,
-                WaitReadyInput(shard=self._shard(), timeout_s=self._t.ready_s),
-                WaitReadyResult,
-                timedelta(seconds=self._t.ready_s + 30),
-            )
+        serving = Ranks if self._input.model.profile.nodes > 1 else OneNode
+        self._path = serving(
+            self._input,
+            self._status,
+            placement,
+            self._move,
+            self._interruptible,
+            fetches=self._fetches,
         )
-        if not model.profile.runtime_lora:
-            # Loaded at start, in catalog order (llama.cpp's per-request ids).
-            self._status.adapters = [a.name for a in model.adapters]
-        self._move(P.READY, f"serving {', '.join(ready.model_ids)}")
-        if workflow.patched(NODE_LOST_PATCH):
-            exit_info = await self._interruptible(self._watch_through_node_loss())
-        else:
-            exit_info = await self._interruptible(
-                self._node_activity(
-                    names.WATCH_SHARD,
-                    WatchShardInput(shard=self._shard()),
-                    ShardExit,
-                    WATCH_LIFETIME,
-                    retry=RetryPolicy(maximum_interval=timedelta(seconds=10)),
-                )
-            )
-        self._status.log_tail = exit_info.log_tail
-        self._launched = False
-        await self._fail(exit_info.reason, engine_gone=True)
-
-    async def _watch_through_node_loss(self) -> ShardExit:
-        """Watch the engine until it exits; a silent agent is not an exit.
-
-        The watch fails when the agent stops heartbeating (frozen, killed,
-        partitioned). That is evidence about the agent only, so the replica
-        goes ``node-lost`` and stays routable while the control plane probes
-        the engine itself; it is back to ``ready`` when an agent answers for
-        the same engine, and fails only once the engine has not answered
-        for ``engine_unreachable_s`` (DESIGN §8).
-        """
-        while True:
-            try:
-                exit_info: ShardExit = await self._node_activity(
-                    names.WATCH_SHARD,
-                    WatchShardInput(shard=self._shard()),
-                    ShardExit,
-                    WATCH_LIFETIME,
-                    retry=RetryPolicy(maximum_attempts=1),
-                )
-                return exit_info
-            except ActivityError as err:
-                if isinstance(err.cause, CancelledError):
-                    raise  # a stop request cancelled the watch: not a lost node
-                lost = failure_reason(err)
-            # An agent that restarted (or shut down for an upgrade) answers
-            # within seconds: that is no lost node, the watch just resumes.
-            assert self._placement is not None
-            node = self._placement.node_id
-            try:
-                found = await agent_answers(node, self._shard(), self._t)
-            except NoAgent:
-                self._move(P.NODE_LOST, f"agent on {node} silent ({lost}); probing the engine")
-                seen = await agent_or_silence(node, self._shard(), self._status.endpoint, self._t)
-                if isinstance(seen, ProbeEngineResult):
-                    reason = (
-                        f"node {node} lost and engine unreachable for "
-                        f"{seen.unanswered_s:.0f}s: {seen.last_error}"
-                    )
-                    return ShardExit(exit_code=None, reason=reason)
-                found = seen
-                if found.pid is not None:
-                    adopted = "same pid" if found.pid == self._status.pid else "new pid"
-                    self._status.pid = found.pid
-                    self._move(P.READY, f"agent on {node} back; engine pid {found.pid} ({adopted})")
-            if found.pid is None:
-                return found.exit or ShardExit(exit_code=None, reason="engine gone")
-
-    async def _start_and_serve_ranks(self, placement: Placement) -> None:
-        """A multi-node replica: a Rendezvous child starts the ranks, then
-        every rank is watched and the first to exit fails the whole replica."""
-        rid = self._input.replica_id
-        self._ranks = placement.shards()
-        self._launched = True
-        if self._status.phase is P.FETCHING:
-            self._move(P.STARTING, f"rendezvous of {len(self._ranks)} ranks")
-        started: RendezvousResult = await self._interruptible(
-            workflow.execute_child_workflow(
-                messages.RENDEZVOUS,
-                RendezvousInput(
-                    replica_id=rid, model=self._input.model, placement=placement, timeouts=self._t
-                ),
-                id=f"rendezvous/{rid}",
-                result_type=RendezvousResult,
-            )
-        )
-        self._status.endpoint = started.leader.endpoint
-        self._status.pid = started.leader.pid
-        self._move(P.LOADING, f"{len(started.ranks)} ranks up; leader pid {started.leader.pid}")
-        self._move(P.READY, f"serving {self._input.model.name} from {started.leader.endpoint}")
-        rank, exit_info = await self._interruptible(self._first_exit())
-        self._status.log_tail = exit_info.log_tail
-        await self._fail(f"rank {rank}: {exit_info.reason}")
-
-    async def _first_exit(self) -> tuple[int, ShardExit]:
-        watches = {
-            asyncio.ensure_future(
-                node_activity(
-                    shard.node_id,
-                    names.WATCH_SHARD,
-                    WatchShardInput(
-                        shard=ShardRef(replica_id=self._input.replica_id, rank=shard.rank)
-                    ),
-                    ShardExit,
-                    self._t,
-                    WATCH_LIFETIME,
-                    retry=RetryPolicy(maximum_interval=timedelta(seconds=10)),
-                )
-            ): shard.rank
-            for shard in self._ranks
-        }
-        try:
-            done, _ = await workflow.wait(list(watches), return_when=asyncio.FIRST_COMPLETED)
-            first = next(iter(done))
-            return watches[first], first.result()
-        finally:
-            for task in watches:
-                task.cancel()
+        ended = await self._path.serve()
+        await self._fail(ended.reason, engine_gone=ended.engine_gone)
 
     async def _place(self) -> Placement | None:
         attempt = 0
@@ -389,34 +224,6 @@ class ReplicaWorkflow:
                     "replica %s: victim %s: %s", self._input.replica_id, victim, err
                 )
 
-    async def _launch(self, placement: Placement, model: ModelSpec) -> ShardHandle:
-        spec = ShardSpec(
-            replica_id=self._input.replica_id,
-            model=model,
-            gpu_indices=placement.gpu_indices,
-            catalog_digest=self._input.model.digest(),
-        )
-        self._launched = True
-        return await self._node_activity(
-            names.LAUNCH_SHARD,
-            LaunchShardInput(spec=spec),
-            ShardHandle,
-            timedelta(seconds=self._t.launch_s),
-        )
-
-    async def _node_activity(
-        self,
-        name: str,
-        arg: object,
-        result_type: type[T],
-        start_to_close: timedelta,
-        retry: RetryPolicy | None = None,
-    ) -> T:
-        assert self._placement is not None
-        return await node_activity(
-            self._placement.node_id, name, arg, result_type, self._t, start_to_close, retry
-        )
-
     async def _interruptible(self, aw: Awaitable[T]) -> T:
         """Await ``aw`` unless a stop request arrives first."""
         task = asyncio.ensure_future(aw)
@@ -463,7 +270,7 @@ class ReplicaWorkflow:
 
     async def _drain(self) -> None:
         """Let routers notice, then let in-flight requests finish (bounded)."""
-        if self._placement is None or not self._launched:
+        if self._placement is None or not self._launched():
             return
         await workflow.sleep(timedelta(seconds=self._t.router_grace_s))
         leader = ShardRef(replica_id=self._input.replica_id, rank=0)
@@ -488,9 +295,8 @@ class ReplicaWorkflow:
 
     async def _fail(self, reason: str, *, engine_gone: bool = False) -> None:
         self._status.reason = reason
-        launched_alone = self._launched and not self._ranks and not self._status.log_tail
-        if launched_alone and workflow.patched(FAIL_TAIL_PATCH):
-            await self._keep_log_tail()
+        if self._path is not None:
+            await self._path.keep_log_tail()
         if not engine_gone:
             # Never leak a process (or its GPU) because the start went wrong.
             await self._stop_shard()
@@ -498,43 +304,14 @@ class ReplicaWorkflow:
         if not is_terminal(self._status.phase):
             self._move(P.FAILED, reason)
 
-    async def _keep_log_tail(self) -> None:
-        """The engine's last words, kept with the failure (the node may be gone)."""
-        try:
-            tail: LogTail = await self._node_activity(
-                names.SHARD_LOG_TAIL,
-                LogTailInput(shard=self._shard(), lines=LOG_TAIL_LINES),
-                LogTail,
-                timedelta(seconds=30),
-                retry=RetryPolicy(maximum_attempts=2),
-            )
-            self._status.log_tail = tail.lines
-        except ActivityError as err:
-            workflow.logger.warning("replica %s: no log tail: %s", self._input.replica_id, err)
-
     async def _stop_shard(self) -> None:
-        if not self._launched or self._placement is None:
+        if self._path is None or not self._path.launched or self._placement is None:
             return
-        if self._ranks:
-            for shard in self._ranks:
-                ref = ShardRef(replica_id=self._input.replica_id, rank=shard.rank)
-                try:
-                    await stop_rank(shard.node_id, ref, self._t)
-                except ActivityError as err:
-                    self._status.reason += (
-                        f"; stop of rank {shard.rank} failed: {failure_reason(err)}"
-                    )
-            self._launched = False
-            return
-        try:
-            result = await stop_rank(self._placement.node_id, self._shard(), self._t)
-            self._launched = False
-            if result.was_running:
-                workflow.logger.info(
-                    "replica %s engine stopped (exit %s)", self._input.replica_id, result.exit_code
-                )
-        except ActivityError as err:
-            self._status.reason = f"{self._status.reason}; stop failed: {failure_reason(err)}"
+        await self._path.stop()
+
+    def _launched(self) -> bool:
+        """Whether an engine (or a rank) may be running."""
+        return self._path is not None and self._path.launched
 
     async def _release(self) -> None:
         if self._placement is None:
@@ -546,9 +323,6 @@ class ReplicaWorkflow:
             start_to_close_timeout=timedelta(seconds=30),
         )
         self._placement = None
-
-    def _shard(self) -> ShardRef:
-        return ShardRef(replica_id=self._input.replica_id, rank=0)
 
     def _move(self, phase: ReplicaPhase, detail: str = "") -> None:
         transition(self._status, phase, workflow.now().isoformat(), detail)

@@ -18,7 +18,8 @@ from worker_agent import procfs
 from worker_agent.adoption import adopt
 from worker_agent.main import stop_orphans
 from worker_agent.shard_record import ShardRecord
-from worker_agent.supervisor import ENGINE_MARKER, Command, Supervisor
+from worker_agent.spawn import Command
+from worker_agent.supervisor import ENGINE_MARKER, Supervisor
 
 ENGINE = """
 import os, sys, time

@@ -32,9 +32,10 @@ from llmgw.types import (
 from tests.harness import node_activities
 from worker_agent import procfs
 from worker_agent.installs.llamacpp import LlamaCppInstall
-from worker_agent.launching import engine_env
+from worker_agent.launch import engine_env
 from worker_agent.shard_record import ShardRecord
-from worker_agent.supervisor import Command, Supervisor
+from worker_agent.spawn import Command
+from worker_agent.supervisor import Supervisor
 from worker_agent.users import (
     DEFAULT_ENGINE_USER,
     SystemUsers,

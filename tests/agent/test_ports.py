@@ -6,7 +6,7 @@ import pytest
 
 from llmgw.errors import EngineLaunchError
 from tests.harness import free_port
-from worker_agent.launching import pick_port
+from worker_agent.launch import pick_port
 
 
 def _time_wait_on(port: int) -> None:

@@ -13,7 +13,8 @@ from llmgw.types import ShardRef
 from tests.procs_util import pids_with_args
 from worker_agent import procfs
 from worker_agent.shard_record import ShardRecord, SpecFile
-from worker_agent.supervisor import Command, Supervisor
+from worker_agent.spawn import Command
+from worker_agent.supervisor import Supervisor
 
 # A stand-in engine that forks a worker, as vLLM and SGLang do, and ignores
 # SIGTERM in the worker so only a group SIGKILL removes it.

@@ -24,7 +24,7 @@ from worker_agent.installs.vllm import (
     install_dir,
     package_for,
 )
-from worker_agent.main import engine_planners
+from worker_agent.launch import Launcher
 from worker_agent.supervisor import Supervisor
 from worker_agent.weights import WeightsCache
 
@@ -74,14 +74,15 @@ async def test_a_replica_whose_engine_cannot_install_fails_with_the_reason(
     llama: LlamaCppInstall, tmp_path: Path
 ) -> None:
     acts = NodeActivities(
-        supervisor=Supervisor(tmp_path / "agent"),
-        planners=engine_planners(llama),
-        engine_key=lambda rid: engine_key("secret", rid),
-        engine_host="127.0.0.1",
-        ports=range(free_port(), 65536)[:1],
-        inventory=cpu_inventory,
-        weights=WeightsCache(tmp_path / "weights", [tmp_path]),
-        installs=_Broken(tmp_path / "engines", llama),
+        Launcher(
+            supervisor=Supervisor(tmp_path / "agent"),
+            engine_key=lambda rid: engine_key("secret", rid),
+            engine_host="127.0.0.1",
+            ports=range(free_port(), 65536)[:1],
+            inventory=cpu_inventory,
+            weights=WeightsCache(tmp_path / "weights", [tmp_path]),
+            installs=_Broken(tmp_path / "engines", llama),
+        )
     )
     request = FetchWeightsInput(
         replica_id="r-1", source=str(tmp_path), engine=EngineKind.VLLM, device="cpu"

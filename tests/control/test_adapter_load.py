@@ -40,7 +40,8 @@ from router.adapters import TemporalAdapterLoader
 from tests.gateway_util import MockEngine, auth, gateway
 from tests.harness import TESTS, free_port, port_open
 from worker_agent.shard_record import ShardRecord
-from worker_agent.supervisor import Command, Supervisor
+from worker_agent.spawn import Command
+from worker_agent.supervisor import Supervisor
 from workflows.adapter_load import AdapterLoadWorkflow
 
 SECRET = "adapter-secret"

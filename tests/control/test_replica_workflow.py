@@ -255,33 +255,40 @@ async def test_engine_exit_fails_the_replica_with_its_tail(env: tuple[Client, st
     assert fakes.releases == 1 and fakes.stops == 0
 
 
-async def test_not_ready_stops_the_engine_and_releases(env: tuple[Client, str, Fakes]) -> None:
-    client, queue, fakes = env
-    fakes.ready_error = "not ready after 600s"
-    final = await (await _start(client, queue)).result()
-    assert final.phase is P.FAILED
-    assert "EngineNotReadyError" in final.reason
-    assert (fakes.stops, fakes.releases) == (1, 1)
+# A start that fails at each step: what it says, and what it launched,
+# stopped and released (nothing launched is left running, nothing placed is
+# left held).
+FAILED_STARTS: dict[str, tuple[dict[str, object], str, tuple[int, int, int]]] = {
+    "not ready: the engine is stopped and the node released": (
+        {"ready_error": "not ready after 600s"},
+        "EngineNotReadyError",
+        (1, 1, 1),
+    ),
+    "unplaceable: the reasons, nothing held": (
+        {"place_ok": False},
+        "needs 8 GPUs, has 0",
+        (0, 0, 0),
+    ),
+    "invalid launch: refused before anything starts": (
+        {"invalid": "cannot start: fp8 needs compute capability >= 8.9"},
+        "fp8 needs compute capability",
+        (0, 0, 1),
+    ),
+}
 
 
-async def test_unplaceable_replica_fails_with_reasons(env: tuple[Client, str, Fakes]) -> None:
-    client, queue, fakes = env
-    fakes.place_ok = False
-    final = await (await _start(client, queue)).result()
-    assert final.phase is P.FAILED
-    assert "needs 8 GPUs, has 0" in final.reason
-    assert (fakes.launches, fakes.releases) == (0, 0)
-
-
-async def test_invalid_launch_fails_before_anything_starts(
-    env: tuple[Client, str, Fakes],
+@pytest.mark.parametrize("case", FAILED_STARTS)
+async def test_a_failed_start_says_why_and_leaves_nothing(
+    env: tuple[Client, str, Fakes], case: str
 ) -> None:
     client, queue, fakes = env
-    fakes.invalid = "cannot start: fp8 needs compute capability >= 8.9"
+    fault, why, counts = FAILED_STARTS[case]
+    for name, value in fault.items():
+        setattr(fakes, name, value)
     final = await (await _start(client, queue)).result()
     assert final.phase is P.FAILED
-    assert "fp8 needs compute capability" in final.reason
-    assert (fakes.launches, fakes.releases) == (0, 1)
+    assert why in final.reason
+    assert (fakes.launches, fakes.stops, fakes.releases) == counts
 
 
 async def test_stop_while_loading(env: tuple[Client, str, Fakes]) -> None:

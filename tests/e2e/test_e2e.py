@@ -22,6 +22,7 @@ from llmgw.keys import engine_key
 from llmgw.queues import replica_workflow_id
 from llmgw.store import Store
 from llmgw.types import EngineKind, ModelSpec, ReplicaPhase, ReplicaTimeouts
+from tests.e2e.openai_calls import streamed_chat
 from tests.harness import System, wait_routable
 from tests.procs_util import pids_with_args
 from tests.recording import record
@@ -74,20 +75,7 @@ async def test_completion(oai: openai.AsyncOpenAI) -> None:
 
 
 async def test_streamed_chat_with_usage(oai: openai.AsyncOpenAI) -> None:
-    stream = await oai.chat.completions.create(
-        model=MODEL,
-        messages=[{"role": "user", "content": "hi"}],
-        max_tokens=8,
-        temperature=0,
-        stream=True,
-        stream_options={"include_usage": True},
-    )
-    text, usage = "", None
-    async for chunk in stream:
-        if chunk.choices:
-            text += chunk.choices[0].delta.content or ""
-        if chunk.usage is not None:
-            usage = chunk.usage
+    text, usage = await streamed_chat(oai, MODEL, max_tokens=8)
     assert text.strip()
     assert usage is not None and usage.completion_tokens == 8
 
@@ -156,14 +144,7 @@ async def test_replica_state_is_searchable(client: Client, served: dict[str, str
 
 
 def _cli(system: System, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "llmgw", *args],
-        env=system.env,
-        capture_output=True,
-        text=True,
-        timeout=180,
-        check=False,
-    )
+    return system.cli(*args)
 
 
 async def test_cli_deploy_status_stop(system: System, served: dict[str, str]) -> None:

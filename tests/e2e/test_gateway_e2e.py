@@ -6,7 +6,6 @@ import asyncio
 import json
 import re
 import subprocess
-import sys
 from collections.abc import AsyncIterator
 
 import httpx
@@ -199,14 +198,7 @@ async def test_admin_api(admin: httpx.AsyncClient, served: dict[str, str]) -> No
 
 
 def _cli(system: System, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "llmgw", *args],
-        env=system.env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    return system.cli(*args, timeout_s=120)
 
 
 async def test_cli_keys_create_list_revoke(system: System, served: dict[str, str]) -> None:

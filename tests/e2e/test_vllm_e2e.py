@@ -24,6 +24,7 @@ from llmgw.dev.tinymodel import TinyModel
 from llmgw.keys import engine_key
 from llmgw.store import Store
 from llmgw.types import EngineKind, EngineProfile, ModelSpec, ReplicaPhase, ShardRef
+from tests.e2e.openai_calls import streamed_chat, streamed_completion
 from tests.harness import System, node_address, wait_routable
 from worker_agent import procfs
 from worker_agent.installs.vllm import VllmInstall
@@ -123,19 +124,7 @@ async def test_chat_completion(oai: openai.AsyncOpenAI) -> None:
 
 
 async def test_streamed_chat_with_usage(oai: openai.AsyncOpenAI) -> None:
-    stream = await oai.chat.completions.create(
-        model=MODEL,
-        messages=[{"role": "user", "content": "hi"}],
-        max_tokens=8,
-        temperature=0,
-        stream=True,
-        stream_options={"include_usage": True},
-    )
-    text, usage = "", None
-    async for chunk in stream:
-        if chunk.choices:
-            text += chunk.choices[0].delta.content or ""
-        usage = chunk.usage or usage
+    text, usage = await streamed_chat(oai, MODEL, max_tokens=8)
     assert text.strip()
     assert usage is not None and usage.completion_tokens == 8
 
@@ -143,19 +132,7 @@ async def test_streamed_chat_with_usage(oai: openai.AsyncOpenAI) -> None:
 async def test_streamed_completion_matches_unstreamed(oai: openai.AsyncOpenAI) -> None:
     plain = await oai.completions.create(model=MODEL, prompt="river", max_tokens=6, temperature=0)
     assert plain.usage is not None and plain.usage.completion_tokens == 6
-    stream = await oai.completions.create(
-        model=MODEL,
-        prompt="river",
-        max_tokens=6,
-        temperature=0,
-        stream=True,
-        stream_options={"include_usage": True},
-    )
-    text, usage = "", None
-    async for chunk in stream:
-        if chunk.choices:
-            text += chunk.choices[0].text
-        usage = chunk.usage or usage
+    text, usage = await streamed_completion(oai, MODEL, "river", max_tokens=6)
     assert text == plain.choices[0].text and text.strip()
     assert usage is not None and usage.completion_tokens == 6
 

@@ -94,7 +94,7 @@ class EngineInstalls:
         return find_vllm(self.cache_dir, package_for(device))
 
     def planners(self, device: str = "cpu") -> dict[EngineKind, EnginePlanner]:
-        """Adapters whose launchers point at this node's installs."""
+        """The engine planners, their launchers pointing at this node's installs."""
         launchers = Launchers(
             llama_server=(str(self.llama.server),),
             rpc_server=(str(self.llama.rpc_server),)

@@ -109,3 +109,36 @@ class ScaleDecision(BaseModel):
     from_replicas: int
     to_replicas: int
     reason: str
+
+
+class LoadSample(BaseModel):
+    """One router's report as the deployment keeps it (workflow time, seconds)."""
+
+    at: float = Field(description="workflow time of the report, seconds since the epoch")
+    router_id: str
+    inflight: int = 0
+    waiting: int = 0
+    arrivals: int = 0
+
+
+class LoadSummary(BaseModel):
+    """The load a deployment sees now, summed over the routers reporting."""
+
+    inflight: int = 0
+    waiting: int = 0
+    routers: int = Field(default=0, description="routers whose last report has not expired")
+
+
+class ElasticState(BaseModel):
+    """A deployment's autoscaling state, carried through continue-as-new.
+
+    The samples are carried too (bounded by the windows), so the down
+    window's stabilisation does not restart with each new run.
+    """
+
+    policy: AutoscalePolicy | None = None
+    decisions: list[ScaleDecision] = Field(default_factory=list)
+    samples: list[LoadSample] = Field(default_factory=list)
+    last_activity: float = Field(default=0.0, description="last request seen (0: never)")
+    last_change: float = Field(default=0.0, description="last change of the desired count")
+    observed_since: float = Field(default=0.0, description="first report (0: none yet)")

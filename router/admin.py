@@ -82,7 +82,7 @@ async def admin_put_model(name: str, entry: CatalogModel, deps: DepsDep) -> Cata
     problems = await asyncio.to_thread(apply_entries, deps.store, [entry], lambda _: "")
     if problems:
         where = problems[0].split(":")[0]
-        own = where.startswith(("adapters", "profile"))
+        own = where.startswith(("adapters", "profile", "autoscale", "queue"))
         raise invalid_fields(problems, where if own else "name")
     return entry
 

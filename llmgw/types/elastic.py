@@ -10,7 +10,7 @@ deployment records each scaling decision as a :class:`ScaleDecision`.
 
 from enum import StrEnum
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 
 class Priority(StrEnum):
@@ -39,11 +39,15 @@ class AutoscalePolicy(BaseModel):
         default=300.0, gt=0, description="no request for this long: 0 replicas (when min is 0)"
     )
 
-    @model_validator(mode="after")
-    def _bounds(self) -> "AutoscalePolicy":
-        if self.min_replicas > self.max_replicas:
-            raise ValueError("min_replicas must not exceed max_replicas")
-        return self
+    @field_validator("max_replicas")
+    @classmethod
+    def _bounds(cls, value: int, info: ValidationInfo) -> int:
+        # On max_replicas, so that the error names the field (a catalog's
+        # models[0].autoscale.max_replicas).
+        low = info.data.get("min_replicas")
+        if low is not None and value < low:
+            raise ValueError(f"must not be below min_replicas ({low})")
+        return value
 
 
 class QueuePolicy(BaseModel):

@@ -274,6 +274,19 @@ async def deployment_status(client: Client, model: str) -> DeploymentStatus:
     return status
 
 
+async def list_deployments(client: Client) -> list[DeploymentStatus]:
+    """Every running deployment's state; one that cannot answer is left out."""
+    found: list[DeploymentStatus] = []
+    query = f"WorkflowType = '{messages.DEPLOYMENT}' AND ExecutionStatus = 'Running'"
+    async for wf in client.list_workflows(query, rpc_timeout=timedelta(seconds=5)):
+        model = wf.id.removeprefix(deployment_workflow_id(""))
+        try:
+            found.append(await deployment_status(client, model))
+        except RPCError:
+            continue  # ending, or no control worker: the replicas table still shows it
+    return found
+
+
 async def wait_deployment_ready(
     client: Client, model: str, timeout_s: float, on_change: PhaseCallback | None = None
 ) -> ReplicaMemo:

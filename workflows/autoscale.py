@@ -48,6 +48,9 @@ class Clock:
     last_activity: float
     last_change: float
     observed_since: float = 0.0
+    # A replica is starting: idle time counts from when it serves (a slow
+    # load must not look like an idle model).
+    starting: bool = False
 
 
 def _need(sample: LoadSample) -> int:
@@ -141,7 +144,7 @@ def decide(
     now = clock.now
     low, high, target = policy.min_replicas, policy.max_replicas, policy.target_inflight
     idle_for = now - clock.last_activity
-    if low == 0 and idle_for >= policy.idle_timeout_s:
+    if low == 0 and idle_for >= policy.idle_timeout_s and not clock.starting:
         if desired == 0:
             return Choice(0)
         return Choice(
@@ -204,7 +207,7 @@ def next_check(
     """
     now = clock.now
     due: list[float] = []
-    if policy.min_replicas == 0 and desired > 0:
+    if policy.min_replicas == 0 and desired > 0 and not clock.starting:
         due.append(clock.last_activity + policy.idle_timeout_s)
     if desired > max(policy.min_replicas, 1):
         window = policy.scale_down_window_s

@@ -54,7 +54,7 @@ with workflow.unsafe.imports_passed_through():
         WakeResult,
     )
     from workflows.calls import node_activity
-    from workflows.deployment_load import LoadBook, wake_outcome
+    from workflows.deployment_load import DueTimer, LoadBook, wake_outcome
     from workflows.deployment_rules import backoff_s, slots_to_retire
     from workflows.deployment_slots import Ended, SlotBook
     from workflows.spans import decision
@@ -97,8 +97,7 @@ class DeploymentWorkflow:
         elastic = carry.elastic if input.carry else ElasticState(policy=input.model.autoscale)
         self._load = LoadBook(elastic or ElasticState())
         self._elastic_patched = False
-        self._timer: asyncio.Future[None] | None = None
-        self._timer_at = 0.0
+        self._timer = DueTimer()
         # Replica ends that were not asked for, and the last one's reason: a
         # wake waiting for a replica fails on the next one.
         self._ends = 0
@@ -255,9 +254,14 @@ class DeploymentWorkflow:
         """Set the desired count the load calls for, if it differs."""
         if not self._elastic():
             return
-        choice = self._load.evaluate(self._book.desired, workflow.now().timestamp())
+        now = workflow.now().timestamp()
+        choice = self._load.evaluate(self._book.desired, now, self._starting())
         if choice is not None:
             self._set_desired(choice.desired, choice.reason)
+
+    def _starting(self) -> bool:
+        book = self._book
+        return any(s.slot in book.active and not s.ready for s in book.live())
 
     def _set_desired(self, count: int, reason: str) -> None:
         before = self._book.desired
@@ -269,18 +273,13 @@ class DeploymentWorkflow:
         workflow.logger.info("deployment %s: %s", name, made.reason)
 
     def _autoscale_timer(self) -> "asyncio.Future[None] | None":
-        """The durable timer for the next autoscale check (idle timeout, down
-        window, a silent router's report expiring), re-armed only when due moves."""
+        """The durable timer for the next autoscale check (None: no autoscale)."""
         if not self._elastic():
             return None
         now = workflow.now().timestamp()
-        due = self._load.next_check(self._book.desired, now)
-        if due is not None and (self._timer is None or self._timer.done() or due != self._timer_at):
-            if self._timer is not None and not self._timer.done():
-                self._timer.cancel()
-            self._timer = asyncio.ensure_future(asyncio.sleep(due - now))
-            self._timer_at = due
-        return self._timer if self._timer is not None and not self._timer.done() else None
+        return self._timer.arm(
+            self._load.next_check(self._book.desired, now, self._starting()), now
+        )
 
     @workflow.update(name=messages.SET_MODEL)
     def set_model(self, request: SetModelInput) -> DeploymentStatus:
@@ -311,6 +310,10 @@ class DeploymentWorkflow:
     def replica_ready(self, notice: ReplicaReadyNotice) -> None:
         """A child replica serves: a rolling restart may retire what it replaces."""
         self._book.ready(notice.replica_id, notice.node_id)
+        if self._load.policy is not None:
+            # A replica's idle timeout runs from when it can serve, not from
+            # before its (maybe long) load.
+            self._load.touch(workflow.now().timestamp())
         self._changed = True
 
     @workflow.query(name=messages.STATUS)
@@ -433,7 +436,7 @@ class DeploymentWorkflow:
         for fut in waits:
             # The autoscale timer stays armed across waits (each new timer is
             # two more events in the history).
-            if fut not in self._running.values() and fut is not self._timer:
+            if fut not in self._running.values() and fut is not self._timer.future:
                 fut.cancel()
 
     def _collect(self) -> None:

@@ -7,6 +7,7 @@ continue-as-new whole (:class:`ElasticState`), samples included, so that a
 new run keeps the down window's stabilisation.
 """
 
+import asyncio
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
@@ -63,23 +64,25 @@ class LoadBook:
         """A request was seen (a wake): the idle timeout starts again."""
         self.state.last_activity = now
 
-    def clock(self, now: float) -> Clock:
+    def clock(self, now: float, starting: bool = False) -> Clock:
         s = self.state
-        return Clock(now, s.last_activity, s.last_change, s.observed_since)
+        return Clock(now, s.last_activity, s.last_change, s.observed_since, starting)
 
-    def evaluate(self, desired: int, now: float) -> Choice | None:
+    def evaluate(self, desired: int, now: float, starting: bool = False) -> Choice | None:
         """A new desired count if the load calls for one (None: keep it, or no policy)."""
         if self.policy is None:
             return None
+        # A policy from the model a first run started with: its windows start now.
+        self.set_policy(self.policy, now)
         self.state.samples = prune(self.state.samples, self.policy, now)
-        choice = decide(self.policy, self.state.samples, desired, self.clock(now))
+        choice = decide(self.policy, self.state.samples, desired, self.clock(now, starting))
         return choice if choice.desired != desired else None
 
-    def next_check(self, desired: int, now: float) -> float | None:
+    def next_check(self, desired: int, now: float, starting: bool = False) -> float | None:
         """When to look again though no report arrives (None: only on a report)."""
         if self.policy is None:
             return None
-        return next_check(self.policy, self.state.samples, desired, self.clock(now))
+        return next_check(self.policy, self.state.samples, desired, self.clock(now, starting))
 
     def record(self, before: int, after: int, reason: str, now: float) -> ScaleDecision:
         """Keep a change of the desired count with its reason."""
@@ -120,3 +123,24 @@ def wake_outcome(book: SlotBook, model: str, failed: str) -> tuple[bool, str] | 
     if live and all(s.reaped for s in live):
         return False, f"gave up restarting: {live[0].last_reason}"
     return None
+
+
+@dataclass
+class DueTimer:
+    """The deployment's one autoscale timer (idle timeout, down window, a
+    silent router's report expiring): re-armed only when its moment moves,
+    and kept across waits, since each new timer is two more history events."""
+
+    future: "asyncio.Future[None] | None" = None
+    at: float = 0.0
+
+    def arm(self, due: float | None, now: float) -> "asyncio.Future[None] | None":
+        """The timer to wait on for ``due`` (None: nothing pending)."""
+        pending = self.future is not None and not self.future.done()
+        if due is not None and (not pending or due != self.at):
+            if pending and self.future is not None:
+                self.future.cancel()
+            # In the workflow, asyncio.sleep is a durable Temporal timer.
+            self.future = asyncio.ensure_future(asyncio.sleep(due - now))
+            self.at = due
+        return self.future if self.future is not None and not self.future.done() else None

@@ -177,6 +177,17 @@ def test_idle_scales_to_zero_and_load_brings_it_back() -> None:
     assert run.book.state.decisions[-1].reason == "scale 0 -> 1: 3 requests while scaled to zero"
 
 
+def test_no_idle_timeout_while_a_replica_is_starting() -> None:
+    policy = POLICY.model_copy(update={"min_replicas": 0, "idle_timeout_s": 30})
+    book = LoadBook(ElasticState())
+    book.set_policy(policy, T0)
+    assert book.evaluate(1, T0 + 100, starting=True) is None
+    assert book.next_check(1, T0 + 100, starting=True) is None
+    book.touch(T0 + 100)  # it serves now (the ready notice)
+    assert book.evaluate(1, T0 + 129) is None
+    assert book.next_check(1, T0 + 129) == T0 + 130
+
+
 def test_zero_min_stays_at_one_while_requests_come_in() -> None:
     policy = POLICY.model_copy(update={"min_replicas": 0, "idle_timeout_s": 30})
     run = Run(policy, desired=1)
@@ -195,6 +206,14 @@ def test_bounds_clamp_and_a_changed_policy_applies_at_once() -> None:
     wider = POLICY.model_copy(update={"min_replicas": 3})
     assert decide(wider, [], 1, clock).desired == 3
     assert decide(POLICY, [], 1, clock).reason == ""
+
+
+def test_a_policy_the_first_run_started_with_counts_its_windows_from_then() -> None:
+    book = LoadBook(ElasticState(policy=POLICY.model_copy(update={"min_replicas": 0})))
+    assert book.evaluate(1, T0) is None  # not idle since the epoch
+    assert book.state.last_activity == T0 and book.state.last_change == T0
+    choice = book.evaluate(1, T0 + 300)
+    assert choice is not None and choice.desired == 0
 
 
 def test_no_timer_while_nothing_can_change() -> None:

@@ -47,7 +47,6 @@ class Clock:
     now: float
     last_activity: float
     last_change: float
-    observed_since: float = 0.0
     # A replica is starting: idle time counts from when it serves (a slow
     # load must not look like an idle model).
     starting: bool = False
@@ -158,9 +157,8 @@ def decide(
         return Choice(low, f"scale {desired} -> {low}: below min_replicas {low}")
     # At zero only load brings replicas back; above it, one stays until idle.
     floor = max(low, 1) if desired > 0 else low
+    # Before a router's first report there was no load: the window is whole.
     start = now - policy.scale_up_window_s
-    if clock.observed_since:
-        start = max(start, clock.observed_since)
     average = average_need(samples, start, now, expire_s)
     if desired == 0:
         # The report just in has no weight in the average yet: at zero, any

@@ -57,7 +57,6 @@ class LoadBook:
         )
         if load.inflight or load.waiting or load.arrivals:
             self.state.last_activity = now
-        self.state.observed_since = self.state.observed_since or now
         self.state.samples = prune([*self.state.samples, sample], self.policy, now)
 
     def touch(self, now: float) -> None:
@@ -66,7 +65,7 @@ class LoadBook:
 
     def clock(self, now: float, starting: bool = False) -> Clock:
         s = self.state
-        return Clock(now, s.last_activity, s.last_change, s.observed_since, starting)
+        return Clock(now, s.last_activity, s.last_change, starting)
 
     def evaluate(self, desired: int, now: float, starting: bool = False) -> Choice | None:
         """A new desired count if the load calls for one (None: keep it, or no policy)."""
@@ -128,8 +127,10 @@ def wake_outcome(book: SlotBook, model: str, failed: str) -> tuple[bool, str] | 
 @dataclass
 class DueTimer:
     """The deployment's one autoscale timer (idle timeout, down window, a
-    silent router's report expiring): re-armed only when its moment moves,
-    and kept across waits, since each new timer is two more history events."""
+    silent router's report expiring), kept across waits: each new timer is
+    two more history events. A moment that moves later (every report moves
+    its router's expiry) keeps the timer; it fires early, the deployment
+    looks, and arms the next. Only an earlier moment replaces it."""
 
     future: "asyncio.Future[None] | None" = None
     at: float = 0.0
@@ -137,7 +138,7 @@ class DueTimer:
     def arm(self, due: float | None, now: float) -> "asyncio.Future[None] | None":
         """The timer to wait on for ``due`` (None: nothing pending)."""
         pending = self.future is not None and not self.future.done()
-        if due is not None and (not pending or due != self.at):
+        if due is not None and (not pending or due < self.at):
             if pending and self.future is not None:
                 self.future.cancel()
             # In the workflow, asyncio.sleep is a durable Temporal timer.

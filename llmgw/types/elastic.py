@@ -145,4 +145,3 @@ class ElasticState(BaseModel):
     samples: list[LoadSample] = Field(default_factory=list)
     last_activity: float = Field(default=0.0, description="last request seen (0: never)")
     last_change: float = Field(default=0.0, description="last change of the desired count")
-    observed_since: float = Field(default=0.0, description="first report (0: none yet)")

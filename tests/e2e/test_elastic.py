@@ -18,9 +18,10 @@ from temporalio.client import Client, WorkflowExecutionStatus
 
 from llmgw import messages, replicas
 from llmgw.dev.tinymodel import TinyModel
-from llmgw.queues import deployment_workflow_id
+from llmgw.queues import CONTROL_QUEUE, deployment_workflow_id
 from llmgw.types import (
     AutoscalePolicy,
+    DeploymentInput,
     DeploymentStatus,
     LoadReport,
     ModelLoad,
@@ -93,7 +94,14 @@ async def test_load_scales_up_to_three_and_back_to_one(
     )  # fmt: skip
     spec = _spec(tiny, "tiny-elastic", policy)
     await system.start(client, "elastic-node")
-    await replicas.apply_deployment(client, spec, 1, timeouts=FAST)
+    # A short history: reports twice a second make it continue as new
+    # several times, carrying the load and the decisions.
+    first = await client.start_workflow(
+        messages.DEPLOYMENT,
+        DeploymentInput(model=spec, replicas=1, timeouts=FAST, continue_after_events=60),
+        id=deployment_workflow_id(spec.name),
+        task_queue=CONTROL_QUEUE,
+    )
     await wait_deployment(client, spec.name, lambda s: _ready(s) == 1)
 
     async with _router_load(client, spec.name, inflight=6):
@@ -109,10 +117,14 @@ async def test_load_scales_up_to_three_and_back_to_one(
     assert any(r.startswith("scale 1 -> ") and "target 2" in r for r in reasons), reasons
     assert reasons[-1].startswith("scale 3 -> 1: at most 0.0 in flight per replica over 3 s")
     assert max(d.to_replicas for d in down.decisions) == 3
+    now = await client.get_workflow_handle(deployment_workflow_id(spec.name)).describe()
+    assert now.run_id != first.result_run_id, "expected continue-as-new under the reports"
     async with asyncio.timeout(60):
         while len(pids_with_args("--alias", spec.name)) != 1:
             await asyncio.sleep(0.2)
-    await record(client, deployment_workflow_id(spec.name), "deployment_autoscale_up_down")
+    await record(
+        client, deployment_workflow_id(spec.name), "deployment_autoscale", first.result_run_id
+    )
     await replicas.remove_deployment(client, spec, 60)
     assert pids_with_args("--alias", spec.name) == []
 
@@ -139,8 +151,8 @@ async def test_idle_scales_to_zero_and_twenty_wakes_start_one_replica(
     status = await replicas.deployment_status(client, spec.name)
     assert [s.starts for s in status.slots] == [1]
     assert len(pids_with_args("--alias", spec.name)) == 1
-    assert [d.reason for d in status.decisions].count("wake: a request arrived while scaled to "
-                                                     "zero (router r0)") == 1  # fmt: skip
+    wakes = [d for d in status.decisions if d.reason.startswith("wake: ")]
+    assert [(d.from_replicas, d.to_replicas) for d in wakes] == [(0, 1)]
     await record(client, deployment_workflow_id(spec.name), "deployment_scale_to_zero_wake")
     await replicas.remove_deployment(client, spec, 60)
 

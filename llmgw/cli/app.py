@@ -153,8 +153,10 @@ def model_apply(
     async def go() -> None:
         client = await _connect(settings)
         for entry in entries:
-            await replicas.apply_deployment(client, entry.spec(), entry.replicas)
-            console.print(f"deployment/{entry.name}: {entry.replicas} replicas desired")
+            status = await replicas.apply_deployment(client, entry.spec(), entry.replicas)
+            policy = status.autoscale
+            bounds = f" (autoscale {policy.min_replicas}..{policy.max_replicas})" if policy else ""
+            console.print(f"deployment/{entry.name}: {status.desired} replicas desired{bounds}")
 
     _run(go())
 

@@ -14,7 +14,7 @@ from llmgw import messages, replicas
 from llmgw.dev.tinymodel import TinyModel
 from llmgw.queues import deployment_workflow_id
 from llmgw.store import Store
-from llmgw.types import AutoscalePolicy, LoadReport, ModelLoad, ModelSpec
+from llmgw.types import AutoscalePolicy, LoadReport, ModelLoad
 from tests.harness import System, wait_deployment
 
 ADMIN = "admin-elastic-cli"
@@ -42,10 +42,17 @@ async def test_scale_status_explain_and_the_admin_api(
     system: System, client: Client, tiny: TinyModel
 ) -> None:
     system.env["LLMGW_ADMIN_KEY"] = ADMIN
-    system.catalog(ModelSpec(name=MODEL, source=str(tiny.model_path), gpus=8))
     started = await system.start(client, "cli-node")
+    catalog = system.work_dir / "catalog.yaml"
+    catalog.write_text(
+        f"models:\n  - name: {MODEL}\n    source: {tiny.model_path}\n    gpus: 8\n"
+        "    replicas: 0\n    autoscale: {min_replicas: 0, max_replicas: 4}\n"
+    )
+    applied = await asyncio.to_thread(_cli, system, "model", "apply", str(catalog), "--deploy")
+    assert applied.returncode == 0, applied.stderr
+    assert f"deployment/{MODEL}: 0 replicas desired (autoscale 0..4)" in applied.stderr
 
-    scaled = await asyncio.to_thread(_cli, system, "scale", MODEL, "0", "--min", "0", "--max", "2")
+    scaled = await asyncio.to_thread(_cli, system, "scale", MODEL, "--max", "2")
     assert scaled.returncode == 0, scaled.stderr
     assert f"deployment/{MODEL}: 0 replicas desired (autoscale 0..2)" in scaled.stderr
     assert _stored(system) == AutoscalePolicy(min_replicas=0, max_replicas=2)

@@ -6,7 +6,8 @@ server, control worker and agent.
 - idle, it scales to zero and keeps running; 20 concurrent wakes start
   exactly one replica and all answer ready;
 - a wake that cannot place answers why, within its placement attempts;
-- the control worker SIGKILLed during a wake: the wake completes, one replica.
+- the control worker SIGKILLed during a wake: the wake completes, one replica;
+- a waiting wake holds continue-as-new (it would cut the wake off) until answered.
 """
 
 import asyncio
@@ -198,4 +199,46 @@ async def test_a_wake_survives_the_control_worker_killed(
     status = await replicas.deployment_status(client, spec.name)
     assert [s.starts for s in status.slots] == [1]
     assert len(pids_with_args("--alias", spec.name)) == 1
+    await replicas.remove_deployment(client, spec, 60)
+
+
+async def test_a_waiting_wake_holds_continue_as_new_until_it_answered(
+    system: System, client: Client, tiny: TinyModel
+) -> None:
+    """Reports flood the history past its limit while a wake waits: the run
+    goes on until the wake has its answer, then continues as new."""
+    policy = AutoscalePolicy(min_replicas=0, max_replicas=1)
+    spec = _spec(tiny, "tiny-wake-can", policy, gpus=8)
+    await system.start(client, "can-node")
+    few = ReplicaTimeouts(place_retry_s=1, place_attempts=3)
+    first = await client.start_workflow(
+        messages.DEPLOYMENT,
+        DeploymentInput(model=spec, replicas=0, timeouts=few, continue_after_events=40),
+        id=deployment_workflow_id(spec.name),
+        task_queue=CONTROL_QUEUE,
+    )
+    wake = asyncio.create_task(_wake(client, spec.name, "r1"))
+    handle = client.get_workflow_handle(deployment_workflow_id(spec.name))
+    async with asyncio.timeout(60):
+        while not wake.done():
+            await handle.signal(
+                messages.REPORT_LOAD,
+                LoadReport(router_id="r1", load=ModelLoad(model=spec.name, waiting=1)),
+            )
+            await asyncio.sleep(0.05)
+    result = await wake
+    assert not result.ready and "cannot place" in result.reason, result.reason
+    # The first run answered it: its history holds the wake's completion.
+    events = [e async for e in client.get_workflow_handle(
+        deployment_workflow_id(spec.name), run_id=first.result_run_id
+    ).fetch_history_events()]  # fmt: skip
+    assert any(e.HasField("workflow_execution_update_completed_event_attributes") for e in events)
+    assert len(events) > 40
+    async with asyncio.timeout(60):
+        while (await handle.describe()).run_id == first.result_run_id:
+            await handle.signal(
+                messages.REPORT_LOAD,
+                LoadReport(router_id="r1", load=ModelLoad(model=spec.name)),
+            )
+            await asyncio.sleep(0.1)
     await replicas.remove_deployment(client, spec, 60)

@@ -1,12 +1,17 @@
 """The catalog in the store, as the admin API and the router read it."""
 
+import asyncio
 from collections.abc import Callable
 
+from pydantic import ValidationError
 from sqlmodel import select
+from temporalio.client import Client
 
+from llmgw import replicas as deployments
 from llmgw.catalog import CatalogModel, problems_with
+from llmgw.errors import ConfigError
 from llmgw.store import ModelRecord, Store
-from llmgw.types import ModelSpec
+from llmgw.types import AutoscalePolicy, DeploymentStatus, ModelSpec
 
 
 def all_specs(store: Store) -> dict[str, ModelSpec]:
@@ -50,3 +55,59 @@ def apply_entries(
         for entry in entries:
             store.put_model(entry.spec(), entry.replicas)
     return []
+
+
+def scaled_entry(
+    entry: CatalogModel,
+    replicas: int | None = None,
+    min_replicas: int | None = None,
+    max_replicas: int | None = None,
+) -> CatalogModel:
+    """``entry`` scaled: bounds given follow the load within them (the other
+    bound and the rest of the policy as the entry had them); a count alone
+    is a fixed count (autoscaling off). A ConfigError names a bad field."""
+    if min_replicas is None and max_replicas is None:
+        if replicas is None:
+            raise ConfigError("replicas: give a count, or min_replicas/max_replicas")
+        return entry.model_copy(update={"autoscale": None, "replicas": replicas})
+    bounds = {
+        k: v
+        for k, v in (("min_replicas", min_replicas), ("max_replicas", max_replicas))
+        if v is not None
+    }
+    try:
+        policy = AutoscalePolicy.model_validate(
+            {**(entry.autoscale or AutoscalePolicy()).model_dump(), **bounds}
+        )
+    except ValidationError as exc:
+        problems = [
+            f"autoscale{''.join('.' + str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()
+        ]
+        raise ConfigError("; ".join(problems)) from exc
+    count = entry.replicas if replicas is None else replicas
+    return entry.model_copy(update={"autoscale": policy, "replicas": count})
+
+
+async def scale_model(
+    client: Client,
+    store: Store,
+    name: str,
+    replicas: int | None = None,
+    min_replicas: int | None = None,
+    max_replicas: int | None = None,
+) -> DeploymentStatus:
+    """``llmgw scale`` and the admin API: the catalog entry first (so that
+    the reconcile pass agrees and the routers see the bounds), then the
+    deployment (started if it was not)."""
+
+    def write() -> CatalogModel:
+        with store.catalog_lock():
+            entry = get_entry(store, name)
+            if entry is None:
+                raise ConfigError(f"model {name!r} is not in the catalog")
+            scaled = scaled_entry(entry, replicas, min_replicas, max_replicas)
+            store.put_model(scaled.spec(), scaled.replicas)
+            return scaled
+
+    scaled = await asyncio.to_thread(write)
+    return await deployments.apply_deployment(client, scaled.spec(), scaled.replicas)

@@ -41,9 +41,12 @@ from llmgw.types import (
     RestartPolicy,
     RollingRestartInput,
     ScaleInput,
+    SetAutoscaleInput,
     ShardLogsInput,
     ShardRef,
     StopReplicaInput,
+    WakeInput,
+    WakeResult,
 )
 
 PhaseCallback = Callable[[ReplicaMemo], None]
@@ -207,12 +210,20 @@ async def apply_deployment(
 ) -> DeploymentStatus:
     """Start the model's deployment, or scale it if it runs already.
 
-    A deployment scaled to zero ends once its replicas drained, so an update
-    can race its close: then the next attempt starts a new run.
+    With ``spec.autoscale`` the deployment follows the load within its
+    bounds: it starts with ``replicas`` clamped to them and is sent the
+    policy (``set_autoscale``), never a count, so the autoscaler's count
+    stands. Without, ``replicas`` is a fixed count (``scale``; autoscaling
+    stops). A fixed-count deployment scaled to zero ends once its replicas
+    drained, so an update can race its close: then the next attempt starts
+    a new run.
     """
+    policy = spec.autoscale
+    if policy is not None:
+        replicas = max(policy.min_replicas, min(policy.max_replicas, replicas))
     last: RPCError | None = None
     for _ in range(3):
-        if replicas == 0 and not await _deployment_running(client, spec.name):
+        if policy is None and replicas == 0 and not await _deployment_running(client, spec.name):
             return DeploymentStatus(model=spec.name, desired=0)
         handle = await client.start_workflow(
             messages.DEPLOYMENT,
@@ -227,9 +238,16 @@ async def apply_deployment(
             id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
         )
         try:
-            status: DeploymentStatus = await handle.execute_update(
-                messages.SCALE, ScaleInput(replicas=replicas), result_type=DeploymentStatus
-            )
+            if policy is not None:
+                status: DeploymentStatus = await handle.execute_update(
+                    messages.SET_AUTOSCALE,
+                    SetAutoscaleInput(policy=policy),
+                    result_type=DeploymentStatus,
+                )
+            else:
+                status = await handle.execute_update(
+                    messages.SCALE, ScaleInput(replicas=replicas), result_type=DeploymentStatus
+                )
             return status
         except RPCError as exc:
             last = exc
@@ -254,6 +272,19 @@ async def deployment_status(client: Client, model: str) -> DeploymentStatus:
         messages.STATUS, result_type=DeploymentStatus, rpc_timeout=timedelta(seconds=5)
     )
     return status
+
+
+async def list_deployments(client: Client) -> list[DeploymentStatus]:
+    """Every running deployment's state; one that cannot answer is left out."""
+    found: list[DeploymentStatus] = []
+    query = f"WorkflowType = '{messages.DEPLOYMENT}' AND ExecutionStatus = 'Running'"
+    async for wf in client.list_workflows(query, rpc_timeout=timedelta(seconds=5)):
+        model = wf.id.removeprefix(deployment_workflow_id(""))
+        try:
+            found.append(await deployment_status(client, model))
+        except RPCError:
+            continue  # ending, or no control worker: the replicas table still shows it
+    return found
 
 
 async def wait_deployment_ready(
@@ -302,6 +333,19 @@ async def cordon(client: Client, node_id: str, cordoned: bool) -> FleetSnapshot:
     return snap
 
 
+async def wake(client: Client, model: str, reason: str, timeout_s: float) -> WakeResult:
+    """Ask an autoscaled deployment at zero for a replica; returns once one
+    serves or the start failed (what a router does for its waiting requests)."""
+    handle = client.get_workflow_handle(deployment_workflow_id(model))
+    result: WakeResult = await asyncio.wait_for(
+        handle.execute_update(
+            messages.WAKE, WakeInput(router_id="cli", reason=reason), result_type=WakeResult
+        ),
+        timeout_s,
+    )
+    return result
+
+
 async def rolling_restart(client: Client, model: str, reason: str) -> DeploymentStatus:
     """Replace every replica of the deployment, one at a time."""
     handle = client.get_workflow_handle(deployment_workflow_id(model))
@@ -312,8 +356,9 @@ async def rolling_restart(client: Client, model: str, reason: str) -> Deployment
 
 
 async def remove_deployment(client: Client, spec: ModelSpec, timeout_s: float) -> DeploymentStatus:
-    """Scale the deployment to zero and wait until its replicas drained and it ended."""
-    await apply_deployment(client, spec, 0)
+    """Scale the deployment to zero and wait until its replicas drained and it ended
+    (a fixed count of zero: an autoscaled deployment at zero keeps running)."""
+    await apply_deployment(client, spec.model_copy(update={"autoscale": None}), 0)
     handle = client.get_workflow_handle(
         deployment_workflow_id(spec.name), result_type=DeploymentStatus
     )

@@ -19,9 +19,15 @@ from temporalio.service import RPCError
 
 from llmgw import replicas
 from llmgw.catalog import CatalogModel
-from llmgw.catalog_store import apply_entries, delete_entry, get_entry, list_entries
-from llmgw.errors import LlmgwError
-from llmgw.types import ReplicaMemo
+from llmgw.catalog_store import (
+    apply_entries,
+    delete_entry,
+    get_entry,
+    list_entries,
+    scale_model,
+)
+from llmgw.errors import ConfigError, LlmgwError
+from llmgw.types import DeploymentStatus, ReplicaMemo
 from router import apikeys, usage
 from router.apikeys import KeyInfo, KeyPolicy, KeyUpdate
 from router.deps import Deps, get_deps
@@ -82,7 +88,7 @@ async def admin_put_model(name: str, entry: CatalogModel, deps: DepsDep) -> Cata
     problems = await asyncio.to_thread(apply_entries, deps.store, [entry], lambda _: "")
     if problems:
         where = problems[0].split(":")[0]
-        own = where.startswith(("adapters", "profile"))
+        own = where.startswith(("adapters", "profile", "autoscale", "queue"))
         raise invalid_fields(problems, where if own else "name")
     return entry
 
@@ -93,6 +99,37 @@ async def admin_delete_model(name: str, deps: DepsDep) -> dict[str, Any]:
     if not await asyncio.to_thread(delete_entry, deps.store, name):
         raise not_found("model", name)
     return {"deleted": name}
+
+
+class ScaleRequest(BaseModel):
+    """POST /admin/models/{name}/scale: a fixed count, or bounds to follow the load within."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    replicas: int | None = Field(default=None, ge=0, description="a fixed count (autoscale off)")
+    min_replicas: int | None = Field(default=None, ge=0)
+    max_replicas: int | None = Field(default=None, ge=1)
+
+
+@router.post("/models/{name}/scale")
+async def admin_scale_model(name: str, request: ScaleRequest, deps: DepsDep) -> DeploymentStatus:
+    """Scale the model's deployment (started if it was not), as ``llmgw scale``:
+    the catalog entry first, so that the control plane's reconcile agrees."""
+    client = _temporal(deps)
+    if await asyncio.to_thread(get_entry, deps.store, name) is None:
+        raise not_found("model", name)
+    try:
+        return await asyncio.wait_for(
+            scale_model(
+                client, deps.store, name,
+                request.replicas, request.min_replicas, request.max_replicas,
+            ),
+            35,
+        )  # fmt: skip
+    except ConfigError as exc:
+        raise invalid_fields([str(exc)], str(exc).split(":")[0]) from exc
+    except (RPCError, TimeoutError, LlmgwError) as exc:
+        raise temporal_unavailable(exc) from exc
 
 
 # Replicas and nodes -----------------------------------------------------

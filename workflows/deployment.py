@@ -4,8 +4,15 @@ the desired number of replicas running.
 Each replica is a child Replica workflow; a replica that ends is replaced
 after an exponential backoff, and a slot whose replicas keep failing is
 reaped (left failed, with the last reason and log tail) instead of feeding a
-restart storm. Scaling down drains the newest replicas; cancelling the
-deployment drains them all.
+restart storm. Scaling down drains the least loaded replicas; cancelling
+the deployment drains them all.
+
+With an autoscale policy the desired count follows the load the routers
+report (signal ``report_load``; workflows/autoscale.py decides), a durable
+timer wakes it for the idle timeout and the down window, and every change
+is recorded with its reason. Such a deployment stays running at zero
+replicas and is woken by a router holding requests (update ``wake``). An
+explicit ``scale`` is a fixed count again; ``set_autoscale`` switches.
 
 A deployment lives as long as its model is served, so it continues as new
 when its history grows long. Its replicas keep running across that (they
@@ -30,18 +37,24 @@ with workflow.unsafe.imports_passed_through():
         DeploymentCarry,
         DeploymentInput,
         DeploymentStatus,
+        ElasticState,
+        LoadReport,
         ReplicaInput,
         ReplicaReadyNotice,
         ReplicaStatus,
         RollingRestartInput,
         ScaleInput,
+        SetAutoscaleInput,
         SetModelInput,
         ShardLoad,
         ShardRef,
         Slot,
         StopReplicaInput,
+        WakeInput,
+        WakeResult,
     )
     from workflows.calls import node_activity
+    from workflows.deployment_load import DueTimer, LoadBook, wake_outcome
     from workflows.deployment_rules import backoff_s, slots_to_retire
     from workflows.deployment_slots import Ended, SlotBook
     from workflows.spans import decision
@@ -51,6 +64,7 @@ JOB_SEARCH_ATTRIBUTES_PATCH = "job-search-attributes-v1"
 LEAST_LOADED_PATCH = "scale-down-least-loaded-v1"
 REAPED_HOLDS_PATCH = "reaped-slot-holds-its-place-v1"
 CONVERGE_PATCH = "converge-after-roll-v1"
+ELASTIC_PATCH = "elastic-serving-v1"
 
 
 @workflow.defn(name=messages.DEPLOYMENT)
@@ -79,6 +93,16 @@ class DeploymentWorkflow:
         self._ended: dict[str, ReplicaStatus] = {}
         self._changed = False
         self._published = ""
+        # A first run takes the policy from its model; later runs from the carry.
+        elastic = carry.elastic if input.carry else ElasticState(policy=input.model.autoscale)
+        self._load = LoadBook(elastic or ElasticState())
+        self._elastic_patched = False
+        self._timer = DueTimer()
+        # Replica ends that were not asked for, and the last one's reason: a
+        # wake waiting for a replica fails on the next one.
+        self._ends = 0
+        self._last_end = ""
+        self._wakes = 0
 
     @workflow.run
     async def run(self, input: DeploymentInput) -> DeploymentStatus:
@@ -89,11 +113,14 @@ class DeploymentWorkflow:
         self._book.converge = workflow.patched(CONVERGE_PATCH)
         try:
             while True:
+                self._autoscale()
                 await self._reconcile()
                 self._publish()
-                if self._book.desired == 0 and not self._active():
+                if self._book.desired == 0 and not self._active() and not self._elastic():
                     break
-                if self._history_long():
+                # A waiting wake would be cut off by continue-as-new, and it
+                # waits on this loop (starts, ends): carry on until it answered.
+                if self._history_long() and not self._wakes:
                     await workflow.wait_condition(workflow.all_handlers_finished)
                     workflow.continue_as_new(self._carry())
                 await self._wait_for_change()
@@ -125,7 +152,7 @@ class DeploymentWorkflow:
         elif any(s.reaped for s in live):
             state = "degraded"
         elif len(live) == book.desired and all(s.ready for s in live):
-            state = "steady"
+            state = "steady" if book.desired or not self._elastic() else "idle"
         else:
             state = "scaling" if book.desired else "removing"
         if state == self._published or not workflow.patched(JOB_SEARCH_ATTRIBUTES_PATCH):
@@ -160,15 +187,99 @@ class DeploymentWorkflow:
             rolling=book.rolling,
             retiring=sorted(book.retiring),
             live=sorted(book.active),
+            elastic=self._load.state,
         )
         return self._input.model_copy(update={"carry": carry})
 
     @workflow.update(name=messages.SCALE)
     def scale(self, request: ScaleInput) -> DeploymentStatus:
-        """Set the desired number of replicas."""
+        """Set the desired number of replicas: a fixed count (autoscaling stops)."""
+        self._load.set_policy(None, workflow.now().timestamp())
         self._book.desired = request.replicas
         self._changed = True
         return self.status()
+
+    @workflow.update(name=messages.SET_AUTOSCALE)
+    def set_autoscale(self, request: SetAutoscaleInput) -> DeploymentStatus:
+        """Follow the load within ``request.policy`` (None: keep today's count, fixed)."""
+        self._load.set_policy(request.policy, workflow.now().timestamp())
+        self._changed = True
+        return self.status()
+
+    @workflow.signal(name=messages.REPORT_LOAD)
+    def report_load(self, report: LoadReport) -> None:
+        """A router's load on this model (about once a second while it has any)."""
+        self._load.report(report, workflow.now().timestamp())
+        if self._load.policy is not None:
+            self._changed = True
+
+    @workflow.update(name=messages.WAKE)
+    async def wake(self, request: WakeInput) -> WakeResult:
+        """Requests wait for this model: start a replica if at zero, and answer
+        once one serves or the start failed. Idempotent: however many routers
+        ask, one replica starts."""
+        policy = self._load.policy
+        now = workflow.now().timestamp()
+        if policy is not None:
+            self._load.touch(now)  # a request: the idle timeout starts again
+        if self._book.desired == 0:
+            if policy is None:
+                name = self._input.model.name
+                reason = f"{name} is scaled to 0 replicas (a fixed count; `llmgw scale {name}`)"
+                return WakeResult(ready=False, reason=reason)
+            by = f" (router {request.router_id})" if request.router_id else ""
+            self._set_desired(max(1, policy.min_replicas), f"wake: {request.reason}{by}")
+        ends = self._ends
+        self._wakes += 1
+        try:
+            await workflow.wait_condition(lambda: self._woken(ends) is not None)
+        finally:
+            self._wakes -= 1
+        ready, reason = self._woken(ends) or (False, "")
+        return WakeResult(ready=ready, reason=reason, desired=self._book.desired)
+
+    def _woken(self, ends: int) -> tuple[bool, str] | None:
+        failed = self._last_end if self._ends > ends else ""
+        return wake_outcome(self._book, self._input.model.name, failed)
+
+    def _elastic(self) -> bool:
+        """Whether the count follows the load (histories from before replay as they ran)."""
+        if self._load.policy is None:
+            return False
+        if not self._elastic_patched:
+            self._elastic_patched = workflow.patched(ELASTIC_PATCH)
+        return self._elastic_patched
+
+    def _autoscale(self) -> None:
+        """Set the desired count the load calls for, if it differs."""
+        if not self._elastic():
+            return
+        now = workflow.now().timestamp()
+        choice = self._load.evaluate(self._book.desired, now, self._starting())
+        if choice is not None:
+            self._set_desired(choice.desired, choice.reason)
+
+    def _starting(self) -> bool:
+        book = self._book
+        return any(s.slot in book.active and not s.ready for s in book.live())
+
+    def _set_desired(self, count: int, reason: str) -> None:
+        before = self._book.desired
+        made = self._load.record(before, count, reason, workflow.now().timestamp())
+        self._book.desired = count
+        self._changed = True
+        name = self._input.model.name
+        decision("deployment.autoscale", model=name, before=before, after=count, reason=reason)
+        workflow.logger.info("deployment %s: %s", name, made.reason)
+
+    def _autoscale_timer(self) -> "asyncio.Future[None] | None":
+        """The durable timer for the next autoscale check (None: no autoscale)."""
+        if not self._elastic():
+            return None
+        now = workflow.now().timestamp()
+        return self._timer.arm(
+            self._load.next_check(self._book.desired, now, self._starting()), now
+        )
 
     @workflow.update(name=messages.SET_MODEL)
     def set_model(self, request: SetModelInput) -> DeploymentStatus:
@@ -199,6 +310,10 @@ class DeploymentWorkflow:
     def replica_ready(self, notice: ReplicaReadyNotice) -> None:
         """A child replica serves: a rolling restart may retire what it replaces."""
         self._book.ready(notice.replica_id, notice.node_id)
+        if self._load.policy is not None:
+            # A replica's idle timeout runs from when it can serve, not from
+            # before its (maybe long) load.
+            self._load.touch(workflow.now().timestamp())
         self._changed = True
 
     @workflow.query(name=messages.STATUS)
@@ -210,6 +325,9 @@ class DeploymentWorkflow:
             slots=self._book.slots,
             rolling=self._book.rolling,
             model_digest=self._input.model.digest(),
+            autoscale=self._load.policy,
+            decisions=self._load.state.decisions,
+            load=self._load.summary(workflow.now().timestamp()),
         )
 
     async def _reconcile(self) -> None:
@@ -307,13 +425,18 @@ class DeploymentWorkflow:
             asyncio.ensure_future(workflow.wait_condition(lambda: self._changed)),
             *self._running.values(),  # type: ignore[list-item]
         ]
+        timer = self._autoscale_timer()
+        if timer is not None:
+            waits.append(timer)  # type: ignore[arg-type]
         due = [datetime.fromisoformat(s.next_start_at) for s in self._book.slots if s.next_start_at]
         if due:
             delay = max(0.0, (min(due) - workflow.now()).total_seconds())
             waits.append(asyncio.ensure_future(asyncio.sleep(delay)))
         await workflow.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         for fut in waits:
-            if fut not in self._running.values():
+            # The autoscale timer stays armed across waits (each new timer is
+            # two more events in the history).
+            if fut not in self._running.values() and fut is not self._timer.future:
                 fut.cancel()
 
     def _collect(self) -> None:
@@ -340,6 +463,8 @@ class DeploymentWorkflow:
         model = self._input.model.name
         if what is Ended.RETIRED:
             return
+        self._ends += 1
+        self._last_end = f"replica {slot.replica_id} ended: {slot.last_reason}"
         if what is Ended.PREEMPTED:
             decision("deployment.preempted", model=model, slot=slot.slot,
                      replica=slot.replica_id, by=slot.preempted_by)  # fmt: skip

@@ -5,7 +5,9 @@ The control worker runs :func:`reconcile_once` every
 ledger and the engines agents reported, and the running deployments, then:
 
 - a deployment whose model left the catalog is scaled to zero; one whose
-  catalog entry changed is rolled onto the new entry (``set_model``);
+  catalog entry changed is rolled onto the new entry (``set_model``); one
+  whose autoscale bounds differ from its entry's is sent them
+  (``set_autoscale``), never a count: the autoscaler's count stands;
 - a replica no deployment owns is stopped when its model left the catalog
   or its entry changed;
 - an allocation (or reservation) whose replica workflow has ended is
@@ -35,6 +37,7 @@ from llmgw.queues import FLEET_WORKFLOW_ID, deployment_workflow_id, replica_work
 from llmgw.store import Store
 from llmgw.temporal import workflow_running
 from llmgw.types import (
+    AutoscalePolicy,
     DeploymentStatus,
     FleetSnapshot,
     ModelSpec,
@@ -43,6 +46,7 @@ from llmgw.types import (
     ReplicaPhase,
     ReplicaStatus,
     ScaleInput,
+    SetAutoscaleInput,
     SetModelInput,
     ShardReport,
     StopReplicaInput,
@@ -56,6 +60,7 @@ class Action(StrEnum):
 
     REMOVE_DEPLOYMENT = "remove_deployment"
     UPDATE_DEPLOYMENT = "update_deployment"
+    SET_AUTOSCALE = "set_autoscale"
     STOP_REPLICA = "stop_replica"
     RELEASE = "release"
     NOTIFY_ENDED = "notify_ended"
@@ -74,11 +79,13 @@ def catalog_orders(
     catalog: Mapping[str, ModelSpec],
     deployments: Mapping[str, str],
     running: list[ShardReport],
+    policies: Mapping[str, AutoscalePolicy | None] | None = None,
 ) -> list[Order]:
     """What to do so that deployments and engines match the catalog.
 
     ``deployments`` maps a model to the digest of the entry its deployment
-    starts replicas from; ``running`` is every engine the agents reported.
+    starts replicas from; ``running`` is every engine the agents reported;
+    ``policies`` the autoscale bounds each deployment follows (None: a fixed count).
     Engines of a deployed model are the deployment's business (a rolling
     restart replaces them), so only the others are stopped here.
     """
@@ -88,9 +95,13 @@ def catalog_orders(
         if entry is None:
             reason = f"model {model} left the catalog"
             orders.append(Order(action=Action.REMOVE_DEPLOYMENT, target=model, reason=reason))
-        elif entry.digest() != digest:
-            reason = f"model {model} changed in the catalog"
-            orders.append(Order(action=Action.UPDATE_DEPLOYMENT, target=model, reason=reason))
+        else:
+            if entry.digest() != digest:
+                reason = f"model {model} changed in the catalog"
+                orders.append(Order(action=Action.UPDATE_DEPLOYMENT, target=model, reason=reason))
+            if policies is not None and model in policies and policies[model] != entry.autoscale:
+                reason = f"model {model}: autoscale {_bounds(entry.autoscale)} in the catalog"
+                orders.append(Order(action=Action.SET_AUTOSCALE, target=model, reason=reason))
     for shard in sorted(running, key=lambda s: s.replica_id):
         if shard.rank != 0 or not shard.catalog_digest or shard.model in deployments:
             continue  # ranks stop with their leader; old agents report no digest
@@ -103,6 +114,12 @@ def catalog_orders(
             continue
         orders.append(Order(action=Action.STOP_REPLICA, target=shard.replica_id, reason=reason))
     return orders
+
+
+def _bounds(policy: AutoscalePolicy | None) -> str:
+    if policy is None:
+        return "off"
+    return f"{policy.min_replicas}..{policy.max_replicas}"
 
 
 async def ledger_orders(client: Client, fleet: FleetSnapshot) -> list[Order]:
@@ -169,6 +186,12 @@ async def _carry_out(client: Client, order: Order, catalog: Mapping[str, ModelSp
             SetModelInput(model=catalog[order.target], reason=order.reason),
             result_type=DeploymentStatus,
         )
+    elif order.action is Action.SET_AUTOSCALE:
+        await client.get_workflow_handle(deployment_workflow_id(order.target)).execute_update(
+            messages.SET_AUTOSCALE,
+            SetAutoscaleInput(policy=catalog[order.target].autoscale),
+            result_type=DeploymentStatus,
+        )
     elif order.action is Action.NOTIFY_ENDED:
         ended = ReplicaStatus(
             replica_id=order.replica_id,
@@ -209,7 +232,8 @@ async def reconcile_once(
         running = [shard for node in fleet.nodes.values() for shard in node.running]
         # A deployment from before digests has none: it is left be.
         digests = {d.model: d.model_digest for d in deployments if d.model_digest}
-        orders += catalog_orders(catalog, digests, running)
+        policies = {d.model: d.autoscale for d in deployments if d.model_digest}
+        orders += catalog_orders(catalog, digests, running, policies)
     if not orders:
         return orders
     tracer = trace.get_tracer(__name__)

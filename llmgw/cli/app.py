@@ -17,6 +17,7 @@ from llmgw.catalog_store import apply_entries
 from llmgw.cli.bench_command import bench
 from llmgw.cli.common import CliSettings, console, out
 from llmgw.cli.common import fail as _fail
+from llmgw.cli.elastic import autoscale_lines, deployments, deployments_table, scale
 from llmgw.cli.keys import keys_app
 from llmgw.cli.store_copy import migrate_store
 from llmgw.errors import LlmgwError
@@ -24,12 +25,13 @@ from llmgw.settings import UpSettings, _Common
 from llmgw.store import Store
 from llmgw.temporal import connect_with
 from llmgw.tracing import Tracing, setup_tracing
-from llmgw.types import ModelSpec, ReplicaMemo
+from llmgw.types import DeploymentStatus, ModelSpec, ReplicaMemo
 
 app = typer.Typer(
     help="llmgw: LLM inference control plane and OpenAI gateway", no_args_is_help=True
 )
 app.command()(bench)
+app.command()(scale)
 app.add_typer(keys_app, name="keys")
 
 
@@ -151,8 +153,10 @@ def model_apply(
     async def go() -> None:
         client = await _connect(settings)
         for entry in entries:
-            await replicas.apply_deployment(client, entry.spec(), entry.replicas)
-            console.print(f"deployment/{entry.name}: {entry.replicas} replicas desired")
+            status = await replicas.apply_deployment(client, entry.spec(), entry.replicas)
+            policy = status.autoscale
+            bounds = f" (autoscale {policy.min_replicas}..{policy.max_replicas})" if policy else ""
+            console.print(f"deployment/{entry.name}: {status.desired} replicas desired{bounds}")
 
     _run(go())
 
@@ -185,6 +189,8 @@ def explain(model: str) -> None:
             out.print(f"{model}: no placement")
         for rejection in [*result.rejections, *down]:
             out.print(f"  {rejection.node_id}: {rejection.reason}")
+        for line in await autoscale_lines(client, model):
+            out.print(line, markup=False)
 
     _run(go())
 
@@ -351,30 +357,6 @@ def deploy(
 
 
 @app.command()
-def scale(
-    model: str,
-    replicas_: Annotated[int, typer.Argument(min=0, help="desired replicas")],
-) -> None:
-    """Start or scale the model's deployment (replicas restarted when they fail)."""
-    settings = CliSettings()
-    spec = _catalog_spec(settings, model)
-
-    async def go() -> None:
-        client = await _connect(settings)
-        status = await replicas.apply_deployment(client, spec, replicas_)
-        table = Table("slot", "replica", "starts", "failures", "reaped", "last reason")
-        for s in status.slots:
-            table.add_row(
-                str(s.slot), s.replica_id, str(s.starts), str(s.consecutive_failures),
-                "yes" if s.reaped else "", s.last_reason,
-            )  # fmt: skip
-        console.print(f"deployment/{model}: {status.desired} replicas desired")
-        out.print(table)
-
-    _run(go())
-
-
-@app.command()
 def restart(model: str) -> None:
     """Rolling restart of the model's deployment: start new, wait ready, drain old."""
     settings = CliSettings()
@@ -394,15 +376,17 @@ def status(
     """Replicas and their states, read from Temporal."""
     settings = CliSettings()
 
-    async def go() -> list[ReplicaMemo]:
+    async def go() -> tuple[list[ReplicaMemo], list[DeploymentStatus]]:
         client = await _connect(settings)
-        return await replicas.list_replicas(client, include_closed=all_)
+        return await replicas.list_replicas(client, include_closed=all_), await deployments(client)
 
-    rows = _run(go())
+    rows, found = _run(go())
     table = Table("replica", "model", "state", "node", "endpoint")
     for m in rows:
         table.add_row(m.replica_id, m.model, m.phase.value, m.node_id, m.endpoint)
     out.print(table)
+    if found:
+        out.print(deployments_table(found))
 
 
 @app.command()

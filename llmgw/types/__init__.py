@@ -27,7 +27,10 @@ from llmgw.types.deployment import (
 )
 from llmgw.types.elastic import (
     AutoscalePolicy,
+    ElasticState,
     LoadReport,
+    LoadSample,
+    LoadSummary,
     ModelLoad,
     Priority,
     QueuePolicy,
@@ -129,6 +132,7 @@ __all__ = [
     "DrainNodeInput",
     "DrainNodeResult",
     "DrainResult",
+    "ElasticState",
     "EngineInstallInfo",
     "EngineKind",
     "EngineProfile",
@@ -142,6 +146,8 @@ __all__ = [
     "LaunchShardInput",
     "LinkLayer",
     "LoadReport",
+    "LoadSample",
+    "LoadSummary",
     "LogTail",
     "LogTailInput",
     "ModelLoad",

@@ -2,6 +2,7 @@
 
 from pydantic import BaseModel, Field
 
+from llmgw.types.elastic import AutoscalePolicy, ElasticState, LoadSummary, ScaleDecision
 from llmgw.types.model import ModelSpec
 from llmgw.types.replica import ReplicaTimeouts
 
@@ -70,6 +71,9 @@ class DeploymentCarry(BaseModel):
     live: list[int] = Field(
         default_factory=list, description="slots whose replica still runs; each reports its end"
     )
+    elastic: ElasticState | None = Field(
+        default=None, description="autoscaling state; None from runs before autoscaling"
+    )
 
 
 class DeploymentInput(BaseModel):
@@ -95,3 +99,10 @@ class DeploymentStatus(BaseModel):
     slots: list[Slot] = Field(default_factory=list)
     rolling: list[int] = Field(default_factory=list, description="slots still to replace")
     model_digest: str = Field(default="", description="ModelSpec.digest() new replicas start from")
+    autoscale: AutoscalePolicy | None = Field(
+        default=None, description="the bounds it follows the load within; None: a fixed count"
+    )
+    decisions: list[ScaleDecision] = Field(
+        default_factory=list, description="the last changes of the desired count, oldest first"
+    )
+    load: LoadSummary = Field(default_factory=LoadSummary, description="as the routers report it")

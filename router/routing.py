@@ -115,6 +115,7 @@ class TemporalReplicaSource:
         # whether its endpoint is on its registered node.
         self._seen: dict[str, tuple[bytes, ReplicaMemo, bool]] = {}
         self._kept: list[ReplicaMemo] = []
+        self._rejected: dict[str, bytes] = {}  # workflow id -> a malformed memo's payload
         self._warned: set[str] = set()
         self.generation = 0
 
@@ -123,6 +124,7 @@ class TemporalReplicaSource:
         nodes_changed = await self._refresh_nodes()
         seen: dict[str, tuple[bytes, ReplicaMemo, bool]] = {}
         changed = nodes_changed
+        rejected: dict[str, bytes] = {}  # malformed memos still listed
         async for page in self._pages():
             fresh: list[tuple[str, bytes, Payload]] = []
             for info in page:
@@ -134,21 +136,24 @@ class TemporalReplicaSource:
                 prev = self._seen.get(wid)
                 if prev is not None and prev[0] == raw:
                     seen[wid] = prev if not nodes_changed else self._checked(raw, prev[1])
+                elif self._rejected.get(wid) == raw:
+                    rejected[wid] = raw
                 else:
                     fresh.append((wid, raw, payload))
             if fresh:
-                changed = True
-                # Through the client's converter, so a payload codec would apply.
-                values = await self._client.data_converter.decode([p for _, _, p in fresh])
+                values = await self._decode([p for _, _, p in fresh])
                 for (wid, raw, _), value in zip(fresh, values, strict=True):
                     memo = self._parse(wid, value)
-                    if memo is not None:
+                    if memo is None:
+                        rejected[wid] = raw  # not decoded again while it stays so
+                    else:
                         seen[wid] = self._checked(raw, memo)
+                        changed = True
             await asyncio.sleep(0)  # requests get the loop between pages
         if changed or seen.keys() != self._seen.keys():
             self._kept = [memo for _, memo, ok in seen.values() if ok]
             self.generation += 1
-        self._seen = seen
+        self._seen, self._rejected = seen, rejected
         return self._kept
 
     async def _pages(self) -> AsyncIterator[Sequence[WorkflowExecutionInfo]]:
@@ -167,6 +172,20 @@ class TemporalReplicaSource:
             token = response.next_page_token
             if not token:
                 return
+
+    async def _decode(self, payloads: list[Payload]) -> list[object]:
+        """Memo payloads as values, through the client's converter (so a payload
+        codec would apply); one that cannot be decoded is None, not a failed refresh."""
+        try:
+            return await self._client.data_converter.decode(payloads)
+        except Exception:  # one bad payload among many: find it, keep the rest
+            values: list[object] = []
+            for payload in payloads:
+                try:
+                    values += await self._client.data_converter.decode([payload])
+                except Exception:  # whatever a forged payload makes it raise
+                    values.append(None)
+            return values
 
     def _parse(self, workflow_id: str, value: object) -> ReplicaMemo | None:
         """A listed memo as a :class:`ReplicaMemo`; a malformed one is skipped

@@ -70,6 +70,33 @@ async def test_a_changed_memo_is_read_and_an_unchanged_listing_keeps_the_list(
     await _until(gone)
 
 
+async def test_a_malformed_memo_is_skipped_not_a_failed_refresh(client: Client) -> None:
+    """Anyone who can start a workflow can write a Replica memo."""
+    rid = f"malformed-{uuid.uuid4().hex[:8]}"
+    good = await _start(client, _memo(rid, ReplicaPhase.PLACING))
+    bad = await client.start_workflow(
+        messages.REPLICA,
+        id=replica_workflow_id(f"{rid}-bad"),
+        task_queue=f"nobody-{rid}",
+        memo={"replica": {"replica_id": f"{rid}-bad", "phase": "no-such-phase"}},
+    )
+    source = TemporalReplicaSource(client)
+    try:
+
+        async def both_listed() -> bool:
+            ids = [
+                wf.id async for wf in client.list_workflows(f'WorkflowId STARTS_WITH "{good.id}"')
+            ]
+            return len(ids) == 2
+
+        await _until(both_listed)
+        listed = [m.replica_id for m in await source.replicas()]
+        assert rid in listed and f"{rid}-bad" not in listed
+    finally:
+        await good.terminate("test over")
+        await bad.terminate("test over")
+
+
 async def test_the_table_is_rebuilt_only_when_the_source_or_catalog_changed() -> None:
     class Counted:
         """A source that counts its changes, as TemporalReplicaSource does."""

@@ -20,6 +20,7 @@ in the middle of serving, not a clean error):
 
 import argparse
 import fcntl
+import functools
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -216,6 +217,7 @@ def _portable_dir(cache_dir: Path) -> Path:
     return Path(cache_dir).resolve() / "llama.cpp" / f"portable-{version}"
 
 
+@functools.cache  # asked on every inventory; the answer holds for the process
 def _engine_python() -> str:
     """An interpreter (>= 3.10, the wheel's ABI) that any user can run: this one's base
     when it and its standard library are world-reachable, else the system's."""

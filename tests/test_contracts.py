@@ -26,6 +26,7 @@ WIRE_MESSAGES = {
     "REGISTER_NODE": "register_node",
     "DEREGISTER_NODE": "deregister_node",
     "PLACE": "place",
+    "PLACE_BATCH": "place_batch",
     "RELEASE": "release",
     "CORDON": "cordon",
     "SNAPSHOT": "snapshot",

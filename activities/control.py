@@ -27,6 +27,8 @@ from llmgw.queues import FLEET_WORKFLOW_ID
 from llmgw.types import (
     CordonInput,
     FleetSnapshot,
+    NodesQuery,
+    NodesResult,
     PlaceRequest,
     PlaceResult,
     ProbeEngineInput,
@@ -134,9 +136,14 @@ class ControlActivities:
         hang or run degraded (mixed GPU types in a TP group, fp8 on GPUs that
         cannot run it, parallelism that does not add up...)."""
         handle = self._client.get_workflow_handle(FLEET_WORKFLOW_ID)
-        fleet: FleetSnapshot = await handle.query(messages.SNAPSHOT, result_type=FleetSnapshot)
+        shards = request.placement.shards()
+        fleet: NodesResult = await handle.query(
+            messages.NODES,
+            NodesQuery(node_ids=sorted({s.node_id for s in shards})),
+            result_type=NodesResult,
+        )
         facts = []
-        for shard in request.placement.shards():
+        for shard in shards:
             node = fleet.nodes.get(shard.node_id)
             if node is None:
                 return ValidateResult(problems=[f"node {shard.node_id} left the fleet"])

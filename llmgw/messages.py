@@ -25,6 +25,7 @@ PLACE_BATCH = "place_batch"
 RELEASE = "release"
 CORDON = "cordon"
 SNAPSHOT = "snapshot"
+NODES = "nodes"
 
 # Replica
 STOP = "stop"

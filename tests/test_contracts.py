@@ -30,6 +30,7 @@ WIRE_MESSAGES = {
     "RELEASE": "release",
     "CORDON": "cordon",
     "SNAPSHOT": "snapshot",
+    "NODES": "nodes",
     "STOP": "stop",
     "REQUEST_STOP": "request_stop",
     "ADAPTERS_CHANGED": "adapters_changed",

@@ -15,6 +15,8 @@ with workflow.unsafe.imports_passed_through():
         NodeInventory,
         NodeLiveness,
         NodeRef,
+        NodesQuery,
+        NodesResult,
         PlaceBatch,
         PlaceBatchResult,
         Placement,
@@ -217,6 +219,13 @@ class FleetWorkflow:
             cordoned.discard(request.node_id)
         self._state.cordoned = sorted(cordoned)
         return self._state
+
+    @workflow.query(name=messages.NODES)
+    def nodes(self, query: NodesQuery) -> NodesResult:
+        """Some nodes' inventories: what checking a launch needs, without
+        serialising the whole fleet (megabytes on a large one) each time."""
+        known = self._state.nodes
+        return NodesResult(nodes={n: known[n] for n in query.node_ids if n in known})
 
     @workflow.query(name=messages.SNAPSHOT)
     def snapshot(self) -> FleetSnapshot:

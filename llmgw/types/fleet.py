@@ -73,6 +73,18 @@ class PlaceBatchResult(BaseModel):
     results: list[PlaceResult]
 
 
+class NodesQuery(BaseModel):
+    """Ask the fleet for some nodes' inventories (not the whole fleet's)."""
+
+    node_ids: list[str]
+
+
+class NodesResult(BaseModel):
+    """The inventories of the nodes asked for that are registered."""
+
+    nodes: dict[str, NodeInventory] = Field(default_factory=dict)
+
+
 class Reservation(BaseModel):
     """Room promised to a preempting replica, held until its victims are gone."""
 

@@ -18,7 +18,7 @@ import random
 import statistics
 import tempfile
 import time
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -144,22 +144,40 @@ def _at(history: list[tuple[ReplicaPhase, str]], phase: ReplicaPhase) -> datetim
     return next(datetime.fromisoformat(at) for p, at in history if p is phase)
 
 
+STEPS = [
+    ("placed (place activity, Fleet update)", ReplicaPhase.FETCHING),
+    ("validated, weights in cache", ReplicaPhase.STARTING),
+    ("launched (launch activity)", ReplicaPhase.LOADING),
+    ("engine loaded (LOADING -> READY)", ReplicaPhase.READY),
+]
+
+
 async def bench_starts(client: Client, system: System, model: ModelSpec, starts: int) -> None:
     system.spawn("control")
     system.spawn_agent("bench-node")
     await replicas.wait_node_registered(client, "bench-node", 60)
     totals, loads = [], []
+    gaps: dict[str, list[float]] = {name: [] for name, _ in [("workflow started", None), *STEPS]}
+    gaps["ready seen by the client"] = []
     for _ in range(starts):
-        began = time.perf_counter()
+        began, began_at = time.perf_counter(), datetime.now(UTC)
         rid = await replicas.start_replica(client, model)
         await replicas.wait_ready(client, rid, 120, poll_s=0.01)
-        total = time.perf_counter() - began
+        total, ended_at = time.perf_counter() - began, datetime.now(UTC)
         status = await replicas.status_of(client, rid)
         assert status is not None
         steps = [(h.phase, h.at) for h in status.history]
         load = (_at(steps, ReplicaPhase.READY) - _at(steps, ReplicaPhase.LOADING)).total_seconds()
         totals.append(total)
         loads.append(load)
+        # Where the time goes, from the phase changes' workflow timestamps.
+        last = datetime.fromisoformat(steps[0][1])
+        gaps["workflow started"].append((last - began_at).total_seconds())
+        for name, phase in STEPS:
+            at = _at(steps, phase)
+            gaps[name].append((at - last).total_seconds())
+            last = at
+        gaps["ready seen by the client"].append((ended_at - last).total_seconds())
         await replicas.stop_replica(client, rid, "bench", 60)
     overhead = [t - lo for t, lo in zip(totals, loads, strict=True)]
 
@@ -170,6 +188,9 @@ async def bench_starts(client: Client, system: System, model: ModelSpec, starts:
     print(f"  start-to-ready        p50 {p(totals, 50):7.0f} ms  p95 {p(totals, 95):7.0f} ms")
     print(f"  engine's own load     p50 {p(loads, 50):7.0f} ms  p95 {p(loads, 95):7.0f} ms")
     print(f"  orchestration overhead p50 {p(overhead, 50):6.0f} ms  p95 {p(overhead, 95):7.0f} ms")
+    print("  where it goes (p50 of each step, ms):")
+    for name, values in gaps.items():
+        print(f"    {name:40s} {p(values, 50):6.0f}")
 
 
 async def main() -> None:
@@ -179,7 +200,7 @@ async def main() -> None:
     parser.add_argument("--starts", type=int, default=20)
     parser.add_argument(
         "--callers",
-        type=lambda v: [int(c) for c in v.split(",")],
+        type=lambda v: [int(c) for c in v.split(",") if c],
         default=[1, 32],
         help="concurrent place callers, one Fleet run each (comma-separated)",
     )

@@ -20,6 +20,8 @@ from llmgw.types import (
     FleetSnapshot,
     ModelSpec,
     NodeFabric,
+    NodesQuery,
+    NodesResult,
     PlaceBatch,
     PlaceBatchResult,
     Placement,
@@ -99,6 +101,12 @@ async def test_batched_placements_match_the_exhaustive_scorer_in_order(client: C
             messages.PLACE, PlaceRequest(replica_id="again", model=again), result_type=PlaceResult
         )
         assert result.placement == choose_node("again", again, snapshot.nodes, expected).placement
+
+        # A launch check reads only the nodes it names.
+        some = await fleet.query(
+            messages.NODES, NodesQuery(node_ids=["n1", "gone"]), result_type=NodesResult
+        )
+        assert list(some.nodes) == ["n1"] and some.nodes["n1"] == snapshot.nodes["n1"]
 
         history = await fleet.fetch_history()
     replayer = Replayer(workflows=[FleetWorkflow], data_converter=pydantic_data_converter)

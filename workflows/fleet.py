@@ -67,11 +67,10 @@ class FleetWorkflow:
         self._state.liveness[inventory.node_id] = NodeLiveness(last_seen=workflow.now().isoformat())
         self._publish_nodes()
         added = rebuild_from_report(self._state.allocations, inventory)
-        if added:
-            self._index = None
-        elif self._index is not None:
+        if self._index is not None:
             self._index.set_node(inventory)
         if added:
+            self._index = None  # the ledger grew behind the index's back
             workflow.logger.warning(
                 "node %s runs shards the ledger lacked, now recorded: %s",
                 inventory.node_id, ", ".join(added),

@@ -29,6 +29,7 @@ from llmgw.types import (
     PlaceResult,
     ReleaseRequest,
     ReleaseResult,
+    ShardReport,
 )
 from tests.harness import node_inventory
 from workflows.fleet import FleetWorkflow
@@ -112,3 +113,32 @@ async def test_batched_placements_match_the_exhaustive_scorer_in_order(client: C
     replayer = Replayer(workflows=[FleetWorkflow], data_converter=pydantic_data_converter)
     replayed = await replayer.replay_workflow(history, raise_on_replay_failure=False)
     assert replayed.replay_failure is None
+
+
+async def test_shards_an_agent_reports_are_not_offered_again(client: Client) -> None:
+    """A re-registration that adds shards the ledger lacked: the index learns
+    them too, and the next placement goes elsewhere."""
+    queue = f"fleet-batch-{uuid.uuid4()}"
+    async with Worker(client, task_queue=queue, workflows=[FleetWorkflow]):
+        fleet = await client.start_workflow(
+            FleetWorkflow.run, FleetSnapshot(), id=f"fleet-{uuid.uuid4()}", task_queue=queue
+        )
+        for name in ("a", "b"):
+            await fleet.signal(messages.REGISTER_NODE, node_inventory(name, gpus=8))
+        gpu8 = ModelSpec(name="m8", source="/m", gpus=8)
+        first = await fleet.execute_update(
+            messages.PLACE, PlaceRequest(replica_id="r1", model=gpu8), result_type=PlaceResult
+        )
+        assert first.placement is not None
+        other = "a" if first.placement.node_id == "b" else "b"
+        # The other node's agent reports an engine holding all its GPUs.
+        report = node_inventory(other, gpus=8)
+        report.running = [
+            ShardReport(replica_id="lost", rank=0, pid=1, endpoint="x", gpu_indices=list(range(8)))
+        ]
+        await fleet.signal(messages.REGISTER_NODE, report)
+        second = await fleet.execute_update(
+            messages.PLACE, PlaceRequest(replica_id="r2", model=gpu8), result_type=PlaceResult
+        )
+        assert second.placement is None
+        assert {r.reason for r in second.rejections} == {"needs 8 free healthy GPUs, has 0"}

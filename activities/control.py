@@ -2,8 +2,9 @@
 its eyes on an engine whose node has gone quiet.
 
 A workflow cannot send an update to another workflow, so placement goes
-through this activity, which does it with a client. The fleet update is
-idempotent per replica, so an activity retry cannot double-book a GPU.
+through this activity, which does it with a client (placements asked for at
+the same time go as one batch update: activities/placer.py). The fleet update
+is idempotent per replica, so an activity retry cannot double-book a GPU.
 
 ``probe_engine`` runs on the control queue, not the node's: it is how the
 control plane tells "the agent is silent" from "the engine is dead" (DESIGN
@@ -20,11 +21,14 @@ from temporalio.client import Client
 from temporalio.exceptions import ApplicationError
 
 from activities import names
+from activities.placer import Placer, fleet_sender
 from llmgw import error_types, messages
 from llmgw.queues import FLEET_WORKFLOW_ID
 from llmgw.types import (
     CordonInput,
     FleetSnapshot,
+    NodesQuery,
+    NodesResult,
     PlaceRequest,
     PlaceResult,
     ProbeEngineInput,
@@ -60,9 +64,12 @@ class ControlActivities:
     """Activities served on the control queue; built with a Temporal client
     and the engine-key function (probes authenticate as the router does)."""
 
-    def __init__(self, client: Client, engine_key: EngineKeyFn | None = None) -> None:
+    def __init__(
+        self, client: Client, engine_key: EngineKeyFn | None = None, placer: Placer | None = None
+    ) -> None:
         self._client = client
         self._engine_key = engine_key
+        self._placer = placer or Placer(fleet_sender(client))
 
     @activity.defn(name=names.PROBE_ENGINE)
     async def probe_engine(self, request: ProbeEngineInput) -> ProbeEngineResult:
@@ -103,11 +110,8 @@ class ControlActivities:
 
     @activity.defn(name=names.PLACE_REPLICA)
     async def place_replica(self, request: PlaceRequest) -> PlaceResult:
-        """Ask the fleet to place a replica."""
-        handle = self._client.get_workflow_handle(FLEET_WORKFLOW_ID)
-        result: PlaceResult = await handle.execute_update(
-            messages.PLACE, request, result_type=PlaceResult
-        )
+        """Ask the fleet to place a replica (in one batch with those asked meanwhile)."""
+        result = await self._placer.place(request)
         span = trace.get_current_span()
         span.set_attribute("llmgw.replica", request.replica_id)
         span.set_attribute("llmgw.model", request.model.name)
@@ -132,9 +136,14 @@ class ControlActivities:
         hang or run degraded (mixed GPU types in a TP group, fp8 on GPUs that
         cannot run it, parallelism that does not add up...)."""
         handle = self._client.get_workflow_handle(FLEET_WORKFLOW_ID)
-        fleet: FleetSnapshot = await handle.query(messages.SNAPSHOT, result_type=FleetSnapshot)
+        shards = request.placement.shards()
+        fleet: NodesResult = await handle.query(
+            messages.NODES,
+            NodesQuery(node_ids=sorted({s.node_id for s in shards})),
+            result_type=NodesResult,
+        )
         facts = []
-        for shard in request.placement.shards():
+        for shard in shards:
             node = fleet.nodes.get(shard.node_id)
             if node is None:
                 return ValidateResult(problems=[f"node {shard.node_id} left the fleet"])

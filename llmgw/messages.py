@@ -21,9 +21,11 @@ SHARD_LOGS = "ShardLogs"
 REGISTER_NODE = "register_node"
 DEREGISTER_NODE = "deregister_node"
 PLACE = "place"
+PLACE_BATCH = "place_batch"
 RELEASE = "release"
 CORDON = "cordon"
 SNAPSHOT = "snapshot"
+NODES = "nodes"
 
 # Replica
 STOP = "stop"

@@ -15,6 +15,11 @@ with workflow.unsafe.imports_passed_through():
         NodeInventory,
         NodeLiveness,
         NodeRef,
+        NodesQuery,
+        NodesResult,
+        PlaceBatch,
+        PlaceBatchResult,
+        Placement,
         PlaceRequest,
         PlaceResult,
         PreemptionRecord,
@@ -24,7 +29,8 @@ with workflow.unsafe.imports_passed_through():
     )
     from workflows.ledger import rebuild_from_report
     from workflows.placement import choose_node, split_live
-    from workflows.preemption import claims, plan_preemption
+    from workflows.placement_index import PlacementIndex
+    from workflows.preemption import claims, plan_preemption, reserved_key
 
 # Preemption records kept in the fleet's state (older ones are in the history).
 KEEP_PREEMPTIONS = 50
@@ -41,6 +47,9 @@ class FleetWorkflow:
         # Signals delivered with the start run before run(): state must exist here.
         self._state = snapshot
         self._published_nodes: dict[str, str] | None = None
+        # Derived from the ledger (never stored, rebuilt when in doubt): it
+        # chooses what choose_node would, without scoring every node.
+        self._index: PlacementIndex | None = None
 
     @workflow.run
     async def run(self, snapshot: FleetSnapshot) -> FleetSnapshot:
@@ -58,7 +67,10 @@ class FleetWorkflow:
         self._state.liveness[inventory.node_id] = NodeLiveness(last_seen=workflow.now().isoformat())
         self._publish_nodes()
         added = rebuild_from_report(self._state.allocations, inventory)
+        if self._index is not None:
+            self._index.set_node(inventory)
         if added:
+            self._index = None  # the ledger grew behind the index's back
             workflow.logger.warning(
                 "node %s runs shards the ledger lacked, now recorded: %s",
                 inventory.node_id, ", ".join(added),
@@ -67,6 +79,12 @@ class FleetWorkflow:
             workflow.logger.info(
                 "node %s registered: %d GPUs", inventory.node_id, len(inventory.gpus)
             )
+
+    def _indexed(self) -> PlacementIndex:
+        if self._index is None:
+            state = self._state
+            self._index = PlacementIndex(state.nodes, claims(state.allocations, state.reservations))
+        return self._index
 
     def _publish_nodes(self) -> None:
         """Registered nodes' engine addresses as memo, when they changed."""
@@ -93,6 +111,18 @@ class FleetWorkflow:
         When nothing fits, room held by lower-priority replicas is reserved
         for this one and the answer names them: the caller drains them.
         """
+        return self._place(request, split_live(self._state, workflow.now()))
+
+    @workflow.update(name=messages.PLACE_BATCH)
+    def place_batch(self, batch: PlaceBatch) -> PlaceBatchResult:
+        """``place`` for each request in turn, in one workflow task."""
+        # Liveness is judged once: workflow time stands still within a task.
+        live = split_live(self._state, workflow.now())
+        return PlaceBatchResult(results=[self._place(r, live) for r in batch.requests])
+
+    def _place(
+        self, request: PlaceRequest, live_down: tuple[dict[str, NodeInventory], list[Rejection]]
+    ) -> PlaceResult:
         state = self._state
         rid = request.replica_id
         reserved = state.reservations.get(rid)
@@ -106,12 +136,27 @@ class FleetWorkflow:
                 )
             del state.reservations[rid]
             state.allocations[rid] = reserved.placement
+            index = self._indexed()
+            index.remove(reserved_key(rid))
+            index.add(rid, reserved.placement)
             return PlaceResult(placement=reserved.placement)
-        live, down = split_live(state, workflow.now())
-        held = claims(state.allocations, state.reservations)
-        result = choose_node(rid, request.model, live, held)
-        if result.placement is not None:
-            state.allocations[rid] = result.placement
+        existing = state.allocations.get(rid)
+        if existing is not None:
+            return PlaceResult(placement=existing)
+        live, down = live_down
+        placement = self._indexed().choose(rid, request.model, {r.node_id for r in down})
+        if placement is not None:
+            # The reasons other nodes were passed over are left out: computing
+            # them costs what placement on a large fleet otherwise would not.
+            self._allocate(rid, placement)
+            return PlaceResult(placement=placement)
+        # Nothing fits: the full scorer says why, node by node.
+        result = choose_node(
+            rid, request.model, live, claims(state.allocations, state.reservations)
+        )
+        if result.placement is not None:  # never, unless the index disagrees
+            workflow.logger.error("placement index missed a fit for %s", rid)
+            self._allocate(rid, result.placement)
             return result
         result.rejections += down
         # Histories from before multi-node preemption replay with its old
@@ -123,9 +168,14 @@ class FleetWorkflow:
         )
         if plan is not None:
             state.reservations[rid] = plan
+            self._indexed().add(reserved_key(rid), plan.placement)
             result.preempt = plan.victims
             self._record_preemption(request, plan.victims)
         return result
+
+    def _allocate(self, replica_id: str, placement: Placement) -> None:
+        self._state.allocations[replica_id] = placement
+        self._indexed().add(replica_id, placement)
 
     def _record_preemption(self, request: PlaceRequest, victims: list[str]) -> None:
         now = workflow.now().isoformat()
@@ -150,8 +200,12 @@ class FleetWorkflow:
     @workflow.update(name=messages.RELEASE)
     def release(self, request: ReleaseRequest) -> ReleaseResult:
         """Give back a replica's allocation (and any room reserved for it)."""
-        self._state.reservations.pop(request.replica_id, None)
-        released = self._state.allocations.pop(request.replica_id, None) is not None
+        rid = request.replica_id
+        self._state.reservations.pop(rid, None)
+        released = self._state.allocations.pop(rid, None) is not None
+        if self._index is not None:
+            self._index.remove(reserved_key(rid))
+            self._index.remove(rid)
         return ReleaseResult(released=released)
 
     @workflow.update(name=messages.CORDON)
@@ -164,6 +218,13 @@ class FleetWorkflow:
             cordoned.discard(request.node_id)
         self._state.cordoned = sorted(cordoned)
         return self._state
+
+    @workflow.query(name=messages.NODES)
+    def nodes(self, query: NodesQuery) -> NodesResult:
+        """Some nodes' inventories: what checking a launch needs, without
+        serialising the whole fleet (megabytes on a large one) each time."""
+        known = self._state.nodes
+        return NodesResult(nodes={n: known[n] for n in query.node_ids if n in known})
 
     @workflow.query(name=messages.SNAPSHOT)
     def snapshot(self) -> FleetSnapshot:

@@ -74,12 +74,11 @@ def _cpu_slots(node: NodeInventory, model: ModelSpec, held: list[ShardPlacement]
 FILTERS: tuple[Filter, ...] = (_gpu_class, _enough_gpus, _cpu_slots)
 
 
-def _score(node: NodeInventory, held: list[ShardPlacement], spread: bool) -> tuple[int, str]:
+def _score(node: NodeInventory, busy: int, spread: bool) -> tuple[int, str]:
     # Bin-pack (the default): more ranks already on the node scores higher,
     # keeping whole nodes free for big models; spread: fewer scores higher,
     # so one node's loss takes fewer replicas. The node id breaks ties so the
     # choice is deterministic (workflow code replays it).
-    busy = len(held)
     return (-busy if spread else busy, node.node_id)
 
 
@@ -108,15 +107,18 @@ def _candidates(
     return passed, rejections
 
 
-def _pick_island(
-    model: ModelSpec, passed: list[NodeInventory], held: dict[str, list[ShardPlacement]]
+def pick_island(
+    model: ModelSpec, passed: list[NodeInventory], busy: Callable[[str], int]
 ) -> tuple[list[NodeInventory], list[Rejection]]:
+    """The nodes to use among those that passed the filters (sorted by id),
+    and why the others in too small an island are not; ``busy`` gives the
+    ranks a node holds."""
     if model.profile.nodes == 1:
         # One node: the island rule is moot, and skipping it halves the time
         # a placement takes on a large fleet (tests/bench/bench_control.py).
         if not passed:
             return [], []
-        return [max(passed, key=lambda n: _score(n, held.get(n.node_id, []), model.spread))], []
+        return [max(passed, key=lambda n: _score(n, busy(n.node_id), model.spread))], []
     islands: dict[str, list[NodeInventory]] = {}
     for node in passed:
         islands.setdefault(island_of(node), []).append(node)
@@ -125,9 +127,7 @@ def _pick_island(
     for name, members in sorted(islands.items()):
         if len(members) >= model.profile.nodes:
             ranked = sorted(
-                members,
-                key=lambda n: _score(n, held.get(n.node_id, []), model.spread),
-                reverse=True,
+                members, key=lambda n: _score(n, busy(n.node_id), model.spread), reverse=True
             )
             fits.append(ranked[: model.profile.nodes])
         else:
@@ -143,9 +143,7 @@ def _pick_island(
         return [], rejections
     # The island whose chosen nodes score best, by the same rule.
     sign = -1 if model.spread else 1
-    best = max(
-        fits, key=lambda ns: (sign * sum(len(held.get(n.node_id, [])) for n in ns), ns[0].node_id)
-    )
+    best = max(fits, key=lambda ns: (sign * sum(busy(n.node_id) for n in ns), ns[0].node_id))
     return best, rejections
 
 
@@ -187,29 +185,35 @@ def choose_node(
     passed, rejections = _candidates(model, nodes, held)
     if not nodes:
         rejections.append(Rejection(node_id="*", reason="no node has registered"))
-    chosen, more = _pick_island(model, passed, held)
+    chosen, more = pick_island(model, passed, lambda node_id: len(held.get(node_id, [])))
     rejections += more
     if not chosen:
         return PlaceResult(rejections=rejections)
+    placement = build_placement(
+        replica_id,
+        model,
+        [
+            (n.node_id, free_gpu_indices(n, held.get(n.node_id, []), model.gpu_class))
+            for n in chosen
+        ],
+    )
+    return PlaceResult(placement=placement, rejections=rejections)
+
+
+def build_placement(
+    replica_id: str, model: ModelSpec, chosen: list[tuple[str, list[int]]]
+) -> Placement:
+    """The placement on ``chosen`` nodes (leader first), each with its free GPUs."""
     shards = [
-        ShardPlacement(
-            rank=rank,
-            node_id=node.node_id,
-            gpu_indices=free_gpu_indices(node, held.get(node.node_id, []), model.gpu_class)[
-                : model.gpus
-            ],
-        )
-        for rank, node in enumerate(chosen)
+        ShardPlacement(rank=rank, node_id=node_id, gpu_indices=free[: model.gpus])
+        for rank, (node_id, free) in enumerate(chosen)
     ]
     leader, workers = shards[0], shards[1:]
-    return PlaceResult(
-        placement=Placement(
-            replica_id=replica_id,
-            model=model.name,
-            node_id=leader.node_id,
-            gpu_indices=leader.gpu_indices,
-            workers=workers,
-            priority=model.priority,
-        ),
-        rejections=rejections,
+    return Placement(
+        replica_id=replica_id,
+        model=model.name,
+        node_id=leader.node_id,
+        gpu_indices=leader.gpu_indices,
+        workers=workers,
+        priority=model.priority,
     )

@@ -21,13 +21,18 @@ from llmgw.types import ModelSpec, NodeInventory, Placement, Reservation, ShardP
 from workflows.placement import by_node, free_gpu_indices, island_of, rejection
 
 
+def reserved_key(preemptor: str) -> str:
+    """The key room reserved for ``preemptor`` is held under among the claims."""
+    return f"reserved:{preemptor}"
+
+
 def claims(
     allocations: Mapping[str, Placement], reservations: Mapping[str, Reservation]
 ) -> dict[str, Placement]:
     """Everything that holds room: allocations and reserved room alike."""
     held = dict(allocations)
     for preemptor, reservation in reservations.items():
-        held[f"reserved:{preemptor}"] = reservation.placement
+        held[reserved_key(preemptor)] = reservation.placement
     return held
 
 

@@ -72,7 +72,10 @@ class WaitReadyInput(BaseModel):
 
     shard: ShardRef
     timeout_s: float = 600.0
-    poll_interval_s: float = 0.25
+    # Every poll the engine is ready but not yet probed is start-to-ready
+    # lost (half a poll on average); a /health probe is cheap, even to an
+    # engine busy loading (tests/bench/bench_control.py).
+    poll_interval_s: float = 0.05
 
 
 class WaitReadyResult(BaseModel):

@@ -1,0 +1,144 @@
+"""The fleet's ledger under concurrent placement, on a real Temporal server.
+
+Placements asked for together go as ``place_batch`` updates (through the
+control activity's ``Placer``) and are decided by the placement index; the
+ledger must come out exactly as the exhaustive scorer, placing the same
+requests one by one in the order the fleet saw them, would have made it.
+"""
+
+import asyncio
+import uuid
+
+from temporalio.client import Client, WorkflowHandle
+from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.worker import Replayer, Worker
+
+from activities.placer import Placer
+from llmgw import messages
+from llmgw.types import (
+    EngineProfile,
+    FleetSnapshot,
+    ModelSpec,
+    NodeFabric,
+    NodesQuery,
+    NodesResult,
+    PlaceBatch,
+    PlaceBatchResult,
+    Placement,
+    PlaceRequest,
+    PlaceResult,
+    ReleaseRequest,
+    ReleaseResult,
+    ShardReport,
+)
+from tests.harness import node_inventory
+from workflows.fleet import FleetWorkflow
+from workflows.placement import choose_node
+
+SIZES = [1, 2, 4, 1, 8, 2, 1, 1, 4, 2]
+
+
+def models() -> list[ModelSpec]:
+    specs = [ModelSpec(name=f"m{g}", source="/m", gpus=g) for g in SIZES * 4]
+    specs += [ModelSpec(name="cpu", source="/m")] * 3
+    two = EngineProfile(tp=8, nodes=2)
+    specs.append(ModelSpec(name="huge", source="/m", gpus=8, profile=two))
+    return specs
+
+
+async def start_fleet(client: Client, queue: str) -> WorkflowHandle[FleetWorkflow, FleetSnapshot]:
+    fleet = await client.start_workflow(
+        FleetWorkflow.run, FleetSnapshot(), id=f"fleet-{uuid.uuid4()}", task_queue=queue
+    )
+    for i in range(6):
+        node = node_inventory(f"n{i}", gpus=8, cpu_slots=1)
+        node.fabric = NodeFabric(island="ib-1" if i < 3 else "ib-2")
+        await fleet.signal(messages.REGISTER_NODE, node)
+    return fleet
+
+
+async def test_batched_placements_match_the_exhaustive_scorer_in_order(client: Client) -> None:
+    queue = f"fleet-batch-{uuid.uuid4()}"
+    async with Worker(client, task_queue=queue, workflows=[FleetWorkflow]):
+        fleet = await start_fleet(client, queue)
+        seen: list[PlaceRequest] = []
+
+        async def send(batch: PlaceBatch) -> PlaceBatchResult:
+            seen.extend(batch.requests)
+            result: PlaceBatchResult = await fleet.execute_update(
+                messages.PLACE_BATCH, batch, result_type=PlaceBatchResult
+            )
+            return result
+
+        placer = Placer(send)
+        requests = [PlaceRequest(replica_id=f"r{i}", model=m) for i, m in enumerate(models())]
+        answers = await asyncio.gather(*(placer.place(r) for r in requests))
+        snapshot = await fleet.query(FleetWorkflow.snapshot)
+
+        assert len(seen) == len(requests)
+        # The reference: the same requests, one by one, in the fleet's order.
+        expected: dict[str, Placement] = {}
+        for request in seen:
+            placement = choose_node(request.replica_id, request.model, snapshot.nodes, expected)
+            if placement.placement is not None:
+                expected[request.replica_id] = placement.placement
+        assert snapshot.allocations == expected
+        by_id = {r.replica_id: a for r, a in zip(requests, answers, strict=True)}
+        assert {rid: a.placement for rid, a in by_id.items() if a.placement} == expected
+        # More was asked than fits: the ones left over say why, node by node.
+        unplaced = [a for a in answers if a.placement is None]
+        assert unplaced
+        assert {r.node_id for r in unplaced[0].rejections} == {f"n{i}" for i in range(6)}
+
+        # Released room is offered again, as the scorer would offer it.
+        victim = next(iter(expected))
+        released = await fleet.execute_update(
+            messages.RELEASE, ReleaseRequest(replica_id=victim), result_type=ReleaseResult
+        )
+        assert released.released
+        del expected[victim]
+        again = ModelSpec(name="m1", source="/m", gpus=1)
+        result = await fleet.execute_update(
+            messages.PLACE, PlaceRequest(replica_id="again", model=again), result_type=PlaceResult
+        )
+        assert result.placement == choose_node("again", again, snapshot.nodes, expected).placement
+
+        # A launch check reads only the nodes it names.
+        some = await fleet.query(
+            messages.NODES, NodesQuery(node_ids=["n1", "gone"]), result_type=NodesResult
+        )
+        assert list(some.nodes) == ["n1"] and some.nodes["n1"] == snapshot.nodes["n1"]
+
+        history = await fleet.fetch_history()
+    replayer = Replayer(workflows=[FleetWorkflow], data_converter=pydantic_data_converter)
+    replayed = await replayer.replay_workflow(history, raise_on_replay_failure=False)
+    assert replayed.replay_failure is None
+
+
+async def test_shards_an_agent_reports_are_not_offered_again(client: Client) -> None:
+    """A re-registration that adds shards the ledger lacked: the index learns
+    them too, and the next placement goes elsewhere."""
+    queue = f"fleet-batch-{uuid.uuid4()}"
+    async with Worker(client, task_queue=queue, workflows=[FleetWorkflow]):
+        fleet = await client.start_workflow(
+            FleetWorkflow.run, FleetSnapshot(), id=f"fleet-{uuid.uuid4()}", task_queue=queue
+        )
+        for name in ("a", "b"):
+            await fleet.signal(messages.REGISTER_NODE, node_inventory(name, gpus=8))
+        gpu8 = ModelSpec(name="m8", source="/m", gpus=8)
+        first = await fleet.execute_update(
+            messages.PLACE, PlaceRequest(replica_id="r1", model=gpu8), result_type=PlaceResult
+        )
+        assert first.placement is not None
+        other = "a" if first.placement.node_id == "b" else "b"
+        # The other node's agent reports an engine holding all its GPUs.
+        report = node_inventory(other, gpus=8)
+        report.running = [
+            ShardReport(replica_id="lost", rank=0, pid=1, endpoint="x", gpu_indices=list(range(8)))
+        ]
+        await fleet.signal(messages.REGISTER_NODE, report)
+        second = await fleet.execute_update(
+            messages.PLACE, PlaceRequest(replica_id="r2", model=gpu8), result_type=PlaceResult
+        )
+        assert second.placement is None
+        assert {r.reason for r in second.rejections} == {"needs 8 free healthy GPUs, has 0"}

@@ -74,8 +74,13 @@ def api_schema(served: _Served) -> BaseSchema:
     )
     schema = schemathesis.openapi.from_url(f"{served.root}/openapi.json", config=config)
     # Revoking keys would only turn later cases into 401s; /admin/nodes has no
-    # input and answers 503 without Temporal (tests/e2e/test_gateway_e2e.py has it).
-    return schema.exclude(method="DELETE").exclude(path="/admin/nodes")
+    # input and answers 503 without Temporal (tests/e2e/test_gateway_e2e.py has
+    # it), as does a valid scale (tests/e2e/test_elastic_cli.py has that one).
+    return (
+        schema.exclude(method="DELETE")
+        .exclude(path="/admin/nodes")
+        .exclude(path="/admin/models/{name}/scale")
+    )
 
 
 def _served_model(case: Case[Any]) -> Case[Any]:

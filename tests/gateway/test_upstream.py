@@ -364,3 +364,34 @@ async def test_a_slow_reader_stops_the_engine_then_gets_every_byte(client: Clien
         assert bytes(got) == b"".join(pieces)
         await response.close()
         await up.aclose()
+
+
+def test_the_default_client_on_uvloop_the_routers_loop() -> None:
+    """The router runs on uvloop (its transports are not asyncio's classes):
+    the exchanges above, once there, in a loop of its own."""
+    uvloop = pytest.importorskip("uvloop")
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while request := await read_request(reader):
+            body = request.split(b"\r\n\r\n", 1)[1]
+            writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+            writer.write(chunked(body, body))
+            await writer.drain()
+        writer.close()
+
+    async def scenario() -> list[bytes]:
+        up = RawUpstream(connect_timeout_s=2, read_timeout_s=10, max_connections=8)
+        got = []
+        async with server(handle) as url:
+            for n in range(3):
+                response = await up.post(f"{url}/v1/x", b"%d" % n, {})
+                got.append(b"".join([c async for c in response.chunks()]))
+                await response.close()
+            response = await up.post(f"{url}/v1/x", b"w", {})
+            got.append(await response.read())
+            await response.close()
+            await up.aclose()
+        return got
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        assert runner.run(scenario()) == [b"00", b"11", b"22", b"ww"]

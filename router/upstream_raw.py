@@ -459,12 +459,15 @@ class RawUpstream:
         self._sweeper = None
         cutoff = self.loop.time() - KEEPALIVE_S
         left = False
-        for idle in self._idle.values():
+        for key, idle in list(self._idle.items()):
             while idle and idle[0].idle_since <= cutoff:
                 conn = idle.pop(0)
                 conn.pooled = False
                 conn.drop()
-            left = left or bool(idle)
+            if idle:
+                left = True
+            else:
+                del self._idle[key]  # engines come and go
         if left:
             self._sweeper = self.loop.call_later(SWEEP_S, self._sweep)
 

@@ -20,7 +20,7 @@ from router.upstream_raw import _Answer as _RawAnswer
 from tests.harness import reset
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
-Client = Callable[[], Upstream]
+Client = Callable[..., Upstream]
 MiB = 1024 * 1024
 
 
@@ -28,7 +28,8 @@ MiB = 1024 * 1024
 def client(request: pytest.FixtureRequest) -> Client:
     """A factory of the client under test."""
     kind = AiohttpUpstream if request.param == "aiohttp" else RawUpstream
-    return lambda: kind(connect_timeout_s=2, read_timeout_s=10, max_connections=8)
+    defaults = {"connect_timeout_s": 2, "read_timeout_s": 10, "max_connections": 8}
+    return lambda **settings: kind(**{**defaults, **settings})
 
 
 @asynccontextmanager
@@ -395,3 +396,57 @@ def test_the_default_client_on_uvloop_the_routers_loop() -> None:
 
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         assert runner.run(scenario()) == [b"00", b"11", b"22", b"ww"]
+
+
+async def test_an_engine_silent_past_the_read_timeout_is_an_upstream_error(client: Client) -> None:
+    done = asyncio.Event()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        await reader.read()  # never answers; returns when the client gives up
+        done.set()
+        writer.close()
+
+    up = client(read_timeout_s=0.2)
+    async with server(handle) as url:
+        with pytest.raises(UpstreamError) as info:
+            await up.post(f"{url}/v1/x", b"{}", {})
+        assert not isinstance(info.value, UpstreamConnectError)
+        await asyncio.wait_for(done.wait(), 5)  # and the connection is gone
+        await up.aclose()
+
+
+async def test_past_max_connections_a_request_waits_for_one(client: Client) -> None:
+    """One connection allowed: concurrent requests to one engine take turns on
+    it; one to another engine closes the idle one to make room."""
+    up = client(max_connections=1)
+    connections = 0
+    release = asyncio.Event()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal connections
+        connections += 1
+        while request := await read_request(reader):
+            await release.wait()
+            writer.write(answer(request.rsplit(b"\r\n\r\n", 1)[1]))
+            await writer.drain()
+        writer.close()
+
+    async def ask(url: str, body: bytes) -> bytes:
+        response = await up.post(f"{url}/v1/x", body, {})
+        try:
+            return await response.read()
+        finally:
+            await response.close()
+
+    async with server(handle) as a, server(handle) as b:
+        asks = [asyncio.ensure_future(ask(a, b"%d" % n)) for n in range(3)]
+        release.set()
+        assert await asyncio.gather(*asks) == [b"0", b"1", b"2"]
+        assert connections == 1
+        assert await ask(b, b"b") == b"b"
+        assert await ask(a, b"a") == b"a"
+        await up.aclose()
+    # RawUpstream counts idle connections too: the one to the first engine
+    # was closed for the second's (aiohttp counts only those in use).
+    assert connections == (3 if isinstance(up, RawUpstream) else 2)

@@ -8,7 +8,7 @@ import json
 import os
 import socket
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -129,6 +129,9 @@ class RouterSettings(_Common):
     upstream_read_timeout_s: float = 600.0
     # Connections to engines, all replicas together; requests beyond wait.
     upstream_max_connections: int = 1024
+    # The engine client: "raw" (router/upstream_raw.py, the default) or
+    # "aiohttp" (the one before it; kept for one release, then removed).
+    upstream_client: Literal["raw", "aiohttp"] = "raw"
     # Client connections (llmgw/listener.py): a request head must arrive
     # within header_timeout_s; an idle kept-alive connection is closed after
     # keepalive_timeout_s (longer than clients' own pools keep one, httpx's

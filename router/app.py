@@ -35,6 +35,7 @@ from router.metrics import Metrics
 from router.proxy import Proxy
 from router.routing import ReplicaSource, RoutingTable, refresh_forever
 from router.upstream import AiohttpUpstream, Upstream
+from router.upstream_raw import RawUpstream
 
 MiB = 1024 * 1024
 
@@ -57,6 +58,19 @@ class RouterApp(FastAPI):
                 await endpoint(scope, receive, send)
                 return
         await super().__call__(scope, receive, send)
+
+
+def make_upstream(
+    kind: str = "raw",
+    connect_timeout_s: float = 5.0,
+    read_timeout_s: float = 600.0,
+    max_connections: int = 1024,
+) -> Upstream:
+    """The engine client: ``raw`` (the default) or ``aiohttp`` (kept for one release)."""
+    if kind not in ("raw", "aiohttp"):
+        raise ValueError(f"unknown upstream client {kind!r}")
+    factory = AiohttpUpstream if kind == "aiohttp" else RawUpstream
+    return factory(connect_timeout_s, read_timeout_s, max_connections)
 
 
 def _elastic(
@@ -113,9 +127,7 @@ def create_app(
         adapter_loader = TemporalAdapterLoader(temporal)
     secret = store.engine_key_secret()
     table = RoutingTable()
-    client = http or AiohttpUpstream(
-        connect_timeout_s=5.0, read_timeout_s=600.0, max_connections=1024
-    )
+    client = http or make_upstream()
     ready = asyncio.Event()
     metrics = Metrics(table)
     accountant = Accountant(store, usage_flush_interval_s, clock)

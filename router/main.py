@@ -16,9 +16,8 @@ from llmgw.settings import RouterSettings
 from llmgw.store import Store
 from llmgw.temporal import connect_with
 from llmgw.tracing import setup_tracing
-from router.app import create_app
+from router.app import create_app, make_upstream
 from router.routing import ReplicaSource, TemporalReplicaSource
-from router.upstream import AiohttpUpstream
 
 log = logging.getLogger(__name__)
 # Of shutdown_timeout_s, what is kept for the lifespan's shutdown (the last
@@ -37,7 +36,8 @@ def build(
 
     ``temporal`` serves the admin calls that ask it (nodes, log tails).
     """
-    upstream = AiohttpUpstream(
+    upstream = make_upstream(
+        settings.upstream_client,
         connect_timeout_s=settings.upstream_connect_timeout_s,
         read_timeout_s=settings.upstream_read_timeout_s,
         max_connections=settings.upstream_max_connections,

@@ -5,9 +5,11 @@ chunk by chunk, and whose close, before the answer is complete, drops the
 connection (the engine takes that as a cancellation). Failures come as
 ``UpstreamConnectError`` (nothing was sent: fail over) or ``UpstreamError``.
 
-``AiohttpUpstream`` is the implementation: aiohttp costs about a fifth of the
-CPU per request of httpx (197 vs 1,065 us against the benchmark's mock,
-``python -m tests.bench.bench_router``), which was most of the router's own.
+``AiohttpUpstream`` was the implementation (aiohttp costs about a fifth of
+the CPU per request of httpx); ``router.upstream_raw.RawUpstream`` is now the
+default (about a fifth of aiohttp's: 25-35 vs 122-178 us against the
+benchmark's mock, ``python -m tests.bench.bench_router``). This one stays
+selectable (``LLMGW_UPSTREAM_CLIENT=aiohttp``) for one release.
 """
 
 from collections.abc import AsyncIterator, Mapping

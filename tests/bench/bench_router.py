@@ -251,12 +251,13 @@ def measure_wrk(target: Target, up_port: int, args: argparse.Namespace, work: Pa
 def client_cost(up_port: int, n: int) -> list[str]:
     """CPU per request of the upstream HTTP client alone, sequential, against the mock.
 
-    The router's own client (router.upstream: aiohttp), and httpx, which it
-    used before, on the same requests.
+    The router's clients (router.upstream_raw, the default; router.upstream's
+    aiohttp, the one before), and httpx, used before that, on the same requests.
     """
     import httpx  # noqa: PLC0415
 
-    from router.upstream import AiohttpUpstream  # noqa: PLC0415
+    from router.upstream import AiohttpUpstream, Upstream  # noqa: PLC0415
+    from router.upstream_raw import RawUpstream  # noqa: PLC0415
 
     url = f"http://127.0.0.1:{up_port}/v1/chat/completions"
     body = request_bytes("/", "x", False).split(b"\r\n\r\n", 1)[1]
@@ -278,8 +279,7 @@ def client_cost(up_port: int, n: int) -> list[str]:
                 await response.aclose()
             return (cpu() - started) / n
 
-    async def with_router_client() -> float:
-        upstream = AiohttpUpstream(connect_timeout_s=5, read_timeout_s=60, max_connections=64)
+    async def with_router_client(upstream: Upstream) -> float:
         started = 0.0
         for i in range(n + n // 10):
             if i == n // 10:
@@ -291,7 +291,14 @@ def client_cost(up_port: int, n: int) -> list[str]:
         return (cpu() - started) / n
 
     lines = [f"== upstream HTTP client alone ({n} sequential requests to the mock, CPU/request)"]
-    lines.append(f"  router.upstream (aiohttp): {run_loop(with_router_client) * 1e6:.0f} us")
+    raw = RawUpstream(connect_timeout_s=5, read_timeout_s=60, max_connections=64)
+    aio = AiohttpUpstream(connect_timeout_s=5, read_timeout_s=60, max_connections=64)
+    lines.append(
+        f"  RawUpstream (default):     {run_loop(lambda: with_router_client(raw)) * 1e6:.0f} us"
+    )
+    lines.append(
+        f"  AiohttpUpstream:           {run_loop(lambda: with_router_client(aio)) * 1e6:.0f} us"
+    )
     lines.append(f"  httpx:                     {run_loop(with_httpx) * 1e6:.0f} us")
     return lines
 
@@ -351,7 +358,7 @@ def main() -> None:
         elif role == "_router":
             serve_router(rest[0])
         elif role == "_floor":
-            serve_floor(int(rest[0]), rest[1])
+            serve_floor(int(rest[0]), rest[1], *rest[2:3])
         elif role == "_load":
             load(int(rest[0]), sys.stdin.buffer.read(), int(rest[1]), float(rest[2]))
         return
@@ -364,20 +371,35 @@ def main() -> None:
     p.add_argument("--token-gap-ms", type=float, default=1.0, help="mock: between stream events")
     p.add_argument("--wrk-seconds", type=float, default=5.0, help="each wrk run; 0: no wrk")
     p.add_argument("--no-floor", action="store_true")
+    p.add_argument(
+        "--floors",
+        default="aiohttp,raw",
+        help="the floor proxy's clients, measured in turn (aiohttp, raw)",
+    )
+    p.add_argument(
+        "--router-client",
+        choices=("raw", "aiohttp"),
+        default=None,
+        help="the router's engine client (LLMGW_UPSTREAM_CLIENT; default: raw)",
+    )
     p.add_argument("--no-litellm", action="store_true")
     p.add_argument("--litellm-venv", type=Path, default=LITELLM_VENV)
     args = p.parse_args()
     run(args)
 
 
-def measure_floor(up_port: int, args: argparse.Namespace, work: Path) -> subprocess.Popen[bytes]:
+def measure_floor(
+    up_port: int, args: argparse.Namespace, work: Path, client: str
+) -> subprocess.Popen[bytes]:
     """The floor proxy's figures (printed); its process, stopped."""
     port = free_port()
-    floor = spawn([*SELF, "_floor", str(port), f"http://127.0.0.1:{up_port}"],
-                  dict(os.environ), work / "floor.log")  # fmt: skip
+    floor = spawn([*SELF, "_floor", str(port), f"http://127.0.0.1:{up_port}", client],
+                  dict(os.environ), work / f"floor-{client}.log")  # fmt: skip
     try:
         if wait_http(port, "/v1/models", lambda d: True, 30):
-            name = "floor: raw ASGI + aiohttp, no gateway work"
+            name = (
+                f"floor: raw ASGI + {'RawUpstream' if client == 'raw' else client}, no gateway work"
+            )
             for line in measure(Target(name, port, "-", floor.pid), up_port, args, work):
                 print(line, flush=True)
     finally:
@@ -403,6 +425,9 @@ def run(args: argparse.Namespace) -> None:
         )  # fmt: skip
         procs.append(upstream)
         env = dict(os.environ, LLMGW_STORE_URL=store_url, LLMGW_PORT=str(router_port))
+        if args.router_client:
+            env["LLMGW_UPSTREAM_CLIENT"] = args.router_client
+        router_client = env.get("LLMGW_UPSTREAM_CLIENT", "raw")
         router = spawn([*SELF, "_router", f"http://127.0.0.1:{up_port}"],
                        env, work / "router.log")  # fmt: skip
         procs.append(router)
@@ -420,12 +445,14 @@ def run(args: argparse.Namespace) -> None:
         )
         print(f"== mock upstream alone: {baseline.rps:,.0f} requests/s"
               f" (p50 {baseline.p50_ms:.2f} ms), the ceiling of what follows")  # fmt: skip
-        llmgw = Target("llmgw router", router_port, key, router.pid)
+        llmgw = Target(
+            f"llmgw router (engine client: {router_client})", router_port, key, router.pid
+        )
         for line in measure(llmgw, up_port, args, work):
             print(line, flush=True)
         stop(router)
         if not args.no_floor:
-            procs.append(measure_floor(up_port, args, work))
+            procs.extend(measure_floor(up_port, args, work, c) for c in args.floors.split(","))
         for line in client_cost(up_port, args.requests):
             print(line, flush=True)
         if args.no_litellm:

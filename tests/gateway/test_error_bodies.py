@@ -1,6 +1,7 @@
 """A 502 tells the client which model failed, never an address or a path of
 ours; the log line keeps the detail and the replica. Real sockets on
-loopback: the router's aiohttp upstream and the engine pass-through."""
+loopback: the router's default engine client (RawUpstream) and the engine
+pass-through."""
 
 import asyncio
 import json
@@ -16,7 +17,7 @@ import pytest
 from llmgw.store import Store
 from router.apikeys import KeyPolicy, create_key
 from router.app import create_app
-from router.upstream import AiohttpUpstream
+from router.upstream_raw import RawUpstream
 from tests.gateway_util import FakeSource, auth, ready, serving, spec
 from worker_agent.passthrough import PassThrough
 
@@ -68,7 +69,7 @@ async def test_a_router_502_names_the_model_not_the_engine(
             store,
             FakeSource(replicas),
             refresh_interval_s=0.05,
-            http=AiohttpUpstream(connect_timeout_s=5, read_timeout_s=10, max_connections=4),
+            http=RawUpstream(connect_timeout_s=5, read_timeout_s=10, max_connections=4),
         )
         async with serving(app) as http:
             with caplog.at_level(logging.WARNING, logger="router.proxy"):

@@ -1,6 +1,6 @@
 """Elastic serving benchmark (a script that prints figures, not a test).
 
-    .venv/bin/python -m tests.bench.bench_elastic [--phase-s 30 20 30] [--wakes 5]
+    .venv/bin/python -m tests.bench.bench_elastic [--base-rate 2.5] [--phase-s 30 20 30] [--wakes 5]
 
 A real router, control worker, agent and tiny llama.cpp replicas (one slot,
 one thread each). Open-loop Poisson arrivals through the router, the rate

@@ -54,6 +54,8 @@ Forward = Callable[[], Awaitable[ASGIApp]]
 UNLIMITED = 1 << 30
 # A safety net under the event-driven dispatch (request ends, table changes).
 TICK_S = 0.5
+# After a ready wake, the table is read again this soon while it lacks the replica.
+TABLE_LAG_S = 0.1
 # What a request that does not bound its generation costs in the queue, per
 # choice (its quota reservation assumes the whole context instead).
 DEFAULT_COMPLETION_COST = 256
@@ -251,9 +253,16 @@ class Admission:
     def table_changed(self) -> None:
         """The routing table was rebuilt (router.routing's hook): replicas may
         have appeared; the waker learns which models are up again."""
-        for model in self._models:
+        lagging = False
+        for model, m in self._models.items():
             if self._table.has_replicas(model):
                 self.waker.settled(model)
+            elif len(m.fair) and self.waker.awaiting_table(model):
+                lagging = True
+        if lagging:
+            # A woken replica not listed yet (visibility lags its ready):
+            # look again shortly rather than a whole refresh interval later.
+            asyncio.get_running_loop().call_later(TABLE_LAG_S, self._table.refresh_soon)
         if self._models:
             self.kick()
 
@@ -349,6 +358,8 @@ class Admission:
 
     def _woken(self, model: str, result: WakeResult) -> None:
         if result.ready:
+            # Its replica is ready: the requests wait for the table to show it.
+            self._table.refresh_soon()
             self.kick(model)
             return
         if self._table.has_replicas(model):

@@ -8,10 +8,17 @@ router/wake.py). Tests inject their own :class:`DeploymentLink`.
 
 import asyncio
 import logging
+import uuid
 from datetime import timedelta
-from typing import Protocol
+from typing import Any, Protocol
 
-from temporalio.client import Client, WorkflowUpdateFailedError, WorkflowUpdateStage
+from temporalio.client import (
+    Client,
+    WorkflowHandle,
+    WorkflowUpdateFailedError,
+    WorkflowUpdateRPCTimeoutOrCancelledError,
+    WorkflowUpdateStage,
+)
 from temporalio.service import RPCError, RPCStatusCode
 
 from llmgw import messages
@@ -61,18 +68,20 @@ class TemporalDeploymentLink:
     async def wake(self, model: str, wake: WakeInput) -> WakeResult:
         """The ``wake`` update's result; any failure becomes ``ready=False`` with why."""
         handle = self._client.get_workflow_handle(deployment_workflow_id(model))
+        # One id for every attempt: Temporal dedupes an update by its id, so
+        # asking again after a call's deadline joins the same wake.
+        update_id = f"wake-{wake.router_id}-{uuid.uuid4().hex}"
         try:
             async with asyncio.timeout(self._wake_timeout_s):
-                update = await handle.start_update(
-                    messages.WAKE,
-                    wake,
-                    wait_for_stage=WorkflowUpdateStage.ACCEPTED,
-                    result_type=WakeResult,
-                    rpc_timeout=self._rpc_timeout,
-                )
-                # Polls until the update completes; each poll is bounded.
-                result = await update.result(rpc_timeout=self._rpc_timeout)
-                return WakeResult.model_validate(result)
+                while True:
+                    try:
+                        return await self._wake_once(handle, wake, update_id)
+                    except WorkflowUpdateRPCTimeoutOrCancelledError as exc:
+                        if isinstance(exc.__cause__, asyncio.CancelledError):
+                            raise exc.__cause__ from None  # ours: the timeout, or a stop
+                        # One call's deadline passed (the control worker is
+                        # down, or the engine still loads): ask again.
+                        log.info("wake of %s: no answer yet, asking again", model)
         except RPCError as exc:
             if exc.status is RPCStatusCode.NOT_FOUND:
                 return WakeResult(ready=False, reason=f"the model `{model}` has no deployment")
@@ -85,3 +94,18 @@ class TemporalDeploymentLink:
             return WakeResult(
                 ready=False, reason=f"no replica became ready within {self._wake_timeout_s:g} s"
             )
+
+    async def _wake_once(
+        self, handle: WorkflowHandle[Any, Any], wake: WakeInput, update_id: str
+    ) -> WakeResult:
+        """Start (or join) the wake and wait for its answer. Each call is bounded
+        by the RPC timeout; past it the SDK raises (it does not poll again)."""
+        update = await handle.start_update(
+            messages.WAKE,
+            wake,
+            id=update_id,
+            wait_for_stage=WorkflowUpdateStage.ACCEPTED,
+            result_type=WakeResult,
+            rpc_timeout=self._rpc_timeout,
+        )
+        return WakeResult.model_validate(await update.result(rpc_timeout=self._rpc_timeout))

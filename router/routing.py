@@ -23,6 +23,7 @@ it client prompts and an engine key.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
@@ -284,6 +285,20 @@ class RoutingTable:
     _turn: itertools.count[int] = field(default_factory=itertools.count)
     # Called after each rebuild (the admission queue dispatches to new replicas).
     on_update: list[Callable[[], None]] = field(default_factory=list)
+    # Set: refresh now rather than at the next interval (a wake answered ready).
+    _wanted: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def refresh_soon(self) -> None:
+        """Refresh without waiting for the interval: a replica is known ready
+        and requests wait for it (router.admission, after a wake)."""
+        self._wanted.set()
+
+    async def next_refresh(self, interval_s: float) -> None:
+        """Until the next refresh is due: ``interval_s``, or sooner when wanted."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(interval_s):
+                await self._wanted.wait()
+        self._wanted.clear()
 
     def update(self, replicas: list[ReplicaMemo], catalog: dict[str, ModelSpec]) -> None:
         """Replace the routes, keeping in-flight counts of replicas that remain."""
@@ -348,7 +363,8 @@ async def refresh_forever(
     interval_s: float,
     ready: asyncio.Event,
 ) -> None:
-    """Refresh ``table`` every ``interval_s``; sets ``ready`` after the first success."""
+    """Refresh ``table`` every ``interval_s`` (sooner when it asks: ``refresh_soon``);
+    sets ``ready`` after the first success."""
     built: tuple[int, dict[str, ModelSpec]] | None = None  # what the table was built from
     while True:
         try:
@@ -364,4 +380,4 @@ async def refresh_forever(
             raise
         except Exception as exc:  # keep the last good table
             log.warning("routing refresh failed: %s", exc)
-        await asyncio.sleep(interval_s)
+        await table.next_refresh(interval_s)

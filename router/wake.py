@@ -83,6 +83,11 @@ class Waker:
             self._ready_until[model] = self._clock() + READY_HOLD_S
         self._on_result(model, result)
 
+    def awaiting_table(self, model: str) -> bool:
+        """Whether a wake of ``model`` answered ready and the routing table
+        does not show its replica yet."""
+        return model not in self._tasks and self._ready_until.get(model, 0.0) > self._clock()
+
     def settled(self, model: str) -> None:
         """The routing table shows a replica of ``model``: the next zero wakes again."""
         self._ready_until.pop(model, None)

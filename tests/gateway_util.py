@@ -36,8 +36,10 @@ class FakeSource:
 
     def __init__(self, replicas: list[ReplicaMemo]) -> None:
         self.items = replicas
+        self.reads = 0
 
     async def replicas(self) -> list[ReplicaMemo]:
+        self.reads += 1
         return self.items
 
 
@@ -213,11 +215,11 @@ async def gateway(
     # Quota windows follow this clock: frozen, so no test straddles a minute.
     frozen = time.time()
     app_args.setdefault("clock", lambda: frozen)
+    app_args.setdefault("refresh_interval_s", 0.05)
     source = FakeSource(replicas)
     app = create_app(
         store,
         source,
-        refresh_interval_s=0.05,
         http=MockUpstream(engine),
         admin_key=ADMIN_KEY,
         usage_flush_interval_s=0.05,

@@ -277,6 +277,29 @@ async def test_twenty_requests_for_a_model_at_zero_wake_it_once(tmp_path: Path) 
         )
 
 
+async def test_a_ready_wake_reads_the_routing_table_at_once(tmp_path: Path) -> None:
+    """The table is not left to its interval (an hour here) once a wake answers
+    ready, and is read again while it lacks the replica (visibility lags)."""
+    link = FakeLink()
+    async with gateway(
+        tmp_path / "s.db", [], [elastic()], deployment_link=link, refresh_interval_s=3600
+    ) as gw:
+        _, key = gw.key()
+        source = _source(gw)
+        tasks = [post(gw, key) for _ in range(3)]
+        await until(lambda: waiting(gw) == 3 and link.answer is not None)
+        reads = source.reads
+        assert link.answer is not None
+        link.answer.set_result(WakeResult(ready=True, desired=1))
+        # Read at once, and again: the replica is not listed yet.
+        await until(lambda: source.reads >= reads + 2)
+        assert waiting(gw) == 3
+        source.items = [ready("r1", M, "http://e1:1")]
+        results = await asyncio.gather(*tasks)
+        assert [r.status_code for r in results] == [200] * 3
+        assert len(link.wakes) == 1
+
+
 def _source(gw: Gateway) -> FakeSource:
     assert gw.source is not None
     return gw.source

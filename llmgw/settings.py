@@ -65,6 +65,9 @@ class ControlSettings(_Common):
     # catalog part only the ledger is audited.
     reconcile_interval_s: float = 30.0
     reconcile_catalog: bool = True
+    # host:port to serve Prometheus metrics on (the Temporal SDK's and
+    # llmgw_scale_decisions); empty serves none.
+    metrics_address: str = ""
 
 
 class AgentSettings(_Common):

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from temporalio.client import Client, Interceptor, WorkflowExecutionStatus
 from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.runtime import PrometheusConfig, Runtime, TelemetryConfig
 from temporalio.service import RPCError, RPCStatusCode, TLSConfig
 
 from llmgw.errors import ConfigError, TemporalConnectError
@@ -72,7 +73,10 @@ def _read(setting: str, path: Path | None) -> bytes | None:
 
 
 async def connect_with(
-    settings: _Common, interceptors: Sequence[Interceptor] = (), wait_s: float = 30.0
+    settings: _Common,
+    interceptors: Sequence[Interceptor] = (),
+    wait_s: float = 30.0,
+    runtime: Runtime | None = None,
 ) -> Client:
     """The client of an llmgw process: the address, namespace, TLS and API key
     its settings name. See :func:`connect` for the rest."""
@@ -84,6 +88,7 @@ async def connect_with(
         wait_s,
         tls=tls_config(settings),
         api_key=api_key or None,
+        runtime=runtime,
     )
 
 
@@ -95,6 +100,7 @@ async def connect(
     *,
     tls: TLSConfig | bool = False,
     api_key: str | None = None,
+    runtime: Runtime | None = None,
 ) -> Client:
     """A client that carries llmgw's pydantic types (and traces, when given
     the tracing interceptor; workers built on the client inherit it).
@@ -117,6 +123,7 @@ async def connect(
                 interceptors=interceptors,
                 tls=tls,
                 api_key=api_key,
+                runtime=runtime,
             )
         except RuntimeError as exc:
             reason = str(exc)
@@ -191,3 +198,9 @@ async def workflow_running(client: Client, workflow_id: str) -> bool | None:
     except RPCError as exc:
         return False if exc.status == RPCStatusCode.NOT_FOUND else None
     return desc.status == WorkflowExecutionStatus.RUNNING
+
+
+def metrics_runtime(address: str) -> Runtime:
+    """A Temporal runtime serving Prometheus metrics on ``address`` (host:port):
+    the SDK's own and what workflows count through their metric meter."""
+    return Runtime(telemetry=TelemetryConfig(metrics=PrometheusConfig(bind_address=address)))

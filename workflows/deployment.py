@@ -57,7 +57,7 @@ with workflow.unsafe.imports_passed_through():
     from workflows.deployment_load import DueTimer, LoadBook, wake_outcome
     from workflows.deployment_rules import backoff_s, slots_to_retire
     from workflows.deployment_slots import Ended, SlotBook
-    from workflows.spans import decision
+    from workflows.spans import count_scale, decision
 
 Outcome = tuple[int, ReplicaStatus | None, str]
 JOB_SEARCH_ATTRIBUTES_PATCH = "job-search-attributes-v1"
@@ -270,6 +270,7 @@ class DeploymentWorkflow:
         self._changed = True
         name = self._input.model.name
         decision("deployment.autoscale", model=name, before=before, after=count, reason=reason)
+        count_scale(name, before, count)
         workflow.logger.info("deployment %s: %s", name, made.reason)
 
     def _autoscale_timer(self) -> "asyncio.Future[None] | None":

@@ -23,3 +23,13 @@ def decision(name: str, **attributes: Attribute) -> None:
     if TracingWorkflowInboundInterceptor._from_context() is None:
         return
     completed_span(name, attributes={f"llmgw.{k}": v for k, v in attributes.items()})
+
+
+def count_scale(model: str, before: int, after: int) -> None:
+    """Count a change of a deployment's desired replicas (``llmgw_scale_decisions``,
+    exported when the control worker serves metrics). The workflow's meter
+    counts nothing while replaying, so a decision is counted once."""
+    direction = "up" if after > before else ("zero" if after == 0 else "down")
+    workflow.metric_meter().create_counter(
+        "llmgw_scale_decisions", "changes of a deployment's desired replicas"
+    ).add(1, {"model": model, "direction": direction})

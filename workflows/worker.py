@@ -14,7 +14,7 @@ from llmgw.lifecycle import setup_logging, stop_event_on_signals
 from llmgw.queues import CONTROL_QUEUE, FLEET_WORKFLOW_ID
 from llmgw.settings import ControlSettings
 from llmgw.store import Store
-from llmgw.temporal import connect_with
+from llmgw.temporal import connect_with, metrics_runtime
 from llmgw.tracing import setup_tracing
 from llmgw.types import FleetSnapshot
 from workflows.adapter_load import AdapterLoadWorkflow
@@ -99,7 +99,8 @@ def build_worker(
 async def run(settings: ControlSettings) -> None:
     """Serve until SIGTERM/SIGINT, then shut down gracefully."""
     tracing = setup_tracing(settings.tracing, "control")
-    client = await connect_with(settings, tracing.interceptors())
+    runtime = metrics_runtime(settings.metrics_address) if settings.metrics_address else None
+    client = await connect_with(settings, tracing.interceptors(), runtime=runtime)
     await ensure_fleet(client)
     worker = build_worker(client, settings)
     log.info("control worker on %s (Temporal %s)", CONTROL_QUEUE, settings.temporal_address)

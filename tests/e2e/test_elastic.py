@@ -15,6 +15,7 @@ import contextlib
 import signal
 from collections.abc import AsyncIterator
 
+import httpx
 from temporalio.client import Client, WorkflowExecutionStatus
 
 from llmgw import messages, replicas
@@ -31,7 +32,7 @@ from llmgw.types import (
     WakeInput,
     WakeResult,
 )
-from tests.harness import System, wait_deployment
+from tests.harness import System, free_port, wait_deployment
 from tests.procs_util import pids_with_args
 from tests.recording import record
 
@@ -158,11 +159,24 @@ async def test_idle_scales_to_zero_and_twenty_wakes_start_one_replica(
     await replicas.remove_deployment(client, spec, 60)
 
 
+async def _scale_decisions(address: str, model: str) -> list[str]:
+    """The control worker's ``llmgw_scale_decisions`` samples of ``model``."""
+    async with httpx.AsyncClient() as http:
+        text = (await http.get(f"http://{address}/metrics")).text
+    return [
+        line for line in text.splitlines()
+        if line.startswith("llmgw_scale_decisions") and f'model="{model}"' in line
+    ]  # fmt: skip
+
+
 async def test_a_wake_that_cannot_place_answers_why(
     system: System, client: Client, tiny: TinyModel
 ) -> None:
+    """...and the wake's decision is counted in the control worker's metrics."""
     policy = AutoscalePolicy(min_replicas=0, max_replicas=1)
     spec = _spec(tiny, "tiny-no-room", policy, gpus=8)
+    metrics = f"127.0.0.1:{free_port()}"
+    system.env["LLMGW_METRICS_ADDRESS"] = metrics
     await system.start(client, "cpu-only-node")
     few = ReplicaTimeouts(place_retry_s=0.2, place_attempts=2)
     await replicas.apply_deployment(client, spec, 0, timeouts=few)
@@ -173,6 +187,8 @@ async def test_a_wake_that_cannot_place_answers_why(
     for result in results:
         assert not result.ready
         assert "cannot place" in result.reason and "GPU" in result.reason, result.reason
+    counted = await _scale_decisions(metrics, spec.name)
+    assert any('direction="up"' in line and line.endswith(" 1") for line in counted), counted
     await replicas.remove_deployment(client, spec, 60)
 
 

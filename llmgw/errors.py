@@ -35,7 +35,8 @@ module are named with where they live::
 
 The replica workflow's private ``_StopRequested`` and ``NoAgent``
 (workflows/node_loss.py) derive from the root too; they never leave the
-workflow.
+workflow. So does router/upstream_raw.py's ``_Stale`` (a kept-alive
+connection closed unanswered), which never leaves the engine client.
 
 Errors that cross Temporal are raised as ``ApplicationError`` with ``type``
 set to the class name and ``non_retryable`` from the class, so a workflow can

@@ -132,9 +132,11 @@ class RouterSettings(_Common):
     upstream_read_timeout_s: float = 600.0
     # Connections to engines, all replicas together; requests beyond wait.
     upstream_max_connections: int = 1024
-    # The engine client: "raw" (router/upstream_raw.py, the default) or
-    # "aiohttp" (the one before it; kept for one release, then removed).
-    upstream_client: Literal["raw", "aiohttp"] = "raw"
+    # The engine client: "aiohttp" (router/upstream.py) or "raw"
+    # (router/upstream_raw.py: faster; opt-in until the whole suite has run
+    # on it: a fresh-clone CI run lost its router after a vLLM engine was
+    # SIGKILLed, cause not yet known).
+    upstream_client: Literal["raw", "aiohttp"] = "aiohttp"
     # Client connections (llmgw/listener.py): a request head must arrive
     # within header_timeout_s; an idle kept-alive connection is closed after
     # keepalive_timeout_s (longer than clients' own pools keep one, httpx's

@@ -26,7 +26,7 @@ from urllib.parse import urlsplit
 
 import httptools
 
-from llmgw.errors import UpstreamConnectError, UpstreamError
+from llmgw.errors import LlmgwError, UpstreamConnectError, UpstreamError
 from router.upstream import KEEPALIVE_S, UpstreamResponse
 
 # A stream's reader this far behind (bytes held unread) stops the socket
@@ -298,7 +298,7 @@ class _Conn(asyncio.Protocol):
         self.pool.forget(self)
 
 
-class _Stale(ConnectionError):
+class _Stale(LlmgwError):
     """A reused connection closed before a byte of the answer: send once more."""
 
 

@@ -24,7 +24,7 @@ from router import admin, engine_metrics
 from router.accounting import Accountant
 from router.adapters import AdapterLoader, AdapterRouter, TemporalAdapterLoader
 from router.admission import Admission
-from router.api import openai
+from router.api import openai, openapi_docs
 from router.auth import KeyVerifier
 from router.deployment_link import DeploymentLink, TemporalDeploymentLink
 from router.deps import Deps
@@ -210,7 +210,10 @@ def create_app(
             schema = get_openapi(
                 title=app.title, version=app.version, description=app.description, routes=app.routes
             )
-            schema["paths"] = {**openai.inference_openapi(), **schema["paths"]}
+            schema["paths"] = {
+                **openapi_docs.inference_openapi(openai.INFERENCE),
+                **schema["paths"],
+            }
             app.openapi_schema = schema
         return app.openapi_schema
 

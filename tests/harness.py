@@ -109,6 +109,8 @@ class System:
                 "LLMGW_PORT_RANGE_END": str(engine_port_start + 99),
                 "LLMGW_REFRESH_INTERVAL_S": "0.2",
                 "LLMGW_ENGINE_THREADS": "1",
+                # A crash in native code leaves its Python stack in the log.
+                "PYTHONFAULTHANDLER": "1",
                 # Most tests deploy models they never put in the catalog.
                 "LLMGW_RECONCILE_CATALOG": "false",
                 # Their models and work dirs sit under pytest's 0700 temp dir,
@@ -203,8 +205,16 @@ class System:
         return Started(port, agents)
 
     def stop(self) -> None:
-        """Stop every process this system started."""
+        """Stop every process this system started.
+
+        A child already gone gets its exit status appended to its log (a
+        signal shows as -N): a process that died unseen writes nothing else.
+        """
         for child in reversed(self.children):
+            code = child.exit_code()
+            if code is not None:
+                with open(child.log_path, "a") as log:
+                    log.write(f"--- {child.name} exited with {code} before the teardown\n")
             child.stop(grace_s=10)
         # A failed test must not leave engines running into the next one.
         kill_recorded_engines(self.work_dir / "agent")

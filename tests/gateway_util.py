@@ -182,6 +182,24 @@ class Gateway:
         return info.id, key
 
 
+def post_scope(path: str, key: str) -> dict[str, Any]:
+    """A raw ASGI POST scope, for clients httpx cannot play (one that leaves mid-request)."""
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"authorization", f"Bearer {key}".encode()), (b"host", b"router")],
+        "client": ("127.0.0.1", 1),
+        "server": ("router", 80),
+    }
+
+
 def auth(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 

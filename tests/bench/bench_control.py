@@ -45,6 +45,7 @@ from llmgw.types import (
     PlaceRequest,
     ReplicaPhase,
 )
+from tests.bench.timing import load_seconds, percentile_ms, phase_at, print_start_figures
 from tests.harness import System, free_port, start_devserver
 from workflows.placement import choose_node
 from workflows.placement_index import PlacementIndex
@@ -145,10 +146,6 @@ async def bench_fleet(
     )
 
 
-def _at(history: list[tuple[ReplicaPhase, str]], phase: ReplicaPhase) -> datetime:
-    return next(datetime.fromisoformat(at) for p, at in history if p is phase)
-
-
 # Each step: from the previous phase change (the client's start call for the
 # first) to this one, by the workflow's clock.
 STEPS = [
@@ -174,29 +171,26 @@ async def bench_starts(client: Client, system: System, model: ModelSpec, starts:
         status = await replicas.status_of(client, rid)
         assert status is not None
         steps = [(h.phase, h.at) for h in status.history]
-        load = (_at(steps, ReplicaPhase.READY) - _at(steps, ReplicaPhase.LOADING)).total_seconds()
+        load = load_seconds(steps)
         totals.append(total)
         loads.append(load)
         # Where the time goes, from the phase changes' workflow timestamps.
         last = began_at
         for name, phase in STEPS:
-            at = _at(steps, phase)
+            at = phase_at(steps, phase)
             gaps[name].append((at - last).total_seconds())
             last = at
         gaps["ready seen by the client"].append((ended_at - last).total_seconds())
         await replicas.stop_replica(client, rid, "bench", 60)
-    overhead = [t - lo for t, lo in zip(totals, loads, strict=True)]
-
-    def p(values: list[float], q: int) -> float:
-        return statistics.quantiles(values, n=100, method="inclusive")[q - 1] * 1e3
-
-    print(f"replica start, {starts} starts of the tiny model on llama.cpp:")
-    print(f"  start-to-ready        p50 {p(totals, 50):7.0f} ms  p95 {p(totals, 95):7.0f} ms")
-    print(f"  engine's own load     p50 {p(loads, 50):7.0f} ms  p95 {p(loads, 95):7.0f} ms")
-    print(f"  orchestration overhead p50 {p(overhead, 50):6.0f} ms  p95 {p(overhead, 95):7.0f} ms")
+    print_start_figures(
+        f"replica start, {starts} starts of the tiny model on llama.cpp:",
+        totals,
+        loads,
+        "orchestration overhead",
+    )
     print("  where it goes (p50 of each step, ms):")
     for name, values in gaps.items():
-        print(f"    {name:40s} {p(values, 50):6.0f}")
+        print(f"    {name:40s} {percentile_ms(values, 50):6.0f}")
 
 
 async def main() -> None:

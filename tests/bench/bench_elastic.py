@@ -45,10 +45,9 @@ from llmgw.types import (
     EngineProfile,
     ModelSpec,
     QueuePolicy,
-    ReplicaPhase,
     ReplicaTimeouts,
 )
-from tests.bench.bench_wake import _at
+from tests.bench.timing import load_seconds
 from tests.harness import System, free_port, start_devserver, wait_deployment
 
 TIMEOUTS = ReplicaTimeouts(router_grace_s=0.5, drain_s=10)
@@ -176,8 +175,7 @@ class Bench:
         replica = await replicas.status_of(self.client, status.slots[0].replica_id)
         assert replica is not None
         steps = [(h.phase, h.at) for h in replica.history]
-        load = _at(steps, ReplicaPhase.READY) - _at(steps, ReplicaPhase.LOADING)
-        return total, load.total_seconds()
+        return total, load_seconds(steps)
 
     async def until_listed(self, model: str, state: str) -> None:
         async with asyncio.timeout(60):

@@ -14,10 +14,8 @@ placement, fetch check and launch), p50 and p95. The router's own part
 
 import argparse
 import asyncio
-import statistics
 import tempfile
 import time
-from datetime import datetime
 from pathlib import Path
 
 from temporalio.client import Client
@@ -29,16 +27,12 @@ from llmgw.temporal import connect
 from llmgw.types import (
     AutoscalePolicy,
     ModelSpec,
-    ReplicaPhase,
     ReplicaTimeouts,
     WakeInput,
     WakeResult,
 )
+from tests.bench.timing import load_seconds, print_start_figures
 from tests.harness import System, free_port, start_devserver, wait_deployment
-
-
-def _at(history: list[tuple[ReplicaPhase, str]], phase: ReplicaPhase) -> datetime:
-    return next(datetime.fromisoformat(at) for p, at in history if p is phase)
 
 
 async def bench_wakes(client: Client, system: System, model: ModelSpec, wakes: int) -> None:
@@ -61,19 +55,14 @@ async def bench_wakes(client: Client, system: System, model: ModelSpec, wakes: i
         replica = await replicas.status_of(client, status.slots[0].replica_id)
         assert replica is not None
         steps = [(h.phase, h.at) for h in replica.history]
-        loads.append(
-            (_at(steps, ReplicaPhase.READY) - _at(steps, ReplicaPhase.LOADING)).total_seconds()
-        )
+        loads.append(load_seconds(steps))
         totals.append(total)
-    overhead = [t - lo for t, lo in zip(totals, loads, strict=True)]
-
-    def p(values: list[float], q: int) -> float:
-        return statistics.quantiles(values, n=100, method="inclusive")[q - 1] * 1e3
-
-    print(f"wake from zero, {wakes} wakes of the tiny model on llama.cpp:")
-    print(f"  wake-to-ready          p50 {p(totals, 50):7.0f} ms  p95 {p(totals, 95):7.0f} ms")
-    print(f"  engine's own load      p50 {p(loads, 50):7.0f} ms  p95 {p(loads, 95):7.0f} ms")
-    print(f"  orchestration of wake  p50 {p(overhead, 50):7.0f} ms  p95 {p(overhead, 95):7.0f} ms")
+    print_start_figures(
+        f"wake from zero, {wakes} wakes of the tiny model on llama.cpp:",
+        totals,
+        loads,
+        "orchestration of wake",
+    )
     await replicas.remove_deployment(client, model, 60)
 
 

@@ -29,6 +29,7 @@ from tests.gateway_util import (
     MockEngine,
     auth,
     gateway,
+    post_scope,
     ready,
     spec,
 )
@@ -178,23 +179,6 @@ async def test_max_waiting_zero_keeps_the_instant_503(tmp_path: Path) -> None:
         assert (await first).status_code == 200
 
 
-def _scope(key: str) -> dict[str, Any]:
-    return {
-        "type": "http",
-        "asgi": {"version": "3.0", "spec_version": "2.3"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": CHAT,
-        "raw_path": CHAT.encode(),
-        "query_string": b"",
-        "root_path": "",
-        "headers": [(b"authorization", f"Bearer {key}".encode()), (b"host", b"router")],
-        "client": ("127.0.0.1", 1),
-        "server": ("router", 80),
-    }
-
-
 @pytest.mark.parametrize("stream", [False, True])
 async def test_a_client_leaving_the_queue_is_not_billed_and_frees_its_quota(
     tmp_path: Path, stream: bool
@@ -222,7 +206,7 @@ async def test_a_client_leaving_the_queue_is_not_billed_and_frees_its_quota(
         async def send(message: MutableMapping[str, Any]) -> None:
             sent.append(message)
 
-        leaving = asyncio.create_task(gw.app(_scope(key), receive, send))
+        leaving = asyncio.create_task(gw.app(post_scope(CHAT, key), receive, send))
         await until(lambda: waiting(gw) == 1)
         if stream:
             await until(lambda: bool(sent))

@@ -27,6 +27,7 @@ from tests.gateway_util import (
     MockUpstream,
     auth,
     gateway,
+    post_scope,
     ready,
     spec,
 )
@@ -370,29 +371,11 @@ async def test_a_client_gone_before_the_first_byte_releases_its_replica(gw: Gate
         # answer here, before the stream's first byte is even asked for.
         await asyncio.Event().wait()
 
-    await gw.app(_scope("/v1/chat/completions", key), receive, send)  # type: ignore[arg-type]
+    await gw.app(post_scope("/v1/chat/completions", key), receive, send)  # type: ignore[arg-type]
     deps = gw.app.state.deps
     assert all(r.inflight == 0 for rs in deps.table.routes.values() for r in rs)
     await deps.accountant.flush()
     assert [r.requests for r in usage.query(gw.store, key_id=key_id)] == [1]
-
-
-def _scope(path: str, key: str) -> dict[str, object]:
-    """A raw ASGI request scope, for clients httpx cannot play."""
-    return {
-        "type": "http",
-        "asgi": {"version": "3.0", "spec_version": "2.3"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": path,
-        "raw_path": path.encode(),
-        "query_string": b"",
-        "root_path": "",
-        "headers": [(b"authorization", f"Bearer {key}".encode()), (b"host", b"router")],
-        "client": ("127.0.0.1", 1),
-        "server": ("router", 80),
-    }
 
 
 async def test_a_client_gone_during_a_non_streamed_request_cancels_it(tmp_path: Path) -> None:
@@ -413,7 +396,7 @@ async def test_a_client_gone_during_a_non_streamed_request_cancels_it(tmp_path: 
         async def send(message: dict[str, object]) -> None:
             pass
 
-        answer = asyncio.create_task(gw.app(_scope("/v1/chat/completions", key), receive, send))  # type: ignore[arg-type]
+        answer = asyncio.create_task(gw.app(post_scope("/v1/chat/completions", key), receive, send))  # type: ignore[arg-type]
         async with asyncio.timeout(5):
             while not engine.seen:
                 await asyncio.sleep(0.01)

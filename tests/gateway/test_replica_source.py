@@ -18,7 +18,7 @@ from temporalio.worker import Worker
 
 from llmgw import messages
 from llmgw import search_attributes as sa
-from llmgw.queues import replica_workflow_id
+from llmgw.queues import FLEET_NODES_MEMO, FLEET_WORKFLOW_ID, replica_workflow_id
 from llmgw.temporal import connect
 from llmgw.types import ReplicaMemo, ReplicaPhase
 from router.replica_source import (
@@ -253,3 +253,41 @@ async def test_a_failed_delta_keeps_the_table_and_the_next_listing_is_full(
             task.cancel()
     finally:
         await handle.terminate("test over")
+
+
+async def test_newly_registered_nodes_are_checked_against_every_entry_in_a_delta(
+    own_client: Client,
+) -> None:
+    """The delta lists nothing new, yet the Fleet's nodes changed: the replica
+    on the newly registered node is routed from that refresh on."""
+    source = TemporalReplicaSource(own_client, full_resync_s=HOUR)
+    rid = f"delta-{uuid.uuid4().hex[:8]}"
+    memo = ReplicaMemo(
+        replica_id=rid, model="m", phase=ReplicaPhase.READY, node_id="n1",
+        endpoint="http://10.9.9.9:18000",
+    )  # fmt: skip
+    handle = await own_client.start_workflow(
+        messages.REPLICA, memo, id=replica_workflow_id(rid), task_queue=QUEUE
+    )
+    fleet: WorkflowHandle[object, object] | None = None
+    try:
+
+        async def published() -> bool:
+            query = f'WorkflowId="{handle.id}" AND ReplicaUpdatedAt >= "{rfc3339(0)}"'
+            return (await own_client.count_workflows(query)).count == 1
+
+        await _until(published)
+        await _in_delta_mode(source)  # it is listed by now, but on no registered node
+        assert rid not in [m.replica_id for m in await source.replicas()]
+        fleet = await own_client.start_workflow(
+            messages.FLEET,
+            id=FLEET_WORKFLOW_ID,
+            task_queue="nobody-fleet",
+            memo={FLEET_NODES_MEMO: {"n1": "10.9.9.9"}},
+        )
+        assert rid in [m.replica_id for m in await source.replicas()]
+        assert source.last_since is not None
+    finally:
+        await handle.terminate("test over")
+        if fleet is not None:
+            await fleet.terminate("test over")

@@ -5,24 +5,37 @@ production cluster needs the same list registered once with
 ``temporal operator search-attribute create``.
 """
 
-from temporalio.common import SearchAttributeKey
+from datetime import datetime
+
+from temporalio.common import SearchAttributeIndexedValueType, SearchAttributeKey
 
 REPLICA_MODEL = SearchAttributeKey.for_keyword("ReplicaModel")
 REPLICA_NODE = SearchAttributeKey.for_keyword("ReplicaNode")
 REPLICA_STATE = SearchAttributeKey.for_keyword("ReplicaState")
 REPLICA_ENDPOINT = SearchAttributeKey.for_keyword("ReplicaEndpoint")
+# When the Replica last published its state (workflow time): the router lists
+# only the replicas changed since its last listing (router/replica_source.py).
+REPLICA_UPDATED_AT = SearchAttributeKey.for_datetime("ReplicaUpdatedAt")
 
-ALL: tuple[SearchAttributeKey[str], ...] = (
+ALL: tuple[SearchAttributeKey[str] | SearchAttributeKey[datetime], ...] = (
     REPLICA_MODEL,
     REPLICA_NODE,
     REPLICA_STATE,
     REPLICA_ENDPOINT,
+    REPLICA_UPDATED_AT,
 )
+
+# The names ``temporal server start-dev --search-attribute`` and
+# ``temporal operator search-attribute create --type`` take.
+_CLI_TYPE = {
+    SearchAttributeIndexedValueType.KEYWORD: "Keyword",
+    SearchAttributeIndexedValueType.DATETIME: "Datetime",
+}
 
 
 def cli_flags() -> list[str]:
-    """``--search-attribute Name=Keyword`` flags for ``temporal server start-dev``."""
+    """``--search-attribute Name=Type`` flags for ``temporal server start-dev``."""
     flags: list[str] = []
     for key in ALL:
-        flags += ["--search-attribute", f"{key.name}=Keyword"]
+        flags += ["--search-attribute", f"{key.name}={_CLI_TYPE[key.indexed_value_type]}"]
     return flags

@@ -128,6 +128,9 @@ class RouterSettings(_Common):
     host: str = "127.0.0.1"
     port: int = 8000
     refresh_interval_s: float = 1.0
+    # Between full listings of the Replica workflows the routing table reads
+    # only the replicas changed since (router/replica_source.py).
+    full_resync_s: float = Field(default=300.0, gt=0)
     upstream_connect_timeout_s: float = 5.0
     upstream_read_timeout_s: float = 600.0
     # Connections to engines, all replicas together; requests beyond wait.

@@ -17,7 +17,8 @@ from llmgw.store import Store
 from llmgw.temporal import connect_with
 from llmgw.tracing import setup_tracing
 from router.app import create_app, make_upstream
-from router.routing import ReplicaSource, TemporalReplicaSource
+from router.replica_source import TemporalReplicaSource
+from router.routing import ReplicaSource
 
 log = logging.getLogger(__name__)
 # Of shutdown_timeout_s, what is kept for the lifespan's shutdown (the last
@@ -119,7 +120,13 @@ async def run(settings: RouterSettings) -> None:
     # The routing table's refresh is not traced (a trace a second is noise).
     client = await connect_with(settings)
     try:
-        await serve(settings, store, TemporalReplicaSource(client), client, tracer)
+        await serve(
+            settings,
+            store,
+            TemporalReplicaSource(client, full_resync_s=settings.full_resync_s),
+            client,
+            tracer,
+        )
     finally:
         tracing.shutdown()
 

@@ -1,8 +1,9 @@
 """The routing table: replica state read off Temporal in the background.
 
-Requests never await Temporal: a background task lists the running replica
-workflows (their memo carries model, phase and endpoint) and swaps in a new
-table; a failed refresh keeps the last good one. The catalog (read in a
+Requests never await Temporal: a background task reads the running replica
+workflows (their memo carries model, phase and endpoint; the Temporal source
+is :mod:`router.replica_source`) and swaps in a new table; a failed refresh
+keeps the last good one. The catalog (read in a
 thread) gives each model's in-flight cap.
 
 Balancing: least outstanding requests among the model's routable replicas
@@ -27,35 +28,15 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Protocol, runtime_checkable
 from urllib.parse import urlsplit
 
-from pydantic import ValidationError
-from temporalio.api.common.v1 import Payload, WorkflowExecution
-from temporalio.api.workflow.v1 import WorkflowExecutionInfo
-from temporalio.api.workflowservice.v1 import (
-    DescribeWorkflowExecutionRequest,
-    ListWorkflowExecutionsRequest,
-)
-from temporalio.client import Client
-from temporalio.service import RPCError
-
-from llmgw import messages
-from llmgw.queues import FLEET_NODES_MEMO, FLEET_WORKFLOW_ID
 from llmgw.types import ROUTABLE_PHASES, ModelSpec, ReplicaMemo, ReplicaPhase
 from router.blocking import in_thread
 
 log = logging.getLogger(__name__)
-
-# Bounded: a slow Temporal delays a refresh, never a request.
-LIST_RPC_TIMEOUT = timedelta(seconds=5)
-LIST_QUERY = f'WorkflowType="{messages.REPLICA}" AND ExecutionStatus="Running"'
-# The visibility store's usual page cap: ten list calls for 10,000 replicas.
-LIST_PAGE_SIZE = 1000
-REPLICA_MEMO = "replica"  # the memo key the Replica workflow publishes under
 
 
 class ReplicaSource(Protocol):
@@ -92,154 +73,6 @@ def on_registered_nodes(
         host = urlsplit(memo.endpoint).hostname
         (kept if address is not None and host == address else foreign).append(memo)
     return kept, foreign
-
-
-class TemporalReplicaSource:
-    """Reads replica memos off one visibility list, and the Fleet's registered
-    nodes off its memo (a describe: no worker needed).
-
-    Built for thousands of replicas refreshed every second on the router's own
-    event loop: the list is read page by page through the raw service API (the
-    SDK's list would build a full execution object, search attributes decoded,
-    for every workflow), a memo is decoded only when its bytes differ from the
-    last listing's, the registered-node check reruns only for changed memos or
-    changed nodes, and the loop gets a turn between pages. When nothing changed,
-    :meth:`replicas` returns the very same list and :attr:`generation` stays.
-    """
-
-    def __init__(self, client: Client, page_size: int = LIST_PAGE_SIZE) -> None:
-        self._client = client
-        self._page_size = page_size
-        self._nodes: dict[str, str] = {}
-        self._nodes_raw = b""
-        # Workflow id -> the memo payload as last listed, its decoded memo, and
-        # whether its endpoint is on its registered node.
-        self._seen: dict[str, tuple[bytes, ReplicaMemo, bool]] = {}
-        self._kept: list[ReplicaMemo] = []
-        self._rejected: dict[str, bytes] = {}  # workflow id -> a malformed memo's payload
-        self._warned: set[str] = set()
-        self.generation = 0
-
-    async def replicas(self) -> list[ReplicaMemo]:
-        """Every running replica workflow's published state, less foreign endpoints."""
-        nodes_changed = await self._refresh_nodes()
-        seen: dict[str, tuple[bytes, ReplicaMemo, bool]] = {}
-        changed = nodes_changed
-        rejected: dict[str, bytes] = {}  # malformed memos still listed
-        async for page in self._pages():
-            fresh: list[tuple[str, bytes, Payload]] = []
-            for info in page:
-                payload = info.memo.fields.get(REPLICA_MEMO)
-                if payload is None:
-                    continue
-                wid = info.execution.workflow_id
-                raw = payload.SerializeToString()
-                prev = self._seen.get(wid)
-                if prev is not None and prev[0] == raw:
-                    seen[wid] = prev if not nodes_changed else self._checked(raw, prev[1])
-                elif self._rejected.get(wid) == raw:
-                    rejected[wid] = raw
-                else:
-                    fresh.append((wid, raw, payload))
-            if fresh:
-                values = await self._decode([p for _, _, p in fresh])
-                for (wid, raw, _), value in zip(fresh, values, strict=True):
-                    memo = self._parse(wid, value)
-                    if memo is None:
-                        rejected[wid] = raw  # not decoded again while it stays so
-                    else:
-                        seen[wid] = self._checked(raw, memo)
-                        changed = True
-            await asyncio.sleep(0)  # requests get the loop between pages
-        if changed or seen.keys() != self._seen.keys():
-            self._kept = [memo for _, memo, ok in seen.values() if ok]
-            self.generation += 1
-        self._seen, self._rejected = seen, rejected
-        return self._kept
-
-    async def _pages(self) -> AsyncIterator[Sequence[WorkflowExecutionInfo]]:
-        token = b""
-        while True:
-            request = ListWorkflowExecutionsRequest(
-                namespace=self._client.namespace,
-                page_size=self._page_size,
-                next_page_token=token,
-                query=LIST_QUERY,
-            )
-            response = await self._client.workflow_service.list_workflow_executions(
-                request, retry=True, timeout=LIST_RPC_TIMEOUT
-            )
-            yield response.executions
-            token = response.next_page_token
-            if not token:
-                return
-
-    async def _decode(self, payloads: list[Payload]) -> list[object]:
-        """Memo payloads as values, through the client's converter (so a payload
-        codec would apply); one that cannot be decoded is None, not a failed refresh."""
-        try:
-            return await self._client.data_converter.decode(payloads)
-        except Exception:  # one bad payload among many: find it, keep the rest
-            values: list[object] = []
-            for payload in payloads:
-                try:
-                    values += await self._client.data_converter.decode([payload])
-                except Exception:  # whatever a forged payload makes it raise
-                    values.append(None)
-            return values
-
-    def _parse(self, workflow_id: str, value: object) -> ReplicaMemo | None:
-        """A listed memo as a :class:`ReplicaMemo`; a malformed one is skipped
-        (anyone who can start a workflow can write one) rather than failing
-        every replica's refresh."""
-        if not isinstance(value, dict):
-            return None
-        try:
-            return ReplicaMemo.model_validate(value)
-        except ValidationError as exc:
-            if workflow_id not in self._warned:
-                self._warned.add(workflow_id)
-                log.warning("workflow %s ignored: malformed replica memo: %s", workflow_id, exc)
-            return None
-
-    def _checked(self, raw: bytes, memo: ReplicaMemo) -> tuple[bytes, ReplicaMemo, bool]:
-        kept, foreign = on_registered_nodes([memo], self._nodes)
-        for stray in foreign:
-            if stray.replica_id not in self._warned:
-                self._warned.add(stray.replica_id)
-                log.warning(
-                    "replica %s ignored: endpoint %s is not on registered node %r",
-                    stray.replica_id, stray.endpoint, stray.node_id,
-                )  # fmt: skip
-        return raw, memo, bool(kept)
-
-    async def _refresh_nodes(self) -> bool:
-        """Read the Fleet's nodes; whether they changed. On failure the last
-        known ones stay."""
-        request = DescribeWorkflowExecutionRequest(
-            namespace=self._client.namespace,
-            execution=WorkflowExecution(workflow_id=FLEET_WORKFLOW_ID),
-        )
-        try:
-            desc = await self._client.workflow_service.describe_workflow_execution(
-                request, retry=True, timeout=LIST_RPC_TIMEOUT
-            )
-        except RPCError as exc:
-            log.info("fleet nodes not read: %s", exc)
-            return False
-        payload = desc.workflow_execution_info.memo.fields.get(FLEET_NODES_MEMO)
-        raw = payload.SerializeToString() if payload is not None else b""
-        if raw == self._nodes_raw:
-            return False
-        self._nodes_raw = raw
-        raw_nodes = (await self._client.data_converter.decode([payload]))[0] if payload else {}
-        nodes = (
-            {str(k): str(v) for k, v in raw_nodes.items()} if isinstance(raw_nodes, dict) else {}
-        )
-        if nodes == self._nodes:
-            return False
-        self._nodes = nodes
-        return True
 
 
 @dataclass

@@ -346,11 +346,15 @@ class ReplicaWorkflow:
         s = self._status
         memo = memo_of(s).model_copy(update={"engine": self._input.model.engine.value})
         workflow.upsert_memo({"replica": memo.model_dump(mode="json")})
+        # No patch: replay checks an upsert's command type, not its
+        # attributes (the stored histories replay with ReplicaUpdatedAt added).
         workflow.upsert_search_attributes(
             [
                 sa.REPLICA_MODEL.value_set(s.model),
                 sa.REPLICA_NODE.value_set(s.node_id or "-"),
                 sa.REPLICA_STATE.value_set(s.phase.value),
                 sa.REPLICA_ENDPOINT.value_set(s.endpoint or "-"),
+                # The router's delta listing finds the replicas changed since by it.
+                sa.REPLICA_UPDATED_AT.value_set(workflow.now()),
             ]
         )

@@ -9,12 +9,20 @@ search attributes a real replica publishes, and no worker: a workflow nobody
 runs is listed as Running all the same, so the list costs what it costs with
 real engines. The Fleet is started the same way, its memo naming every node.
 
-Then, for the old refresh (``list_workflows`` + ``memo()`` per workflow) and
-the router's :class:`~router.routing.TemporalReplicaSource`:
+Then, for the old refresh (``list_workflows`` + ``memo()`` per workflow;
+``--skip-old`` leaves it out) and the router's
+:class:`~router.replica_source.TemporalReplicaSource`, once made to list in
+full every refresh and once as the router runs it (a full listing, then
+deltas: only the replicas that published, started or closed since):
 
-- router CPU (``time.process_time``) and wall time per refresh, the table
-  update included, with nothing changed between refreshes;
-- the same after ``--churn`` replicas were added (new memos to decode);
+- router CPU (``time.process_time``, and the event loop thread's
+  ``time.thread_time``) and wall time per refresh, the table update
+  included, with nothing changed between refreshes (for the delta: nothing
+  within its look-back margin either);
+- the same after ``--churn`` replicas changed phase (the first ``--churn``
+  replicas are run by a stand-in workflow that republishes its memo and
+  ``ReplicaUpdatedAt`` on a signal, as the Replica workflow does), and after
+  ``--churn`` replicas were added (new memos to decode);
 - the longest the event loop was blocked during a refresh: a task sleeping
   1 ms in a loop measures how late it wakes, which is the delay a request
   arriving then would see added (the refresh shares the router's loop).
@@ -28,26 +36,27 @@ import statistics
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
 from pathlib import Path
 
+from temporalio import workflow
 from temporalio.client import Client
 from temporalio.common import SearchAttributePair, TypedSearchAttributes
+from temporalio.worker import Worker
 
 from llmgw import messages
 from llmgw import search_attributes as sa
 from llmgw.queues import FLEET_NODES_MEMO, FLEET_WORKFLOW_ID, replica_workflow_id
 from llmgw.temporal import connect
 from llmgw.types import ModelSpec, ReplicaMemo, ReplicaPhase
-from router.routing import (
-    LIST_QUERY,
-    CountedSource,
-    RoutingTable,
-    TemporalReplicaSource,
-    on_registered_nodes,
-)
+from router.replica_source import DELTA_MARGIN_S, LIST_QUERY, TemporalReplicaSource
+from router.routing import CountedSource, RoutingTable, on_registered_nodes
 from tests.harness import free_port, start_devserver
 
 NOBODY = "bench-routing-nobody"  # a task queue no worker polls
+PUBLISHERS = "bench-routing-publishers"  # the stand-in workflow's, polled for the churn only
+PUBLISH = "publish"
+HOUR = 3600.0
 NODES = 1250  # eight replicas per node at 10,000
 MODELS = 50
 
@@ -68,11 +77,34 @@ def _memo(i: int, phase: ReplicaPhase = ReplicaPhase.READY) -> ReplicaMemo:
     )
 
 
-async def _start_replica(client: Client, memo: ReplicaMemo) -> None:
+@workflow.defn(name=messages.REPLICA, sandboxed=False)
+class PublishingReplica:
+    """Started with its memo and search attributes (as the others); on a
+    signal republishes them as ``ReplicaWorkflow._publish`` does."""
+
+    @workflow.run
+    async def run(self, memo: ReplicaMemo) -> None:
+        """Sit until terminated."""
+        await workflow.wait_condition(lambda: False)
+
+    @workflow.signal(name=PUBLISH)
+    def publish(self, memo: ReplicaMemo) -> None:
+        """A phase change."""
+        workflow.upsert_memo({"replica": memo.model_dump(mode="json")})
+        workflow.upsert_search_attributes(
+            [
+                sa.REPLICA_STATE.value_set(memo.phase.value),
+                sa.REPLICA_UPDATED_AT.value_set(workflow.now()),
+            ]
+        )
+
+
+async def _start_replica(client: Client, memo: ReplicaMemo, queue: str = NOBODY) -> None:
     await client.start_workflow(
         messages.REPLICA,
+        memo,
         id=replica_workflow_id(memo.replica_id),
-        task_queue=NOBODY,
+        task_queue=queue,
         memo={"replica": memo.model_dump(mode="json")},
         search_attributes=TypedSearchAttributes(
             [
@@ -80,17 +112,23 @@ async def _start_replica(client: Client, memo: ReplicaMemo) -> None:
                 SearchAttributePair(sa.REPLICA_NODE, memo.node_id),
                 SearchAttributePair(sa.REPLICA_STATE, memo.phase.value),
                 SearchAttributePair(sa.REPLICA_ENDPOINT, memo.endpoint),
+                SearchAttributePair(sa.REPLICA_UPDATED_AT, datetime.now(UTC)),
             ]
         ),
     )
 
 
-async def _start_many(client: Client, memos: list[ReplicaMemo], parallel: int = 64) -> None:
+async def _start_many(
+    client: Client, memos: list[ReplicaMemo], publishers: int = 0, parallel: int = 64
+) -> None:
+    """Start ``memos``' workflows; those numbered below ``publishers`` are run
+    by the stand-in workflow (a phase change on a signal)."""
     gate = asyncio.Semaphore(parallel)
 
     async def one(memo: ReplicaMemo) -> None:
+        n = int(memo.replica_id.removeprefix("bench-"))
         async with gate:
-            await _start_replica(client, memo)
+            await _start_replica(client, memo, PUBLISHERS if n < publishers else NOBODY)
 
     await asyncio.gather(*(one(m) for m in memos))
 
@@ -106,7 +144,7 @@ async def _wait_listed(client: Client, count: int) -> None:
             await asyncio.sleep(0.5)
 
 
-async def populate(client: Client, replicas: int) -> None:
+async def populate(client: Client, replicas: int, publishers: int) -> None:
     """Start the Fleet and ``replicas`` Replica workflows, as far as missing."""
     nodes = {f"node-{n:05d}": _node_address(n) for n in range(NODES)}
     fleet = client.get_workflow_handle(FLEET_WORKFLOW_ID)
@@ -122,7 +160,7 @@ async def populate(client: Client, replicas: int) -> None:
     have = await _listed(client)
     if have < replicas:
         began = time.perf_counter()
-        await _start_many(client, [_memo(i) for i in range(have, replicas)])
+        await _start_many(client, [_memo(i) for i in range(have, replicas)], publishers)
         took = time.perf_counter() - began
         print(f"started {replicas - have} Replica workflows in {took:.1f} s")
     await _wait_listed(client, replicas)
@@ -233,6 +271,43 @@ async def measure(
     print(f"  loop stall, cpu     {_ms(stalls_cpu)}   (loop-thread CPU between ticks)")
 
 
+async def _one(name: str, what: str, source: Source, table: RoutingTable) -> None:
+    c, t, w = time.process_time(), time.thread_time(), time.perf_counter()
+    await _refresh(source, table)
+    print(
+        f"{name}\n  {what}  cpu {(time.process_time() - c) * 1000:7.1f} ms"
+        f"  loop cpu {(time.thread_time() - t) * 1000:7.1f} ms"
+        f"  wall {(time.perf_counter() - w) * 1000:7.1f} ms"
+    )
+
+
+async def change_phases(client: Client, count: int) -> ReplicaPhase:
+    """Signal the first ``count`` replicas (the stand-ins) a phase change and
+    wait until visibility lists it; their worker is gone before measuring.
+    Returns their new phase."""
+    draining = f'{LIST_QUERY} AND {sa.REPLICA_STATE.name}="{ReplicaPhase.DRAINING.value}"'
+    # A reused server's stand-ins may be draining from a run before: go back.
+    phase = (
+        ReplicaPhase.READY
+        if (await client.count_workflows(draining)).count
+        else (ReplicaPhase.DRAINING)
+    )
+    async with Worker(client, task_queue=PUBLISHERS, workflows=[PublishingReplica]):
+        gate = asyncio.Semaphore(64)
+
+        async def one(i: int) -> None:
+            async with gate:
+                handle = client.get_workflow_handle(replica_workflow_id(_memo(i).replica_id))
+                await handle.signal(PUBLISH, _memo(i, phase))
+
+        await asyncio.gather(*(one(i) for i in range(count)))
+        want = count if phase is ReplicaPhase.DRAINING else 0
+        async with asyncio.timeout(300):
+            while (await client.count_workflows(draining)).count != want:
+                await asyncio.sleep(0.5)
+    return phase
+
+
 async def main_async(args: argparse.Namespace) -> None:
     if args.address:
         client = await connect(args.address)
@@ -243,31 +318,41 @@ async def main_async(args: argparse.Namespace) -> None:
         server = start_devserver(root / "temporal.db", port, root / "temporal.log")
         client = await connect(f"127.0.0.1:{port}")
     try:
-        await populate(client, args.replicas)
+        await populate(client, args.replicas, args.churn)
+        changed_at = time.time()
+        full = TemporalReplicaSource(client, full_resync_s=0)  # a full listing every refresh
+        delta = TemporalReplicaSource(client, full_resync_s=HOUR)
         sources: list[tuple[str, Source, RoutingTable]] = [
-            (
-                "before: list_workflows + memo() per workflow",
-                ListAndMemoSource(client),
-                RoutingTable(),
-            ),
-            ("TemporalReplicaSource (the router's)", TemporalReplicaSource(client), RoutingTable()),
+            ("TemporalReplicaSource, full listing every refresh", full, RoutingTable()),
+            ("TemporalReplicaSource, delta listing (the router's)", delta, RoutingTable()),
         ]
+        if not args.skip_old:
+            old = ListAndMemoSource(client)
+            sources.insert(0, ("before: list_workflows + memo() per workflow", old, RoutingTable()))
         print(f"{args.replicas} running Replica workflows, {NODES} nodes, {MODELS} models")
         for name, source, table in sources:
+            if source is delta:
+                # Steady state: nothing published within the delta's look-back.
+                await asyncio.sleep(max(0.0, changed_at + DELTA_MARGIN_S + 1 - time.time()))
             await measure(name, source, table, args.refreshes, args.replicas)
         if args.churn:
+            phase = await change_phases(client, args.churn)
+            print(f"-- after {args.churn} replicas changed phase (their memos are new):")
+            for name, source, table in sources:
+                await _one(name, f"refresh, {args.churn} changed", source, table)
+                listed = {m.replica_id: m.phase for m in table.replicas}
+                seen = {listed.get(_memo(i).replica_id) for i in range(args.churn)}
+                if seen != {phase}:
+                    print(f"  !! {name}: the {args.churn} changed replicas are {seen}")
+            await _one(
+                sources[-1][0], "the next delta (the same listed again)", delta, sources[-1][2]
+            )
             base = await _listed(client)
             await _start_many(client, [_memo(i) for i in range(base, base + args.churn)])
             await _wait_listed(client, base + args.churn)
             print(f"-- after {args.churn} more replicas started (their memos are new):")
             for name, source, table in sources:
-                c, w = time.process_time(), time.perf_counter()
-                await _refresh(source, table)
-                print(
-                    f"{name}\n  refresh with {args.churn} new  cpu"
-                    f" {(time.process_time() - c) * 1000:7.1f} ms"
-                    f"  wall {(time.perf_counter() - w) * 1000:7.1f} ms"
-                )
+                await _one(name, f"refresh with {args.churn} new", source, table)
     finally:
         if server is not None:
             server.stop()
@@ -279,6 +364,7 @@ def main() -> None:
     parser.add_argument("--refreshes", type=int, default=5)
     parser.add_argument("--churn", type=int, default=100)
     parser.add_argument("--address", default="", help="a running Temporal to reuse")
+    parser.add_argument("--skip-old", action="store_true", help="leave out the old refresh")
     asyncio.run(main_async(parser.parse_args()))
 
 

@@ -15,6 +15,7 @@ from temporalio.exceptions import ApplicationError
 from temporalio.worker import Replayer, Worker
 
 from activities import names
+from llmgw import search_attributes as sa
 from llmgw.queues import node_queue
 from llmgw.types import (
     DrainInput,
@@ -225,10 +226,14 @@ async def test_ready_then_stop(env: tuple[Client, str, Fakes]) -> None:
     client, queue, fakes = env
     handle = await _start(client, queue)
     await _phase(handle, P.READY)
+    # Each publish stamps ReplicaUpdatedAt: the router's delta listing reads it.
+    ready_at = (await handle.describe()).typed_search_attributes.get(sa.REPLICA_UPDATED_AT)
     final = await handle.execute_update(
         "stop", StopReplicaInput(reason="test"), result_type=ReplicaStatus
     )
     assert final.phase is P.STOPPED
+    stopped_at = (await handle.describe()).typed_search_attributes.get(sa.REPLICA_UPDATED_AT)
+    assert ready_at is not None and stopped_at is not None and stopped_at > ready_at
     assert [h.phase for h in final.history] == [
         P.FETCHING,
         P.STARTING,

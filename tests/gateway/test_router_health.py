@@ -11,7 +11,8 @@ from temporalio.client import Client
 
 from llmgw.queues import replica_workflow_id
 from llmgw.types import ReplicaMemo, ReplicaPhase
-from router.routing import Route, RoutingTable, TemporalReplicaSource, on_registered_nodes
+from router.replica_source import TemporalReplicaSource
+from router.routing import Route, RoutingTable, on_registered_nodes
 from tests.gateway_util import MockEngine, auth, gateway, ready, spec
 
 

@@ -13,7 +13,8 @@ from temporalio.client import Client, WorkflowHandle
 from llmgw import messages
 from llmgw.queues import replica_workflow_id
 from llmgw.types import ModelSpec, ReplicaMemo, ReplicaPhase
-from router.routing import RoutingTable, TemporalReplicaSource, refresh_forever
+from router.replica_source import TemporalReplicaSource
+from router.routing import RoutingTable, refresh_forever
 
 
 def _memo(rid: str, phase: ReplicaPhase) -> ReplicaMemo:

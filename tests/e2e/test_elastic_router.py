@@ -14,6 +14,7 @@ official openai client.
 """
 
 import asyncio
+import re
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -154,7 +155,12 @@ async def test_a_burst_through_the_router_scales_to_three_and_back(
     assert outcomes and set(outcomes) == {"200"}, [o for o in outcomes if o != "200"]
     reasons = [d.reason for d in down.decisions]
     assert any(r.startswith("scale 1 -> ") for r in reasons), reasons
-    assert reasons[-1].startswith("scale 3 -> 1"), reasons
+    # Down to 1 from the peak, at most by way of 2 (requests still finishing
+    # inside the down window count as need), and never back up on the way.
+    peak = max(i for i, r in enumerate(reasons) if re.match(r"scale \d+ -> 3\b", r))
+    after = reasons[peak + 1 :]
+    assert after and all(re.match(r"scale [32] -> [21]\b", r) for r in after), reasons
+    assert re.match(r"scale [32] -> 1\b", after[-1]), reasons
     # Still served by the one left, through a routing table that caught up.
     assert await _outcome(_complete(oai, spec.name, 0)) == "200"
     await replicas.remove_deployment(client, spec, 60)

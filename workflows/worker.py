@@ -2,6 +2,7 @@
 
 import asyncio
 import logging
+import sys
 from datetime import timedelta
 
 from temporalio.client import Client
@@ -9,6 +10,8 @@ from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.worker import Worker
 
 from activities.control import ControlActivities, EngineKeyFn
+from llmgw import search_attributes as sa
+from llmgw.errors import ConfigError
 from llmgw.keys import engine_key
 from llmgw.lifecycle import setup_logging, stop_event_on_signals
 from llmgw.queues import CONTROL_QUEUE, FLEET_WORKFLOW_ID
@@ -30,6 +33,8 @@ log = logging.getLogger(__name__)
 # On SIGTERM: the graceful period for running activities plus this for the
 # worker's pollers to stop (all within shutdown_timeout_s).
 WORKER_STOP_MARGIN_S = 1.0
+# The exit status of a control worker refused by its configuration (sysexits' EX_CONFIG).
+CONFIG_EXIT = 78
 
 WORKFLOWS = [
     AdapterLoadWorkflow,
@@ -101,6 +106,7 @@ async def run(settings: ControlSettings) -> None:
     tracing = setup_tracing(settings.tracing, "control")
     runtime = metrics_runtime(settings.metrics_address) if settings.metrics_address else None
     client = await connect_with(settings, tracing.interceptors(), runtime=runtime)
+    await sa.require_registered(client)
     await ensure_fleet(client)
     worker = build_worker(client, settings)
     log.info("control worker on %s (Temporal %s)", CONTROL_QUEUE, settings.temporal_address)
@@ -137,4 +143,8 @@ def main() -> None:
     """Entry point of ``llmgw control``."""
     settings = ControlSettings()
     setup_logging(settings.log_level, "control")
-    asyncio.run(run(settings))
+    try:
+        asyncio.run(run(settings))
+    except ConfigError as exc:
+        log.error("%s", exc)
+        sys.exit(CONFIG_EXIT)

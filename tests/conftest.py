@@ -10,7 +10,7 @@ from temporalio.client import Client
 
 from llmgw.dev.tinymodel import TinyModel, generate_tiny_model
 from llmgw.temporal import connect
-from tests.harness import REPO, System, free_port, start_devserver
+from tests.harness import REPO, System, devserver, free_port
 from tests.pg import PgCluster, find_bindir
 
 if TYPE_CHECKING:
@@ -22,11 +22,8 @@ if TYPE_CHECKING:
 @pytest.fixture(scope="session")
 def temporal_address(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A real Temporal dev server for the whole session."""
-    root = tmp_path_factory.mktemp("temporal")
-    port = free_port()
-    server = start_devserver(root / "temporal.db", port, root / "temporal.log")
-    yield f"127.0.0.1:{port}"
-    server.stop()
+    with devserver(tmp_path_factory.mktemp("temporal")) as address:
+        yield address
 
 
 @pytest.fixture(scope="session")

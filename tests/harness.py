@@ -7,13 +7,14 @@ connection reset, polling a deployment's status.
 """
 
 import asyncio
+import contextlib
 import os
 import socket
 import struct
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -84,6 +85,17 @@ def start_devserver(db: Path, port: int, log: Path, namespaces: Sequence[str] = 
         child.stop()
         raise RuntimeError("Temporal dev server did not start")
     return child
+
+
+@contextlib.contextmanager
+def devserver(root: Path) -> Iterator[str]:
+    """A dev server with its state and log under ``root``: its address, stopped after."""
+    port = free_port()
+    server = start_devserver(root / "temporal.db", port, root / "temporal.log")
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        server.stop()
 
 
 class System:

@@ -29,7 +29,7 @@ from router.replica_source import (
     rfc3339,
 )
 from router.routing import RoutingTable, refresh_forever
-from tests.harness import free_port, start_devserver
+from tests.harness import devserver
 
 QUEUE = "stand-in-replicas"
 PUBLISH = "publish"
@@ -55,11 +55,8 @@ class PublishingReplica:
 
 @pytest.fixture(scope="module")
 def own_temporal(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    root = tmp_path_factory.mktemp("temporal-delta")
-    port = free_port()
-    server = start_devserver(root / "temporal.db", port, root / "temporal.log")
-    yield f"127.0.0.1:{port}"
-    server.stop()
+    with devserver(tmp_path_factory.mktemp("temporal-delta")) as address:
+        yield address
 
 
 @pytest.fixture(scope="module")

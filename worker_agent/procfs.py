@@ -70,6 +70,30 @@ def is_zombie_or_gone(pid: int) -> bool:
     return fields is None or fields[0] in ("Z", "X")
 
 
+def start_time(pid: int) -> int | None:
+    """When a live process started (clock ticks after boot), or None if there is none."""
+    fields = _stat_fields(pid)
+    return int(fields[19]) if fields is not None else None
+
+
+def group_reused(pgid: int, leader_start: int | None) -> bool:
+    """Whether group id ``pgid`` now belongs to someone else.
+
+    A pid is not reused while any process holds it as its group id, so while
+    any member of a recorded group lives, no process but the recorded leader
+    can have the group's id as its pid. A live process with that pid and
+    another start time therefore means the group emptied and the number went
+    to a stranger, which may lead a group of that id itself (anything started
+    in a new session does): signalling the recorded group would hit it. Pids
+    wrap at 32768 on many machines, so this happens. ``leader_start`` None
+    (a record from before leaders were recorded): not judged, False.
+    """
+    if leader_start is None:
+        return False
+    now = start_time(pgid)
+    return now is not None and now != leader_start
+
+
 def group_members(pgid: int) -> list[int]:
     """Live (non-zombie) pids in a process group."""
     members: list[int] = []

@@ -59,11 +59,23 @@ class SpecFile(_Record):
     endpoint: str
     fingerprint: RecordedFingerprint | None = None
     spec: ShardRecord = Field(default_factory=ShardRecord)
+    # When the group's leader (the first command) started: a later process
+    # given the group id as its pid differs (procfs.group_reused).
+    group_start_time: int | None = None
 
     @property
     def group(self) -> int:
         """The process group holding the shard's processes."""
         return self.pgid or self.pid
+
+    @property
+    def leader_start(self) -> int | None:
+        """The group leader's start time, where the record tells it."""
+        if self.group_start_time is not None:
+            return self.group_start_time
+        if self.group == self.pid and self.fingerprint is not None:
+            return self.fingerprint.start_time
+        return None
 
     @classmethod
     def load(cls, path: Path) -> "SpecFile | None":

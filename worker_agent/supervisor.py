@@ -218,6 +218,9 @@ class Supervisor:
         if spec is None:
             return []
         pgid = spec.group
+        if procfs.group_reused(pgid, spec.leader_start):
+            log.warning("shard %s: group %d gone, id reused: kept", shard_key(ref), pgid)
+            return []
         members = procfs.group_members(pgid) if pgid > 0 else []
         if members:
             log.warning("shard %s: killing %d leftover processes", shard_key(ref), len(members))
@@ -300,6 +303,7 @@ class Supervisor:
                 cmdline=redacted(commands[-1].argv),
             ),
             spec=spec,
+            group_start_time=procfs.start_time(pgid),
         )
         _write_atomic(self._spec_path(ref), record.model_dump_json(indent=2))
         log.info("shard %s started: pid %d group %d port %d", shard_key(ref), main.pid, pgid, port)

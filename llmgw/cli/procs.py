@@ -60,7 +60,12 @@ class Child:
         return self.proc.poll()
 
     def signal(self, sig: signal.Signals) -> None:
-        """Send ``sig`` to the child's whole process group."""
+        """Send ``sig`` to the child's whole process group, while it is the child's."""
+        if self.proc.returncode is not None and os.path.exists(f"/proc/{self.proc.pid}"):
+            # The child was reaped and its pid is another process's now: a
+            # pid is not reused while any member of our group lives, so the
+            # group is empty and that id may lead a stranger's group.
+            return
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, sig)
 

@@ -326,7 +326,8 @@ def kill_recorded_engines(agent_dir: Path) -> list[int]:
         # pass-through leads the group); a group id is not reused while any
         # member lives.
         ours = current is not None and current.start_time == started
-        if ours or procfs.group_members(pgid):
+        leftovers = not procfs.group_reused(pgid, spec.leader_start) and procfs.group_members(pgid)
+        if ours or leftovers:
             try:
                 os.killpg(pgid, signal.SIGKILL)
                 killed.append(pid)

@@ -222,9 +222,12 @@ def test_spec_files_written_before_shard_record_still_load(tmp_path: Path) -> No
         assert not plan.serves_http and plan.internal_port == 8124 and plan.cpu_bind == "0-3"
         assert plan.ready_probe is not None and plan.ready_probe.completion is not None
         assert sup.used_ports() == {8123, 8124}
-        # Nothing lost or added: the typed record writes back the same file.
+        # Nothing lost: the typed record writes back the same file, plus the
+        # keys added since, empty.
         loaded = SpecFile.load(sup.shard_dir(ref) / "spec.json")
-        assert loaded is not None and loaded.model_dump(mode="json") == old
+        assert loaded is not None
+        assert loaded.model_dump(mode="json") == {**old, "group_start_time": None}
+        assert loaded.leader_start == fp.start_time  # the pid led its group
     finally:
         stranger.kill()
         stranger.wait()
@@ -241,3 +244,42 @@ def test_older_spec_files_without_later_keys_load_with_defaults(tmp_path: Path) 
     assert SpecFile.load(tmp_path / "missing.json") is None
     (tmp_path / "torn.json").write_text("{")
     assert SpecFile.load(tmp_path / "torn.json") is None
+
+
+def test_a_group_id_given_to_a_stranger_is_not_killed(tmp_path: Path) -> None:
+    """Pids wrap (at 32768 here): once a shard's group is empty its id may be a
+    new session's leader, which the leftover sweep must leave alone."""
+    sup = Supervisor(tmp_path)
+    ref = ShardRef(replica_id="wrapped")
+    _launch(sup, ref, "tag-wrapped")
+    spec_path = sup.shard_dir(ref) / "spec.json"
+    recorded = SpecFile.load(spec_path)
+    assert recorded is not None and recorded.group_start_time is not None
+    assert recorded.leader_start == recorded.group_start_time
+    sup.stop(ref, grace_s=0.5)
+    stranger = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True
+    )
+    try:
+        # The record as if the stranger had been given the group's number.
+        spec_path.write_text(recorded.model_copy(update={"pgid": stranger.pid}).model_dump_json())
+        assert sup.kill_leftovers(ref) == []
+        assert stranger.poll() is None
+        # The same record naming the stranger's own start: that is a leftover.
+        started = procfs.start_time(stranger.pid)
+        forged = recorded.model_copy(update={"pgid": stranger.pid, "group_start_time": started})
+        spec_path.write_text(forged.model_dump_json())
+        assert sup.kill_leftovers(ref) == [stranger.pid]
+        assert stranger.wait(timeout=10) == -9
+    finally:
+        stranger.kill()
+        stranger.wait()
+
+
+def test_group_reused_compares_the_leader_start() -> None:
+    me = os.getpid()
+    start = procfs.start_time(me)
+    assert start is not None
+    assert not procfs.group_reused(me, start)
+    assert procfs.group_reused(me, start - 1)
+    assert not procfs.group_reused(me, None)  # an old record: not judged

@@ -13,7 +13,7 @@ selectable (``LLMGW_UPSTREAM_CLIENT=aiohttp``) for one release.
 """
 
 from collections.abc import AsyncIterator, Mapping
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import aiohttp
 
@@ -44,6 +44,34 @@ class UpstreamResponse(Protocol):
     async def close(self) -> None:
         """Done with it: a body not read to its end closes the connection."""
         ...
+
+
+class Sink(Protocol):
+    """Where a diverted body goes, from the connection's read callback."""
+
+    def data(self, chunk: bytes) -> None:
+        """What one read brought (never empty); must not block or raise."""
+        ...
+
+    def end(self, error: UpstreamError | None) -> None:
+        """The body is complete (None) or broke off; called once, after the last data."""
+        ...
+
+
+@runtime_checkable
+class Divertible(Protocol):
+    """An answer whose body can skip the reader: each read handed to a sink
+    as it is parsed (no wake-up of a waiting task per read)."""
+
+    def divert(self, sink: Sink) -> None:
+        """Hand the body to ``sink`` from now on (what already came, at once)."""
+        ...
+
+    def pause(self) -> None:
+        """Stop reading the engine (the sink's client is behind)."""
+        ...
+
+    def resume(self) -> None: ...
 
 
 class Upstream(Protocol):

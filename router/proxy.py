@@ -10,7 +10,8 @@ engine: the router sends the replica's own engine key instead.
 Failover: a connection failure before anything was sent to the client tries
 the next replica; once a byte has gone out there is no retry.
 
-A stream is relayed read by read: a read that holds no usage passes through
+A stream is relayed read by read (with RawUpstream, from the engine
+connection's read callback: ``_Pour``): a read that holds no usage passes through
 untouched, its content chunks counted by a byte pattern (no per-event
 work); only the event carrying usage is parsed. A client that goes away
 mid-stream cancels the relay (router.relay watches); closing the upstream
@@ -42,7 +43,7 @@ from router.errors import client_gone, no_ready_replica, replicas_saturated, ups
 from router.metrics import Metrics
 from router.relay import Reply, StreamReply, media_header, send_now
 from router.routing import Route, RoutingTable
-from router.upstream import Divertible, Upstream, UpstreamResponse
+from router.upstream import Divertible, Upstream, UpstreamResponse, divertible
 
 log = logging.getLogger(__name__)
 
@@ -388,8 +389,9 @@ class _Relay:
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         error = False
         try:
-            if isinstance(self._upstream, Divertible):
-                await _Pour(self, self._upstream, send).over
+            diverted = divertible(self._upstream)
+            if diverted is not None:
+                await _Pour(self, diverted, send).over
             else:
                 async for chunk in self._upstream.chunks():
                     out = self._events(chunk)

@@ -4,7 +4,9 @@ No Starlette Response objects on the hot path: an answer is its status,
 header list and body, sent in two ASGI messages. A stream (router.proxy's
 relay) is written as the engine's reads come, each read one write to the
 client; one task per stream watches for the client's disconnect, which
-cancels the relay (nothing per event).
+cancels the relay (nothing per event). With an engine client whose answer
+is Divertible (RawUpstream) the writes are made from the engine
+connection's read callback (``send_now``): no task wakes per read.
 """
 
 import asyncio

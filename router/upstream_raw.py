@@ -1,9 +1,11 @@
-"""The router's default engine client: HTTP/1.1 on a bare ``asyncio.Protocol``.
+"""The router's opt-in engine client (``LLMGW_UPSTREAM_CLIENT=raw``): HTTP/1.1
+on a bare ``asyncio.Protocol``.
 
 It speaks only what the proxy needs (router/upstream.py): one POST per
 request on a kept-alive connection, the request written as one buffer, the
 answer parsed by httptools (llhttp, as uvicorn uses) straight into a list of
-body chunks that the reader takes as they come. No task, stream reader or
+body chunks that the reader takes as they come (or, diverted, handed on from
+the read callback: router/upstream_answer.py). No task, stream reader or
 header multidict per request: aiohttp's generality was about a quarter of the
 router's CPU per request (``python -m tests.bench.bench_router``).
 

@@ -356,8 +356,13 @@ class _Relay:
 
     def _pass(self, events: bytes) -> bytes:
         """What ``_scan`` gives, without splitting when it would give ``events`` back:
-        no usage, no empty event (four newlines, or one ending the last read)."""
-        if b'"usage"' in events or b"\n\n\n\n" in events or events.startswith(b"\n\n"):
+        no usage (or only ``"usage":null``, which engines in OpenAI's manner put
+        in every chunk), no empty event (four newlines, or one ending the last read)."""
+        if (
+            (b'"usage"' in events and events.count(b'"usage"') != events.count(b'"usage":null'))
+            or b"\n\n\n\n" in events
+            or events.startswith(b"\n\n")
+        ):
             return self._scan(events)
         # The pattern holds no newline: counting the whole read counts each event.
         self._counted += len(_CONTENT.findall(events))

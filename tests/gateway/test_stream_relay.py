@@ -375,3 +375,28 @@ async def test_a_client_gone_mid_stream_closes_the_engine_and_bills_what_was_sen
     assert got == token() * 3
     row = await router.usage(key_id)
     assert (row.requests, row.completion_tokens) == (1, 3)
+
+
+async def test_chunks_with_usage_null_pass_untouched_and_are_counted(router: Router) -> None:
+    # Engines in OpenAI's manner put "usage":null in every chunk once usage is
+    # asked for; those are ordinary events (no usage to read or strip).
+    def nulled(text: str) -> bytes:
+        return event({"choices": [{"index": 0, "delta": {"content": text}}], "usage": None})
+
+    sent = [nulled("a"), nulled("b"), nulled("c")]
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(HEAD + b"".join(chunk(e) for e in sent))
+        writer.write(chunk(FINISH) + chunk(DONE) + END)  # and no usage after all
+        await writer.drain()
+        await reader.read()
+
+    router.script = script
+    key_id, key = router.key()
+    reader, writer = await router.open(key)
+    async with asyncio.timeout(20):
+        body = await read_rest(reader)
+    writer.close()
+    assert body == b"".join(sent) + FINISH + DONE
+    row = await router.usage(key_id)
+    assert row.completion_tokens == 3

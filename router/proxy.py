@@ -10,7 +10,8 @@ engine: the router sends the replica's own engine key instead.
 Failover: a connection failure before anything was sent to the client tries
 the next replica; once a byte has gone out there is no retry.
 
-A stream is relayed read by read: a read that holds no usage passes through
+A stream is relayed read by read (with RawUpstream, from the engine
+connection's read callback: ``_Pour``): a read that holds no usage passes through
 untouched, its content chunks counted by a byte pattern (no per-event
 work); only the event carrying usage is parsed. A client that goes away
 mid-stream cancels the relay (router.relay watches); closing the upstream
@@ -40,9 +41,9 @@ from llmgw.errors import LlmgwError, UpstreamConnectError, UpstreamError
 from router.accounting import Outcome
 from router.errors import client_gone, no_ready_replica, replicas_saturated, upstream_failed
 from router.metrics import Metrics
-from router.relay import Reply, StreamReply, media_header
+from router.relay import Reply, StreamReply, media_header, send_now
 from router.routing import Route, RoutingTable
-from router.upstream import Upstream, UpstreamResponse
+from router.upstream import Divertible, Upstream, UpstreamResponse, divertible
 
 log = logging.getLogger(__name__)
 
@@ -319,6 +320,8 @@ class _Relay:
         self._counted = 0
         self._usage: dict[str, Any] | None = None
         self._finished = False
+        self._buf = b""  # an event not complete yet
+        self._first = True
 
     def _scan(self, events: bytes) -> bytes:
         """The events to pass on, event by event; counts content chunks and notes usage.
@@ -353,41 +356,54 @@ class _Relay:
 
     def _pass(self, events: bytes) -> bytes:
         """What ``_scan`` gives, without splitting when it would give ``events`` back:
-        no usage, no empty event (four newlines, or one ending the last read)."""
-        if b'"usage"' in events or b"\n\n\n\n" in events or events.startswith(b"\n\n"):
+        no usage (or only ``"usage":null``, which engines in OpenAI's manner put
+        in every chunk), no empty event (four newlines, or one ending the last read)."""
+        if (
+            (b'"usage"' in events and events.count(b'"usage"') != events.count(b'"usage":null'))
+            or b"\n\n\n\n" in events
+            or events.startswith(b"\n\n")
+        ):
             return self._scan(events)
         # The pattern holds no newline: counting the whole read counts each event.
         self._counted += len(_CONTENT.findall(events))
         return events
 
+    def _events(self, chunk: bytes) -> bytes:
+        """The complete events up to this chunk, counted (``_pass``); an
+        incomplete last one waits for the next chunk."""
+        data = self._buf + chunk if self._buf else chunk
+        cut = data.rfind(b"\n\n") + 2
+        if cut < 2:
+            self._buf = data
+            return b""
+        if cut == len(data):
+            self._buf = b""
+        else:
+            data, self._buf = data[:cut], data[cut:]
+        out = self._pass(data)
+        if out and self._first:
+            self._first = False
+            self._metrics.ttft.labels(self._call.model).observe(
+                time.monotonic() - self._call.started
+            )
+        return out
+
     async def pump(self, send: Send, headers: list[tuple[bytes, bytes]]) -> None:
         """Answer with ``headers`` and relay the stream until it ends (or this task
         is cancelled: the client left, even before it took the answer's head)."""
         await send({"type": "http.response.start", "status": 200, "headers": headers})
-        buf = b""
-        first = True
         error = False
         try:
-            async for chunk in self._upstream.chunks():
-                data = buf + chunk if buf else chunk
-                cut = data.rfind(b"\n\n") + 2
-                if cut < 2:
-                    buf = data
-                    continue
-                if cut == len(data):
-                    buf = b""
-                else:
-                    data, buf = data[:cut], data[cut:]
-                out = self._pass(data)
-                if out:
-                    if first:
-                        first = False
-                        self._metrics.ttft.labels(self._call.model).observe(
-                            time.monotonic() - self._call.started
-                        )
-                    await send({"type": "http.response.body", "body": out, "more_body": True})
-            if buf:
-                await send({"type": "http.response.body", "body": buf, "more_body": True})
+            diverted = divertible(self._upstream)
+            if diverted is not None:
+                await _Pour(self, diverted, send).over
+            else:
+                async for chunk in self._upstream.chunks():
+                    out = self._events(chunk)
+                    if out:
+                        await send({"type": "http.response.body", "body": out, "more_body": True})
+            if self._buf:
+                await send({"type": "http.response.body", "body": self._buf, "more_body": True})
         except UpstreamError as exc:
             error = True
             self._metrics.upstream_errors.labels(
@@ -419,3 +435,65 @@ class _Relay:
         return Outcome(
             prompt_tokens=self._call.prompt_estimate, completion_tokens=self._counted, error=error
         )
+
+
+class _Pour:
+    """A diverted answer's sink (router.upstream.Divertible): each engine read,
+    cut at its last complete event and counted, is sent to the client from
+    the read callback itself, as one write; no task wakes per read. A send
+    the client's socket cannot take at once pauses the engine's connection
+    until it has gone. ``over`` is done when the body is relayed, with the
+    engine's break (UpstreamError) or the client socket's failure.
+    """
+
+    __slots__ = ("_ended", "_relay", "_send", "_sending", "_upstream", "over")
+
+    def __init__(self, relay: _Relay, upstream: Divertible, send: Send) -> None:
+        self._relay = relay
+        self._upstream = upstream
+        self._send = send
+        self._sending: asyncio.Future[None] | None = None
+        self._ended = False
+        self.over: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        upstream.divert(self)
+
+    def data(self, chunk: bytes) -> None:
+        if self.over.done():  # failed (or cancelled): the pump is closing the answer
+            return
+        try:
+            out = self._relay._events(chunk)
+            if not out:
+                return
+            sending = send_now(
+                self._send, {"type": "http.response.body", "body": out, "more_body": True}
+            )
+        except Exception as exc:  # the client's socket failed: the pump raises it
+            self.over.set_exception(exc)
+            return
+        if sending is not None:
+            self._sending = sending
+            self._upstream.pause()
+            sending.add_done_callback(self._sent)
+
+    def end(self, error: UpstreamError | None) -> None:
+        if self.over.done():
+            return
+        if error is not None:
+            self.over.set_exception(error)
+        elif self._sending is None:
+            self.over.set_result(None)
+        else:
+            self._ended = True  # once the last send has gone
+
+    def _sent(self, sending: "asyncio.Future[None]") -> None:
+        self._sending = None
+        if self.over.done():
+            return
+        if sending.cancelled():
+            self.over.cancel()
+        elif (exc := sending.exception()) is not None:
+            self.over.set_exception(exc)
+        elif self._ended:
+            self.over.set_result(None)
+        else:
+            self._upstream.resume()

@@ -4,14 +4,16 @@ No Starlette Response objects on the hot path: an answer is its status,
 header list and body, sent in two ASGI messages. A stream (router.proxy's
 relay) is written as the engine's reads come, each read one write to the
 client; one task per stream watches for the client's disconnect, which
-cancels the relay (nothing per event).
+cancels the relay (nothing per event). With an engine client whose answer
+is Divertible (RawUpstream) the writes are made from the engine
+connection's read callback (``send_now``): no task wakes per read.
 """
 
 import asyncio
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Generator
 from typing import Any, Protocol
 
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 
 class Relayed(Protocol):
@@ -93,3 +95,44 @@ async def _unless_gone(relay: Coroutine[Any, Any, None], receive: Receive) -> No
     finally:
         active = False
         watcher.cancel()
+
+
+def send_now(send: Send, message: Message) -> "asyncio.Future[None] | None":
+    """Run ``send(message)`` in the caller's stack (a protocol's read callback,
+    where there is no task to await in): None once it is done, which is the
+    common case (the server writes to the socket and returns); else a future
+    for the rest, driven by callbacks as a task would drive it (the client's
+    socket is full and the server waits for it to drain). What the send
+    raises before its first wait is raised here.
+    """
+    steps = send(message).__await__()
+    try:
+        waiting = steps.send(None)
+    except StopIteration:
+        return None
+    done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    _wait_then_step(steps, waiting, done)
+    return done
+
+
+def _wait_then_step(
+    steps: Generator[Any, None, None], waiting: Any, done: "asyncio.Future[None]"
+) -> None:
+    def step(_: object = None) -> None:
+        try:
+            nxt = steps.send(None)
+        except StopIteration:
+            done.set_result(None)
+        except asyncio.CancelledError:
+            done.cancel()
+        except BaseException as exc:  # handed to whoever awaits ``done``
+            done.set_exception(exc)
+        else:
+            _wait_then_step(steps, nxt, done)
+
+    if isinstance(waiting, asyncio.Future):
+        # What asyncio's Task does with a future a coroutine yields.
+        waiting._asyncio_future_blocking = False
+        waiting.add_done_callback(step)
+    else:  # a bare yield (sleep(0)): the next loop turn
+        asyncio.get_running_loop().call_soon(step)

@@ -5,15 +5,16 @@ chunk by chunk, and whose close, before the answer is complete, drops the
 connection (the engine takes that as a cancellation). Failures come as
 ``UpstreamConnectError`` (nothing was sent: fail over) or ``UpstreamError``.
 
-``AiohttpUpstream`` was the implementation (aiohttp costs about a fifth of
-the CPU per request of httpx); ``router.upstream_raw.RawUpstream`` is now the
-default (about a fifth of aiohttp's: 25-35 vs 122-178 us against the
-benchmark's mock, ``python -m tests.bench.bench_router``). This one stays
-selectable (``LLMGW_UPSTREAM_CLIENT=aiohttp``) for one release.
+``AiohttpUpstream`` is the default (aiohttp costs about a fifth of the CPU
+per request of httpx); ``router.upstream_raw.RawUpstream`` is opt-in
+(``LLMGW_UPSTREAM_CLIENT=raw``; about a fifth of aiohttp's CPU per request,
+25-35 vs 122-178 us against the benchmark's mock, ``python -m
+tests.bench.bench_router``), and its answer is ``Divertible``: a stream's
+reads go to the client from the connection's read callback.
 """
 
 from collections.abc import AsyncIterator, Mapping
-from typing import Protocol
+from typing import Protocol, cast, runtime_checkable
 
 import aiohttp
 
@@ -44,6 +45,40 @@ class UpstreamResponse(Protocol):
     async def close(self) -> None:
         """Done with it: a body not read to its end closes the connection."""
         ...
+
+
+class Sink(Protocol):
+    """Where a diverted body goes, from the connection's read callback."""
+
+    def data(self, chunk: bytes) -> None:
+        """What one read brought (never empty); must not block or raise."""
+        ...
+
+    def end(self, error: UpstreamError | None) -> None:
+        """The body is complete (None) or broke off; called once, after the last data."""
+        ...
+
+
+@runtime_checkable
+class Divertible(Protocol):
+    """An answer whose body can skip the reader: each read handed to a sink
+    as it is parsed (no wake-up of a waiting task per read)."""
+
+    def divert(self, sink: Sink) -> None:
+        """Hand the body to ``sink`` from now on (what already came, at once)."""
+        ...
+
+    def pause(self) -> None:
+        """Stop reading the engine (the sink's client is behind)."""
+        ...
+
+    def resume(self) -> None: ...
+
+
+def divertible(response: UpstreamResponse) -> Divertible | None:
+    """The answer as a Divertible when it is one: a plain attribute check, where
+    isinstance on a runtime protocol costs microseconds per stream."""
+    return cast(Divertible, response) if hasattr(response, "divert") else None
 
 
 class Upstream(Protocol):

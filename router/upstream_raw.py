@@ -1,9 +1,11 @@
-"""The router's default engine client: HTTP/1.1 on a bare ``asyncio.Protocol``.
+"""The router's opt-in engine client (``LLMGW_UPSTREAM_CLIENT=raw``): HTTP/1.1
+on a bare ``asyncio.Protocol``.
 
 It speaks only what the proxy needs (router/upstream.py): one POST per
 request on a kept-alive connection, the request written as one buffer, the
 answer parsed by httptools (llhttp, as uvicorn uses) straight into a list of
-body chunks that the reader takes as they come. No task, stream reader or
+body chunks that the reader takes as they come (or, diverted, handed on from
+the read callback: router/upstream_answer.py). No task, stream reader or
 header multidict per request: aiohttp's generality was about a quarter of the
 router's CPU per request (``python -m tests.bench.bench_router``).
 
@@ -28,10 +30,8 @@ import httptools
 
 from llmgw.errors import LlmgwError, UpstreamConnectError, UpstreamError
 from router.upstream import KEEPALIVE_S, UpstreamResponse
+from router.upstream_answer import RawAnswer, describe
 
-# A stream's reader this far behind (bytes held unread) stops the socket
-# being read until it takes them: the engine feels TCP back-pressure.
-HIGH_WATER = 256 * 1024
 # How often idle connections are looked over for retirement.
 SWEEP_S = 1.0
 # Parsed URLs and encoded header sets kept (cleared past this).
@@ -59,98 +59,6 @@ class _Target:
         self.line = f"POST {path} HTTP/1.1\r\nHost: {parts.netloc}\r\n".encode("latin-1")
 
 
-class _Answer:
-    """One answer: status and content type once its head is in, then the body."""
-
-    __slots__ = (
-        "_chunks", "_conn", "_held", "_loop", "_waiter", "_whole", "content_type", "done",
-        "error", "framed", "got_bytes", "status",
-    )  # fmt: skip
-
-    def __init__(self, conn: "_Conn") -> None:
-        self._conn: _Conn | None = conn
-        self._loop = conn.loop
-        self._whole = False  # read whole: never paused
-        self._chunks: list[bytes] = []
-        self._held = 0  # bytes in _chunks
-        self._waiter: asyncio.Future[None] | None = None
-        self.status = 0
-        self.content_type = "application/json"
-        self.done = False
-        self.error: BaseException | None = None
-        self.framed = False  # a content-length or chunked body (else: until close)
-        self.got_bytes = False
-
-    def wake(self) -> None:
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    def add(self, chunk: bytes) -> None:
-        self._chunks.append(chunk)
-        self._held += len(chunk)
-        if self._held > HIGH_WATER and not self._whole and self._conn is not None:
-            self._conn.pause()
-        self.wake()
-
-    def fail(self, error: BaseException) -> None:
-        if not self.done and self.error is None:
-            self.error = error
-            self.wake()
-
-    async def wait(self) -> None:
-        """Until something new: a head, a chunk, the end or an error."""
-        self._waiter = waiter = self._loop.create_future()
-        try:
-            await waiter
-        finally:
-            self._waiter = None
-
-    def _take(self) -> bytes:
-        chunks = self._chunks
-        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-        self._chunks = []
-        self._held = 0
-        conn = self._conn
-        if conn is not None and conn.paused:
-            conn.resume()
-        return data
-
-    # UpstreamResponse
-
-    async def read(self) -> bytes:
-        self._whole = True
-        if self._conn is not None and self._conn.paused:
-            self._conn.resume()
-        while not self.done:
-            if self.error is not None:
-                raise UpstreamError(_describe(self.error))
-            await self.wait()
-        return self._take() if self._chunks else b""
-
-    def chunks(self) -> "_Answer":
-        return self
-
-    def __aiter__(self) -> "_Answer":
-        return self
-
-    async def __anext__(self) -> bytes:
-        # Everything that came in since the last step, as one chunk: a reader
-        # that lags writes fewer, larger pieces instead of falling further behind.
-        while not self._chunks:
-            if self.done:
-                raise StopAsyncIteration
-            if self.error is not None:
-                raise UpstreamError(_describe(self.error))
-            await self.wait()
-        return self._take()
-
-    async def close(self) -> None:
-        conn, self._conn = self._conn, None
-        if conn is not None and conn.answer is self:
-            conn.drop()  # unfinished: the engine sees the connection go
-
-
 class _Conn(asyncio.Protocol):
     """One connection to an engine, and the parser of its answers."""
 
@@ -160,7 +68,7 @@ class _Conn(asyncio.Protocol):
         self.loop = pool.loop
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
-        self.answer: _Answer | None = None
+        self.answer: RawAnswer | None = None
         self.reused = False
         self.lost = False
         self.pooled = False
@@ -187,6 +95,8 @@ class _Conn(asyncio.Protocol):
         except httptools.HttpParserError as exc:
             answer.fail(exc)
             self.drop()
+        if answer._sink is not None:
+            answer.settle()
 
     def eof_received(self) -> bool | None:
         return None  # close; connection_lost says what it meant
@@ -246,7 +156,7 @@ class _Conn(asyncio.Protocol):
 
     # Ours
 
-    def send(self, answer: _Answer, data: bytes, read_timeout_s: float) -> None:
+    def send(self, answer: RawAnswer, data: bytes, read_timeout_s: float) -> None:
         assert self.transport is not None
         self.answer = answer
         self.last_read = self.loop.time()
@@ -341,7 +251,7 @@ class RawUpstream:
         fresh = False
         while True:
             conn = await self._acquire(target, fresh)
-            answer = _Answer(conn)
+            answer = RawAnswer(conn)
             conn.send(answer, request, self._read_timeout_s)
             try:
                 while not answer.status:
@@ -354,7 +264,7 @@ class RawUpstream:
                 fresh = True  # once more, on a connection of its own
                 continue
             except (OSError, TimeoutError, httptools.HttpParserError) as exc:
-                raise UpstreamError(_describe(exc)) from exc
+                raise UpstreamError(describe(exc)) from exc
             except BaseException:
                 conn.drop()  # cancelled (the client left): so is the engine's work
                 raise
@@ -405,7 +315,7 @@ class RawUpstream:
                 )
         except (OSError, TimeoutError) as exc:
             self.forget(conn)
-            raise UpstreamConnectError(_describe(exc)) from exc
+            raise UpstreamConnectError(describe(exc)) from exc
         except BaseException:
             self.forget(conn)
             raise
@@ -481,8 +391,3 @@ class RawUpstream:
         for waiter in self._waiters:
             if not waiter.done():
                 waiter.set_exception(UpstreamConnectError("the client is closed"))
-
-
-def _describe(exc: BaseException) -> str:
-    text = str(exc)
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

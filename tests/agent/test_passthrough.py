@@ -334,8 +334,7 @@ async def test_a_connection_the_engine_dropped_is_retried_once(
     if status == 502:
         error = json.loads(second[2])["error"]["message"]
         assert error == (
-            "engine unreachable: "
-            + ("ClientOSError" if reset else "ServerDisconnectedError")
+            "engine unreachable: " + ("ClientOSError" if reset else "ServerDisconnectedError")
         )
     assert len(seen.requests) == 3  # once more, never more
     assert seen.connections == 2

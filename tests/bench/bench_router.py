@@ -35,6 +35,7 @@ from pathlib import Path
 from tests.bench.fasthttp import (
     MODEL,
     TOKENS,
+    Conn,
     has_module,
     interleaved,
     load,
@@ -186,6 +187,7 @@ def measure(target: Target, up_port: int, args: argparse.Namespace, work: Path) 
         )
     )
     cpu2 = cpu_seconds(target.pid)
+    long_ = long_streams(target, args)
     load_ = throughput(
         target.port, proxied, args.client_procs, args.conns, args.seconds, target.pid
     )
@@ -210,6 +212,10 @@ def measure(target: Target, up_port: int, args: argparse.Namespace, work: Path) 
         f"  p99 {(pct(streams.proxied_first, 0.99) - pct(streams.direct_first, 0.99)) * ms:.3f} ms",
         f"  proxy process CPU per stream ({TOKENS} upstream writes) {per_stream:.0f} us,"
         f" ~{(per_stream - per_request) / (TOKENS - 1):.0f} us per event beyond a request's",
+        f"long streams: {args.long_streams} sequential of {args.long_tokens} tokens"
+        f" ({args.token_gap_ms} ms apart, one upstream write each)",
+        f"  proxy process CPU per relayed event {long_:.1f} us (request included)"
+        "   (target <= 60 us)",
         f"load: {args.client_procs} client procs x {args.conns} conns, {args.seconds:.0f} s",
         f"  {load_.rps:,.0f} requests/s (errors {load_.errors}), latency p50 {load_.p50_ms:.2f} ms"
         f" p99 {load_.p99_ms:.2f} ms   (target >= 2,000/s)",
@@ -217,6 +223,27 @@ def measure(target: Target, up_port: int, args: argparse.Namespace, work: Path) 
         f" {load_.rps * args.seconds / max(load_.cpu_s, 1e-9):,.0f} requests per CPU-second",
         *outside,
     ]
+
+
+def long_streams(target: Target, args: argparse.Namespace) -> float:
+    """The proxy's CPU per relayed event over sequential streams of many events
+    (a stream's own cost spread thin): microseconds."""
+    if args.long_streams <= 0:
+        return float("nan")
+    raw = request_bytes("/v1/chat/completions", target.key, True, args.long_tokens)
+    events: int = args.long_streams * args.long_tokens
+
+    async def run() -> float:
+        conn = Conn(target.port)
+        await conn.request(raw)  # warm-up
+        cpu0 = cpu_seconds(target.pid)
+        for _ in range(args.long_streams):
+            await conn.request(raw)
+        cpu = cpu_seconds(target.pid) - cpu0
+        await conn.close()
+        return cpu / events * 1e6
+
+    return run_loop(run)
 
 
 def measure_wrk(target: Target, up_port: int, args: argparse.Namespace, work: Path) -> list[str]:
@@ -294,7 +321,7 @@ def client_cost(up_port: int, n: int) -> list[str]:
     raw = RawUpstream(connect_timeout_s=5, read_timeout_s=60, max_connections=64)
     aio = AiohttpUpstream(connect_timeout_s=5, read_timeout_s=60, max_connections=64)
     lines.append(
-        f"  RawUpstream (default):     {run_loop(lambda: with_router_client(raw)) * 1e6:.0f} us"
+        f"  RawUpstream:               {run_loop(lambda: with_router_client(raw)) * 1e6:.0f} us"
     )
     lines.append(
         f"  AiohttpUpstream:           {run_loop(lambda: with_router_client(aio)) * 1e6:.0f} us"
@@ -368,6 +395,8 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=5.0, help="load duration")
     p.add_argument("--client-procs", type=int, default=2)
     p.add_argument("--conns", type=int, default=32, help="connections per client process")
+    p.add_argument("--long-streams", type=int, default=10, help="sequential long streams")
+    p.add_argument("--long-tokens", type=int, default=1000, help="tokens per long stream")
     p.add_argument("--token-gap-ms", type=float, default=1.0, help="mock: between stream events")
     p.add_argument("--wrk-seconds", type=float, default=5.0, help="each wrk run; 0: no wrk")
     p.add_argument("--no-floor", action="store_true")
@@ -380,7 +409,7 @@ def main() -> None:
         "--router-client",
         choices=("raw", "aiohttp"),
         default=None,
-        help="the router's engine client (LLMGW_UPSTREAM_CLIENT; default: raw)",
+        help="the router's engine client (LLMGW_UPSTREAM_CLIENT; default: aiohttp)",
     )
     p.add_argument("--no-litellm", action="store_true")
     p.add_argument("--litellm-venv", type=Path, default=LITELLM_VENV)
@@ -427,7 +456,7 @@ def run(args: argparse.Namespace) -> None:
         env = dict(os.environ, LLMGW_STORE_URL=store_url, LLMGW_PORT=str(router_port))
         if args.router_client:
             env["LLMGW_UPSTREAM_CLIENT"] = args.router_client
-        router_client = env.get("LLMGW_UPSTREAM_CLIENT", "raw")
+        router_client = env.get("LLMGW_UPSTREAM_CLIENT", "aiohttp")
         router = spawn([*SELF, "_router", f"http://127.0.0.1:{up_port}"],
                        env, work / "router.log")  # fmt: skip
         procs.append(router)

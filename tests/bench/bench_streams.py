@@ -1,6 +1,6 @@
 """Many concurrent streams through one router process (a script: prints figures).
 
-    .venv/bin/python -m tests.bench.bench_streams [--streams 1000] [--gap-ms 10]
+    .venv/bin/python -m tests.bench.bench_streams [--streams 1000] [--gap-ms 10] [--stagger]
 
 The mock engine (tests/bench/fasthttp.py) streams ``--tokens`` tokens, one
 write every ``--gap-ms``; ``--streams`` connections each run streams back to
@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import subprocess
 import sys
 import tempfile
@@ -36,11 +37,17 @@ def rss_bytes(pid: int) -> int:
     return 0
 
 
-def client(port: int, raw: bytes, conns: int, seconds: float) -> None:
-    """Streams back to back on ``conns`` connections; prints TTFTs and counts as JSON."""
+def client(port: int, raw: bytes, conns: int, seconds: float, stagger_s: float = 0.0) -> None:
+    """Streams back to back on ``conns`` connections; prints TTFTs and counts as JSON.
+
+    ``stagger_s``: each connection starts after a random delay up to that
+    (a stream's length spreads the starts evenly: requests arrive one by one,
+    not all 1,000 at once at every round)."""
 
     async def worker(deadline: float, first: list[float], errors: list[int]) -> None:
         c = Conn(port)
+        if stagger_s:
+            await asyncio.sleep(random.uniform(0, stagger_s))
         while time.perf_counter() < deadline:
             try:
                 status, ttft, _ = await c.request(raw)
@@ -64,11 +71,15 @@ def client(port: int, raw: bytes, conns: int, seconds: float) -> None:
     run_loop(main)
 
 
+def stagger_s(args: argparse.Namespace) -> float:
+    return args.tokens * args.gap_ms / 1e3 if args.stagger else 0.0
+
+
 def load(port: int, raw: bytes, args: argparse.Namespace) -> tuple[list[float], int]:
     per = max(1, args.streams // args.client_procs)
     children = [
         subprocess.Popen(
-            [*HERE, "_client", str(port), str(per), str(args.seconds)],
+            [*HERE, "_client", str(port), str(per), str(args.seconds), str(stagger_s(args))],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             cwd=REPO,
@@ -113,7 +124,8 @@ def run(args: argparse.Namespace) -> None:
         path = "/v1/chat/completions"
         print(
             f"{args.streams} streams of {args.tokens} tokens, {args.gap_ms} ms apart,"
-            f" {args.client_procs} client procs, {args.seconds:.0f} s each;"
+            f" {args.client_procs} client procs, {args.seconds:.0f} s each"
+            f"{', starts staggered' if args.stagger else ''};"
             f" {os.cpu_count()} CPUs,"
             f" load {os.getloadavg()[0]:.2f}"
         )
@@ -176,7 +188,9 @@ def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1].startswith("_"):
         role, rest = sys.argv[1], sys.argv[2:]
         if role == "_client":
-            client(int(rest[0]), sys.stdin.buffer.read(), int(rest[1]), float(rest[2]))
+            client(
+                int(rest[0]), sys.stdin.buffer.read(), int(rest[1]), float(rest[2]), float(rest[3])
+            )
         elif role == "_rss":
             sample_rss(int(rest[0]), float(rest[1]))
         return
@@ -186,6 +200,11 @@ def main() -> None:
     p.add_argument("--gap-ms", type=float, default=10.0, help="mock: between tokens")
     p.add_argument("--seconds", type=float, default=10.0)
     p.add_argument("--client-procs", type=int, default=2)
+    p.add_argument(
+        "--stagger",
+        action="store_true",
+        help="start each connection after a random delay up to a stream's length",
+    )
     run(p.parse_args())
 
 

@@ -9,6 +9,7 @@ stay well below the cost of the proxies they measure.
 import asyncio
 import importlib
 import json
+import re
 import time
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
@@ -62,7 +63,8 @@ def _event(delta: dict[str, str], finish: str | None = None) -> bytes:
         "model": MODEL,
         "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
     }
-    data = b"data: " + json.dumps(chunk).encode() + b"\n\n"
+    # Compact, as llama.cpp and vLLM write it (the router counts content by a byte pattern).
+    data = b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"
     return b"%x\r\n%s\r\n" % (len(data), data)
 
 
@@ -88,6 +90,10 @@ def stream_rest(tokens: int) -> list[bytes]:
 STREAM_REST = stream_rest(TOKENS)
 
 
+# A request's own stream length (the benchmark's long streams), else the mock's.
+_MOCK_TOKENS = re.compile(rb'"mock_tokens":(\d+)')
+
+
 class _Upstream(asyncio.Protocol):
     """HTTP/1.1 keep-alive, Content-Length bodies only (what proxies send)."""
 
@@ -111,9 +117,12 @@ class _Upstream(asyncio.Protocol):
                 return
             body = self.buf[end + 4 : end + 4 + length]
             self.buf = self.buf[end + 4 + length :]
-            self._answer(b'"stream":true' in body.replace(b" ", b""))
+            body = body.replace(b" ", b"")
+            asked = _MOCK_TOKENS.search(body)
+            rest = stream_rest(int(asked[1])) if asked else self.rest
+            self._answer(b'"stream":true' in body, rest)
 
-    def _answer(self, stream: bool) -> None:
+    def _answer(self, stream: bool, rest: list[bytes]) -> None:
         assert self.transport is not None
         if not stream:
             self.transport.write(JSON_RESPONSE)
@@ -122,7 +131,7 @@ class _Upstream(asyncio.Protocol):
         # decodes: time to first token and time to last differ.
         self.transport.write(STREAM_HEAD)
         loop = asyncio.get_running_loop()
-        for i, event in enumerate(self.rest, start=1):
+        for i, event in enumerate(rest, start=1):
             loop.call_later(self.gap_s * i, self._send, event)
 
     def _send(self, data: bytes) -> None:
@@ -145,15 +154,17 @@ def serve_upstream(port: int, gap_s: float, tokens: int = TOKENS) -> None:
     run_loop(main)
 
 
-def request_bytes(path: str, key: str, stream: bool) -> bytes:
-    body = json.dumps(
-        {
-            "model": MODEL,
-            "messages": [{"role": "user", "content": "Say ok."}],
-            "max_tokens": TOKENS,
-            "stream": stream,
-        }
-    ).encode()
+def request_bytes(path: str, key: str, stream: bool, tokens: int = 0) -> bytes:
+    """A request; ``tokens`` asks the mock for a stream of that many (else its own)."""
+    fields: dict[str, Any] = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Say ok."}],
+        "max_tokens": tokens or TOKENS,
+        "stream": stream,
+    }
+    if tokens:
+        fields["mock_tokens"] = tokens
+    body = json.dumps(fields).encode()
     return (
         f"POST {path} HTTP/1.1\r\nhost: 127.0.0.1\r\nauthorization: Bearer {key}\r\n"
         f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n"

@@ -115,7 +115,10 @@ async def _load(
     result: AdapterLoadResult = await client.execute_workflow(
         AdapterLoadWorkflow.run,
         AdapterLoadInput(
-            replica_id=node.replica_id, node_id=node.node_id, adapter=spec, evict=evict,
+            replica_id=node.replica_id,
+            node_id=node.node_id,
+            adapter=spec,
+            evict=evict,
             max_loaded=max_loaded,
         ),
         id=f"adapter/{node.replica_id}/{name}",

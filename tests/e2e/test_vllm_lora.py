@@ -104,9 +104,7 @@ async def _load(
     return result
 
 
-async def _busy_while_streaming(
-    http: httpx.AsyncClient, endpoint: str, model: str
-) -> set[str]:
+async def _busy_while_streaming(http: httpx.AsyncClient, endpoint: str, model: str) -> set[str]:
     """What the engine's metrics call busy once a long stream of ``model`` has begun."""
     body = {"model": model, "prompt": "the cat", "max_tokens": 480, "stream": True,
             "ignore_eos": True}  # fmt: skip

@@ -60,7 +60,6 @@ class Fleet:
     memo_follows: bool = True  # False: the router knows only what it did itself
     busy_elsewhere: set[str] = field(default_factory=set)  # other routers' requests
 
-
     async def load(self, request: AdapterLoadInput) -> AdapterLoadResult:
         """The fake AdapterLoad: the engine changes, then the replica's memo."""
         self.loads.append(request)

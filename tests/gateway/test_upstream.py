@@ -15,8 +15,8 @@ import pytest
 
 from llmgw.errors import UpstreamConnectError, UpstreamError
 from router.upstream import AiohttpUpstream, Upstream, UpstreamResponse
+from router.upstream_answer import RawAnswer as _RawAnswer
 from router.upstream_raw import RawUpstream
-from router.upstream_raw import _Answer as _RawAnswer
 from tests.harness import reset
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]

@@ -39,7 +39,6 @@ def test_api_keys_are_random_and_hashed() -> None:
     assert hash_api_key(a) != hash_api_key(b)
 
 
-
 async def test_concurrent_checks_of_an_uncached_key_share_one_store_lookup(
     tmp_path: Path,
 ) -> None:

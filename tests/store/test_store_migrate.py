@@ -144,8 +144,7 @@ def test_every_table_reaches_the_migrate_command() -> None:
         "print(' '.join(sorted(sqlmodel.SQLModel.metadata.tables)))\n"
     )
     cli = (
-        "import llmgw.cli.app, sqlmodel; "
-        "print(' '.join(sorted(sqlmodel.SQLModel.metadata.tables)))"
+        "import llmgw.cli.app, sqlmodel; print(' '.join(sorted(sqlmodel.SQLModel.metadata.tables)))"
     )
     tables = []
     for code in (walk, cli):

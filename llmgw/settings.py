@@ -135,11 +135,10 @@ class RouterSettings(_Common):
     upstream_read_timeout_s: float = 600.0
     # Connections to engines, all replicas together; requests beyond wait.
     upstream_max_connections: int = 1024
-    # The engine client: "aiohttp" (router/upstream.py) or "raw"
-    # (router/upstream_raw.py: faster; opt-in until the whole suite has run
-    # on it: a fresh-clone CI run lost its router after a vLLM engine was
-    # SIGKILLed, cause not yet known).
-    upstream_client: Literal["raw", "aiohttp"] = "aiohttp"
+    # The engine client: "raw" (router/upstream_raw.py: asyncio protocol and
+    # httptools, streams relayed from its read callback; about a third less
+    # CPU per request) or "aiohttp" (router/upstream.py).
+    upstream_client: Literal["raw", "aiohttp"] = "raw"
     # Client connections (llmgw/listener.py): a request head must arrive
     # within header_timeout_s; an idle kept-alive connection is closed after
     # keepalive_timeout_s (longer than clients' own pools keep one, httpx's

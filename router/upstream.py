@@ -5,12 +5,13 @@ chunk by chunk, and whose close, before the answer is complete, drops the
 connection (the engine takes that as a cancellation). Failures come as
 ``UpstreamConnectError`` (nothing was sent: fail over) or ``UpstreamError``.
 
-``AiohttpUpstream`` is the default (aiohttp costs about a fifth of the CPU
-per request of httpx); ``router.upstream_raw.RawUpstream`` is opt-in
-(``LLMGW_UPSTREAM_CLIENT=raw``; about a fifth of aiohttp's CPU per request,
+``router.upstream_raw.RawUpstream`` is the default (about a fifth of
+aiohttp's CPU per request,
 25-35 vs 122-178 us against the benchmark's mock, ``python -m
 tests.bench.bench_router``), and its answer is ``Divertible``: a stream's
 reads go to the client from the connection's read callback.
+``AiohttpUpstream`` is kept as the opt-in alternative
+(``LLMGW_UPSTREAM_CLIENT=aiohttp``; aiohttp costs about a fifth of httpx's).
 """
 
 from collections.abc import AsyncIterator, Mapping

@@ -1,4 +1,4 @@
-"""The router's opt-in engine client (``LLMGW_UPSTREAM_CLIENT=raw``): HTTP/1.1
+"""The router's default engine client (``LLMGW_UPSTREAM_CLIENT=raw``): HTTP/1.1
 on a bare ``asyncio.Protocol``.
 
 It speaks only what the proxy needs (router/upstream.py): one POST per

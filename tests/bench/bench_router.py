@@ -409,7 +409,7 @@ def main() -> None:
         "--router-client",
         choices=("raw", "aiohttp"),
         default=None,
-        help="the router's engine client (LLMGW_UPSTREAM_CLIENT; default: aiohttp)",
+        help="the router's engine client (LLMGW_UPSTREAM_CLIENT; default: raw)",
     )
     p.add_argument("--no-litellm", action="store_true")
     p.add_argument("--litellm-venv", type=Path, default=LITELLM_VENV)
@@ -456,7 +456,7 @@ def run(args: argparse.Namespace) -> None:
         env = dict(os.environ, LLMGW_STORE_URL=store_url, LLMGW_PORT=str(router_port))
         if args.router_client:
             env["LLMGW_UPSTREAM_CLIENT"] = args.router_client
-        router_client = env.get("LLMGW_UPSTREAM_CLIENT", "aiohttp")
+        router_client = env.get("LLMGW_UPSTREAM_CLIENT", "raw")
         router = spawn([*SELF, "_router", f"http://127.0.0.1:{up_port}"],
                        env, work / "router.log")  # fmt: skip
         procs.append(router)

@@ -9,9 +9,11 @@ The class is synchronous (SQLModel sessions); async callers go through a
 thread, which keeps one code path for both databases.
 """
 
+import contextlib
 import fcntl
 import json
 import os
+import stat
 import threading
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
@@ -129,17 +131,32 @@ def display_url(url: str) -> str:
 
 
 def _private_file(path: Path, create: bool = True) -> None:
-    """Make ``path`` 0600 (creating it empty when asked); a file we do not own is left."""
-    flags = os.O_RDONLY | (os.O_CREAT if create else 0)
+    """Make ``path`` 0600 (creating it empty when asked); a file we do not own is left.
+
+    By path, never by opening it: SQLite's locks are POSIX record locks, which
+    a process loses on *every* descriptor of the file the moment it closes
+    any one of them. Opening and closing the database or its -shm file here,
+    while another connection of this process holds its locks, let a second
+    process take the -shm for its own and truncate it under this one's
+    mapping: SIGBUS in a commit (seen in the router and the agent). Only a
+    file that does not exist yet is opened, to create it, and no one can
+    hold a lock on a file that did not exist.
+    """
+    if create:
+        try:
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+            return
+        except FileExistsError:
+            pass
+        except OSError:
+            return  # its directory is missing or closed: SQLite reports that itself
     try:
-        fd = os.open(path, flags, 0o600)
+        st = os.lstat(path)
     except OSError:
-        return  # missing (or its directory is): SQLite reports that itself
-    try:
-        if os.fstat(fd).st_uid == os.geteuid():
-            os.fchmod(fd, 0o600)
-    finally:
-        os.close(fd)
+        return
+    if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) != 0o600:
+        with contextlib.suppress(OSError):
+            os.chmod(path, 0o600)
 
 
 def _lock_file(path: str) -> TextIO:

@@ -173,21 +173,6 @@ async def test_engines_answer_only_with_their_key(
         assert key.encode() not in argv, "the engine key is visible in ps"
 
 
-# Under watch (2026-12-03): in three fresh-clone CI runs the module's router
-# process was gone after the vLLM leader's SIGKILL (its log ended without a
-# shutdown line; no OOM or segfault in the kernel log). Since then it passed in
-# three runs, one a full CI run with --runxfail and every signal traced
-# (tracefs signal_generate), and the cause is not proven. The suspect fixed
-# since: a recorded process group whose id a stranger was given after pids
-# wrapped (pid_max 32768 here) could be SIGKILLed as "leftovers" (procfs.
-# group_reused). The harness now logs a dead child's exit status and runs
-# children with faulthandler. Not strict: an XPASS is the expected outcome.
-_ROUTER_LOST = pytest.mark.xfail(
-    reason="router process was lost after a vLLM leader SIGKILL (3 runs); under watch", strict=False
-)
-
-
-@_ROUTER_LOST
 async def test_a_sigkilled_leader_leaves_nothing_and_is_replaced(
     system: System, client: Client, served: dict[str, str], oai: openai.AsyncOpenAI
 ) -> None:
@@ -212,7 +197,6 @@ async def test_a_sigkilled_leader_leaves_nothing_and_is_replaced(
     served["vllm"] = memo.replica_id
 
 
-@_ROUTER_LOST
 async def test_removing_the_deployment_leaves_no_process(
     system: System, client: Client, served: dict[str, str], tinyhf: TinyHfModel
 ) -> None:

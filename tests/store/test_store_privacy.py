@@ -2,6 +2,8 @@
 
 import os
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -91,3 +93,42 @@ def test_raw_statement_errors_hide_parameters_too(tmp_path: Path) -> None:
     finally:
         store.close()
     assert SECRET_KEY not in str(err.value)
+
+
+def test_a_new_connection_leaves_the_locks_this_process_holds(tmp_path: Path) -> None:
+    """SQLite's locks are POSIX record locks: closing any descriptor of the
+    file drops all of the process's. Making a new connection's files private
+    must not open them, or a second process takes the -shm for its own and
+    truncates it under the first's mapping (SIGBUS in a commit)."""
+    db = tmp_path / "s.db"
+    first = Store(f"sqlite:///{db}")
+    first.migrate()
+    try:
+        with first.engine.connect() as conn:
+            conn.exec_driver_sql("BEGIN IMMEDIATE")  # this process holds the write lock
+            second = Store(f"sqlite:///{db}")
+            try:
+                with second.engine.connect():
+                    pass  # the connect hook ran, on the same files
+            finally:
+                second.close()
+            other = subprocess.run(
+                [sys.executable, "-c", OTHER_WRITER, str(db)],
+                capture_output=True,
+                text=True,
+                check=False,
+            )
+            assert other.returncode == 3, other.stderr  # still locked by this process
+            conn.exec_driver_sql("ROLLBACK")
+    finally:
+        first.close()
+
+
+OTHER_WRITER = """
+import sqlite3, sys
+c = sqlite3.connect(sys.argv[1], timeout=0)
+try:
+    c.execute("BEGIN IMMEDIATE")
+except sqlite3.OperationalError as exc:
+    sys.exit(3 if "locked" in str(exc) else 4)
+"""

@@ -1,7 +1,7 @@
 """Benchmark (not a test): cost of a quota reservation, the one store write a
 request of a key with quotas waits for.
 
-    python bench/quota_reserve.py [--store-url URL] [-n 2000] [--threads 1,4]
+    python -m tests.bench.quota_reserve [--store-url URL] [-n 2000] [--threads 1,4]
 
 Prints ms per reservation and reservations per second, sequential and with
 threads racing on one key (as router worker threads do). Default store: a

@@ -23,12 +23,10 @@ import argparse
 import json
 import os
 import resource
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,12 +43,11 @@ from tests.bench.fasthttp import (
     serve_upstream,
 )
 from tests.bench.floor import serve_floor
+from tests.bench.litellm import LITELLM_VENV, ensure_litellm, start_litellm
+from tests.bench.procs import REPO, cpu_seconds, free_port, spawn, stop, wait_http
 from tests.bench.wrk import ensure_wrk, lua_script, run_wrk
 
-REPO = Path(__file__).resolve().parents[2]
 SELF = [sys.executable, "-m", "tests.bench.bench_router"]
-
-LITELLM_VENV = Path("/tmp/litellm-venv")
 
 
 def serve_router(upstream: str) -> None:
@@ -75,12 +72,6 @@ def serve_router(upstream: str) -> None:
     store = Store(settings.resolved_store_url())
     store.migrate()
     run_loop(serve(settings, store, StaticSource()))
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU of a process (and its threads)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 @dataclass
@@ -121,45 +112,6 @@ def throughput(
         pct(lat, 0.99) * 1e3,
         cpu * seconds / elapsed,  # CPU spent inside the load window, roughly
     )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_http(port: int, path: str, ok: Callable[[bytes], bool], timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=2) as s:
-                s.sendall(f"GET {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n".encode())
-                data = b""
-                while chunk := s.recv(65536):
-                    data += chunk
-            if ok(data):
-                return True
-        except OSError:
-            pass
-        time.sleep(0.2)
-    return False
-
-
-def spawn(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
-    with open(log, "wb") as out:
-        return subprocess.Popen(
-            args, env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
-        )
-
-
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    proc.terminate()
-    try:
-        proc.wait(10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 @dataclass
@@ -328,53 +280,6 @@ def client_cost(up_port: int, n: int) -> list[str]:
     )
     lines.append(f"  httpx:                     {run_loop(with_httpx) * 1e6:.0f} us")
     return lines
-
-
-def ensure_litellm(venv: Path) -> tuple[Path | None, str]:
-    """LiteLLM's proxy in a throwaway venv: its path, or why not."""
-    exe = venv / "bin" / "litellm"
-    if exe.exists():
-        return exe, ""
-    try:
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
-        done = subprocess.run(
-            [str(venv / "bin" / "pip"), "install", "-q", "litellm[proxy]"],
-            capture_output=True, text=True, timeout=900, check=False,
-        )  # fmt: skip
-    except (OSError, subprocess.SubprocessError) as exc:
-        return None, f"venv/pip failed: {exc}"
-    if done.returncode != 0 or not exe.exists():
-        return None, f"pip install 'litellm[proxy]' failed: {done.stderr.strip()[-500:]}"
-    return exe, ""
-
-
-def start_litellm(
-    exe: Path, up_port: int, work: Path, log: Path
-) -> tuple[subprocess.Popen[bytes] | None, int, str]:
-    port = free_port()
-    config = work / "litellm.yaml"
-    config.write_text(
-        "model_list:\n"
-        f"  - model_name: {MODEL}\n"
-        "    litellm_params:\n"
-        f"      model: openai/{MODEL}\n"
-        f"      api_base: http://127.0.0.1:{up_port}/v1\n"
-        "      api_key: none\n"
-        "general_settings:\n"
-        "  master_key: sk-bench-litellm\n"
-    )
-    # Offline: the bundled model cost map, no telemetry.
-    env = dict(os.environ, LITELLM_LOCAL_MODEL_COST_MAP="True", LITELLM_LOG="ERROR")
-    env["NO_PROXY"] = "*"
-    proc = spawn(
-        [str(exe), "--config", str(config), "--host", "127.0.0.1", "--port", str(port),
-         "--num_workers", "1"],
-        env, log,
-    )  # fmt: skip
-    if wait_http(port, "/health/liveliness", lambda d: b" 200 " in d[:20], 180):
-        return proc, port, ""
-    stop(proc)
-    return None, 0, f"did not start: {log.read_text(errors='replace')[-800:]}"
 
 
 def main() -> None:

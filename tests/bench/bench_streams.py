@@ -24,8 +24,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from tests.bench.bench_router import REPO, SELF, cpu_seconds, free_port, spawn, stop, wait_http
+from tests.bench.bench_router import SELF
 from tests.bench.fasthttp import Conn, pct, request_bytes, run_loop
+from tests.bench.procs import REPO, cpu_seconds, free_port, spawn, stop, wait_http
 
 HERE = [sys.executable, "-m", "tests.bench.bench_streams"]
 

@@ -31,8 +31,8 @@ from router.proxy import Call, _Relay
 from router.routing import Route, RoutingTable
 from router.upstream import Divertible, Sink
 from router.upstream_raw import RawUpstream
-from tests.bench.bench_router import free_port, spawn, stop, wait_http
 from tests.bench.fasthttp import MODEL, request_bytes
+from tests.bench.procs import free_port, spawn, stop, wait_http
 from tests.gateway.test_upstream import read_request, server
 
 Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]

@@ -112,6 +112,22 @@ async def _in_delta_mode(source: TemporalReplicaSource) -> None:
     await _until(delta)
 
 
+async def _ready_in_delta(
+    client: Client, source: TemporalReplicaSource
+) -> tuple[WorkflowHandle[object, object], str]:
+    """A replica started and seen ready, the source refreshing by deltas
+    (the replica is terminated if that never comes)."""
+    handle = await _start(client)
+    rid = _rid(handle)
+    try:
+        await _until(_phase(source, rid, ReplicaPhase.READY))
+        await _in_delta_mode(source)
+    except BaseException:
+        await handle.terminate("setup failed")
+        raise
+    return handle, rid
+
+
 def test_a_delta_follows_a_full_listing_until_a_resync_is_due() -> None:
     # No full listing yet, or the last listing failed: a full one.
     assert delta_since(100.0, None, None, 300.0, legacy=False) is None
@@ -142,11 +158,8 @@ async def test_a_phase_change_is_seen_by_a_delta_and_the_bound_moves_forward(
     own_client: Client,
 ) -> None:
     source = TemporalReplicaSource(own_client, full_resync_s=HOUR)
-    handle = await _start(own_client)
-    rid = _rid(handle)
+    handle, rid = await _ready_in_delta(own_client, source)
     try:
-        await _until(_phase(source, rid, ReplicaPhase.READY))
-        await _in_delta_mode(source)
         first = source.last_since
         await source.replicas()
         assert first is not None and source.last_since is not None
@@ -165,13 +178,8 @@ async def test_a_terminated_replica_leaves_the_table_at_the_next_delta(
 ) -> None:
     """Terminated, it never publishes again: its close is what a delta sees."""
     source = TemporalReplicaSource(own_client, full_resync_s=HOUR)
-    handle = await _start(own_client)
-    rid = _rid(handle)
-    try:
-        await _until(_phase(source, rid, ReplicaPhase.READY))
-        await _in_delta_mode(source)
-    finally:
-        await handle.terminate("gone")
+    handle, rid = await _ready_in_delta(own_client, source)
+    await handle.terminate("gone")
     await _until(_phase(source, rid, None))
     assert source.last_since is not None
 
@@ -216,11 +224,8 @@ async def test_a_failed_delta_keeps_the_table_and_the_next_listing_is_full(
         return 'WorkflowType="Replica" AND ReplicaUpdatedAt >= "not a time"'
 
     source = TemporalReplicaSource(own_client, full_resync_s=HOUR, make_delta_query=query)
-    handle = await _start(own_client)
-    rid = _rid(handle)
+    handle, rid = await _ready_in_delta(own_client, source)
     try:
-        await _until(_phase(source, rid, ReplicaPhase.READY))
-        await _in_delta_mode(source)
         bad = True
         generation = source.generation
         with pytest.raises(RPCError):

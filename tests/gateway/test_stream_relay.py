@@ -10,6 +10,7 @@ loopback, read by a raw HTTP/1.1 client so a test sees the router's writes
 """
 
 import asyncio
+import contextlib
 import json
 import os
 import sys
@@ -82,6 +83,21 @@ class Recorder:
         self.ended.set()
 
 
+@contextlib.asynccontextmanager
+async def answer(handle: Script) -> AsyncIterator[tuple[Divertible, str]]:
+    """RawUpstream's answer from an engine scripted by ``handle`` (and its URL);
+    closed, with the client, when the block ends."""
+    up = RawUpstream(connect_timeout_s=2, read_timeout_s=10, max_connections=4)
+    async with server(handle) as url:
+        response = await up.post(f"{url}/v1/x", b"{}", {})
+        assert isinstance(response, Divertible)
+        try:
+            yield response, url
+        finally:
+            await response.close()
+    await up.aclose()
+
+
 async def test_a_diverted_answer_hands_each_read_on_whole_then_its_end() -> None:
     go_on = asyncio.Event()
     first = [token("a"), token("b"), token("c")]
@@ -96,10 +112,7 @@ async def test_a_diverted_answer_hands_each_read_on_whole_then_its_end() -> None
         await writer.drain()
         await reader.read()
 
-    up = RawUpstream(connect_timeout_s=2, read_timeout_s=10, max_connections=4)
-    async with server(handle) as url:
-        response = await up.post(f"{url}/v1/x", b"{}", {})
-        assert isinstance(response, Divertible)
+    async with answer(handle) as (response, _):
         sink = Recorder()
         response.divert(sink)
         async with asyncio.timeout(10):
@@ -109,8 +122,6 @@ async def test_a_diverted_answer_hands_each_read_on_whole_then_its_end() -> None
         async with asyncio.timeout(10):
             await sink.ended.wait()
         assert sink.calls[1:] == [("data", FINISH + DONE), ("end", None)]
-        await response.close()
-    await up.aclose()
 
 
 async def test_a_diverted_answer_broken_off_ends_with_an_upstream_error_after_its_data() -> None:
@@ -120,16 +131,11 @@ async def test_a_diverted_answer_broken_off_ends_with_an_upstream_error_after_it
         await writer.drain()
         writer.close()  # mid-body: the chunked body never ends
 
-    up = RawUpstream(connect_timeout_s=2, read_timeout_s=10, max_connections=4)
-    async with server(handle) as url:
-        response = await up.post(f"{url}/v1/x", b"{}", {})
-        assert isinstance(response, Divertible)
+    async with answer(handle) as (response, _):
         sink = Recorder()
         response.divert(sink)
         async with asyncio.timeout(10):
             await sink.ended.wait()
-        await response.close()
-    await up.aclose()
     assert sink.calls[0] == ("data", token())
     assert sink.calls[-1][0] == "end" and isinstance(sink.calls[-1][1], UpstreamError)
     assert len(sink.calls) == 2
@@ -180,10 +186,7 @@ async def test_a_send_the_client_cannot_take_yet_pauses_the_engine_until_it_has_
                 blocked.set()
                 await gate
 
-    up = RawUpstream(connect_timeout_s=2, read_timeout_s=10, max_connections=4)
-    async with server(handle) as url:
-        response = await up.post(f"{url}/v1/x", b"{}", {})
-        assert isinstance(response, Divertible)
+    async with answer(handle) as (response, url):
         watched = Watched(response)
         call = Call(MODEL, "/v1/x", b"{}", True, True, outcomes.append, time.monotonic())
         relay = _Relay(watched, Route("r", MODEL, url), call, Metrics(RoutingTable()))  # type: ignore[arg-type]
@@ -194,7 +197,6 @@ async def test_a_send_the_client_cannot_take_yet_pauses_the_engine_until_it_has_
             go_on.set()
             gate.set_result(None)
             await pump
-    await up.aclose()
     assert watched.log == ["pause", "resume"]
     assert bodies == [token("a"), token("b") + FINISH + DONE, b""]
     assert [(o.completion_tokens, o.error) for o in outcomes] == [(2, False)]

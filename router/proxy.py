@@ -31,7 +31,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-import anyio
 import orjson
 from opentelemetry import trace
 from opentelemetry.propagate import inject
@@ -170,7 +169,7 @@ class Proxy:
             async with _cancelled_if_gone(call):
                 upstream = await self._http.post(f"{route.endpoint}{call.path}", body, headers)
                 if upstream.status == 401:
-                    await upstream.close()
+                    upstream.close()
                     self._metrics.upstream_errors.labels(
                         call.model, route.replica_id, "engine_key"
                     ).inc()
@@ -178,7 +177,7 @@ class Proxy:
                     log.error("replica %s rejected the engine key", route.replica_id)
                     raise upstream_failed("the engine refused the router's key")
                 if upstream.status == 404 and call.stale_on_404:
-                    await upstream.close()
+                    upstream.close()
                     log.info("replica %s does not hold %s", route.replica_id, call.model)
                     raise StaleAdapter(route)
                 media = upstream.content_type
@@ -194,7 +193,7 @@ class Proxy:
                     log.warning("replica %s broke off its answer: %s", route.replica_id, exc)
                     raise upstream_failed(_broke(call.model)) from exc
                 finally:
-                    await upstream.close()
+                    upstream.close()
         finally:
             if not relayed:
                 route.inflight -= 1
@@ -418,12 +417,11 @@ class _Relay:
         if self._finished:
             return
         self._finished = True
-        # Accounting first, with no await, then close upstream shielded from
-        # the cancellation so the engine sees the connection close.
+        # Accounting, then the close (synchronous: a cancellation cannot cut
+        # it short), so the engine sees the connection close.
         self._route.inflight -= 1
         self._call.on_done(self._outcome(error))
-        with anyio.CancelScope(shield=True):
-            await self._upstream.close()
+        self._upstream.close()
 
     def _outcome(self, error: bool) -> Outcome:
         if self._usage is not None:

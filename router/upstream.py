@@ -43,8 +43,12 @@ class UpstreamResponse(Protocol):
         """The body as it arrives (``UpstreamError`` if the engine breaks off)."""
         ...
 
-    async def close(self) -> None:
-        """Done with it: a body not read to its end closes the connection."""
+    def close(self) -> None:
+        """Done with it: a body not read to its end closes the connection.
+
+        Synchronous: nothing to wait for (the connection goes back to the pool
+        or is dropped), so a relay ending under cancellation needs no shield.
+        """
         ...
 
 
@@ -111,7 +115,7 @@ class _AiohttpResponse:
     def chunks(self) -> AsyncIterator[bytes]:
         return _Chunks(self._r.content)
 
-    async def close(self) -> None:
+    def close(self) -> None:
         if self._r.content.at_eof():
             self._r.release()  # back to the pool
         else:

@@ -143,7 +143,7 @@ class RawAnswer:
         if self._conn is not None and self._conn.paused:
             self._conn.resume()
 
-    async def close(self) -> None:
+    def close(self) -> None:
         self._sink = None  # nothing more is handed on
         conn, self._conn = self._conn, None
         if conn is not None and conn.answer is self:

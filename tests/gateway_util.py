@@ -118,6 +118,9 @@ class MockEngine:
         )
 
 
+_closing: set[asyncio.Future[None]] = set()
+
+
 class _MockResponse:
     def __init__(self, response: httpx.Response) -> None:
         self._r = response
@@ -143,8 +146,12 @@ class _MockResponse:
         except httpx.HTTPError as exc:
             raise UpstreamError(type(exc).__name__) from exc
 
-    async def close(self) -> None:
-        await self._r.aclose()
+    def close(self) -> None:
+        # The router's close is synchronous (its real clients drop or pool the
+        # connection at once); httpx's async stream closes on the next turn.
+        task = asyncio.ensure_future(self._r.aclose())
+        _closing.add(task)
+        task.add_done_callback(_closing.discard)
 
 
 class MockUpstream:

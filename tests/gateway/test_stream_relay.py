@@ -94,7 +94,7 @@ async def answer(handle: Script) -> AsyncIterator[tuple[Divertible, str]]:
         try:
             yield response, url
         finally:
-            await response.close()
+            response.close()
     await up.aclose()
 
 
@@ -159,8 +159,8 @@ class Watched:
         self.log.append("resume")
         self.inner.resume()
 
-    async def close(self) -> None:
-        await self.inner.close()  # type: ignore[attr-defined]
+    def close(self) -> None:
+        self.inner.close()  # type: ignore[attr-defined]
 
 
 async def test_a_send_the_client_cannot_take_yet_pauses_the_engine_until_it_has_gone() -> None:

@@ -79,7 +79,7 @@ async def test_answer_read_whole_with_our_headers_and_body(client: Client) -> No
         assert response.status == 200
         assert response.content_type == "application/json"
         assert await response.read() == b'{"ok":1}'
-        await response.close()
+        response.close()
     await up.aclose()
     assert seen[0].startswith(b"POST /v1/x HTTP/1.1\r\n")
     assert b"\r\nAuthorization: Bearer k\r\n" in seen[0]
@@ -127,7 +127,7 @@ async def test_chunks_arrive_as_the_engine_sends_them_and_close_cancels(client: 
             if len(got) == 2:
                 break
         assert got == [b"data: 1\n\n", b"data: 1\n\n"]
-        await response.close()  # before the end: the connection goes
+        response.close()  # before the end: the connection goes
         await asyncio.wait_for(closed.wait(), 5)
     await up.aclose()
 
@@ -145,7 +145,7 @@ async def test_engine_breaking_off_mid_answer_is_an_upstream_error(client: Clien
         response = await up.post(f"{url}/v1/x", b"{}", {})
         with pytest.raises(UpstreamError):
             await response.read()
-        await response.close()
+        response.close()
     await up.aclose()
 
 
@@ -176,7 +176,7 @@ async def test_a_kept_alive_connection_closed_under_a_request_is_retried_once(
         for expect in (b"1", b"3"):
             response = await up.post(f"{url}/v1/x", b"{}", {})
             assert await response.read() == expect
-            await response.close()
+            response.close()
     await up.aclose()
     assert connections == 2 and len(requests) == 3
 
@@ -212,7 +212,7 @@ async def test_a_chunked_answer_read_whole(client: Client) -> None:
         response = await up.post(f"{url}/v1/x", b"{}", {})
         assert response.content_type == "application/json"  # none sent: the default
         assert await response.read() == b'{"a":1}'
-        await response.close()
+        response.close()
         await up.aclose()
 
 
@@ -239,7 +239,7 @@ async def test_answers_in_turn_share_one_kept_alive_connection(client: Client) -
             response = await up.post(f"{url}/v1/x", b"%d" % n, {})
             got = b"".join([c async for c in response.chunks()]) if n > 3 else await response.read()
             assert got == b"%d" % n
-            await response.close()
+            response.close()
         await up.aclose()
     assert connections == 1
     assert [r.rsplit(b"\r\n\r\n", 1)[1] for r in seen] == [b"%d" % n for n in range(1, 7)]
@@ -265,11 +265,11 @@ async def test_an_idle_connection_the_engine_closed_is_not_used(client: Client) 
     async with server(handle) as url:
         response = await up.post(f"{url}/v1/x", b"{}", {})
         assert await response.read() == b"1"
-        await response.close()
+        response.close()
         await closed.wait()
         response = await up.post(f"{url}/v1/x", b"{}", {})
         assert await response.read() == b"2"
-        await response.close()
+        response.close()
         await up.aclose()
     assert connections == 2
 
@@ -312,10 +312,10 @@ async def test_large_bodies_both_ways(client: Client) -> None:
     async with server(handle) as url:
         response = await up.post(f"{url}/v1/x", body, {})
         assert await response.read() == body[::-1]
-        await response.close()
+        response.close()
         response = await up.post(f"{url}/v1/x", body, {})
         assert b"".join([c async for c in response.chunks()]) == body[::-1]
-        await response.close()
+        response.close()
         await up.aclose()
 
 
@@ -363,7 +363,7 @@ async def test_a_slow_reader_stops_the_engine_then_gets_every_byte(client: Clien
             got += chunk
             await asyncio.sleep(0)  # a reader with other work
         assert bytes(got) == b"".join(pieces)
-        await response.close()
+        response.close()
         await up.aclose()
 
 
@@ -387,10 +387,10 @@ def test_the_default_client_on_uvloop_the_routers_loop() -> None:
             for n in range(3):
                 response = await up.post(f"{url}/v1/x", b"%d" % n, {})
                 got.append(b"".join([c async for c in response.chunks()]))
-                await response.close()
+                response.close()
             response = await up.post(f"{url}/v1/x", b"w", {})
             got.append(await response.read())
-            await response.close()
+            response.close()
             await up.aclose()
         return got
 
@@ -437,7 +437,7 @@ async def test_past_max_connections_a_request_waits_for_one(client: Client) -> N
         try:
             return await response.read()
         finally:
-            await response.close()
+            response.close()
 
     async with server(handle) as a, server(handle) as b:
         asks = [asyncio.ensure_future(ask(a, b"%d" % n)) for n in range(3)]

@@ -265,7 +265,7 @@ def client_cost(up_port: int, n: int) -> list[str]:
                 started = cpu()
             response = await upstream.post(url, body, headers)
             await response.read()
-            await response.close()
+            response.close()
         await upstream.aclose()
         return (cpu() - started) / n
 

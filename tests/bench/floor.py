@@ -92,7 +92,7 @@ class RawFloorProxy:
             async for chunk in r.chunks():
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         finally:
-            await r.close()
+            r.close()
         await send({"type": "http.response.body", "body": b""})
 
 

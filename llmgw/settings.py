@@ -154,6 +154,11 @@ class RouterSettings(_Common):
     # How long a key check is cached: the bound on a revocation reaching
     # other router processes.
     key_cache_ttl_s: float = 5.0
+    # The longest a request waits for the store (a key lookup, a quota
+    # reservation) before the store counts as down for it; then a key's last
+    # answer serves for up to key_stale_s, and a quota key gets 503.
+    store_wait_s: float = Field(default=2.0, gt=0)
+    key_stale_s: float = Field(default=3600.0, ge=0)
     usage_flush_interval_s: float = 1.0
     max_request_bytes: int = 8 * 1024 * 1024
     # Names this router in its load reports to the deployments (elastic

@@ -1,12 +1,14 @@
 """Quota reservations and usage, as the request path uses them.
 
 Reserving is synchronous with the request (it must hold before forwarding)
-but runs in a thread. Settling and usage are not on the request path: they
-are queued in memory and written in one batch every ``flush_interval_s`` (and
-at shutdown), so a request costs the store one UPDATE when its key has quotas
-and nothing when it has none. A router killed with SIGKILL loses at most the
-last interval's usage; its reservations then stay counted until their window
-ends (the safe direction).
+but runs in a thread, waited for at most ``store_wait_s``: a store that
+does not answer in time gets the request 503 ``store_unavailable``.
+Settling and usage are not on the request path: they are queued in memory
+and written in one batch every ``flush_interval_s`` (and at shutdown), so a
+request costs the store one UPDATE when its key has quotas and nothing when
+it has none. A router killed with SIGKILL loses at most the last interval's
+usage; its reservations then stay counted until their window ends (the
+safe direction).
 """
 
 import asyncio
@@ -16,9 +18,11 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from llmgw.errors import StoreError
 from llmgw.store import Store
 from router.apikeys import KeyPolicy
-from router.blocking import in_thread
+from router.blocking import in_thread, within
+from router.errors import store_unavailable
 from router.quotas import Limits, Quotas, Rejection, Reservation
 from router.usage import UsageDelta, UsageKey, day_of, record
 
@@ -43,9 +47,11 @@ class Accountant:
         store: Store,
         flush_interval_s: float = 1.0,
         clock: Callable[[], float] = time.time,
+        store_wait_s: float = 2.0,
     ) -> None:
         self._store = store
         self._clock = clock
+        self._wait = store_wait_s
         self._quotas = Quotas(store)
         self._interval = flush_interval_s
         self._usage: dict[UsageKey, UsageDelta] = defaultdict(UsageDelta)
@@ -59,7 +65,24 @@ class Accountant:
         if not policy.has_quota():
             return None
         limits = Limits(policy.rpm, policy.tpm, policy.token_budget, policy.budget_period)
-        return await asyncio.to_thread(self._quotas.reserve, key_id, limits, tokens, self._clock())
+        now = self._clock()
+        # Past the bound the request is answered 503 and must not be counted:
+        # a call still queued for a thread then (the store froze and every
+        # worker thread waits on it) does nothing when it runs. One already
+        # running when the store froze lands when it thaws: counted, never
+        # settled, until its windows pass (the safe direction).
+        deadline = time.monotonic() + self._wait
+
+        def reserve() -> Reservation | Rejection:
+            if time.monotonic() > deadline:
+                raise StoreError("the request no longer waits for this reservation")
+            return self._quotas.reserve(key_id, limits, tokens, now)
+
+        try:
+            return await within(self._wait, reserve)
+        except StoreError as exc:
+            log.warning("quota reservation for key %d: %s", key_id, exc)
+            raise store_unavailable() from exc
 
     def done(
         self, key_id: int, model: str, reservation: Reservation | None, outcome: Outcome

@@ -105,6 +105,8 @@ def create_app(
     temporal: Client | None = None,
     admin_key: str = "",
     key_cache_ttl_s: float = 5.0,
+    store_wait_s: float = 2.0,
+    key_stale_s: float = 3600.0,
     usage_flush_interval_s: float = 1.0,
     max_request_bytes: int = 8 * MiB,
     clock: Callable[[], float] = time.time,
@@ -130,7 +132,7 @@ def create_app(
     client = http or make_upstream()
     ready = asyncio.Event()
     metrics = Metrics(table)
-    accountant = Accountant(store, usage_flush_interval_s, clock)
+    accountant = Accountant(store, usage_flush_interval_s, clock, store_wait_s)
 
     def key_of(replica_id: str) -> str:
         return engine_key(secret, replica_id)
@@ -174,7 +176,7 @@ def create_app(
     )
     app.state.deps = Deps(
         table=table,
-        keys=KeyVerifier(store, key_cache_ttl_s, admin_key),
+        keys=KeyVerifier(store, key_cache_ttl_s, admin_key, store_wait_s, key_stale_s),
         proxy=Proxy(client, table, key_of, metrics),
         accountant=accountant,
         metrics=metrics,

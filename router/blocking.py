@@ -1,9 +1,15 @@
-"""Blocking store calls from the event loop: in a thread, and never abandoned."""
+"""Blocking store calls from the event loop, in a thread: never abandoned
+(``in_thread``, for writes that must land), or waited for within a bound
+(``within``, on a request's path)."""
 
 import asyncio
 import contextlib
 from collections.abc import Callable
-from typing import ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar
+
+from sqlalchemy.exc import SQLAlchemyError
+
+from llmgw.errors import StoreError
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -20,3 +26,27 @@ async def in_thread(fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         with contextlib.suppress(Exception):
             await work
         raise
+
+
+async def within(wait_s: float, fn: Callable[[], T]) -> T:
+    """``fn()`` in a worker thread, waited for at most ``wait_s``: the store
+    call on a request's path. A store that is frozen, unreachable or failing
+    raises ``StoreError`` within that bound, whatever the driver does (a
+    query on a frozen PostgreSQL blocks with no timeout of its own); the
+    thread runs on and its late answer is dropped (``fn`` decides whether a
+    late start still does anything)."""
+    work = asyncio.ensure_future(asyncio.to_thread(fn))
+    work.add_done_callback(_retrieve)
+    try:
+        async with asyncio.timeout(wait_s):
+            return await asyncio.shield(work)
+    except TimeoutError:
+        raise StoreError(f"no answer within {wait_s:g} s") from None
+    except (SQLAlchemyError, OSError) as exc:
+        raise StoreError(f"{type(exc).__name__}: {exc}") from exc
+
+
+def _retrieve(work: "asyncio.Future[Any]") -> None:
+    # A call given up on may fail later: its exception is nobody's to raise.
+    if not work.cancelled():
+        work.exception()

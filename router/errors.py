@@ -98,6 +98,18 @@ def queue_timeout(model: str, max_wait_s: float) -> OpenAIError:
     )
 
 
+def store_unavailable() -> OpenAIError:
+    """503: the store did not answer within the router's bound (LLMGW_STORE_WAIT_S)
+    for a key with no recent answer, or for a quota reservation."""
+    return OpenAIError(
+        503,
+        "The router's store did not answer in time; retry shortly.",
+        type="service_unavailable_error",
+        code="store_unavailable",
+        headers={"Retry-After": "5"},
+    )
+
+
 def wake_failed(model: str, reason: str) -> OpenAIError:
     """503: the model is scaled to zero and its wake failed (``reason`` says why)."""
     return OpenAIError(

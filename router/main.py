@@ -52,6 +52,8 @@ def build(
         temporal=temporal,
         admin_key=settings.admin_key.get_secret_value(),
         key_cache_ttl_s=settings.key_cache_ttl_s,
+        store_wait_s=settings.store_wait_s,
+        key_stale_s=settings.key_stale_s,
         usage_flush_interval_s=settings.usage_flush_interval_s,
         max_request_bytes=settings.max_request_bytes,
         tracer=tracer,

@@ -11,7 +11,7 @@ from temporalio.client import Client
 from llmgw.dev.tinymodel import TinyModel, generate_tiny_model
 from llmgw.temporal import connect
 from tests.harness import REPO, System, devserver, free_port
-from tests.pg import PgCluster, find_bindir
+from tests.pg import PgCluster, own_cluster
 
 if TYPE_CHECKING:
     from llmgw.dev.tinyhf import TinyHfModel
@@ -83,18 +83,8 @@ def pg_cluster() -> Iterator[PgCluster]:
     Missing binaries fail the tests (CI installs the package); a developer
     without PostgreSQL may skip them with LLMGW_TEST_ALLOW_NO_PG=1.
     """
-    bindir = find_bindir()
-    if bindir is None:
-        if os.environ.get("LLMGW_TEST_ALLOW_NO_PG") == "1":
-            pytest.skip("no PostgreSQL binaries and LLMGW_TEST_ALLOW_NO_PG=1")
-        pytest.fail(
-            "PostgreSQL binaries not found (apt-get install postgresql);"
-            " set LLMGW_TEST_ALLOW_NO_PG=1 to skip the PostgreSQL tests locally"
-        )
-    cluster = PgCluster(bindir, free_port())
-    cluster.start()
-    yield cluster
-    cluster.stop()
+    with own_cluster() as cluster:
+        yield cluster
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])

@@ -7,15 +7,19 @@ refuses to run as root: as root the cluster runs as the ``postgres`` user the
 package creates.
 """
 
+import contextlib
 import os
 import re
 import shutil
+import socket
 import subprocess
 import tempfile
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import psycopg
+import pytest
 from psycopg import sql
 
 PG_USER = "postgres"
@@ -77,6 +81,10 @@ class PgCluster:
             "initdb", "-D", str(self.data), "-U", PG_USER, "-A", "trust",
             "--encoding=UTF8", "--locale=C", "--no-sync",
         )  # fmt: skip
+        self.run()
+
+    def run(self) -> None:
+        """Start the server on its data (again, after ``halt``) and wait for it."""
         # Durability is not under test: no fsync keeps the slow CI disk out of it.
         options = (
             f"-p {self.port} -k {self.root} -c listen_addresses=127.0.0.1"
@@ -91,11 +99,30 @@ class PgCluster:
             self.stop()
             raise RuntimeError(f"{exc}\n{log}") from None
 
+    def halt(self) -> None:
+        """Stop the server at once, keeping its data (``run`` starts it again)."""
+        self._pg("pg_ctl", "stop", "-D", str(self.data), "-m", "immediate", "-w")
+
     def stop(self) -> None:
         """Stop the server and remove everything it wrote."""
         if (self.data / "postmaster.pid").exists():
             self._pg("pg_ctl", "stop", "-D", str(self.data), "-m", "immediate", "-w")
         shutil.rmtree(self.root, ignore_errors=True)
+
+    def pids(self) -> list[int]:
+        """The postmaster and every backend and helper process it forked (to freeze)."""
+        postmaster = int((self.data / "postmaster.pid").read_text().split()[0])
+        pids = [postmaster]
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == postmaster:
+                pids.append(int(entry.name))
+        return pids
 
     def url(self, database: str) -> str:
         """The store URL of ``database`` (trust auth on loopback: no password)."""
@@ -107,3 +134,26 @@ class PgCluster:
         with psycopg.connect(self.url("postgres"), autocommit=True) as conn:
             conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
         return self.url(name)
+
+
+@contextlib.contextmanager
+def own_cluster() -> Iterator[PgCluster]:
+    """A PostgreSQL server of a test's own, to freeze or stop (skipped where
+    LLMGW_TEST_ALLOW_NO_PG=1 and there are no binaries; failed otherwise)."""
+    bindir = find_bindir()
+    if bindir is None:
+        if os.environ.get("LLMGW_TEST_ALLOW_NO_PG") == "1":
+            pytest.skip("no PostgreSQL binaries and LLMGW_TEST_ALLOW_NO_PG=1")
+        pytest.fail(
+            "PostgreSQL binaries not found (apt-get install postgresql);"
+            " set LLMGW_TEST_ALLOW_NO_PG=1 to skip the PostgreSQL tests locally"
+        )
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = int(probe.getsockname()[1])
+    cluster = PgCluster(bindir, port)
+    cluster.start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()

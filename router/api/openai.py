@@ -231,7 +231,12 @@ async def _serve(
 
     endpoint = path.removeprefix("/v1/")
     span = _start_span(deps, scope, path, model, caller.key_id, stream)
-    reservation = await deps.accountant.reserve(caller.key_id, caller.policy, reserve)
+    try:
+        reservation = await deps.accountant.reserve(caller.key_id, caller.policy, reserve)
+    except OpenAIError as exc:  # the store did not answer in time
+        deps.metrics.requests.labels(endpoint, model, str(exc.status)).inc()
+        _end_span(span, Outcome(error=True, status=exc.status))
+        raise
     if isinstance(reservation, Rejection):
         raise _over_quota(deps, endpoint, model, span, reservation)
 

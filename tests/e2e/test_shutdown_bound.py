@@ -16,7 +16,7 @@ import pytest
 from llmgw.cli.procs import Child, wait_for
 from llmgw.lifecycle import WATCHDOG_EXIT
 from tests.harness import System, free_port, start_devserver
-from tests.pg import PgCluster, find_bindir
+from tests.pg import PgCluster, own_cluster
 
 BOUND_S = 10.0
 
@@ -75,22 +75,6 @@ def test_sigterm_ends_every_process_in_time_while_temporal_is_down(
         server.stop()
 
 
-def _postgres_pids(cluster: PgCluster) -> list[int]:
-    """The postmaster and every backend and helper process it forked."""
-    postmaster = int((cluster.data / "postmaster.pid").read_text().split()[0])
-    pids = [postmaster]
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == postmaster:
-            pids.append(int(entry.name))
-    return pids
-
-
 def read_by_server(server_port: int, client_port: int) -> bool:
     """Whether the server side of this loopback connection has read all that
     was sent to it (its receive queue in /proc/net/tcp is empty)."""
@@ -108,15 +92,8 @@ def read_by_server(server_port: int, client_port: int) -> bool:
 @pytest.fixture
 def own_pg() -> Iterator[PgCluster]:
     """A PostgreSQL server of this test's own, to freeze or stop."""
-    bindir = find_bindir()
-    if bindir is None:
-        if os.environ.get("LLMGW_TEST_ALLOW_NO_PG") == "1":
-            pytest.skip("no PostgreSQL binaries and LLMGW_TEST_ALLOW_NO_PG=1")
-        pytest.fail("PostgreSQL binaries not found (apt-get install postgresql)")
-    cluster = PgCluster(bindir, free_port())
-    cluster.start()
-    yield cluster
-    cluster.stop()
+    with own_cluster() as cluster:
+        yield cluster
 
 
 @pytest.mark.parametrize("fault", ["frozen", "stopped"])
@@ -140,7 +117,7 @@ def test_sigterm_ends_router_and_control_in_time_while_the_store_is_down(
         children = [control, router]
         assert wait_for(lambda: "control worker on" in control.log_path.read_text(), 60)
         if fault == "frozen":
-            frozen = _postgres_pids(own_pg)
+            frozen = own_pg.pids()
             for pid in frozen:
                 os.kill(pid, signal.SIGSTOP)
         else:

@@ -1,0 +1,160 @@
+"""The router's request path when its PostgreSQL store freezes (SIGSTOP) or
+stops: keys the router has an answer for keep being served, a request that
+needs the store (a quota reservation, a key never seen) gets 503
+``store_unavailable`` within ``LLMGW_STORE_WAIT_S`` instead of hanging, and
+once the store is back everything works again with no usage lost.
+
+Real processes: a PostgreSQL server of the test's own, the mock engine and a
+router served as ``llmgw router`` serves it (``python -m
+tests.bench.bench_router _router URL``: a static routing table, no Temporal),
+called with the official ``openai`` client.
+"""
+
+import contextlib
+import os
+import signal
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+
+from llmgw.cli.procs import wait_for
+from llmgw.store import Store
+from router import usage
+from router.apikeys import KeyPolicy, create_key
+from tests.bench.fasthttp import MODEL
+from tests.bench.procs import free_port, spawn, stop, wait_http
+from tests.pg import PgCluster, own_cluster
+
+# A client's own bound: a request the router lets hang fails the test.
+CLIENT_TIMEOUT_S = 15.0
+
+
+@pytest.fixture
+def own_pg() -> Iterator[PgCluster]:
+    with own_cluster() as cluster:
+        yield cluster
+
+
+def ask(port: int, key: str) -> openai.types.chat.ChatCompletion:
+    with openai.OpenAI(
+        base_url=f"http://127.0.0.1:{port}/v1",
+        api_key=key,
+        timeout=CLIENT_TIMEOUT_S,
+        max_retries=0,
+    ) as client:
+        return client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4
+        )
+
+
+def refused(port: int, key: str) -> openai.APIStatusError:
+    with pytest.raises(openai.APIStatusError) as caught:
+        ask(port, key)
+    return caught.value
+
+
+@contextlib.contextmanager
+def router_on(store_url: str, work: Path) -> Iterator[int]:
+    """The mock engine and a router in front of it on ``store_url``; the router's port."""
+    up_port, port = free_port(), free_port()
+    python = [sys.executable, "-m", "tests.bench.bench_router"]
+    engine = spawn([*python, "_upstream", str(up_port), "0.001"], dict(os.environ),
+                   work / "engine.log")  # fmt: skip
+    env = dict(
+        os.environ,
+        LLMGW_STORE_URL=store_url,
+        LLMGW_PORT=str(port),
+        LLMGW_KEY_CACHE_TTL_S="0.2",  # answers go stale at once: the outage path
+        LLMGW_STORE_WAIT_S="1",
+        LLMGW_USAGE_FLUSH_INTERVAL_S="0.2",
+    )
+    router = spawn([*python, "_router", f"http://127.0.0.1:{up_port}"], env,
+                   work / "router.log")  # fmt: skip
+    try:
+        loaded = b'"routing_table_loaded":true'
+        up = wait_http(port, "/healthz", lambda d: loaded in d, 60)
+        assert up, (work / "router.log").read_text()[-2000:]
+        yield port
+    finally:
+        stop(router)
+        stop(engine)
+
+
+@contextlib.contextmanager
+def outage(cluster: PgCluster, fault: str) -> Iterator[None]:
+    """The store frozen (every PostgreSQL process stopped by SIGSTOP) or shut
+    down for the block; back when it ends."""
+    if fault == "stopped":
+        cluster.halt()
+        try:
+            yield
+        finally:
+            cluster.run()
+        return
+    frozen = cluster.pids()
+    for pid in frozen:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for pid in frozen:
+            os.kill(pid, signal.SIGCONT)
+
+
+def served(port: int, key: str) -> bool:
+    """Whether the key's request is served; only the outage's 503 may refuse it."""
+    try:
+        ask(port, key)
+    except openai.APIStatusError as exc:
+        assert exc.status_code == 503, exc
+        return False
+    return True
+
+
+@pytest.mark.parametrize("fault", ["frozen", "stopped"])
+def test_a_store_outage_leaves_known_keys_served_and_answers_the_rest_in_time(
+    tmp_path: Path, own_pg: PgCluster, fault: str
+) -> None:
+    store_url = own_pg.create_database()
+    store = Store(store_url)
+    store.migrate()
+    plain, plain_key = create_key(store, "plain", KeyPolicy())
+    _, quota_key = create_key(store, "quota", KeyPolicy(rpm=100_000))
+    _, unseen_key = create_key(store, "unseen", KeyPolicy())
+    try:
+        with router_on(store_url, tmp_path) as port:
+            ask(port, plain_key)
+            ask(port, quota_key)
+            with outage(own_pg, fault):
+                # The key the router has an answer for is served from it, again
+                # and again (each past its TTL: the store is asked at most once
+                # per TTL, and only that request waits for it).
+                for _ in range(3):
+                    assert ask(port, plain_key).choices[0].message.content
+                # What needs the store gets a clear 503 in time, not a hang.
+                for key in (quota_key, unseen_key):
+                    error = refused(port, key)
+                    assert error.status_code == 503
+                    assert isinstance(error.body, dict)
+                    assert error.body["code"] == "store_unavailable"
+                    assert error.response.headers["retry-after"] == "5"
+
+            # Back: each key is asked of the store again within its TTL.
+            assert wait_for(lambda: served(port, quota_key), 60), "the quota key"
+            assert wait_for(lambda: served(port, unseen_key), 60), "the unseen key"
+
+            # Usage of the outage was kept and lands once it is over: 1 before
+            # and 3 during for the plain key.
+            def usage_landed() -> bool:
+                rows = usage.query(store, plain.id, MODEL)
+                return bool(rows) and rows[0].requests >= 4
+
+            assert wait_for(usage_landed, 30), usage.query(store, plain.id, MODEL)
+    finally:
+        store.close()
+    log = (tmp_path / "router.log").read_text()
+    assert "store did not answer a key lookup" in log
+    assert plain_key not in log and quota_key not in log  # secrets never in logs

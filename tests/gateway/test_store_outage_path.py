@@ -1,0 +1,178 @@
+"""The request path's store calls while the store does not answer.
+
+KeyVerifier (router/auth.py): the last answer serves for ``stale_s``, the
+store is asked at most once per TTL and only that request waits, a key with
+no recent answer gets 503 ``store_unavailable``; a real SQLite store, the key
+read going through a switch (injected through the constructor) that fails or
+stalls like a store that is down or frozen, and a clock the test moves.
+
+Accountant (router/accounting.py): a reservation given up on before its
+thread started never counts. The end-to-end case, with a real PostgreSQL
+frozen and stopped under a router process, is tests/e2e/test_store_outage.py.
+"""
+
+import asyncio
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from sqlalchemy.exc import OperationalError
+
+from llmgw.store import Store
+from router.accounting import Accountant
+from router.apikeys import KeyInfo, KeyPolicy, create_key, lookup, revoke_key
+from router.auth import KeyVerifier
+from router.errors import OpenAIError
+from router.quotas import Rejection, Reservation
+
+TTL_S = 5.0
+STALE_S = 60.0
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Switch:
+    """The store's key read: as it is, failing (down) or blocking (frozen)."""
+
+    def __init__(self) -> None:
+        self.mode = "up"
+        self.calls = 0
+        self.answered = 0
+        self.thaw = threading.Event()
+
+    def __call__(self, store: Store, key: str) -> KeyInfo | None:
+        self.calls += 1
+        if self.mode == "down":
+            raise OperationalError("SELECT", {}, ConnectionRefusedError("connection refused"))
+        if self.mode == "frozen":
+            self.thaw.wait(30)
+        info = lookup(store, key)
+        self.answered += 1
+        return info
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Store:
+    s = Store(f"sqlite:///{tmp_path / 'store.db'}")
+    s.migrate()
+    return s
+
+
+def verifier(store: Store, switch: Switch, clock: Clock) -> KeyVerifier:
+    return KeyVerifier(
+        store, TTL_S, store_wait_s=0.2, stale_s=STALE_S, read_key=switch, clock=clock
+    )
+
+
+async def test_the_last_answer_serves_while_the_store_is_down_asked_once_per_ttl(
+    store: Store,
+) -> None:
+    switch, clock = Switch(), Clock()
+    keys = verifier(store, switch, clock)
+    info, key = create_key(store, "k", KeyPolicy())
+    assert (await keys.verify(f"Bearer {key}")).key_id == info.id
+    assert switch.calls == 1
+    switch.mode = "down"
+    clock.now += TTL_S + 1  # stale: the store is asked, fails, the answer serves
+    assert (await keys.verify(f"Bearer {key}")).key_id == info.id
+    assert switch.calls == 2
+    clock.now += 1  # within a TTL of the failure: not asked again
+    assert (await keys.verify(f"Bearer {key}")).key_id == info.id
+    assert switch.calls == 2
+    clock.now += TTL_S  # asked again (and still failing)
+    assert (await keys.verify(f"Bearer {key}")).key_id == info.id
+    assert switch.calls == 3
+    switch.mode = "up"
+    clock.now += TTL_S
+    assert (await keys.verify(f"Bearer {key}")).key_id == info.id
+    assert switch.calls == 4
+
+
+async def test_an_answer_older_than_the_stale_bound_or_none_at_all_gets_503(
+    store: Store,
+) -> None:
+    switch, clock = Switch(), Clock()
+    keys = verifier(store, switch, clock)
+    _, key = create_key(store, "k", KeyPolicy())
+    _, never_seen = create_key(store, "n", KeyPolicy())
+    await keys.verify(f"Bearer {key}")
+    switch.mode = "down"
+    for presented in (never_seen, "not-a-key"):
+        with pytest.raises(OpenAIError) as caught:
+            await keys.verify(f"Bearer {presented}")
+        assert (caught.value.status, caught.value.code) == (503, "store_unavailable")
+    clock.now += STALE_S + 1
+    with pytest.raises(OpenAIError) as caught:
+        await keys.verify(f"Bearer {key}")
+    assert caught.value.code == "store_unavailable"
+
+
+async def test_a_frozen_store_is_waited_for_within_the_bound_then_the_answer_serves(
+    store: Store,
+) -> None:
+    switch, clock = Switch(), Clock()
+    keys = verifier(store, switch, clock)
+    info, key = create_key(store, "k", KeyPolicy())
+    await keys.verify(f"Bearer {key}")
+    switch.mode = "frozen"
+    clock.now += TTL_S + 1
+    try:
+        # The read blocks (up to 30 s); the request is answered after 0.2 s,
+        # from the cached answer: the store has not answered the second read.
+        assert (await keys.verify(f"Bearer {key}")).key_id == info.id
+        assert (switch.calls, switch.answered) == (2, 1)
+    finally:
+        switch.thaw.set()
+
+
+async def test_a_revoked_key_is_refused_once_the_store_answers_again(store: Store) -> None:
+    switch, clock = Switch(), Clock()
+    keys = verifier(store, switch, clock)
+    info, key = create_key(store, "k", KeyPolicy())
+    await keys.verify(f"Bearer {key}")
+    switch.mode = "down"
+    clock.now += TTL_S + 1
+    await keys.verify(f"Bearer {key}")  # served stale: the revocation is not known yet
+    revoke_key(store, info.id)
+    switch.mode = "up"
+    clock.now += TTL_S
+    with pytest.raises(OpenAIError) as caught:
+        await keys.verify(f"Bearer {key}")
+    assert caught.value.status == 401
+
+
+def test_a_reservation_given_up_on_before_its_thread_started_never_counts(
+    store: Store,
+) -> None:
+    """Every worker thread busy (as when each waits on a frozen store): the
+    reservation waits in the queue past the bound, the request gets 503, and
+    when a thread takes the call at last it does nothing. (A loop of its own:
+    its one-thread executor must not outlive the test.)"""
+
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        loop.set_default_executor(ThreadPoolExecutor(max_workers=1))
+        gate = threading.Event()
+        busy = loop.run_in_executor(None, gate.wait, 30)
+        accountant = Accountant(store, store_wait_s=0.2)
+        info, _ = create_key(store, "q", KeyPolicy(rpm=1))
+        try:
+            with pytest.raises(OpenAIError) as caught:
+                await accountant.reserve(info.id, info.policy, 10)
+            assert (caught.value.status, caught.value.code) == (503, "store_unavailable")
+        finally:
+            gate.set()
+        await busy
+        await loop.run_in_executor(None, lambda: None)  # the given-up call had its turn
+        # The key's one request a minute is still there: nothing was reserved.
+        assert isinstance(await accountant.reserve(info.id, info.policy, 10), Reservation)
+        assert isinstance(await accountant.reserve(info.id, info.policy, 10), Rejection)
+
+    asyncio.run(scenario())

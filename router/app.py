@@ -146,7 +146,9 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         tasks = [
             asyncio.create_task(
-                refresh_forever(table, source, lambda: all_specs(store), refresh_interval_s, ready)
+                refresh_forever(
+                    table, source, lambda: all_specs(store), refresh_interval_s, ready, store_wait_s
+                )
             ),
             asyncio.create_task(accountant.run()),
             asyncio.create_task(probe_forever(table, prober)),

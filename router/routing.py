@@ -33,8 +33,9 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 from urllib.parse import urlsplit
 
+from llmgw.errors import StoreError
 from llmgw.types import ROUTABLE_PHASES, ModelSpec, ReplicaMemo, ReplicaPhase
-from router.blocking import in_thread
+from router.blocking import within
 
 log = logging.getLogger(__name__)
 
@@ -195,14 +196,33 @@ async def refresh_forever(
     catalog: Callable[[], dict[str, ModelSpec]],
     interval_s: float,
     ready: asyncio.Event,
+    store_wait_s: float = 2.0,
 ) -> None:
     """Refresh ``table`` every ``interval_s`` (sooner when it asks: ``refresh_soon``);
-    sets ``ready`` after the first success."""
+    sets ``ready`` after the first success.
+
+    The catalog comes from the store, read within ``store_wait_s``: while the
+    store does not answer, the last catalog read serves and replicas keep
+    coming and going from Temporal (a frozen store must not freeze routing).
+    """
     built: tuple[int, dict[str, ModelSpec]] | None = None  # what the table was built from
+    last: dict[str, ModelSpec] | None = None  # the last catalog the store gave
+    stale = False  # logged once when the store stops answering, once when it is back
     while True:
         try:
             replicas = await source.replicas()
-            specs = await in_thread(catalog)
+            try:
+                specs = last = await within(store_wait_s, catalog)
+                if stale:
+                    stale = False
+                    log.info("catalog read again")
+            except StoreError as exc:
+                if last is None:
+                    raise
+                if not stale:
+                    stale = True
+                    log.warning("catalog not read (%s): the last one read serves", exc)
+                specs = last
             if not isinstance(source, CountedSource):
                 table.update(replicas, specs)
             elif built is None or built != (source.generation, specs):

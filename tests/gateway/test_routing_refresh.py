@@ -8,6 +8,7 @@ import asyncio
 import uuid
 from collections.abc import Awaitable, Callable
 
+from sqlalchemy.exc import OperationalError
 from temporalio.client import Client, WorkflowHandle
 
 from llmgw import messages
@@ -136,5 +137,45 @@ async def test_the_table_is_rebuilt_only_when_the_source_or_catalog_changed() ->
         seen = source.calls
         await _until(lambda: calls_past(seen + 2))
         assert Table.updates == 3 and "model-b" in table.known_models
+    finally:
+        task.cancel()
+
+
+async def test_a_store_that_does_not_answer_leaves_routing_following_temporal() -> None:
+    """The catalog read fails (the store is down): the last catalog serves and
+    replicas still come and go with the source's listing."""
+
+    def ready_replica(rid: str) -> ReplicaMemo:
+        return ReplicaMemo(
+            replica_id=rid, model="model-a", phase=ReplicaPhase.READY, endpoint="http://127.0.0.1:9"
+        )
+
+    class Listing:
+        def __init__(self) -> None:
+            self.items = [ready_replica("a1")]
+
+        async def replicas(self) -> list[ReplicaMemo]:
+            return list(self.items)
+
+    store_up = True
+
+    def catalog() -> dict[str, ModelSpec]:
+        if not store_up:
+            raise OperationalError("SELECT", {}, ConnectionRefusedError("connection refused"))
+        return {"model-a": ModelSpec(name="model-a", source="/m", context_length=1234)}
+
+    source, table, ready = Listing(), RoutingTable(), asyncio.Event()
+    task = asyncio.create_task(refresh_forever(table, source, catalog, 0.01, ready, 0.5))
+    try:
+        async with asyncio.timeout(10):
+            await ready.wait()
+        store_up = False
+        source.items = [ready_replica("a1"), ready_replica("a2")]
+
+        async def both_routed() -> bool:
+            return len(table.candidates("model-a")) == 2
+
+        await _until(both_routed)
+        assert table.specs["model-a"].context_length == 1234  # read before the outage
     finally:
         task.cancel()

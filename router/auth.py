@@ -58,8 +58,7 @@ class _Answer:
     """What the store last said of a key, and when (monotonic seconds)."""
 
     info: KeyInfo | None
-    read_at: float | None  # None: the store has not answered for this key
-    failed_at: float | None = None  # the last lookup the store did not answer
+    read_at: float
 
 
 class KeyVerifier:
@@ -89,6 +88,9 @@ class KeyVerifier:
         self._wait = store_wait_s
         self._max_stale = stale_s
         self._cache: dict[str, _Answer] = {}
+        # When the store last failed a key's lookup; apart from the answers,
+        # so that bounding it (random keys during an outage) drops none of them.
+        self._failed: dict[str, float] = {}
         self._pending: dict[str, asyncio.Future[KeyInfo | None]] = {}
         self._warned_at = -WARN_EVERY_S
         # Only the hash of the configured admin key is kept in memory.
@@ -98,11 +100,11 @@ class KeyVerifier:
         digest = hash_api_key(key)
         now = self._clock()
         hit = self._cache.get(digest)
-        if hit is not None:
-            if hit.read_at is not None and now - hit.read_at < self._ttl:
-                return hit.info
-            if hit.failed_at is not None and now - hit.failed_at < self._ttl:
-                return self._last_answer(hit, now)  # the store failed just now: no wait
+        if hit is not None and now - hit.read_at < self._ttl:
+            return hit.info
+        failed = self._failed.get(digest)
+        if failed is not None and now - failed < self._ttl:
+            return self._last_answer(hit, now)  # the store failed just now: no wait
         # One store lookup per key at a time: when a busy key's entry
         # expires, the requests arriving meanwhile wait for that one lookup
         # rather than each sending its own.
@@ -114,27 +116,30 @@ class KeyVerifier:
         try:
             return await asyncio.shield(pending)
         except StoreError:
-            return self._last_answer(self._cache[digest], now)
+            return self._last_answer(self._cache.get(digest), now)
 
-    def _last_answer(self, answer: _Answer, now: float) -> KeyInfo | None:
-        """The last answer while the store does not give one, or 503 if it is too old."""
-        if answer.read_at is None or now - answer.read_at > self._max_stale:
+    def _last_answer(self, answer: _Answer | None, now: float) -> KeyInfo | None:
+        """The last answer while the store does not give one, or 503 if there
+        is none recent enough."""
+        if answer is None or now - answer.read_at > self._max_stale:
             raise store_unavailable()
         return answer.info
 
     async def _lookup(self, key: str, digest: str) -> KeyInfo | None:
-        """The store's answer, cached; StoreError past ``store_wait_s`` (noted
-        on the key's entry, so the next ``ttl_s`` of requests do not wait)."""
+        """The store's answer, cached; StoreError past ``store_wait_s`` (noted,
+        so the key's requests of the next ``ttl_s`` do not wait)."""
         try:
             info = await within(self._wait, lambda: self._read_key(self._store, key))
         except StoreError as exc:
             now = self._clock()
-            last = self._cache.get(digest, _Answer(None, None))
-            self._cache[digest] = _Answer(last.info, last.read_at, now)
+            if len(self._failed) >= NEGATIVE_CACHE_MAX:
+                self._failed.clear()
+            self._failed[digest] = now
             if now - self._warned_at >= WARN_EVERY_S:
                 self._warned_at = now
                 log.warning("store did not answer a key lookup (%s): cached answers serve", exc)
             raise
+        self._failed.pop(digest, None)
         if info is None and len(self._cache) >= NEGATIVE_CACHE_MAX:
             self._cache.clear()  # bounded: a flood of bad keys cannot grow it
         self._cache[digest] = _Answer(info, self._clock())

@@ -22,7 +22,7 @@ from sqlalchemy.exc import OperationalError
 from llmgw.store import Store
 from router.accounting import Accountant
 from router.apikeys import KeyInfo, KeyPolicy, create_key, lookup, revoke_key
-from router.auth import KeyVerifier
+from router.auth import NEGATIVE_CACHE_MAX, KeyVerifier
 from router.errors import OpenAIError
 from router.quotas import Rejection, Reservation
 
@@ -176,3 +176,18 @@ def test_a_reservation_given_up_on_before_its_thread_started_never_counts(
         assert isinstance(await accountant.reserve(info.id, info.policy, 10), Rejection)
 
     asyncio.run(scenario())
+
+
+async def test_random_keys_during_an_outage_drop_no_known_answer(store: Store) -> None:
+    """What the router notes of failed lookups is bounded on its own: a flood
+    of unknown keys while the store is down leaves the known keys served."""
+    switch, clock = Switch(), Clock()
+    keys = verifier(store, switch, clock)
+    info, key = create_key(store, "k", KeyPolicy())
+    await keys.verify(f"Bearer {key}")
+    switch.mode = "down"
+    clock.now += TTL_S + 1
+    for n in range(NEGATIVE_CACHE_MAX + 10):
+        with pytest.raises(OpenAIError):
+            await keys.verify(f"Bearer random-{n}")
+    assert (await keys.verify(f"Bearer {key}")).key_id == info.id

@@ -68,7 +68,7 @@ class KeyVerifier:
     256-bit tokens, so a new key cannot be in the negative cache. Past that,
     an answer still serves while the store does not answer (module
     docstring); a key's lookup is then retried once per ``ttl_s``, so only
-    the request that tries waits for the store.
+    the requests that arrive while that lookup is pending wait for the store.
     """
 
     def __init__(

@@ -6,11 +6,15 @@ Client keys are refused here, and admin keys are refused by ``/v1``.
 
 Replica states come from the routing table (refreshed from Temporal in the
 background), so listing them never waits on Temporal; nodes and log tails
-ask Temporal (bounded) and answer 503 when it cannot.
+ask Temporal (bounded) and answer 503 when it cannot. Store calls are
+bounded the same way (``LLMGW_STORE_WAIT_S``): past it the answer is 503
+``store_unavailable``, and a write given up on may still land when the
+store answers again (read it back to know).
 """
 
 import asyncio
-from typing import Annotated, Any
+from collections.abc import Callable
+from typing import Annotated, Any, ParamSpec, TypeVar
 
 from fastapi import APIRouter, Depends, Header, Path, Query
 from pydantic import BaseModel, ConfigDict, Field
@@ -26,21 +30,25 @@ from llmgw.catalog_store import (
     list_entries,
     scale_model,
 )
-from llmgw.errors import ConfigError, LlmgwError
+from llmgw.errors import ConfigError, LlmgwError, StoreError
 from llmgw.types import DeploymentStatus, ReplicaMemo
 from router import apikeys, usage
 from router.apikeys import KeyInfo, KeyPolicy, KeyUpdate
+from router.blocking import within
 from router.deps import Deps, get_deps
 from router.errors import (
     invalid_fields,
     name_mismatch,
     no_temporal_client,
     not_found,
+    store_unavailable,
     temporal_unavailable,
 )
 from router.usage import UsageRow
 
 DepsDep = Annotated[Deps, Depends(get_deps)]
+P = ParamSpec("P")
+T = TypeVar("T")
 # Store integers are 32-bit on PostgreSQL: larger ones are refused up front.
 INT32_MAX = 2**31 - 1
 KeyId = Annotated[int, Path(ge=1, le=INT32_MAX)]
@@ -61,19 +69,27 @@ def _temporal(deps: Deps) -> Client:
     return deps.temporal
 
 
+async def _stored(deps: Deps, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+    """``fn`` on the store, within the router's bound (503 past it)."""
+    try:
+        return await within(deps.store_wait_s, lambda: fn(*args, **kwargs))
+    except StoreError as exc:
+        raise store_unavailable() from exc
+
+
 # Models -----------------------------------------------------------------
 
 
 @router.get("/models")
 async def admin_list_models(deps: DepsDep) -> list[CatalogModel]:
     """The catalog."""
-    return await asyncio.to_thread(list_entries, deps.store)
+    return await _stored(deps, list_entries, deps.store)
 
 
 @router.get("/models/{name}")
 async def admin_get_model(name: str, deps: DepsDep) -> CatalogModel:
     """One catalog entry."""
-    entry = await asyncio.to_thread(get_entry, deps.store, name)
+    entry = await _stored(deps, get_entry, deps.store, name)
     if entry is None:
         raise not_found("model", name)
     return entry
@@ -85,7 +101,7 @@ async def admin_put_model(name: str, entry: CatalogModel, deps: DepsDep) -> Cata
     if entry.name != name:
         raise name_mismatch(entry.name, name)
     # The entry's own fields unprefixed (`adapters[0].name`), others by name.
-    problems = await asyncio.to_thread(apply_entries, deps.store, [entry], lambda _: "")
+    problems = await _stored(deps, apply_entries, deps.store, [entry], lambda _: "")
     if problems:
         where = problems[0].split(":")[0]
         own = where.startswith(("adapters", "profile", "autoscale", "queue"))
@@ -96,7 +112,7 @@ async def admin_put_model(name: str, entry: CatalogModel, deps: DepsDep) -> Cata
 @router.delete("/models/{name}")
 async def admin_delete_model(name: str, deps: DepsDep) -> dict[str, Any]:
     """Remove a catalog entry (running replicas are not stopped)."""
-    if not await asyncio.to_thread(delete_entry, deps.store, name):
+    if not await _stored(deps, delete_entry, deps.store, name):
         raise not_found("model", name)
     return {"deleted": name}
 
@@ -116,7 +132,7 @@ async def admin_scale_model(name: str, request: ScaleRequest, deps: DepsDep) -> 
     """Scale the model's deployment (started if it was not), as ``llmgw scale``:
     the catalog entry first, so that the control plane's reconcile agrees."""
     client = _temporal(deps)
-    if await asyncio.to_thread(get_entry, deps.store, name) is None:
+    if await _stored(deps, get_entry, deps.store, name) is None:
         raise not_found("model", name)
     try:
         return await asyncio.wait_for(
@@ -222,20 +238,20 @@ class CreatedKey(KeyInfo):
 @router.get("/keys")
 async def admin_list_keys(deps: DepsDep) -> list[KeyInfo]:
     """Every key (never the keys themselves)."""
-    return await asyncio.to_thread(apikeys.list_keys, deps.store)
+    return await _stored(deps, apikeys.list_keys, deps.store)
 
 
 @router.post("/keys", status_code=201)
 async def admin_create_key(new: NewKey, deps: DepsDep) -> CreatedKey:
     """Create a key; the response is the only time it is shown."""
-    info, key = await asyncio.to_thread(apikeys.create_key, deps.store, new.name, new.policy)
+    info, key = await _stored(deps, apikeys.create_key, deps.store, new.name, new.policy)
     return CreatedKey(**info.model_dump(), key=key)
 
 
 @router.get("/keys/{key_id}")
 async def admin_get_key(key_id: KeyId, deps: DepsDep) -> KeyInfo:
     """One key."""
-    info = await asyncio.to_thread(apikeys.get_key, deps.store, key_id)
+    info = await _stored(deps, apikeys.get_key, deps.store, key_id)
     if info is None:
         raise not_found("key", str(key_id))
     return info
@@ -244,7 +260,7 @@ async def admin_get_key(key_id: KeyId, deps: DepsDep) -> KeyInfo:
 @router.delete("/keys/{key_id}")
 async def admin_revoke_key(key_id: KeyId, deps: DepsDep) -> KeyInfo:
     """Revoke a key: refused here at once, by other routers within their cache TTL."""
-    info = await asyncio.to_thread(apikeys.revoke_key, deps.store, key_id)
+    info = await _stored(deps, apikeys.revoke_key, deps.store, key_id)
     if info is None:
         raise not_found("key", str(key_id))
     deps.keys.forget(key_id)
@@ -256,7 +272,7 @@ async def admin_update_key(key_id: KeyId, update: KeyUpdate, deps: DepsDep) -> K
     """Change a key's name, models, expiry or quotas (only the fields given).
     Applies here at once, on other routers within their key cache TTL; quota
     windows already counted keep their counts."""
-    info = await asyncio.to_thread(apikeys.update_key, deps.store, key_id, update)
+    info = await _stored(deps, apikeys.update_key, deps.store, key_id, update)
     if info is None:
         raise not_found("key", str(key_id))
     deps.keys.forget(key_id)
@@ -273,4 +289,4 @@ async def admin_usage(
 ) -> list[UsageRow]:
     """Usage per key, model and UTC day (written in batches: up to a second behind)."""
     await deps.accountant.flush()
-    return await asyncio.to_thread(usage.query, deps.store, key_id, model, since, until)
+    return await _stored(deps, usage.query, deps.store, key_id, model, since, until)

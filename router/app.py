@@ -189,6 +189,7 @@ def create_app(
         admission=admission,
         temporal=temporal,
         tracer=tracer,
+        store_wait_s=store_wait_s,
     )
     install_handlers(app)
     for route in openai.inference_routes():

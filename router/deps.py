@@ -36,6 +36,8 @@ class Deps:
     # A span per request; None (tracing off): no span, no trace context
     # taken from the client or handed to the engine.
     tracer: Tracer | None = None
+    # The longest an admin call waits for the store (LLMGW_STORE_WAIT_S).
+    store_wait_s: float = 2.0
 
 
 async def get_deps(request: Request) -> Deps:

@@ -1,6 +1,6 @@
 """The router's request path when its PostgreSQL store freezes (SIGSTOP) or
 stops: keys the router has an answer for keep being served, a request that
-needs the store (a quota reservation, a key never seen) gets 503
+needs the store (a quota reservation, a key never seen, an admin call) gets 503
 ``store_unavailable`` within ``LLMGW_STORE_WAIT_S`` instead of hanging, and
 once the store is back everything works again with no usage lost.
 
@@ -17,6 +17,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
@@ -30,6 +31,7 @@ from tests.pg import PgCluster, own_cluster
 
 # A client's own bound: a request the router lets hang fails the test.
 CLIENT_TIMEOUT_S = 15.0
+ADMIN_KEY = "admin-" + "x" * 32
 
 
 @pytest.fixture
@@ -70,6 +72,7 @@ def router_on(store_url: str, work: Path) -> Iterator[int]:
         LLMGW_KEY_CACHE_TTL_S="0.2",  # answers go stale at once: the outage path
         LLMGW_STORE_WAIT_S="1",
         LLMGW_USAGE_FLUSH_INTERVAL_S="0.2",
+        LLMGW_ADMIN_KEY=ADMIN_KEY,
     )
     router = spawn([*python, "_router", f"http://127.0.0.1:{up_port}"], env,
                    work / "router.log")  # fmt: skip
@@ -141,6 +144,14 @@ def test_a_store_outage_leaves_known_keys_served_and_answers_the_rest_in_time(
                     assert isinstance(error.body, dict)
                     assert error.body["code"] == "store_unavailable"
                     assert error.response.headers["retry-after"] == "5"
+                # The admin API too (its key is the router's own, not stored).
+                listed = httpx.get(
+                    f"http://127.0.0.1:{port}/admin/keys",
+                    headers={"Authorization": f"Bearer {ADMIN_KEY}"},
+                    timeout=CLIENT_TIMEOUT_S,
+                )
+                assert listed.status_code == 503
+                assert listed.json()["error"]["code"] == "store_unavailable"
 
             # Back: each key is asked of the store again within its TTL.
             assert wait_for(lambda: served(port, quota_key), 60), "the quota key"
@@ -157,4 +168,4 @@ def test_a_store_outage_leaves_known_keys_served_and_answers_the_rest_in_time(
         store.close()
     log = (tmp_path / "router.log").read_text()
     assert "store did not answer a key lookup" in log
-    assert plain_key not in log and quota_key not in log  # secrets never in logs
+    assert all(k not in log for k in (plain_key, quota_key, ADMIN_KEY))  # never in logs

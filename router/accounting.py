@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from llmgw.errors import StoreError
 from llmgw.store import Store
 from router.apikeys import KeyPolicy
-from router.blocking import in_thread, within
+from router.blocking import STORE_WAIT_S, Warnings, in_thread, within
 from router.errors import store_unavailable
 from router.quotas import Limits, Quotas, Rejection, Reservation
 from router.usage import UsageDelta, UsageKey, day_of, record
@@ -47,11 +47,12 @@ class Accountant:
         store: Store,
         flush_interval_s: float = 1.0,
         clock: Callable[[], float] = time.time,
-        store_wait_s: float = 2.0,
+        store_wait_s: float = STORE_WAIT_S,
     ) -> None:
         self._store = store
         self._clock = clock
         self._wait = store_wait_s
+        self._warnings = Warnings(log)
         self._quotas = Quotas(store)
         self._interval = flush_interval_s
         self._usage: dict[UsageKey, UsageDelta] = defaultdict(UsageDelta)
@@ -81,7 +82,7 @@ class Accountant:
         try:
             return await within(self._wait, reserve)
         except StoreError as exc:
-            log.warning("quota reservation for key %d: %s", key_id, exc)
+            self._warnings.warn("quota reservation for key %d: %s", key_id, exc)
             raise store_unavailable() from exc
 
     def done(

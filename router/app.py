@@ -26,6 +26,7 @@ from router.adapters import AdapterLoader, AdapterRouter, TemporalAdapterLoader
 from router.admission import Admission
 from router.api import openai, openapi_docs
 from router.auth import KeyVerifier
+from router.blocking import STORE_WAIT_S
 from router.deployment_link import DeploymentLink, TemporalDeploymentLink
 from router.deps import Deps
 from router.errors import install_handlers
@@ -105,7 +106,7 @@ def create_app(
     temporal: Client | None = None,
     admin_key: str = "",
     key_cache_ttl_s: float = 5.0,
-    store_wait_s: float = 2.0,
+    store_wait_s: float = STORE_WAIT_S,
     key_stale_s: float = 3600.0,
     usage_flush_interval_s: float = 1.0,
     max_request_bytes: int = 8 * MiB,

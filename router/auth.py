@@ -28,14 +28,12 @@ from llmgw.errors import StoreError
 from llmgw.keys import hash_api_key
 from llmgw.store import Store
 from router.apikeys import KeyInfo, KeyPolicy, lookup
-from router.blocking import within
+from router.blocking import STORE_WAIT_S, Warnings, within
 from router.errors import admin_required, invalid_key, key_expired, store_unavailable
 
 log = logging.getLogger(__name__)
 
 NEGATIVE_CACHE_MAX = 10_000
-# At most one warning per this many seconds while the store is down.
-WARN_EVERY_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -76,7 +74,7 @@ class KeyVerifier:
         store: Store,
         ttl_s: float = 5.0,
         admin_key: str = "",
-        store_wait_s: float = 2.0,
+        store_wait_s: float = STORE_WAIT_S,
         stale_s: float = 3600.0,
         read_key: Callable[[Store, str], KeyInfo | None] = lookup,
         clock: Callable[[], float] = time.monotonic,
@@ -92,7 +90,7 @@ class KeyVerifier:
         # so that bounding it (random keys during an outage) drops none of them.
         self._failed: dict[str, float] = {}
         self._pending: dict[str, asyncio.Future[KeyInfo | None]] = {}
-        self._warned_at = -WARN_EVERY_S
+        self._warnings = Warnings(log, clock)
         # Only the hash of the configured admin key is kept in memory.
         self._admin_digest = hashlib.sha256(admin_key.encode()).digest() if admin_key else b""
 
@@ -135,9 +133,7 @@ class KeyVerifier:
             if len(self._failed) >= NEGATIVE_CACHE_MAX:
                 self._failed.clear()
             self._failed[digest] = now
-            if now - self._warned_at >= WARN_EVERY_S:
-                self._warned_at = now
-                log.warning("store did not answer a key lookup (%s): cached answers serve", exc)
+            self._warnings.warn("store did not answer a key lookup (%s): cached answers serve", exc)
             raise
         self._failed.pop(digest, None)
         if info is None and len(self._cache) >= NEGATIVE_CACHE_MAX:

@@ -4,6 +4,8 @@
 
 import asyncio
 import contextlib
+import logging
+import time
 from collections.abc import Callable
 from typing import Any, ParamSpec, TypeVar
 
@@ -13,6 +15,11 @@ from llmgw.errors import StoreError
 
 P = ParamSpec("P")
 T = TypeVar("T")
+
+# How long a call on a request's path waits for the store (LLMGW_STORE_WAIT_S).
+STORE_WAIT_S = 2.0
+# While the store is down every request's call fails: one warning per this long.
+WARN_EVERY_S = 10.0
 
 
 async def in_thread(fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
@@ -50,3 +57,19 @@ def _retrieve(work: "asyncio.Future[Any]") -> None:
     # A call given up on may fail later: its exception is nobody's to raise.
     if not work.cancelled():
         work.exception()
+
+
+class Warnings:
+    """A logger's warnings about a store that does not answer, at most one per
+    ``WARN_EVERY_S`` (each request would log its own)."""
+
+    def __init__(self, log: logging.Logger, clock: Callable[[], float] = time.monotonic) -> None:
+        self._log = log
+        self._clock = clock
+        self._at = -WARN_EVERY_S
+
+    def warn(self, message: str, *args: object) -> None:
+        now = self._clock()
+        if now - self._at >= WARN_EVERY_S:
+            self._at = now
+            self._log.warning(message, *args)

@@ -11,6 +11,7 @@ from router.accounting import Accountant
 from router.adapters import AdapterRouter
 from router.admission import Admission
 from router.auth import KeyVerifier
+from router.blocking import STORE_WAIT_S
 from router.metrics import Metrics
 from router.proxy import EngineKeyFn, Proxy
 from router.routing import RoutingTable
@@ -37,7 +38,7 @@ class Deps:
     # taken from the client or handed to the engine.
     tracer: Tracer | None = None
     # The longest an admin call waits for the store (LLMGW_STORE_WAIT_S).
-    store_wait_s: float = 2.0
+    store_wait_s: float = STORE_WAIT_S
 
 
 async def get_deps(request: Request) -> Deps:

@@ -35,7 +35,7 @@ from urllib.parse import urlsplit
 
 from llmgw.errors import StoreError
 from llmgw.types import ROUTABLE_PHASES, ModelSpec, ReplicaMemo, ReplicaPhase
-from router.blocking import within
+from router.blocking import STORE_WAIT_S, within
 
 log = logging.getLogger(__name__)
 
@@ -196,7 +196,7 @@ async def refresh_forever(
     catalog: Callable[[], dict[str, ModelSpec]],
     interval_s: float,
     ready: asyncio.Event,
-    store_wait_s: float = 2.0,
+    store_wait_s: float = STORE_WAIT_S,
 ) -> None:
     """Refresh ``table`` every ``interval_s`` (sooner when it asks: ``refresh_soon``);
     sets ``ready`` after the first success.

@@ -11,7 +11,6 @@ import contextlib
 import os
 import re
 import shutil
-import socket
 import subprocess
 import tempfile
 import uuid
@@ -21,6 +20,8 @@ from pathlib import Path
 import psycopg
 import pytest
 from psycopg import sql
+
+from tests.bench.procs import free_port
 
 PG_USER = "postgres"
 
@@ -148,10 +149,7 @@ def own_cluster() -> Iterator[PgCluster]:
             "PostgreSQL binaries not found (apt-get install postgresql);"
             " set LLMGW_TEST_ALLOW_NO_PG=1 to skip the PostgreSQL tests locally"
         )
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = int(probe.getsockname()[1])
-    cluster = PgCluster(bindir, port)
+    cluster = PgCluster(bindir, free_port())
     cluster.start()
     try:
         yield cluster

@@ -14,6 +14,7 @@ frozen and stopped under a router process, is tests/e2e/test_store_outage.py.
 import asyncio
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -65,86 +66,92 @@ def store(tmp_path: Path) -> Store:
     return s
 
 
-def verifier(store: Store, switch: Switch, clock: Clock) -> KeyVerifier:
-    return KeyVerifier(
+@dataclass
+class Known:
+    """A verifier whose store has answered for ``key`` once."""
+
+    switch: Switch
+    clock: Clock
+    keys: KeyVerifier
+    info: KeyInfo
+    key: str
+
+    async def caller_id(self, key: str | None = None) -> int:
+        return (await self.keys.verify(f"Bearer {key or self.key}")).key_id
+
+
+async def known(store: Store) -> Known:
+    switch, clock = Switch(), Clock()
+    keys = KeyVerifier(
         store, TTL_S, store_wait_s=0.2, stale_s=STALE_S, read_key=switch, clock=clock
     )
+    info, key = create_key(store, "k", KeyPolicy())
+    assert (await keys.verify(f"Bearer {key}")).key_id == info.id
+    assert switch.calls == 1
+    return Known(switch, clock, keys, info, key)
 
 
 async def test_the_last_answer_serves_while_the_store_is_down_asked_once_per_ttl(
     store: Store,
 ) -> None:
-    switch, clock = Switch(), Clock()
-    keys = verifier(store, switch, clock)
-    info, key = create_key(store, "k", KeyPolicy())
-    assert (await keys.verify(f"Bearer {key}")).key_id == info.id
-    assert switch.calls == 1
-    switch.mode = "down"
-    clock.now += TTL_S + 1  # stale: the store is asked, fails, the answer serves
-    assert (await keys.verify(f"Bearer {key}")).key_id == info.id
-    assert switch.calls == 2
-    clock.now += 1  # within a TTL of the failure: not asked again
-    assert (await keys.verify(f"Bearer {key}")).key_id == info.id
-    assert switch.calls == 2
-    clock.now += TTL_S  # asked again (and still failing)
-    assert (await keys.verify(f"Bearer {key}")).key_id == info.id
-    assert switch.calls == 3
-    switch.mode = "up"
-    clock.now += TTL_S
-    assert (await keys.verify(f"Bearer {key}")).key_id == info.id
-    assert switch.calls == 4
+    k = await known(store)
+    k.switch.mode = "down"
+    k.clock.now += TTL_S + 1  # stale: the store is asked, fails, the answer serves
+    assert await k.caller_id() == k.info.id
+    assert k.switch.calls == 2
+    k.clock.now += 1  # within a TTL of the failure: not asked again
+    assert await k.caller_id() == k.info.id
+    assert k.switch.calls == 2
+    k.clock.now += TTL_S  # asked again (and still failing)
+    assert await k.caller_id() == k.info.id
+    assert k.switch.calls == 3
+    k.switch.mode = "up"
+    k.clock.now += TTL_S
+    assert await k.caller_id() == k.info.id
+    assert k.switch.calls == 4
 
 
 async def test_an_answer_older_than_the_stale_bound_or_none_at_all_gets_503(
     store: Store,
 ) -> None:
-    switch, clock = Switch(), Clock()
-    keys = verifier(store, switch, clock)
-    _, key = create_key(store, "k", KeyPolicy())
+    k = await known(store)
     _, never_seen = create_key(store, "n", KeyPolicy())
-    await keys.verify(f"Bearer {key}")
-    switch.mode = "down"
+    k.switch.mode = "down"
     for presented in (never_seen, "not-a-key"):
         with pytest.raises(OpenAIError) as caught:
-            await keys.verify(f"Bearer {presented}")
+            await k.caller_id(presented)
         assert (caught.value.status, caught.value.code) == (503, "store_unavailable")
-    clock.now += STALE_S + 1
+    k.clock.now += STALE_S + 1
     with pytest.raises(OpenAIError) as caught:
-        await keys.verify(f"Bearer {key}")
+        await k.caller_id()
     assert caught.value.code == "store_unavailable"
 
 
 async def test_a_frozen_store_is_waited_for_within_the_bound_then_the_answer_serves(
     store: Store,
 ) -> None:
-    switch, clock = Switch(), Clock()
-    keys = verifier(store, switch, clock)
-    info, key = create_key(store, "k", KeyPolicy())
-    await keys.verify(f"Bearer {key}")
-    switch.mode = "frozen"
-    clock.now += TTL_S + 1
+    k = await known(store)
+    k.switch.mode = "frozen"
+    k.clock.now += TTL_S + 1
     try:
         # The read blocks (up to 30 s); the request is answered after 0.2 s,
         # from the cached answer: the store has not answered the second read.
-        assert (await keys.verify(f"Bearer {key}")).key_id == info.id
-        assert (switch.calls, switch.answered) == (2, 1)
+        assert await k.caller_id() == k.info.id
+        assert (k.switch.calls, k.switch.answered) == (2, 1)
     finally:
-        switch.thaw.set()
+        k.switch.thaw.set()
 
 
 async def test_a_revoked_key_is_refused_once_the_store_answers_again(store: Store) -> None:
-    switch, clock = Switch(), Clock()
-    keys = verifier(store, switch, clock)
-    info, key = create_key(store, "k", KeyPolicy())
-    await keys.verify(f"Bearer {key}")
-    switch.mode = "down"
-    clock.now += TTL_S + 1
-    await keys.verify(f"Bearer {key}")  # served stale: the revocation is not known yet
-    revoke_key(store, info.id)
-    switch.mode = "up"
-    clock.now += TTL_S
+    k = await known(store)
+    k.switch.mode = "down"
+    k.clock.now += TTL_S + 1
+    await k.caller_id()  # served stale: the revocation is not known yet
+    revoke_key(store, k.info.id)
+    k.switch.mode = "up"
+    k.clock.now += TTL_S
     with pytest.raises(OpenAIError) as caught:
-        await keys.verify(f"Bearer {key}")
+        await k.caller_id()
     assert caught.value.status == 401
 
 
@@ -181,13 +188,10 @@ def test_a_reservation_given_up_on_before_its_thread_started_never_counts(
 async def test_random_keys_during_an_outage_drop_no_known_answer(store: Store) -> None:
     """What the router notes of failed lookups is bounded on its own: a flood
     of unknown keys while the store is down leaves the known keys served."""
-    switch, clock = Switch(), Clock()
-    keys = verifier(store, switch, clock)
-    info, key = create_key(store, "k", KeyPolicy())
-    await keys.verify(f"Bearer {key}")
-    switch.mode = "down"
-    clock.now += TTL_S + 1
+    k = await known(store)
+    k.switch.mode = "down"
+    k.clock.now += TTL_S + 1
     for n in range(NEGATIVE_CACHE_MAX + 10):
         with pytest.raises(OpenAIError):
-            await keys.verify(f"Bearer random-{n}")
-    assert (await keys.verify(f"Bearer {key}")).key_id == info.id
+            await k.caller_id(f"random-{n}")
+    assert await k.caller_id() == k.info.id

@@ -33,6 +33,7 @@ from router.errors import install_handlers
 from router.health import EngineProbe, HttpProbe, probe_forever
 from router.load_report import REPORT_INTERVAL_S, LoadReporter
 from router.metrics import Metrics
+from router.pacing import MAX_WINDOW_S, Pacer
 from router.proxy import Proxy
 from router.routing import ReplicaSource, RoutingTable, refresh_forever
 from router.upstream import AiohttpUpstream, Upstream
@@ -110,6 +111,7 @@ def create_app(
     key_stale_s: float = 3600.0,
     usage_flush_interval_s: float = 1.0,
     max_request_bytes: int = 8 * MiB,
+    stream_coalesce_max_s: float = MAX_WINDOW_S,
     clock: Callable[[], float] = time.time,
     tracer: Tracer | None = None,
     adapter_loader: AdapterLoader | None = None,
@@ -133,6 +135,7 @@ def create_app(
     client = http or make_upstream()
     ready = asyncio.Event()
     metrics = Metrics(table)
+    pacer = Pacer(stream_coalesce_max_s, on_change=metrics.coalesce_window.set)
     accountant = Accountant(store, usage_flush_interval_s, clock, store_wait_s)
 
     def key_of(replica_id: str) -> str:
@@ -154,6 +157,7 @@ def create_app(
             asyncio.create_task(accountant.run()),
             asyncio.create_task(probe_forever(table, prober)),
             asyncio.create_task(admission.run()),
+            asyncio.create_task(pacer.run()),
         ]
         if reporter is not None:
             tasks.append(asyncio.create_task(reporter.run()))
@@ -180,7 +184,7 @@ def create_app(
     app.state.deps = Deps(
         table=table,
         keys=KeyVerifier(store, key_cache_ttl_s, admin_key, store_wait_s, key_stale_s),
-        proxy=Proxy(client, table, key_of, metrics),
+        proxy=Proxy(client, table, key_of, metrics, pacer),
         accountant=accountant,
         metrics=metrics,
         store=store,

@@ -56,6 +56,7 @@ def build(
         key_stale_s=settings.key_stale_s,
         usage_flush_interval_s=settings.usage_flush_interval_s,
         max_request_bytes=settings.max_request_bytes,
+        stream_coalesce_max_s=settings.stream_coalesce_max_s,
         tracer=tracer,
         router_id=settings.router_id,
     )

@@ -8,7 +8,7 @@ a gauge updated on every request.
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -78,6 +78,11 @@ class Metrics:
             "llmgw_upstream_errors",
             "engine failures seen by the router",
             ["model", "replica", "kind"],
+            registry=r,
+        )
+        self.coalesce_window = Gauge(
+            "llmgw_stream_coalesce_window_seconds",
+            "how long a relayed stream's events are held to go out together (0: not)",
             registry=r,
         )
         r.register(_InflightCollector(table))

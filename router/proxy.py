@@ -11,9 +11,11 @@ Failover: a connection failure before anything was sent to the client tries
 the next replica; once a byte has gone out there is no retry.
 
 A stream is relayed read by read (with RawUpstream, from the engine
-connection's read callback: ``_Pour``): a read that holds no usage passes through
-untouched, its content chunks counted by a byte pattern (no per-event
-work); only the event carrying usage is parsed. A client that goes away
+connection's read callback: router.relay.Pour; while the event loop is
+busy, reads are spaced out so that each brings several events:
+router.pacing): a read that holds no usage passes through untouched, its
+content chunks counted by a byte pattern (no per-event work); only the
+event carrying usage is parsed. A client that goes away
 mid-stream cancels the relay (router.relay watches); closing the upstream
 response closes the connection, which llama.cpp and vLLM take as a
 cancellation. What was relayed until then is billed: one token per streamed
@@ -40,9 +42,10 @@ from llmgw.errors import LlmgwError, UpstreamConnectError, UpstreamError
 from router.accounting import Outcome
 from router.errors import client_gone, no_ready_replica, replicas_saturated, upstream_failed
 from router.metrics import Metrics
-from router.relay import Reply, StreamReply, media_header, send_now
+from router.pacing import Pacer
+from router.relay import Pour, Reply, StreamReply, media_header
 from router.routing import Route, RoutingTable
-from router.upstream import Divertible, Upstream, UpstreamResponse, divertible
+from router.upstream import Upstream, UpstreamResponse, divertible
 
 log = logging.getLogger(__name__)
 
@@ -100,11 +103,13 @@ class Proxy:
         table: RoutingTable,
         engine_key: EngineKeyFn,
         metrics: Metrics,
+        pacer: Pacer | None = None,
     ) -> None:
         self._http = http
         self._table = table
         self._engine_key = engine_key
         self._metrics = metrics
+        self._pacer = pacer  # coalesces relayed reads while the loop is busy
         # The engine key is a MAC of the replica id: computed once per replica.
         self._headers: dict[str, dict[str, str]] = {}
 
@@ -183,7 +188,7 @@ class Proxy:
                 media = upstream.content_type
                 if call.stream and upstream.status == 200:
                     relayed = True  # the relay releases the replica
-                    relay = _Relay(upstream, route, call, self._metrics)
+                    relay = _Relay(upstream, route, call, self._metrics, self._pacer)
                     return StreamReply(relay, media, route.replica_id)
                 try:
                     content = await upstream.read()
@@ -311,11 +316,19 @@ def _has_content(choice: Any) -> bool:
 class _Relay:
     """Relays one SSE stream, counting content chunks and (maybe) stripping usage."""
 
-    def __init__(self, upstream: UpstreamResponse, route: Route, call: Call, metrics: Metrics):
+    def __init__(
+        self,
+        upstream: UpstreamResponse,
+        route: Route,
+        call: Call,
+        metrics: Metrics,
+        pacer: Pacer | None = None,
+    ):
         self._upstream = upstream
         self._route = route
         self._call = call
         self._metrics = metrics
+        self._pacer = pacer
         self._counted = 0
         self._usage: dict[str, Any] | None = None
         self._finished = False
@@ -395,7 +408,7 @@ class _Relay:
         try:
             diverted = divertible(self._upstream)
             if diverted is not None:
-                await _Pour(self, diverted, send).over
+                await Pour(self._events, diverted, send, self._pacer).over
             else:
                 async for chunk in self._upstream.chunks():
                     out = self._events(chunk)
@@ -433,65 +446,3 @@ class _Relay:
         return Outcome(
             prompt_tokens=self._call.prompt_estimate, completion_tokens=self._counted, error=error
         )
-
-
-class _Pour:
-    """A diverted answer's sink (router.upstream.Divertible): each engine read,
-    cut at its last complete event and counted, is sent to the client from
-    the read callback itself, as one write; no task wakes per read. A send
-    the client's socket cannot take at once pauses the engine's connection
-    until it has gone. ``over`` is done when the body is relayed, with the
-    engine's break (UpstreamError) or the client socket's failure.
-    """
-
-    __slots__ = ("_ended", "_relay", "_send", "_sending", "_upstream", "over")
-
-    def __init__(self, relay: _Relay, upstream: Divertible, send: Send) -> None:
-        self._relay = relay
-        self._upstream = upstream
-        self._send = send
-        self._sending: asyncio.Future[None] | None = None
-        self._ended = False
-        self.over: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        upstream.divert(self)
-
-    def data(self, chunk: bytes) -> None:
-        if self.over.done():  # failed (or cancelled): the pump is closing the answer
-            return
-        try:
-            out = self._relay._events(chunk)
-            if not out:
-                return
-            sending = send_now(
-                self._send, {"type": "http.response.body", "body": out, "more_body": True}
-            )
-        except Exception as exc:  # the client's socket failed: the pump raises it
-            self.over.set_exception(exc)
-            return
-        if sending is not None:
-            self._sending = sending
-            self._upstream.pause()
-            sending.add_done_callback(self._sent)
-
-    def end(self, error: UpstreamError | None) -> None:
-        if self.over.done():
-            return
-        if error is not None:
-            self.over.set_exception(error)
-        elif self._sending is None:
-            self.over.set_result(None)
-        else:
-            self._ended = True  # once the last send has gone
-
-    def _sent(self, sending: "asyncio.Future[None]") -> None:
-        self._sending = None
-        if self.over.done():
-            return
-        if sending.cancelled():
-            self.over.cancel()
-        elif (exc := sending.exception()) is not None:
-            self.over.set_exception(exc)
-        elif self._ended:
-            self.over.set_result(None)
-        else:
-            self._upstream.resume()

@@ -6,14 +6,18 @@ relay) is written as the engine's reads come, each read one write to the
 client; one task per stream watches for the client's disconnect, which
 cancels the relay (nothing per event). With an engine client whose answer
 is Divertible (RawUpstream) the writes are made from the engine
-connection's read callback (``send_now``): no task wakes per read.
+connection's read callback (``Pour``, ``send_now``): no task wakes per read.
 """
 
 import asyncio
-from collections.abc import Coroutine, Generator
+from collections.abc import Callable, Coroutine, Generator
 from typing import Any, Protocol
 
 from starlette.types import Message, Receive, Scope, Send
+
+from llmgw.errors import UpstreamError
+from router.pacing import Pacer
+from router.upstream import Divertible
 
 
 class Relayed(Protocol):
@@ -136,3 +140,86 @@ def _wait_then_step(
         waiting.add_done_callback(step)
     else:  # a bare yield (sleep(0)): the next loop turn
         asyncio.get_running_loop().call_soon(step)
+
+
+class Pour:
+    """A diverted answer's sink (router.upstream.Divertible): each engine read,
+    cut at its last complete event and counted (``events``), is sent to the
+    client from the read callback itself, as one write; no task wakes per
+    read. A send the client's socket cannot take at once pauses the engine's
+    connection until it has gone. While ``pacer`` has a window (a busy
+    loop: router.pacing), a relayed read also pauses it for that long, so
+    the next read brings what the engine wrote meanwhile. ``over`` is done
+    when the body is relayed, with the engine's break (UpstreamError) or
+    the client socket's failure.
+    """
+
+    __slots__ = ("_ended", "_events", "_held", "_pacer", "_send", "_sending", "_upstream", "over")
+
+    def __init__(
+        self,
+        events: Callable[[bytes], bytes],
+        upstream: Divertible,
+        send: Send,
+        pacer: Pacer | None = None,
+    ) -> None:
+        self._events = events
+        self._upstream = upstream
+        self._send = send
+        self._pacer = pacer
+        self._sending: asyncio.Future[None] | None = None
+        self._held = False  # paused by the pacer
+        self._ended = False
+        self.over: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        upstream.divert(self)
+
+    def data(self, chunk: bytes) -> None:
+        if self.over.done():  # failed (or cancelled): the pump is closing the answer
+            return
+        try:
+            out = self._events(chunk)
+            if not out:
+                return
+            sending = send_now(
+                self._send, {"type": "http.response.body", "body": out, "more_body": True}
+            )
+        except Exception as exc:  # the client's socket failed: the pump raises it
+            self.over.set_exception(exc)
+            return
+        if sending is not None:
+            self._sending = sending
+            self._upstream.pause()
+            sending.add_done_callback(self._sent)
+        elif self._pacer is not None and self._pacer.window:
+            self._held = True
+            self._upstream.pause()
+            asyncio.get_running_loop().call_later(self._pacer.window, self._release)
+
+    def end(self, error: UpstreamError | None) -> None:
+        if self.over.done():
+            return
+        if error is not None:
+            self.over.set_exception(error)
+        elif self._sending is None:
+            self.over.set_result(None)
+        else:
+            self._ended = True  # once the last send has gone
+
+    def _release(self) -> None:
+        """The pacer's hold is over: read again, unless a send still waits."""
+        self._held = False
+        if self._sending is None and not self.over.done():
+            self._upstream.resume()
+
+    def _sent(self, sending: "asyncio.Future[None]") -> None:
+        self._sending = None
+        if self.over.done():
+            return
+        if sending.cancelled():
+            self.over.cancel()
+        elif (exc := sending.exception()) is not None:
+            self.over.set_exception(exc)
+        elif self._ended:
+            self.over.set_result(None)
+        elif not self._held:
+            self._upstream.resume()

@@ -7,10 +7,11 @@ write every ``--gap-ms``; ``--streams`` connections each run streams back to
 back for ``--seconds``, from ``--client-procs`` processes: first straight to
 the mock, then through the router (served as ``llmgw router`` serves it,
 ``python -m tests.bench.bench_router _router URL``). Printed: time to the
-first token, direct and proxied (p50/p99, and what the router adds), events
-relayed per second, the router's CPU per relayed event, and its memory per
-open stream (resident set while the streams run, less before, over their
-count).
+first token, direct and proxied (p50/p99, and what the router adds); each
+stream's longest wait between two writes (what coalescing under load costs
+a stream: router/pacing.py); events relayed per second, the router's CPU
+per relayed event, and its memory per open stream (resident set while the
+streams run, less before, over their count).
 """
 
 import argparse
@@ -45,13 +46,15 @@ def client(port: int, raw: bytes, conns: int, seconds: float, stagger_s: float =
     (a stream's length spreads the starts evenly: requests arrive one by one,
     not all 1,000 at once at every round)."""
 
-    async def worker(deadline: float, first: list[float], errors: list[int]) -> None:
+    async def worker(
+        deadline: float, first: list[float], gaps: list[float], errors: list[int]
+    ) -> None:
         c = Conn(port)
         if stagger_s:
             await asyncio.sleep(random.uniform(0, stagger_s))
         while time.perf_counter() < deadline:
             try:
-                status, ttft, _ = await c.request(raw)
+                status, ttft, _ = await c.request(raw, gaps)
             except (OSError, asyncio.IncompleteReadError, ValueError):
                 errors[0] += 1
                 await c.close()
@@ -64,10 +67,11 @@ def client(port: int, raw: bytes, conns: int, seconds: float, stagger_s: float =
 
     async def main() -> None:
         first: list[float] = []
+        gaps: list[float] = []
         errors = [0]
         deadline = time.perf_counter() + seconds
-        await asyncio.gather(*(worker(deadline, first, errors) for _ in range(conns)))
-        print(json.dumps({"first": first, "errors": errors[0]}))
+        await asyncio.gather(*(worker(deadline, first, gaps, errors) for _ in range(conns)))
+        print(json.dumps({"first": first, "gaps": gaps, "errors": errors[0]}))
 
     run_loop(main)
 
@@ -76,7 +80,9 @@ def stagger_s(args: argparse.Namespace) -> float:
     return args.tokens * args.gap_ms / 1e3 if args.stagger else 0.0
 
 
-def load(port: int, raw: bytes, args: argparse.Namespace) -> tuple[list[float], int]:
+def load(port: int, raw: bytes, args: argparse.Namespace) -> tuple[list[float], list[float], int]:
+    """Times to the first token, each stream's longest wait between two
+    writes, and the count of failed requests, from every client process."""
     per = max(1, args.streams // args.client_procs)
     children = [
         subprocess.Popen(
@@ -87,14 +93,25 @@ def load(port: int, raw: bytes, args: argparse.Namespace) -> tuple[list[float], 
         )
         for _ in range(args.client_procs)
     ]
+    # Every child gets its request before any is waited on: a child starts
+    # once its stdin is closed, so communicate() child by child would run
+    # them one after the other, each with its share of the streams only.
+    for child in children:
+        assert child.stdin is not None
+        child.stdin.write(raw)
+        child.stdin.close()
     first: list[float] = []
+    gaps: list[float] = []
     errors = 0
     for child in children:
-        out, _ = child.communicate(raw, timeout=args.seconds + 120)
+        assert child.stdout is not None
+        out = child.stdout.read()
+        child.wait(timeout=args.seconds + 120)
         result = json.loads(out)
         first += result["first"]
+        gaps += result["gaps"]
         errors += result["errors"]
-    return first, errors
+    return first, gaps, errors
 
 
 def run(args: argparse.Namespace) -> None:
@@ -130,7 +147,7 @@ def run(args: argparse.Namespace) -> None:
             f" {os.cpu_count()} CPUs,"
             f" load {os.getloadavg()[0]:.2f}"
         )
-        direct, d_err = load(up_port, request_bytes(path, "none", True), args)
+        direct, d_gaps, d_err = load(up_port, request_bytes(path, "none", True), args)
         rss0 = rss_bytes(router.pid)
         cpu0 = cpu_seconds(router.pid)
         sampled: list[int] = []
@@ -138,7 +155,7 @@ def run(args: argparse.Namespace) -> None:
         with subprocess.Popen(
             [*HERE, "_rss", str(router.pid), str(args.seconds)], stdout=subprocess.PIPE
         ) as sampler:
-            proxied, p_err = load(router_port, raw, args)
+            proxied, p_gaps, p_err = load(router_port, raw, args)
             out, _ = sampler.communicate(timeout=30)
             sampled = json.loads(out)
         cpu = cpu_seconds(router.pid) - cpu0
@@ -157,6 +174,11 @@ def run(args: argparse.Namespace) -> None:
             f"  TTFT ADDED p50 {(pct(proxied, 0.5) - pct(direct, 0.5)) * ms:.2f} ms"
             f"  p99 {(pct(proxied, 0.99) - pct(direct, 0.99)) * ms:.2f} ms"
             "   (target <= 1 ms p50)"
+        )
+        print(
+            f"  longest wait between two writes of a stream, p50/p99: direct"
+            f" {pct(d_gaps, 0.5) * ms:.1f} / {pct(d_gaps, 0.99) * ms:.1f} ms,"
+            f" proxied {pct(p_gaps, 0.5) * ms:.1f} / {pct(p_gaps, 0.99) * ms:.1f} ms"
         )
         print(
             f"  {events / args.seconds:,.0f} events/s relayed; router CPU {cpu:.1f} s,"

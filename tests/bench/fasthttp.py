@@ -179,8 +179,11 @@ class Conn:
         self.reader: asyncio.StreamReader | None = None
         self.writer: asyncio.StreamWriter | None = None
 
-    async def request(self, raw: bytes) -> tuple[int, float, float]:
-        """Status, seconds to the first body chunk, seconds to the end."""
+    async def request(
+        self, raw: bytes, gaps: list[float] | None = None
+    ) -> tuple[int, float, float]:
+        """Status, seconds to the first body chunk, seconds to the end; the
+        longest wait between two body chunks goes to ``gaps`` when given."""
         if self.reader is None or self.writer is None:
             self.reader, self.writer = await asyncio.open_connection("127.0.0.1", self.port)
         r, w = self.reader, self.writer
@@ -188,7 +191,7 @@ class Conn:
         w.write(raw)
         head = (await r.readuntil(b"\r\n\r\n")).lower()
         status = int(head[9:12])
-        first = 0.0
+        first = last = longest = 0.0
         if b"transfer-encoding: chunked" in head:
             while True:
                 size = int((await r.readuntil(b"\r\n")).split(b";")[0], 16)
@@ -196,7 +199,12 @@ class Conn:
                     await r.readuntil(b"\r\n")
                     break
                 await r.readexactly(size + 2)
-                first = first or time.perf_counter()
+                now = time.perf_counter()
+                if last:
+                    longest = max(longest, now - last)
+                first, last = first or now, now
+            if gaps is not None:
+                gaps.append(longest)
         else:
             at = head.find(b"content-length:")
             await r.readexactly(int(head[at + 15 :].split(b"\r\n", 1)[0]))

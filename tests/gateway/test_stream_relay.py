@@ -1,5 +1,5 @@
 """The stream relay with RawUpstream's diverted body: the engine's reads go
-to the client from the connection's read callback (router.proxy._Pour).
+to the client from the connection's read callback (router.relay.Pour).
 
 First the client alone (``RawUpstream``'s answer handing its body to a
 sink), then a real router process (served as ``llmgw router`` serves it:
@@ -28,6 +28,7 @@ from router import usage
 from router.accounting import Outcome
 from router.apikeys import KeyPolicy, create_key
 from router.metrics import Metrics
+from router.pacing import Pacer
 from router.proxy import Call, _Relay
 from router.routing import Route, RoutingTable
 from router.upstream import Divertible, Sink
@@ -200,6 +201,46 @@ async def test_a_send_the_client_cannot_take_yet_pauses_the_engine_until_it_has_
     assert watched.log == ["pause", "resume"]
     assert bodies == [token("a"), token("b") + FINISH + DONE, b""]
     assert [(o.completion_tokens, o.error) for o in outcomes] == [(2, False)]
+
+
+async def test_a_busy_loop_relays_a_stream_s_first_read_at_once_and_the_next_together() -> None:
+    first_sent = asyncio.Event()
+    engine_wrote = asyncio.Event()
+    bodies: list[bytes] = []
+    outcomes: list[Outcome] = []
+    pacer = Pacer()
+    pacer.window = 1.5  # as router.pacing keeps it for a busy loop
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(HEAD + chunk(token("a")))
+        await writer.drain()
+        await first_sent.wait()
+        # Three writes, each its own read were the connection read at once.
+        for piece in (chunk(token("b")), chunk(token("c")), chunk(FINISH) + chunk(DONE) + END):
+            writer.write(piece)
+            await writer.drain()
+        engine_wrote.set()
+
+    async def send(message: Message) -> None:
+        if message["type"] == "http.response.body":
+            bodies.append(message["body"])
+            first_sent.set()
+
+    async with answer(handle) as (response, url):
+        watched = Watched(response)
+        call = Call(MODEL, "/v1/x", b"{}", True, True, outcomes.append, time.monotonic())
+        route = Route("r", MODEL, url)
+        relay = _Relay(watched, route, call, Metrics(RoutingTable()), pacer)  # type: ignore[arg-type]
+        pump = asyncio.ensure_future(relay.pump(send, []))
+        async with asyncio.timeout(10):
+            await engine_wrote.wait()
+            assert bodies == [token("a")]  # the first token was not held
+            assert watched.log == ["pause"]  # the connection is left unread for the window
+            await pump
+    assert bodies == [token("a"), token("b") + token("c") + FINISH + DONE, b""]
+    assert watched.log[:2] == ["pause", "resume"]
+    assert [(o.completion_tokens, o.error) for o in outcomes] == [(3, False)]
 
 
 # The router in front of a scripted engine -------------------------------

@@ -116,11 +116,13 @@ class Accountant:
                     for s, n in settle.items():
                         self._settle[s] += n
             if usage:
+                left = dict(usage)  # record() takes out each row it has added
                 try:
-                    await in_thread(record, self._store, dict(usage))
+                    await in_thread(record, self._store, left)
                 except Exception as exc:
                     log.warning("usage write failed, will retry: %s", exc)
-                    for k, d in usage.items():
+                finally:  # also when cancelled: shutdown flushes once more
+                    for k, d in left.items():
                         self._usage[k].add(d)
 
     async def run(self) -> None:

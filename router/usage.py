@@ -71,8 +71,14 @@ def _day(days: int) -> str:
 
 
 def record(store: Store, batch: dict[UsageKey, UsageDelta]) -> None:
-    """Add a batch of deltas to the usage rows."""
-    for key, delta in batch.items():
+    """Add a batch of deltas to the usage rows, a transaction per row.
+
+    Each delta leaves ``batch`` once its transaction has committed, so when
+    the store fails part-way ``batch`` holds exactly what is still to add:
+    the caller keeps that for its next try, and a row already added is never
+    added again (a whole batch kept would bill its first rows twice).
+    """
+    for key, delta in list(batch.items()):
         where = and_(_T.c.key_id == key.key_id, _T.c.model == key.model, _T.c.day == key.day)
         add = (
             update(_T)
@@ -89,6 +95,7 @@ def record(store: Store, batch: dict[UsageKey, UsageDelta]) -> None:
                 conn = session.connection()
                 if conn.execute(add).rowcount == 1:
                     session.commit()
+                    del batch[key]
                     break
                 try:
                     conn.execute(
@@ -103,6 +110,7 @@ def record(store: Store, batch: dict[UsageKey, UsageDelta]) -> None:
                         )
                     )
                     session.commit()
+                    del batch[key]
                     break
                 except IntegrityError:
                     session.rollback()  # another router inserted it: add to theirs

@@ -18,7 +18,9 @@ falls with the events each read brings. An idle loop has no window: each
 read is relayed as it comes, as before.
 
 The window follows the share of wall time the loop's thread spends on the
-CPU, measured every ``PERIOD_S``: at ``BUSY`` or more it doubles (from
+CPU, measured every ``PERIOD_S`` (a period whose wake-up comes ``LATE_S``
+late counts as busy: a thread held off the CPU is as slow to serve as a
+busy one): at ``BUSY`` or more it doubles (from
 ``MIN_WINDOW_S``, up to the configured most), below ``EASY`` it halves
 (below ``MIN_WINDOW_S``: none). Between the two it holds, so a window that
 brought the loop back under ``BUSY`` stays rather than swinging.
@@ -35,6 +37,9 @@ PERIOD_S = 0.1
 BUSY = 0.7
 EASY = 0.35
 MIN_WINDOW_S = 0.005
+# A period's wake-up this late counts as busy (busy_share).
+LATE_S = 0.005
+LOG_EVERY_S = 10.0
 # The default most a relayed event is held (LLMGW_STREAM_COALESCE_MAX_S).
 MAX_WINDOW_S = 0.05
 
@@ -49,6 +54,15 @@ def next_window(window: float, busy: float, most: float) -> float:
         half = window / 2
         return half if half >= MIN_WINDOW_S else 0.0
     return min(window, most)
+
+
+def busy_share(cpu_s: float, wall_s: float) -> float:
+    """A period's busy share: the loop thread's CPU time over the wall time,
+    or ``BUSY`` at least when the period's wake-up came ``LATE_S`` late. A
+    thread kept off the CPU (a container's CPU quota spent, a VM's stolen
+    time, other processes) shows little CPU time, yet serves requests late."""
+    share = cpu_s / wall_s
+    return max(share, BUSY) if wall_s - PERIOD_S >= LATE_S else share
 
 
 class Pacer:
@@ -70,13 +84,17 @@ class Pacer:
         self._cpu = cpu
         self._wall = wall
         self._on_change = on_change
+        self._quiet_until = float("-inf")
 
     def observe(self, busy: float) -> float:
         """Take one period's busy share; the window from now on."""
         window = next_window(self.window, busy, self.most)
         if window != self.window:
-            if not self.window or not window:
-                # Engaged or let go: a line, not one per doubling.
+            now = self._wall()
+            if (not self.window or not window) and now >= self._quiet_until:
+                # Engaged or let go: a line, not one per doubling, and at most
+                # one per LOG_EVERY_S under a load that swings about the line.
+                self._quiet_until = now + LOG_EVERY_S
                 log.info(
                     "stream coalescing %s (event loop %.0f%% busy)",
                     f"on, window {window * 1e3:.0f} ms" if window else "off",
@@ -97,5 +115,5 @@ class Pacer:
             await asyncio.sleep(PERIOD_S)
             cpu2, wall2 = self._cpu(), self._wall()
             if wall2 > wall:
-                self.observe((cpu2 - cpu) / (wall2 - wall))
+                self.observe(busy_share(cpu2 - cpu, wall2 - wall))
             cpu, wall = cpu2, wall2

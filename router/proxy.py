@@ -408,7 +408,7 @@ class _Relay:
         try:
             diverted = divertible(self._upstream)
             if diverted is not None:
-                await Pour(self._events, diverted, send, self._pacer).over
+                await Pour(self._events, diverted, send, self._pacer, self._started).over
             else:
                 async for chunk in self._upstream.chunks():
                     out = self._events(chunk)
@@ -435,6 +435,10 @@ class _Relay:
         self._route.inflight -= 1
         self._call.on_done(self._outcome(error))
         self._upstream.close()
+
+    def _started(self) -> bool:
+        """Whether the client has had a token (a role-only first event is none)."""
+        return self._counted > 0
 
     def _outcome(self, error: bool) -> Outcome:
         if self._usage is not None:

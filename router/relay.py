@@ -148,13 +148,19 @@ class Pour:
     client from the read callback itself, as one write; no task wakes per
     read. A send the client's socket cannot take at once pauses the engine's
     connection until it has gone. While ``pacer`` has a window (a busy
-    loop: router.pacing), a relayed read also pauses it for that long, so
-    the next read brings what the engine wrote meanwhile. ``over`` is done
+    loop: router.pacing), a relayed read that came within a window of the
+    one before, once the stream's first token is out (``started``), also
+    pauses it for that long, so the next read brings what the engine wrote
+    meanwhile (a stream slower than the window gains nothing by it and is
+    never held). ``over`` is done
     when the body is relayed, with the engine's break (UpstreamError) or
     the client socket's failure.
     """
 
-    __slots__ = ("_ended", "_events", "_held", "_pacer", "_send", "_sending", "_upstream", "over")
+    __slots__ = (
+        "_ended", "_events", "_held", "_last", "_loop", "_pacer", "_send", "_sending",
+        "_started", "_upstream", "over",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -162,13 +168,17 @@ class Pour:
         upstream: Divertible,
         send: Send,
         pacer: Pacer | None = None,
+        started: Callable[[], bool] = lambda: True,
     ) -> None:
         self._events = events
         self._upstream = upstream
         self._send = send
         self._pacer = pacer
+        self._started = started
+        self._loop = asyncio.get_running_loop()
         self._sending: asyncio.Future[None] | None = None
-        self._held = False  # paused by the pacer
+        self._held: asyncio.TimerHandle | None = None  # the pacer's pause
+        self._last = float("-inf")  # when the last read was relayed
         self._ended = False
         self.over: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         upstream.divert(self)
@@ -190,12 +200,17 @@ class Pour:
             self._sending = sending
             self._upstream.pause()
             sending.add_done_callback(self._sent)
-        elif self._pacer is not None and self._pacer.window:
-            self._held = True
-            self._upstream.pause()
-            asyncio.get_running_loop().call_later(self._pacer.window, self._release)
+        elif self._pacer is not None and (window := self._pacer.window):
+            now, last = self._loop.time(), self._last
+            self._last = now
+            if now - last < window and self._started():
+                self._upstream.pause()
+                self._held = self._loop.call_later(window, self._release)
 
     def end(self, error: UpstreamError | None) -> None:
+        if self._held is not None:
+            self._held.cancel()
+            self._held = None
         if self.over.done():
             return
         if error is not None:
@@ -207,7 +222,10 @@ class Pour:
 
     def _release(self) -> None:
         """The pacer's hold is over: read again, unless a send still waits."""
-        self._held = False
+        self._held = None
+        # A read that comes at once brings what waited: the stream is still
+        # faster than the window, and is held again.
+        self._last = self._loop.time()
         if self._sending is None and not self.over.done():
             self._upstream.resume()
 
@@ -221,5 +239,5 @@ class Pour:
             self.over.set_exception(exc)
         elif self._ended:
             self.over.set_result(None)
-        elif not self._held:
+        elif self._held is None:
             self._upstream.resume()

@@ -93,24 +93,29 @@ def load(port: int, raw: bytes, args: argparse.Namespace) -> tuple[list[float], 
         )
         for _ in range(args.client_procs)
     ]
-    # Every child gets its request before any is waited on: a child starts
-    # once its stdin is closed, so communicate() child by child would run
-    # them one after the other, each with its share of the streams only.
-    for child in children:
-        assert child.stdin is not None
-        child.stdin.write(raw)
-        child.stdin.close()
     first: list[float] = []
     gaps: list[float] = []
     errors = 0
-    for child in children:
-        assert child.stdout is not None
-        out = child.stdout.read()
-        child.wait(timeout=args.seconds + 120)
-        result = json.loads(out)
-        first += result["first"]
-        gaps += result["gaps"]
-        errors += result["errors"]
+    try:
+        # Every child gets its request before any is waited on: a child starts
+        # once its stdin is closed, so communicate(raw) child by child would
+        # run them one after the other, each with its share of the streams.
+        for child in children:
+            assert child.stdin is not None
+            child.stdin.write(raw)
+            child.stdin.close()
+            child.stdin = None  # communicate() below only reads
+        for child in children:
+            out, _ = child.communicate(timeout=args.seconds + 120)
+            result = json.loads(out)
+            first += result["first"]
+            gaps += result["gaps"]
+            errors += result["errors"]
+    finally:
+        for child in children:  # one failed: the others stop loading
+            if child.poll() is None:
+                child.kill()
+                child.wait()
     return first, gaps, errors
 
 

@@ -7,7 +7,17 @@ from collections.abc import Callable
 
 import pytest
 
-from router.pacing import BUSY, EASY, MIN_WINDOW_S, Pacer, next_window
+from router.pacing import (
+    BUSY,
+    EASY,
+    LATE_S,
+    LOG_EVERY_S,
+    MIN_WINDOW_S,
+    PERIOD_S,
+    Pacer,
+    busy_share,
+    next_window,
+)
 
 MOST = 0.05
 
@@ -50,10 +60,12 @@ def test_observe_reports_each_new_window_and_logs_only_on_and_off(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     heard: list[float] = []
-    pacer = Pacer(MOST, on_change=heard.append)
+    clocks = Clocks()
+    pacer = Pacer(MOST, wall=clocks.wall, on_change=heard.append)
     with caplog.at_level(logging.INFO, logger="router.pacing"):
-        for busy in (0.9, 0.9, 0.45, 0.1, 0.1):
+        for busy in (0.9, 0.9, 0.5, 0.1, 0.1):
             pacer.observe(busy)
+            clocks.tick(LOG_EVERY_S / 2)
     assert heard == [MIN_WINDOW_S, 0.01, MIN_WINDOW_S, 0.0]
     assert pacer.window == 0.0
     lines = [r.getMessage() for r in caplog.records]
@@ -63,8 +75,26 @@ def test_observe_reports_each_new_window_and_logs_only_on_and_off(
     ]
 
 
+def test_a_load_swinging_about_the_line_logs_at_most_a_line_per_interval(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    clocks = Clocks()
+    pacer = Pacer(MOST, wall=clocks.wall)
+    with caplog.at_level(logging.INFO, logger="router.pacing"):
+        for _ in range(150):  # on, off, on, ... every 100 ms for 15 s
+            pacer.observe(0.9 if pacer.window == 0 else 0.1)
+            clocks.tick(0.1)
+    assert len(caplog.records) == 2  # at 0 s and at 10 s
+
+
+def test_the_busy_share_is_the_cpu_share_or_busy_when_the_wake_up_came_late() -> None:
+    assert busy_share(0.05, PERIOD_S) == pytest.approx(0.5)
+    assert busy_share(0.0, PERIOD_S + LATE_S) == BUSY  # held off the CPU
+    assert busy_share(0.1, PERIOD_S + LATE_S) == pytest.approx(1.0 / 1.05)
+
+
 class Clocks:
-    """A wall clock and a CPU clock that runs at ``share`` of it."""
+    """A wall clock, and a CPU clock that runs at ``share`` of it."""
 
     def __init__(self) -> None:
         self.share = 0.0
@@ -81,24 +111,28 @@ class Clocks:
         self._wall += seconds
         self._cpu += seconds * self.share
 
+    def period(self) -> float:
+        """As ``cpu``, a period on: Pacer.run reads it once a period, before
+        the wall clock (which then shows a wake-up exactly on time)."""
+        self.tick(PERIOD_S)
+        return self._cpu
 
-async def wait_for(check: Callable[[], bool], clocks: Clocks) -> None:
-    """Advance the fake clocks a period at a time until ``check()`` holds."""
+
+async def until(check: Callable[[], bool]) -> None:
     async with asyncio.timeout(10):
         while not check():
-            clocks.tick(0.1)
             await asyncio.sleep(0.02)
 
 
 async def test_run_opens_the_window_while_the_thread_is_busy_and_closes_it_after() -> None:
     clocks = Clocks()
-    pacer = Pacer(MOST, cpu=clocks.cpu, wall=clocks.wall)
+    pacer = Pacer(MOST, cpu=clocks.period, wall=clocks.wall)
     task = asyncio.create_task(pacer.run())
     try:
         clocks.share = 0.95
-        await wait_for(lambda: pacer.window == MOST, clocks)
+        await until(lambda: pacer.window == MOST)
         clocks.share = 0.05
-        await wait_for(lambda: pacer.window == 0.0, clocks)
+        await until(lambda: pacer.window == 0.0)
     finally:
         task.cancel()
 

@@ -203,19 +203,22 @@ async def test_a_send_the_client_cannot_take_yet_pauses_the_engine_until_it_has_
     assert [(o.completion_tokens, o.error) for o in outcomes] == [(2, False)]
 
 
-async def test_a_busy_loop_relays_a_stream_s_first_read_at_once_and_the_next_together() -> None:
-    first_sent = asyncio.Event()
-    engine_wrote = asyncio.Event()
+async def test_a_busy_loop_holds_a_fast_stream_s_reads_once_its_first_token_is_out() -> None:
     bodies: list[bytes] = []
+    relayed = [asyncio.Event() for _ in range(4)]  # relayed[n]: n + 1 bodies sent
+    engine_wrote = asyncio.Event()
     outcomes: list[Outcome] = []
     pacer = Pacer()
     pacer.window = 1.5  # as router.pacing keeps it for a busy loop
+    role = event({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await read_request(reader)
-        writer.write(HEAD + chunk(token("a")))
-        await writer.drain()
-        await first_sent.wait()
+        # Each event once the one before is relayed: one read each, fast.
+        for n, piece in enumerate((HEAD + chunk(role), chunk(role), chunk(token("a")))):
+            writer.write(piece)
+            await writer.drain()
+            await relayed[n].wait()
         # Three writes, each its own read were the connection read at once.
         for piece in (chunk(token("b")), chunk(token("c")), chunk(FINISH) + chunk(DONE) + END):
             writer.write(piece)
@@ -225,7 +228,8 @@ async def test_a_busy_loop_relays_a_stream_s_first_read_at_once_and_the_next_tog
     async def send(message: Message) -> None:
         if message["type"] == "http.response.body":
             bodies.append(message["body"])
-            first_sent.set()
+            if len(bodies) <= len(relayed):
+                relayed[len(bodies) - 1].set()
 
     async with answer(handle) as (response, url):
         watched = Watched(response)
@@ -234,11 +238,13 @@ async def test_a_busy_loop_relays_a_stream_s_first_read_at_once_and_the_next_tog
         relay = _Relay(watched, route, call, Metrics(RoutingTable()), pacer)  # type: ignore[arg-type]
         pump = asyncio.ensure_future(relay.pump(send, []))
         async with asyncio.timeout(10):
+            await relayed[1].wait()
+            assert watched.log == []  # no token yet (role-only events): nothing held
             await engine_wrote.wait()
-            assert bodies == [token("a")]  # the first token was not held
-            assert watched.log == ["pause"]  # the connection is left unread for the window
+            assert bodies == [role, role, token("a")]  # the first token was not held
+            assert watched.log == ["pause"]  # after it, the connection is left unread
             await pump
-    assert bodies == [token("a"), token("b") + token("c") + FINISH + DONE, b""]
+    assert bodies == [role, role, token("a"), token("b") + token("c") + FINISH + DONE, b""]
     assert watched.log[:2] == ["pause", "resume"]
     assert [(o.completion_tokens, o.error) for o in outcomes] == [(3, False)]
 

@@ -165,6 +165,10 @@ class RouterSettings(_Common):
     store_wait_s: float = Field(default=2.0, gt=0)
     key_stale_s: float = Field(default=3600.0, ge=0)
     usage_flush_interval_s: float = 1.0
+    # Where usage the store could not take yet is kept (router/usage_spool.py;
+    # default <work_dir>/router-usage): a router killed during a store outage
+    # leaves it there for the next router started with the same directory.
+    usage_spool_dir: Path | None = None
     max_request_bytes: int = 8 * 1024 * 1024
     # Names this router in its load reports to the deployments (elastic
     # serving): unique among the routers of one system.
@@ -173,6 +177,10 @@ class RouterSettings(_Common):
     # request span and /metrics say more, and the line costs a tenth of the
     # router's CPU per request.
     access_log: bool = False
+
+    def resolved_usage_spool_dir(self) -> Path:
+        """Where this router's usage spool lives, absolute."""
+        return (self.usage_spool_dir or self.work_dir / "router-usage").resolve()
 
 
 class UpSettings(_Common):

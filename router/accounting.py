@@ -7,8 +7,9 @@ Settling and usage are not on the request path: they are queued in memory
 and written in one batch every ``flush_interval_s`` (and at shutdown), so a
 request costs the store one UPDATE when its key has quotas and nothing when
 it has none. A router killed with SIGKILL loses at most the last interval's
-usage; its reservations then stay counted until their window ends (the
-safe direction).
+usage, also during a store outage: what a flush could not write is kept in
+the spool (router/usage_spool.py) for the next router; its reservations then
+stay counted until their window ends (the safe direction).
 """
 
 import asyncio
@@ -16,7 +17,7 @@ import logging
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from llmgw.errors import StoreError
 from llmgw.store import Store
@@ -25,6 +26,7 @@ from router.blocking import STORE_WAIT_S, Warnings, in_thread, within
 from router.errors import store_unavailable
 from router.quotas import Limits, Quotas, Rejection, Reservation
 from router.usage import UsageDelta, UsageKey, day_of, record
+from router.usage_spool import UsageSpool
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +50,10 @@ class Accountant:
         flush_interval_s: float = 1.0,
         clock: Callable[[], float] = time.time,
         store_wait_s: float = STORE_WAIT_S,
+        spool: UsageSpool | None = None,
     ) -> None:
         self._store = store
+        self._spool = spool
         self._clock = clock
         self._wait = store_wait_s
         self._warnings = Warnings(log)
@@ -124,6 +128,34 @@ class Accountant:
                 finally:  # also when cancelled: shutdown flushes once more
                     for k, d in left.items():
                         self._usage[k].add(d)
+                await self._keep(bool(left))
+
+    async def _keep(self, failed: bool) -> None:
+        """Spool what is pending after a failed write; forget the spool once
+        a write has taken everything (all the spool held was pending then)."""
+        if self._spool is None:
+            return
+        try:
+            if failed:
+                pending = {k: replace(d) for k, d in self._usage.items()}
+                await in_thread(self._spool.save, pending)
+            else:
+                self._spool.clear()  # no file I/O unless one was kept
+        except OSError as exc:
+            self._warnings.warn("usage spool: %s", exc)
+
+    async def open(self) -> None:
+        """Queue the usage that routers stopped during a store outage left
+        in the spool (from its lock on, this router's spool is its own)."""
+        if self._spool is not None:
+            taken = await in_thread(self._spool.open)
+            for k, d in taken.items():
+                self._usage[k].add(d)
+
+    def close(self) -> None:
+        """After the last flush: what it could not write stays in the spool."""
+        if self._spool is not None:
+            self._spool.close()
 
     async def run(self) -> None:
         """Flush every interval until cancelled; the caller flushes once more at shutdown."""

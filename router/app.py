@@ -38,6 +38,7 @@ from router.proxy import Proxy
 from router.routing import ReplicaSource, RoutingTable, refresh_forever
 from router.upstream import AiohttpUpstream, Upstream
 from router.upstream_raw import RawUpstream
+from router.usage_spool import UsageSpool
 
 MiB = 1024 * 1024
 
@@ -112,6 +113,7 @@ def create_app(
     usage_flush_interval_s: float = 1.0,
     max_request_bytes: int = 8 * MiB,
     stream_coalesce_max_s: float = MAX_WINDOW_S,
+    usage_spool: UsageSpool | None = None,
     clock: Callable[[], float] = time.time,
     tracer: Tracer | None = None,
     adapter_loader: AdapterLoader | None = None,
@@ -136,7 +138,7 @@ def create_app(
     ready = asyncio.Event()
     metrics = Metrics(table)
     pacer = Pacer(stream_coalesce_max_s, on_change=metrics.coalesce_window.set)
-    accountant = Accountant(store, usage_flush_interval_s, clock, store_wait_s)
+    accountant = Accountant(store, usage_flush_interval_s, clock, store_wait_s, usage_spool)
 
     def key_of(replica_id: str) -> str:
         return engine_key(secret, replica_id)
@@ -148,6 +150,7 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await accountant.open()
         tasks = [
             asyncio.create_task(
                 refresh_forever(
@@ -170,6 +173,7 @@ def create_app(
                     await task
             await admission.aclose()
             await accountant.flush()
+            accountant.close()
             await client.aclose()
             await prober.aclose()
             if on_close:

@@ -19,6 +19,7 @@ from llmgw.tracing import setup_tracing
 from router.app import create_app, make_upstream
 from router.replica_source import TemporalReplicaSource
 from router.routing import ReplicaSource
+from router.usage_spool import UsageSpool, spool_dir
 
 log = logging.getLogger(__name__)
 # Of shutdown_timeout_s, what is kept for the lifespan's shutdown (the last
@@ -57,6 +58,10 @@ def build(
         usage_flush_interval_s=settings.usage_flush_interval_s,
         max_request_bytes=settings.max_request_bytes,
         stream_coalesce_max_s=settings.stream_coalesce_max_s,
+        usage_spool=UsageSpool(
+            spool_dir(settings.resolved_usage_spool_dir(), settings.resolved_store_url()),
+            settings.router_id,
+        ),
         tracer=tracer,
         router_id=settings.router_id,
     )

@@ -16,15 +16,18 @@ import signal
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from subprocess import Popen
 
 import httpx
 import openai
 import pytest
+from pydantic import TypeAdapter
 
 from llmgw.cli.procs import wait_for
 from llmgw.store import Store
 from router import usage
 from router.apikeys import KeyPolicy, create_key
+from router.usage_spool import SpooledUsage
 from tests.bench.fasthttp import MODEL
 from tests.bench.procs import free_port, spawn, stop, wait_http
 from tests.pg import PgCluster, own_cluster
@@ -58,13 +61,14 @@ def refused(port: int, key: str) -> openai.APIStatusError:
     return caught.value
 
 
-@contextlib.contextmanager
-def router_on(store_url: str, work: Path) -> Iterator[int]:
-    """The mock engine and a router in front of it on ``store_url``; the router's port."""
-    up_port, port = free_port(), free_port()
-    python = [sys.executable, "-m", "tests.bench.bench_router"]
-    engine = spawn([*python, "_upstream", str(up_port), "0.001"], dict(os.environ),
-                   work / "engine.log")  # fmt: skip
+PYTHON = [sys.executable, "-m", "tests.bench.bench_router"]
+
+
+def start_router(
+    store_url: str, work: Path, engine_port: int, log: str
+) -> tuple[Popen[bytes], int]:
+    """A router on ``store_url`` in front of the mock engine, serving; and its port."""
+    port = free_port()
     env = dict(
         os.environ,
         LLMGW_STORE_URL=store_url,
@@ -72,18 +76,38 @@ def router_on(store_url: str, work: Path) -> Iterator[int]:
         LLMGW_KEY_CACHE_TTL_S="0.2",  # answers go stale at once: the outage path
         LLMGW_STORE_WAIT_S="1",
         LLMGW_USAGE_FLUSH_INTERVAL_S="0.2",
+        LLMGW_USAGE_SPOOL_DIR=str(work / "spool"),
         LLMGW_ADMIN_KEY=ADMIN_KEY,
     )
-    router = spawn([*python, "_router", f"http://127.0.0.1:{up_port}"], env,
-                   work / "router.log")  # fmt: skip
+    router = spawn([*PYTHON, "_router", f"http://127.0.0.1:{engine_port}"], env, work / log)
+    loaded = b'"routing_table_loaded":true'
+    if not wait_http(port, "/healthz", lambda d: loaded in d, 60):
+        stop(router)
+        raise AssertionError((work / log).read_text()[-2000:])
+    return router, port
+
+
+@contextlib.contextmanager
+def engine_on(work: Path) -> Iterator[int]:
+    """The mock engine; its port."""
+    port = free_port()
+    engine = spawn([*PYTHON, "_upstream", str(port), "0.001"], dict(os.environ),
+                   work / "engine.log")  # fmt: skip
     try:
-        loaded = b'"routing_table_loaded":true'
-        up = wait_http(port, "/healthz", lambda d: loaded in d, 60)
-        assert up, (work / "router.log").read_text()[-2000:]
         yield port
     finally:
-        stop(router)
         stop(engine)
+
+
+@contextlib.contextmanager
+def router_on(store_url: str, work: Path) -> Iterator[int]:
+    """The mock engine and a router in front of it on ``store_url``; the router's port."""
+    with engine_on(work) as engine_port:
+        router, port = start_router(store_url, work, engine_port, "router.log")
+        try:
+            yield port
+        finally:
+            stop(router)
 
 
 @contextlib.contextmanager
@@ -169,3 +193,54 @@ def test_a_store_outage_leaves_known_keys_served_and_answers_the_rest_in_time(
     log = (tmp_path / "router.log").read_text()
     assert "store did not answer a key lookup" in log
     assert all(k not in log for k in (plain_key, quota_key, ADMIN_KEY))  # never in logs
+
+
+def spooled(spool: Path) -> int:
+    """Requests kept in the usage spools under ``spool``."""
+    rows = TypeAdapter(list[SpooledUsage])
+    return sum(
+        r.requests for f in spool.rglob("*.json") for r in rows.validate_json(f.read_bytes())
+    )
+
+
+def test_usage_of_a_router_killed_during_a_store_outage_is_billed_by_the_next(
+    tmp_path: Path, own_pg: PgCluster
+) -> None:
+    store_url = own_pg.create_database()
+    store = Store(store_url)
+    store.migrate()
+    plain, plain_key = create_key(store, "plain", KeyPolicy())
+    spool = tmp_path / "spool"
+
+    def requests_billed() -> int:
+        rows = usage.query(store, plain.id, MODEL)
+        return rows[0].requests if rows else 0
+
+    try:
+        with engine_on(tmp_path) as engine_port:
+            router, port = start_router(store_url, tmp_path, engine_port, "router.log")
+            try:
+                ask(port, plain_key)
+                assert wait_for(lambda: requests_billed() == 1, 30)
+                with outage(own_pg, "stopped"):
+                    for _ in range(3):
+                        assert ask(port, plain_key).choices[0].message.content
+                    # Flushes failed: what they could not write is on disk.
+                    assert wait_for(lambda: spooled(spool) == 3, 30)
+                    router.kill()
+                    router.wait()
+            finally:
+                stop(router)
+            # The store is back; the next router on this host and store bills
+            # the killed one's usage, once.
+            router, port = start_router(store_url, tmp_path, engine_port, "router2.log")
+            try:
+                assert wait_for(lambda: requests_billed() >= 4, 30), requests_billed()
+                assert requests_billed() == 4
+                # Written: the spool is gone.
+                assert wait_for(lambda: not any(spool.rglob("*.json")), 30)
+            finally:
+                stop(router)
+    finally:
+        store.close()
+    assert "took over the usage of stopped routers" in (tmp_path / "router2.log").read_text()

@@ -112,22 +112,25 @@ class Accountant:
         async with self._lock:
             usage, self._usage = self._usage, defaultdict(UsageDelta)
             settle, self._settle = self._settle, defaultdict(int)
-            if settle:
-                try:
-                    await in_thread(self._quotas.settle, dict(settle))
-                except Exception as exc:
-                    log.warning("quota settlement failed, will retry: %s", exc)
-                    for s, n in settle.items():
-                        self._settle[s] += n
-            if usage:
-                left = dict(usage)  # record() takes out each row it has added
-                try:
-                    await in_thread(record, self._store, left)
-                except Exception as exc:
-                    log.warning("usage write failed, will retry: %s", exc)
-                finally:  # also when cancelled: shutdown flushes once more
-                    for k, d in left.items():
-                        self._usage[k].add(d)
+            left = dict(usage)  # record() takes out each row it has added
+            try:
+                if settle:
+                    try:
+                        await in_thread(self._quotas.settle, dict(settle))
+                    except Exception as exc:
+                        log.warning("quota settlement failed, will retry: %s", exc)
+                        for s, n in settle.items():
+                            self._settle[s] += n
+                if left:
+                    try:
+                        await in_thread(record, self._store, left)
+                    except Exception as exc:
+                        log.warning("usage write failed, will retry: %s", exc)
+            finally:
+                # Also when cancelled (shutdown flushes once more): what was
+                # not written is queued again, and the spool says so.
+                for k, d in left.items():
+                    self._usage[k].add(d)
                 await self._keep(bool(left))
 
     async def _keep(self, failed: bool) -> None:
@@ -139,8 +142,8 @@ class Accountant:
             if failed:
                 pending = {k: replace(d) for k, d in self._usage.items()}
                 await in_thread(self._spool.save, pending)
-            else:
-                self._spool.clear()  # no file I/O unless one was kept
+            elif self._spool.kept:
+                await in_thread(self._spool.clear)
         except OSError as exc:
             self._warnings.warn("usage spool: %s", exc)
 

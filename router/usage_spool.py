@@ -7,18 +7,20 @@ them all: the outage's requests were never billed. So after a flush that
 could not write everything, the usage still pending is saved here, and
 removed once a flush has written it all.
 
-One directory per store (``spool_dir``), in it one file per router process
-that has usage kept: ``<router id>.json`` (replaced whole: written aside,
-then renamed over), beside ``<router id>.lock``, which the process holds
+One directory per store (``spool_dir``), in it one spool per router process
+that has usage kept: ``<router id>-<nonce>.json`` (replaced whole: written
+aside, then renamed over), beside its ``.lock``, which the process holds
 locked (``flock``) from its first save until the spool is cleared. A router
-starting takes over every spool whose lock it can take (its router is
+starting takes over every spool whose lock it can take (its process is
 gone): it queues that usage as its own, saves it in its own spool, then
-removes the old one. A router killed elsewhere leaves its spool on its host,
-for the next router started there on the same store.
+removes the old one. A spool left by a router on another host waits for the
+next router started on that host with the same store. Keep the directory
+on a local disk: ``flock`` over NFS is not a lock to rely on.
 
-Exactness: a router killed between the store committing a row and the
-spool being rewritten (one flush, milliseconds) bills that row again on
-replay; anything else is billed once.
+Exactness: usage is billed once, except when a router dies after the store
+committed some of a flush's rows and before the spool was rewritten (the
+length of one flush's writes), or while taking a spool over (between saving
+it as its own and removing the old one): those rows are billed again.
 """
 
 import fcntl
@@ -26,9 +28,12 @@ import hashlib
 import logging
 import os
 import re
+import uuid
 from pathlib import Path
 
-from pydantic import BaseModel, TypeAdapter
+from pydantic import BaseModel, TypeAdapter, ValidationError
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError
 
 from router.usage import UsageDelta, UsageKey
 
@@ -78,8 +83,43 @@ def _load(data: bytes, into: Pending) -> None:
 
 def spool_dir(base: Path, store_url: str) -> Path:
     """The spool directory for routers of one store: a router takes over only
-    usage that was meant for the store it writes to."""
-    return base / hashlib.sha256(store_url.encode()).hexdigest()[:16]
+    usage that was meant for the store it writes to. Named by a digest of the
+    URL without its password (a rotated password is the same store)."""
+    try:
+        url = make_url(store_url)._replace(password=None).render_as_string(hide_password=False)
+    except ArgumentError:
+        url = store_url
+    return base / hashlib.sha256(url.encode()).hexdigest()[:16]
+
+
+def _fsync_dir(directory: Path) -> None:
+    """A rename or removal in ``directory`` made durable (a power loss must
+    not bring back a spool already billed)."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _lock(path: Path, create: bool) -> int | None:
+    """``path`` opened and locked; None when another process holds it or it
+    is gone (removed between the open and the lock: that file is not the
+    spool's lock any more)."""
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_RDWR if create else os.O_RDWR, 0o600)
+    except FileNotFoundError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        st = os.fstat(fd)
+        now = os.stat(path)
+        if (st.st_dev, st.st_ino) != (now.st_dev, now.st_ino):
+            raise FileNotFoundError(path)
+    except (BlockingIOError, FileNotFoundError):
+        os.close(fd)
+        return None
+    return fd
 
 
 class UsageSpool:
@@ -89,7 +129,9 @@ class UsageSpool:
 
     def __init__(self, directory: Path, owner: str) -> None:
         self._dir = directory
-        name = re.sub(r"[^A-Za-z0-9_.-]", "_", owner)  # a router id, as a file name
+        # The router id names it for people; the nonce keeps two processes
+        # with one id (PID 1 in two containers) from sharing a file.
+        name = re.sub(r"[^A-Za-z0-9_.-]", "_", owner) + "-" + uuid.uuid4().hex[:8]
         self._data = directory / f"{name}.json"
         self._lock = directory / f"{name}.lock"
         self._fd: int | None = None
@@ -102,31 +144,29 @@ class UsageSpool:
         taken: Pending = {}
         orphans: list[tuple[Path, int]] = []
         for lock in sorted(self._dir.glob("*.lock")):
-            try:
-                fd = os.open(lock, os.O_RDWR)
-            except FileNotFoundError:
-                continue  # its router has just cleared it
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)  # its router runs: its spool is its own
-                continue
+            fd = _lock(lock, create=False)
+            if fd is None:
+                continue  # its router runs (or has just cleared it)
+            orphans.append((lock, fd))
             data = lock.with_suffix(".json")
-            if data.exists():
-                _load(data.read_bytes(), taken)
-            if lock == self._lock:
-                self._fd = fd  # left by an earlier run under this router id: ours
-            else:
-                orphans.append((lock, fd))
+            try:
+                if data.exists():
+                    _load(data.read_bytes(), taken)
+            except (OSError, ValidationError) as exc:
+                # Not ours to read (damaged, another version): set aside, not
+                # billed, and the routers still start.
+                log.warning("usage spool %s unreadable, set aside as .bad: %s", data, exc)
+                data.rename(data.with_suffix(".bad"))
         if taken:
             self.save(taken)  # ours before theirs go: nothing is lost in between
             log.info("took over the usage of stopped routers from %s", self._dir)
-        else:
-            self.clear()  # an earlier run's empty lock, if any
         for lock, fd in orphans:
             lock.with_suffix(".json").unlink(missing_ok=True)
+            lock.with_suffix(".json.tmp").unlink(missing_ok=True)
             lock.unlink(missing_ok=True)
             os.close(fd)
+        if orphans:
+            _fsync_dir(self._dir)
         return taken
 
     def save(self, pending: Pending) -> None:
@@ -134,21 +174,28 @@ class UsageSpool:
         if self._fd is None:
             # The lock first: from now on no other router takes this spool.
             self._dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-            fd = os.open(self._lock, os.O_CREAT | os.O_RDWR, 0o600)
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            self._fd = fd
+            self._fd = _lock(self._lock, create=True)
+            if self._fd is None:
+                raise OSError(f"{self._lock} is locked by another process")
         aside = self._data.with_suffix(".json.tmp")
         with open(os.open(aside, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600), "wb") as f:
             f.write(_dump(pending))
             f.flush()
             os.fsync(f.fileno())
         os.replace(aside, self._data)
+        _fsync_dir(self._dir)
+
+    @property
+    def kept(self) -> bool:
+        """Whether this router has usage kept (files on disk)."""
+        return self._fd is not None
 
     def clear(self) -> None:
         """Everything kept has reached the store: the files go (the data first)."""
         if self._fd is not None:
             self._data.unlink(missing_ok=True)
             self._lock.unlink(missing_ok=True)
+            _fsync_dir(self._dir)
             os.close(self._fd)
             self._fd = None
 

@@ -2,11 +2,16 @@
 kept on disk for the next router when this one is killed; a router that is
 still running keeps its own."""
 
+import asyncio
+import re
 import subprocess
 import sys
+import time
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import pytest
+from sqlmodel import Session
 
 from router.accounting import Accountant, Outcome
 from router.usage import UsageDelta, UsageKey
@@ -30,7 +35,10 @@ time.sleep(120)
 
 
 def files(directory: Path) -> list[str]:
-    return sorted(p.name for p in directory.iterdir()) if directory.exists() else []
+    """The file names in ``directory``, each spool's nonce left out."""
+    if not directory.exists():
+        return []
+    return sorted(re.sub(r"-[0-9a-f]{8}\.", ".", p.name) for p in directory.iterdir())
 
 
 def test_a_killed_router_s_spool_is_taken_over_only_once_it_is_gone(tmp_path: Path) -> None:
@@ -51,31 +59,38 @@ def test_a_killed_router_s_spool_is_taken_over_only_once_it_is_gone(tmp_path: Pa
     assert files(tmp_path) == []
 
 
-def test_a_router_restarted_under_its_own_id_finds_its_spool(tmp_path: Path) -> None:
-    first = UsageSpool(tmp_path, "router-1")
-    first.open()
-    first.save({KEY: UsageDelta(requests=5)})
-    first.close()  # stopped with the store still down: the spool stays
-    again = UsageSpool(tmp_path, "router-1")
-    assert again.open() == {KEY: UsageDelta(requests=5)}
-    again.save({KEY: UsageDelta(requests=6)})  # its own file, replaced
-    again.close()
-    assert UsageSpool(tmp_path, "router-2").open() == {KEY: UsageDelta(requests=6)}
+def test_two_routers_with_one_id_keep_a_spool_each(tmp_path: Path) -> None:
+    one, two = UsageSpool(tmp_path, "pid-1"), UsageSpool(tmp_path, "pid-1")
+    one.save({KEY: UsageDelta(requests=1)})
+    two.save({KEY: UsageDelta(requests=2)})
+    assert files(tmp_path) == ["pid-1.json", "pid-1.json", "pid-1.lock", "pid-1.lock"]
+    assert UsageSpool(tmp_path, "other").open() == {}  # both run
+    one.close()  # stopped with its usage kept: the next router bills it
+    assert UsageSpool(tmp_path, "pid-1").open() == {KEY: UsageDelta(requests=1)}
+
+
+def test_a_damaged_spool_is_set_aside_and_routers_still_start(tmp_path: Path) -> None:
+    gone = UsageSpool(tmp_path, "gone")
+    gone.save({KEY: UsageDelta(requests=1)})
+    gone.close()
+    next(tmp_path.glob("gone-*.json")).write_bytes(b'[{"key_id": "not a number"')
+    assert UsageSpool(tmp_path, "next").open() == {}
+    assert files(tmp_path) == ["gone.bad"]
 
 
 def test_a_router_that_never_needed_the_spool_leaves_nothing(tmp_path: Path) -> None:
     spool = UsageSpool(tmp_path / "spool", "r")
     assert spool.open() == {}
-    spool.clear()
+    assert not spool.kept
     spool.close()
     assert not (tmp_path / "spool").exists()
 
 
-def test_each_store_has_its_own_spool_directory(tmp_path: Path) -> None:
-    a = spool_dir(tmp_path, "postgresql://u:p@db1/llmgw")
-    assert a == spool_dir(tmp_path, "postgresql://u:p@db1/llmgw")
-    assert a != spool_dir(tmp_path, "postgresql://u:p@db2/llmgw")
-    assert "p@db1" not in str(a)  # a digest: no password in a path
+def test_each_store_has_its_own_spool_directory_whatever_its_password(tmp_path: Path) -> None:
+    a = spool_dir(tmp_path, "postgresql://u:p1@db1/llmgw")
+    assert a == spool_dir(tmp_path, "postgresql://u:rotated@db1/llmgw")
+    assert a != spool_dir(tmp_path, "postgresql://u:p1@db2/llmgw")
+    assert spool_dir(tmp_path, "sqlite:///a.db") != spool_dir(tmp_path, "sqlite:///b.db")
 
 
 @pytest.fixture
@@ -99,6 +114,48 @@ async def test_usage_a_stopped_router_could_not_write_is_billed_once_by_the_next
     first.close()  # the router stops (or is killed) before the store is back
     assert files(spool) == ["first.json", "first.lock"]
     store.fail_from(None)
+    second = Accountant(store, spool=UsageSpool(spool, "second"))
+    await second.open()
+    await second.flush()
+    second.close()
+    assert billed(store) == dict.fromkeys(MODELS, 1)
+    assert files(spool) == []
+
+
+class SlowStore(FlakyStore):
+    """Each row's write takes a while: a flush can be cancelled part-way."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.writing = asyncio.Event()
+        self.loop = asyncio.get_running_loop()
+
+    def session(self) -> AbstractContextManager[Session]:
+        self.loop.call_soon_threadsafe(self.writing.set)
+        time.sleep(0.05)
+        return super().session()
+
+
+async def test_a_flush_cancelled_part_way_leaves_the_spool_as_true_as_the_store(
+    tmp_path: Path,
+) -> None:
+    store = SlowStore(f"sqlite:///{tmp_path / 'store.db'}")
+    store.migrate()
+    spool = tmp_path / "spool"
+    first = Accountant(store, spool=UsageSpool(spool, "first"))
+    for model in MODELS:
+        first.done(1, model, None, Outcome(prompt_tokens=3, completion_tokens=2))
+    store.fail_from(1)
+    await first.flush()  # the store is down: all four kept
+    store.fail_from(None)
+    store.writing.clear()
+    flushing = asyncio.create_task(first.flush())
+    await store.writing.wait()
+    flushing.cancel()  # as shutdown cancels the flush loop, mid-write
+    with pytest.raises(asyncio.CancelledError):
+        await flushing
+    await first.flush()  # shutdown's last flush
+    first.close()
     second = Accountant(store, spool=UsageSpool(spool, "second"))
     await second.open()
     await second.flush()

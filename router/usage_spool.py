@@ -31,36 +31,25 @@ import re
 import uuid
 from pathlib import Path
 
-from pydantic import BaseModel, TypeAdapter, ValidationError
+from pydantic import TypeAdapter, ValidationError
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
 
-from router.usage import UsageDelta, UsageKey
+from router.usage import UsageDelta, UsageKey, UsageRow
 
 log = logging.getLogger(__name__)
 
 Pending = dict[UsageKey, UsageDelta]
 
 
-class SpooledUsage(BaseModel):
-    """One usage row's pending delta, as the spool file holds it."""
-
-    key_id: int
-    model: str
-    day: str
-    requests: int
-    errors: int
-    prompt_tokens: int
-    completion_tokens: int
-
-
-_FILE = TypeAdapter(list[SpooledUsage])
+# On disk: the rows' pending deltas, in the admin API's usage row shape.
+_FILE = TypeAdapter(list[UsageRow])
 
 
 def _dump(pending: Pending) -> bytes:
     return _FILE.dump_json(
         [
-            SpooledUsage(
+            UsageRow(
                 key_id=k.key_id,
                 model=k.model,
                 day=k.day,

@@ -27,7 +27,6 @@ from llmgw.cli.procs import wait_for
 from llmgw.store import Store
 from router import usage
 from router.apikeys import KeyPolicy, create_key
-from router.usage_spool import SpooledUsage
 from tests.bench.fasthttp import MODEL
 from tests.bench.procs import free_port, spawn, stop, wait_http
 from tests.pg import PgCluster, own_cluster
@@ -197,7 +196,7 @@ def test_a_store_outage_leaves_known_keys_served_and_answers_the_rest_in_time(
 
 def spooled(spool: Path) -> int:
     """Requests kept in the usage spools under ``spool``."""
-    rows = TypeAdapter(list[SpooledUsage])
+    rows = TypeAdapter(list[usage.UsageRow])
     return sum(
         r.requests for f in spool.rglob("*.json") for r in rows.validate_json(f.read_bytes())
     )

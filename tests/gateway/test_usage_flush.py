@@ -59,10 +59,15 @@ def test_a_batch_cut_short_keeps_only_the_rows_it_did_not_add(store: FlakyStore)
     assert billed(store) == dict.fromkeys(MODELS, 1)
 
 
-async def test_a_flush_cut_short_bills_every_request_once(store: FlakyStore) -> None:
-    accountant = Accountant(store)
+def serve_one_each(accountant: Accountant) -> None:
+    """A request of key 1 to each model, as the router queues it once answered."""
     for model in MODELS:
         accountant.done(1, model, None, Outcome(prompt_tokens=3, completion_tokens=2))
+
+
+async def test_a_flush_cut_short_bills_every_request_once(store: FlakyStore) -> None:
+    accountant = Accountant(store)
+    serve_one_each(accountant)
     store.fail_from(3)
     await accountant.flush()  # two rows written, then the store fails
     store.fail_from(None)

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 from sqlmodel import Session
 
-from router.accounting import Accountant, Outcome
+from router.accounting import Accountant
 from router.usage import UsageDelta, UsageKey
 from router.usage_spool import UsageSpool, spool_dir
-from tests.gateway.test_usage_flush import MODELS, FlakyStore, billed
+from tests.gateway.test_usage_flush import MODELS, FlakyStore, billed, serve_one_each
 
 KEY = UsageKey(1, "m", "2026-12-04")
 
@@ -106,14 +106,19 @@ async def test_usage_a_stopped_router_could_not_write_is_billed_once_by_the_next
     spool = tmp_path / "spool"
     first = Accountant(store, spool=UsageSpool(spool, "first"))
     await first.open()
-    for model in MODELS:
-        first.done(1, model, None, Outcome(prompt_tokens=3, completion_tokens=2))
+    serve_one_each(first)
     store.fail_from(3)  # two rows land, then the store is down
     await first.flush()
     await first.flush()  # still down: the spool is rewritten, not added to
     first.close()  # the router stops (or is killed) before the store is back
     assert files(spool) == ["first.json", "first.lock"]
     store.fail_from(None)
+    await next_router_bills_once(store, spool)
+
+
+async def next_router_bills_once(store: FlakyStore, spool: Path) -> None:
+    """The next router on the spool takes it over and writes it: each
+    request of ``serve_one_each`` billed once, and nothing left kept."""
     second = Accountant(store, spool=UsageSpool(spool, "second"))
     await second.open()
     await second.flush()
@@ -143,8 +148,7 @@ async def test_a_flush_cancelled_part_way_leaves_the_spool_as_true_as_the_store(
     store.migrate()
     spool = tmp_path / "spool"
     first = Accountant(store, spool=UsageSpool(spool, "first"))
-    for model in MODELS:
-        first.done(1, model, None, Outcome(prompt_tokens=3, completion_tokens=2))
+    serve_one_each(first)
     store.fail_from(1)
     await first.flush()  # the store is down: all four kept
     store.fail_from(None)
@@ -156,9 +160,4 @@ async def test_a_flush_cancelled_part_way_leaves_the_spool_as_true_as_the_store(
         await flushing
     await first.flush()  # shutdown's last flush
     first.close()
-    second = Accountant(store, spool=UsageSpool(spool, "second"))
-    await second.open()
-    await second.flush()
-    second.close()
-    assert billed(store) == dict.fromkeys(MODELS, 1)
-    assert files(spool) == []
+    await next_router_bills_once(store, spool)

@@ -20,7 +20,7 @@ read is relayed as it comes, as before.
 The window follows the share of wall time the loop's thread spends on the
 CPU, measured every ``PERIOD_S`` (a period whose wake-up comes ``LATE_S``
 late counts as busy: a thread held off the CPU is as slow to serve as a
-busy one): at ``BUSY`` or more it doubles (from
+busy one): at ``BUSY`` or more (two periods in a row to open it) it doubles (from
 ``MIN_WINDOW_S``, up to the configured most), below ``EASY`` it halves
 (below ``MIN_WINDOW_S``: none). Between the two it holds, so a window that
 brought the loop back under ``BUSY`` stays rather than swinging.
@@ -44,11 +44,15 @@ LOG_EVERY_S = 10.0
 MAX_WINDOW_S = 0.05
 
 
-def next_window(window: float, busy: float, most: float) -> float:
-    """The window for the next period, given this one's and the loop's busy share."""
+def next_window(window: float, busy: float, most: float, busy_before: bool = True) -> float:
+    """The window for the next period, given this one's, the loop's busy share
+    and whether the period before was busy too: a window opens only after two
+    busy periods in a row, not on one spike (a start-up, a collection)."""
     if most <= 0:
         return 0.0
     if busy >= BUSY:
+        if not window and not busy_before:
+            return 0.0
         return min(most, max(MIN_WINDOW_S, window * 2))
     if busy < EASY:
         half = window / 2
@@ -85,10 +89,12 @@ class Pacer:
         self._wall = wall
         self._on_change = on_change
         self._quiet_until = float("-inf")
+        self._was_busy = False
 
     def observe(self, busy: float) -> float:
         """Take one period's busy share; the window from now on."""
-        window = next_window(self.window, busy, self.most)
+        window = next_window(self.window, busy, self.most, self._was_busy)
+        self._was_busy = busy >= BUSY
         if window != self.window:
             now = self._wall()
             if (not self.window or not window) and now >= self._quiet_until:

@@ -34,6 +34,12 @@ def test_a_busy_loop_opens_the_window_then_doubles_it_up_to_the_most() -> None:
     assert windows == [0.0, MIN_WINDOW_S, 0.01, 0.02, 0.04, MOST, MOST]
 
 
+def test_one_busy_period_alone_opens_no_window() -> None:
+    assert next_window(0.0, 1.0, MOST, busy_before=False) == 0.0
+    assert next_window(0.0, 1.0, MOST, busy_before=True) == MIN_WINDOW_S
+    assert next_window(0.01, 1.0, MOST, busy_before=False) == 0.02  # open: it widens
+
+
 def test_between_easy_and_busy_the_window_holds() -> None:
     middle = (EASY + BUSY) / 2
     assert next_window(0.02, middle, MOST) == 0.02
@@ -63,10 +69,10 @@ def test_observe_reports_each_new_window_and_logs_only_on_and_off(
     clocks = Clocks()
     pacer = Pacer(MOST, wall=clocks.wall, on_change=heard.append)
     with caplog.at_level(logging.INFO, logger="router.pacing"):
-        for busy in (0.9, 0.9, 0.5, 0.1, 0.1):
+        for busy in (0.9, 0.9, 0.9, 0.5, 0.1, 0.1):
             pacer.observe(busy)
             clocks.tick(LOG_EVERY_S / 2)
-    assert heard == [MIN_WINDOW_S, 0.01, MIN_WINDOW_S, 0.0]
+    assert heard == [MIN_WINDOW_S, 0.01, MIN_WINDOW_S, 0.0]  # opened at the second
     assert pacer.window == 0.0
     lines = [r.getMessage() for r in caplog.records]
     assert lines == [
@@ -81,7 +87,7 @@ def test_a_load_swinging_about_the_line_logs_at_most_a_line_per_interval(
     clocks = Clocks()
     pacer = Pacer(MOST, wall=clocks.wall)
     with caplog.at_level(logging.INFO, logger="router.pacing"):
-        for _ in range(150):  # on, off, on, ... every 100 ms for 15 s
+        for _ in range(150):  # on, off, on, ... for 15 s
             pacer.observe(0.9 if pacer.window == 0 else 0.1)
             clocks.tick(0.1)
     assert len(caplog.records) == 2  # at 0 s and at 10 s

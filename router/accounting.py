@@ -7,9 +7,9 @@ Settling and usage are not on the request path: they are queued in memory
 and written in one batch every ``flush_interval_s`` (and at shutdown), so a
 request costs the store one UPDATE when its key has quotas and nothing when
 it has none. A router killed with SIGKILL loses at most the last interval's
-usage, also during a store outage: what a flush could not write is kept in
-the spool (router/usage_spool.py) for the next router; its reservations then
-stay counted until their window ends (the safe direction).
+usage, also during a store outage: usage owed is kept in the spool
+(router/usage_batches.py, router/usage_spool.py) for the next router; its
+reservations then stay counted until their window ends (the safe direction).
 """
 
 import asyncio
@@ -17,15 +17,16 @@ import logging
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from llmgw.errors import StoreError
 from llmgw.store import Store
 from router.apikeys import KeyPolicy
-from router.blocking import STORE_WAIT_S, Warnings, in_thread, within
+from router.blocking import STORE_WAIT_S, Warnings, within
 from router.errors import store_unavailable
 from router.quotas import Limits, Quotas, Rejection, Reservation
-from router.usage import UsageDelta, UsageKey, day_of, record
+from router.usage import UsageDelta, UsageKey, day_of
+from router.usage_batches import WRITE_WAIT_S, UsageBatches
 from router.usage_spool import UsageSpool
 
 log = logging.getLogger(__name__)
@@ -51,16 +52,17 @@ class Accountant:
         clock: Callable[[], float] = time.time,
         store_wait_s: float = STORE_WAIT_S,
         spool: UsageSpool | None = None,
+        write_wait_s: float = WRITE_WAIT_S,
     ) -> None:
-        self._store = store
-        self._spool = spool
         self._clock = clock
         self._wait = store_wait_s
         self._warnings = Warnings(log)
         self._quotas = Quotas(store)
         self._interval = flush_interval_s
-        self._usage: dict[UsageKey, UsageDelta] = defaultdict(UsageDelta)
+        self._usage = UsageBatches(store, spool, write_wait_s)
+        self._write_wait = write_wait_s
         self._settle: dict[tuple[int, str, int], int] = defaultdict(int)
+        self._settling: asyncio.Future[None] | None = None
         self._lock = asyncio.Lock()
 
     async def reserve(
@@ -93,14 +95,14 @@ class Accountant:
         self, key_id: int, model: str, reservation: Reservation | None, outcome: Outcome
     ) -> None:
         """Queue a finished request's usage and its reservation's settlement (no I/O)."""
-        delta = self._usage[UsageKey(key_id, model, day_of(self._clock()))]
-        delta.add(
+        self._usage.add(
+            UsageKey(key_id, model, day_of(self._clock())),
             UsageDelta(
                 requests=1,
                 errors=int(outcome.error or outcome.status >= 400),
                 prompt_tokens=outcome.prompt_tokens,
                 completion_tokens=outcome.completion_tokens,
-            )
+            ),
         )
         if reservation is not None:
             diff = outcome.prompt_tokens + outcome.completion_tokens - reservation.tokens
@@ -108,60 +110,47 @@ class Accountant:
             self._settle[(key_id, "period", reservation.period)] += diff
 
     async def flush(self) -> None:
-        """Write what is queued (one batch, in a thread); a failed part is kept for the next."""
+        """Write what is queued: settlements and usage, each one batch at a
+        time in a thread, waited for within a bound (a frozen store holds the
+        thread, not the flush); usage owed meanwhile is kept in the spool."""
         async with self._lock:
-            usage, self._usage = self._usage, defaultdict(UsageDelta)
-            settle, self._settle = self._settle, defaultdict(int)
-            left = dict(usage)  # record() takes out each row it has added
-            try:
-                if settle:
-                    try:
-                        await in_thread(self._quotas.settle, dict(settle))
-                    except Exception as exc:
-                        log.warning("quota settlement failed, will retry: %s", exc)
-                        for s, n in settle.items():
-                            self._settle[s] += n
-                if left:
-                    try:
-                        await in_thread(record, self._store, left)
-                    except Exception as exc:
-                        log.warning("usage write failed, will retry: %s", exc)
-            finally:
-                # Also when cancelled (shutdown flushes once more): what was
-                # not written is queued again, and the spool says so.
-                for k, d in left.items():
-                    self._usage[k].add(d)
-                await self._keep(bool(left))
+            if self._settling is None and self._settle:
+                self._start_settling()
+            settling = self._settling
+            await asyncio.gather(
+                self._usage.flush(),
+                asyncio.wait([settling], timeout=self._write_wait) if settling else _nothing(),
+            )
 
-    async def _keep(self, failed: bool) -> None:
-        """Spool what is pending after a failed write; forget the spool once
-        a write has taken everything (all the spool held was pending then)."""
-        if self._spool is None:
-            return
-        try:
-            if failed:
-                pending = {k: replace(d) for k, d in self._usage.items()}
-                await in_thread(self._spool.save, pending)
-            elif self._spool.kept:
-                await in_thread(self._spool.clear)
-        except OSError as exc:
-            self._warnings.warn("usage spool: %s", exc)
+    def _start_settling(self) -> None:
+        settle, self._settle = dict(self._settle), defaultdict(int)
+        settling = asyncio.ensure_future(asyncio.to_thread(self._quotas.settle, settle))
+
+        def settled(done: "asyncio.Future[None]") -> None:
+            self._settling = None
+            if not done.cancelled() and (exc := done.exception()) is not None:
+                log.warning("quota settlement failed, will retry: %s", exc)
+                for s, n in settle.items():  # one transaction: none of it landed
+                    self._settle[s] += n
+
+        settling.add_done_callback(settled)
+        self._settling = settling
 
     async def open(self) -> None:
         """Queue the usage that routers stopped during a store outage left
         in the spool (from its lock on, this router's spool is its own)."""
-        if self._spool is not None:
-            taken = await in_thread(self._spool.open)
-            for k, d in taken.items():
-                self._usage[k].add(d)
+        await self._usage.open()
 
     def close(self) -> None:
-        """After the last flush: what it could not write stays in the spool."""
-        if self._spool is not None:
-            self._spool.close()
+        """After the last flush: what is owed stays in the spool."""
+        self._usage.close()
 
     async def run(self) -> None:
         """Flush every interval until cancelled; the caller flushes once more at shutdown."""
         while True:
             await asyncio.sleep(self._interval)
             await self.flush()
+
+
+async def _nothing() -> None:
+    return None

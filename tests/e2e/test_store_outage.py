@@ -202,8 +202,9 @@ def spooled(spool: Path) -> int:
     )
 
 
+@pytest.mark.parametrize("fault", ["frozen", "stopped"])
 def test_usage_of_a_router_killed_during_a_store_outage_is_billed_by_the_next(
-    tmp_path: Path, own_pg: PgCluster
+    tmp_path: Path, own_pg: PgCluster, fault: str
 ) -> None:
     store_url = own_pg.create_database()
     store = Store(store_url)
@@ -221,10 +222,11 @@ def test_usage_of_a_router_killed_during_a_store_outage_is_billed_by_the_next(
             try:
                 ask(port, plain_key)
                 assert wait_for(lambda: requests_billed() == 1, 30)
-                with outage(own_pg, "stopped"):
+                with outage(own_pg, fault):
                     for _ in range(3):
                         assert ask(port, plain_key).choices[0].message.content
-                    # Flushes failed: what they could not write is on disk.
+                    # What the flushes could not write (the store refused, or
+                    # holds the write's thread) is on disk.
                     assert wait_for(lambda: spooled(spool) == 3, 30)
                     router.kill()
                     router.wait()

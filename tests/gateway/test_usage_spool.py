@@ -6,15 +6,19 @@ import asyncio
 import re
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
 
 import pytest
+from pydantic import TypeAdapter
+from sqlalchemy.exc import OperationalError
 from sqlmodel import Session
 
-from router.accounting import Accountant
-from router.usage import UsageDelta, UsageKey
+from router.accounting import Accountant, Outcome
+from router.usage import UsageDelta, UsageKey, UsageRow
 from router.usage_spool import UsageSpool, spool_dir
 from tests.gateway.test_usage_flush import MODELS, FlakyStore, billed, serve_one_each
 
@@ -24,7 +28,7 @@ KEY = UsageKey(1, "m", "2026-12-04")
 HOLDER = """
 import sys, time
 from pathlib import Path
-from router.usage import UsageDelta, UsageKey
+from router.usage import UsageDelta, UsageKey, UsageRow
 from router.usage_spool import UsageSpool
 spool = UsageSpool(Path(sys.argv[1]), "killed")
 spool.open()
@@ -161,3 +165,83 @@ async def test_a_flush_cancelled_part_way_leaves_the_spool_as_true_as_the_store(
     await first.flush()  # shutdown's last flush
     first.close()
     await next_router_bills_once(store, spool)
+
+
+class FrozenStore(FlakyStore):
+    """A store that can freeze: a session waits until ``thaw``, then works,
+    or fails as the connection of a router killed meanwhile would."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.answering = threading.Event()
+        self.answering.set()
+        self.dead = False
+        self.cut_off = threading.Event()  # a session failed as dead
+        self.sessions = 0
+
+    def freeze(self) -> None:
+        self.answering.clear()
+
+    def thaw(self, dead: bool = False) -> None:
+        self.dead = dead
+        self.answering.set()
+
+    def session(self) -> AbstractContextManager[Session]:
+        self.sessions += 1
+        self.answering.wait()
+        if self.dead:
+            self.cut_off.set()
+            raise OperationalError("UPDATE usage_daily", {}, OSError("connection reset"))
+        return super().session()
+
+
+@pytest.fixture
+def frozen(tmp_path: Path) -> Iterator[FrozenStore]:
+    s = FrozenStore(f"sqlite:///{tmp_path / 'store.db'}")
+    s.migrate()
+    yield s
+    s.thaw()  # no thread left waiting
+
+
+def spooled(spool: Path) -> dict[str, int]:
+    """Requests per model in the spool files."""
+    out: dict[str, int] = {}
+    for f in spool.glob("*.json"):
+        for row in TypeAdapter(list[UsageRow]).validate_json(f.read_bytes()):
+            out[row.model] = out.get(row.model, 0) + row.requests
+    return out
+
+
+async def test_a_frozen_store_holds_the_write_s_thread_not_the_flush(
+    frozen: FrozenStore, tmp_path: Path
+) -> None:
+    spool = tmp_path / "spool"
+    accountant = Accountant(frozen, spool=UsageSpool(spool, "r"), write_wait_s=0.2)
+    serve_one_each(accountant)
+    frozen.freeze()
+    await accountant.flush()  # returns: the batch stays with its thread
+    accountant.done(1, "m1", None, Outcome())
+    await accountant.flush()
+    assert frozen.sessions == 1  # no second batch while the first may still land
+    assert spooled(spool) == {"m1": 2, "m2": 1, "m3": 1, "m4": 1}  # all that is owed
+    frozen.thaw()
+    async with asyncio.timeout(10):
+        while files(spool):  # the first batch, then the second, then the spool goes
+            await accountant.flush()
+    accountant.close()
+    assert billed(frozen) == {"m1": 2, "m2": 1, "m3": 1, "m4": 1}
+
+
+async def test_usage_of_a_router_killed_while_the_store_is_frozen_is_billed_once(
+    frozen: FrozenStore, tmp_path: Path
+) -> None:
+    spool = tmp_path / "spool"
+    first = Accountant(frozen, spool=UsageSpool(spool, "first"), write_wait_s=0.2)
+    serve_one_each(first)
+    frozen.freeze()
+    await first.flush()
+    first.close()  # killed: its lock is free; its write never lands
+    frozen.thaw(dead=True)
+    assert await asyncio.to_thread(frozen.cut_off.wait, 10)  # its thread gave up
+    frozen.dead = False
+    await next_router_bills_once(frozen, spool)

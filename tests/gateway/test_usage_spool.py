@@ -212,14 +212,21 @@ def spooled(spool: Path) -> dict[str, int]:
     return out
 
 
+async def frozen_in_a_write(frozen: FrozenStore, spool: Path, name: str) -> Accountant:
+    """A router whose flush met the store frozen: the flush has returned and
+    its batch (a request to each model) waits in the write's thread."""
+    accountant = Accountant(frozen, spool=UsageSpool(spool, name), write_wait_s=0.2)
+    serve_one_each(accountant)
+    frozen.freeze()
+    await accountant.flush()
+    return accountant
+
+
 async def test_a_frozen_store_holds_the_write_s_thread_not_the_flush(
     frozen: FrozenStore, tmp_path: Path
 ) -> None:
     spool = tmp_path / "spool"
-    accountant = Accountant(frozen, spool=UsageSpool(spool, "r"), write_wait_s=0.2)
-    serve_one_each(accountant)
-    frozen.freeze()
-    await accountant.flush()  # returns: the batch stays with its thread
+    accountant = await frozen_in_a_write(frozen, spool, "r")
     accountant.done(1, "m1", None, Outcome())
     await accountant.flush()
     assert frozen.sessions == 1  # no second batch while the first may still land
@@ -236,10 +243,7 @@ async def test_usage_of_a_router_killed_while_the_store_is_frozen_is_billed_once
     frozen: FrozenStore, tmp_path: Path
 ) -> None:
     spool = tmp_path / "spool"
-    first = Accountant(frozen, spool=UsageSpool(spool, "first"), write_wait_s=0.2)
-    serve_one_each(first)
-    frozen.freeze()
-    await first.flush()
+    first = await frozen_in_a_write(frozen, spool, "first")
     first.close()  # killed: its lock is free; its write never lands
     frozen.thaw(dead=True)
     assert await asyncio.to_thread(frozen.cut_off.wait, 10)  # its thread gave up

@@ -141,9 +141,9 @@ class Accountant:
         in the spool (from its lock on, this router's spool is its own)."""
         await self._usage.open()
 
-    def close(self) -> None:
+    async def close(self) -> None:
         """After the last flush: what is owed stays in the spool."""
-        self._usage.close()
+        await self._usage.close()
 
     async def run(self) -> None:
         """Flush every interval until cancelled; the caller flushes once more at shutdown."""

@@ -173,7 +173,7 @@ def create_app(
                     await task
             await admission.aclose()
             await accountant.flush()
-            accountant.close()
+            await accountant.close()
             await client.aclose()
             await prober.aclose()
             if on_close:

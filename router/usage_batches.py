@@ -105,14 +105,24 @@ class UsageBatches:
                         owed[key].add(replace(delta))
                 await loop.run_in_executor(self._io, self._spool.save, dict(owed))
                 self._spooled_until = self._next
-            elif self._spooled_until and self._whole >= self._spooled_until:
+            elif self._spooled_until and (
+                self._whole >= self._spooled_until or not self._queued
+            ):  # a later batch held all it held, or nothing at all is owed
                 await loop.run_in_executor(self._io, self._spool.clear)
                 self._spooled_until = 0
         except OSError as exc:
             self._warnings.warn("usage spool: %s", exc)
 
-    def close(self) -> None:
-        """After the last flush: what is owed stays in the spool, for the next router."""
+    async def close(self) -> None:
+        """After the last flush: what is owed stays in the spool, for the next
+        router. A write still in its thread is waited for first, however long
+        (the process cannot exit before that thread ends anyway): let go
+        earlier, the spool could be taken over and billed while the write
+        lands too. Killed meanwhile (the shutdown watchdog), the lock goes
+        with the process and the write with its connection."""
+        if self._write is not None:
+            await asyncio.wait([self._write])
+            await self._keep()
         if self._spool is not None:
             self._spool.close()
         self._io.shutdown(wait=True)

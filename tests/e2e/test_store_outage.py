@@ -238,8 +238,9 @@ def test_usage_of_a_router_killed_during_a_store_outage_is_billed_by_the_next(
             try:
                 assert wait_for(lambda: requests_billed() >= 4, 30), requests_billed()
                 assert requests_billed() == 4
-                # Written: the spool is gone.
+                # Written: the spool is gone, and nothing more was billed.
                 assert wait_for(lambda: not any(spool.rglob("*.json")), 30)
+                assert requests_billed() == 4
             finally:
                 stop(router)
     finally:

@@ -114,7 +114,7 @@ async def test_usage_a_stopped_router_could_not_write_is_billed_once_by_the_next
     store.fail_from(3)  # two rows land, then the store is down
     await first.flush()
     await first.flush()  # still down: the spool is rewritten, not added to
-    first.close()  # the router stops (or is killed) before the store is back
+    await first.close()  # the router stops (or is killed) before the store is back
     assert files(spool) == ["first.json", "first.lock"]
     store.fail_from(None)
     await next_router_bills_once(store, spool)
@@ -126,7 +126,7 @@ async def next_router_bills_once(store: FlakyStore, spool: Path) -> None:
     second = Accountant(store, spool=UsageSpool(spool, "second"))
     await second.open()
     await second.flush()
-    second.close()
+    await second.close()
     assert billed(store) == dict.fromkeys(MODELS, 1)
     assert files(spool) == []
 
@@ -163,7 +163,7 @@ async def test_a_flush_cancelled_part_way_leaves_the_spool_as_true_as_the_store(
     with pytest.raises(asyncio.CancelledError):
         await flushing
     await first.flush()  # shutdown's last flush
-    first.close()
+    await first.close()
     await next_router_bills_once(store, spool)
 
 
@@ -212,39 +212,76 @@ def spooled(spool: Path) -> dict[str, int]:
     return out
 
 
-async def frozen_in_a_write(frozen: FrozenStore, spool: Path, name: str) -> Accountant:
-    """A router whose flush met the store frozen: the flush has returned and
-    its batch (a request to each model) waits in the write's thread."""
-    accountant = Accountant(frozen, spool=UsageSpool(spool, name), write_wait_s=0.2)
+async def frozen_in_a_write(
+    frozen: FrozenStore, spool: Path, name: str
+) -> tuple[Accountant, UsageSpool]:
+    """A router (and its spool) whose flush met the store frozen: the flush
+    has returned and its batch (a request to each model) waits in the
+    write's thread."""
+    kept = UsageSpool(spool, name)
+    accountant = Accountant(frozen, spool=kept, write_wait_s=0.2)
     serve_one_each(accountant)
     frozen.freeze()
     await accountant.flush()
-    return accountant
+    return accountant, kept
+
+
+async def flush_until_spool_gone(accountant: Accountant, spool: Path) -> None:
+    async with asyncio.timeout(10):
+        while files(spool):
+            await accountant.flush()
 
 
 async def test_a_frozen_store_holds_the_write_s_thread_not_the_flush(
     frozen: FrozenStore, tmp_path: Path
 ) -> None:
     spool = tmp_path / "spool"
-    accountant = await frozen_in_a_write(frozen, spool, "r")
+    accountant, _ = await frozen_in_a_write(frozen, spool, "r")
     accountant.done(1, "m1", None, Outcome())
-    await accountant.flush()
+    await accountant.flush()  # returns too
     assert frozen.sessions == 1  # no second batch while the first may still land
     assert spooled(spool) == {"m1": 2, "m2": 1, "m3": 1, "m4": 1}  # all that is owed
     frozen.thaw()
-    async with asyncio.timeout(10):
-        while files(spool):  # the first batch, then the second, then the spool goes
-            await accountant.flush()
-    accountant.close()
+    await flush_until_spool_gone(accountant, spool)  # the first batch, then the second
+    await accountant.close()
     assert billed(frozen) == {"m1": 2, "m2": 1, "m3": 1, "m4": 1}
+
+
+async def test_once_a_held_write_lands_with_nothing_after_it_the_spool_goes(
+    frozen: FrozenStore, tmp_path: Path
+) -> None:
+    spool = tmp_path / "spool"
+    accountant, _ = await frozen_in_a_write(frozen, spool, "r")
+    assert spooled(spool) == dict.fromkeys(MODELS, 1)
+    frozen.thaw()
+    await flush_until_spool_gone(accountant, spool)
+    await accountant.close()
+    await next_router_bills_once(frozen, spool)  # nothing left to bill again
+
+
+async def test_a_router_stopping_while_its_write_is_held_keeps_its_spool_until_it_lands(
+    frozen: FrozenStore, tmp_path: Path
+) -> None:
+    spool = tmp_path / "spool"
+    accountant, _ = await frozen_in_a_write(frozen, spool, "stopping")
+    closing = asyncio.create_task(accountant.close())  # a rolling restart: it stops
+    for _ in range(3):
+        await asyncio.sleep(0)  # a few loop turns: close() has run as far as it can
+    assert not closing.done()
+    # Meanwhile the next router starts: the spool is not its to take yet.
+    assert UsageSpool(spool, "next").open() == {}
+    frozen.thaw()
+    async with asyncio.timeout(10):
+        await closing
+    await next_router_bills_once(frozen, spool)
 
 
 async def test_usage_of_a_router_killed_while_the_store_is_frozen_is_billed_once(
     frozen: FrozenStore, tmp_path: Path
 ) -> None:
     spool = tmp_path / "spool"
-    first = await frozen_in_a_write(frozen, spool, "first")
-    first.close()  # killed: its lock is free; its write never lands
+    _, kept = await frozen_in_a_write(frozen, spool, "first")
+    kept.close()  # killed: the lock goes with the process, its write never lands
     frozen.thaw(dead=True)
     assert await asyncio.to_thread(frozen.cut_off.wait, 10)  # its thread gave up
     frozen.dead = False

@@ -16,7 +16,7 @@ import asyncio
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from llmgw.errors import StoreError
@@ -116,11 +116,10 @@ class Accountant:
         async with self._lock:
             if self._settling is None and self._settle:
                 self._start_settling()
-            settling = self._settling
-            await asyncio.gather(
-                self._usage.flush(),
-                asyncio.wait([settling], timeout=self._write_wait) if settling else _nothing(),
-            )
+            waits: list[Awaitable[object]] = [self._usage.flush()]
+            if self._settling is not None:
+                waits.append(asyncio.wait([self._settling], timeout=self._write_wait))
+            await asyncio.gather(*waits)
 
     def _start_settling(self) -> None:
         settle, self._settle = dict(self._settle), defaultdict(int)
@@ -150,7 +149,3 @@ class Accountant:
         while True:
             await asyncio.sleep(self._interval)
             await self.flush()
-
-
-async def _nothing() -> None:
-    return None

@@ -1,38 +1,24 @@
-"""Blocking store calls from the event loop, in a thread: never abandoned
-(``in_thread``, for writes that must land), or waited for within a bound
-(``within``, on a request's path)."""
+"""Blocking store calls from the event loop, in a thread, waited for within
+a bound (``within``, on a request's path). Writes that must land are never
+abandoned: router/usage_batches.py and router/accounting.py keep their
+thread's future and wait for it again at the next flush."""
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, TypeVar
 
 from sqlalchemy.exc import SQLAlchemyError
 
 from llmgw.errors import StoreError
 
-P = ParamSpec("P")
 T = TypeVar("T")
 
 # How long a call on a request's path waits for the store (LLMGW_STORE_WAIT_S).
 STORE_WAIT_S = 2.0
 # While the store is down every request's call fails: one warning per this long.
 WARN_EVERY_S = 10.0
-
-
-async def in_thread(fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
-    """``fn`` in a worker thread. Cancelling the caller still waits for the
-    thread to finish (a thread cannot be stopped): a shutdown that cancels a
-    flush must not close the store under a write that is still running."""
-    work = asyncio.ensure_future(asyncio.to_thread(fn, *args, **kwargs))
-    try:
-        return await asyncio.shield(work)
-    except asyncio.CancelledError:
-        with contextlib.suppress(Exception):
-            await work
-        raise
 
 
 async def within(wait_s: float, fn: Callable[[], T]) -> T:
@@ -60,8 +46,9 @@ def _retrieve(work: "asyncio.Future[Any]") -> None:
 
 
 class Warnings:
-    """A logger's warnings about a store that does not answer, at most one per
-    ``WARN_EVERY_S`` (each request would log its own)."""
+    """A logger's lines about a condition that every request (or every
+    period) would report, at most one per ``WARN_EVERY_S``: a store that does
+    not answer, a load swinging about a threshold."""
 
     def __init__(self, log: logging.Logger, clock: Callable[[], float] = time.monotonic) -> None:
         self._log = log
@@ -69,7 +56,13 @@ class Warnings:
         self._at = -WARN_EVERY_S
 
     def warn(self, message: str, *args: object) -> None:
+        self._line(logging.WARNING, message, args)
+
+    def info(self, message: str, *args: object) -> None:
+        self._line(logging.INFO, message, args)
+
+    def _line(self, level: int, message: str, args: tuple[object, ...]) -> None:
         now = self._clock()
         if now - self._at >= WARN_EVERY_S:
             self._at = now
-            self._log.warning(message, *args)
+            self._log.log(level, message, *args)

@@ -31,6 +31,8 @@ import logging
 import time
 from collections.abc import Callable
 
+from router.blocking import Warnings
+
 log = logging.getLogger(__name__)
 
 PERIOD_S = 0.1
@@ -39,7 +41,6 @@ EASY = 0.35
 MIN_WINDOW_S = 0.005
 # A period's wake-up this late counts as busy (busy_share).
 LATE_S = 0.005
-LOG_EVERY_S = 10.0
 # The default most a relayed event is held (LLMGW_STREAM_COALESCE_MAX_S).
 MAX_WINDOW_S = 0.05
 
@@ -88,7 +89,7 @@ class Pacer:
         self._cpu = cpu
         self._wall = wall
         self._on_change = on_change
-        self._quiet_until = float("-inf")
+        self._lines = Warnings(log, wall)
         self._was_busy = False
 
     def observe(self, busy: float) -> float:
@@ -96,12 +97,10 @@ class Pacer:
         window = next_window(self.window, busy, self.most, self._was_busy)
         self._was_busy = busy >= BUSY
         if window != self.window:
-            now = self._wall()
-            if (not self.window or not window) and now >= self._quiet_until:
+            if not self.window or not window:
                 # Engaged or let go: a line, not one per doubling, and at most
-                # one per LOG_EVERY_S under a load that swings about the line.
-                self._quiet_until = now + LOG_EVERY_S
-                log.info(
+                # one per WARN_EVERY_S under a load that swings about the line.
+                self._lines.info(
                     "stream coalescing %s (event loop %.0f%% busy)",
                     f"on, window {window * 1e3:.0f} ms" if window else "off",
                     busy * 100,

@@ -63,6 +63,14 @@ def _dump(pending: Pending) -> bytes:
     )
 
 
+def read(path: Path) -> Pending:
+    """What one spool file holds (raises OSError or ValidationError when it
+    cannot be read)."""
+    out: Pending = {}
+    _load(path.read_bytes(), out)
+    return out
+
+
 def _load(data: bytes, into: Pending) -> None:
     for row in _FILE.validate_json(data):
         delta = UsageDelta(row.requests, row.errors, row.prompt_tokens, row.completion_tokens)

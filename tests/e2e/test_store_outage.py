@@ -21,11 +21,10 @@ from subprocess import Popen
 import httpx
 import openai
 import pytest
-from pydantic import TypeAdapter
 
 from llmgw.cli.procs import wait_for
 from llmgw.store import Store
-from router import usage
+from router import usage, usage_spool
 from router.apikeys import KeyPolicy, create_key
 from tests.bench.fasthttp import MODEL
 from tests.bench.procs import free_port, spawn, stop, wait_http
@@ -130,6 +129,14 @@ def outage(cluster: PgCluster, fault: str) -> Iterator[None]:
             os.kill(pid, signal.SIGCONT)
 
 
+def migrated(cluster: PgCluster) -> tuple[str, Store]:
+    """A new database on ``cluster``: its URL, and the store on it, migrated."""
+    store_url = cluster.create_database()
+    store = Store(store_url)
+    store.migrate()
+    return store_url, store
+
+
 def served(port: int, key: str) -> bool:
     """Whether the key's request is served; only the outage's 503 may refuse it."""
     try:
@@ -144,9 +151,7 @@ def served(port: int, key: str) -> bool:
 def test_a_store_outage_leaves_known_keys_served_and_answers_the_rest_in_time(
     tmp_path: Path, own_pg: PgCluster, fault: str
 ) -> None:
-    store_url = own_pg.create_database()
-    store = Store(store_url)
-    store.migrate()
+    store_url, store = migrated(own_pg)
     plain, plain_key = create_key(store, "plain", KeyPolicy())
     _, quota_key = create_key(store, "quota", KeyPolicy(rpm=100_000))
     _, unseen_key = create_key(store, "unseen", KeyPolicy())
@@ -196,19 +201,14 @@ def test_a_store_outage_leaves_known_keys_served_and_answers_the_rest_in_time(
 
 def spooled(spool: Path) -> int:
     """Requests kept in the usage spools under ``spool``."""
-    rows = TypeAdapter(list[usage.UsageRow])
-    return sum(
-        r.requests for f in spool.rglob("*.json") for r in rows.validate_json(f.read_bytes())
-    )
+    return sum(d.requests for f in spool.rglob("*.json") for d in usage_spool.read(f).values())
 
 
 @pytest.mark.parametrize("fault", ["frozen", "stopped"])
 def test_usage_of_a_router_killed_during_a_store_outage_is_billed_by_the_next(
     tmp_path: Path, own_pg: PgCluster, fault: str
 ) -> None:
-    store_url = own_pg.create_database()
-    store = Store(store_url)
-    store.migrate()
+    store_url, store = migrated(own_pg)
     plain, plain_key = create_key(store, "plain", KeyPolicy())
     spool = tmp_path / "spool"
 

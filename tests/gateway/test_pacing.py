@@ -7,11 +7,11 @@ from collections.abc import Callable
 
 import pytest
 
+from router.blocking import WARN_EVERY_S
 from router.pacing import (
     BUSY,
     EASY,
     LATE_S,
-    LOG_EVERY_S,
     MIN_WINDOW_S,
     PERIOD_S,
     Pacer,
@@ -71,7 +71,7 @@ def test_observe_reports_each_new_window_and_logs_only_on_and_off(
     with caplog.at_level(logging.INFO, logger="router.pacing"):
         for busy in (0.9, 0.9, 0.9, 0.5, 0.1, 0.1):
             pacer.observe(busy)
-            clocks.tick(LOG_EVERY_S / 2)
+            clocks.tick(WARN_EVERY_S / 2)
     assert heard == [MIN_WINDOW_S, 0.01, MIN_WINDOW_S, 0.0]  # opened at the second
     assert pacer.window == 0.0
     lines = [r.getMessage() for r in caplog.records]

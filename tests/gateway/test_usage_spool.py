@@ -13,12 +13,12 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 
 import pytest
-from pydantic import TypeAdapter
 from sqlalchemy.exc import OperationalError
 from sqlmodel import Session
 
+from router import usage_spool
 from router.accounting import Accountant, Outcome
-from router.usage import UsageDelta, UsageKey, UsageRow
+from router.usage import UsageDelta, UsageKey
 from router.usage_spool import UsageSpool, spool_dir
 from tests.gateway.test_usage_flush import MODELS, FlakyStore, billed, serve_one_each
 
@@ -28,7 +28,7 @@ KEY = UsageKey(1, "m", "2026-12-04")
 HOLDER = """
 import sys, time
 from pathlib import Path
-from router.usage import UsageDelta, UsageKey, UsageRow
+from router.usage import UsageDelta, UsageKey
 from router.usage_spool import UsageSpool
 spool = UsageSpool(Path(sys.argv[1]), "killed")
 spool.open()
@@ -207,8 +207,8 @@ def spooled(spool: Path) -> dict[str, int]:
     """Requests per model in the spool files."""
     out: dict[str, int] = {}
     for f in spool.glob("*.json"):
-        for row in TypeAdapter(list[UsageRow]).validate_json(f.read_bytes()):
-            out[row.model] = out.get(row.model, 0) + row.requests
+        for key, delta in usage_spool.read(f).items():
+            out[key.model] = out.get(key.model, 0) + delta.requests
     return out
 
 

@@ -33,11 +33,12 @@ import signal
 import sys
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import parse_qs, quote
 
 import aiohttp
 from yarl import URL
 
+from llmgw import endpoint_proof
 from llmgw.listener import ListenerLimits, fit_open_files, limited_protocol
 from worker_agent.users import drop_privileges_on_startup
 
@@ -78,11 +79,17 @@ _REFUSED = (
 class PassThrough:
     """An ASGI app: check the key, then relay the request to ``upstream``."""
 
-    def __init__(self, upstream: str, key: str, connect_timeout_s: float = 10.0) -> None:
+    def __init__(
+        self, upstream: str, key: str, connect_timeout_s: float = 10.0, listen: str = ""
+    ) -> None:
+        """``listen``: the address it serves on, as ``endpoint_proof.address`` writes
+        it; without it, no endpoint proof is answered (and no router routes here)."""
         if not key:
             raise ValueError("the pass-through needs the engine key")
         self._upstream = upstream.rstrip("/")
         self._expected = f"Bearer {key}".encode()
+        self._key = key
+        self._listen = listen
         # No read timeout: a long generation streams for as long as it streams.
         self._timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout_s)
         self._session: aiohttp.ClientSession | None = None
@@ -124,6 +131,9 @@ class PassThrough:
             return
         if scope["type"] != "http":
             return  # websockets: engines serve none we front
+        if scope["path"] == endpoint_proof.PROOF_PATH:
+            await self._prove(scope, send)
+            return
         if not self.authorized(scope["headers"]):
             await _respond(send, 401, _REFUSED)
             return
@@ -153,6 +163,17 @@ class PassThrough:
         finally:
             relaying = False  # no await since the last one: no cancel can follow
             gone.cancel()
+
+    async def _prove(self, scope: Scope, send: Send) -> None:
+        """Answer a router's endpoint proof (llmgw/endpoint_proof.py): no key is
+        asked for, none is given, and nothing reaches the engine."""
+        query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+        nonce = query.get(endpoint_proof.NONCE_PARAM, [""])[0]
+        if not self._listen or not endpoint_proof.valid_nonce(nonce):
+            await _respond(send, 400, b'{"error": {"message": "bad endpoint proof request"}}')
+            return
+        proof = endpoint_proof.answer(self._key, self._listen, nonce)
+        await _respond(send, 200, json.dumps({"proof": proof}).encode())
 
     async def _relay(self, scope: Scope, body: bytes, send: Send) -> None:
         target = scope.get("raw_path") or quote(scope["path"]).encode()
@@ -285,7 +306,8 @@ def main(argv: list[str] | None = None) -> int:
     if not key:
         print(f"error: {KEY_ENV} is not set", file=sys.stderr)
         return 2
-    app = PassThrough(args.upstream, key)
+    listen = endpoint_proof.address(host, int(port))  # the address the router proves
+    app = PassThrough(args.upstream, key, listen=listen)
     uvicorn.run(
         # Started as root only when the engine user cannot read our interpreter.
         drop_privileges_on_startup(app, os.environ),

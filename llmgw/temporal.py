@@ -29,8 +29,9 @@ def tls_config(settings: _Common) -> TLSConfig | bool:
 
     Raises:
         ConfigError: A file cannot be read, a certificate comes without its
-            key (or the reverse), or TLS is off while TLS files are set. The
-            message names the setting.
+            key (or the reverse), or TLS is off while TLS files or an API key
+            are set (the key would cross the network in clear). The message
+            names the setting.
     """
     files = {
         "LLMGW_TEMPORAL_TLS_CA": settings.temporal_tls_ca,
@@ -41,6 +42,11 @@ def tls_config(settings: _Common) -> TLSConfig | bool:
     if settings.temporal_tls_server_name:
         named.append("LLMGW_TEMPORAL_TLS_SERVER_NAME")
     if settings.temporal_tls is False:
+        if settings.temporal_api_key.get_secret_value():
+            raise ConfigError(
+                "LLMGW_TEMPORAL_TLS=false, yet LLMGW_TEMPORAL_API_KEY set: the key would be"
+                " sent in clear; unset one of them"
+            )
         if named:
             raise ConfigError(f"LLMGW_TEMPORAL_TLS=false, yet {', '.join(named)} set")
         return False

@@ -140,6 +140,18 @@ def test_tls_off_with_tls_files_is_refused(pki: Pki) -> None:
         tls_config(settings("x:1", temporal_tls=False, temporal_tls_ca=pki.ca))
 
 
+def test_tls_off_with_an_api_key_is_refused() -> None:
+    # The key would cross the network in clear.
+    with pytest.raises(ConfigError, match="LLMGW_TEMPORAL_TLS=false, yet LLMGW_TEMPORAL_API_KEY"):
+        tls_config(settings("x:1", temporal_tls=False, temporal_api_key=API_KEY))
+
+
+async def test_no_process_connects_with_tls_off_and_an_api_key() -> None:
+    # Refused before any connection is tried (nothing listens at x:1).
+    with pytest.raises(ConfigError, match="in clear"):
+        await connect_with(settings("x:1", temporal_tls=False, temporal_api_key=API_KEY), wait_s=0)
+
+
 def test_api_key_is_not_in_the_settings_repr() -> None:
     s = settings("x:1", temporal_api_key=API_KEY)
     assert API_KEY not in repr(s) and API_KEY not in str(s.model_dump())

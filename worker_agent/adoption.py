@@ -1,8 +1,11 @@
 """What a (re)starting agent does about engines it finds on its node.
 
-- An engine its spec file describes and whose fingerprint matches is
-  adopted: same pid, not restarted, watched by polling, stopped by signalling
-  its group. Restarting it would drop every in-flight request for nothing.
+- An engine its spec file describes and whose fingerprint matches (same pid
+  and start time, and this agent's engine marker in its environment where
+  that is readable; never the command line, which a launcher's exec or a
+  process title changes) is adopted: same pid, not restarted, watched by
+  polling, stopped by signalling its group. Restarting it would drop every
+  in-flight request for nothing.
 - A spec file whose pid is gone, or now belongs to an unrelated process (the
   fingerprint differs), is a lost shard: the spec is dropped, the process is
   left alone - adopting or killing a stranger is worse than losing a shard.

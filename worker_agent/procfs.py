@@ -3,14 +3,12 @@
 from dataclasses import dataclass
 from pathlib import Path
 
-from worker_agent.engines.spec import redacted
-
 PROC = Path("/proc")
 
 
 @dataclass(frozen=True)
 class Fingerprint:
-    """What identifies a process beyond its pid: a reused pid differs in both."""
+    """A live process as /proc shows it: a reused pid differs in start time."""
 
     start_time: int
     cmdline: tuple[str, ...]
@@ -40,28 +38,50 @@ def fingerprint(pid: int) -> Fingerprint | None:
     return Fingerprint(start_time=int(fields[19]), cmdline=cmdline)
 
 
-def same_process(pid: int, recorded: object) -> bool:
+def same_process(pid: int, recorded: object, marker: str | None = None) -> bool:
     """Whether ``pid`` is still the live process a launch recorded.
 
-    ``recorded`` is the launch's ``{"start_time": ..., "cmdline": [...]}``. A
-    reused pid differs in start time. The command line is compared too, except
-    while it reads empty: between exec's point of no return and the new
-    image's argument area being set up, /proc shows no command line at all
-    (seen in 2 of 300 launches), and the start time alone still identifies it.
+    ``recorded`` is the launch's ``{"start_time": ..., ...}``; ``marker`` the
+    ``NAME=value`` entry the launch put in its environment (None: records
+    from before markers were kept).
     """
-    current = fingerprint(pid)
-    return current is not None and not is_zombie_or_gone(pid) and matches(recorded, current)
-
-
-def matches(recorded: object, current: Fingerprint) -> bool:
-    """Whether a live process's fingerprint is the one a launch recorded."""
-    if not isinstance(recorded, dict) or current.start_time != recorded.get("start_time"):
+    start = start_time(pid)
+    if start is None or is_zombie_or_gone(pid):
         return False
-    if not current.cmdline:
-        return True
-    cmdline = recorded.get("cmdline")
-    # Launches record the command line with secrets redacted (older ones in clear).
-    return cmdline in (list(current.cmdline), redacted(current.cmdline))
+    return matches(recorded, start, environ_has(pid, marker) if marker else None)
+
+
+def matches(recorded: object, current_start: int, has_marker: bool | None = None) -> bool:
+    """Whether a live process is the one a launch recorded.
+
+    Its pid and start time identify it: a pid is reused only after its
+    process is gone, and the new one starts later. The command line is not
+    compared: it is not the process's identity - a launcher script execs its
+    interpreter (the portable llama-server is ``/bin/sh`` exec'ing
+    ``python3``), an engine retitles itself, and a restarted agent then took
+    a healthy engine for a stranger and killed it. ``has_marker``: whether
+    its environment holds the launch's engine marker (None: not readable or
+    not recorded, so not judged); a process without it is not the engine.
+    """
+    if not isinstance(recorded, dict) or current_start != recorded.get("start_time"):
+        return False
+    return has_marker is not False
+
+
+def environ_has(pid: int, entry: str) -> bool | None:
+    """Whether ``/proc/<pid>/environ`` holds ``entry`` (``NAME=value``).
+
+    None where it cannot be told: not readable (another user's process to a
+    non-root agent, or one made non-dumpable), or empty (a process between
+    exec and its new image being set up shows none yet).
+    """
+    try:
+        raw = (PROC / str(pid) / "environ").read_bytes()
+    except OSError:
+        return None
+    if not raw:
+        return None
+    return entry.encode() in raw.split(b"\0")
 
 
 def is_zombie_or_gone(pid: int) -> bool:

@@ -44,8 +44,12 @@ class RecordedFingerprint(_Record):
     """The engine process as launched: a reused pid differs in start time."""
 
     start_time: int | None = None
-    # Redacted (older agents recorded it in clear): procfs.matches takes both.
+    # The argv launched, redacted (older agents recorded it in clear): for
+    # whoever debugs the node, not compared (procfs.matches says why).
     cmdline: list[str] | None = None
+    # The engine marker put in its environment (supervisor.ENGINE_MARKER's
+    # value); None in records from before it was kept.
+    marker: str | None = None
 
 
 class SpecFile(_Record):

@@ -6,7 +6,8 @@ one process is started (as whom, in which group) is ``worker_agent/spawn.py``.
 Each shard runs in its own process group, because engines fork
 workers that hold (GPU) memory and outlive a signal sent only to the leader.
 For every shard a spec file records the shard, pid and a fingerprint (start
-time + command line) written atomically, so that a repeated launch - an
+time + engine marker; not the command line, which a launcher's exec or a
+process title changes) written atomically, so that a repeated launch - an
 activity retried after the agent finished it but before Temporal heard -
 finds the engine instead of starting a second one, and so that a restarted
 agent can find engines it did not start.
@@ -135,7 +136,9 @@ class Supervisor:
         # command line and made a healthy start look like a dead engine).
         ours = child is not None and child.pid == pid
         recorded = spec.fingerprint.model_dump() if spec.fingerprint else None
-        if not ours and not procfs.same_process(pid, recorded):
+        marker = spec.fingerprint.marker if spec.fingerprint else None
+        entry = f"{ENGINE_MARKER}={marker}" if marker else None
+        if not ours and not procfs.same_process(pid, recorded, entry):
             return None
         return RunningShard(
             ref=ref,
@@ -287,20 +290,19 @@ class Supervisor:
         self._children[shard_key(ref)] = main
         self._sidecars[shard_key(ref)] = procs[:-1]
         self._stopped.discard(shard_key(ref))
-        fp = procfs.fingerprint(main.pid)
         record = SpecFile(
             shard=ref,
             pid=main.pid,
             pgid=pgid,
             port=port,
             endpoint=endpoint,
-            # The argv we exec'd, not a read of /proc: right after exec the
-            # kernel may not have published the new command line yet.
-            # Redacted: a key on argv (SGLang's, with a custom launcher) must
-            # not be kept in a file; procfs.matches compares redacted forms.
+            # Identity is pid, start time and marker (procfs.matches). The
+            # argv is kept for whoever reads the file, redacted: a key on
+            # argv (SGLang's, with a custom launcher) must not be kept in a file.
             fingerprint=RecordedFingerprint(
-                start_time=fp.start_time if fp else None,
+                start_time=procfs.start_time(main.pid),
                 cmdline=redacted(commands[-1].argv),
+                marker=self.marker,
             ),
             spec=spec,
             group_start_time=procfs.start_time(pgid),

@@ -135,37 +135,59 @@ def test_failed_wait_kills_what_already_started(tmp_path: Path) -> None:
     assert pids_with_args("tag-never") == []
 
 
-def test_fingerprint_matching() -> None:
+def test_identity_is_pid_start_time_and_marker_not_the_command_line() -> None:
     recorded = {"start_time": 42, "cmdline": ["llama-server", "-m", "x"]}
-    assert procfs.matches(recorded, procfs.Fingerprint(42, ("llama-server", "-m", "x")))
-    # Right after exec /proc can show no command line yet: the start time decides.
-    assert procfs.matches(recorded, procfs.Fingerprint(42, ()))
-    assert not procfs.matches(recorded, procfs.Fingerprint(43, ()))  # a reused pid
-    assert not procfs.matches(recorded, procfs.Fingerprint(42, ("python", "other")))
-    assert not procfs.matches(None, procfs.Fingerprint(42, ()))
+    assert procfs.matches(recorded, 42)
+    assert not procfs.matches(recorded, 43)  # a reused pid starts later
+    assert not procfs.matches(recorded, 42, has_marker=False)  # not an engine of ours
+    assert procfs.matches(recorded, 42, has_marker=True)
+    assert not procfs.matches(None, 42)
 
 
-def test_own_live_child_is_found_without_reading_its_command_line(tmp_path: Path) -> None:
-    """The agent that started an engine knows it runs whatever /proc shows.
-
-    A start once failed as "engine exited" because /proc read an empty command
-    line a moment after exec; the launching supervisor holds the unreaped child
-    and needs no fingerprint. Another supervisor (an agent after a restart)
-    still goes by the fingerprint.
-    """
-    sup = Supervisor(tmp_path)
-    ref = ShardRef(replica_id="own")
-    _launch(sup, ref, "tag-own")
-    spec = sup.shard_dir(ref) / "spec.json"
-    data = json.loads(spec.read_text())
-    data["fingerprint"]["cmdline"] = ["something", "else"]
-    spec.write_text(json.dumps(data))
+def test_an_engine_whose_launcher_execs_another_program_is_found_by_a_new_supervisor(
+    tmp_path: Path,
+) -> None:
+    """The portable llama-server is a /bin/sh script exec'ing python3: /proc then
+    shows a command line other than the one launched. A restarted agent took
+    such a healthy engine for a stranger ("engine gone or pid reused"), then
+    killed it as unidentified."""
+    launcher = tmp_path / "llama-server"
+    launcher.write_text(f'#!/bin/sh\nexec {sys.executable} -c "$ENGINE" "$@"\n')
+    launcher.chmod(0o755)
+    first = Supervisor(tmp_path)
+    ref = ShardRef(replica_id="exec")
+    env = dict(os.environ, ENGINE=FORKING_ENGINE)
+    pid = first.launch(ref, [Command([str(launcher), "tag-exec"], env)], 1, "x", ShardRecord()).pid
     try:
-        assert sup.find_running(ref) is not None
+        assert wait_for(lambda: len(pids_with_args(sys.executable, "tag-exec")) == 2, 10)
+        again = Supervisor(tmp_path)
+        found = again.find_running(ref)
+        assert found is not None and found.pid == pid
+    finally:
+        first.stop(ref, grace_s=0.5)
+    assert pids_with_args("tag-exec") == []
+
+
+def test_a_process_without_the_recorded_marker_is_not_the_engine(tmp_path: Path) -> None:
+    """Where the environment is readable, the engine marker must be in it: a
+    process with the recorded pid and start time but without it is not ours."""
+    sup = Supervisor(tmp_path)
+    ref = ShardRef(replica_id="marked")
+    _launch(sup, ref, "tag-marked")
+    spec_path = sup.shard_dir(ref) / "spec.json"
+    try:
+        recorded = SpecFile.load(spec_path)
+        assert recorded is not None and recorded.fingerprint is not None
+        assert recorded.fingerprint.marker == sup.marker
+        assert Supervisor(tmp_path).find_running(ref) is not None
+        forged = recorded.fingerprint.model_copy(update={"marker": "/another/agent/shards"})
+        spec_path.write_text(recorded.model_copy(update={"fingerprint": forged}).model_dump_json())
         assert Supervisor(tmp_path).find_running(ref) is None
+        # The launching supervisor knows its own unreaped child without /proc.
+        assert sup.find_running(ref) is not None
     finally:
         sup.stop(ref, grace_s=0.5)
-    assert pids_with_args("tag-own") == []
+    assert pids_with_args("tag-marked") == []
 
 
 def _old_spec_file(pid: int, start_time: int, cmdline: list[str]) -> dict[str, object]:
@@ -226,7 +248,10 @@ def test_spec_files_written_before_shard_record_still_load(tmp_path: Path) -> No
         # keys added since, empty.
         loaded = SpecFile.load(sup.shard_dir(ref) / "spec.json")
         assert loaded is not None
-        assert loaded.model_dump(mode="json") == {**old, "group_start_time": None}
+        fingerprint = {**old["fingerprint"], "marker": None}  # type: ignore[dict-item]
+        assert loaded.model_dump(mode="json") == {
+            **old, "fingerprint": fingerprint, "group_start_time": None,
+        }  # fmt: skip
         assert loaded.leader_start == fp.start_time  # the pid led its group
     finally:
         stranger.kill()

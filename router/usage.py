@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from functools import lru_cache
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 from sqlalchemy import Table, and_, insert, select, update
 from sqlalchemy.exc import IntegrityError
 
@@ -52,10 +52,11 @@ class UsageRow(BaseModel):
     key_id: int
     model: str
     day: str
-    requests: int
-    errors: int
-    prompt_tokens: int
-    completion_tokens: int
+    # Never negative (a spool file saying otherwise is refused: router/usage_spool.py).
+    requests: int = Field(ge=0)
+    errors: int = Field(ge=0)
+    prompt_tokens: int = Field(ge=0)
+    completion_tokens: int = Field(ge=0)
 
 
 def day_of(now: float) -> str:

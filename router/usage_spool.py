@@ -21,13 +21,21 @@ Exactness: usage is billed once, except when a router dies after the store
 committed some of a flush's rows and before the spool was rewritten (the
 length of one flush's writes), or while taking a spool over (between saving
 it as its own and removing the old one): those rows are billed again.
+
+Trust: the next router bills whatever a spool holds, so the directory must
+be this router's own. It is made 0700; one that is a symlink, owned by
+another user, or writable by its group or others is refused (PermissionError:
+no spool is read or written there), files are opened with ``O_NOFOLLOW``,
+and a file with a negative count is set aside as ``.bad``, not billed.
 """
 
+import errno
 import fcntl
 import hashlib
 import logging
 import os
 import re
+import stat
 import uuid
 from pathlib import Path
 
@@ -67,11 +75,37 @@ def read(path: Path) -> Pending:
     """What one spool file holds (raises OSError or ValidationError when it
     cannot be read)."""
     out: Pending = {}
-    _load(path.read_bytes(), out)
+    _load(_read_nofollow(path), out)
     return out
 
 
+def _read_nofollow(path: Path) -> bytes:
+    """The file's bytes; a symlink is refused (ELOOP), not followed."""
+    with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC), "rb") as f:
+        return f.read()
+
+
+def check_dir(directory: Path) -> None:
+    """Refuse (PermissionError) a spool directory another user could plant
+    usage in: a symlink, not owned by this process's user, or writable by
+    its group or by others."""
+    st = os.lstat(directory)
+    if not stat.S_ISDIR(st.st_mode):
+        raise PermissionError(f"usage spool {directory} is not a directory (a symlink?)")
+    if st.st_uid != os.geteuid():
+        raise PermissionError(
+            f"usage spool {directory} is owned by uid {st.st_uid}, not this router's"
+            f" ({os.geteuid()})"
+        )
+    if st.st_mode & 0o022:
+        raise PermissionError(
+            f"usage spool {directory} is writable by its group or others"
+            f" (mode {stat.S_IMODE(st.st_mode):o}): make it 0700"
+        )
+
+
 def _load(data: bytes, into: Pending) -> None:
+    # UsageRow's counts are >= 0: a negative one fails validation (never billed).
     for row in _FILE.validate_json(data):
         delta = UsageDelta(row.requests, row.errors, row.prompt_tokens, row.completion_tokens)
         key = UsageKey(row.key_id, row.model, row.day)
@@ -92,7 +126,7 @@ def spool_dir(base: Path, store_url: str) -> Path:
 def _fsync_dir(directory: Path) -> None:
     """A rename or removal in ``directory`` made durable (a power loss must
     not bring back a spool already billed)."""
-    fd = os.open(directory, os.O_RDONLY)
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     try:
         os.fsync(fd)
     finally:
@@ -103,9 +137,15 @@ def _lock(path: Path, create: bool) -> int | None:
     """``path`` opened and locked; None when another process holds it or it
     is gone (removed between the open and the lock: that file is not the
     spool's lock any more)."""
+    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_CREAT if create else 0)
     try:
-        fd = os.open(path, os.O_CREAT | os.O_RDWR if create else os.O_RDWR, 0o600)
+        fd = os.open(path, flags, 0o600)
     except FileNotFoundError:
+        return None
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise
+        log.warning("usage spool %s is a symlink: not followed", path)
         return None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -136,8 +176,9 @@ class UsageSpool:
     def open(self) -> Pending:
         """Take over the spools of routers that are gone; what they held (to
         queue for the store)."""
-        if not self._dir.is_dir():
+        if not os.path.lexists(self._dir):
             return {}
+        check_dir(self._dir)
         taken: Pending = {}
         orphans: list[tuple[Path, int]] = []
         for lock in sorted(self._dir.glob("*.lock")):
@@ -147,8 +188,8 @@ class UsageSpool:
             orphans.append((lock, fd))
             data = lock.with_suffix(".json")
             try:
-                if data.exists():
-                    _load(data.read_bytes(), taken)
+                if os.path.lexists(data):
+                    _load(_read_nofollow(data), taken)
             except (OSError, ValidationError) as exc:
                 # Not ours to read (damaged, another version): set aside, not
                 # billed, and the routers still start.
@@ -171,11 +212,13 @@ class UsageSpool:
         if self._fd is None:
             # The lock first: from now on no other router takes this spool.
             self._dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+            check_dir(self._dir)
             self._fd = _lock(self._lock, create=True)
             if self._fd is None:
                 raise OSError(f"{self._lock} is locked by another process")
         aside = self._data.with_suffix(".json.tmp")
-        with open(os.open(aside, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600), "wb") as f:
+        flags = os.O_CREAT | os.O_WRONLY | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
+        with open(os.open(aside, flags, 0o600), "wb") as f:
             f.write(_dump(pending))
             f.flush()
             os.fsync(f.fileno())

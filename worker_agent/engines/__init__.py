@@ -16,6 +16,7 @@ from worker_agent.engines.base import EnginePlanner, EnvHook, engine_base_env
 from worker_agent.engines.facts import node_facts
 from worker_agent.engines.llamacpp import LlamaCppPlanner
 from worker_agent.engines.nccl import chosen_ports, fabric_env, gpu_env, ib_hca
+from worker_agent.engines.owned_flags import owned_flag_problems
 from worker_agent.engines.sglang import SglangPlanner
 from worker_agent.engines.spec import (
     REDACTED,
@@ -75,6 +76,16 @@ def plan_shard(
     planners: Mapping[EngineKind, EnginePlanner] | None = None,
 ) -> ShardPlan:
     """The plan of ``request``'s shard by its model's engine."""
+    # The agent's own check, whoever asked for the launch: engine_args must
+    # not set what llmgw sets (the model, address, key, adapters, downloads).
+    owned = [
+        *owned_flag_problems(request.model.engine, request.model.engine_args, "engine_args"),
+        *owned_flag_problems(
+            request.model.engine, request.profile.engine_args, "profile.engine_args"
+        ),
+    ]
+    if owned:
+        raise LaunchValidationError(owned)
     table = planners if planners is not None else default_planners()
     planner = table.get(request.model.engine)
     if planner is None:
@@ -110,6 +121,7 @@ __all__ = [
     "ib_hca",
     "launch_problems",
     "node_facts",
+    "owned_flag_problems",
     "plan_shard",
     "redacted",
     "validate_launch",

@@ -10,8 +10,8 @@ from collections.abc import Iterable, Sequence
 from llmgw.types import EngineKind, FabricKind, GpuInfo, ModelSpec
 from worker_agent.engines.base import WILDCARD_ADDRESSES, split_host_port
 from worker_agent.engines.nccl import fabric_problems
+from worker_agent.engines.owned_flags import owned_flag_problems
 from worker_agent.engines.spec import (
-    SECRET_FLAGS,
     EngineProfile,
     LaunchValidationError,
     LoraAdapter,
@@ -70,13 +70,10 @@ def launch_problems(
 
 
 def _argv_problems(model: ModelSpec, profile: EngineProfile) -> list[str]:
-    args = [*model.engine_args, *profile.engine_args]
-    found = sorted({a.partition("=")[0] for a in args} & SECRET_FLAGS)
-    if not found:
-        return []
+    """Flags llmgw sets itself (model, address, key, adapters, downloads) in engine_args."""
     return [
-        f"engine_args carry {', '.join(found)}: the engine key is set by llmgw (and kept off "
-        "the command line where the engine allows); remove it from engine_args"
+        *owned_flag_problems(model.engine, model.engine_args, "engine_args"),
+        *owned_flag_problems(model.engine, profile.engine_args, "profile.engine_args"),
     ]
 
 

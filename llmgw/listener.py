@@ -16,20 +16,30 @@ So the listeners run a small subclass of uvicorn's ``HttpToolsProtocol``
   request on a kept-alive connection, until the head is complete; past it the
   connection is closed;
 * a bound on a request head's size (431 and closed);
+* a body-read timeout: from the end of the head until the body is complete;
+  past it the client gets 408 in the OpenAI error format (when nothing of a
+  response was sent yet) and the connection is closed, and the request's
+  app sees the client gone. Without it a body trickled a byte at a time held
+  its connection and its request task for as long as the client liked, the
+  header and keep-alive timeouts notwithstanding (uvicorn drops the
+  keep-alive timer at every byte received, even of a body it discards);
 * a cap on open connections: one more is aborted as soon as it is accepted
   (log lines rate-limited);
+* a cap on open connections per client address (off where 0): so that one
+  client cannot hold every slot of the cap above. Behind a proxy every
+  client has its address: raise it or turn it off there;
 
 and the idle keep-alive timeout is uvicorn's own ``timeout_keep_alive``.
 A subclass rather than an asyncio guard around the server: the parser's own
-callbacks say when a head starts and ends. What it adds per request is a
-time stamp set and cleared (no timer, no task, no extra read of the socket);
-one sweep a second, while connections are open, closes those whose head is
-late, so a head gets between the timeout and a second more. The router's hot
-path stays as it was. The body is not timed here: the router bounds its
-size, and a slow body holds one request task, not the listener.
+callbacks say when a head starts and ends, and when a body does. What it
+adds per request is two time stamps set and cleared (no timer, no task, no
+extra read of the socket); one sweep a second, while connections are open,
+closes those whose head or body is late, so either gets between its timeout
+and a second more. The router's hot path stays as it was.
 """
 
 import asyncio
+import json
 import logging
 import resource
 import time
@@ -54,14 +64,36 @@ _TOO_LARGE = (
 )
 
 
+def _timeout_response(timeout_s: float) -> bytes:
+    """408 with an OpenAI error body (both listeners serve OpenAI clients)."""
+    body = json.dumps(
+        {
+            "error": {
+                "message": f"The request body did not arrive within {timeout_s:g} s.",
+                "type": "invalid_request_error",
+                "param": None,
+                "code": "body_timeout",
+            }
+        }
+    ).encode()
+    return (
+        b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
+        b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body)
+    )
+
+
 @dataclass(frozen=True)
 class ListenerLimits:
     """What one client connection may hold, and how many may be open."""
 
     header_timeout_s: float = 10.0
+    # From the end of the head to the end of the body.
+    body_timeout_s: float = 60.0
     # uvicorn's timeout_keep_alive is whole seconds.
     keepalive_timeout_s: int = 5
     max_connections: int = 4096
+    # Per client address; 0: no cap (the pass-through's one client is the router).
+    max_connections_per_client: int = 0
     max_header_bytes: int = 64 * 1024
 
 
@@ -86,6 +118,9 @@ class _LimitedProtocol(HttpToolsProtocol):
 
     limits: ClassVar[ListenerLimits]
     refused: ClassVar[_Throttled]
+    refused_client: ClassVar[_Throttled]
+    # Open connections per client address (only while a per-client cap is set).
+    per_client: ClassVar[dict[str, int]]
     # One sweep per server (a class per server: see limited_protocol).
     sweep: ClassVar[asyncio.TimerHandle | None] = None
 
@@ -94,6 +129,10 @@ class _LimitedProtocol(HttpToolsProtocol):
         # When the head being read began (loop time); None between requests.
         self._head_since: float | None = None
         self._head_bytes = 0
+        # When the body being read began (the head's end); None when none is.
+        self._body_since: float | None = None
+        # The client address counted in per_client (None: not counted).
+        self._counted: str | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -103,11 +142,31 @@ class _LimitedProtocol(HttpToolsProtocol):
             # sees a reset rather than a server that stopped answering.
             transport.abort()
             return
+        cap = self.limits.max_connections_per_client
+        if cap and self.client is not None:
+            host = self.client[0]
+            if self.per_client.get(host, 0) >= cap:
+                self.refused_client.warn(f"{cap} connections open from {host}: refusing more")
+                transport.abort()
+                return
+            self.per_client[host] = self.per_client.get(host, 0) + 1
+            self._counted = host
         self._head_since = self.loop.time()
         self._head_bytes = 0
         cls = type(self)
         if cls.sweep is None:
             cls.sweep = self.loop.call_later(_SWEEP_S, _sweep, cls, self.loop, self.connections)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._counted is not None:
+            left = self.per_client[self._counted] - 1
+            if left:
+                self.per_client[self._counted] = left
+            else:
+                del self.per_client[self._counted]
+            self._counted = None
+        self._body_since = None
+        super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
@@ -127,17 +186,43 @@ class _LimitedProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._head_since = None
+        self._body_since = self.loop.time()
         super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        self._body_since = None
+        super().on_message_complete()
+
+    def body_late(self) -> None:
+        """The body took too long: 408 unless a response has begun, then closed;
+        the request's app reads the client as gone."""
+        self._body_since = None
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_started:
+            self.transport.write(_timeout_response(self.limits.body_timeout_s))
+        if cycle is not None and not cycle.response_complete:
+            # Nothing the app sends from now on is written after the 408.
+            cycle.disconnected = True
+            cycle.message_event.set()
+        self.transport.close()
 
 
 def _sweep(cls: type[_LimitedProtocol], loop: asyncio.AbstractEventLoop, open_: set[Any]) -> None:
     """Close every connection whose head is late; again in a second while any is open."""
-    late = loop.time() - cls.limits.header_timeout_s
+    now = loop.time()
+    late = now - cls.limits.header_timeout_s
+    body_late = now - cls.limits.body_timeout_s
     for conn in list(open_):
-        since = getattr(conn, "_head_since", None)  # the set may hold uvicorn's websockets
-        if since is not None and since <= late and not conn.transport.is_closing():
+        if not isinstance(conn, _LimitedProtocol):  # the set may hold uvicorn's websockets
+            continue
+        if conn.transport.is_closing():
+            continue
+        since = conn._head_since
+        if since is not None and since <= late:
             conn._head_since = None
             conn.transport.close()
+        elif conn._body_since is not None and conn._body_since <= body_late:
+            conn.body_late()
     cls.sweep = loop.call_later(_SWEEP_S, _sweep, cls, loop, open_) if open_ else None
 
 
@@ -149,6 +234,8 @@ def limited_protocol(limits: ListenerLimits) -> type[asyncio.Protocol]:
 
     LimitedHttpToolsProtocol.limits = limits
     LimitedHttpToolsProtocol.refused = _Throttled()
+    LimitedHttpToolsProtocol.refused_client = _Throttled()
+    LimitedHttpToolsProtocol.per_client = {}
     return LimitedHttpToolsProtocol
 
 

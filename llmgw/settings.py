@@ -148,10 +148,15 @@ class RouterSettings(_Common):
     # within header_timeout_s; an idle kept-alive connection is closed after
     # keepalive_timeout_s (longer than clients' own pools keep one, httpx's
     # and so the OpenAI SDK's 5 s, so the client retires it first); past
-    # max_connections open, more are refused at accept.
+    # max_connections open, more are refused at accept. A request body must
+    # be complete within body_timeout_s of its head (else 408); one client
+    # address holds at most max_connections_per_client (0: no cap; behind a
+    # proxy or load balancer that hides client addresses, raise it or use 0).
     header_timeout_s: float = Field(default=10.0, gt=0)
+    body_timeout_s: float = Field(default=60.0, gt=0)
     keepalive_timeout_s: int = Field(default=15, ge=1)
     max_connections: int = Field(default=4096, ge=1)
+    max_connections_per_client: int = Field(default=1024, ge=0)
     max_header_bytes: int = Field(default=64 * 1024, ge=1024)
     # The admin API's credential (LLMGW_ADMIN_KEY); admin keys made with
     # ``llmgw keys create --admin`` work as well.

@@ -68,8 +68,10 @@ def build(
     limits = fit_open_files(
         ListenerLimits(
             header_timeout_s=settings.header_timeout_s,
+            body_timeout_s=settings.body_timeout_s,
             keepalive_timeout_s=settings.keepalive_timeout_s,
             max_connections=settings.max_connections,
+            max_connections_per_client=settings.max_connections_per_client,
             max_header_bytes=settings.max_header_bytes,
         ),
         other_fds=settings.upstream_max_connections,

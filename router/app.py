@@ -7,9 +7,9 @@ import socket
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Header
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import Response
 from opentelemetry.trace import Tracer
@@ -213,8 +213,14 @@ def create_app(
         return {"ok": True, "routing_table_loaded": ready.is_set()}
 
     @app.get("/metrics", include_in_schema=False)
-    async def prometheus() -> Response:
+    async def prometheus(
+        authorization: Annotated[str | None, Header(include_in_schema=False)] = None,
+    ) -> Response:
+        # Behind the admin credential, as /admin is: the metrics name every
+        # model and replica, which no client key may list. Prometheus sends
+        # it as a bearer token (scrape config: authorization.credentials).
         # The router's own metrics; an engine's /metrics is never reachable here.
+        await app.state.deps.keys.verify_admin(authorization)
         return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     def openapi() -> dict[str, Any]:

@@ -172,10 +172,11 @@ async def test_client_disconnect_stops_the_engine_and_bills_what_was_sent(
 )
 async def test_engine_paths_are_not_routed(served: dict[str, str], path: str) -> None:
     auth = {"Authorization": f"Bearer {served['key']}"}
+    auth_admin = {"Authorization": f"Bearer {ADMIN}"}  # /metrics is the admin's
     async with httpx.AsyncClient() as http:
         r = await http.post(f"{served['root']}{path}", json={"model": CHAT}, headers=auth)
         assert r.status_code in (404, 405) and "error" in r.json()
-        metrics = await http.get(f"{served['root']}/metrics")
+        metrics = await http.get(f"{served['root']}/metrics", headers=auth_admin)
     assert "llmgw_requests_total" in metrics.text
     assert "llamacpp:" not in metrics.text  # the router's own, never the engine's
 

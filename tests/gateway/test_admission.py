@@ -107,7 +107,7 @@ def waiting(gw: Gateway) -> int:
 
 
 async def metric(gw: Gateway, line_start: str) -> str:
-    text = (await gw.http.get("/metrics")).text
+    text = (await gw.http.get("/metrics", headers=auth(ADMIN_KEY))).text
     return next((ln for ln in text.splitlines() if ln.startswith(line_start)), "")
 
 
@@ -129,13 +129,13 @@ async def test_a_saturated_model_queues_and_serves_everyone(tmp_path: Path) -> N
         assert [r.status_code for r in results] == [200] * 5
         assert engine.peak == 1
         assert waiting(gw) == 0
-        text = (await gw.http.get("/metrics")).text
+        text = (await gw.http.get("/metrics", headers=auth(ADMIN_KEY))).text
         assert 'llmgw_queue_wait_seconds_count{model="m1"} 4.0' in text
 
 
 async def test_max_waiting_answers_503_with_retry_after(tmp_path: Path) -> None:
     engine = GatedEngine()
-    models = [queued(max_waiting=2)]
+    models = [queued(max_waiting=2, key_share=1.0)]  # the whole queue for one key
     async with gateway(tmp_path / "s.db", [ready("r1", M, "http://e1:1")], models, engine) as gw:
         _, key = gw.key()
         tasks = [post(gw, key) for _ in range(3)]
@@ -148,7 +148,7 @@ async def test_max_waiting_answers_503_with_retry_after(tmp_path: Path) -> None:
             await until(lambda g=gate_index: len(engine.gates) > g)  # type: ignore[misc]
             engine.gates[gate_index].set()
         assert [r.status_code for r in await asyncio.gather(*tasks)] == [200] * 3
-        assert 'reason="full"' in (await gw.http.get("/metrics")).text
+        assert 'reason="full"' in (await gw.http.get("/metrics", headers=auth(ADMIN_KEY))).text
 
 
 async def test_max_wait_s_answers_503_with_retry_after(tmp_path: Path) -> None:
@@ -257,7 +257,7 @@ async def test_twenty_requests_for_a_model_at_zero_wake_it_once(tmp_path: Path) 
         assert len(link.wakes) == 1
         assert (
             'llmgw_wakes_total{model="m1",result="ready"} 1.0'
-            in (await gw.http.get("/metrics")).text
+            in (await gw.http.get("/metrics", headers=auth(ADMIN_KEY))).text
         )
 
 

@@ -171,7 +171,9 @@ async def hold_the_slot(r: Router, client: openai.AsyncOpenAI) -> "asyncio.Task[
 
 async def metrics(r: Router) -> str:
     async with httpx.AsyncClient() as http:
-        return (await http.get(f"{r.base}/metrics")).text
+        return (
+            await http.get(f"{r.base}/metrics", headers={"Authorization": f"Bearer {ADMIN}"})
+        ).text
 
 
 async def test_a_saturated_model_queues_and_every_request_succeeds(engine: Engine) -> None:

@@ -135,7 +135,7 @@ async def test_metrics_are_the_routers_own(gw: Gateway) -> None:
     await gw.http.post(
         "/v1/chat/completions", json=chat(max_tokens=2, stream=True), headers=auth(key)
     )
-    text = (await gw.http.get("/metrics")).text
+    text = (await gw.http.get("/metrics", headers=auth(ADMIN_KEY))).text
     assert 'llmgw_requests_total{endpoint="chat/completions",model="m1",status="200"} 2.0' in text
     assert f'llmgw_tokens_total{{kind="completion",model="{M}"}} 4.0' in text
     assert "llmgw_time_to_first_token_seconds_count" in text
@@ -143,7 +143,7 @@ async def test_metrics_are_the_routers_own(gw: Gateway) -> None:
     assert "llmgw_stream_coalesce_window_seconds " in text
     await gw.http.post("/v1/chat/completions", json=chat(model="nope"), headers=auth(key))
     await gw.http.post("/v1/chat/completions", json=chat(), headers=auth("bad"))
-    text = (await gw.http.get("/metrics")).text
+    text = (await gw.http.get("/metrics", headers=auth(ADMIN_KEY))).text
     assert 'llmgw_requests_total{endpoint="chat/completions",model="",status="404"} 1.0' in text
     assert 'llmgw_requests_total{endpoint="chat/completions",model="",status="401"} 1.0' in text
     assert "nope" not in text
@@ -325,7 +325,7 @@ async def test_failover_before_the_first_byte(tmp_path: Path) -> None:
         for _ in range(4):
             r = await gw.http.post("/v1/chat/completions", json=chat(), headers=auth(key))
             assert r.status_code == 200 and r.headers["x-llmgw-replica"] == "r2"
-        text = (await gw.http.get("/metrics")).text
+        text = (await gw.http.get("/metrics", headers=auth(ADMIN_KEY))).text
         assert 'llmgw_upstream_errors_total{kind="connect",model="m1",replica="r1"}' in text
 
 

@@ -3,12 +3,13 @@
 A request for a model whose every replica is at ``profile.max_inflight``,
 or for a model with ``autoscale`` and no routable replica (scaled to zero),
 waits in the model's queue, bounded by ``queue.max_waiting`` (beyond: 503
-``queue_full``) and ``queue.max_wait_s`` (beyond: 503 ``queue_timeout``,
-both with Retry-After). Waiting requests are served in the order of
-router/fair_queue.py (priority class, then weighted fair on tokens) when a
-slot frees (a request of the model ends) or the routing table changes (a
-replica appears), and never overtaken by a newcomer: one is forwarded at
-once only while nobody waits.
+``queue_full``), by ``queue.key_share`` of that for any one API key (so a
+key that floods leaves room for the others: 503 ``queue_full`` too) and
+``queue.max_wait_s`` (beyond: 503 ``queue_timeout``, all with Retry-After).
+Waiting requests are served in the order of router/fair_queue.py (priority
+class, then weighted fair on tokens) when a slot frees (a request of the
+model ends) or the routing table changes (a replica appears), and never
+overtaken by a newcomer: one is forwarded at once only while nobody waits.
 
 A dispatched request holds its slot from the moment it is chosen until the
 proxy counts it in flight (``pending``): the proxy picks the replica, this
@@ -36,7 +37,14 @@ from router.accounting import Outcome
 from router.api.schemas import _Generation
 from router.apikeys import KeyPolicy
 from router.deployment_link import DeploymentLink
-from router.errors import OpenAIError, client_gone, queue_full, queue_timeout, wake_failed
+from router.errors import (
+    OpenAIError,
+    client_gone,
+    key_queue_full,
+    queue_full,
+    queue_timeout,
+    wake_failed,
+)
 from router.fair_queue import Entry, FairQueue
 from router.load_report import LoadCounter
 from router.metrics import Metrics
@@ -59,6 +67,12 @@ TABLE_LAG_S = 0.1
 # What a request that does not bound its generation costs in the queue, per
 # choice (its quota reservation assumes the whole context instead).
 DEFAULT_COMPLETION_COST = 256
+
+
+def key_share(queue: QueuePolicy) -> int:
+    """How many requests of one key may wait for a model: ``queue.key_share``
+    of ``queue.max_waiting``, at least one."""
+    return max(1, int(queue.max_waiting * queue.key_share))
 
 
 def queue_cost(body: object, prompt_estimate: int) -> int:
@@ -319,6 +333,13 @@ class Admission:
         if len(m.fair) >= queue.max_waiting:
             self._metrics.queue_rejections.labels(model, "full").inc()
             raise queue_full(model, queue.max_waiting)
+        share = key_share(queue)
+        if m.fair.waiting_of(key_id) >= share:
+            # One key floods: the rest of the queue stays for the others (and
+            # the waiting it adds to the load reports, for autoscale, stays
+            # within its share too).
+            self._metrics.queue_rejections.labels(model, "key_share").inc()
+            raise key_queue_full(model, share)
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         ticket = Ticket(model, self.clock(), future)
         ticket.entry = m.fair.push(ticket, key_id, cost, policy.weight, Priority(policy.priority))

@@ -86,6 +86,18 @@ def queue_full(model: str, max_waiting: int) -> OpenAIError:
     )
 
 
+def key_queue_full(model: str, share: int) -> OpenAIError:
+    """503: this key has its share of the model's admission queue waiting already."""
+    return OpenAIError(
+        503,
+        f"Every replica of `{model}` is busy and {share} requests of this API key wait"
+        " already (its share of the queue: queue.key_share); retry shortly.",
+        type="service_unavailable_error",
+        code="queue_full",
+        headers={"Retry-After": "1"},
+    )
+
+
 def queue_timeout(model: str, max_wait_s: float) -> OpenAIError:
     """503: the request waited ``queue.max_wait_s`` without a replica taking it."""
     return OpenAIError(

@@ -10,6 +10,12 @@ own finish times out, so a light key's request overtakes its backlog: each
 key gets a share of the served tokens proportional to its weight, whatever
 the others send. Ties go to the earlier arrival.
 
+A request taken out before it is served (its client left, its wait ran
+out) stays in its class's heap, marked, until popped; once such entries
+outnumber the live ones the heap is rebuilt without them, so a class that
+never empties (one request always waiting while others join and leave)
+holds O(live) entries, not one per request ever queued.
+
 No clock and no asyncio here: the admission layer (router/admission.py)
 pops entries and wakes their requests.
 """
@@ -27,6 +33,8 @@ T = TypeVar("T")
 
 # Served strictly in this order.
 PRIORITY_ORDER = (Priority.HIGH, Priority.NORMAL, Priority.BATCH)
+# A heap is compacted only past this many dead entries (small heaps are cheap).
+COMPACT_MIN_DEAD = 64
 
 
 @dataclass(eq=False)
@@ -52,7 +60,8 @@ class _Class(Generic[T]):
     now: float = 0.0
     # Each key's latest finish time (dropped once the class empties).
     last: dict[int, float] = field(default_factory=dict)
-    size: int = 0
+    size: int = 0  # live entries
+    dead: int = 0  # removed entries still in the heap
 
 
 class FairQueue(Generic[T]):
@@ -61,6 +70,7 @@ class FairQueue(Generic[T]):
     def __init__(self) -> None:
         self._classes: dict[Priority, _Class[T]] = {p: _Class() for p in PRIORITY_ORDER}
         self._seq = itertools.count()
+        self._per_key: dict[int, int] = {}  # live entries per key, all classes
 
     def __len__(self) -> int:
         return sum(c.size for c in self._classes.values())
@@ -83,6 +93,7 @@ class FairQueue(Generic[T]):
         c.last[key] = entry.finish
         heapq.heappush(c.heap, (entry.finish, entry.seq, entry))
         c.size += 1
+        self._per_key[key] = self._per_key.get(key, 0) + 1
         return entry
 
     def pop(self) -> Entry[T] | None:
@@ -92,9 +103,11 @@ class FairQueue(Generic[T]):
             while c.heap:
                 _, _, entry = heapq.heappop(c.heap)
                 if entry.removed:
+                    c.dead -= 1
                     continue
                 entry.removed = True
                 c.size -= 1
+                self._left(entry.key)
                 c.now = max(c.now, entry.finish)
                 if c.size == 0:
                     self._reset(c)
@@ -109,8 +122,12 @@ class FairQueue(Generic[T]):
         entry.removed = True
         c = self._classes[entry.priority]
         c.size -= 1
+        c.dead += 1
+        self._left(entry.key)
         if c.size == 0:
             self._reset(c)
+        elif c.dead > c.size and c.dead >= COMPACT_MIN_DEAD:
+            self._compact(c)
         return True
 
     def items(self) -> list[T]:
@@ -121,6 +138,32 @@ class FairQueue(Generic[T]):
         """How many wait in one class."""
         return self._classes[priority].size
 
+    def waiting_of(self, key: int) -> int:
+        """How many of ``key``'s requests wait, in every class."""
+        return self._per_key.get(key, 0)
+
+    def heap_len(self) -> int:
+        """Entries held in the heaps, dead ones included (bounded: ``_compact``)."""
+        return sum(len(c.heap) for c in self._classes.values())
+
+    def _left(self, key: int) -> None:
+        n = self._per_key[key] - 1
+        if n:
+            self._per_key[key] = n
+        else:
+            del self._per_key[key]
+
+    @staticmethod
+    def _compact(c: _Class[T]) -> None:
+        # Rebuilt once the dead outnumber the live: O(n) now and then, so
+        # amortised O(1) per removal, and the heap stays within twice the live.
+        c.heap = [t for t in c.heap if not t[2].removed]
+        heapq.heapify(c.heap)
+        c.dead = 0
+        # A key whose last finish is behind the virtual time starts at the
+        # virtual time anyway: its entry says nothing (keys that came and went).
+        c.last = {k: f for k, f in c.last.items() if f > c.now}
+
     @staticmethod
     def _reset(c: _Class[T]) -> None:
         # An empty class forgets its history: a key idle until now starts
@@ -128,3 +171,4 @@ class FairQueue(Generic[T]):
         c.heap.clear()
         c.last.clear()
         c.now = 0.0
+        c.dead = 0

@@ -61,6 +61,13 @@ class QueuePolicy(BaseModel):
     max_wait_s: float = Field(
         default=60.0, gt=0, description="a request waiting longer gets 503 with Retry-After"
     )
+    key_share: float = Field(
+        default=0.5,
+        gt=0,
+        le=1,
+        description="the share of max_waiting one API key may hold (at least one request;"
+        " 1: no per-key bound), so a flooding key leaves room for the others",
+    )
 
 
 class ModelLoad(BaseModel):

@@ -135,7 +135,7 @@ async def test_a_saturated_model_queues_and_serves_everyone(tmp_path: Path) -> N
 
 async def test_max_waiting_answers_503_with_retry_after(tmp_path: Path) -> None:
     engine = GatedEngine()
-    models = [queued(max_waiting=2)]
+    models = [queued(max_waiting=2, key_share=1.0)]  # the whole queue for one key
     async with gateway(tmp_path / "s.db", [ready("r1", M, "http://e1:1")], models, engine) as gw:
         _, key = gw.key()
         tasks = [post(gw, key) for _ in range(3)]

@@ -10,6 +10,7 @@ import uvicorn
 from opentelemetry.trace import Tracer
 from temporalio.client import Client
 
+from llmgw.keys import engine_key
 from llmgw.lifecycle import ShutdownWatchdog, setup_logging
 from llmgw.listener import ListenerLimits, fit_open_files, limited_protocol
 from llmgw.settings import RouterSettings
@@ -17,6 +18,7 @@ from llmgw.store import Store
 from llmgw.temporal import connect_with
 from llmgw.tracing import setup_tracing
 from router.app import create_app, make_upstream
+from router.endpoint_proof import HttpProver, ProvenSource
 from router.replica_source import TemporalReplicaSource
 from router.routing import ReplicaSource
 from router.usage_spool import UsageSpool, spool_dir
@@ -129,11 +131,18 @@ async def run(settings: RouterSettings) -> None:
     tracer = tracing.provider.get_tracer("llmgw.router") if tracing.provider else None
     # The routing table's refresh is not traced (a trace a second is noise).
     client = await connect_with(settings)
+    secret = store.engine_key_secret()
+    # Whoever can start a workflow can write a Replica memo: only endpoints
+    # that prove they hold the replica's key are routed to.
+    source = ProvenSource(
+        TemporalReplicaSource(client, full_resync_s=settings.full_resync_s),
+        HttpProver(lambda replica_id: engine_key(secret, replica_id)),
+    )
     try:
         await serve(
             settings,
             store,
-            TemporalReplicaSource(client, full_resync_s=settings.full_resync_s),
+            source,
             client,
             tracer,
         )

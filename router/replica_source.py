@@ -35,7 +35,7 @@ from temporalio.service import RPCError
 
 from llmgw import messages
 from llmgw import search_attributes as sa
-from llmgw.queues import FLEET_NODES_MEMO, FLEET_WORKFLOW_ID
+from llmgw.queues import FLEET_NODES_MEMO, FLEET_WORKFLOW_ID, replica_workflow_id
 from llmgw.types import ReplicaMemo
 from router.routing import on_registered_nodes
 
@@ -205,6 +205,8 @@ class TemporalReplicaSource:
         legacy = False
         fresh: list[tuple[str, str, bytes, Payload]] = []
         for info in page:
+            if info.type.name != messages.REPLICA:  # the query says so; so does this
+                continue
             legacy |= sa.REPLICA_UPDATED_AT.name not in info.search_attributes.indexed_fields
             payload = info.memo.fields.get(REPLICA_MEMO)
             if payload is None:
@@ -262,12 +264,22 @@ class TemporalReplicaSource:
         if not isinstance(value, dict):
             return None
         try:
-            return ReplicaMemo.model_validate(value)
+            memo = ReplicaMemo.model_validate(value)
         except ValidationError as exc:
             if workflow_id not in self._warned:
                 self._warned.add(workflow_id)
                 log.warning("workflow %s ignored: malformed replica memo: %s", workflow_id, exc)
             return None
+        # A running workflow id is unique: a memo naming a replica other than
+        # its own workflow's would stand beside that replica's real one.
+        if replica_workflow_id(memo.replica_id) != workflow_id:
+            if workflow_id not in self._warned:
+                self._warned.add(workflow_id)
+                log.warning(
+                    "workflow %s ignored: its memo names replica %s", workflow_id, memo.replica_id
+                )
+            return None
+        return memo
 
     def _checked(self, entry: _Entry) -> _Entry:
         """``entry`` with ``ok`` set by the registered-node check."""

@@ -56,6 +56,17 @@ class CountedSource(Protocol):
     generation: int  # bumped whenever replicas() returns a different list
 
 
+@runtime_checkable
+class NotifyingSource(Protocol):
+    """A source whose replicas may change between two listings (an endpoint
+    proof landed, router/endpoint_proof.py): it says so, and the table
+    refreshes at once rather than at the next interval."""
+
+    def on_change(self, listener: Callable[[], None]) -> None:
+        """Call ``listener`` on each such change."""
+        ...
+
+
 def on_registered_nodes(
     memos: list[ReplicaMemo], nodes: Mapping[str, str]
 ) -> tuple[list[ReplicaMemo], list[ReplicaMemo]]:
@@ -205,6 +216,8 @@ async def refresh_forever(
     store does not answer, the last catalog read serves and replicas keep
     coming and going from Temporal (a frozen store must not freeze routing).
     """
+    if isinstance(source, NotifyingSource):
+        source.on_change(table.refresh_soon)
     built: tuple[int, dict[str, ModelSpec]] | None = None  # what the table was built from
     last: dict[str, ModelSpec] | None = None  # the last catalog the store gave
     stale = False  # logged once when the store stops answering, once when it is back

@@ -8,11 +8,18 @@ without InfiniBand is a single-node island, neither an error.
 import logging
 import os
 import socket
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
-from llmgw.types import GpuInfo, NodeInventory
+from llmgw.types import (
+    EngineCapability,
+    GpuInfo,
+    NodeInventory,
+    WeightsEntry,
+    WeightsReport,
+)
 from worker_agent.fabric import discover_fabric
 from worker_agent.gpus import (
     GpuDiscoveryUnavailable,
@@ -21,8 +28,15 @@ from worker_agent.gpus import (
     RecordedSource,
     discover,
 )
+from worker_agent.installs.llamacpp import LlamaCppInstall
 
 log = logging.getLogger(__name__)
+
+# What a registration carries of the weights roots: enough to name the models
+# there (a file, or a directory and its files) without sending a whole tree
+# to the fleet every round.
+WEIGHTS_DEPTH = 3
+WEIGHTS_LIMIT = 256
 
 
 @dataclass(frozen=True)
@@ -97,3 +111,82 @@ def collect(
         max_cpu_replicas=max_cpu_replicas,
         fabric=fabric,
     )
+
+
+def engine_capabilities(llama: LlamaCppInstall | None) -> list[EngineCapability]:
+    """What this node's engine installs can do, for placement.
+
+    A llama.cpp replica spans nodes only through ggml-rpc-server, which the
+    portable (AVX2) install lacks, as its llama-server lacks ``--rpc``.
+    """
+    capabilities = []
+    if llama is not None and llama.rpc_server is not None:
+        capabilities.append(EngineCapability.LLAMA_CPP_RPC)
+    return capabilities
+
+
+def weights_report(
+    roots: Sequence[Path],
+    depth: int = WEIGHTS_DEPTH,
+    limit: int = WEIGHTS_LIMIT,
+    access: Callable[[str, int], bool] = os.access,
+) -> WeightsReport:
+    """The weights roots and what lies in them (``depth`` levels, ``limit`` entries),
+    each entry with the reason the agent would refuse it as a source, if any.
+
+    ``llmgw model apply`` checks a catalog's sources against these, so an
+    entry the agent will refuse is refused when it is applied, not at a
+    replica's first start. Links are not followed into directories (a loop,
+    or a tree outside the roots); a link is checked where it leads. ``access``
+    is ``os.access``: whether this process (the agent) may read a path.
+    """
+    resolved = [os.path.realpath(r) for r in roots]
+    entries: list[WeightsEntry] = []
+    complete = True
+
+    def inside(path: str) -> bool:
+        return any(path == r or path.startswith(r.rstrip("/") + "/") for r in resolved)
+
+    def walk(directory: str, level: int) -> None:
+        nonlocal complete
+        try:
+            found = sorted(os.scandir(directory), key=lambda e: e.name)
+        except OSError:
+            return
+        for entry in found:
+            if len(entries) >= limit:
+                complete = False
+                return
+            item = _weights_entry(entry, inside, access)
+            if item is None:
+                continue
+            descend = item.kind == "dir" and not item.problem and not entry.is_symlink()
+            if descend and level < depth:
+                entries.append(item.model_copy(update={"listed": True}))
+                walk(entry.path, level + 1)
+            else:
+                entries.append(item)
+
+    for root in resolved:
+        walk(root, 1)
+    return WeightsReport(roots=resolved, entries=entries, depth=depth, complete=complete)
+
+
+def _weights_entry(
+    entry: os.DirEntry[str], inside: Callable[[str], bool], access: Callable[[str, int], bool]
+) -> WeightsEntry | None:
+    """One listed path, with why the agent would refuse it; None for what is neither
+    a file nor a directory (a socket); a dangling link is reported with its target."""
+    real = os.path.realpath(entry.path)
+    if entry.is_symlink() and not os.path.exists(real):
+        return WeightsEntry(path=entry.path, kind="file", problem=f"links to {real}, which is gone")
+    is_dir = os.path.isdir(real)
+    if not is_dir and not os.path.isfile(real):
+        return None
+    kind: Literal["file", "dir"] = "dir" if is_dir else "file"
+    problem = ""
+    if not inside(real):
+        problem = f"resolves to {real}, outside the weights roots"
+    elif not access(real, os.R_OK | (os.X_OK if is_dir else 0)):
+        problem = "not readable by the agent"
+    return WeightsEntry(path=entry.path, kind=kind, problem=problem)

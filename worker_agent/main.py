@@ -39,7 +39,13 @@ from llmgw.types import (
 from worker_agent.adoption import adopt
 from worker_agent.installs.installed import EngineInstalls
 from worker_agent.installs.llamacpp import ensure_llama_cpp
-from worker_agent.inventory import Sources, collect, sources_from
+from worker_agent.inventory import (
+    Sources,
+    collect,
+    engine_capabilities,
+    sources_from,
+    weights_report,
+)
 from worker_agent.launch import Launcher
 from worker_agent.shard_record import ShardRecord
 from worker_agent.supervisor import RunningShard, Supervisor
@@ -117,6 +123,8 @@ def inventory(
     inv.running = [report(r, supervisor.plan_of(r.ref)) for r in supervisor.running()]
     inv.lost = list(lost)
     inv.engines = installs.installed() if installs is not None else []
+    inv.capabilities = engine_capabilities(installs.llama) if installs is not None else None
+    inv.weights = weights_report(settings.resolved_weights_roots())
     return inv
 
 

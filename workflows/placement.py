@@ -11,6 +11,8 @@ from collections.abc import Callable, Mapping
 from datetime import datetime
 
 from llmgw.types import (
+    EngineCapability,
+    EngineKind,
     FleetSnapshot,
     ModelSpec,
     NodeInventory,
@@ -71,7 +73,31 @@ def _cpu_slots(node: NodeInventory, model: ModelSpec, held: list[ShardPlacement]
     return None
 
 
-FILTERS: tuple[Filter, ...] = (_gpu_class, _enough_gpus, _cpu_slots)
+def missing_capability(node: NodeInventory, model: ModelSpec) -> str | None:
+    """Why ``node``'s engine install cannot run a rank of ``model``, or None.
+
+    A node that reports no capabilities (an agent from before they were
+    reported) is taken to have them all, as before: old histories replay alike.
+    """
+    if node.capabilities is None:
+        return None
+    needed = EngineCapability.LLAMA_CPP_RPC
+    spans = model.engine is EngineKind.LLAMA_CPP and model.profile.nodes > 1
+    if spans and needed not in node.capabilities:
+        return (
+            f"its llama.cpp install has no RPC server (capability {needed.value}), which a "
+            f"{model.profile.nodes}-node llama.cpp replica needs on every node: run "
+            "llama.cpp with the wheel or a source build there (LLMGW_LLAMA_CPP), or "
+            "serve the model on one node"
+        )
+    return None
+
+
+def _capabilities(node: NodeInventory, model: ModelSpec, held: list[ShardPlacement]) -> str | None:
+    return missing_capability(node, model)
+
+
+FILTERS: tuple[Filter, ...] = (_capabilities, _gpu_class, _enough_gpus, _cpu_slots)
 
 
 def _score(node: NodeInventory, busy: int, spread: bool) -> tuple[int, str]:

@@ -18,7 +18,7 @@ from collections import Counter
 from collections.abc import Mapping, Set
 
 from llmgw.types import ModelSpec, NodeInventory, Placement
-from workflows.placement import build_placement, pick_island
+from workflows.placement import build_placement, missing_capability, pick_island
 
 # Nodes by ranks held.
 Levels = dict[int, set[str]]
@@ -111,7 +111,11 @@ class PlacementIndex:
                 (self._nodes[n] for levels in buckets for ns in levels.values() for n in ns),
                 key=lambda n: n.node_id,
             )
-            passed = [n for n in passed if n.node_id not in excluded]
+            passed = [
+                n
+                for n in passed
+                if n.node_id not in excluded and missing_capability(n, model) is None
+            ]
             chosen, _ = pick_island(model, passed, self._ranks)
         if not chosen:
             return None

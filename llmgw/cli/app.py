@@ -6,7 +6,7 @@ import sys
 from collections.abc import Coroutine
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 from rich.table import Table
@@ -26,6 +26,10 @@ from llmgw.store import Store
 from llmgw.temporal import connect_with
 from llmgw.tracing import Tracing, setup_tracing
 from llmgw.types import DeploymentStatus, ModelSpec, ReplicaMemo
+
+if TYPE_CHECKING:
+    from llmgw.catalog import CatalogModel
+    from llmgw.catalog_sources import SourceCheck
 
 app = typer.Typer(
     help="llmgw: LLM inference control plane and OpenAI gateway", no_args_is_help=True
@@ -135,18 +139,24 @@ def model_apply(
 
     settings = CliSettings()
     try:
-        entries = parse_catalog(file.read_text())
+        entries = parse_catalog(file.read_text(), settings.max_replicas_per_model)
     except LlmgwError as exc:
         _fail(f"{file}: {exc}")
         return
+    # What the agents would refuse, refused now rather than at a replica's start.
+    check = _run(_node_checks(settings, entries))
+    for note in check.notes:
+        console.print(f"[yellow]note:[/yellow] {note}", markup=True, highlight=False)
+    if check.problems:
+        _fail(f"{file}: " + "; ".join(check.problems))
     store = Store(settings.resolved_store_url())
     store.migrate()
     # Checked against the rest of the catalog and written in one go, or not at all.
-    problems = apply_entries(store, entries)
+    problems = apply_entries(store, entries, max_replicas=settings.max_replicas_per_model)
     if problems:
         _fail(f"{file}: " + "; ".join(problems))
     for entry in entries:
-        console.print(f"model {entry.name}: {entry.engine.value}, {entry.replicas} replicas")
+        console.print(f"model {entry.name}: {entry.engine.value}, {_replicas_line(entry)}")
     if not deploy_:
         return
 
@@ -159,6 +169,42 @@ def model_apply(
             console.print(f"deployment/{entry.name}: {status.desired} replicas desired{bounds}")
 
     _run(go())
+
+
+def _replicas_line(entry: "CatalogModel") -> str:
+    """How many replicas the entry asks for: its autoscale bounds when it has them."""
+    policy = entry.autoscale
+    if policy is None:
+        return f"{entry.replicas} replica{'' if entry.replicas == 1 else 's'}"
+    return f"autoscale {policy.min_replicas}..{policy.max_replicas} replicas"
+
+
+async def _node_checks(settings: CliSettings, entries: "list[CatalogModel]") -> "SourceCheck":
+    """engine_args llmgw owns, and sources against what the live agents report.
+
+    The fleet is asked with a bound: a catalog can be applied before any
+    agent or Temporal runs, and then only the notes say what was not checked.
+    """
+    from llmgw.catalog_sources import SourceCheck, check_sources  # noqa: PLC0415
+    from worker_agent.engines import owned_flag_problems  # noqa: PLC0415
+    from workflows.placement import split_live  # noqa: PLC0415
+
+    owned: list[str] = []
+    for i, entry in enumerate(entries):
+        owned += owned_flag_problems(entry.engine, entry.engine_args, f"models[{i}].engine_args")
+        owned += owned_flag_problems(
+            entry.engine, entry.profile.engine_args, f"models[{i}].profile.engine_args"
+        )
+    try:
+        async with asyncio.timeout(10):
+            fleet = await replicas.fleet_snapshot(await _connect(settings))
+    except Exception as exc:  # any failure only means "not checked"
+        why = str(exc) or type(exc).__name__
+        return SourceCheck(problems=owned, notes=[f"sources not checked against the nodes: {why}"])
+    live, _ = split_live(fleet, datetime.now(UTC))
+    check = check_sources(entries, live)
+    check.problems[:0] = owned
+    return check
 
 
 @app.command()

@@ -67,6 +67,7 @@ from llmgw.types.model import (
     Rendezvous,
 )
 from llmgw.types.node import (
+    EngineCapability,
     EngineInstallInfo,
     FabricKind,
     Gid,
@@ -78,6 +79,8 @@ from llmgw.types.node import (
     RdmaPort,
     ShardRef,
     ShardReport,
+    WeightsEntry,
+    WeightsReport,
 )
 from llmgw.types.replica import (
     ROUTABLE_PHASES,
@@ -137,6 +140,7 @@ __all__ = [
     "DrainNodeResult",
     "DrainResult",
     "ElasticState",
+    "EngineCapability",
     "EngineInstallInfo",
     "EngineKind",
     "EngineProfile",
@@ -214,4 +218,6 @@ __all__ = [
     "WakeInput",
     "WakeResult",
     "WatchShardInput",
+    "WeightsEntry",
+    "WeightsReport",
 ]

@@ -1,6 +1,7 @@
 """What a node is: its GPUs, its fabric, and what its agent reports."""
 
 from enum import StrEnum
+from typing import Literal
 
 from pydantic import BaseModel, Field
 
@@ -111,6 +112,37 @@ class EngineInstallInfo(BaseModel):
     path: str = Field(description="the binary or virtual environment on the node")
 
 
+class EngineCapability(StrEnum):
+    """What a node's engine installs can do beyond serving one node's replica."""
+
+    # ggml-rpc-server is installed and llama-server can use remote devices
+    # (--rpc): a llama.cpp replica may span this node. The portable (AVX2)
+    # llama.cpp has neither.
+    LLAMA_CPP_RPC = "llama.cpp-rpc"
+
+
+class WeightsEntry(BaseModel):
+    """A file or directory under the node's weights roots, as a catalog source would name it."""
+
+    path: str = Field(description="absolute path under a (resolved) root, as listed")
+    kind: Literal["file", "dir"]
+    problem: str = Field(default="", description="why the agent would refuse it; empty if none")
+    listed: bool = Field(
+        default=False, description="a directory whose contents are listed too (not a link)"
+    )
+
+
+class WeightsReport(BaseModel):
+    """What a catalog's sources may name on this node: the roots and what lies in them."""
+
+    roots: list[str] = Field(default_factory=list, description="LLMGW_WEIGHTS_ROOTS, resolved")
+    entries: list[WeightsEntry] = Field(default_factory=list)
+    depth: int = Field(default=0, ge=0, description="levels below each root that are listed")
+    complete: bool = Field(
+        default=True, description="False when more entries were found than reported"
+    )
+
+
 class NodeInventory(BaseModel):
     """What an agent reports when it registers: the scheduler's view of a node."""
 
@@ -129,4 +161,12 @@ class NodeInventory(BaseModel):
     )
     engines: list[EngineInstallInfo] = Field(
         default_factory=list, description="engines installed on the node"
+    )
+    # None, not []: an agent from before capabilities were reported. Placement
+    # then assumes it has them all, as it did, so old histories replay alike.
+    capabilities: list[EngineCapability] | None = Field(
+        default=None, description="what the node's engine installs can do (None: not reported)"
+    )
+    weights: WeightsReport | None = Field(
+        default=None, description="the weights roots and their contents (None: not reported)"
     )

@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -38,6 +39,11 @@ from llmgw.types import ROUTABLE_PHASES, ModelSpec, ReplicaMemo, ReplicaPhase
 from router.blocking import STORE_WAIT_S, within
 
 log = logging.getLogger(__name__)
+
+# A request naming a model the table does not know re-reads the catalog once
+# (RoutingTable.knows), at most this often, and waits this long for it.
+REREAD_INTERVAL_S = 1.0
+REREAD_WAIT_S = 2.0
 
 
 class ReplicaSource(Protocol):
@@ -132,11 +138,54 @@ class RoutingTable:
     on_update: list[Callable[[], None]] = field(default_factory=list)
     # Set: refresh now rather than at the next interval (a wake answered ready).
     _wanted: asyncio.Event = field(default_factory=asyncio.Event)
+    # An unknown model name re-reads the catalog at most this often (``knows``).
+    reread_interval_s: float = REREAD_INTERVAL_S
+    # How long a request for an unknown name waits for that re-read.
+    reread_wait_s: float = REREAD_WAIT_S
+    _reread_at: float = -math.inf
+    _reread: asyncio.Future[None] | None = None
+    # Re-reads asked for that the next refresh (begun after the ask) answers.
+    _asked: list[asyncio.Future[None]] = field(default_factory=list)
 
     def refresh_soon(self) -> None:
         """Refresh without waiting for the interval: a replica is known ready
         and requests wait for it (router.admission, after a wake)."""
         self._wanted.set()
+
+    async def knows(self, model: str) -> bool:
+        """Whether ``model`` names a catalog entry, an adapter or a running
+        replica's model; for a name the table does not know, after one catalog
+        re-read (a model applied a moment ago: the next periodic refresh may be
+        a whole interval away). Unknown names share that re-read, at most one
+        per ``reread_interval_s`` however many arrive: a client sending made-up
+        names cannot make the router read its store on every request."""
+        if model in self.known_models or self.has_replicas(model):
+            return True
+        now = time.monotonic()
+        if self._reread is None or (
+            self._reread.done() and now - self._reread_at >= self.reread_interval_s
+        ):
+            self._reread_at = now
+            self._reread = asyncio.get_running_loop().create_future()
+            self._asked.append(self._reread)
+            self.refresh_soon()
+        if not self._reread.done():
+            with contextlib.suppress(TimeoutError):
+                # shield: one request giving up must not cancel the others' wait.
+                await asyncio.wait_for(asyncio.shield(self._reread), self.reread_wait_s)
+        return model in self.known_models or self.has_replicas(model)
+
+    def refreshing(self) -> Callable[[], None]:
+        """A refresh begins: the re-reads asked for until now are answered by
+        the callable returned, called once it ended (well or not)."""
+        asked, self._asked = self._asked, []
+
+        def ended() -> None:
+            for future in asked:
+                if not future.done():
+                    future.set_result(None)
+
+        return ended
 
     async def next_refresh(self, interval_s: float) -> None:
         """Until the next refresh is due: ``interval_s``, or sooner when wanted."""
@@ -222,6 +271,7 @@ async def refresh_forever(
     last: dict[str, ModelSpec] | None = None  # the last catalog the store gave
     stale = False  # logged once when the store stops answering, once when it is back
     while True:
+        ended = table.refreshing()
         try:
             replicas = await source.replicas()
             try:
@@ -246,4 +296,5 @@ async def refresh_forever(
             raise
         except Exception as exc:  # keep the last good table
             log.warning("routing refresh failed: %s", exc)
+        ended()
         await table.next_refresh(interval_s)

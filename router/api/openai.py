@@ -172,7 +172,7 @@ async def _admit(
         if not caller.policy.allows(body.model):
             raise model_not_allowed(body.model)
         _bounded(body, caller.policy)
-        if body.model not in table.known_models and not table.has_replicas(body.model):
+        if not await table.knows(body.model):  # after one catalog re-read, rate-bounded
             raise model_not_found(body.model)
     except OpenAIError as exc:
         _refused(deps, path, exc)

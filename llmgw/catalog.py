@@ -10,7 +10,10 @@
         profile: {tp: 1, nodes: 1}
 
 Unknown fields are errors (a misspelt ``replicas`` must not silently mean 1),
-and every error names the field it is about.
+and every error names the field it is about. Replica counts are bounded by
+``LLMGW_MAX_REPLICAS_PER_MODEL`` (``replicas``, ``autoscale.min_replicas``
+and ``autoscale.max_replicas``): a typo of 1000 must not start a thousand
+placements; the error names the limit.
 """
 
 from collections.abc import Callable
@@ -20,6 +23,23 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from llmgw.errors import ConfigError
 from llmgw.types import EngineKind, ModelSpec
+
+# LLMGW_MAX_REPLICAS_PER_MODEL's default (llmgw/settings.py).
+DEFAULT_MAX_REPLICAS = 64
+
+
+def replica_problems(entry: "CatalogModel", limit: int, where: str = "") -> list[str]:
+    """The entry's replica counts past ``limit``, each naming its field (prefixed
+    by ``where``) and the limit."""
+    counts = {"replicas": entry.replicas}
+    if entry.autoscale is not None:
+        counts["autoscale.min_replicas"] = entry.autoscale.min_replicas
+        counts["autoscale.max_replicas"] = entry.autoscale.max_replicas
+    return [
+        f"{where}{field}: {count} is more than LLMGW_MAX_REPLICAS_PER_MODEL ({limit})"
+        for field, count in counts.items()
+        if count > limit
+    ]
 
 
 class CatalogModel(ModelSpec):
@@ -49,7 +69,7 @@ def _where(loc: tuple[int | str, ...]) -> str:
     return out
 
 
-def parse_catalog(text: str) -> list[CatalogModel]:
+def parse_catalog(text: str, max_replicas: int = DEFAULT_MAX_REPLICAS) -> list[CatalogModel]:
     """The models of a catalog file, or a ConfigError naming every bad field."""
     try:
         data = yaml.safe_load(text)
@@ -60,17 +80,20 @@ def parse_catalog(text: str) -> list[CatalogModel]:
     except ValidationError as exc:
         problems = [f"{_where(e['loc'])}: {e['msg']}" for e in exc.errors()]
         raise ConfigError("; ".join(problems)) from exc
-    problems = catalog_problems(catalog.models)
+    problems = catalog_problems(catalog.models, max_replicas=max_replicas)
     if problems:
         raise ConfigError("; ".join(problems))
     return catalog.models
 
 
 def catalog_problems(
-    models: list[CatalogModel], label: Callable[[int], str] = lambda i: f"models[{i}]."
+    models: list[CatalogModel],
+    label: Callable[[int], str] = lambda i: f"models[{i}].",
+    max_replicas: int = DEFAULT_MAX_REPLICAS,
 ) -> list[str]:
     """What makes a set of entries unusable together, each naming its field
-    (``label(i)`` prefixes the fields of entry ``i``).
+    (``label(i)`` prefixes the fields of entry ``i``), or alone (replica
+    counts past ``max_replicas``).
 
     Clients address an adapter as the OpenAI ``model``, so adapter names
     share one namespace with model names.
@@ -82,6 +105,7 @@ def catalog_problems(
         problems.append(f"models: duplicate names {', '.join(dupes)}")
     seen: dict[str, str] = {}
     for i, model in enumerate(models):
+        problems += replica_problems(model, max_replicas, label(i))
         for j, adapter in enumerate(model.adapters):
             where = f"{label(i)}adapters[{j}].name"
             if adapter.name in names:
@@ -103,6 +127,7 @@ def problems_with(
     entries: list[CatalogModel],
     existing: list[CatalogModel],
     label: Callable[[int], str] = lambda i: f"models[{i}].",
+    max_replicas: int = DEFAULT_MAX_REPLICAS,
 ) -> list[str]:
     """What ``entries`` break in a catalog holding ``existing`` (an entry
     replaces the existing one of its name). Problems the rest of the catalog
@@ -114,8 +139,10 @@ def problems_with(
     def other(i: int) -> str:
         return f"model {others[i].name}: "
 
-    before = set(catalog_problems(others, other))
+    before = set(catalog_problems(others, other, max_replicas))
     # The catalog first: a clash is blamed on the entry that comes to it.
     n = len(others)
-    after = catalog_problems([*others, *entries], lambda i: other(i) if i < n else label(i - n))
+    after = catalog_problems(
+        [*others, *entries], lambda i: other(i) if i < n else label(i - n), max_replicas
+    )
     return [p for p in after if p not in before]

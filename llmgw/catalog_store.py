@@ -8,7 +8,7 @@ from sqlmodel import select
 from temporalio.client import Client
 
 from llmgw import replicas as deployments
-from llmgw.catalog import CatalogModel, problems_with
+from llmgw.catalog import DEFAULT_MAX_REPLICAS, CatalogModel, problems_with, replica_problems
 from llmgw.errors import ConfigError
 from llmgw.store import ModelRecord, Store
 from llmgw.types import AutoscalePolicy, DeploymentStatus, ModelSpec
@@ -44,12 +44,13 @@ def apply_entries(
     store: Store,
     entries: list[CatalogModel],
     label: Callable[[int], str] = lambda i: f"models[{i}].",
+    max_replicas: int = DEFAULT_MAX_REPLICAS,
 ) -> list[str]:
     """Add or replace ``entries`` unless they break the catalog; the problems
     (none: written). Checked and written under the catalog lock, so writers
     in other processes cannot slip a clashing entry in between."""
     with store.catalog_lock():
-        problems = problems_with(entries, list_entries(store), label)
+        problems = problems_with(entries, list_entries(store), label, max_replicas)
         if problems:
             return problems
         for entry in entries:
@@ -95,10 +96,12 @@ async def scale_model(
     replicas: int | None = None,
     min_replicas: int | None = None,
     max_replicas: int | None = None,
+    limit: int = DEFAULT_MAX_REPLICAS,
 ) -> DeploymentStatus:
     """``llmgw scale`` and the admin API: the catalog entry first (so that
     the reconcile pass agrees and the routers see the bounds), then the
-    deployment (started if it was not)."""
+    deployment (started if it was not). Counts past ``limit``
+    (LLMGW_MAX_REPLICAS_PER_MODEL) are a ConfigError naming it."""
 
     def write() -> CatalogModel:
         with store.catalog_lock():
@@ -106,6 +109,8 @@ async def scale_model(
             if entry is None:
                 raise ConfigError(f"model {name!r} is not in the catalog")
             scaled = scaled_entry(entry, replicas, min_replicas, max_replicas)
+            if problems := replica_problems(scaled, limit):
+                raise ConfigError("; ".join(problems))
             store.put_model(scaled.spec(), scaled.replicas)
             return scaled
 

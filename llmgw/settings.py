@@ -46,6 +46,10 @@ class _Common(BaseSettings):
     # SIGTERM/SIGINT to exit, at most: a watchdog ends a shutdown still
     # waiting then (on a frozen Temporal server or database) with status 124.
     shutdown_timeout_s: float = 8.0
+    # The most replicas a catalog entry or a scale call may ask of one model
+    # (replicas, autoscale bounds): the catalog and the admin API refuse more,
+    # naming this limit (llmgw/catalog.py).
+    max_replicas_per_model: int = Field(default=64, ge=1)
 
     def resolved_store_url(self) -> str:
         """The store URL, defaulting to SQLite in the work dir."""

@@ -101,10 +101,12 @@ async def admin_put_model(name: str, entry: CatalogModel, deps: DepsDep) -> Cata
     if entry.name != name:
         raise name_mismatch(entry.name, name)
     # The entry's own fields unprefixed (`adapters[0].name`), others by name.
-    problems = await _stored(deps, apply_entries, deps.store, [entry], lambda _: "")
+    problems = await _stored(
+        deps, apply_entries, deps.store, [entry], lambda _: "", deps.max_replicas
+    )
     if problems:
         where = problems[0].split(":")[0]
-        own = where.startswith(("adapters", "profile", "autoscale", "queue"))
+        own = where.startswith(("adapters", "profile", "autoscale", "queue", "replicas"))
         raise invalid_fields(problems, where if own else "name")
     return entry
 
@@ -130,7 +132,15 @@ class ScaleRequest(BaseModel):
 @router.post("/models/{name}/scale")
 async def admin_scale_model(name: str, request: ScaleRequest, deps: DepsDep) -> DeploymentStatus:
     """Scale the model's deployment (started if it was not), as ``llmgw scale``:
-    the catalog entry first, so that the control plane's reconcile agrees."""
+    the catalog entry first, so that the control plane's reconcile agrees.
+    Counts past LLMGW_MAX_REPLICAS_PER_MODEL are refused, naming it."""
+    asked = request.model_dump(exclude_none=True)
+    if over := [f for f, n in asked.items() if n > deps.max_replicas]:
+        problems = [
+            f"{f}: {asked[f]} is more than LLMGW_MAX_REPLICAS_PER_MODEL ({deps.max_replicas})"
+            for f in over
+        ]
+        raise invalid_fields(problems, over[0])
     client = _temporal(deps)
     if await _stored(deps, get_entry, deps.store, name) is None:
         raise not_found("model", name)
@@ -138,7 +148,7 @@ async def admin_scale_model(name: str, request: ScaleRequest, deps: DepsDep) -> 
         return await asyncio.wait_for(
             scale_model(
                 client, deps.store, name,
-                request.replicas, request.min_replicas, request.max_replicas,
+                request.replicas, request.min_replicas, request.max_replicas, deps.max_replicas,
             ),
             35,
         )  # fmt: skip

@@ -17,6 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.types import ASGIApp, Receive, Scope, Send
 from temporalio.client import Client
 
+from llmgw.catalog import DEFAULT_MAX_REPLICAS
 from llmgw.catalog_store import all_specs
 from llmgw.keys import engine_key
 from llmgw.store import Store
@@ -121,6 +122,7 @@ def create_app(
     deployment_link: DeploymentLink | None = None,
     router_id: str = "",
     load_report_interval_s: float = REPORT_INTERVAL_S,
+    max_replicas: int = DEFAULT_MAX_REPLICAS,
 ) -> FastAPI:
     """The FastAPI app; the routing table refreshes and usage is flushed while it runs.
 
@@ -199,6 +201,7 @@ def create_app(
         temporal=temporal,
         tracer=tracer,
         store_wait_s=store_wait_s,
+        max_replicas=max_replicas,
     )
     install_handlers(app)
     for route in openai.inference_routes():

@@ -6,6 +6,7 @@ from fastapi import Request
 from opentelemetry.trace import Tracer
 from temporalio.client import Client
 
+from llmgw.catalog import DEFAULT_MAX_REPLICAS
 from llmgw.store import Store
 from router.accounting import Accountant
 from router.adapters import AdapterRouter
@@ -39,6 +40,8 @@ class Deps:
     tracer: Tracer | None = None
     # The longest an admin call waits for the store (LLMGW_STORE_WAIT_S).
     store_wait_s: float = STORE_WAIT_S
+    # The most replicas a catalog entry or a scale call may ask of one model.
+    max_replicas: int = DEFAULT_MAX_REPLICAS
 
 
 async def get_deps(request: Request) -> Deps:

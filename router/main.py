@@ -66,6 +66,7 @@ def build(
         ),
         tracer=tracer,
         router_id=settings.router_id,
+        max_replicas=settings.max_replicas_per_model,
     )
     limits = fit_open_files(
         ListenerLimits(

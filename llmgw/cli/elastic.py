@@ -43,7 +43,9 @@ def scale(
 
     async def go() -> DeploymentStatus:
         client = await _connect(settings)
-        return await scale_model(client, store, model, fixed, min_, max_)
+        return await scale_model(
+            client, store, model, fixed, min_, max_, settings.max_replicas_per_model
+        )
 
     try:
         status = _run(go())

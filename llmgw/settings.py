@@ -98,6 +98,11 @@ class AgentSettings(_Common):
     # an empty name) engines are refused, unless root engines are allowed.
     engine_user: str = "llmgw-engine"
     allow_root_engines: bool = False
+    # When that user cannot reach the work dir (a clone under root's 0700
+    # home), its home, the weights cache and the engine cache go to
+    # <system_dir>/<digest of the work dir>/, made and owned by the agent
+    # (worker_agent/users.py system_place); the agent logs where.
+    system_dir: Path = Path("/var/lib/llmgw")
     # Discovery sources; tests and demos point them at recorded snapshots.
     sys_root: Path = Path("/sys")
     gpu_snapshot: Path | None = None

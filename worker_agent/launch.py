@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import secrets
 import socket
 import sys
 import time
@@ -141,8 +142,11 @@ class Launch:
     plan: ShardPlan
     port: int  # published: the pass-through's, or the shard's own when not fronted
     internal_port: int | None  # the engine's loopback HTTP port behind the pass-through
-    key: str
+    key: str  # the replica's: only the pass-through holds it
     bind: str  # VLLM_CPU_OMP_THREADS_BIND, "" when not bound
+    # The engine's own, for its loopback port only: every engine runs as one
+    # user and can read another's environ and argv (worker_agent/passthrough.py).
+    engine_key: str = ""
 
 
 class Launcher:
@@ -283,8 +287,9 @@ class Launcher:
             ),
         )
         key = self.engine_key(spec.replica_id)
+        loopback_key = secrets.token_urlsafe(32)
         planners = self.installs.planners(spec.model.profile.device)
-        plan = plan_shard(request, key, engine_env(os.environ), planners)
+        plan = plan_shard(request, loopback_key, engine_env(os.environ), planners)
         if plan.serves_http and not fronted:
             raise ConfigError(f"rank {spec.rank} serves HTTP but only rank 0 is fronted")
         return Launch(
@@ -293,6 +298,7 @@ class Launcher:
             internal_port=ports[-1] if fronted else None,
             key=key,
             bind=bind,
+            engine_key=loopback_key,
         )
 
     def start(self, spec: ShardSpec, launch: Launch) -> RunningShard:
@@ -305,9 +311,11 @@ class Launcher:
         if plan.serves_http and launch.internal_port is not None:
             # First, so it leads the process group: one signal stops it with the engine.
             upstream = f"http://{LOOPBACK}:{launch.internal_port}"
-            env = {**engine_env(os.environ), passthrough.KEY_ENV: launch.key}
+            keys = passthrough.keys_input(launch.key, launch.engine_key or launch.key)
             argv = passthrough.command(sys.executable, self._host, port, upstream)
-            commands.insert(0, Command(argv, env, drops_privileges=True))
+            commands.insert(
+                0, Command(argv, engine_env(os.environ), drops_privileges=True, stdin_secret=keys)
+            )
             specs.insert(0, CommandSpec(name="passthrough", argv=tuple(argv)))
         endpoint = f"http://{self._host}:{port}" if plan.serves_http else f"{self._host}:{port}"
         record = ShardRecord(

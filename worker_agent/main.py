@@ -12,6 +12,7 @@ import logging
 import os
 from collections.abc import Callable, Sequence
 from datetime import timedelta
+from pathlib import Path
 
 import httpx
 from temporalio.client import Client
@@ -38,7 +39,7 @@ from llmgw.types import (
 )
 from worker_agent.adoption import adopt
 from worker_agent.installs.installed import EngineInstalls
-from worker_agent.installs.llamacpp import ensure_llama_cpp
+from worker_agent.installs.llamacpp import LlamaCppInstall, ensure_llama_cpp
 from worker_agent.inventory import (
     Sources,
     collect,
@@ -49,7 +50,14 @@ from worker_agent.inventory import (
 from worker_agent.launch import Launcher
 from worker_agent.shard_record import ShardRecord
 from worker_agent.supervisor import RunningShard, Supervisor
-from worker_agent.users import SystemUsers, engine_identity
+from worker_agent.users import (
+    EngineIdentity,
+    SystemUsers,
+    engine_identity,
+    reachable,
+    require_reach,
+    system_base,
+)
 from worker_agent.weights import WeightsCache
 
 log = logging.getLogger(__name__)
@@ -78,8 +86,11 @@ def build_activities(
     supervisor: Supervisor,
     installs: EngineInstalls,
     current_inventory: Callable[[], NodeInventory],
+    engine_dir: Path | None = None,
 ) -> NodeActivities:
-    """The node's activities with their real dependencies."""
+    """The node's activities with their real dependencies; the weights cache is in
+    ``engine_dir`` (where the engine user reaches: EngineIdentity.engine_dir),
+    by default the supervisor's directory."""
     return NodeActivities(
         Launcher(
             supervisor=supervisor,
@@ -91,12 +102,40 @@ def build_activities(
             inventory=current_inventory,
             threads=settings.engine_threads,
             weights=WeightsCache(
-                supervisor.work_dir / "weights",
+                (engine_dir or supervisor.work_dir) / "weights",
                 settings.resolved_weights_roots(),
                 group=_engine_group(supervisor),
             ),
         )
     )
+
+
+def _engine_cache(
+    settings: AgentSettings, identity: EngineIdentity, agent_dir: Path
+) -> tuple[Path, LlamaCppInstall]:
+    """Where engines are installed, and llama.cpp there (installed if needed).
+
+    The configured cache, unless the engine user's home had to move to the
+    system directory (a clone under a 0700 home, whose own .llmgw/engines
+    ``llmgw up`` names) and the user cannot reach the llama-server there:
+    then the engine cache is ``<system dir>/<digest of the work dir>/engines``.
+    """
+
+    def progress(line: str) -> None:
+        log.info("llama.cpp: %s", line)
+
+    cache_dir = settings.resolved_engine_cache_dir()
+    llama = ensure_llama_cpp(cache_dir, progress=progress)
+    run_as, engine_dir = identity.run_as, identity.engine_dir
+    if (
+        run_as is not None
+        and engine_dir not in (None, agent_dir.resolve())
+        and not reachable(llama.server, run_as.uid, run_as.groups)
+    ):
+        cache_dir = system_base(settings.system_dir, settings.work_dir) / "engines"
+        log.info("engine cache: %s (the engine user cannot reach %s)", cache_dir, llama.server)
+        llama = ensure_llama_cpp(cache_dir, progress=progress)
+    return cache_dir, llama
 
 
 def _engine_group(supervisor: Supervisor) -> int | None:
@@ -203,20 +242,21 @@ async def run(settings: AgentSettings) -> None:
     store.migrate()
     secret = store.engine_key_secret()
     store.close()
-    cache_dir = settings.resolved_engine_cache_dir()
-    llama = ensure_llama_cpp(cache_dir, progress=lambda line: log.info("llama.cpp: %s", line))
-    installs = EngineInstalls(cache_dir, llama)
-    for found in installs.installed():
-        log.info("engine %s: %s==%s at %s", found.engine, found.package, found.version, found.path)
     agent_dir = settings.work_dir / "agent" / settings.node_id
     identity = engine_identity(
         settings.engine_user,
         settings.work_dir,
         agent_dir,
-        [llama.server],
+        [],
         admin=SystemUsers(),
         allow_root=settings.allow_root_engines,
+        system_dir=settings.system_dir,
     )
+    cache_dir, llama = _engine_cache(settings, identity, agent_dir)
+    identity = require_reach(identity, [llama.server])
+    installs = EngineInstalls(cache_dir, llama)
+    for found in installs.installed():
+        log.info("engine %s: %s==%s at %s", found.engine, found.package, found.version, found.path)
     (log.error if identity.refusal else log.info)("agent %s: %s", settings.node_id, identity.why)
     supervisor = Supervisor(
         agent_dir,
@@ -235,7 +275,9 @@ async def run(settings: AgentSettings) -> None:
     )
     sources = sources_from(settings.sys_root, settings.gpu_snapshot)
     latest = [inventory(settings, supervisor, sources, report.lost, installs)]
-    node_activities = build_activities(settings, secret, supervisor, installs, lambda: latest[0])
+    node_activities = build_activities(
+        settings, secret, supervisor, installs, lambda: latest[0], identity.engine_dir
+    )
     adapter_http = httpx.AsyncClient(timeout=httpx.Timeout(60.0))
     adapter_activities = AdapterActivities(
         supervisor,

@@ -8,18 +8,31 @@ only under ``/v1``, ``/v2``, ``/inference`` and ``/cohere``, and leaves
 pass-through on the node's address: every request, on every path, must carry
 ``Authorization: Bearer <the replica's engine key>`` (compared in constant
 time), or it is answered 401 without reaching the engine. What passes goes to
-the engine unchanged (the key included, so an engine's own check still
-applies) and the answer, SSE streams included, comes back chunk by chunk.
+the engine unchanged but for that header, which becomes the engine's own
+loopback key (``Bearer <engine key>``), and the answer, SSE streams included,
+comes back chunk by chunk.
 
 The client is aiohttp, as the router's: less than half the CPU per request
 of httpx here (tests/bench/bench_passthrough.py).
 
 It runs as a process of the shard (the first of its process group), not in
 the agent, so it lives and dies with its engine: it survives an agent
-restart the way the engine does, and one group signal stops both. The key
-comes by environment (``LLMGW_PASSTHROUGH_KEY``), never argv.
+restart the way the engine does, and one group signal stops both.
 
-``python -m worker_agent.passthrough --listen HOST:PORT --upstream URL``.
+Keys. Every engine runs as the one engine user, so each of them can read any
+other's ``/proc/<pid>/environ`` and ``cmdline``. The replica's key (what the
+router sends; it opens this pass-through from anywhere on the network) is
+therefore never given to an engine: the engine gets a loopback key of its
+own, random per launch, that opens only its loopback port. Both keys come to
+the pass-through on stdin (a pipe the agent, as root, wrote and closed:
+``worker_agent/spawn.py``), one a line, never by environment or argv, and
+the pass-through makes itself non-dumpable before it reads them, so other
+processes of its user can read none of its ``/proc`` files (environ, fds,
+memory). ``LLMGW_PASSTHROUGH_KEY`` (the replica key, which then reaches the
+engine too) is read only when stdin gives none: for tools and tests run by
+hand, never by the agent.
+
+``python -I -m worker_agent.passthrough --listen HOST:PORT --upstream URL``.
 """
 
 import argparse
@@ -40,11 +53,13 @@ from yarl import URL
 
 from llmgw import endpoint_proof
 from llmgw.listener import ListenerLimits, fit_open_files, limited_protocol
-from worker_agent.users import drop_privileges_on_startup
+from worker_agent.users import drop_privileges_on_startup, not_dumpable
 
 log = logging.getLogger(__name__)
 
 KEY_ENV = "LLMGW_PASSTHROUGH_KEY"
+# More than any key: stdin is a pipe of one or two lines (a key is ASCII).
+_MAX_KEYS_BYTES = 4096
 # Below the engines' keep-alive (5 s: llama-server's cpp-httplib, vLLM's uvicorn):
 # a pooled connection is retired before the engine closes it under a request.
 KEEPALIVE_S = 4.0
@@ -80,14 +95,21 @@ class PassThrough:
     """An ASGI app: check the key, then relay the request to ``upstream``."""
 
     def __init__(
-        self, upstream: str, key: str, connect_timeout_s: float = 10.0, listen: str = ""
+        self,
+        upstream: str,
+        key: str,
+        connect_timeout_s: float = 10.0,
+        listen: str = "",
+        engine_key: str = "",
     ) -> None:
         """``listen``: the address it serves on, as ``endpoint_proof.address`` writes
-        it; without it, no endpoint proof is answered (and no router routes here)."""
+        it; without it, no endpoint proof is answered (and no router routes here).
+        ``engine_key``: what the engine is sent instead of ``key`` (empty: ``key``)."""
         if not key:
             raise ValueError("the pass-through needs the engine key")
         self._upstream = upstream.rstrip("/")
         self._expected = f"Bearer {key}".encode()
+        self._engine_auth = f"Bearer {engine_key or key}"
         self._key = key
         self._listen = listen
         # No read timeout: a long generation streams for as long as it streams.
@@ -179,10 +201,16 @@ class PassThrough:
         target = scope.get("raw_path") or quote(scope["path"]).encode()
         if query := scope.get("query_string"):
             target += b"?" + query
-        # The Authorization header stays: it is the engine key, which the
-        # engine's own check (VLLM_API_KEY, LLAMA_API_KEY) wants too.
+        # The client's Authorization (the replica key) is replaced by the
+        # engine's loopback key, which the engine's own check (VLLM_API_KEY,
+        # LLAMA_API_KEY, --api-key) wants.
         headers = [
-            (k.decode("latin-1"), v.decode("utf-8", "replace"))
+            (
+                k.decode("latin-1"),
+                self._engine_auth
+                if k.lower() == b"authorization"
+                else v.decode("utf-8", "replace"),
+            )
             for k, v in scope["headers"]
             if k.lower() not in _HOP_BY_HOP
         ]
@@ -270,10 +298,17 @@ async def _lifespan(receive: Receive, send: Send, close: Callable[[], Awaitable[
 
 
 def command(python: str, listen_host: str, listen_port: int, upstream: str) -> list[str]:
-    """The argv that runs a pass-through (the key goes by ``KEY_ENV``)."""
+    """The argv that runs a pass-through (the keys go on its stdin: ``keys_input``).
+
+    ``-I``: an isolated interpreter, which puts neither the working directory
+    nor anything from the environment on ``sys.path``; it may be started as
+    root (worker_agent/spawn.py), and the engine user writes the directory it
+    ends up in.
+    """
     listen = f"[{listen_host}]" if ":" in listen_host else listen_host
     return [
         python,
+        "-I",
         "-m",
         "worker_agent.passthrough",
         "--listen",
@@ -283,8 +318,34 @@ def command(python: str, listen_host: str, listen_port: int, upstream: str) -> l
     ]
 
 
+def keys_input(key: str, engine_key: str) -> bytes:
+    """What the agent writes to a pass-through's stdin: the replica key, then the engine's."""
+    for k in (key, engine_key):
+        if not k or any(c.isspace() for c in k):
+            raise ValueError("a key is one non-empty word")
+    return f"{key}\n{engine_key}\n".encode()
+
+
+def read_keys(environ: MutableMapping[str, str]) -> tuple[str, str]:
+    """(replica key, engine key): ``KEY_ENV`` for both when set (by hand), else
+    the lines on stdin, which is closed after (it becomes /dev/null)."""
+    if key := environ.pop(KEY_ENV, ""):
+        return key, key
+    try:
+        data = os.read(0, _MAX_KEYS_BYTES)
+    except OSError:
+        data = b""
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    words = data.decode("ascii", "replace").split()
+    if not words:
+        return "", ""
+    return words[0], words[1] if len(words) > 1 else words[0]
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Serve until SIGTERM (uvicorn's own handling), with the key from the environment."""
+    """Serve until SIGTERM (uvicorn's own handling), with the keys from stdin (``read_keys``)."""
     import uvicorn  # noqa: PLC0415 - only the process that serves needs it
 
     parser = argparse.ArgumentParser(description="Authenticating pass-through to an engine.")
@@ -302,12 +363,15 @@ def main(argv: list[str] | None = None) -> int:
     # Engine connections: at most one a client connection.
     limits = fit_open_files(limits, other_fds=limits.max_connections)
     host, _, port = args.listen.rpartition(":")
-    key = os.environ.pop(KEY_ENV, "")
+    # Before the keys are in memory: from here on no other process of this
+    # user (every engine) can read our /proc files or ptrace us.
+    not_dumpable()
+    key, engine_key = read_keys(os.environ)
     if not key:
-        print(f"error: {KEY_ENV} is not set", file=sys.stderr)
+        print(f"error: no key on stdin (nor {KEY_ENV} set)", file=sys.stderr)
         return 2
     listen = endpoint_proof.address(host, int(port))  # the address the router proves
-    app = PassThrough(args.upstream, key, listen=listen)
+    app = PassThrough(args.upstream, key, listen=listen, engine_key=engine_key)
     uvicorn.run(
         # Started as root only when the engine user cannot read our interpreter.
         drop_privileges_on_startup(app, os.environ),

@@ -4,17 +4,25 @@ Whom it runs as (the engine user, unless that user cannot reach the
 program), in which process group, with its output going where: the
 supervisor decides which commands a shard has and records them; this module
 only starts and stops processes.
+
+A command's secret (the pass-through's keys) goes to it on its stdin, a pipe
+the agent (root) made, wrote and closed before the start: never in the
+environment, which ``/proc/<pid>/environ`` shows to every process of the
+engine user however the program scrubs ``os.environ``. A pipe made by root is
+root's and 0600, so no other process can open it again through
+``/proc/<pid>/fd/0``.
 """
 
 import contextlib
 import logging
 import os
+import select
 import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from llmgw.errors import EngineLaunchError, EngineUserError
@@ -32,8 +40,11 @@ class Command:
     env: Mapping[str, str]
     # The program becomes the engine user itself when told (the pass-through,
     # through DROP_TO_ENV): it may be started as root when that user cannot
-    # read it (an interpreter under root's 0700 home).
+    # read it (an interpreter under root's 0700 home). Only as an isolated
+    # Python (``python -I``), in a root-owned working directory: see user_for.
     drops_privileges: bool = False
+    # Written to its stdin (then closed) before it starts; b"": stdin is /dev/null.
+    stdin_secret: bytes = field(default=b"", repr=False)
 
 
 @dataclass(frozen=True)
@@ -41,25 +52,41 @@ class As:
     """How one command is started: by whom, where, with what added to its environment."""
 
     user: RunAs | None  # dropped to between fork and exec; None: the agent's user
-    home: RunAs | None  # whose home is its cwd and HOME
     env: Mapping[str, str]
+    # Its working directory is the engine user's home; False: the directory
+    # the supervisor gives (the shard's, root's own and 0700).
+    in_home: bool = False
 
 
 def user_for(command: Command, run_as: RunAs | None, allow_root: bool) -> As:
-    """Whom ``command`` runs as: the engine user, unless it cannot reach the program."""
+    """Whom ``command`` runs as: the engine user, unless it cannot reach the program.
+
+    A program that drops privileges itself may start as root when the user
+    cannot reach it, but only as ``python -I``: Python puts the script's or
+    the working directory first on ``sys.path``, and the engine user writes
+    its home, so ``python -m`` there would import that user's ``argparse.py``
+    as root. Isolated, nothing outside the interpreter's own paths is
+    imported; it starts in the root-owned shard directory and enters the
+    home only after it dropped to the user (users.drop_privileges).
+    """
     if run_as is None:
-        return As(None, None, {})
+        return As(None, {})
     program = Path(shutil.which(command.argv[0]) or command.argv[0]).resolve()
     if reachable(program, run_as.uid, run_as.groups):
-        return As(run_as, run_as, run_as.env())
+        return As(run_as, run_as.env(), in_home=True)
     if command.drops_privileges:
-        return As(None, run_as, {**run_as.env(), DROP_TO_ENV: run_as.drop_to()})
+        if command.argv[1:2] != ["-I"]:
+            raise EngineUserError(
+                f"{run_as.user} cannot reach {program}, and {command.argv[:3]} is not an "
+                "isolated Python (-I) that may start as root: refused"
+            )
+        return As(None, {**run_as.env(), DROP_TO_ENV: run_as.drop_to()})
     if not allow_root:
         raise EngineUserError(
             f"{run_as.user} cannot reach {program}: not starting it as root; {ALLOW_ROOT_HINT}"
         )
     log.warning("%s cannot reach %s: it runs as the agent's user (allowed)", run_as.user, program)
-    return As(None, None, {})
+    return As(None, {})
 
 
 def spawn(
@@ -78,15 +105,15 @@ def spawn(
     # so neither the engine user nor anyone else can read other shards' logs.
     fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
     os.fchmod(fd, 0o600)
-    with os.fdopen(fd, "ab") as log_file:
+    with os.fdopen(fd, "ab") as log_file, _secret_pipe(command.stdin_secret) as stdin:
         try:
             return subprocess.Popen(
                 command.argv,
                 env=env,
-                stdin=subprocess.DEVNULL,
+                stdin=stdin,
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
-                cwd=how.home.home if how.home else cwd,
+                cwd=user.home if how.in_home and user else cwd,
                 # The first command leads a new process group and the rest
                 # join it, so one group signal stops the whole shard. (A
                 # new session would be cleaner, but a process cannot join
@@ -100,6 +127,26 @@ def spawn(
             )
         except OSError as exc:
             raise EngineLaunchError(f"cannot start {command.argv[0]}: {exc}") from exc
+
+
+@contextlib.contextmanager
+def _secret_pipe(secret: bytes) -> Iterator[int]:
+    """A descriptor to give as stdin: a pipe holding ``secret`` with its write end
+    closed (the reader sees it, then EOF), or /dev/null for no secret."""
+    if not secret:
+        fd = os.open(os.devnull, os.O_RDONLY)
+    else:
+        if len(secret) > select.PIPE_BUF:
+            raise ValueError("a secret must fit a pipe's atomic write")
+        fd, write_end = os.pipe()
+        try:
+            os.write(write_end, secret)
+        finally:
+            os.close(write_end)
+    try:
+        yield fd
+    finally:
+        os.close(fd)
 
 
 def signal_group(pgid: int, sig: signal.Signals) -> None:

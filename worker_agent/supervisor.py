@@ -38,7 +38,7 @@ from worker_agent import procfs
 from worker_agent.engines.spec import redacted
 from worker_agent.shard_record import RecordedFingerprint, ShardRecord, SpecFile
 from worker_agent.spawn import Command, signal_group, spawn, user_for, wait_group_gone
-from worker_agent.users import RunAs
+from worker_agent.users import RunAs, own_dir_at
 
 log = logging.getLogger(__name__)
 
@@ -182,31 +182,43 @@ class Supervisor:
         at most 107 bytes. Its path is kept in the shard dir, so a later agent
         removes it when the shard stops, with what engines leave in temp dirs
         (vLLM's ``vllm_dist_*``, torch's compile caches).
+
+        Made anew for every launch, never reused: the engine user owns the
+        old one and whatever is in it, and may have replaced it, or its
+        ``tmp``, by a link to /etc, which a chown as root would follow. The
+        new one is root's (mkdtemp: 0700, an unpredictable name) while its
+        subdirectories are made and given away, and is given away last.
         """
-        pointer = self.shard_dir(ref) / "scratch-path"
+        self._remove_scratch(ref)
+        _private_dir(self.shard_dir(ref))
+        root = Path(tempfile.mkdtemp(prefix="llmgw-"))
+        (self.shard_dir(ref) / "scratch-path").write_text(str(root))
+        uid, gid = (self.run_as.uid, self.run_as.gid) if self.run_as else (-1, -1)
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
         try:
-            root = Path(pointer.read_text().strip())
-        except FileNotFoundError:
-            root = Path("")
-        if not root.name or not root.is_dir():
-            _private_dir(pointer.parent)
-            root = Path(tempfile.mkdtemp(prefix="llmgw-"))  # 0700, unpredictable
-            pointer.write_text(str(root))
-        for path in (root, root / "tmp", root / "cache"):
-            path.mkdir(exist_ok=True)
-            path.chmod(0o700)
-            if self.run_as is not None:
-                os.chown(path, self.run_as.uid, self.run_as.gid)
+            for name in ("tmp", "cache"):
+                os.close(own_dir_at(fd, name, uid, gid))
+            os.fchown(fd, uid, gid)
+        finally:
+            os.close(fd)
         return root
 
     def _remove_scratch(self, ref: ShardRef) -> None:
+        """Remove the shard's scratch dir, or only the link the engine user left in
+        its place (rmtree never follows links: it works through descriptors)."""
         pointer = self.shard_dir(ref) / "scratch-path"
         try:
             root = pointer.read_text().strip()
         except FileNotFoundError:
             return
         if root:
-            shutil.rmtree(root, ignore_errors=True)
+            try:
+                if stat.S_ISDIR(os.lstat(root).st_mode):
+                    shutil.rmtree(root, ignore_errors=True)
+                else:
+                    os.unlink(root)
+            except OSError as exc:
+                log.warning("cannot remove scratch dir %s: %s", root, exc)
         pointer.unlink(missing_ok=True)
 
     def kill_leftovers(self, ref: ShardRef) -> list[int]:

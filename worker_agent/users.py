@@ -8,10 +8,19 @@ user (``llmgw-engine``): its uid, gid and supplementary groups
 agent's work directory as working directory, HOME and XDG_CACHE_HOME there.
 
 The agent creates that user when it is missing. When it cannot (no
-``useradd``, a name the system refuses, a work directory the user cannot
-reach), it fails closed: engines are refused with an ``EngineUserError``
-that becomes the replica's failure reason, unless the operator allowed root
-engines (``LLMGW_ALLOW_ROOT_ENGINES=true``).
+``useradd``, a name the system refuses), it fails closed: engines are refused
+with an ``EngineUserError`` that becomes the replica's failure reason, unless
+the operator allowed root engines (``LLMGW_ALLOW_ROOT_ENGINES=true``).
+
+A work directory the user cannot reach (a clone under root's 0700 home) is
+not a refusal: what the user must reach (its home, the weights cache, the
+engine cache) goes to ``<LLMGW_SYSTEM_DIR>/<digest of the work dir>/``
+(default /var/lib/llmgw), which the agent makes and owns (``system_place``),
+and the agent logs where. Only when that cannot be made either is it one.
+
+The engine user owns its home and what is in it, so the agent never follows
+a link there: it works on directory descriptors opened ``O_NOFOLLOW``
+(``own_dir_at``).
 
 The work directory holds the store (the engine-key secret) and is private:
 0700, or 0710 with the engine user's group where engines run as that user,
@@ -19,7 +28,11 @@ so it can pass through to its home, the engine binaries and the weights but
 list and read nothing it was not given.
 """
 
+import contextlib
+import ctypes
+import errno
 import grp
+import hashlib
 import importlib
 import logging
 import os
@@ -36,9 +49,9 @@ from llmgw.errors import EngineUserError
 log = logging.getLogger(__name__)
 
 DEFAULT_ENGINE_USER = "llmgw-engine"
-# "uid:gid:g1,g2": set by the supervisor for a pass-through it has to start as
-# root (the engine user cannot read the agent's interpreter), which becomes
-# that user itself before it listens.
+# "uid:gid:g1,g2:home": set by the supervisor for a pass-through it has to
+# start as root (the engine user cannot read the agent's interpreter), which
+# becomes that user itself, and only then enters its home, before it listens.
 DROP_TO_ENV = "LLMGW_DROP_TO"
 GPU_GROUPS = ("video", "render")
 ALLOW_ROOT_HINT = "set LLMGW_ALLOW_ROOT_ENGINES=true to run engines as root anyway"
@@ -64,8 +77,8 @@ class RunAs:
         }
 
     def drop_to(self) -> str:
-        """This identity as ``DROP_TO_ENV`` carries it."""
-        return f"{self.uid}:{self.gid}:{','.join(str(g) for g in self.groups)}"
+        """This identity as ``DROP_TO_ENV`` carries it: ``uid:gid:g1,g2:home``."""
+        return f"{self.uid}:{self.gid}:{','.join(str(g) for g in self.groups)}:{self.home}"
 
 
 @dataclass(frozen=True)
@@ -80,6 +93,9 @@ class EngineIdentity:
     refusal: str = ""
     allow_root: bool = False
     why: str = ""
+    # Where what the engine user must reach lives (its home, the weights
+    # cache): the agent dir, or a system directory (``system_place``).
+    engine_dir: Path | None = None
 
 
 class UserAdmin(Protocol):
@@ -194,30 +210,67 @@ def engine_identity(
     *,
     admin: UserAdmin,
     allow_root: bool = False,
+    system_dir: Path | None = None,
 ) -> EngineIdentity:
     """Whom engines run as on this node, creating the engine user when missing.
 
     Also makes the work dir private (see ``make_private``). Never raises for
     a missing user: a refusal is returned, and every launch reports it.
+
+    What the engine user must reach (its home, the weights cache) lives in
+    ``EngineIdentity.engine_dir``: the agent dir when the user can reach it,
+    else, with ``system_dir``, a directory the agent makes there for this
+    work dir (``system_place``): a clone under root's 0700 home works.
     """
     if os.geteuid() != 0:
         make_private(work_dir, agent_dir)
         why = f"agent is not root (uid {os.geteuid()}): engines run as the agent's user"
-        return EngineIdentity(why=why)
+        return EngineIdentity(why=why, engine_dir=agent_dir.resolve())
     try:
-        run_as = _engine_user(user, work_dir, agent_dir, list(must_reach), admin)
+        run_as = _engine_user(user, work_dir, agent_dir, list(must_reach), admin, system_dir)
     except EngineUserError as err:
         make_private(work_dir, agent_dir)
-        if allow_root:
-            why = f"{err}: engines run as root (LLMGW_ALLOW_ROOT_ENGINES=true)"
-            return EngineIdentity(allow_root=True, why=why)
-        refusal = f"engines are not started as root: {err}; {ALLOW_ROOT_HINT}"
-        return EngineIdentity(refusal=refusal, why=refusal)
-    return EngineIdentity(run_as=run_as, allow_root=allow_root, why=f"engines run as {user}")
+        return _without_user(str(err), agent_dir, allow_root)
+    why = f"engines run as {user}"
+    engine_dir = run_as.home.parent
+    if engine_dir != agent_dir.resolve():
+        why += (
+            f"; {user} cannot reach the work dir {work_dir.resolve()}, so its home and the"
+            f" weights cache are in {engine_dir}"
+        )
+    return EngineIdentity(run_as=run_as, allow_root=allow_root, why=why, engine_dir=engine_dir)
+
+
+def _without_user(err: str, agent_dir: Path, allow_root: bool) -> EngineIdentity:
+    if allow_root:
+        why = f"{err}: engines run as root (LLMGW_ALLOW_ROOT_ENGINES=true)"
+        return EngineIdentity(allow_root=True, why=why, engine_dir=agent_dir.resolve())
+    refusal = f"engines are not started as root: {err}; {ALLOW_ROOT_HINT}"
+    return EngineIdentity(refusal=refusal, why=refusal, engine_dir=agent_dir.resolve())
+
+
+def require_reach(identity: EngineIdentity, paths: Iterable[Path]) -> EngineIdentity:
+    """``identity``, or its refusal (or root engines, if allowed) when its user
+    cannot reach one of ``paths`` (an engine binary found after the user was)."""
+    run_as = identity.run_as
+    if run_as is None:
+        return identity
+    for path in paths:
+        if not reachable(path, run_as.uid, run_as.groups):
+            err = f"{run_as.user} cannot reach {path}"
+            return _without_user(
+                err, identity.engine_dir or run_as.home.parent, identity.allow_root
+            )
+    return identity
 
 
 def _engine_user(
-    user: str, work_dir: Path, agent_dir: Path, must_reach: list[Path], admin: UserAdmin
+    user: str,
+    work_dir: Path,
+    agent_dir: Path,
+    must_reach: list[Path],
+    admin: UserAdmin,
+    system_dir: Path | None,
 ) -> RunAs:
     if not user:
         raise EngineUserError("no engine user is configured (LLMGW_ENGINE_USER is empty)")
@@ -232,22 +285,127 @@ def _engine_user(
         raise EngineUserError(f"engine user {user} has uid 0")
     groups = tuple(sorted(set(os.getgrouplist(user, entry.pw_gid))))
     make_private(work_dir, agent_dir, entry.pw_gid)
-    for path in [agent_dir, *must_reach]:
+    engine_dir = agent_dir.resolve()
+    if not reachable(agent_dir, entry.pw_uid, groups):
+        if system_dir is None:
+            raise EngineUserError(f"{user} cannot reach {agent_dir}")
+        try:
+            engine_dir = system_place(system_dir, work_dir, agent_dir.name, entry.pw_gid)
+        except (EngineUserError, OSError) as exc:
+            raise EngineUserError(
+                f"{user} cannot reach {agent_dir}, and no directory it can reach could be made"
+                f" in {system_dir} (LLMGW_SYSTEM_DIR): {exc}"
+            ) from exc
+        if not reachable(engine_dir, entry.pw_uid, groups):
+            raise EngineUserError(f"{user} cannot reach {agent_dir}, nor {engine_dir}")
+    for path in must_reach:
         if not reachable(path, entry.pw_uid, groups):
             raise EngineUserError(f"{user} cannot reach {path}")
-    home = agent_dir.resolve() / "engine-home"
-    run_as = RunAs(user, entry.pw_uid, entry.pw_gid, groups, home)
+    run_as = RunAs(user, entry.pw_uid, entry.pw_gid, groups, engine_dir / "engine-home")
     prepare_home(run_as)
     return run_as
 
 
+def system_base(system_dir: Path, work_dir: Path) -> Path:
+    """This work dir's directory in ``system_dir``: one per work dir (a digest of
+    its resolved path), so two clones on one host never share a home or cache."""
+    digest = hashlib.sha256(str(work_dir.resolve()).encode()).hexdigest()[:16]
+    return system_dir / digest
+
+
+def system_place(system_dir: Path, work_dir: Path, node: str, group: int) -> Path:
+    """``<system_dir>/<digest of the work dir>/agent/<node>``, made by root for the
+    engine user's ``group`` to pass: for a work dir that user cannot reach.
+
+    ``system_dir`` (default /var/lib/llmgw) is root's and 0711: anyone may pass,
+    nobody may list it or write to it. Below it all is 0710, root's with the
+    engine group, as the work dir itself would be: the group passes to what
+    it was given (its home, the weights cache, the engine cache) and lists
+    nothing. A ``work-dir`` file says which work dir a digest belongs to.
+    Raises EngineUserError if ``system_dir`` is not root's alone (a link, or
+    writable by others), where a link could be planted.
+    """
+    system_dir.mkdir(mode=0o711, parents=True, exist_ok=True)
+    _owned_dir(system_dir, 0o711, None)
+    base = system_base(system_dir, work_dir)
+    place = base / "agent" / node
+    for path in (base, base / "agent", place):
+        with contextlib.suppress(FileExistsError):
+            path.mkdir(mode=0o700)
+        _owned_dir(path, 0o710, group)
+    note = base / "work-dir"
+    if not note.exists():
+        fd = os.open(note, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(f"{work_dir.resolve()}\n")
+    return place
+
+
+def _owned_dir(path: Path, mode: int, group: int | None) -> None:
+    """Make ``path`` (a real directory, not a link) root's with ``mode`` and ``group``."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid():
+            raise EngineUserError(f"{path} belongs to uid {st.st_uid}, not the agent's")
+        os.fchown(fd, -1, group if group is not None else st.st_gid)
+        os.fchmod(fd, mode)
+    finally:
+        os.close(fd)
+    for parent in path.parents:
+        st = parent.stat()
+        if st.st_uid not in (0, os.geteuid()) or (
+            st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX
+        ):
+            raise EngineUserError(f"{parent}, above {path}, is writable by others")
+
+
 def prepare_home(run_as: RunAs) -> None:
-    """Create the engine user's home: 0700, owned by the user."""
-    run_as.home.mkdir(parents=True, exist_ok=True)
-    (run_as.home / ".cache").mkdir(exist_ok=True)
-    for path in (run_as.home, run_as.home / ".cache"):
-        os.chown(path, run_as.uid, run_as.gid)
-        path.chmod(0o700)
+    """Create the engine user's home and its ``.cache``: 0700, owned by the user.
+
+    The engine user owns the home, so anything in it may be a link it planted
+    (``.cache -> /etc``): every step is opened relative to its parent's
+    descriptor with ``O_NOFOLLOW|O_DIRECTORY`` and changed through that
+    descriptor (``fchown``/``fchmod``), and whatever is not a directory there
+    is removed (the link, never its target). The home's parent is the agent's
+    own directory, which the engine user cannot write.
+    """
+    parent = os.open(run_as.home.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        home = own_dir_at(parent, run_as.home.name, run_as.uid, run_as.gid)
+        try:
+            os.close(own_dir_at(home, ".cache", run_as.uid, run_as.gid))
+        finally:
+            os.close(home)
+    finally:
+        os.close(parent)
+
+
+def own_dir_at(dirfd: int, name: str, uid: int, gid: int, mode: int = 0o700) -> int:
+    """The directory ``name`` in ``dirfd``, made or found without following a link,
+    given to ``uid:gid`` with ``mode``; its open descriptor (the caller closes it).
+
+    A link or a file in its place is unlinked first: only the name goes, the
+    target is not touched. Raises EngineUserError if it keeps changing under us.
+    """
+    for _ in range(5):
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(name, 0o700, dir_fd=dirfd)
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dirfd)
+        except FileNotFoundError:
+            continue  # removed between mkdir and open: again
+        except OSError as exc:
+            if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+                raise
+            log.warning("removing %r (not a directory: %s) from an engine directory", name, exc)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name, dir_fd=dirfd)
+            continue
+        os.fchown(fd, uid, gid)
+        os.fchmod(fd, mode)
+        return fd
+    raise EngineUserError(f"{name}: keeps changing while the agent prepares it")
 
 
 def setup_node(user: str = DEFAULT_ENGINE_USER, admin: SystemUsers | None = None) -> list[str]:
@@ -272,16 +430,45 @@ Asgi = Callable[[Scope, Receive, Send], Awaitable[None]]
 _PRELOAD = ("encodings.idna", "encodings.ascii", "encodings.latin_1", "stringprep")
 
 
+# prctl(2) option: whether this process's /proc files (environ, fds, memory)
+# may be read, and the process ptraced, by other processes of its uid.
+PR_SET_DUMPABLE = 4
+
+
+def not_dumpable() -> None:
+    """Make this process non-dumpable (``PR_SET_DUMPABLE`` 0) until it execs.
+
+    Every engine runs as the same user: without this, any of them could read
+    this process's ``/proc/<pid>/environ``, open its descriptors through
+    ``/proc/<pid>/fd`` and, where ptrace is allowed, its memory, and so learn
+    the key it holds. Non-dumpable, those files belong to root. A change of
+    uid resets the flag from ``fs.suid_dumpable``: call it again after one.
+    """
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE, 0) failed")
+
+
 def drop_privileges(drop_to: str) -> None:
-    """Become ``uid:gid:groups`` for good (groups first: they need root); fail loudly."""
+    """Become ``uid:gid:groups:home`` for good (groups first: they need root), then
+    enter the home; fail loudly.
+
+    The process was started as root in a root-owned directory with an
+    isolated interpreter (``-I``: no script directory, working directory or
+    user site on ``sys.path``); it enters the engine user's home only now, as
+    that user, so nothing the engine user put there runs as root.
+    """
     for module in _PRELOAD:
         importlib.import_module(module)
-    uid, gid, groups = drop_to.split(":")
+    uid, gid, groups, home = [*drop_to.split(":", 3), ""][:4]
     os.setgroups([int(g) for g in groups.split(",") if g])
     os.setgid(int(gid))
     os.setuid(int(uid))
     if 0 in (os.getuid(), os.geteuid()) or 0 in os.getresuid():
         raise SystemExit(f"still root after dropping to {drop_to}")
+    not_dumpable()
+    if home:
+        os.chdir(home)
 
 
 def drop_privileges_on_startup(app: Asgi, environ: MutableMapping[str, str]) -> Asgi:

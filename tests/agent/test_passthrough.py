@@ -8,16 +8,20 @@ import contextlib
 import gzip
 import json
 import logging
+import os
 import socket
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 import uvicorn
 
 from tests.harness import reset as rst
-from worker_agent.passthrough import PassThrough
+from worker_agent.passthrough import KEY_ENV, PassThrough, keys_input
 
 KEY = "llmgw-engine-test"
 AUTH = f"Bearer {KEY}".encode()
@@ -100,9 +104,11 @@ class _Errors(logging.Handler):
 
 
 @asynccontextmanager
-async def front(upstream_port: int) -> AsyncIterator[int]:
+async def front(upstream_port: int, engine_key: str = "") -> AsyncIterator[int]:
     """The pass-through served by uvicorn on loopback, in this loop; yields its port."""
-    app = PassThrough(f"http://127.0.0.1:{upstream_port}", KEY, connect_timeout_s=5)
+    app = PassThrough(
+        f"http://127.0.0.1:{upstream_port}", KEY, connect_timeout_s=5, engine_key=engine_key
+    )
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     sock.listen()  # connections queue until uvicorn accepts: no waiting for it to start
@@ -204,7 +210,7 @@ async def test_with_the_key_the_request_and_answer_pass_unchanged() -> None:
             w.write(response(201, headers, request.body))
 
     client_headers = [
-        (b"authorization", AUTH),  # the engine checks it too: it stays
+        (b"authorization", AUTH),  # without an engine key of its own, the engine gets it
         (b"user-agent", b"client/1"),
         (b"accept", b"text/event-stream"),
         (b"accept-encoding", b"gzip"),
@@ -399,3 +405,53 @@ async def test_a_client_that_goes_away_cancels_the_engine_request(when: str) -> 
         await again.close()
     assert (answer[0], answer[2]) == (200, b"ok")
     assert len(seen.requests) == 2
+
+
+async def test_the_engine_gets_its_own_key_never_the_replica_key() -> None:
+    """Every engine runs as one user and can read another's environ: the engine
+    holds a loopback key of its own, and the replica key never reaches it."""
+
+    async def answer(seen: Engine, reader: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        while (request := await read_request(reader)) is not None:
+            seen.requests.append(request)
+            w.write(response(200, [(b"content-length", b"2")], b"ok"))
+
+    async with engine(answer) as seen, front(seen.port, engine_key="loopback-only") as port:
+        client = await Client.open(port)
+        headers = [(b"x-before", b"1"), (b"authorization", AUTH), (b"x-after", b"2")]
+        status, _, _ = await client.exchange(b"GET", b"/slots", headers)
+        refused, _, _ = await client.exchange(
+            b"GET", b"/slots", [(b"authorization", b"Bearer loopback-only")]
+        )
+        await client.close()
+    assert (status, refused) == (200, 401)
+    [request] = seen.requests
+    assert request.headers[1:] == [
+        (b"x-before", b"1"),
+        (b"authorization", b"Bearer loopback-only"),
+        (b"x-after", b"2"),
+    ]
+    assert KEY.encode() not in request.line + b"".join(v for _, v in request.headers)
+
+
+def test_keys_come_on_stdin_and_stdin_is_closed_after(tmp_path: Path) -> None:
+    """The agent's way: a pipe of two lines; the environment is used only when set by hand."""
+    script = (
+        "import os, sys\n"
+        "from worker_agent.passthrough import read_keys\n"
+        "print(read_keys(dict(os.environ)), os.read(0, 10))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != KEY_ENV}
+    given = subprocess.run(
+        [sys.executable, "-I", "-c", script],
+        input=keys_input("replica-key", "engine-key"),
+        capture_output=True, env=env, cwd=tmp_path, timeout=60, check=True,
+    )  # fmt: skip
+    assert given.stdout.split(b"\n")[0] == b"('replica-key', 'engine-key') b''"
+    by_hand = subprocess.run(
+        [sys.executable, "-I", "-c", script],
+        input=b"", capture_output=True, env={**env, KEY_ENV: "k"}, timeout=60, check=True,
+    )  # fmt: skip
+    assert by_hand.stdout.startswith(b"('k', 'k')")
+    with pytest.raises(ValueError):
+        keys_input("two words", "x")

@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test check lint types clean
+.PHONY: run test check lint types docs clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -16,8 +16,8 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(BIN)/llmgw up
 
-## Lint, type-check and run the whole test suite.
-test: $(STAMP) lint types
+## Lint, type-check, build the docs strictly and run the whole test suite.
+test: $(STAMP) lint types docs
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 lint: $(STAMP)
@@ -25,6 +25,11 @@ lint: $(STAMP)
 
 types: $(STAMP)
 	$(BIN)/mypy
+
+## The docs site, into .llmgw/site; strict: a broken link or a missing page fails.
+## The reference pages are generated from the code (docs/gen_ref.py).
+docs: $(STAMP)
+	DISABLE_MKDOCS_2_WARNING=true $(BIN)/mkdocs build --strict --quiet
 
 clean:
 	rm -rf $(VENV) .llmgw .mypy_cache .ruff_cache

@@ -1,17 +1,28 @@
-"""Session fixtures: one Temporal dev server, the engine binary, the tiny model."""
+"""Session fixtures: one Temporal dev server, the engine binary, the tiny model.
+
+Also, for every test: no engine it started outlives it (a failed assertion
+included), and ``llama_path``, the llama.cpp install paths this machine has.
+"""
 
 import os
+import signal
+import sys
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
 from temporalio.client import Client
 
+from llmgw.cli.procs import wait_for
 from llmgw.dev.tinymodel import TinyModel, generate_tiny_model
 from llmgw.temporal import connect
-from tests.harness import REPO, System, devserver, free_port
+from tests.harness import System, devserver, engine_cache, free_port
 from tests.pg import PgCluster, own_cluster
+from tests.procs_util import engine_pids
+
+__all__ = ["engine_cache"]  # tests.conftest.engine_cache, as before it moved to harness
 
 if TYPE_CHECKING:
     from llmgw.dev.tinyhf import TinyHfModel
@@ -41,6 +52,30 @@ def system(temporal_address: str, tmp_path: Path) -> Iterator[System]:
     sys_.stop()
 
 
+@pytest.fixture(autouse=True)
+def no_engine_outlives_its_test(tmp_path: Path) -> Iterator[None]:
+    """Kill, after the test and its fixtures, every engine it left running.
+
+    Every process an agent starts for a shard carries the engine marker,
+    naming a shard dir of the agent's (tests/procs_util.py ``agent_places``:
+    under the work dir, which tests keep under their ``tmp_path``, or the
+    system place made for it). A test that fails half-way (or a fixture that never got to
+    stop what it started) left engines that held CPU slots and ports in the
+    tests after it. Autouse: set up first, so torn down last.
+    """
+    yield
+    left = engine_pids(tmp_path)
+    if not left:
+        return
+    print(f"\nkilling engines the test left: {left}", file=sys.stderr)
+    for pid in left:
+        try:
+            os.killpg(os.getpgid(pid), signal.SIGKILL)
+        except ProcessLookupError:
+            continue
+    wait_for(lambda: not engine_pids(tmp_path), 10)
+
+
 @pytest.fixture(scope="session")
 def llama() -> "LlamaCppInstall":
     """The real llama.cpp server, as the agent installs it (cached per CPU)."""
@@ -49,9 +84,50 @@ def llama() -> "LlamaCppInstall":
     return ensure_llama_cpp(engine_cache())
 
 
-def engine_cache() -> Path:
-    """The engine cache the tests and their agents share (installs happen once)."""
-    return Path(os.environ.get("LLMGW_TEST_ENGINE_CACHE", REPO / ".llmgw" / "engines"))
+@dataclass(frozen=True)
+class LlamaPath:
+    """One way a node gets llama.cpp: the agent's setting that forces it, and the install."""
+
+    setting: str  # LLMGW_LLAMA_CPP for an agent
+    install: "LlamaCppInstall"
+
+    def agent_env(self) -> dict[str, str]:
+        """What an agent's environment needs to take this path."""
+        from worker_agent.installs.llamacpp import CHOICE_ENV  # noqa: PLC0415
+
+        return {CHOICE_ENV: self.setting}
+
+
+@pytest.fixture(params=["auto", "portable", "build"])
+def llama_path(request: pytest.FixtureRequest) -> LlamaPath:
+    """Each llama.cpp install path this machine can take, forced through the agent's setting.
+
+    ``auto`` is the prebuilt AVX-512 wheel where the CPU has it (elsewhere
+    it is the portable server, tested as ``portable``); ``portable`` always
+    runs on x86-64 with AVX2, as xllamacpp is a dependency; ``build`` only
+    where the source build is in the tests' engine cache (CI builds it in
+    tests/agent/test_engine_install.py, before the e2e tests).
+    """
+    from worker_agent.installs import llamacpp  # noqa: PLC0415
+
+    setting = str(request.param)
+    cache = engine_cache()
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(llamacpp.CHOICE_ENV, setting)
+        if setting == "build":
+            found = llamacpp.find_llama_cpp(cache)
+            if found is None:
+                pytest.skip(
+                    "no llama.cpp source build in the tests' engine cache"
+                    f" ({cache}): CI builds it (CI=true), or LLMGW_TEST_SOURCE_BUILD=1"
+                )
+            return LlamaPath(setting, found)
+        found = llamacpp.ensure_llama_cpp(cache)
+    if setting == "auto" and found.source == "portable":
+        pytest.skip("the automatic choice on this CPU is the portable server: tested as such")
+    if setting == "portable":
+        assert found.source == "portable", f"LLMGW_LLAMA_CPP=portable gave {found}"
+    return LlamaPath(setting, found)
 
 
 @pytest.fixture(scope="session")

@@ -40,6 +40,17 @@ FIXTURES = TESTS / "fixtures"
 DEVSERVER = REPO / "temporal-dev" / "devserver.py"
 
 
+def engine_cache() -> Path:
+    """The engine cache the tests and their agents share (installs happen once).
+
+    Not ``make run``'s (``.llmgw/engines``): that one sits in a work dir its
+    agent makes 0710 for its own engine group, which the tests' engine users
+    are not in, so a ``make test`` after ``make run`` failed on it. This one
+    is the tests' alone, and nothing makes it private.
+    """
+    return Path(os.environ.get("LLMGW_TEST_ENGINE_CACHE", REPO / ".llmgw-test" / "engines"))
+
+
 def free_port() -> int:
     """A port nothing listens on right now."""
     with socket.socket() as s:
@@ -132,9 +143,7 @@ class System:
                 "LLMGW_ALLOW_ROOT_ENGINES": "true",
                 # Test models are generated under pytest's temp dirs.
                 "LLMGW_WEIGHTS_ROOTS": str(Path(tempfile.gettempdir()).resolve()),
-                "LLMGW_ENGINE_CACHE_DIR": os.environ.get(
-                    "LLMGW_TEST_ENGINE_CACHE", str(REPO / ".llmgw" / "engines")
-                ),
+                "LLMGW_ENGINE_CACHE_DIR": str(engine_cache()),
             }
         )
         self.env.update(extra_env or {})

@@ -35,3 +35,49 @@ def pids_with_env(entry: str) -> list[int]:
         if state != "Z" and needle in environ:
             found.append(int(proc.name))
     return found
+
+
+def pids_with_env_prefix(prefix: str) -> list[int]:
+    """Live pids with an environment entry starting with ``prefix`` (``NAME=/dir/``)."""
+    needle = b"\0" + prefix.encode()
+    found: list[int] = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            environ = b"\0" + (proc / "environ").read_bytes()
+            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z" and needle in environ:
+            found.append(int(proc.name))
+    return found
+
+
+def agent_places(work: Path) -> list[Path]:
+    """Where the agents of ``work`` (or of any work dir under it) keep their shards.
+
+    The work dir itself, and the place an agent running as root makes for a
+    work dir its engine user cannot reach: ``<system dir>/<digest>/``, named
+    by the ``work-dir`` note in it (worker_agent/users.py ``system_place``).
+    """
+    work = work.resolve()
+    places = [work]
+    system_dir = Path(os.environ.get("LLMGW_SYSTEM_DIR", "/var/lib/llmgw"))
+    for note in system_dir.glob("*/work-dir"):
+        try:
+            named = Path(note.read_text().strip())
+        except OSError:
+            continue
+        if named == work or work in named.parents:
+            places.append(note.parent)
+    return places
+
+
+def engine_pids(work: Path, *needles: str) -> list[int]:
+    """Live processes of engines started by agents of ``work`` (by their engine
+    marker, ``LLMGW_ENGINE_OF``) whose command line contains every needle."""
+    marked: set[int] = set()
+    for place in agent_places(work):
+        marked.update(pids_with_env_prefix(f"LLMGW_ENGINE_OF={place}/"))
+    return sorted(pid for pid in pids_with_args(*needles) if pid in marked)

@@ -51,6 +51,16 @@ LOG_KEEP_BYTES = 2**20
 # this agent's engines from any other process (another agent's on the same
 # host included), so an engine whose spec file is gone can still be found.
 ENGINE_MARKER = "LLMGW_ENGINE_OF"
+# Set in every engine's environment to what its process title should say
+# (which engine, which replica and rank), so an operator's ps tells them apart:
+# the portable llama-server sets it (worker_agent/installs/portable_server.py,
+# which names this variable itself: it imports nothing of llmgw).
+TITLE_ENV = "LLMGW_ENGINE_TITLE"
+
+
+def engine_title(ref: ShardRef, engine: str) -> str:
+    """What an engine's process title says about it, e.g. ``llmgw llama.cpp replica r-1 rank 0``."""
+    return f"llmgw {engine or 'engine'} replica {ref.replica_id} rank {ref.rank}"
 
 
 @dataclass(frozen=True)
@@ -282,7 +292,7 @@ class Supervisor:
         shard_dir = self.shard_dir(ref)
         _private_dir(shard_dir)
         log_path = shard_dir / "engine.log"
-        marker = {ENGINE_MARKER: self.marker}
+        marker = {ENGINE_MARKER: self.marker, TITLE_ENV: engine_title(ref, spec.engine)}
         pgid: int | None = None
         procs: list[subprocess.Popen[bytes]] = []
         try:

@@ -10,6 +10,7 @@ import contextlib
 import ctypes
 import os
 import signal
+import stat
 import subprocess
 import time
 from collections.abc import Callable, Mapping
@@ -27,13 +28,28 @@ def _die_with_parent() -> None:
 
 
 class Child:
-    """One child process in its own process group, output to a log file."""
+    """One child process in its own process group, output to a log file.
 
-    def __init__(self, name: str, argv: list[str], env: Mapping[str, str], log_path: Path) -> None:
+    The log and its directory are private (0600 and 0700, whatever the
+    umask): they sit in ``llmgw up``'s work dir, which the engine group may
+    pass through, and hold what the processes print. ``umask``: the child's
+    (None: ours), for one whose files should be private too.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        argv: list[str],
+        env: Mapping[str, str],
+        log_path: Path,
+        umask: int | None = None,
+    ) -> None:
         self.name = name
         self.log_path = log_path
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(log_path, "ab") as log:
+        private_log_dir(log_path.parent)
+        fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        os.fchmod(fd, 0o600)  # one made before by an older version
+        with os.fdopen(fd, "ab") as log:
             self.proc = subprocess.Popen(
                 argv,
                 env=dict(env),
@@ -44,6 +60,7 @@ class Child:
                 # Runs between fork and exec; safe here because it only
                 # calls prctl, no locks or allocations of the parent's threads.
                 preexec_fn=_die_with_parent,  # noqa: PLW1509
+                umask=-1 if umask is None else umask,
             )
 
     @property
@@ -85,6 +102,17 @@ class Child:
     def log_tail(self, lines: int = 20) -> str:
         """The end of the child's log, for error messages."""
         return log_tail(self.log_path, lines)
+
+
+def private_log_dir(path: Path) -> None:
+    """Create ``path`` (and parents) and make it 0700: logs are nobody else's to list.
+
+    Left as it is when it is not ours or is shared (sticky, as /tmp).
+    """
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = path.stat()
+    if st.st_uid == os.geteuid() and not st.st_mode & stat.S_ISVTX and st.st_mode & 0o777 != 0o700:
+        path.chmod(0o700)
 
 
 def log_tail(path: Path, lines: int = 20) -> str:

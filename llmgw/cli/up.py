@@ -6,6 +6,11 @@ router. Only then is the endpoint printed. Once all four processes run, one
 that dies is started again after a backoff (1 s doubling to 30 s), and the
 console says so; a restarted agent adopts the engines that kept running.
 
+One ``llmgw up`` per work dir: a second one finds the first's lock
+(``up.lock``, held with flock for the first's lifetime) and exits saying so
+before it starts, stops or kills anything - its shutdown would otherwise
+kill the running instance's engines as leftovers.
+
 On SIGINT/SIGTERM the replicas are stopped through their workflows (so
 engines exit the normal way and GPUs are released in the ledger), then the
 processes in reverse order, and finally any engine still recorded in the
@@ -15,12 +20,14 @@ of it, and a process still running at the end is killed.
 """
 
 import asyncio
+import contextlib
+import fcntl
 import os
 import signal
 import socket
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 
@@ -129,12 +136,12 @@ class Up:
     def _log_path(self, name: str) -> Path:
         return self.work / "logs" / f"{name}.log"
 
-    def _spawn(self, name: str, argv: list[str]) -> Supervised:
+    def _spawn(self, name: str, argv: list[str], umask: int | None = None) -> Supervised:
         if self._closing.is_set():
             raise LlmgwError("stopping")
         env = child_env(self.s)
         log = self._log_path(name)
-        child = Supervised(name, lambda: Child(name, argv, env, log), self.say)
+        child = Supervised(name, lambda: Child(name, argv, env, log, umask), self.say)
         self.children.append(child)
         return child
 
@@ -155,6 +162,9 @@ class Up:
                 "--ui-port",
                 str(self.s.ui_port),
             ],
+            # Its database holds every workflow's history: the engine
+            # group passes through the work dir and must not read it.
+            umask=0o077,
         )
         if not wait_for(
             lambda: (
@@ -321,11 +331,10 @@ def kill_recorded_engines(agent_dir: Path) -> list[int]:
             continue
         pid, pgid = spec.pid, spec.group
         started = spec.fingerprint.start_time if spec.fingerprint else None
-        current = procfs.fingerprint(pid)
-        # The engine itself, or what is left of its group once it died (the
-        # pass-through leads the group); a group id is not reused while any
-        # member lives.
-        ours = current is not None and current.start_time == started
+        # The engine itself (a pid is reused only by a later start), or
+        # what is left of its group once it died (the pass-through leads
+        # the group); a group id is not reused while any member lives.
+        ours = started is not None and procfs.start_time(pid) == started
         leftovers = not procfs.group_reused(pgid, spec.leader_start) and procfs.group_members(pgid)
         if ours or leftovers:
             try:
@@ -337,14 +346,51 @@ def kill_recorded_engines(agent_dir: Path) -> list[int]:
     return killed
 
 
+@contextlib.contextmanager
+def instance_lock(work: Path) -> Iterator[None]:
+    """Hold ``work``'s ``up.lock`` while the block runs: one ``llmgw up`` per work dir.
+
+    flock, not a pid file: the kernel drops the lock when its holder dies,
+    however it dies, so a crashed run never blocks the next one, and a pid
+    reused by another program is never taken for a live instance. The file
+    names the holder's pid, for the message.
+
+    Raises:
+        LlmgwError: another live process holds the lock.
+    """
+    work.mkdir(parents=True, exist_ok=True)
+    path = work / "up.lock"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            raise LlmgwError(
+                f"another llmgw up is running in {work} (pid {holder}): not starting;"
+                " its processes and engines are left alone. Stop it first (Ctrl-C"
+                " where it runs), or use another LLMGW_WORK_DIR."
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
 async def run_up(settings: UpSettings, say: Say, announce: Announce) -> None:
     """Bring everything up, announce it, and supervise until SIGINT/SIGTERM
-    (which also interrupts a start-up still under way)."""
-    up = Up(settings, say)
-    # The watchdog is a last resort behind shutdown's own deadline.
-    stop = stop_event_on_signals(settings.shutdown_timeout_s + 0.9)
-    try:
-        await unless_stopped(stop, up.run(announce))
-    finally:
-        say("stopping")
-        await up.shutdown()
+    (which also interrupts a start-up still under way).
+
+    Raises:
+        LlmgwError: another ``llmgw up`` runs in the work dir.
+    """
+    with instance_lock(settings.work_dir.resolve()):
+        up = Up(settings, say)
+        # The watchdog is a last resort behind shutdown's own deadline.
+        stop = stop_event_on_signals(settings.shutdown_timeout_s + 0.9)
+        try:
+            await unless_stopped(stop, up.run(announce))
+        finally:
+            say("stopping")
+            await up.shutdown()

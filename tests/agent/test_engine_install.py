@@ -19,13 +19,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from llmgw.cli.procs import Child
+from llmgw.cli.procs import Child, wait_for
 from llmgw.dev.tinymodel import TinyModel
 from llmgw.types import ModelSpec
-from tests.conftest import engine_cache
-from tests.harness import free_port, port_open
+from tests.harness import engine_cache, free_port, port_open
 from worker_agent.engines import Launchers, LlamaCppPlanner, LoraAdapter, NodeFacts, ShardRequest
 from worker_agent.installs import llamacpp as engine_install
+from worker_agent.installs import portable_server
 from worker_agent.installs.llamacpp import (
     MARKER,
     EngineInstallError,
@@ -36,6 +36,7 @@ from worker_agent.installs.llamacpp import (
     portable_supported,
     wheel_supported,
 )
+from worker_agent.supervisor import ENGINE_MARKER, TITLE_ENV
 
 # Recorded /proc/cpuinfo excerpts (one processor each, trailing fields trimmed).
 SAPPHIRE_RAPIDS = """\
@@ -220,6 +221,13 @@ def test_an_avx2_cpu_gets_the_portable_server_not_a_build(
     assert engine_install.find_llama_cpp(tmp_path / "cache") == found
 
 
+def test_the_portable_server_names_the_title_variable_the_supervisor_sets() -> None:
+    """It imports nothing of llmgw, so it spells the name itself."""
+    assert portable_server.TITLE_ENV == TITLE_ENV
+    shown = portable_server.title(["-m", "m.gguf", "--api-key", "sk-x"], {TITLE_ENV: "llmgw r"})
+    assert shown == "llama-server [llmgw r] -m m.gguf --api-key <redacted>"
+
+
 def test_the_portable_launcher_runs_an_interpreter_every_user_can_run() -> None:
     """Engines may run as another user: pyenv's Python under a 0700 /root is not one."""
     python = engine_install._engine_python()
@@ -276,8 +284,18 @@ async def test_portable_server_serves_what_the_engine_plan_asks(
     planner = LlamaCppPlanner(Launchers(llama_server=(str(found.server),)))
     plan = planner.plan(request, "sk-engine-test", found.environment(os.environ))
     (command,) = plan.commands
-    engine = Child("llama-server", list(command.argv), plan.env, tmp_path / "engine.log")
+    env = {**plan.env, TITLE_ENV: "llmgw llama.cpp replica r-9 rank 0", ENGINE_MARKER: "/m"}
+    engine = Child("llama-server", list(command.argv), env, tmp_path / "engine.log")
     try:
+        # Titled for ps: which replica, and llama-server's options, never the key
+        # (issue 23: it showed as "python3 -s -c import sys; ..."); the
+        # environment, where the agent looks for its engine marker, intact.
+        proc = Path(f"/proc/{engine.pid}")
+        titled = "llama-server [llmgw llama.cpp replica r-9 rank 0] --model"
+        assert wait_for(lambda: (proc / "cmdline").read_bytes().startswith(titled.encode()), 60)
+        shown = (proc / "cmdline").read_bytes().decode()
+        assert "--alias tiny" in shown and "sk-engine-test" not in shown, shown
+        assert f"{ENGINE_MARKER}=/m".encode() in (proc / "environ").read_bytes().split(b"\0")
         url = f"http://127.0.0.1:{port}"
         async with httpx.AsyncClient(base_url=url, timeout=60) as http:
             async with asyncio.timeout(120):

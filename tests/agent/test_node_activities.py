@@ -1,5 +1,6 @@
 """Node activities against a real llama.cpp engine, without Temporal workers."""
 
+import contextlib
 import os
 import signal
 from collections.abc import AsyncIterator, Callable
@@ -24,6 +25,7 @@ from llmgw.types import (
     WaitReadyInput,
     WatchShardInput,
 )
+from tests.conftest import LlamaPath
 from tests.harness import cpu_inventory, llama_only, node_activities
 from tests.procs_util import pids_with_args
 from worker_agent.installs.llamacpp import LlamaCppInstall
@@ -40,6 +42,12 @@ ActivitiesFactory = Callable[[Path], NodeActivities]
 @pytest.fixture
 async def make_acts(llama: LlamaCppInstall) -> AsyncIterator[ActivitiesFactory]:
     """Builds node activities over a work dir; closes them after the test."""
+    async with _activities_over(llama) as build:
+        yield build
+
+
+@contextlib.asynccontextmanager
+async def _activities_over(llama: LlamaCppInstall) -> AsyncIterator[ActivitiesFactory]:
     made: list[NodeActivities] = []
 
     def build(work: Path) -> NodeActivities:
@@ -56,8 +64,15 @@ def _activities(llama: LlamaCppInstall, work: Path) -> NodeActivities:
 
 
 async def test_launch_twice_gives_one_engine(
-    make_acts: ActivitiesFactory, tiny: TinyModel, tmp_path: Path
+    llama_path: LlamaPath, tiny: TinyModel, tmp_path: Path
 ) -> None:
+    """On each llama.cpp install path: the portable server's launcher execs
+    python3, and a new agent once took that engine for a stranger."""
+    async with _activities_over(llama_path.install) as make_acts:
+        await _launch_twice(make_acts, tiny, tmp_path)
+
+
+async def _launch_twice(make_acts: ActivitiesFactory, tiny: TinyModel, tmp_path: Path) -> None:
     model = ModelSpec(name="tiny-twice", engine=EngineKind.LLAMA_CPP, source=str(tiny.model_path))
     spec = ShardSpec(replica_id="twice-1", model=model)
     ref = ShardRef(replica_id="twice-1")

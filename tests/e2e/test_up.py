@@ -6,6 +6,7 @@ SIGTERM ends it in time even with Temporal frozen."""
 import asyncio
 import os
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -22,11 +23,12 @@ from temporalio.client import Client
 from activities import names
 from llmgw import replicas
 from llmgw.cli.procs import wait_for
+from llmgw.cli.up import instance_lock
 from llmgw.queues import replica_workflow_id
 from llmgw.temporal import connect
 from llmgw.types import ReplicaPhase, ReplicaStatus
-from tests.harness import REPO, free_port
-from tests.procs_util import pids_with_args, pids_with_env
+from tests.harness import engine_cache, free_port
+from tests.procs_util import engine_pids, pids_with_args, pids_with_env
 
 # SIGTERM to exit, for every llmgw process (README, "llmgw up").
 SHUTDOWN_BOUND_S = 10.0
@@ -75,23 +77,21 @@ class Up:
         )
 
 
-@contextmanager
-def running_up(tmp_path: Path) -> Iterator[Up]:
-    """``llmgw up`` serving, as a user starts it; killed at the end if still running."""
-    work = tmp_path / "work"
-    router_port, temporal_port = free_port(), free_port()
+def start_up(
+    work: Path, router_port: int, temporal_port: int, extra_env: dict[str, str] | None = None
+) -> subprocess.Popen[str]:
+    """``llmgw up`` in ``work``, as a user starts it, its console piped."""
     env = dict(
         os.environ,
         LLMGW_WORK_DIR=str(work),
-        LLMGW_ENGINE_CACHE_DIR=os.environ.get(
-            "LLMGW_TEST_ENGINE_CACHE", str(REPO / ".llmgw" / "engines")
-        ),
+        LLMGW_ENGINE_CACHE_DIR=str(engine_cache()),
         LLMGW_PORT_RANGE_START=str(free_port()),
         # pytest's temp dirs are 0700: an engine user could not reach them
         # (as in tests/harness.py).
         LLMGW_ALLOW_ROOT_ENGINES="true",
+        **(extra_env or {}),
     )
-    proc = subprocess.Popen(
+    return subprocess.Popen(
         [
             sys.executable,
             "-m",
@@ -110,6 +110,14 @@ def running_up(tmp_path: Path) -> Iterator[Up]:
         text=True,
         start_new_session=True,
     )
+
+
+@contextmanager
+def running_up(tmp_path: Path, extra_env: dict[str, str] | None = None) -> Iterator[Up]:
+    """``llmgw up`` serving, as a user starts it; killed at the end if still running."""
+    work = tmp_path / "work"
+    router_port, temporal_port = free_port(), free_port()
+    proc = start_up(work, router_port, temporal_port, extra_env)
     console = Console(proc)
     try:
         up = Up(proc, console, work, router_port, temporal_port)
@@ -140,6 +148,7 @@ def stopped_within(up: Up, sig: signal.Signals, bound_s: float) -> float | None:
 def assert_nothing_left(work: Path) -> None:
     assert pids_with_env(f"LLMGW_WORK_DIR={work}") == []
     assert pids_with_args(str(work)) == []
+    assert engine_pids(work) == []
 
 
 def test_up_serves_a_completion_and_ctrl_c_cleans_up(tmp_path: Path) -> None:
@@ -149,12 +158,43 @@ def test_up_serves_a_completion_and_ctrl_c_cleans_up(tmp_path: Path) -> None:
             model="tiny", prompt="Hello", max_tokens=4, temperature=0
         )
         assert resp.usage is not None and resp.usage.completion_tokens == 4
-        assert len(pids_with_args("--alias", "tiny", str(up.work))) == 1
+        assert len(engine_pids(up.work, "--alias", "tiny")) == 1
+        # What the processes print, and Temporal's histories, are not the
+        # engine group's to read: it may pass through the (0710) work dir.
+        logs = up.work / "logs"
+        assert stat.S_IMODE(logs.stat().st_mode) == 0o700
+        for path in [*logs.iterdir(), up.work / "temporal.db"]:
+            assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
 
         took = stopped_within(up, signal.SIGINT, SHUTDOWN_BOUND_S)
         assert took is not None, up.console.text()[-3000:]
         assert up.proc.returncode == 0
     assert_nothing_left(up.work)
+
+
+def test_a_second_up_in_the_same_work_dir_leaves_the_first_alone(tmp_path: Path) -> None:
+    """A second ``make run`` while one serves: it used to fail on the taken
+    Temporal port and then, stopping, kill the first one's engines."""
+    with running_up(tmp_path) as up:
+        engines = engine_pids(up.work, "--alias", "tiny")
+        assert len(engines) == 1
+        # The same command again: same work dir, same ports.
+        second = start_up(up.work, up.router_port, up.temporal_port)
+        out, _ = second.communicate(timeout=120)
+        assert second.returncode != 0, out
+        assert f"another llmgw up is running in {up.work.resolve()}" in out, out
+        assert f"(pid {up.proc.pid})" in out, out
+        assert "killed leftover engine" not in out, out
+        assert engine_pids(up.work, "--alias", "tiny") == engines
+        resp = up.router().completions.create(model="tiny", prompt="Hi", max_tokens=2)
+        assert resp.usage is not None and resp.usage.completion_tokens == 2
+
+        took = stopped_within(up, signal.SIGINT, SHUTDOWN_BOUND_S)
+        assert took is not None, up.console.text()[-3000:]
+    assert_nothing_left(up.work)
+    # The lock went with its holder: the next up may start.
+    with instance_lock(up.work):
+        pass
 
 
 class Load:
@@ -209,7 +249,7 @@ def test_an_agent_killed_under_up_is_restarted_and_adopts_its_engine_with_no_fai
     tmp_path: Path,
 ) -> None:
     with running_up(tmp_path) as up:
-        engines = pids_with_args("--alias", "tiny", str(up.work))
+        engines = engine_pids(up.work, "--alias", "tiny")
         assert len(engines) == 1
         old_agent = agent_pid(up.work)
         assert old_agent is not None
@@ -234,7 +274,7 @@ def test_an_agent_killed_under_up_is_restarted_and_adopts_its_engine_with_no_fai
             served = load.ok
             assert wait_for(lambda: load.ok >= served + 10, 60)
         assert load.failures == [], load.failures[:5]
-        assert pids_with_args("--alias", "tiny", str(up.work)) == engines  # the same engine
+        assert engine_pids(up.work, "--alias", "tiny") == engines  # the same engine
         status = asyncio.run(_status(up.temporal_port, replica_memo))
         assert status.phase == ReplicaPhase.READY and status.pid == engines[0]
         print(

@@ -12,6 +12,11 @@ the same parameters, and serves until it is signalled: to the agent it is a
 An option it does not know is an error at start (exit 2, named on stderr), never
 silently dropped; ``--rpc`` in particular is refused, as the wheel has no RPC
 backend (multi-node llama.cpp needs the source build's ``ggml-rpc-server``).
+
+Its process would show as ``python3 -s -c import sys; ...``: it retitles itself
+``llama-server [<what the agent put in LLMGW_ENGINE_TITLE>] <its options>``, so
+``ps`` tells which replica it serves (with ``setproctitle``, where the
+interpreter can load it; else only the kernel's 15-character name).
 """
 
 import argparse
@@ -21,6 +26,9 @@ import sys
 from typing import Any
 
 API_KEY_ENV = "LLAMA_API_KEY"
+# worker_agent.supervisor.TITLE_ENV (this module imports nothing of llmgw).
+TITLE_ENV = "LLMGW_ENGINE_TITLE"
+_PR_SET_NAME = 15
 # llama-server's "--parallel -1" (its default): four slots sharing one KV cache.
 AUTO_PARALLEL = 4
 
@@ -82,12 +90,39 @@ def params(args: argparse.Namespace, env: dict[str, str]) -> Any:
     return p
 
 
+def title(argv: list[str], env: dict[str, str]) -> str:
+    """The process title: ``llama-server [ENGINE TITLE] OPTIONS``, the key never in it."""
+    shown = ["<redacted>" if i and argv[i - 1] == "--api-key" else a for i, a in enumerate(argv)]
+    label = env.get(TITLE_ENV, "")
+    return " ".join(["llama-server", *([f"[{label}]"] if label else []), *shown])
+
+
+def set_title(text: str) -> None:
+    """Show ``text`` as this process's command line (``ps``, ``pgrep -f``).
+
+    SPT_NOENV: setproctitle then writes over the arguments only, never the
+    environment area, whose ``/proc/<pid>/environ`` the agent reads for its
+    engine marker (the title is cut to the original command line's length,
+    which the launcher's ``-c`` code makes ample).
+    """
+    os.environ["SPT_NOENV"] = "1"
+    try:
+        import setproctitle  # noqa: PLC0415 - from the wheel's site dir, where it may be absent
+
+        setproctitle.setproctitle(text)
+    except ImportError:  # an interpreter that cannot load it: the kernel's name at least
+        import ctypes  # noqa: PLC0415
+
+        ctypes.CDLL(None).prctl(_PR_SET_NAME, b"llama-server", 0, 0, 0)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Serve until SIGTERM/SIGINT; 2 on options it cannot honour."""
     cli = parser()
     args = cli.parse_args(argv)
     if args.rpc:
         cli.error("--rpc: the portable llama.cpp has no RPC backend (use the source build)")
+    set_title(title(sys.argv[1:] if argv is None else argv, dict(os.environ)))
     import xllamacpp  # noqa: PLC0415
 
     server = xllamacpp.Server(params(args, dict(os.environ)))  # returns once it listens

@@ -189,6 +189,18 @@ def upstream_failed(detail: str) -> OpenAIError:
     )
 
 
+def remote_media_refused(model: str, where: str) -> OpenAIError:
+    """400: a media URL the engine would fetch itself, for a model whose catalog
+    entry does not allow them (router/api/media.py)."""
+    return OpenAIError(
+        400,
+        f"Media URLs other than data: are not accepted for the model `{model}` ({where});"
+        " send the media inline as a data: URL.",
+        code="remote_media_refused",
+        param=where,
+    )
+
+
 def invalid_fields(problems: Sequence[str], param: str | None) -> OpenAIError:
     """400: every problem with the request in the message, the first field in param."""
     return OpenAIError(400, "; ".join(problems), param=param)

@@ -101,6 +101,11 @@ class ModelSpec(BaseModel):
     queue: QueuePolicy = Field(
         default_factory=QueuePolicy, description="the routers' admission queue for this model"
     )
+    remote_media: bool = Field(
+        default=False,
+        description="pass media URLs other than data: (image_url, audio, files) to the engine,"
+        " which fetches them from the node's network; off: the router refuses them (400)",
+    )
 
     def digest(self) -> str:
         """Identifies this exact entry: an engine started from another differs.
@@ -114,4 +119,4 @@ class ModelSpec(BaseModel):
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-_NOT_ENGINE = {"autoscale", "queue"}
+_NOT_ENGINE = {"autoscale", "queue", "remote_media"}

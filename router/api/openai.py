@@ -27,6 +27,7 @@ from llmgw.types import AdapterSpec, ModelSpec
 from router.accounting import Outcome
 from router.adapters import base_body
 from router.admission import queue_cost
+from router.api.media import check_media
 from router.api.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -174,6 +175,7 @@ async def _admit(
         _bounded(body, caller.policy)
         if not await table.knows(body.model):  # after one catalog re-read, rate-bounded
             raise model_not_found(body.model)
+        check_media(deps, body)
     except OpenAIError as exc:
         _refused(deps, path, exc)
         raise

@@ -257,7 +257,8 @@ def agent_inventory(
     """What the scheduler would see for this node."""
     from llmgw.settings import AgentSettings  # noqa: PLC0415
     from worker_agent.installs.installed import installed_engines  # noqa: PLC0415
-    from worker_agent.inventory import sources_from  # noqa: PLC0415
+    from worker_agent.installs.llamacpp import find_llama_cpp  # noqa: PLC0415
+    from worker_agent.inventory import engine_capabilities, sources_from  # noqa: PLC0415
     from worker_agent.main import inventory  # noqa: PLC0415
     from worker_agent.supervisor import Supervisor  # noqa: PLC0415
 
@@ -265,6 +266,7 @@ def agent_inventory(
     shards = Supervisor(settings.work_dir / "agent" / settings.node_id, settings.node_id)
     inv = inventory(settings, shards, sources_from(settings.sys_root, settings.gpu_snapshot))
     inv.engines = installed_engines(settings.resolved_engine_cache_dir())
+    inv.capabilities = engine_capabilities(find_llama_cpp(settings.resolved_engine_cache_dir()))
     if as_json:
         out.print_json(inv.model_dump_json())
         return
@@ -298,6 +300,13 @@ def agent_inventory(
         out.print(ports)
     for engine in inv.engines:
         out.print(f"engine: {engine.engine} ({engine.package}=={engine.version}) at {engine.path}")
+    out.print(f"capabilities: {', '.join(inv.capabilities or []) or 'none beyond one node'}")
+    if inv.weights is not None:
+        listed = "" if inv.weights.complete else " (listing cut short)"
+        out.print(
+            f"weights roots: {', '.join(inv.weights.roots) or 'none'}: "
+            f"{len(inv.weights.entries)} entries{listed}"
+        )
     for shard in inv.running:
         out.print(f"running: {shard.replica_id} rank {shard.rank} pid {shard.pid} {shard.endpoint}")
 

@@ -1,5 +1,13 @@
 """A real multi-node replica on this machine: two agents with different node
-ids on loopback; rank 1 runs ggml-rpc-server, rank 0 llama-server --rpc."""
+ids on loopback; rank 1 runs ggml-rpc-server, rank 0 llama-server --rpc.
+
+Every llama.cpp install the agent can choose is tried (``llama_path``). The
+portable (AVX2) install has no RPC server: there a multi-node llama.cpp
+replica is refused at placement, each node named with the reason, and
+nothing starts. It is refused rather than made to work because the portable
+package ships no ggml RPC backend for either side (the server's ``--rpc``
+or ``ggml-rpc-server``); one-node replicas are what that install serves.
+"""
 
 import asyncio
 import os
@@ -13,6 +21,7 @@ from llmgw import replicas
 from llmgw.dev.tinymodel import TinyModel
 from llmgw.errors import EngineError
 from llmgw.types import (
+    EngineCapability,
     EngineKind,
     EngineProfile,
     ModelSpec,
@@ -20,6 +29,7 @@ from llmgw.types import (
     ReplicaTimeouts,
     RestartPolicy,
 )
+from tests.conftest import LlamaPath
 from tests.harness import System, wait_routable
 from tests.procs_util import pids_with_args
 
@@ -27,7 +37,7 @@ MODEL = "tiny-two-nodes"
 
 
 async def test_two_node_llama_cpp_replica_serves_fails_whole_and_restarts(
-    system: System, client: Client, tiny: TinyModel
+    system: System, client: Client, tiny: TinyModel, llama_path: LlamaPath
 ) -> None:
     spec = ModelSpec(
         name=MODEL,
@@ -36,7 +46,12 @@ async def test_two_node_llama_cpp_replica_serves_fails_whole_and_restarts(
         profile=EngineProfile(nodes=2),
     )
     key = system.catalog(spec)
-    started = await system.start(client, "mn-a", "mn-b", own_ports=True)
+    started = await system.start(
+        client, "mn-a", "mn-b", own_ports=True, agent_env=llama_path.agent_env()
+    )
+    if llama_path.install.rpc_server is None:
+        await _refused_at_placement(client, spec)
+        return
 
     restart = RestartPolicy(initial_backoff_s=0.5)
     status = await replicas.apply_deployment(client, spec, 1, restart=restart)
@@ -78,6 +93,26 @@ async def test_two_node_llama_cpp_replica_serves_fails_whole_and_restarts(
     assert pids_with_args("ggml-rpc-server", "-p") == []
 
 
+async def _refused_at_placement(client: Client, spec: ModelSpec) -> None:
+    """Without an RPC server on the nodes the replica is never placed: the
+    reason names each node and what it lacks, and no engine starts."""
+    snapshot = await replicas.fleet_snapshot(client)
+    for node_id in ("mn-a", "mn-b"):
+        assert snapshot.nodes[node_id].capabilities == []
+    timeouts = ReplicaTimeouts(place_attempts=2, place_retry_s=0.5)
+    rid = await replicas.start_replica(client, spec, timeouts)
+    with pytest.raises(EngineError) as failed:
+        await replicas.wait_ready(client, rid, 60)
+    status = await replicas.status_of(client, rid)
+    assert status is not None and status.phase is ReplicaPhase.FAILED
+    lacks = f"no RPC server (capability {EngineCapability.LLAMA_CPP_RPC.value})"
+    for node_id in ("mn-a", "mn-b"):
+        assert f"{node_id}: its llama.cpp install has {lacks}" in status.reason
+    assert "cannot place" in str(failed.value)
+    assert pids_with_args("--alias", MODEL) == []
+    assert pids_with_args("ggml-rpc-server", "-p") == []
+
+
 async def _slot_replica(client: Client, starts: int) -> str:
     """The replica of slot 0 once the deployment has started it ``starts`` times."""
     async with asyncio.timeout(60):
@@ -103,6 +138,12 @@ async def test_rendezvous_that_never_completes_fails_within_its_bound(
     worker_agent = system.spawn("agent", {"LLMGW_NODE_ID": "rv-a"})
     await replicas.wait_node_registered(client, "rv-a", 60)
     await replicas.wait_node_registered(client, "rv-b", 60)
+    nodes = (await replicas.fleet_snapshot(client)).nodes
+    if EngineCapability.LLAMA_CPP_RPC not in (nodes["rv-a"].capabilities or []):
+        pytest.skip(
+            "this machine's llama.cpp has no RPC server: a two-node replica is refused at "
+            "placement (test_two_node_llama_cpp_replica_serves_fails_whole_and_restarts)"
+        )
     worker_agent.signal(signal.SIGSTOP)  # the worker's node stops answering
     try:
         timeouts = ReplicaTimeouts(rendezvous_s=6, schedule_to_start_s=8, heartbeat_s=2)

@@ -27,9 +27,9 @@ types: $(STAMP)
 	$(BIN)/mypy
 
 ## The docs site, into .llmgw/site; strict: a broken link or a missing page fails.
-## The reference pages are generated from the code (docs/gen_ref.py).
+## The reference pages are generated from the code (docs/gen_ref.py). Not --quiet:
+## it hides the warnings that --strict counts, and a broken build passes.
 docs: $(STAMP)
-	# Not --quiet: it hides the warnings that --strict counts, and the build passes.
 	DISABLE_MKDOCS_2_WARNING=true $(BIN)/mkdocs build --strict
 
 clean:

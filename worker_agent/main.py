@@ -15,6 +15,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import httpx
+from opentelemetry import trace
 from temporalio.client import Client
 from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.service import RPCError
@@ -265,7 +266,19 @@ async def run(settings: AgentSettings) -> None:
         refusal=identity.refusal,
         allow_root=identity.allow_root,
     )
-    report = adopt(supervisor)
+    # Before adopt(): what a restarted agent found and kept is traced too.
+    tracing = setup_tracing(settings.tracing, "agent")
+    with trace.get_tracer(__name__).start_as_current_span(
+        "agent.adopt", attributes={"llmgw.node": settings.node_id}
+    ) as span:
+        report = adopt(supervisor)
+        span.set_attributes(
+            {
+                "llmgw.adopted": [s.ref.replica_id for s in report.adopted],
+                "llmgw.lost": [r.replica_id for r in report.lost],
+                "llmgw.killed": len(report.killed),
+            }
+        )
     log.info(
         "agent %s: adopted %d engines, %d shards lost, %d unidentified engines killed",
         settings.node_id,
@@ -285,7 +298,6 @@ async def run(settings: AgentSettings) -> None:
         adapter_http,
         settings.resolved_weights_roots(),
     )
-    tracing = setup_tracing(settings.tracing, "agent")
     # Registration rounds are not traced (a trace every 30 s per node is
     # noise); the node's activities are, as part of their caller's trace.
     client = await connect_with(settings)

@@ -241,13 +241,6 @@ def _fallback(model: type, name: str) -> str:
     return ""
 
 
-def _described(model: type[BaseModel]) -> Callable[[str, FieldInfo], str]:
-    def meaning(name: str, field: FieldInfo) -> str:
-        return field.description or _fallback(model, name)
-
-    return meaning
-
-
 # --- catalog ------------------------------------------------------------------
 
 
@@ -271,7 +264,7 @@ def catalog_page() -> str:
     ]
     for model in _models_closure([catalog.CatalogFile]):
         parts.append(f"## {model.__name__}\n\n{_doc(model)}\n\n")
-        parts.append(_model_table(model, _described(model)) + "\n")
+        parts.append(_model_table(model, _field_meaning(model)) + "\n")
     return "".join(parts)
 
 
@@ -764,7 +757,12 @@ def _input_type(fn: Callable[..., Any]) -> type[BaseModel] | None:
 
 def _return_type(fn: Callable[..., Any]) -> str:
     tp = typing.get_type_hints(fn).get("return")
-    return _type(tp) if tp is not None else ""
+    return _type(tp, lambda m: f"[{m.__name__}](#{_anchor(m)})") if tp is not None else ""
+
+
+def _types_of(fn: Callable[..., Any]) -> list[type[BaseModel]]:
+    """The pydantic models a handler takes and returns."""
+    return [m for tp in typing.get_type_hints(fn).values() for m in _nested(tp)]
 
 
 def _workflow_classes() -> list[type]:
@@ -793,11 +791,11 @@ def _message(kind: str, name: str, fn: Callable[..., Any], wf_id: str) -> str:
     command = f"temporal {verb} --workflow-id {wf_id} --name {name}"
     if model is not None:
         command += f" \\\n  --input '{json.dumps(_example(model))}'"
-        out.append(f"Input: [{model.__name__}](#{_anchor(model)}).")
+    said = [f"Input: [{model.__name__}](#{_anchor(model)})."] if model is not None else []
     returns = _return_type(fn)
     if returns and returns != "null":
-        out.append(f" Returns: {returns}.")
-    out.append(f"\n\n```sh\n{command}\n```\n\n")
+        said.append(f"Returns: {returns}.")
+    out.append(" ".join(said) + f"\n\n```sh\n{command}\n```\n\n")
     return "".join(out)
 
 
@@ -823,8 +821,8 @@ def temporal_page() -> str:
             f"Workflow id `{wf_id}`." + (f" Started by {starter}.\n\n" if starter else "\n\n")
         )
         run_input = _input_type(defn.run_fn)
+        inputs.extend(_types_of(defn.run_fn))
         if run_input is not None:
-            inputs.append(run_input)
             # A start's optional blocks are carried state (continue-as-new), not input.
             example = json.dumps(_example(run_input, blocks=False))
             parts.append(
@@ -838,10 +836,8 @@ def temporal_page() -> str:
             for name in sorted(k for k in handlers if k):
                 fn = handlers[name].fn
                 parts.append(_message(kind, name, fn, wf_id))
-                model = _input_type(fn)
-                if model is not None:
-                    inputs.append(model)
-    parts.append("## Input types\n\n")
+                inputs.extend(_types_of(fn))
+    parts.append("## Types\n\nInputs and answers, as JSON field by field.\n\n")
     catalog = {"ModelSpec", "EngineProfile", "AdapterSpec", "AutoscalePolicy", "QueuePolicy"}
     for model in _models_closure(inputs):
         if model.__name__ in catalog:
@@ -853,7 +849,7 @@ def temporal_page() -> str:
             )
             continue
         parts.append(f"### {model.__name__}\n\n{_doc(model)}\n\n")
-        parts.append(_model_table(model, _described(model)) + "\n")
+        parts.append(_model_table(model, _field_meaning(model)) + "\n")
     return "".join(parts)
 
 

@@ -272,17 +272,21 @@ def catalog_page() -> str:
 
 
 def _settings_modules() -> list[str]:
-    """Modules whose classes derive from BaseSettings (or from one that does)."""
-    found = []
+    """Modules with a class derived from BaseSettings, directly or through
+    another such class (``class CliSettings(_Common)``)."""
+    classes: list[tuple[str, str, list[str]]] = []
     for path in _sources():
-        tree = ast.parse(path.read_text(), str(path))
-        for node in ast.walk(tree):
-            if isinstance(node, ast.ClassDef) and any(
-                "Settings" in ast.unparse(base) for base in node.bases
-            ):
-                found.append(_module_of(path))
-                break
-    return found
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ClassDef):
+                bases = [ast.unparse(b).rsplit(".", 1)[-1] for b in node.bases]
+                classes.append((_module_of(path), node.name, bases))
+    names = {"BaseSettings"}
+    grew = True
+    while grew:
+        found = {name for _, name, bases in classes if names.intersection(bases)}
+        grew = not found <= names
+        names |= found
+    return sorted({module for module, name, _ in classes if name in names})
 
 
 def _all_settings() -> list[type]:
@@ -410,8 +414,9 @@ def settings_page() -> str:
         parts.append(f"## {title}\n\n`{cls.__module__}.{cls.__name__}`. {_doc(cls)}\n\n")
         if inherits:
             parts.append("Also every setting of [Every process](#every-process).\n\n")
-        parts.append("| variable | type | default | meaning |\n|---|---|---|---|\n")
-        parts.append("\n".join(rows) + "\n\n")
+        if rows:
+            parts.append("| variable | type | default | meaning |\n|---|---|---|---|\n")
+            parts.append("\n".join(rows) + "\n\n")
     parts.append(
         "## Read outside the settings classes\n\n"
         "`LLMGW_*` names that the code reads or sets directly (found in the source). "

@@ -97,6 +97,14 @@ class LlamaPath:
 
         return {CHOICE_ENV: self.setting}
 
+    def runs(self, pid: int) -> bool:
+        """Whether process ``pid`` is this install's llama-server (the portable
+        one is python3 under its launcher: known by the title it sets)."""
+        proc = Path(f"/proc/{pid}")
+        if self.install.source == "portable":
+            return (proc / "cmdline").read_bytes().startswith(b"llama-server [llmgw ")
+        return (proc / "exe").resolve() == self.install.server.resolve()
+
 
 @pytest.fixture(params=["auto", "portable", "build"])
 def llama_path(request: pytest.FixtureRequest) -> LlamaPath:

@@ -9,8 +9,9 @@ from temporalio.client import Client
 from llmgw import replicas
 from llmgw.dev.tinymodel import TinyModel
 from llmgw.types import EngineKind, ModelSpec, ReplicaPhase
+from tests.conftest import LlamaPath
 from tests.harness import System, wait_routable
-from tests.procs_util import pids_with_args
+from tests.procs_util import engine_pids
 
 MODEL = "tiny-adopt"
 
@@ -28,17 +29,22 @@ async def _reported_pids(client: Client, node: str, expected: list[int]) -> list
 
 
 async def test_agent_sigkill_engines_adopted_and_keep_serving(
-    system: System, client: Client, tiny: TinyModel
+    system: System, client: Client, tiny: TinyModel, llama_path: LlamaPath
 ) -> None:
+    """On each llama.cpp install path, forced through the agent's setting: the
+    portable one (python3 exec'd by a /bin/sh launcher) was taken for a
+    stranger by the new agent, which then killed it."""
     spec = ModelSpec(name=MODEL, engine=EngineKind.LLAMA_CPP, source=str(tiny.model_path))
     key = system.catalog(spec)
-    started = await system.start(client, "adopt-node")
+    agent_env = llama_path.agent_env()
+    started = await system.start(client, "adopt-node", agent_env=agent_env)
     [agent] = started.agents
     ids = [await replicas.start_replica(client, spec) for _ in range(2)]
     await asyncio.gather(*(replicas.wait_ready(client, r, 120) for r in ids))
     await wait_routable(started.base, key, MODEL)
-    pids_before = sorted(pids_with_args("--alias", MODEL))
+    pids_before = engine_pids(system.work_dir, "--alias", MODEL)
     assert len(pids_before) == 2
+    assert all(llama_path.runs(pid) for pid in pids_before), llama_path
 
     agent.signal(signal.SIGKILL)
     agent.proc.wait()
@@ -49,11 +55,13 @@ async def test_agent_sigkill_engines_adopted_and_keep_serving(
             r = await oai.completions.create(model=MODEL, prompt="hi", max_tokens=2)
             assert r.usage is not None and r.usage.completion_tokens == 2
 
-        system.spawn("agent", {"LLMGW_NODE_ID": "adopt-node"})
+        system.spawn("agent", {"LLMGW_NODE_ID": "adopt-node", **agent_env})
         # The old registration (made before any engine ran) reported none;
         # the new agent's reports the adopted engines.
         assert await _reported_pids(client, "adopt-node", pids_before) == pids_before
-        assert sorted(pids_with_args("--alias", MODEL)) == pids_before, "not restarted"
+        assert engine_pids(system.work_dir, "--alias", MODEL) == pids_before, "not restarted"
+        agent_log = "".join(c.log_path.read_text() for c in system.children if c.name == "agent")
+        assert "adopted 2 engines, 0 shards lost, 0 unidentified engines killed" in agent_log
         for _ in range(4):
             r = await oai.completions.create(model=MODEL, prompt="hi", max_tokens=2)
             assert r.usage is not None and r.usage.completion_tokens == 2
@@ -66,4 +74,4 @@ async def test_agent_sigkill_engines_adopted_and_keep_serving(
     for rid in ids:
         final = await replicas.stop_replica(client, rid, "test over", 60)
         assert final.phase is ReplicaPhase.STOPPED
-    assert pids_with_args("--alias", MODEL) == []
+    assert engine_pids(system.work_dir, "--alias", MODEL) == []

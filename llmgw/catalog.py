@@ -21,6 +21,7 @@ from collections.abc import Callable
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from llmgw.engine_flags import owned_flag_problems
 from llmgw.errors import ConfigError
 from llmgw.types import EngineKind, ModelSpec
 
@@ -106,6 +107,11 @@ def catalog_problems(
     seen: dict[str, str] = {}
     for i, model in enumerate(models):
         problems += replica_problems(model, max_replicas, label(i))
+        # Flags that set what llmgw sets (the model, address, key, adapters...).
+        problems += owned_flag_problems(model.engine, model.engine_args, f"{label(i)}engine_args")
+        problems += owned_flag_problems(
+            model.engine, model.profile.engine_args, f"{label(i)}profile.engine_args"
+        )
         for j, adapter in enumerate(model.adapters):
             where = f"{label(i)}adapters[{j}].name"
             if adapter.name in names:

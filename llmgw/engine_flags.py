@@ -11,6 +11,10 @@ or program outside the weights roots is refused, per engine, by name. There
 is no escape hatch: each of these is something llmgw already sets from the
 catalog's own (checked) fields.
 
+Checked where a catalog entry is written (``catalog_problems``: the catalog
+file, the admin API), by the control plane before a launch, and by the agent
+(``plan_shard``) whoever asked for it.
+
 How each engine reads its command line matters as much as the names:
 
 * llama.cpp (``common/arg.cpp``) has short aliases (``-m``, ``-hf``, ``-mu``...)

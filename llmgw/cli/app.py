@@ -180,31 +180,23 @@ def _replicas_line(entry: "CatalogModel") -> str:
 
 
 async def _node_checks(settings: CliSettings, entries: "list[CatalogModel]") -> "SourceCheck":
-    """engine_args llmgw owns, and sources against what the live agents report.
+    """Sources against what the live agents report (engine_args were checked
+    with the file: ``catalog_problems``).
 
     The fleet is asked with a bound: a catalog can be applied before any
     agent or Temporal runs, and then only the notes say what was not checked.
     """
     from llmgw.catalog_sources import SourceCheck, check_sources  # noqa: PLC0415
-    from worker_agent.engines import owned_flag_problems  # noqa: PLC0415
     from workflows.placement import split_live  # noqa: PLC0415
 
-    owned: list[str] = []
-    for i, entry in enumerate(entries):
-        owned += owned_flag_problems(entry.engine, entry.engine_args, f"models[{i}].engine_args")
-        owned += owned_flag_problems(
-            entry.engine, entry.profile.engine_args, f"models[{i}].profile.engine_args"
-        )
     try:
         async with asyncio.timeout(10):
             fleet = await replicas.fleet_snapshot(await _connect(settings))
     except Exception as exc:  # any failure only means "not checked"
         why = str(exc) or type(exc).__name__
-        return SourceCheck(problems=owned, notes=[f"sources not checked against the nodes: {why}"])
+        return SourceCheck(notes=[f"sources not checked against the nodes: {why}"])
     live, _ = split_live(fleet, datetime.now(UTC))
-    check = check_sources(entries, live)
-    check.problems[:0] = owned
-    return check
+    return check_sources(entries, live)
 
 
 @app.command()

@@ -9,6 +9,9 @@ serve's positional model. The control plane (launch_problems) and the agent
 
 import pytest
 
+from llmgw.catalog import CatalogModel, parse_catalog, problems_with
+from llmgw.engine_flags import owned_flag_problems
+from llmgw.errors import ConfigError
 from llmgw.types import EngineKind, ModelSpec
 from worker_agent.engines import (
     EngineProfile,
@@ -18,7 +21,6 @@ from worker_agent.engines import (
     launch_problems,
     plan_shard,
 )
-from worker_agent.engines.owned_flags import owned_flag_problems
 
 LLAMA, VLLM, SGLANG = EngineKind.LLAMA_CPP, EngineKind.VLLM, EngineKind.SGLANG
 
@@ -120,3 +122,20 @@ def test_the_agent_refuses_them_whoever_asked() -> None:
     request = ShardRequest(model=spec, node=NodeFacts(host="127.0.0.1", http_port=8080))
     with pytest.raises(LaunchValidationError, match="engine_args: --host"):
         plan_shard(request, key="k", base_env={})
+
+
+def test_the_catalog_refuses_them_when_an_entry_is_written() -> None:
+    """Where entries are written (the catalog file, the admin API's
+    problems_with): refused there, before anything is stored."""
+    text = (
+        "models:\n  - name: ok\n    source: /m/a.gguf\n    engine_args: [--parallel, '2']\n"
+        "  - name: bad\n    source: /m/b.gguf\n    engine_args: [--model-url, 'https://x/y.gguf']\n"
+        "    profile: {engine_args: ['--api-key-file', /k]}\n"
+    )
+    with pytest.raises(ConfigError) as refused:
+        parse_catalog(text)
+    assert "models[1].engine_args: --model-url downloads" in str(refused.value)
+    assert "models[1].profile.engine_args: --api-key-file sets the engine key" in str(refused.value)
+    entry = CatalogModel(name="x", source="/m/x.gguf", engine_args=["--lora", "/elsewhere"])
+    (problem,) = problems_with([entry], [], lambda _: "")
+    assert problem.startswith("engine_args: --lora loads adapters")

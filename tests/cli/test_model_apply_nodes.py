@@ -36,7 +36,6 @@ async def test_apply_checks_sources_and_engine_args_against_the_agents(
         "  - {name: glob, source: '/x/*.gguf'}\n"
         f"  - {{name: missing, source: {root}/missing.gguf}}\n"
         f"  - {{name: escape, source: {root}/escape.gguf}}\n"
-        f"  - {{name: open, source: {model}, engine_args: [--host, 0.0.0.0]}}\n"
         f"  - {{name: remote, source: 'hf://org/model'}}\n"
     )
     refused = await asyncio.to_thread(system.cli, "model", "apply", str(bad))
@@ -48,8 +47,16 @@ async def test_apply_checks_sources_and_engine_args_against_the_agents(
     assert "(node apply-node: does not exist)" in said
     assert f"models[2].source: {root}/escape.gguf cannot be read on any node" in said
     assert f"resolves to {tiny.model_path}, outside the weights roots" in said
-    assert "models[3].engine_args: --host sets where the engine listens" in said
-    assert "models[4].source: remote sources are not supported" in said
+    assert "models[3].source: remote sources are not supported" in said
+    owned = tmp_path / "owned.yaml"
+    owned.write_text(
+        f"models:\n  - {{name: open, source: {model}, engine_args: [-hf, org/x, '--host=::']}}\n"
+    )
+    refused = await asyncio.to_thread(system.cli, "model", "apply", str(owned))
+    assert refused.returncode == 1, refused.stderr
+    said = " ".join(refused.stderr.split())
+    assert "models[0].engine_args: -hf downloads" in said
+    assert "models[0].engine_args: --host sets where the engine listens" in said
     store = Store(system.store_url)
     try:
         store.migrate()

@@ -11,12 +11,12 @@ engine module's docstring).
 
 from collections.abc import Mapping
 
+from llmgw.engine_flags import owned_flag_problems
 from llmgw.types import EngineKind
 from worker_agent.engines.base import EnginePlanner, EnvHook, engine_base_env
 from worker_agent.engines.facts import node_facts
 from worker_agent.engines.llamacpp import LlamaCppPlanner
 from worker_agent.engines.nccl import chosen_ports, fabric_env, gpu_env, ib_hca
-from worker_agent.engines.owned_flags import owned_flag_problems
 from worker_agent.engines.sglang import SglangPlanner
 from worker_agent.engines.spec import (
     REDACTED,

@@ -7,10 +7,10 @@ workflow can fail the start without retrying it.
 
 from collections.abc import Iterable, Sequence
 
+from llmgw.engine_flags import owned_flag_problems
 from llmgw.types import EngineKind, FabricKind, GpuInfo, ModelSpec
 from worker_agent.engines.base import WILDCARD_ADDRESSES, split_host_port
 from worker_agent.engines.nccl import fabric_problems
-from worker_agent.engines.owned_flags import owned_flag_problems
 from worker_agent.engines.spec import (
     EngineProfile,
     LaunchValidationError,

@@ -101,8 +101,9 @@ class AgentSettings(_Common):
     # When that user cannot reach the work dir (a clone under root's 0700
     # home), its home, the weights cache and the engine cache go to
     # <system_dir>/<digest of the work dir>/, made and owned by the agent
-    # (worker_agent/users.py system_place); the agent logs where.
-    system_dir: Path = Path("/var/lib/llmgw")
+    # (worker_agent/users.py system_place); the agent logs where. Empty: no
+    # such directory, and such a work dir is refused (or root engines run).
+    system_dir: Path | None = Path("/var/lib/llmgw")
     # Discovery sources; tests and demos point them at recorded snapshots.
     sys_root: Path = Path("/sys")
     gpu_snapshot: Path | None = None
@@ -111,6 +112,11 @@ class AgentSettings(_Common):
     # os.pathsep-separated. Empty: <work_dir>/models (where `llmgw up` puts
     # its model).
     weights_roots: Annotated[list[Path], NoDecode] = Field(default_factory=list)
+
+    @field_validator("system_dir", mode="before")
+    @classmethod
+    def _empty_is_none(cls, value: object) -> object:
+        return None if value == "" else value
 
     @field_validator("weights_roots", mode="before")
     @classmethod

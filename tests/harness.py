@@ -141,6 +141,9 @@ class System:
                 # operator may allow. tests/agent/test_engine_user.py and
                 # tests/e2e/test_engine_user_agent.py test the default.
                 "LLMGW_ALLOW_ROOT_ENGINES": "true",
+                # Nor is a system dir made for them (/var/lib/llmgw, one per
+                # work dir): test_engine_user_agent.py tests that.
+                "LLMGW_SYSTEM_DIR": "",
                 # Test models are generated under pytest's temp dirs.
                 "LLMGW_WEIGHTS_ROOTS": str(Path(tempfile.gettempdir()).resolve()),
                 "LLMGW_ENGINE_CACHE_DIR": str(engine_cache()),

@@ -127,13 +127,14 @@ def _engine_cache(
 
     cache_dir = settings.resolved_engine_cache_dir()
     llama = ensure_llama_cpp(cache_dir, progress=progress)
-    run_as, engine_dir = identity.run_as, identity.engine_dir
+    run_as, engine_dir, system_dir = identity.run_as, identity.engine_dir, settings.system_dir
     if (
         run_as is not None
+        and system_dir is not None
         and engine_dir not in (None, agent_dir.resolve())
         and not reachable(llama.server, run_as.uid, run_as.groups)
     ):
-        cache_dir = system_base(settings.system_dir, settings.work_dir) / "engines"
+        cache_dir = system_base(system_dir, settings.work_dir) / "engines"
         log.info("engine cache: %s (the engine user cannot reach %s)", cache_dir, llama.server)
         llama = ensure_llama_cpp(cache_dir, progress=progress)
     return cache_dir, llama

@@ -17,6 +17,7 @@ import pytest
 from temporalio.client import Client
 
 from llmgw import replicas
+from llmgw.cli.procs import wait_for
 from llmgw.dev.tinymodel import TinyModel
 from llmgw.errors import EngineError
 from llmgw.keys import engine_key
@@ -65,9 +66,9 @@ def _mode(path: Path) -> int:
     return path.stat().st_mode & 0o7777
 
 
-def _assert_run_as_without_secrets(pids: list[int], uid: int) -> None:
-    """Every uid of each process is ``uid`` (as ps shows too), and no secret is in its
-    environment."""
+def _assert_run_as_without_secrets(pids: list[int], uid: int, *replica_keys: str) -> None:
+    """Every uid of each process is ``uid`` (as ps shows too), and no secret (the
+    replica's key included) is in its environment."""
     ps = subprocess.run(
         ["ps", "-o", "uid=,comm=", "-p", ",".join(map(str, pids))],
         capture_output=True, text=True, check=True,
@@ -79,10 +80,9 @@ def _assert_run_as_without_secrets(pids: list[int], uid: int) -> None:
         names = {e.split(b"=", 1)[0].decode() for e in environ.split(b"\0") if e}
         assert not names & SECRETS.keys(), names
         agent_settings = {n for n in names if n.startswith("LLMGW_")}
-        assert agent_settings <= {"LLMGW_ENGINE_OF", "LLMGW_PASSTHROUGH_KEY", "LLMGW_DROP_TO"}, (
-            names
-        )
-        for value in SECRETS.values():
+        # The pass-through's key comes on its stdin, never by environment.
+        assert agent_settings <= {"LLMGW_ENGINE_OF", "LLMGW_DROP_TO", "LLMGW_ENGINE_TITLE"}, names
+        for value in [*SECRETS.values(), *replica_keys]:
             assert value.encode() not in environ
 
 
@@ -131,10 +131,10 @@ async def test_agent_creates_its_engine_user_and_runs_engines_as_it(
         assert shard is not None
         members = procfs.group_members(shard.group)
         assert len(members) == 2, "pass-through and llama-server"
-        _assert_run_as_without_secrets(members, uid)
+        key = engine_key(Store(system.store_url).engine_key_secret(), replica_id)
+        _assert_run_as_without_secrets(members, uid, key)
 
         # The pass-through, dropped to the user, still serves a stream with the key.
-        key = engine_key(Store(system.store_url).engine_key_secret(), replica_id)
         body = {"model": spec.name, "prompt": "hi", "max_tokens": 4, "stream": True}
         async with httpx.AsyncClient(timeout=60) as http:
             r = await http.post(
@@ -203,3 +203,140 @@ async def test_agent_refuses_engines_when_it_cannot_make_the_user(
         assert _mode(system.work_dir) == 0o700
     finally:
         system.stop()
+
+
+@pytest.fixture
+def private_root() -> Iterator[Path]:
+    """A 0700 directory of root's: where root clones on a fresh VM (/root)."""
+    root = Path(tempfile.mkdtemp(prefix="llmgw-private-", dir="/tmp"))
+    root.chmod(0o700)
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def system_dir() -> Iterator[Path]:
+    """Stands in for /var/lib/llmgw (LLMGW_SYSTEM_DIR): made by the agent."""
+    parent = Path(tempfile.mkdtemp(prefix="llmgw-sysdir-", dir="/tmp"))
+    parent.chmod(0o755)
+    yield parent / "llmgw"
+    shutil.rmtree(parent, ignore_errors=True)
+
+
+def _as(uid: int, gid: int, *argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        list(argv), user=uid, group=gid, extra_groups=[], cwd="/",
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+
+
+async def test_a_clone_under_a_private_dir_runs_its_engines_as_the_engine_user(
+    temporal_address: str,
+    client: Client,
+    tiny: TinyModel,
+    private_root: Path,
+    system_dir: Path,
+    user_name: str,
+) -> None:
+    """``make run`` from a clone under root's 0700 home: what the engine user must
+    reach goes to the system dir, the engine serves as that user, and a link it
+    plants in its home is not followed by the next agent."""
+    work = private_root / "clone" / ".llmgw"
+    work.mkdir(parents=True)
+    system = System(temporal_address, work, free_port())
+    node = f"private-node-{user_name}"
+    replica_id = ""
+    model = _model_in(private_root / "clone", tiny)
+    spec = ModelSpec(name=f"tiny-{user_name}", engine=EngineKind.LLAMA_CPP, source=str(model))
+    agent_env = {
+        "LLMGW_NODE_ID": node,
+        "LLMGW_ENGINE_USER": user_name,
+        "LLMGW_ALLOW_ROOT_ENGINES": "false",
+        "LLMGW_SYSTEM_DIR": str(system_dir),
+        # As `llmgw up` names it: the clone's own engine cache, which the engine
+        # user cannot reach; the portable server is the one behind a launcher there.
+        "LLMGW_ENGINE_CACHE_DIR": str(work / "engines"),
+        "LLMGW_LLAMA_CPP": "portable",
+    }
+    try:
+        system.catalog(spec)
+        system.spawn("control")
+        agent = system.spawn("agent", agent_env)
+        await replicas.wait_node_registered(client, node, 120)
+        replica_id = await replicas.start_replica(client, spec)
+        memo = await replicas.wait_ready(client, replica_id, 120)
+
+        uid, gid = int(_id(user_name, "-u")), int(_id(user_name, "-g"))
+        base, place = _assert_system_place(system_dir, work, node, gid)
+        home = place / "engine-home"
+        assert home.stat().st_uid == uid and _mode(home) == 0o700
+        assert str(place) in agent.log_tail(200)
+
+        shard = Supervisor(work / "agent" / node).find_running(ShardRef(replica_id=replica_id))
+        assert shard is not None
+        members = procfs.group_members(shard.group)
+        assert len(members) == 2, "pass-through and llama-server"
+        key = engine_key(Store(system.store_url).engine_key_secret(), replica_id)
+        _assert_run_as_without_secrets(members, uid, key)
+        for pid in members:
+            assert Path(f"/proc/{pid}/cwd").resolve() == home
+        # The portable server's launcher was put where the engine user reaches.
+        assert f"engine cache: {base / 'engines'}" in agent.log_tail(400)
+        assert list((base / "engines" / "llama.cpp").glob("portable-*/llama-server"))
+        engine_cmd = Path(f"/proc/{shard.pid}/cmdline").read_bytes()
+        # The weights the engine reads were copied where it can reach them.
+        assert str(place / "weights").encode() in engine_cmd, engine_cmd
+        body = {"model": spec.name, "prompt": "hi", "max_tokens": 4}
+        async with httpx.AsyncClient(timeout=60) as http:
+            r = await http.post(
+                f"{memo.endpoint}/v1/completions",
+                json=body,
+                headers={"Authorization": f"Bearer {key}"},
+            )
+            assert r.status_code == 200, r.text
+
+        agent.stop(grace_s=10)
+        await _plant_a_link_and_restart(system, client, agent_env, home, (uid, gid))
+    finally:
+        with contextlib.suppress(Exception):
+            await replicas.stop_replica(client, replica_id, "test over", 30)
+        system.stop()
+
+
+def _assert_system_place(system_dir: Path, work: Path, node: str, gid: int) -> tuple[Path, Path]:
+    """The work dir's directory in the system dir and the node's in it, with their modes."""
+    [base] = list(system_dir.iterdir())
+    place = base / "agent" / node
+    assert (base / "work-dir").read_text().strip() == str(work.resolve())
+    assert (_mode(system_dir), system_dir.stat().st_uid) == (0o711, 0)
+    for path in (base, base / "agent", place):
+        assert (_mode(path), path.stat().st_uid, path.stat().st_gid) == (0o710, 0, gid), path
+    return base, place
+
+
+async def _plant_a_link_and_restart(
+    system: System, client: Client, agent_env: dict[str, str], home: Path, ids: tuple[int, int]
+) -> None:
+    """The engine user links its .cache to a root-owned directory; a new agent
+    adopts the engine and leaves that directory as it was."""
+    target = Path(tempfile.mkdtemp(prefix="llmgw-target-", dir="/tmp"))
+    target.chmod(0o755)
+    try:
+        plant = 'rm -rf "$0/.cache" && ln -s "$1" "$0/.cache"'
+        planted = subprocess.run(
+            ["/bin/sh", "-c", plant, str(home), str(target)],
+            user=ids[0], group=ids[1], extra_groups=[], cwd="/",
+            capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+        assert planted.returncode == 0, planted.stderr
+        again = system.spawn("agent", agent_env)
+        await replicas.wait_node_registered(client, agent_env["LLMGW_NODE_ID"], 120)
+        assert wait_for(lambda: "adopted 1 engines" in again.log_tail(400), 60), again.log_tail()
+        assert (target.stat().st_uid, _mode(target)) == (0, 0o755)
+        assert not (home / ".cache").is_symlink() and (home / ".cache").stat().st_uid == ids[0]
+    finally:
+        shutil.rmtree(target, ignore_errors=True)
+
+
+def _id(user: str, flag: str) -> str:
+    return subprocess.run(["id", flag, user], capture_output=True, text=True, check=True).stdout

@@ -73,6 +73,14 @@ class Call:
     started: float
     # Billed as the prompt when a stream ends before the engine's usage.
     prompt_estimate: int = 0
+    # What the request reserved (prompt estimate and every token it may
+    # generate): billed when the client leaves a non-streamed request and
+    # what the engine generated cannot be known.
+    reserved: int = 0
+    # The engine generates on after the client leaves (llama.cpp finishes a
+    # non-streamed request regardless): its answer is awaited anyway, to bill
+    # what it generated, and the replica counts as busy until then.
+    finishes_when_gone: bool = False
     # Returns when the client has disconnected (None: never watched).
     client_gone: Callable[[], Awaitable[None]] | None = None
     # The body for a given replica (a llama.cpp adapter's id is the replica's own).
@@ -221,8 +229,11 @@ def _broke(model: str) -> str:
 @contextlib.asynccontextmanager
 async def _cancelled_if_gone(call: Call) -> AsyncIterator[None]:
     """Run the block unless the client disconnects first: then the block is
-    cancelled (closing the engine connection), the call is accounted (the
-    prompt estimate; nothing generated is known) and 499 raised.
+    cancelled (closing the engine connection), the call is billed its
+    reservation (nothing generated is known, and the engine may have
+    generated up to it) and 499 raised. Where the engine generates on
+    regardless (``call.finishes_when_gone``) the block runs to its end, the
+    answer bills what the engine generated, and the reply goes nowhere.
 
     One watcher task that cancels this task, rather than a task per awaited
     step: the common case (the client stays) costs a task start and a cancel.
@@ -243,7 +254,8 @@ async def _cancelled_if_gone(call: Call) -> AsyncIterator[None]:
         # The callback may run after the block ended: only cancel while inside.
         if active and not done.cancelled() and done.exception() is None:
             left = True
-            task.cancel()
+            if not call.finishes_when_gone:
+                task.cancel()
 
     watcher.add_done_callback(leave)
     try:
@@ -252,11 +264,18 @@ async def _cancelled_if_gone(call: Call) -> AsyncIterator[None]:
         if not left:
             raise
         task.uncancel()
-        call.on_done(Outcome(prompt_tokens=call.prompt_estimate, error=True, status=499))
+        call.on_done(_reservation_billed(call))
         raise client_gone() from None
     finally:
         active = False
         watcher.cancel()
+
+
+def _reservation_billed(call: Call) -> Outcome:
+    """A call given up on when its client left: the prompt estimate, and the
+    rest of the reservation as generated (the most the engine could have)."""
+    completion = max(0, call.reserved - call.prompt_estimate)
+    return Outcome(call.prompt_estimate, completion, error=True, status=499)
 
 
 def _count(value: object) -> int:

@@ -23,7 +23,7 @@ from starlette.datastructures import Headers
 from starlette.routing import Route as HttpRoute
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from llmgw.types import AdapterSpec, ModelSpec
+from llmgw.types import AdapterSpec, EngineKind, ModelSpec
 from router.accounting import Outcome
 from router.adapters import base_body
 from router.admission import queue_cost
@@ -276,6 +276,8 @@ async def _serve(
         on_done=on_done,
         started=started,
         prompt_estimate=prompt_estimate,
+        reserved=reserve,
+        finishes_when_gone=_generates_on(spec, stream),
         client_gone=lambda: _disconnected(receive),
         traced=deps.tracer is not None,
     )
@@ -291,6 +293,13 @@ async def _serve(
     except OpenAIError as exc:
         on_done(Outcome(error=True, status=exc.status))  # releases the reservation
         raise
+
+
+def _generates_on(spec: ModelSpec | None, stream: bool) -> bool:
+    """Whether the engine finishes a request whose client left: llama.cpp does
+    a non-streamed one (vLLM aborts on the closed connection, and a stream
+    stops at its next write)."""
+    return not stream and spec is not None and spec.engine is EngineKind.LLAMA_CPP
 
 
 async def _forward(

@@ -743,6 +743,8 @@ def _example(
             out[name] = _example(nested[0], full=True, depth=depth + 1)
         elif full and not nested:
             factory = field.default_factory
+            if factory is not None and not _plain_factory(factory):
+                continue  # computed when made: no example value
             value = factory() if factory else field.default  # type: ignore[call-arg]
             if isinstance(value, enum.Enum):
                 value = value.value

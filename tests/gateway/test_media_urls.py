@@ -16,7 +16,7 @@ def ask(model: str, *parts: dict[str, Any]) -> dict[str, Any]:
     return {"model": model, "max_tokens": 2, "messages": [{"role": "user", "content": content}]}
 
 
-REMOTE = [
+REMOTE: list[tuple[dict[str, Any], str]] = [
     (
         {"type": "image_url", "image_url": {"url": "http://169.254.169.254/latest/"}},
         "image_url.url",

@@ -1,4 +1,5 @@
-"""A restarting agent adopts what it can identify and nothing else."""
+"""A restarting agent adopts what it can identify and nothing else (stand-in
+engines, and the real llama.cpp on each install path)."""
 
 import json
 import os
@@ -10,9 +11,13 @@ from pathlib import Path
 
 import pytest
 from temporalio.client import Client
+from temporalio.testing import ActivityEnvironment
 
 from llmgw.cli.procs import wait_for
-from llmgw.types import ShardRef
+from llmgw.dev.tinymodel import TinyModel
+from llmgw.types import EngineKind, LaunchShardInput, ModelSpec, ShardRef, ShardSpec
+from tests.conftest import LlamaPath
+from tests.harness import node_activities
 from tests.procs_util import pids_with_args
 from worker_agent import procfs
 from worker_agent.adoption import adopt
@@ -119,3 +124,30 @@ async def test_engine_of_an_unknown_replica_is_stopped(first: Supervisor, client
     stopped = await stop_orphans(client, first, grace_s=1)
     assert stopped == ["ghost-replica"]
     assert pids_with_args("tag-ghost") == []
+
+
+async def test_a_real_engine_is_adopted_on_each_install_path(
+    llama_path: LlamaPath, tiny: TinyModel, tmp_path: Path
+) -> None:
+    """The portable llama-server is python3 exec'd by a /bin/sh launcher: its
+    command line is not the one launched, and a restarted agent once called it
+    "gone or pid reused" and then killed it as an engine with no spec file."""
+    model = ModelSpec(name="tiny-adopted", engine=EngineKind.LLAMA_CPP, source=str(tiny.model_path))
+    first = Supervisor(tmp_path, "n1")
+    acts = node_activities(llama_path.install, first)
+    try:
+        spec = ShardSpec(replica_id="real-1", model=model)
+        handle = await ActivityEnvironment().run(acts.launch_shard, LaunchShardInput(spec=spec))
+        # Past the launcher's exec: what a restarted agent finds.
+        assert wait_for(lambda: llama_path.runs(handle.pid), 30), llama_path
+        group = os.getpgid(handle.pid)
+        members = sorted(procfs.group_members(group))
+
+        report = adopt(Supervisor(tmp_path, "n1"))
+        assert [r.pid for r in report.adopted] == [handle.pid]
+        assert report.lost == [] and report.killed == []
+        assert sorted(procfs.group_members(group)) == members, "nothing killed"
+    finally:
+        first.stop(ShardRef(replica_id="real-1"), grace_s=5)
+        await acts.aclose()
+    assert procfs.group_members(group) == []

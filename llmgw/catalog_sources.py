@@ -23,6 +23,7 @@ ROOTS_SETTING = "LLMGW_WEIGHTS_ROOTS"
 # What a node says of one path: fine, cannot tell, or why it would be refused.
 OK = ""
 UNKNOWN = None
+MISSING = "does not exist"
 
 
 @dataclass
@@ -55,10 +56,14 @@ def check_sources(
     entries: Sequence[CatalogModel],
     nodes: Mapping[str, NodeInventory],
     label: Callable[[int], str] = lambda i: f"models[{i}].",
+    ages_s: Mapping[str, float] | None = None,
 ) -> SourceCheck:
-    """Every entry's ``source`` and adapter ``source`` against the nodes' reports."""
+    """Every entry's ``source`` and adapter ``source`` against the nodes' reports
+    (``ages_s``: how old each node's report is, shown where a path is missing:
+    a file added since shows at the node's next registration)."""
     result = SourceCheck()
     reports = {n: inv.weights for n, inv in sorted(nodes.items()) if inv.weights is not None}
+    ages = ages_s or {}
     if not reports:
         result.notes.append(
             "sources not checked against the nodes: no agent has reported its weights roots"
@@ -69,12 +74,16 @@ def check_sources(
             (f"{label(i)}adapters[{j}].source", a.source) for j, a in enumerate(entry.adapters)
         ]
         for where, source in fields:
-            _check_one(where, source, reports, result)
+            _check_one(where, source, reports, ages, result)
     return result
 
 
 def _check_one(
-    where: str, source: str, reports: Mapping[str, WeightsReport], result: SourceCheck
+    where: str,
+    source: str,
+    reports: Mapping[str, WeightsReport],
+    ages: Mapping[str, float],
+    result: SourceCheck,
 ) -> None:
     path, why = local_path(source)
     if why:
@@ -83,7 +92,11 @@ def _check_one(
     if not reports:
         return
     verdicts = {node: verdict(report, path) for node, report in reports.items()}
-    refused = {node: v for node, v in verdicts.items() if v}
+    refused = {
+        node: f"{v} (as reported {ages[node]:.0f}s ago)" if v == MISSING and node in ages else v
+        for node, v in verdicts.items()
+        if v
+    }
     if not refused:
         return
     reasons = "; ".join(f"node {node}: {why}" for node, why in refused.items())
@@ -119,4 +132,4 @@ def verdict(report: WeightsReport, path: str) -> str | None:
                 return UNKNOWN  # a link or a level the node does not list
             break
         parent = posixpath.dirname(parent)
-    return "does not exist" if report.complete else UNKNOWN
+    return MISSING if report.complete else UNKNOWN

@@ -195,8 +195,13 @@ async def _node_checks(settings: CliSettings, entries: "list[CatalogModel]") -> 
     except Exception as exc:  # any failure only means "not checked"
         why = str(exc) or type(exc).__name__
         return SourceCheck(notes=[f"sources not checked against the nodes: {why}"])
-    live, _ = split_live(fleet, datetime.now(UTC))
-    return check_sources(entries, live)
+    now = datetime.now(UTC)
+    live, _ = split_live(fleet, now)
+    ages = {
+        node: (now - datetime.fromisoformat(seen.last_seen)).total_seconds()
+        for node, seen in fleet.liveness.items()
+    }
+    return check_sources(entries, live, ages_s=ages)
 
 
 @app.command()

@@ -93,3 +93,9 @@ def test_without_reports_nothing_is_refused_but_it_says_so() -> None:
     ]
     remote = check_sources(parse_catalog(catalog("s3://bucket/m")), {})
     assert "models[0].source: remote sources are not supported" in remote.problems[0]
+
+
+def test_a_missing_path_says_how_old_the_report_is() -> None:
+    entries = parse_catalog(catalog(f"{ROOT}/new.gguf"))
+    found = check_sources(entries, {"a": node("a", REPORT)}, ages_s={"a": 12.4})
+    assert "node a: does not exist (as reported 12s ago)" in found.problems[0]

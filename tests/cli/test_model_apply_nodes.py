@@ -44,7 +44,7 @@ async def test_apply_checks_sources_and_engine_args_against_the_agents(
     assert "models[0].source: /x/*.gguf cannot be read on any node (node apply-node: " in said
     assert "outside the weights roots" in said
     assert f"models[1].source: {root}/missing.gguf cannot be read on any node " in said
-    assert "(node apply-node: does not exist)" in said
+    assert "(node apply-node: does not exist (as reported " in said
     assert f"models[2].source: {root}/escape.gguf cannot be read on any node" in said
     assert f"resolves to {tiny.model_path}, outside the weights roots" in said
     assert "models[3].source: remote sources are not supported" in said

@@ -27,6 +27,7 @@ from llmgw.cli.up import instance_lock
 from llmgw.queues import replica_workflow_id
 from llmgw.temporal import connect
 from llmgw.types import ReplicaPhase, ReplicaStatus
+from tests.conftest import LlamaPath
 from tests.harness import engine_cache, free_port
 from tests.procs_util import engine_pids, pids_with_args, pids_with_env
 
@@ -246,11 +247,14 @@ async def watched_by(client: Client, replica_id: str, pid: int) -> bool:
 
 
 def test_an_agent_killed_under_up_is_restarted_and_adopts_its_engine_with_no_failed_request(
-    tmp_path: Path,
+    tmp_path: Path, llama_path: LlamaPath
 ) -> None:
-    with running_up(tmp_path) as up:
+    """On each llama.cpp install path (issue 23: with the portable one, 20 of 40
+    requests failed and a new engine replaced the adopted one)."""
+    with running_up(tmp_path, llama_path.agent_env()) as up:
         engines = engine_pids(up.work, "--alias", "tiny")
         assert len(engines) == 1
+        assert llama_path.runs(engines[0]), llama_path
         old_agent = agent_pid(up.work)
         assert old_agent is not None
         replica_memo = asyncio.run(_only_replica(up.temporal_port))

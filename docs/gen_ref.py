@@ -563,7 +563,9 @@ def _operation(path: str, method: str, op: dict[str, Any]) -> str:
             out.append(_properties(schema))
     out.append("| status | meaning |\n|---|---|\n")
     for status, answer in op.get("responses", {}).items():
-        out.append(f"| {status} | {_cell(answer.get('description', ''))} |\n")
+        schema = answer.get("content", {}).get("application/json", {}).get("schema", {})
+        body = f": {_schema_name(schema)}" if "$ref" in schema or "items" in schema else ""
+        out.append(f"| {status} | {_cell(answer.get('description', '') + body)} |\n")
     return "".join(out) + "\n"
 
 

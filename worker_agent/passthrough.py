@@ -373,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     listen = endpoint_proof.address(host, int(port))  # the address the router proves
     app = PassThrough(args.upstream, key, listen=listen, engine_key=engine_key)
     uvicorn.run(
-        # Started as root only when the engine user cannot read our interpreter.
+        # Started as root (worker_agent/spawn.py user_for): the engine user from here.
         drop_privileges_on_startup(app, os.environ),
         host=host.strip("[]"),
         port=int(port),

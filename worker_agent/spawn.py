@@ -39,9 +39,10 @@ class Command:
     argv: list[str]
     env: Mapping[str, str]
     # The program becomes the engine user itself when told (the pass-through,
-    # through DROP_TO_ENV): it may be started as root when that user cannot
-    # read it (an interpreter under root's 0700 home). Only as an isolated
-    # Python (``python -I``), in a root-owned working directory: see user_for.
+    # through DROP_TO_ENV): it is started as root, which also serves an
+    # interpreter the user cannot read (under root's 0700 home). Only as an
+    # isolated Python (``python -I``), in a root-owned working directory:
+    # see user_for.
     drops_privileges: bool = False
     # Written to its stdin (then closed) before it starts; b"": stdin is /dev/null.
     stdin_secret: bytes = field(default=b"", repr=False)
@@ -61,26 +62,29 @@ class As:
 def user_for(command: Command, run_as: RunAs | None, allow_root: bool) -> As:
     """Whom ``command`` runs as: the engine user, unless it cannot reach the program.
 
-    A program that drops privileges itself may start as root when the user
-    cannot reach it, but only as ``python -I``: Python puts the script's or
-    the working directory first on ``sys.path``, and the engine user writes
-    its home, so ``python -m`` there would import that user's ``argparse.py``
-    as root. Isolated, nothing outside the interpreter's own paths is
-    imported; it starts in the root-owned shard directory and enters the
-    home only after it dropped to the user (users.drop_privileges).
+    A program that drops privileges itself (the pass-through, which holds
+    the replica's key) starts as root and becomes the user on its own, after
+    it read its key and made itself non-dumpable: started as that user, it
+    would be every engine's to ptrace or read through /proc until it did.
+    Only as ``python -I``, though: Python puts the script's or the working
+    directory first on ``sys.path``, and the engine user writes its home, so
+    ``python -m`` there would import that user's ``argparse.py`` as root.
+    Isolated, nothing outside the interpreter's own paths is imported; it
+    starts in the root-owned shard directory and enters the home only after
+    it dropped to the user (users.drop_privileges). Anything else is refused.
     """
     if run_as is None:
         return As(None, {})
-    program = Path(shutil.which(command.argv[0]) or command.argv[0]).resolve()
-    if reachable(program, run_as.uid, run_as.groups):
-        return As(run_as, run_as.env(), in_home=True)
     if command.drops_privileges:
         if command.argv[1:2] != ["-I"]:
             raise EngineUserError(
-                f"{run_as.user} cannot reach {program}, and {command.argv[:3]} is not an "
-                "isolated Python (-I) that may start as root: refused"
+                f"{command.argv[:3]} is not an isolated Python (-I), and a program that "
+                "drops privileges itself starts as root: refused"
             )
         return As(None, {**run_as.env(), DROP_TO_ENV: run_as.drop_to()})
+    program = Path(shutil.which(command.argv[0]) or command.argv[0]).resolve()
+    if reachable(program, run_as.uid, run_as.groups):
+        return As(run_as, run_as.env(), in_home=True)
     if not allow_root:
         raise EngineUserError(
             f"{run_as.user} cannot reach {program}: not starting it as root; {ALLOW_ROOT_HINT}"

@@ -32,9 +32,9 @@ from tests.harness import free_port, node_activities
 from worker_agent import passthrough, procfs
 from worker_agent.installs.llamacpp import LlamaCppInstall
 from worker_agent.shard_record import ShardRecord
-from worker_agent.spawn import Command
+from worker_agent.spawn import Command, user_for
 from worker_agent.supervisor import Supervisor
-from worker_agent.users import RunAs, SystemUsers, engine_identity
+from worker_agent.users import DROP_TO_ENV, RunAs, SystemUsers, engine_identity
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="dropping to another user needs root")
 
@@ -202,6 +202,20 @@ def test_a_module_planted_in_the_engine_home_never_runs_as_root(
     finally:
         sup.stop(ref, 5)
     assert list(seen.iterdir()) == []
+
+
+def test_the_pass_through_starts_as_root_even_where_the_user_could_run_it() -> None:
+    """Started as the engine user, the pass-through would be every engine's to
+    ptrace (or read through /proc) until it made itself non-dumpable, with its
+    key on the way in: it starts as root, reads the key, and drops itself."""
+    run_as = RunAs("someone", 54321, 54321, (54321,), Path("/nonexistent/home"))
+    argv = passthrough.command(USER_PYTHON, "127.0.0.1", 1, "http://127.0.0.1:2")
+    how = user_for(Command(argv, {}, drops_privileges=True), run_as, allow_root=False)
+    assert how.user is None and not how.in_home
+    assert how.env[DROP_TO_ENV] == "54321:54321:54321:/nonexistent/home"
+    # Any other program the user can run runs as the user, in its home.
+    engine = user_for(Command([USER_PYTHON], {}), run_as, allow_root=False)
+    assert engine.user == run_as and engine.in_home
 
 
 def test_a_root_start_without_an_isolated_interpreter_is_refused(

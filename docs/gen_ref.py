@@ -206,6 +206,8 @@ _MEANING = {
     "AgentSettings.engine_cache_dir": "where engines are installed or built; default "
     "`<work dir>/engines`",
     "AgentSettings.allow_root_engines": "let engines run as root when no engine user is usable",
+    "AgentSettings.system_dir": "where the engine user's home and caches go when it cannot "
+    "reach the work dir (a directory per work dir); empty: off",
     "AgentSettings.gpu_snapshot": "read GPUs from a recorded NVML snapshot (tests, demos)",
     "RouterSettings.host": "address the router listens on",
     "RouterSettings.port": "port the router listens on",

@@ -163,6 +163,56 @@ def test_unreachable_work_dir_is_refused_not_root(tmp_path: Path) -> None:
     assert "cannot reach" in identity.refusal
 
 
+def test_unreachable_work_dir_moves_to_the_system_dir(
+    tmp_path: Path, throwaway_user: str, open_work_dir: Path
+) -> None:
+    """A work dir under a 0700 dir: the home goes to the system dir, made for it."""
+    system_dir = open_work_dir / "system"
+    identity = engine_identity(
+        throwaway_user,
+        tmp_path,
+        tmp_path / "agent" / "n1",
+        [],
+        admin=SystemUsers(),
+        system_dir=system_dir,
+    )
+    assert identity.run_as is not None and not identity.refusal, identity.why
+    [base] = list(system_dir.iterdir())
+    assert identity.engine_dir == base / "agent" / "n1"
+    assert identity.run_as.home == base / "agent" / "n1" / "engine-home"
+    assert str(identity.engine_dir) in identity.why
+    assert (base / "work-dir").read_text() == f"{tmp_path.resolve()}\n"
+    assert _mode(system_dir) == 0o711 and _mode(base) == 0o710
+    assert base.stat().st_gid == identity.run_as.gid
+
+
+@pytest.mark.parametrize("bad", ["link", "writable"])
+def test_a_system_dir_that_cannot_be_trusted_is_refused_not_root(
+    tmp_path: Path, throwaway_user: str, open_work_dir: Path, bad: str
+) -> None:
+    """Fail closed only when no place can be made: a link, or a parent others may write."""
+    if bad == "link":
+        (open_work_dir / "elsewhere").mkdir()
+        system_dir = open_work_dir / "system"
+        system_dir.symlink_to(open_work_dir / "elsewhere")
+    else:
+        shared = open_work_dir / "shared"
+        shared.mkdir()
+        shared.chmod(0o777)  # no sticky bit: anyone could swap our directory
+        system_dir = shared / "system"
+    identity = engine_identity(
+        throwaway_user,
+        tmp_path,
+        tmp_path / "agent" / "n1",
+        [],
+        admin=SystemUsers(),
+        system_dir=system_dir,
+    )
+    assert identity.run_as is None
+    assert f"no directory it can reach could be made in {system_dir}" in identity.refusal
+    assert "LLMGW_SYSTEM_DIR" in identity.refusal and "LLMGW_ALLOW_ROOT_ENGINES" in identity.refusal
+
+
 async def test_refused_launch_fails_with_engine_user_error(
     llama: LlamaCppInstall, tiny: TinyModel, open_work_dir: Path
 ) -> None:

@@ -1,17 +1,23 @@
 """``llmgw up``'s restart decisions (llmgw/cli/procs.py): the backoff as pure
 decisions over a fake clock and fake children, then one real child killed
 and started again; and the shutdown watchdog (llmgw/lifecycle.py) ending a
-real process whose shutdown hangs."""
+real process whose shutdown hangs; private logs and one ``llmgw up`` per
+work dir."""
 
 import os
 import signal
+import stat
 import subprocess
 import sys
 import textwrap
 import time
 from pathlib import Path
 
+import pytest
+
 from llmgw.cli.procs import Backoff, Child, Supervised, wait_for
+from llmgw.cli.up import instance_lock
+from llmgw.errors import LlmgwError
 from llmgw.lifecycle import WATCHDOG_EXIT
 
 
@@ -202,3 +208,46 @@ def test_the_watchdog_ends_a_shutdown_that_hangs(tmp_path: Path) -> None:
     assert proc.returncode == WATCHDOG_EXIT
     assert 1.4 < took < 10
     assert "shutdown did not finish within 1.5 s" in err
+
+
+def test_a_childs_log_is_private_whatever_the_umask(tmp_path: Path) -> None:
+    """``llmgw up``'s logs sit in a work dir the engine group may pass through."""
+    (tmp_path / "logs").mkdir(mode=0o755)
+    (tmp_path / "logs" / "old.log").write_text("from an older version\n")
+    (tmp_path / "logs" / "old.log").chmod(0o644)
+    old = os.umask(0o022)
+    try:
+        for name in ("new", "old"):
+            Child(name, ["true"], {}, tmp_path / "logs" / f"{name}.log").proc.wait(timeout=10)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "logs").stat().st_mode) == 0o700
+    for name in ("new", "old"):
+        assert stat.S_IMODE((tmp_path / "logs" / f"{name}.log").stat().st_mode) == 0o600
+
+
+HOLD_LOCK = """
+import sys, time
+from pathlib import Path
+from llmgw.cli.up import instance_lock
+with instance_lock(Path(sys.argv[1])):
+    print("held", flush=True)
+    time.sleep(600)
+"""
+
+
+def test_one_up_per_work_dir_until_its_holder_dies(tmp_path: Path) -> None:
+    """However the first ``llmgw up`` ends (SIGKILL here), the next may start."""
+    with subprocess.Popen(
+        [sys.executable, "-c", HOLD_LOCK, str(tmp_path)], stdout=subprocess.PIPE, text=True
+    ) as holder:
+        try:
+            assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+            taken = rf"another llmgw up .* \(pid {holder.pid}\)"
+            with pytest.raises(LlmgwError, match=taken), instance_lock(tmp_path):
+                pass
+        finally:
+            holder.kill()
+    assert stat.S_IMODE((tmp_path / "up.lock").stat().st_mode) == 0o600
+    with instance_lock(tmp_path):
+        assert (tmp_path / "up.lock").read_text() == f"{os.getpid()}\n"

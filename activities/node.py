@@ -11,7 +11,8 @@ watch are pure observation.
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+import re
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
 import httpx
@@ -59,6 +60,28 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+REDACTED = "[redacted]"
+# A key as engines print their arguments: SGLang's ``server_args=ServerArgs(...,
+# api_key='...')``, vLLM's ``api_key=['...']``, a command line's ``--api-key
+# ...``; whatever the key, not only this replica's.
+_KEY_SETTING = re.compile(
+    r"""(?i)((?:--)?api[_-]?keys?["']?\s*[=:]?\s*\[?\s*["']?)([^\s"',)\]]+)"""
+)
+
+
+def redacted(lines: Sequence[str], keys: Sequence[str]) -> list[str]:
+    """``lines`` of an engine's log with ``keys`` and any printed API key
+    setting replaced: a log tail goes into failure reasons, Temporal
+    histories, the admin API and the router's errors, where no key belongs."""
+    out = []
+    for line in lines:
+        clean = _KEY_SETTING.sub(lambda m: m.group(1) + REDACTED, line)
+        for key in keys:
+            if key:
+                clean = clean.replace(key, REDACTED)
+        out.append(clean)
+    return out
+
 
 async def _heartbeat_while(work: Awaitable[T], detail: Callable[[], str]) -> T:
     """Await blocking work run in a thread, heartbeating every second meanwhile."""
@@ -86,6 +109,10 @@ class NodeActivities:
     async def aclose(self) -> None:
         """Close the HTTP client used for readiness checks."""
         await self._http.aclose()
+
+    def _log_tail(self, ref: ShardRef, lines: int) -> list[str]:
+        """The engine's last lines, its key redacted (they leave the node)."""
+        return redacted(self._sup.log_tail(ref, lines), [self._engine_key(ref.replica_id)])
 
     @activity.defn(name=names.FETCH_WEIGHTS)
     async def fetch_weights(self, request: FetchWeightsInput) -> FetchWeightsResult:
@@ -228,7 +255,7 @@ class NodeActivities:
             # Whatever killed the leader, its children (vLLM's EngineCore and
             # workers, the pass-through) must not outlive it.
             await asyncio.to_thread(self._sup.kill_leftovers, ref)
-        tail = self._sup.log_tail(ref, 30)
+        tail = self._log_tail(ref, 30)
         if sidecar is not None:
             reason = f"{sidecar[0]} exited with code {sidecar[1]}; engine stopped"
             log.warning("replica %s rank %d: %s", ref.replica_id, ref.rank, reason)
@@ -281,7 +308,7 @@ class NodeActivities:
         if running is not None:
             return ShardRunning(pid=running.pid)
         code = self._sup.exit_code(request)
-        tail = self._sup.log_tail(request, 30)
+        tail = self._log_tail(request, 30)
         reason = f"engine exited (code {code}) while its node was lost"
         return ShardRunning(pid=None, exit=ShardExit(exit_code=code, reason=reason, log_tail=tail))
 
@@ -294,19 +321,19 @@ class NodeActivities:
     @activity.defn(name=names.SHARD_LOG_TAIL)
     async def shard_log_tail(self, request: LogTailInput) -> LogTail:
         """The last lines the shard's engine wrote (bounded)."""
-        return LogTail(lines=self._sup.log_tail(request.shard, request.lines))
+        return LogTail(lines=self._log_tail(request.shard, request.lines))
 
     def _running_or_raise(self, ref: ShardRef) -> RunningShard:
         running = self._sup.find_running(ref)
         sidecar = self._sup.dead_sidecar(ref)
         if running is not None and sidecar is not None:
-            tail = "\n".join(self._sup.log_tail(ref, 20))
+            tail = "\n".join(self._log_tail(ref, 20))
             raise EngineExitedError(
                 f"{sidecar[0]} exited with code {sidecar[1]} while loading; log tail:\n{tail}"
             ).to_application_error()
         if running is None:
             code = self._sup.exit_code(ref)
-            tail = "\n".join(self._sup.log_tail(ref, 20))
+            tail = "\n".join(self._log_tail(ref, 20))
             raise EngineExitedError(
                 f"engine exited with code {code} while loading; log tail:\n{tail}"
             ).to_application_error()

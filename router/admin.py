@@ -229,6 +229,28 @@ async def admin_nodes(deps: DepsDep) -> dict[str, Any]:
     return snap.model_dump(mode="json")
 
 
+# Errors -----------------------------------------------------------------
+
+
+@router.get("/errors")
+async def admin_errors(
+    deps: DepsDep, limit: Annotated[int, Query(ge=1, le=1000)] = 100
+) -> list[dict[str, object]]:
+    """The latest errors clients got as a fixed message and an error id, with
+    their full reasons, newest first (this router's; its log keeps them all)."""
+    return [i.view() for i in deps.admission.incidents.recent(limit)]
+
+
+@router.get("/errors/{error_id}")
+async def admin_error(error_id: str, deps: DepsDep) -> dict[str, object]:
+    """Why the client given ``error_id`` (its ``x-request-id``) failed. Only the
+    router that answered knows; the latest 1,000 are kept, the log has every one."""
+    incident = deps.admission.incidents.get(error_id)
+    if incident is None:
+        raise not_found("error id on this router", error_id)
+    return incident.view()
+
+
 # Keys and usage ---------------------------------------------------------
 
 

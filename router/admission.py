@@ -16,7 +16,8 @@ proxy counts it in flight (``pending``): the proxy picks the replica, this
 layer only says when to go.
 
 A model at zero replicas is woken once (router/wake.py); a wake that fails
-fails every request waiting for it with the reason. A client that leaves
+fails every request waiting for it, with one error id whose reason the log
+and the admin API give (router/errors.py). A client that leaves
 while waiting leaves the queue: answered 499, billed nothing, its quota
 reservation released (the caller's ``on_done`` with no tokens).
 
@@ -38,6 +39,7 @@ from router.api.schemas import _Generation
 from router.apikeys import KeyPolicy
 from router.deployment_link import DeploymentLink
 from router.errors import (
+    Incidents,
     OpenAIError,
     client_gone,
     key_queue_full,
@@ -120,8 +122,11 @@ class Admission:
         router_id: str,
         counter: LoadCounter | None = None,
         clock: Callable[[], float] = time.monotonic,
+        incidents: Incidents | None = None,
     ) -> None:
         self._table = table
+        # A failed wake's reason, for admins: clients get its error id.
+        self.incidents = incidents or Incidents()
         self._metrics = metrics
         self.clock = clock
         self.counter = counter or LoadCounter()
@@ -388,7 +393,7 @@ class Admission:
         m = self._models.get(model)
         if m is None:
             return
-        error = wake_failed(model, result.reason or "no reason given")
+        error = wake_failed(model, result.reason or "no reason given", self.incidents)
         while (entry := m.fair.pop()) is not None:
             ticket = entry.item
             ticket.state = State.LEFT

@@ -190,7 +190,8 @@ def create_app(
     app.state.deps = Deps(
         table=table,
         keys=KeyVerifier(store, key_cache_ttl_s, admin_key, store_wait_s, key_stale_s),
-        proxy=Proxy(client, table, key_of, metrics, pacer),
+        # One record of hidden reasons (router/errors.py), served by /admin/errors.
+        proxy=Proxy(client, table, key_of, metrics, pacer, incidents=admission.incidents),
         accountant=accountant,
         metrics=metrics,
         store=store,

@@ -1,7 +1,21 @@
-"""OpenAI-shaped errors: every failure the router returns goes through here."""
+"""OpenAI-shaped errors: every failure the router returns goes through here.
+
+A failure inside the system (a wake that failed, an engine that broke off
+or answered 5xx) reaches the API client as a fixed message, its ``code`` and
+an error id (in the message and the ``x-request-id`` header, which the
+openai client shows as ``request_id``): never a node name, a path, an
+exception's text or an engine's log, which may carry secrets. The full
+reason goes to the router's log, on one line with the id, and to
+:class:`Incidents`, which the admin API serves by id (``/admin/errors``).
+"""
 
 import json
-from collections.abc import Sequence
+import logging
+import secrets
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -10,6 +24,59 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from llmgw.errors import LlmgwError
+
+log = logging.getLogger(__name__)
+
+# The header carrying an error's id (the openai client reads it as request_id).
+ERROR_ID_HEADER = "x-request-id"
+# Reasons kept for the admin API; the log keeps every one.
+KEEP_INCIDENTS = 1000
+# A reason is cut past this (an engine's answer may be long).
+MAX_REASON_CHARS = 4000
+
+
+@dataclass(frozen=True)
+class Incident:
+    """Why a client got a fixed message: the full reason, for admins only."""
+
+    error_id: str
+    at: float  # epoch seconds
+    status: int
+    code: str
+    model: str
+    reason: str
+
+    def view(self) -> dict[str, object]:
+        """As the admin API shows it."""
+        return asdict(self)
+
+
+class Incidents:
+    """The full reasons behind the errors clients got without them, by error id:
+    logged as they happen (one line with the id), the last ``keep`` kept."""
+
+    def __init__(self, keep: int = KEEP_INCIDENTS, clock: Callable[[], float] = time.time):
+        self._keep = keep
+        self._clock = clock
+        self._by_id: OrderedDict[str, Incident] = OrderedDict()
+
+    def record(self, status: int, code: str, model: str, reason: str) -> str:
+        """Log and keep ``reason``; the id the client is given."""
+        error_id = f"err_{secrets.token_hex(8)}"
+        reason = reason[:MAX_REASON_CHARS]
+        log.warning("%d %s for `%s` (error id %s): %s", status, code, model, error_id, reason)
+        self._by_id[error_id] = Incident(error_id, self._clock(), status, code, model, reason)
+        while len(self._by_id) > self._keep:
+            self._by_id.popitem(last=False)
+        return error_id
+
+    def get(self, error_id: str) -> Incident | None:
+        """The incident behind ``error_id``, while it is kept."""
+        return self._by_id.get(error_id)
+
+    def recent(self, limit: int = 100) -> list[Incident]:
+        """The latest incidents, newest first."""
+        return list(reversed(self._by_id.values()))[:limit]
 
 
 class OpenAIError(LlmgwError):
@@ -122,13 +189,39 @@ def store_unavailable() -> OpenAIError:
     )
 
 
-def wake_failed(model: str, reason: str) -> OpenAIError:
-    """503: the model is scaled to zero and its wake failed (``reason`` says why)."""
+def _hidden(
+    incidents: Incidents,
+    status: int,
+    code: str,
+    model: str,
+    message: str,
+    reason: str,
+    type: str,
+    headers: dict[str, str] | None = None,
+) -> OpenAIError:
+    """An error whose ``reason`` only admins see: the client gets ``message``
+    and the error id that finds the reason (log, admin API)."""
+    error_id = incidents.record(status, code, model, reason)
     return OpenAIError(
+        status,
+        f"{message} (error id {error_id})",
+        type=type,
+        code=code,
+        headers={**(headers or {}), ERROR_ID_HEADER: error_id},
+    )
+
+
+def wake_failed(model: str, reason: str, incidents: Incidents) -> OpenAIError:
+    """503: the model is scaled to zero and its wake failed; ``reason`` (which
+    may name nodes, paths and an engine's log) goes to admins only."""
+    return _hidden(
+        incidents,
         503,
-        f"The model `{model}` is scaled to zero and could not be woken: {reason}",
-        type="service_unavailable_error",
-        code="wake_failed",
+        "wake_failed",
+        model,
+        f"The model `{model}` is scaled to zero and could not be woken; retry later.",
+        reason,
+        "service_unavailable_error",
     )
 
 
@@ -183,9 +276,32 @@ def client_gone() -> OpenAIError:
     return OpenAIError(499, "The client closed the request.", code="client_closed_request")
 
 
-def upstream_failed(detail: str) -> OpenAIError:
-    return OpenAIError(
-        502, f"The engine failed: {detail}", type="server_error", code="upstream_error"
+def upstream_failed(model: str, reason: str, incidents: Incidents) -> OpenAIError:
+    """502: no engine of ``model`` answered the request; ``reason`` (replica,
+    address, exception) goes to admins only."""
+    return _hidden(
+        incidents,
+        502,
+        "upstream_error",
+        model,
+        f"The engine of the model `{model}` failed the request.",
+        reason,
+        "server_error",
+    )
+
+
+def engine_failed(model: str, status: int, answer: str, incidents: Incidents) -> OpenAIError:
+    """An engine's own 5xx answer, its text (exception text, paths, maybe
+    what its log said) for admins only; the client keeps the status."""
+    return _hidden(
+        incidents,
+        status,
+        "engine_error",
+        model,
+        f"The engine of the model `{model}` could not serve the request (HTTP {status}).",
+        f"engine answered {status}: {answer}",
+        "server_error",
+        {"Retry-After": "1"} if status == 503 else None,
     )
 
 

@@ -40,7 +40,14 @@ from starlette.types import Send
 
 from llmgw.errors import LlmgwError, UpstreamConnectError, UpstreamError
 from router.accounting import Outcome
-from router.errors import client_gone, no_ready_replica, replicas_saturated, upstream_failed
+from router.errors import (
+    Incidents,
+    client_gone,
+    engine_failed,
+    no_ready_replica,
+    replicas_saturated,
+    upstream_failed,
+)
 from router.metrics import Metrics
 from router.pacing import Pacer
 from router.relay import Pour, Reply, StreamReply, media_header
@@ -112,8 +119,11 @@ class Proxy:
         engine_key: EngineKeyFn,
         metrics: Metrics,
         pacer: Pacer | None = None,
+        incidents: Incidents | None = None,
     ) -> None:
         self._http = http
+        # Why a request failed, for admins: the client gets the error id only.
+        self.incidents = incidents or Incidents()
         self._table = table
         self._engine_key = engine_key
         self._metrics = metrics
@@ -152,18 +162,19 @@ class Proxy:
                 route.eject(PASSIVE_EJECT_S)
                 if route.node_lost:
                     route.answering = False  # the probe says when it answers again
-                last_error = f"{route.replica_id}: {exc}"
+                last_error = f"{route.replica_id}: {exc!r}"
                 self._metrics.upstream_errors.labels(call.model, route.replica_id, "connect").inc()
                 log.warning("replica %s unreachable, failing over: %s", route.replica_id, exc)
             except UpstreamError as exc:
                 # The engine may have started on it: no second try.
                 self._metrics.upstream_errors.labels(call.model, route.replica_id, "send").inc()
                 # The client learns no address or path of ours; the log has them.
-                log.warning("replica %s failed the request: %s", route.replica_id, exc)
-                raise upstream_failed(_broke(call.model)) from exc
+                reason = f"replica {route.replica_id} failed the request: {exc!r}"
+                raise upstream_failed(call.model, reason, self.incidents) from exc
         if not last_error:  # every candidate filled up before its turn
             raise replicas_saturated(call.model)
-        raise upstream_failed(f"no engine of the model `{call.model}` could be reached")
+        reason = f"no replica could be reached; the last: {last_error}"
+        raise upstream_failed(call.model, reason, self.incidents)
 
     async def _try(self, route: Route, call: Call) -> Reply | StreamReply:
         headers = self._engine_headers(route.replica_id)
@@ -188,7 +199,8 @@ class Proxy:
                     ).inc()
                     # The engine refused our key: a router/agent secret mismatch.
                     log.error("replica %s rejected the engine key", route.replica_id)
-                    raise upstream_failed("the engine refused the router's key")
+                    reason = f"replica {route.replica_id} refused the router's engine key"
+                    raise upstream_failed(call.model, reason, self.incidents)
                 if upstream.status == 404 and call.stale_on_404:
                     upstream.close()
                     log.info("replica %s does not hold %s", route.replica_id, call.model)
@@ -203,14 +215,20 @@ class Proxy:
                 except UpstreamError as exc:
                     self._metrics.upstream_errors.labels(call.model, route.replica_id, "read").inc()
                     call.on_done(Outcome(error=True, status=502))
-                    log.warning("replica %s broke off its answer: %s", route.replica_id, exc)
-                    raise upstream_failed(_broke(call.model)) from exc
+                    reason = f"replica {route.replica_id} broke off its answer: {exc!r}"
+                    raise upstream_failed(call.model, reason, self.incidents) from exc
                 finally:
                     upstream.close()
         finally:
             if not relayed:
                 route.inflight -= 1
         call.on_done(_outcome_of(upstream.status, content))
+        if upstream.status >= 500:
+            # An engine's (or its pass-through's) own failure: its text may
+            # name paths, exceptions or what its log said; admins see it.
+            answer = content[:2000].decode(errors="replace")
+            reason = f"replica {route.replica_id}: {answer}"
+            raise engine_failed(call.model, upstream.status, reason, self.incidents)
         return Reply(
             upstream.status,
             [
@@ -220,10 +238,6 @@ class Proxy:
             ],
             content,
         )
-
-
-def _broke(model: str) -> str:
-    return f"the engine of the model `{model}` broke off the request"
 
 
 @contextlib.asynccontextmanager

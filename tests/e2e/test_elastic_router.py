@@ -10,7 +10,8 @@ official openai client.
 - the control worker SIGKILLed during a router's wake: the waiting requests
   are still answered, one replica;
 - a wake that cannot place answers the waiting requests with an OpenAI error
-  naming why, and so does a wake of a deployment that has ended.
+  and an error id whose reason is in the router's log, and so does a wake of
+  a deployment that has ended.
 """
 
 import asyncio
@@ -273,12 +274,21 @@ async def test_a_failed_wake_answers_the_waiting_requests_why(
             _outcome(_complete(oai, no_room.name, 0)), _outcome(_complete(oai, no_room.name, 1))
         )
     assert "Error code: 503" in plain, plain
+    router_log = next(c for c in system.children if c.name == "router").log_path
     for answer in (plain, streamed):
-        assert "could not be woken" in answer, answer
-        assert "cannot place" in answer and "GPU" in answer, answer
+        # The client gets an error id; why is in the router's log (and admin API).
+        assert "could not be woken" in answer and "cannot place" not in answer, answer
+        error_id = re.search(r"err_[0-9a-f]+", answer)
+        assert error_id is not None, answer
+        why = [ln for ln in router_log.read_text().splitlines() if error_id[0] in ln]
+        assert why and "cannot place" in why[0] and "GPU" in why[0], why
 
     async with asyncio.timeout(QUEUE.max_wait_s):
         gone = await _outcome(_complete(oai, ended.name, 0))
     assert "Error code: 503" in gone, gone
-    assert "could not be woken" in gone and "has no deployment" in gone, gone
+    assert "could not be woken" in gone and "has no deployment" not in gone, gone
+    error_id = re.search(r"err_[0-9a-f]+", gone)
+    assert error_id is not None, gone
+    why = [ln for ln in router_log.read_text().splitlines() if error_id[0] in ln]
+    assert why and "has no deployment" in why[0], why
     await replicas.remove_deployment(client, no_room, 60)

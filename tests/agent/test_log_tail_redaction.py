@@ -1,0 +1,90 @@
+"""Issue 23 item 6, the node's side: an engine's log tail leaves the node (a
+failure reason in a Temporal history, the admin API's log tail, the router's
+errors) with the engine key redacted. SGLang prints its ``server_args``,
+the API key included; a real llama.cpp engine here, its log carrying the key
+as engines print it."""
+
+from pathlib import Path
+
+import pytest
+from temporalio.exceptions import ApplicationError
+from temporalio.testing import ActivityEnvironment
+
+from activities.node import REDACTED, redacted
+from llmgw.dev.tinymodel import TinyModel
+from llmgw.keys import engine_key
+from llmgw.types import (
+    EngineKind,
+    LaunchShardInput,
+    LogTailInput,
+    ModelSpec,
+    ShardRef,
+    ShardSpec,
+    StopShardInput,
+    WaitReadyInput,
+    WatchShardInput,
+)
+from tests.harness import node_activities
+from worker_agent.installs.llamacpp import LlamaCppInstall
+from worker_agent.supervisor import Supervisor
+
+SECRET = "test-secret"
+
+
+def test_printed_keys_are_redacted_in_every_form() -> None:
+    key = "k-0123456789"
+    lines = [
+        f"server_args=ServerArgs(model_path='/m', api_key='{key}', port=30000)",
+        "Namespace(model='/m', api_key=['other-key'], port=1)",
+        "argv: llama-server --api-key some-key --port 1",
+        '{"api_key": "json-key"}',
+        f"a line that quotes the key {key} itself",
+    ]
+    out = redacted(lines, [key])
+    text = "\n".join(out)
+    for secret in (key, "other-key", "some-key", "json-key"):
+        assert secret not in text, text
+    assert out[0] == f"server_args=ServerArgs(model_path='/m', api_key='{REDACTED}', port=30000)"
+    assert out[2] == f"argv: llama-server --api-key {REDACTED} --port 1"
+
+
+@pytest.mark.timeout(300)
+async def test_a_log_tail_leaves_the_node_with_the_key_redacted(
+    llama: LlamaCppInstall, tiny: TinyModel, tmp_path: Path
+) -> None:
+    replica = "redact-1"
+    key = engine_key(SECRET, replica)
+    model = ModelSpec(name="tiny-redact", engine=EngineKind.LLAMA_CPP, source=str(tiny.model_path))
+    ref = ShardRef(replica_id=replica)
+    sup = Supervisor(tmp_path)
+    acts = node_activities(llama, sup, SECRET)
+    env = ActivityEnvironment()
+    handle = await env.run(
+        acts.launch_shard, LaunchShardInput(spec=ShardSpec(replica_id=replica, model=model))
+    )
+    try:
+        await env.run(acts.wait_shard_ready, WaitReadyInput(shard=ref, timeout_s=60))
+        # What SGLang prints at start, and a line quoting the key bare.
+        with open(sup.shard_dir(ref) / "engine.log", "a") as log:
+            log.write(f"server_args=ServerArgs(model_path='/m', api_key='{key}', port=30000)\n")
+            log.write(f"auth: expecting Bearer {key}\n")
+        assert key in (sup.shard_dir(ref) / "engine.log").read_text()  # the engine's own file
+
+        tail = await env.run(acts.shard_log_tail, LogTailInput(shard=ref, lines=50))
+        assert tail.lines and not any(key in line for line in tail.lines)
+        assert any(f"api_key='{REDACTED}'" in line for line in tail.lines)
+
+        # The engine dies: the watch's exit reason carries the tail.
+        sup.stop(ref, 5.0)
+        exited = await env.run(acts.watch_shard, WatchShardInput(shard=ref, poll_interval_s=0.1))
+        assert exited.log_tail and not any(key in line for line in exited.log_tail)
+        assert any(REDACTED in line for line in exited.log_tail)
+        # So does a failed readiness wait (its ApplicationError goes into the history).
+        with pytest.raises(ApplicationError) as failed:
+            await env.run(acts.wait_shard_ready, WaitReadyInput(shard=ref, timeout_s=5))
+        assert "log tail" in str(failed.value) and key not in str(failed.value)
+        assert REDACTED in str(failed.value)
+    finally:
+        await env.run(acts.stop_shard, StopShardInput(shard=ref, grace_s=5))
+        await acts.aclose()
+    assert handle.pid

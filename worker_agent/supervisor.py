@@ -347,7 +347,9 @@ class Supervisor:
             code = sidecar.poll()
             if code is not None:
                 argv = [str(a) for a in sidecar.args]  # type: ignore[union-attr]
-                name = argv[2] if len(argv) > 2 and argv[1] == "-m" else Path(argv[0]).name
+                # python [-I] -m MODULE: the module's name.
+                m = argv.index("-m") if "-m" in argv[1:3] else 0
+                name = argv[m + 1] if 0 < m < len(argv) - 1 else Path(argv[0]).name
                 return name, code
         return None
 

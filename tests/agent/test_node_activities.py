@@ -130,7 +130,9 @@ async def test_engine_key_is_not_in_argv_or_spec(
         cmdline, environ, spec_text = _process_and_spec_text(handle.pid, tmp_path)
         assert key not in cmdline
         assert spec_text and key not in spec_text
-        assert key in environ
+        # The engine holds a loopback key of its own, never the replica's
+        # (only its pass-through does: tests/agent/test_engine_user_escapes.py).
+        assert "LLAMA_API_KEY=" in environ and key not in environ
     finally:
         await env.run(acts.stop_shard, StopShardInput(shard=ref, grace_s=5))
 

@@ -13,7 +13,9 @@ the holder of the replica's key, listening on that very address, can make.
 of their own, started by a refresh and awaited by none (an endpoint that never
 answers holds nothing back), and never by a request. When one changes what is
 proven, the table is asked to refresh at once (``on_change``), so a new
-replica waits a round trip, not an interval. A proof is cached per
+replica waits a round trip, not an interval. Only the first listing waits
+for its proofs (at most ``first_wait_s``): a starting router is not ready
+before the replicas that are. A proof is cached per
 (replica, endpoint) and made again every ``reprove_s`` while the pair is
 listed (the port may have changed hands); a failed one is retried after a
 backoff that doubles up to ``retry_max_s``.
@@ -123,8 +125,10 @@ class ProvenSource:
         retry_s: float = RETRY_S,
         retry_max_s: float = RETRY_MAX_S,
         max_concurrent: int = MAX_CONCURRENT,
+        first_wait_s: float = PROOF_TIMEOUT_S,
     ) -> None:
         self._inner = inner
+        self._first_wait_s = first_wait_s
         self._prover = prover
         self._clock = clock
         self._reprove_s = reprove_s
@@ -150,24 +154,34 @@ class ProvenSource:
 
     async def replicas(self) -> list[ReplicaMemo]:
         """The inner source's replicas whose endpoints are proven; proofs
-        for the others are started (not awaited)."""
+        for the others are started (awaited on the first call only)."""
         memos = await self._inner.replicas()
         inner_gen = self._inner.generation if isinstance(self._inner, CountedSource) else -1
-        now = self._clock()
-        seen = (memos, inner_gen)
+        first = self._seen is None
         if (
             self._seen is None
             or self._seen[0] is not memos
             or self._seen[1] != inner_gen
             or self._dirty
-            or now >= self._next_due
+            or self._clock() >= self._next_due
         ):
-            self._seen, self._dirty = seen, False
-            kept = self._filter(memos, now)
-            if kept != self._kept:
-                self._kept = kept
-                self.generation += 1
+            self._seen = (memos, inner_gen)
+            self._update(memos)
+        if first:
+            # A starting router's first table (what its readiness reports) has
+            # its replicas: the first proofs are waited for, within a bound.
+            pending = {p.task for p in self._proofs.values() if p.task is not None}
+            if pending:
+                await asyncio.wait(pending, timeout=self._first_wait_s)
+                self._update(memos)
         return self._kept
+
+    def _update(self, memos: list[ReplicaMemo]) -> None:
+        self._dirty = False
+        kept = self._filter(memos, self._clock())
+        if kept != self._kept:
+            self._kept = kept
+            self.generation += 1
 
     def _filter(self, memos: list[ReplicaMemo], now: float) -> list[ReplicaMemo]:
         kept: list[ReplicaMemo] = []

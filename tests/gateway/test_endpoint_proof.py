@@ -9,7 +9,7 @@ caching, retries and re-proofs with a scripted prover.
 import asyncio
 import contextlib
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
 import pytest
@@ -51,12 +51,27 @@ async def passthrough(key: str, listen_port: int | None = None) -> AsyncIterator
         sock.close()
 
 
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
 @asynccontextmanager
-async def tcp(handler: object) -> AsyncIterator[int]:
-    srv = await asyncio.start_server(handler, "127.0.0.1", 0)  # type: ignore[arg-type]
+async def tcp(handler: Handler) -> AsyncIterator[int]:
+    """A TCP server on loopback running ``handler`` per connection; yields its port.
+    Every connection is closed when it ends."""
+    writers: list[asyncio.StreamWriter] = []
+
+    async def on_connection(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        writers.append(w)
+        await handler(r, w)
+
+    srv = await asyncio.start_server(on_connection, "127.0.0.1", 0)
     try:
         yield srv.sockets[0].getsockname()[1]
     finally:
+        for w in writers:
+            w.close()
+            with contextlib.suppress(ConnectionError):
+                await w.wait_closed()
         srv.close()
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(srv.wait_closed(), 5)
@@ -174,7 +189,7 @@ async def test_an_unproven_endpoint_is_left_out_until_its_proof_lands() -> None:
     prover = ScriptedProver()
     prover.answers["http://h:1"] = True
     prover.gate.clear()
-    source = ProvenSource(ListSource([good, forged, starting, bare]), prover)
+    source = ProvenSource(ListSource([good, forged, starting, bare]), prover, first_wait_s=0)
     changed: list[int] = []
     source.on_change(lambda: changed.append(1))
     # Proofs under way: nothing with an endpoint in a routable phase yet.
@@ -190,6 +205,28 @@ async def test_an_unproven_endpoint_is_left_out_until_its_proof_lands() -> None:
     # Cached: no proof asked again, the same list, the same generation.
     assert await source.replicas() == [good, starting, bare]
     assert len(prover.asked) == 2 and source.generation == generation + 1
+
+
+async def test_a_starting_routers_first_table_waits_for_the_first_proofs() -> None:
+    prover = ScriptedProver()
+    prover.answers["http://h:1"] = True
+    good, mute = memo("a", "http://h:1"), memo("b", "http://h:2")
+    never = asyncio.Event()
+
+    class Muted(ScriptedProver):
+        async def prove(self, replica_id: str, endpoint: str) -> bool:
+            if endpoint == "http://h:2":
+                await never.wait()  # a forged endpoint that never answers
+            return await prover.prove(replica_id, endpoint)
+
+    source = ProvenSource(ListSource([good, mute]), Muted(), first_wait_s=0.5)
+    loop = asyncio.get_running_loop()
+    began = loop.time()
+    assert await source.replicas() == [good]
+    assert 0.4 < loop.time() - began < 5  # the mute held it back for the bound only
+    began = loop.time()
+    assert await source.replicas() == [good]  # later listings wait for nothing
+    assert loop.time() - began < 0.2
 
 
 async def test_failed_proofs_are_retried_with_backoff_and_proofs_are_made_again() -> None:
@@ -242,7 +279,7 @@ async def test_the_routing_table_gets_a_proven_replica_without_waiting_an_interv
     prover = ScriptedProver()
     prover.answers["http://h:1"] = True
     prover.gate.clear()
-    source = ProvenSource(ListSource([memo("a", "http://h:1")]), prover)
+    source = ProvenSource(ListSource([memo("a", "http://h:1")]), prover, first_wait_s=0)
     table, ready = RoutingTable(), asyncio.Event()
     task = asyncio.create_task(refresh_forever(table, source, dict, 3600, ready))
     try:

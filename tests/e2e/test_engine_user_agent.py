@@ -297,6 +297,14 @@ async def test_a_clone_under_a_private_dir_runs_its_engines_as_the_engine_user(
 
         agent.stop(grace_s=10)
         await _plant_a_link_and_restart(system, client, agent_env, home, (uid, gid))
+        # The adopted engine still serves: its pass-through kept both keys.
+        async with httpx.AsyncClient(timeout=60) as http:
+            r = await http.post(
+                f"{memo.endpoint}/v1/completions",
+                json=body,
+                headers={"Authorization": f"Bearer {key}"},
+            )
+            assert r.status_code == 200, r.text
     finally:
         with contextlib.suppress(Exception):
             await replicas.stop_replica(client, replica_id, "test over", 30)

@@ -46,6 +46,9 @@ class Command:
     drops_privileges: bool = False
     # Written to its stdin (then closed) before it starts; b"": stdin is /dev/null.
     stdin_secret: bytes = field(default=b"", repr=False)
+    # Shown as its argv[0] (ps) instead of the program's path, which is still
+    # what runs: a native engine's title (worker_agent/supervisor.py).
+    title: str = ""
 
 
 @dataclass(frozen=True)
@@ -112,7 +115,8 @@ def spawn(
     with os.fdopen(fd, "ab") as log_file, _secret_pipe(command.stdin_secret) as stdin:
         try:
             return subprocess.Popen(
-                command.argv,
+                [command.title or command.argv[0], *command.argv[1:]],
+                executable=command.argv[0],
                 env=env,
                 stdin=stdin,
                 stdout=log_file,

@@ -18,6 +18,7 @@ given, so it needs no access to the file). A spec file records the command
 line with secrets redacted.
 """
 
+import dataclasses
 import logging
 import os
 import re
@@ -61,6 +62,27 @@ TITLE_ENV = "LLMGW_ENGINE_TITLE"
 def engine_title(ref: ShardRef, engine: str) -> str:
     """What an engine's process title says about it, e.g. ``llmgw llama.cpp replica r-1 rank 0``."""
     return f"llmgw {engine or 'engine'} replica {ref.replica_id} rank {ref.rank}"
+
+
+def titled(command: Command, title: str) -> Command:
+    """``command`` shown in ps as ``PROGRAM [TITLE] ARGS`` where that is safe.
+
+    Only for a native program (an ELF file, not a Python interpreter): its
+    argv[0] is just a name to it (llama-server and ggml-rpc-server find
+    their libraries through /proc/self/exe). An interpreter derives
+    ``sys.executable`` and its prefix from argv[0], so Python programs keep
+    theirs and title themselves (the portable llama-server, from TITLE_ENV);
+    a shell script's interpreter sees only its path.
+    """
+    program = Path(shutil.which(command.argv[0]) or command.argv[0]).resolve()
+    try:
+        with open(program, "rb") as fh:
+            native = fh.read(4) == b"\x7fELF"
+    except OSError:
+        return command
+    if not native or program.name.startswith("python"):
+        return command
+    return dataclasses.replace(command, title=f"{Path(command.argv[0]).name} [{title}]")
 
 
 @dataclass(frozen=True)
@@ -292,7 +314,9 @@ class Supervisor:
         shard_dir = self.shard_dir(ref)
         _private_dir(shard_dir)
         log_path = shard_dir / "engine.log"
-        marker = {ENGINE_MARKER: self.marker, TITLE_ENV: engine_title(ref, spec.engine)}
+        title = engine_title(ref, spec.engine)
+        marker = {ENGINE_MARKER: self.marker, TITLE_ENV: title}
+        commands = [titled(c, title) for c in commands]
         pgid: int | None = None
         procs: list[subprocess.Popen[bytes]] = []
         try:
@@ -350,6 +374,7 @@ class Supervisor:
                 # python [-I] -m MODULE: the module's name.
                 m = argv.index("-m") if "-m" in argv[1:3] else 0
                 name = argv[m + 1] if 0 < m < len(argv) - 1 else Path(argv[0]).name
+                name = name.split(" [", 1)[0]  # a title's bracket (``titled``)
                 return name, code
         return None
 

@@ -140,6 +140,10 @@ async def test_a_real_engine_is_adopted_on_each_install_path(
         handle = await ActivityEnvironment().run(acts.launch_shard, LaunchShardInput(spec=spec))
         # Past the launcher's exec: what a restarted agent finds.
         assert wait_for(lambda: llama_path.runs(handle.pid), 30), llama_path
+        # Titled for ps, whichever install (issue 23 item 14).
+        cmdline = Path(f"/proc/{handle.pid}/cmdline").read_bytes().replace(b"\0", b" ")
+        assert cmdline.startswith(b"llama-server [llmgw llama.cpp replica real-1 rank 0] "), cmdline
+        assert b"--alias tiny-adopted" in cmdline
         group = os.getpgid(handle.pid)
         members = sorted(procfs.group_members(group))
 

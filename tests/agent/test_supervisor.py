@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +15,7 @@ from tests.procs_util import pids_with_args
 from worker_agent import procfs
 from worker_agent.shard_record import ShardRecord, SpecFile
 from worker_agent.spawn import Command
-from worker_agent.supervisor import Supervisor
+from worker_agent.supervisor import TITLE_ENV, Supervisor
 
 # A stand-in engine that forks a worker, as vLLM and SGLang do, and ignores
 # SIGTERM in the worker so only a group SIGKILL removes it.
@@ -308,3 +309,26 @@ def test_group_reused_compares_the_leader_start() -> None:
     assert not procfs.group_reused(me, start)
     assert procfs.group_reused(me, start - 1)
     assert not procfs.group_reused(me, None)  # an old record: not judged
+
+
+def test_engines_are_titled_with_their_replica(tmp_path: Path) -> None:
+    """ps tells which process serves which replica (issue 23 item 14): a native
+    program gets the title as its argv[0]; an interpreter keeps its own argv[0]
+    (it derives its prefix from it) and gets the title in LLMGW_ENGINE_TITLE."""
+    sup = Supervisor(tmp_path)
+    ref = ShardRef(replica_id="titled-1", rank=2)
+    sleep = shutil.which("sleep")
+    assert sleep is not None
+    native = Command([sleep, "600"], dict(os.environ))
+    python = Command([sys.executable, "-c", "import time; time.sleep(600)", "tag-t"], {})
+    sup.launch(ref, [python, native], 1, "x", ShardRecord(engine="llama.cpp"))
+    try:
+        title = "llmgw llama.cpp replica titled-1 rank 2"
+        [native_pid] = pids_with_args(f"sleep [{title}]", "600")
+        [python_pid] = pids_with_args("tag-t")
+        assert Path(f"/proc/{python_pid}/cmdline").read_bytes().startswith(sys.executable.encode())
+        for pid in (native_pid, python_pid):
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            assert f"{TITLE_ENV}={title}".encode() in environ
+    finally:
+        sup.stop(ref, grace_s=0.5)

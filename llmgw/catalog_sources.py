@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from urllib.parse import unquote, urlsplit
 
 from llmgw.catalog import CatalogModel
+from llmgw.path_filter import OPAQUE, PathFilter
 from llmgw.types import NodeInventory, WeightsReport
 
 ROOTS_SETTING = "LLMGW_WEIGHTS_ROOTS"
@@ -115,21 +116,22 @@ def verdict(report: WeightsReport, path: str) -> str | None:
         return f"outside the weights roots ({roots}; {ROOTS_SETTING} lists them)"
     if path == root:
         return OK
-    listed = {e.path: e for e in report.entries}
-    found = listed.get(path)
-    if found is not None:
-        return found.problem or OK
-    # Not listed: the nearest listed ancestor says whether it would have been.
+    ancestors = []  # nearest first, the root left out
     parent = posixpath.dirname(path)
-    while parent != root:
-        above = listed.get(parent)
-        if above is not None:
-            if above.problem:
-                return f"{parent} {above.problem}"
-            if above.kind == "file":
-                return f"does not exist ({parent} is a file)"
-            if not above.listed:
-                return UNKNOWN  # a link or a level the node does not list
-            break
+    while parent not in (root, "/"):
+        ancestors.append(parent)
         parent = posixpath.dirname(parent)
+    refused = {e.path: e.problem for e in report.refused}
+    if path in refused:
+        return refused[path]
+    for above in ancestors:
+        if above in refused:
+            return f"{above} {refused[above]}"
+    if not report.found_bits:
+        return UNKNOWN
+    found = PathFilter.decode(report.found, report.found_bits)
+    if path in found:
+        return OK
+    if any(OPAQUE + above in found for above in ancestors):
+        return UNKNOWN  # under a link or deeper than the node walks
     return MISSING if report.complete else UNKNOWN

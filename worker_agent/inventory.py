@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from llmgw.path_filter import OPAQUE, PathFilter
 from llmgw.types import (
     EngineCapability,
     GpuInfo,
@@ -32,11 +33,13 @@ from worker_agent.installs.llamacpp import LlamaCppInstall
 
 log = logging.getLogger(__name__)
 
-# What a registration carries of the weights roots: enough to name the models
-# there (a file, or a directory and its files) without sending a whole tree
-# to the fleet every round.
+# How far the weights roots are walked for a registration: enough to name the
+# models there (a file, or a directory and its files), in a filter of a size
+# fixed by WEIGHTS_LIMIT (llmgw.path_filter), and at most REFUSED_LIMIT paths
+# the agent would refuse, with why.
 WEIGHTS_DEPTH = 3
-WEIGHTS_LIMIT = 256
+WEIGHTS_LIMIT = 1024
+REFUSED_LIMIT = 32
 
 
 @dataclass(frozen=True)
@@ -131,8 +134,8 @@ def weights_report(
     limit: int = WEIGHTS_LIMIT,
     access: Callable[[str, int], bool] = os.access,
 ) -> WeightsReport:
-    """The weights roots and what lies in them (``depth`` levels, ``limit`` entries),
-    each entry with the reason the agent would refuse it as a source, if any.
+    """The weights roots and what lies in them (``depth`` levels, ``limit`` paths),
+    with the paths the agent would refuse as a source and why.
 
     ``llmgw model apply`` checks a catalog's sources against these, so an
     entry the agent will refuse is refused when it is applied, not at a
@@ -141,42 +144,58 @@ def weights_report(
     is ``os.access``: whether this process (the agent) may read a path.
     """
     resolved = [os.path.realpath(r) for r in roots]
-    entries: list[WeightsEntry] = []
+    found = PathFilter.for_paths(limit)
+    refused: list[WeightsEntry] = []
+    count = 0
     complete = True
 
     def inside(path: str) -> bool:
         return any(path == r or path.startswith(r.rstrip("/") + "/") for r in resolved)
 
     def walk(directory: str, level: int) -> None:
-        nonlocal complete
+        nonlocal complete, count
         try:
-            found = sorted(os.scandir(directory), key=lambda e: e.name)
+            entries = sorted(os.scandir(directory), key=lambda e: e.name)
         except OSError:
             return
-        for entry in found:
-            if len(entries) >= limit:
+        for entry in entries:
+            if count >= limit:
                 complete = False
                 return
             item = _weights_entry(entry, inside, access)
             if item is None:
                 continue
-            descend = item.kind == "dir" and not item.problem and not entry.is_symlink()
-            if descend and level < depth:
-                entries.append(item.model_copy(update={"listed": True}))
-                walk(entry.path, level + 1)
-            else:
-                entries.append(item)
+            count += 1
+            if item.problem and len(refused) >= REFUSED_LIMIT:
+                complete = False  # left out of the filter too: unknown, not fine
+                continue
+            found.add(entry.path)
+            if item.problem:
+                refused.append(item)
+            elif item.kind == "dir":
+                if level < depth and not entry.is_symlink():
+                    walk(entry.path, level + 1)
+                else:
+                    found.add(OPAQUE + entry.path)
 
     for root in resolved:
         walk(root, 1)
-    return WeightsReport(roots=resolved, entries=entries, depth=depth, complete=complete)
+    return WeightsReport(
+        roots=resolved,
+        depth=depth,
+        complete=complete,
+        found=found.encode(),
+        found_bits=found.bits,
+        refused=refused,
+    )
 
 
 def _weights_entry(
     entry: os.DirEntry[str], inside: Callable[[str], bool], access: Callable[[str, int], bool]
 ) -> WeightsEntry | None:
-    """One listed path, with why the agent would refuse it; None for what is neither
-    a file nor a directory (a socket); a dangling link is reported with its target."""
+    """One path found, with why the agent would refuse it ("" if it would not);
+    None for what is neither a file nor a directory (a socket). A dangling
+    link is refused, naming its target."""
     real = os.path.realpath(entry.path)
     if entry.is_symlink() and not os.path.exists(real):
         return WeightsEntry(path=entry.path, kind="file", problem=f"links to {real}, which is gone")

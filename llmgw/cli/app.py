@@ -299,11 +299,10 @@ def agent_inventory(
         out.print(f"engine: {engine.engine} ({engine.package}=={engine.version}) at {engine.path}")
     out.print(f"capabilities: {', '.join(inv.capabilities or []) or 'none beyond one node'}")
     if inv.weights is not None:
-        listed = "" if inv.weights.complete else " (listing cut short)"
-        out.print(
-            f"weights roots: {', '.join(inv.weights.roots) or 'none'}: "
-            f"{len(inv.weights.entries)} entries{listed}"
-        )
+        walked = "" if inv.weights.complete else " (more than are reported)"
+        out.print(f"weights roots: {', '.join(inv.weights.roots) or 'none'}{walked}")
+        for refused in inv.weights.refused:
+            out.print(f"  refused as a source: {refused.path}: {refused.problem}")
     for shard in inv.running:
         out.print(f"running: {shard.replica_id} rank {shard.rank} pid {shard.pid} {shard.endpoint}")
 

@@ -122,24 +122,31 @@ class EngineCapability(StrEnum):
 
 
 class WeightsEntry(BaseModel):
-    """A file or directory under the node's weights roots, as a catalog source would name it."""
+    """A path under the node's weights roots that the agent would refuse as a source."""
 
     path: str = Field(description="absolute path under a (resolved) root, as listed")
     kind: Literal["file", "dir"]
-    problem: str = Field(default="", description="why the agent would refuse it; empty if none")
-    listed: bool = Field(
-        default=False, description="a directory whose contents are listed too (not a link)"
-    )
+    problem: str = Field(description="why the agent would refuse it")
 
 
 class WeightsReport(BaseModel):
-    """What a catalog's sources may name on this node: the roots and what lies in them."""
+    """What a catalog's sources may name on this node: the roots and what lies in them.
+
+    What lies there is a Bloom filter (llmgw.path_filter) of the paths found,
+    plus ``opaque:<dir>`` for each directory whose contents were not walked (a
+    link, or deeper than ``depth``): a few KiB whatever the roots hold, as the
+    fleet keeps every node's inventory.
+    """
 
     roots: list[str] = Field(default_factory=list, description="LLMGW_WEIGHTS_ROOTS, resolved")
-    entries: list[WeightsEntry] = Field(default_factory=list)
-    depth: int = Field(default=0, ge=0, description="levels below each root that are listed")
+    depth: int = Field(default=0, ge=0, description="levels below each root that were walked")
     complete: bool = Field(
-        default=True, description="False when more entries were found than reported"
+        default=True, description="False when more paths were found than the filter was made for"
+    )
+    found: str = Field(default="", description="base64 Bloom filter of the paths found")
+    found_bits: int = Field(default=0, ge=0, description="the filter's size in bits")
+    refused: list[WeightsEntry] = Field(
+        default_factory=list, description="paths found that the agent would refuse (bounded)"
     )
 
 

@@ -3,6 +3,7 @@
 import os
 from pathlib import Path
 
+from llmgw.path_filter import OPAQUE, PathFilter
 from llmgw.types import EngineCapability
 from worker_agent.installs.llamacpp import LlamaCppInstall
 from worker_agent.inventory import engine_capabilities, weights_report
@@ -17,7 +18,9 @@ def test_the_rpc_server_is_a_capability_the_portable_install_lacks(tmp_path: Pat
     assert engine_capabilities(None) == []
 
 
-def test_weights_report_lists_the_roots_with_what_the_agent_would_refuse(tmp_path: Path) -> None:
+def test_weights_report_names_the_roots_what_is_there_and_what_the_agent_refuses(
+    tmp_path: Path,
+) -> None:
     root = tmp_path / "models"
     (root / "org" / "hf-model").mkdir(parents=True)
     (root / "org" / "hf-model" / "config.json").write_text("{}")
@@ -35,28 +38,27 @@ def test_weights_report_lists_the_roots_with_what_the_agent_would_refuse(tmp_pat
     report = weights_report([root], access=access)
     real = str(root.resolve())
     assert report.roots == [real] and report.complete
-    by_path = {e.path.removeprefix(real): e for e in report.entries}
-    assert sorted(by_path) == [
-        "/escape.gguf", "/gone.gguf", "/org", "/org/hf-model", "/org/hf-model/config.json",
-        "/secret.gguf", "/tiny.gguf",
-    ]  # fmt: skip
-    assert by_path["/tiny.gguf"].problem == ""
-    assert by_path["/org/hf-model"].kind == "dir" and by_path["/org/hf-model"].listed
-    assert "outside the weights roots" in by_path["/escape.gguf"].problem
-    assert "which is gone" in by_path["/gone.gguf"].problem
-    assert by_path["/secret.gguf"].problem == "not readable by the agent"
+    refused = {e.path.removeprefix(real): e.problem for e in report.refused}
+    assert sorted(refused) == ["/escape.gguf", "/gone.gguf", "/secret.gguf"]
+    assert "outside the weights roots" in refused["/escape.gguf"]
+    assert "which is gone" in refused["/gone.gguf"]
+    assert refused["/secret.gguf"] == "not readable by the agent"
+    found = PathFilter.decode(report.found, report.found_bits)
+    for path in ("/tiny.gguf", "/org", "/org/hf-model", "/org/hf-model/config.json"):
+        assert real + path in found
+    assert real + "/missing.gguf" not in found
 
 
-def test_weights_report_is_bounded(tmp_path: Path) -> None:
+def test_weights_report_is_bounded_in_size_and_depth(tmp_path: Path) -> None:
     root = tmp_path / "models"
     deep = root / "a" / "b" / "c" / "d"
     deep.mkdir(parents=True)
     (deep / "m.gguf").write_bytes(b"GGUF")
-    for i in range(10):
-        (root / f"m{i}.gguf").write_bytes(b"GGUF")
+    for i in range(2000):
+        (root / f"m{i:04}.gguf").write_bytes(b"")
     report = weights_report([root], depth=3)
-    paths = [e.path.removeprefix(str(root.resolve())) for e in report.entries]
-    assert "/a/b/c" in paths and "/a/b/c/d" not in paths  # three levels
-    assert next(e for e in report.entries if e.path.endswith("/a/b/c")).listed is False
-    capped = weights_report([root], limit=5)
-    assert len(capped.entries) == 5 and not capped.complete
+    real = str(root.resolve())
+    found = PathFilter.decode(report.found, report.found_bits)
+    assert real + "/a/b/c" in found and OPAQUE + real + "/a/b/c" in found  # not walked
+    assert not report.complete  # 2,000 files past the limit
+    assert len(report.model_dump_json()) < 4096  # whatever the roots hold

@@ -2,20 +2,37 @@
 
 from llmgw.catalog import parse_catalog
 from llmgw.catalog_sources import UNKNOWN, check_sources, local_path, verdict
+from llmgw.path_filter import OPAQUE, PathFilter
 from llmgw.types import NodeInventory, WeightsEntry, WeightsReport
 
 ROOT = "/srv/models"
-REPORT = WeightsReport(
-    roots=[ROOT],
-    entries=[
-        WeightsEntry(path=f"{ROOT}/tiny.gguf", kind="file"),
-        WeightsEntry(path=f"{ROOT}/secret.gguf", kind="file", problem="not readable by the agent"),
-        WeightsEntry(path=f"{ROOT}/org", kind="dir", listed=True),
-        WeightsEntry(path=f"{ROOT}/org/deep", kind="dir", listed=False),
-        WeightsEntry(path=f"{ROOT}/adapters", kind="dir", listed=True),
-        WeightsEntry(path=f"{ROOT}/adapters/a.gguf", kind="file"),
-    ],
-    depth=2,
+
+
+def report(
+    found: list[str], opaque: list[str], refused: dict[str, str], complete: bool = True
+) -> WeightsReport:
+    """A node's report, as an agent would make it of these paths under ROOT."""
+    paths = PathFilter.for_paths(64)
+    for path in [*found, *refused]:
+        paths.add(f"{ROOT}/{path}")
+    for path in opaque:
+        paths.add(f"{OPAQUE}{ROOT}/{path}")
+    return WeightsReport(
+        roots=[ROOT],
+        depth=2,
+        complete=complete,
+        found=paths.encode(),
+        found_bits=paths.bits,
+        refused=[
+            WeightsEntry(path=f"{ROOT}/{p}", kind="file", problem=why) for p, why in refused.items()
+        ],
+    )
+
+
+REPORT = report(
+    found=["tiny.gguf", "org", "org/deep", "adapters", "adapters/a.gguf", "private"],
+    opaque=["org/deep"],
+    refused={"secret.gguf": "not readable by the agent", "locked": "not readable by the agent"},
 )
 
 
@@ -38,7 +55,8 @@ def test_verdicts() -> None:
     assert verdict(REPORT, f"{ROOT}/missing.gguf") == "does not exist"
     assert verdict(REPORT, f"{ROOT}/org/missing") == "does not exist"
     assert verdict(REPORT, f"{ROOT}/org/deep/model") is UNKNOWN  # not listed that deep
-    assert verdict(REPORT, f"{ROOT}/tiny.gguf/x") == f"does not exist ({ROOT}/tiny.gguf is a file)"
+    assert verdict(REPORT, f"{ROOT}/tiny.gguf/x") == "does not exist"
+    assert verdict(REPORT, f"{ROOT}/locked/m.gguf") == f"{ROOT}/locked not readable by the agent"
     outside = verdict(REPORT, "/x/*.gguf")
     assert outside is not None and outside.startswith("outside the weights roots (/srv/models")
     assert verdict(REPORT.model_copy(update={"complete": False}), f"{ROOT}/new.gguf") is UNKNOWN
@@ -76,7 +94,7 @@ def test_adapters_are_checked_too() -> None:
 
 
 def test_one_node_that_can_serve_it_is_enough_and_the_others_are_noted() -> None:
-    other = WeightsReport(roots=["/data"], entries=[])
+    other = WeightsReport(roots=["/data"])
     found = check_sources(
         parse_catalog(catalog(f"{ROOT}/tiny.gguf")), {"a": node("a", REPORT), "b": node("b", other)}
     )
@@ -99,3 +117,14 @@ def test_a_missing_path_says_how_old_the_report_is() -> None:
     entries = parse_catalog(catalog(f"{ROOT}/new.gguf"))
     found = check_sources(entries, {"a": node("a", REPORT)}, ages_s={"a": 12.4})
     assert "node a: does not exist (as reported 12s ago)" in found.problems[0]
+
+
+def test_the_path_filter_never_forgets_and_rarely_imagines() -> None:
+    paths = PathFilter.for_paths(1000)
+    added = [f"/srv/models/m{i}.gguf" for i in range(1000)]
+    for path in added:
+        paths.add(path)
+    again = PathFilter.decode(paths.encode(), paths.bits)
+    assert all(p in again for p in added)
+    imagined = sum(f"/srv/models/other{i}.gguf" in again for i in range(10_000))
+    assert imagined < 300  # about 1% at capacity

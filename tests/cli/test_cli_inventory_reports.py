@@ -10,7 +10,7 @@ def test_inventory_reports_capabilities_and_weights_roots(tmp_path: Path) -> Non
     result = _inventory(tmp_path, "mixed-node.json", "roce-2x", "--json")
     assert result.returncode == 0, result.stderr
     inv = json.loads(result.stdout)
-    assert isinstance(inv["capabilities"], list)  # [] here: no llama.cpp in an empty cache
+    assert isinstance(inv["capabilities"], list)  # whatever llama.cpp this machine takes
     assert inv["weights"]["roots"] == [str((tmp_path / "models").resolve())]
     table = _inventory(tmp_path, "mixed-node.json", "roce-2x")
     assert "capabilities: " in table.stdout and "weights roots: " in table.stdout

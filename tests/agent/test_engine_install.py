@@ -22,6 +22,7 @@ import pytest
 from llmgw.cli.procs import Child, wait_for
 from llmgw.dev.tinymodel import TinyModel
 from llmgw.types import ModelSpec
+from tests.conftest import source_build_wanted
 from tests.harness import engine_cache, free_port, port_open
 from worker_agent.engines import Launchers, LlamaCppPlanner, LoraAdapter, NodeFacts, ShardRequest
 from worker_agent.installs import llamacpp as engine_install
@@ -325,7 +326,7 @@ async def test_portable_server_serves_what_the_engine_plan_asks(
 
 
 @pytest.mark.skipif(
-    os.environ.get("CI") != "true" and os.environ.get("LLMGW_TEST_SOURCE_BUILD") != "1",
+    not source_build_wanted(),
     reason="a real llama.cpp build (5-10 minutes on 2 cores): CI runs it once; here"
     " LLMGW_TEST_SOURCE_BUILD=1 does",
 )

@@ -33,4 +33,4 @@ docs: $(STAMP)
 	DISABLE_MKDOCS_2_WARNING=true $(BIN)/mkdocs build --strict
 
 clean:
-	rm -rf $(VENV) .llmgw .mypy_cache .ruff_cache
+	rm -rf $(VENV) .llmgw .llmgw-test .mypy_cache .ruff_cache

@@ -1,8 +1,10 @@
 """Resilience paths with real processes (issue 23 item 16).
 
-- Two control workers polling at once, through a scale-up, a rolling
-  restart and a scale-down: the deployment converges to exactly the wanted
-  replicas, every engine is launched once, and both workers did the work.
+- Two control workers polling at once, each with its recovery passes,
+  through a scale-up, a rolling restart, a catalog change (a roll both
+  workers' passes order) and a scale-down: the deployment converges to
+  exactly the wanted replicas, every engine is launched once, and both
+  workers did the work.
 - The Temporal server restarted (same database) under a running agent and
   router: the router serves from its table through the outage, both
   reconnect, and a start after the restart serves through the router.
@@ -32,6 +34,7 @@ from tests.otlp_receiver import OtlpReceiver, ReceivedSpan
 from tests.procs_util import pids_with_args
 
 LAUNCH_LINE = re.compile(r"shard (\S+) started: pid")
+FAST_RECONCILE = {"LLMGW_RECONCILE_CATALOG": "true", "LLMGW_RECONCILE_INTERVAL_S": "0.5"}
 
 
 def _spec(tiny: TinyModel, name: str) -> ModelSpec:
@@ -90,7 +93,9 @@ async def test_two_control_workers_through_a_scale_and_a_rolling_restart(
     model = "tiny-two-controls"
     spec = _spec(tiny, model)
     system.catalog(spec)
-    controls = [system.spawn("control"), system.spawn("control")]
+    # Each control worker also runs its own recovery passes, as by default
+    # (here every half second, so they meet every step).
+    controls = [system.spawn("control", FAST_RECONCILE) for _ in range(2)]
     system.spawn_agent("two-controls-node")
     await replicas.wait_node_registered(client, "two-controls-node", 60)
 
@@ -110,21 +115,34 @@ async def test_two_control_workers_through_a_scale_and_a_rolling_restart(
         gone = await replicas.status_of(client, rid)
         assert gone is not None and gone.phase is ReplicaPhase.STOPPED, rid
 
-    await replicas.apply_deployment(client, spec, 1)
+    # The catalog entry changes: both workers' recovery passes see it and
+    # tell the deployment; it rolls once.
+    changed = spec.model_copy(update={"context_length": 256})
+    system.catalog(changed)
+    status = await wait_deployment(client, model, _serving(3, frozenset(second)), 240)
+    assert status.model_digest == changed.digest()
+    third = {s.replica_id for s in status.slots}
+    assert len(await _engines_settle(model, 3)) == 3
+
+    await replicas.apply_deployment(client, changed, 1)
     status = await wait_deployment(client, model, _serving(1), 120)
     assert len(await _engines_settle(model, 1)) == 1
 
+    every = first | second | third
     launches = _launches(system)
     twice = [k for k, n in Counter(launches).items() if n > 1]
     assert twice == [], f"launched more than once: {twice}"
-    assert len(launches) == len(first | second), launches  # one shard a replica
+    assert len(launches) == len(every), launches  # one shard a replica
+    for rid in every - {s.replica_id for s in status.slots}:
+        gone = await replicas.status_of(client, rid)
+        assert gone is not None and gone.phase is ReplicaPhase.STOPPED, (rid, gone)
     # Both workers did part of it (activities go to whichever worker polls).
-    wids = [deployment_workflow_id(model)] + [replica_workflow_id(r) for r in first | second]
+    wids = [deployment_workflow_id(model)] + [replica_workflow_id(r) for r in every]
     identities = await _identities(client, wids)
     for control in controls:
         assert control.alive(), control.log_tail()
         assert any(str(control.pid) in i for i in identities), (control.pid, identities)
-    await replicas.remove_deployment(client, spec, 60)
+    await replicas.remove_deployment(client, changed, 60)
     assert await _engines_settle(model, 0) == []
 
 

@@ -18,7 +18,9 @@ while others can serve, and one whose node is lost is probed by
 
 Only endpoints on nodes the Fleet has registered are routed to: a Replica
 memo is written by whoever can start a workflow, and the router would send
-it client prompts and an engine key.
+it client prompts and an engine key. On a registered node any process can
+listen, so ``llmgw router`` also routes only to endpoints that proved they
+hold the replica's engine key (router/endpoint_proof.py).
 """
 
 from __future__ import annotations

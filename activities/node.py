@@ -67,6 +67,14 @@ REDACTED = "[redacted]"
 _KEY_SETTING = re.compile(
     r"""(?i)((?:--)?api[_-]?keys?["']?\s*[=:]?\s*\[?\s*["']?)([^\s"',)\]]+)"""
 )
+# Keys printed bare: a replica's engine key, and an engine's own loopback key
+# (``secrets.token_urlsafe(32)``, worker_agent/launch.py; not kept by the agent,
+# so matched by its form: 43 URL-safe characters, letters and digits both).
+_BARE_KEY = re.compile(
+    r"llmgw-engine-[0-9a-f]{16,}"
+    r"|(?<![A-Za-z0-9_-])(?=[A-Za-z0-9_-]*[0-9])(?=[A-Za-z0-9_-]*[A-Za-z])[A-Za-z0-9_-]{43}"
+    r"(?![A-Za-z0-9_-])"
+)
 
 
 def redacted(lines: Sequence[str], keys: Sequence[str]) -> list[str]:
@@ -76,6 +84,7 @@ def redacted(lines: Sequence[str], keys: Sequence[str]) -> list[str]:
     out = []
     for line in lines:
         clean = _KEY_SETTING.sub(lambda m: m.group(1) + REDACTED, line)
+        clean = _BARE_KEY.sub(REDACTED, clean)
         for key in keys:
             if key:
                 clean = clean.replace(key, REDACTED)

@@ -4,6 +4,7 @@ errors) with the engine key redacted. SGLang prints its ``server_args``,
 the API key included; a real llama.cpp engine here, its log carrying the key
 as engines print it."""
 
+import secrets
 from pathlib import Path
 
 import pytest
@@ -33,19 +34,26 @@ SECRET = "test-secret"
 
 def test_printed_keys_are_redacted_in_every_form() -> None:
     key = "k-0123456789"
+    loopback = secrets.token_urlsafe(32)  # an engine's own key (worker_agent/launch.py)
+    while not (any(c.isdigit() for c in loopback) and any(c.isalpha() for c in loopback)):
+        loopback = secrets.token_urlsafe(32)  # the form matched (1 in ~1,400 is not)
+    replica_key = engine_key("another-secret", "another-replica")
     lines = [
         f"server_args=ServerArgs(model_path='/m', api_key='{key}', port=30000)",
         "Namespace(model='/m', api_key=['other-key'], port=1)",
         "argv: llama-server --api-key some-key --port 1",
         '{"api_key": "json-key"}',
         f"a line that quotes the key {key} itself",
+        f"loopback key {loopback} and a replica key {replica_key}.",
+        "kept: load_tensors: CPU_Mapped model buffer size = 0.49 MiB, sha 0123456789abcdef",
     ]
     out = redacted(lines, [key])
     text = "\n".join(out)
-    for secret in (key, "other-key", "some-key", "json-key"):
+    for secret in (key, "other-key", "some-key", "json-key", loopback, replica_key):
         assert secret not in text, text
     assert out[0] == f"server_args=ServerArgs(model_path='/m', api_key='{REDACTED}', port=30000)"
     assert out[2] == f"argv: llama-server --api-key {REDACTED} --port 1"
+    assert out[-1] == lines[-1]  # ordinary lines pass as they are
 
 
 @pytest.mark.timeout(300)

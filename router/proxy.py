@@ -30,7 +30,7 @@ import logging
 import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import orjson
@@ -88,6 +88,8 @@ class Call:
     # non-streamed request regardless): its answer is awaited anyway, to bill
     # what it generated, and the replica counts as busy until then.
     finishes_when_gone: bool = False
+    # Set when the client has left (such a call then runs on to its answer).
+    left: bool = False
     # Returns when the client has disconnected (None: never watched).
     client_gone: Callable[[], Awaitable[None]] | None = None
     # The body for a given replica (a llama.cpp adapter's id is the replica's own).
@@ -188,8 +190,9 @@ class Proxy:
         relayed = False
         try:
             # Engines answer a non-streamed request only once it is generated:
-            # a client that leaves meanwhile cancels it (one watch for the
-            # whole exchange; a stream's relay watches for itself).
+            # a client that leaves meanwhile cancels it, unless the engine
+            # generates on regardless (one watch for the whole exchange; a
+            # stream's relay watches for itself).
             async with _cancelled_if_gone(call):
                 upstream = await self._http.post(f"{route.endpoint}{call.path}", body, headers)
                 if upstream.status == 401:
@@ -222,7 +225,9 @@ class Proxy:
         finally:
             if not relayed:
                 route.inflight -= 1
-        call.on_done(_outcome_of(upstream.status, content))
+        outcome = _outcome_of(upstream.status, content)
+        # A client gone while the engine finished: billed what it generated, as gone.
+        call.on_done(replace(outcome, error=True, status=499) if call.left else outcome)
         if upstream.status >= 500:
             # An engine's (or its pass-through's) own failure: its text may
             # name paths, exceptions or what its log said; admins see it.
@@ -267,7 +272,7 @@ async def _cancelled_if_gone(call: Call) -> AsyncIterator[None]:
         nonlocal left
         # The callback may run after the block ended: only cancel while inside.
         if active and not done.cancelled() and done.exception() is None:
-            left = True
+            left = call.left = True
             if not call.finishes_when_gone:
                 task.cancel()
 

@@ -79,7 +79,7 @@ async def test_llama_cpp_is_billed_what_it_generated(tmp_path: Path) -> None:
             await answer
         assert inflight(gw) == 0
         # The mock engine generates max_tokens (PROMPT_TOKENS of prompt).
-        assert await billed(gw, key_id) == (1, 0, PROMPT_TOKENS, MAX_TOKENS)
+        assert await billed(gw, key_id) == (1, 1, PROMPT_TOKENS, MAX_TOKENS)  # 499: gone
 
 
 async def test_vllm_is_let_go_and_billed_the_reservation(tmp_path: Path) -> None:

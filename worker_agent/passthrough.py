@@ -60,9 +60,6 @@ log = logging.getLogger(__name__)
 KEY_ENV = "LLMGW_PASSTHROUGH_KEY"
 # More than any key: stdin is a pipe of one or two lines (a key is ASCII).
 _MAX_KEYS_BYTES = 4096
-# Below the engines' keep-alive (5 s: llama-server's cpp-httplib, vLLM's uvicorn):
-# a pooled connection is retired before the engine closes it under a request.
-KEEPALIVE_S = 4.0
 # Hop-by-hop, and Host (the engine's address goes instead). Expect too: uvicorn
 # answered the client's 100-continue and the body is read; forwarded, it would
 # make aiohttp wait for the engine's.
@@ -120,8 +117,16 @@ class PassThrough:
         # Made on first use, in the loop that serves: a session is bound to its loop.
         if self._session is None:
             self._session = aiohttp.ClientSession(
-                # No connection limit: the router bounds concurrency.
-                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S),
+                # No connection limit: the router bounds concurrency. And no
+                # keep-alive (issue 23 item 13): llama-server's HTTP server keeps
+                # a thread with each kept-alive connection until it sends again
+                # or 5 s pass, and starts another only when none is idle as a
+                # connection is queued, so a burst (a wake dispatches every
+                # waiting request at once) could queue behind idle pooled
+                # connections, answered 5 s late; or find pooled ones the
+                # engine had closed, a 502 even after the one retry. A loopback
+                # connect costs microseconds.
+                connector=aiohttp.TCPConnector(limit=0, force_close=True),
                 timeout=self._timeout,
                 # One client's cookies must never reach another's request.
                 cookie_jar=aiohttp.DummyCookieJar(),
@@ -229,12 +234,11 @@ class PassThrough:
             except aiohttp.ClientConnectorError:
                 raise  # no connection at all (a ClientOSError too): not sent again
             except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
-                # The engine closed (FIN) or reset (RST: llama-server past its
-                # keep-alive limit) a kept-alive connection just as it was
-                # reused: it never answered, so sending it again is safe (each
-                # seen as one 502 in a few hundred requests under `llmgw
-                # bench`). Once: an engine that died reading it refuses the
-                # second connection.
+                # The engine closed (FIN) or reset (RST) the connection without
+                # answering: it never answered, so sending it again is safe
+                # (seen on reused kept-alive connections, as one 502 in a few
+                # hundred under `llmgw bench`, before each request had its own).
+                # Once: an engine that died reading it refuses the second one.
                 log.info("engine connection lost before an answer (%r): sending again", exc)
                 upstream = await request()
         except (aiohttp.ClientError, TimeoutError) as exc:

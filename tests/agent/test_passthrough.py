@@ -234,10 +234,15 @@ async def test_with_the_key_the_request_and_answer_pass_unchanged() -> None:
     first, second = seen.requests
     host = (b"host", b"127.0.0.1:%d" % seen.port)
     assert first.line == b"POST " + target + b" HTTP/1.1"
-    assert first.headers == [host, *client_headers[:-2], client_headers[-1]]
+    # The pass-through's own hop: a connection per request (issue 23 item 13).
+    close = (b"connection", b"close")
+    assert first.headers == [host, *client_headers[:-2], client_headers[-1], close]
     assert first.body == b'{"x": 1}'
-    assert (second.line, second.headers) == (b"GET /health HTTP/1.1", [host, client_headers[0]])
-    assert seen.connections == 1  # kept alive between the two
+    assert (second.line, second.headers) == (
+        b"GET /health HTTP/1.1",
+        [host, client_headers[0], close],
+    )
+    assert seen.connections == 2
 
 
 async def test_a_stream_is_relayed_chunk_by_chunk() -> None:
@@ -315,10 +320,9 @@ async def test_a_redirect_is_relayed_not_followed() -> None:
 async def test_a_connection_the_engine_dropped_is_retried_once(
     method: bytes, drops: int, status: int, reset: bool
 ) -> None:
-    """The first request leaves a kept-alive connection; the engine closes it
-    on the second without answering (as an engine's idle timeout does), or
-    resets it (llama-server's keep-alive limit, seen under `llmgw bench`), and
-    the retry on a new connection is dropped too when ``drops`` is 2."""
+    """The engine closes the second request's connection without answering,
+    or resets it, and the retry on a new connection is dropped too when
+    ``drops`` is 2 (each request has its connection: issue 23 item 13)."""
 
     async def flaky(seen: Engine, reader: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
         while (request := await read_request(reader)) is not None:
@@ -343,7 +347,7 @@ async def test_a_connection_the_engine_dropped_is_retried_once(
             "engine unreachable: " + ("ClientOSError" if reset else "ServerDisconnectedError")
         )
     assert len(seen.requests) == 3  # once more, never more
-    assert seen.connections == 2
+    assert seen.connections == 3
 
 
 async def test_an_engine_that_is_down_or_garbled_is_a_502() -> None:
@@ -430,6 +434,7 @@ async def test_the_engine_gets_its_own_key_never_the_replica_key() -> None:
         (b"x-before", b"1"),
         (b"authorization", b"Bearer loopback-only"),
         (b"x-after", b"2"),
+        (b"connection", b"close"),
     ]
     assert KEY.encode() not in request.line + b"".join(v for _, v in request.headers)
 

@@ -1,0 +1,76 @@
+"""Issue 23 item 13: a burst through the pass-through is answered at once by
+an engine whose HTTP server holds a thread per kept-alive connection.
+
+llama-server's HTTP server (cpp-httplib) serves each connection on one of its
+threads for as long as the connection is kept alive: after an answer the
+thread waits for the connection's next request, up to 5 s. More threads are
+started only when none is idle at the moment a connection is queued, so a
+burst of connections (a wake dispatches every waiting request at once) can
+find its threads taken by connections the pass-through keeps idle in its
+pool: a request was answered ~5 s late, once in a few wakes
+(tests/e2e/test_wake_latency.py). The stand-in engine here has one such
+thread, which makes the race certain: the pass-through must not keep idle engine
+connections for long."""
+
+import asyncio
+import time
+
+from tests.agent.test_passthrough import (
+    AUTH,
+    Client,
+    Engine,
+    engine,
+    front,
+    read_request,
+    response,
+)
+
+# cpp-httplib's CPPHTTPLIB_KEEPALIVE_TIMEOUT_SECOND
+ENGINE_KEEPALIVE_S = 5.0
+
+
+def one_thread_engine() -> tuple[asyncio.Semaphore, object]:
+    thread = asyncio.Semaphore(1)
+
+    async def serve(seen: Engine, reader: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        # The connection waits for the thread, then keeps it until it closes
+        # or stays silent for the keep-alive timeout, as cpp-httplib's does.
+        async with thread:
+            while True:
+                try:
+                    async with asyncio.timeout(ENGINE_KEEPALIVE_S):
+                        request = await read_request(reader)
+                except TimeoutError:
+                    return
+                if request is None:
+                    return
+                seen.requests.append(request)
+                w.write(response(200, [(b"content-length", b"2")], b"ok"))
+                await w.drain()
+
+    return thread, serve
+
+
+async def test_a_burst_is_not_queued_behind_idle_engine_connections() -> None:
+    _, serve = one_thread_engine()
+    async with engine(serve) as seen, front(seen.port) as port:  # type: ignore[arg-type]
+        clients = [await Client.open(port) for _ in range(4)]
+        try:
+            for _ in range(2):  # the second burst finds what the first left
+                began = time.monotonic()
+                answers = await asyncio.gather(
+                    *(
+                        c.exchange(b"POST", b"/v1/completions", [(b"authorization", AUTH)], b"{}")
+                        for c in clients
+                    )
+                )
+                took = time.monotonic() - began
+                assert [status for status, _, _ in answers] == [200] * 4
+                # Each answer takes milliseconds, and an idle pooled connection
+                # is closed within a fraction of a second; one queued behind it
+                # took the pool's keep-alive (4 s) or the engine's (5 s).
+                assert took < 3.0, took
+        finally:
+            for c in clients:
+                await c.close()
+    assert len(seen.requests) == 8

@@ -35,8 +35,8 @@ from tests.procs_util import pids_with_args
 
 MODEL = "tiny-two-nodes"
 # An RPC worker's command line (not a source build's, whose cmake and make
-# lines name the ggml-rpc-server target too).
-RPC_WORKER = "ggml-rpc-server -H "
+# lines name the ggml-rpc-server target too; argv[0] may carry a title).
+RPC_WORKER = ("ggml-rpc-server", " -H ", " -p ")
 
 
 async def test_two_node_llama_cpp_replica_serves_fails_whole_and_restarts(
@@ -60,7 +60,7 @@ async def test_two_node_llama_cpp_replica_serves_fails_whole_and_restarts(
     status = await replicas.apply_deployment(client, spec, 1, restart=restart)
     rid = await _slot_replica(client, starts=1)
     await replicas.wait_ready(client, rid, 120)
-    rpc_workers = pids_with_args(RPC_WORKER)
+    rpc_workers = pids_with_args(*RPC_WORKER)
     leaders = pids_with_args("--alias", MODEL, "--rpc")
     assert len(rpc_workers) == 1 and len(leaders) == 1
     snapshot = await replicas.fleet_snapshot(client)
@@ -82,9 +82,9 @@ async def test_two_node_llama_cpp_replica_serves_fails_whole_and_restarts(
     assert "rank 1" in failed.reason
     await replicas.wait_ready(client, new_rid, 120)
     assert not set(rpc_workers + leaders) & set(
-        pids_with_args(RPC_WORKER) + pids_with_args("--alias", MODEL)
+        pids_with_args(*RPC_WORKER) + pids_with_args("--alias", MODEL)
     )
-    assert len(pids_with_args(RPC_WORKER)) == 1
+    assert len(pids_with_args(*RPC_WORKER)) == 1
     assert rid not in (await replicas.fleet_snapshot(client)).allocations
     status = await replicas.deployment_status(client, MODEL)
     assert "rank 1" in status.slots[0].last_reason
@@ -93,7 +93,7 @@ async def test_two_node_llama_cpp_replica_serves_fails_whole_and_restarts(
     final = await replicas.remove_deployment(client, spec, 60)
     assert final.desired == 0
     assert pids_with_args("--alias", MODEL) == []
-    assert pids_with_args(RPC_WORKER) == []
+    assert pids_with_args(*RPC_WORKER) == []
 
 
 async def _refused_at_placement(client: Client, spec: ModelSpec) -> None:
@@ -113,7 +113,7 @@ async def _refused_at_placement(client: Client, spec: ModelSpec) -> None:
         assert f"{node_id}: its llama.cpp install has {lacks}" in status.reason
     assert "cannot place" in str(failed.value)
     assert pids_with_args("--alias", MODEL) == []
-    assert pids_with_args(RPC_WORKER) == []
+    assert pids_with_args(*RPC_WORKER) == []
 
 
 async def _slot_replica(client: Client, starts: int) -> str:
@@ -158,6 +158,6 @@ async def test_rendezvous_that_never_completes_fails_within_its_bound(
         assert status is not None and status.phase is ReplicaPhase.FAILED
         assert rid not in (await replicas.fleet_snapshot(client)).allocations
         assert pids_with_args("--alias", "tiny-never-meets") == []
-        assert pids_with_args(RPC_WORKER) == []
+        assert pids_with_args(*RPC_WORKER) == []
     finally:
         worker_agent.signal(signal.SIGCONT)

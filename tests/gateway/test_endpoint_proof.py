@@ -9,16 +9,20 @@ caching, retries and re-proofs with a scripted prover.
 import asyncio
 import contextlib
 import socket
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
 import pytest
 import uvicorn
+from temporalio.client import Client
 
-from llmgw import endpoint_proof
+from llmgw import endpoint_proof, messages
 from llmgw.keys import engine_key
+from llmgw.queues import replica_workflow_id
 from llmgw.types import ReplicaMemo, ReplicaPhase
 from router.endpoint_proof import HttpProver, ProvenSource
+from router.replica_source import TemporalReplicaSource
 from router.routing import RoutingTable, refresh_forever
 from worker_agent.passthrough import PassThrough
 
@@ -299,3 +303,29 @@ async def test_the_routing_table_gets_a_proven_replica_without_waiting_an_interv
 def test_only_http_host_port_endpoints_have_an_address(endpoint: str) -> None:
     assert endpoint_proof.endpoint_address(endpoint) is None
     assert endpoint_proof.endpoint_address("http://[::1]:8/") == "::1:8"
+
+
+async def test_a_memo_naming_another_replica_than_its_workflow_is_ignored(client: Client) -> None:
+    """A running workflow id is unique, a memo is not: a twin of a replica
+    (its id under another workflow) must not stand beside it."""
+    rid = f"twin-{uuid.uuid4().hex[:8]}"
+    own = ReplicaMemo(replica_id=rid, model="m-twin", phase=ReplicaPhase.READY)
+    handles = [
+        await client.start_workflow(
+            messages.REPLICA,
+            id=replica_workflow_id(wid),
+            task_queue=f"nobody-{wid}",  # no worker: it just sits there, running
+            memo={"replica": own.model_dump(mode="json")},
+        )
+        for wid in (rid, f"{rid}-twin")
+    ]
+    source = TemporalReplicaSource(client)
+    try:
+        query = f'WorkflowId STARTS_WITH "{replica_workflow_id(rid)}"'
+        async with asyncio.timeout(30):  # visibility lags the starts a little
+            while len([w async for w in client.list_workflows(query)]) < 2:
+                await asyncio.sleep(0.1)
+        assert [m for m in await source.replicas() if m.replica_id == rid] == [own]
+    finally:
+        for handle in handles:
+            await handle.terminate("test over")

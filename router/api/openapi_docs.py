@@ -36,10 +36,12 @@ def _openapi_body(model: type[BaseModel]) -> dict[str, Any]:
 
 
 _ERRORS = {
-    "400": "Bad request: malformed JSON or an invalid field (`param` names it)",
+    "400": "Bad request: malformed JSON or an invalid field (`param` names it), or a media"
+    " URL other than data: for a model that does not allow them (`remote_media_refused`)",
     "401": "Missing, unknown, revoked or expired API key",
     "403": "The key may not use this model",
     "404": "No such model",
+    "408": "The request body did not arrive within LLMGW_BODY_TIMEOUT_S (`body_timeout`)",
     "413": "Request body too large",
     "429": "Quota exceeded (`Retry-After` says when to retry)",
     "502": "The engine failed",

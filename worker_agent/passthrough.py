@@ -32,7 +32,9 @@ memory). ``LLMGW_PASSTHROUGH_KEY`` (the replica key, which then reaches the
 engine too) is read only when stdin gives none: for tools and tests run by
 hand, never by the agent.
 
-``python -I -m worker_agent.passthrough --listen HOST:PORT --upstream URL``.
+``python -I -m worker_agent.passthrough --listen HOST:PORT --upstream URL``;
+``ps`` shows it as ``worker_agent.passthrough [<LLMGW_ENGINE_TITLE>] <options>``
+(which replica it serves), its ``/proc/<pid>/environ`` as it was started.
 """
 
 import argparse
@@ -58,6 +60,9 @@ from worker_agent.users import drop_privileges_on_startup, not_dumpable
 log = logging.getLogger(__name__)
 
 KEY_ENV = "LLMGW_PASSTHROUGH_KEY"
+# worker_agent.supervisor.TITLE_ENV, which the agent sets for every process of a
+# shard (not imported: the pass-through starts with as few modules as it can).
+TITLE_ENV = "LLMGW_ENGINE_TITLE"
 # More than any key: stdin is a pipe of one or two lines (a key is ASCII).
 _MAX_KEYS_BYTES = 4096
 # Hop-by-hop, and Host (the engine's address goes instead). Expect too: uvicorn
@@ -348,6 +353,27 @@ def read_keys(environ: MutableMapping[str, str]) -> tuple[str, str]:
     return words[0], words[1] if len(words) > 1 else words[0]
 
 
+def title(argv: list[str], environ: MutableMapping[str, str]) -> str:
+    """Its process title: ``worker_agent.passthrough [ENGINE TITLE] OPTIONS`` (no key is
+    ever in its options). The module's name stays first: what .ci/leftovers looks for."""
+    label = environ.get(TITLE_ENV, "")
+    return " ".join(["worker_agent.passthrough", *([f"[{label}]"] if label else []), *argv])
+
+
+def set_title(text: str) -> None:
+    """Show ``text`` as this process's command line (``ps``, ``pgrep -f``), if
+    setproctitle loads. SPT_NOENV: over the arguments only (cut to their length),
+    never the environment area, whose ``/proc/<pid>/environ`` carries the engine
+    marker the agent and the leftover check look for. Set through ``os.environ``,
+    which ``python -I`` leaves alone (it ignores only PYTHON* variables)."""
+    os.environ["SPT_NOENV"] = "1"
+    try:
+        import setproctitle  # noqa: PLC0415 - only the process that serves needs it
+    except ImportError:  # an interpreter that cannot load it: untitled
+        return
+    setproctitle.setproctitle(text)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Serve until SIGTERM (uvicorn's own handling), with the keys from stdin (``read_keys``)."""
     import uvicorn  # noqa: PLC0415 - only the process that serves needs it
@@ -359,6 +385,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keepalive-timeout", type=int, default=LIMITS.keepalive_timeout_s)
     parser.add_argument("--max-connections", type=int, default=LIMITS.max_connections)
     args = parser.parse_args(argv)
+    set_title(title(sys.argv[1:] if argv is None else argv, os.environ))
     limits = ListenerLimits(
         header_timeout_s=args.header_timeout,
         keepalive_timeout_s=args.keepalive_timeout,

@@ -208,7 +208,8 @@ class _LimitedProtocol(HttpToolsProtocol):
 
 
 def _sweep(cls: type[_LimitedProtocol], loop: asyncio.AbstractEventLoop, open_: set[Any]) -> None:
-    """Close every connection whose head is late; again in a second while any is open."""
+    """Close every connection whose head is late, answer 408 and close those whose
+    body is late; again in a second while any is open."""
     now = loop.time()
     late = now - cls.limits.header_timeout_s
     body_late = now - cls.limits.body_timeout_s

@@ -61,3 +61,39 @@ async def test_remote_media_urls_are_refused_by_default(tmp_path: Path) -> None:
 def test_the_setting_does_not_restart_engines() -> None:
     # A router-side policy: changing it must not make running engines look stale.
     assert spec(STRICT).digest() == spec(STRICT).model_copy(update={"remote_media": True}).digest()
+
+
+async def test_every_inference_body_is_checked_extra_fields_included(tmp_path: Path) -> None:
+    # Engines take chat-shaped messages on other endpoints (vLLM's multimodal
+    # embeddings) and every extra field reaches them unchanged.
+    models = [spec(STRICT)]
+    async with gateway(tmp_path / "s.db", [ready("r1", STRICT, "http://e1:1")], models) as gw:
+        _, key = gw.key()
+        image = {"type": "image_url", "image_url": {"url": "http://169.254.169.254/"}}
+        bodies: list[tuple[str, dict[str, Any], str]] = [
+            (
+                "/v1/embeddings",
+                {"model": STRICT, "input": "x", **ask(STRICT, image)},
+                "messages[0].content[1].image_url.url",
+            ),
+            (
+                "/v1/completions",
+                {"model": STRICT, "prompt": "x", "max_tokens": 2, "media": {"url": "http://a/"}},
+                "media.url",
+            ),
+            (
+                "/v1/chat/completions",
+                {**ask(STRICT), "extra": [{"video_url": "http://10.0.0.9/v"}]},
+                "extra[0].video_url",
+            ),
+        ]
+        for path, body, field in bodies:
+            r = await gw.http.post(path, json=body, headers=auth(key))
+            assert r.status_code == 400, (path, r.text)
+            assert r.json()["error"]["code"] == "remote_media_refused"
+            assert r.json()["error"]["param"] == field
+        assert gw.engine.seen == []
+        r = await gw.http.post(
+            "/v1/embeddings", json={"model": STRICT, "input": "x", "image": PNG}, headers=auth(key)
+        )
+        assert r.status_code == 200, r.text

@@ -3,8 +3,9 @@
 A request for a model whose every replica is at ``profile.max_inflight``,
 or for a model with ``autoscale`` and no routable replica (scaled to zero),
 waits in the model's queue, bounded by ``queue.max_waiting`` (beyond: 503
-``queue_full``), by ``queue.key_share`` of that for any one API key (so a
-key that floods leaves room for the others: 503 ``queue_full`` too) and
+``queue_full``), by ``queue.key_share`` of that for any one API key while
+another key waits too (so a key that floods leaves room for the others: 503
+``queue_full`` too; a key waiting alone may fill the queue) and
 ``queue.max_wait_s`` (beyond: 503 ``queue_timeout``, all with Retry-After).
 Waiting requests are served in the order of router/fair_queue.py (priority
 class, then weighted fair on tokens) when a slot frees (a request of the
@@ -339,10 +340,12 @@ class Admission:
             self._metrics.queue_rejections.labels(model, "full").inc()
             raise queue_full(model, queue.max_waiting)
         share = key_share(queue)
-        if m.fair.waiting_of(key_id) >= share:
-            # One key floods: the rest of the queue stays for the others (and
-            # the waiting it adds to the load reports, for autoscale, stays
-            # within its share too).
+        mine = m.fair.waiting_of(key_id)
+        if mine >= share and len(m.fair) > mine:
+            # One key floods while another waits: the rest of the queue stays
+            # for the others (and the waiting it adds to the load reports, for
+            # autoscale, stays within its share too). Alone, a key has the
+            # whole queue: a single-key install loses nothing to the share.
             self._metrics.queue_rejections.labels(model, "key_share").inc()
             raise key_queue_full(model, share)
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()

@@ -34,29 +34,53 @@ async def test_a_flooding_key_leaves_room_for_a_light_key(tmp_path: Path) -> Non
     async with gateway(tmp_path / "s.db", [ready("r1", M, "http://e1:1")], models, engine) as gw:
         _, flooder = gw.key()
         _, light = gw.key()
-        # One in flight, then the flooder's share (4) waits; the rest is refused.
-        floods = [post(gw, flooder) for _ in range(5)]
-        await until(lambda: len(engine.gates) == 1 and waiting(gw) == 4)
+        mine = [{"role": "user", "content": "light"}]
+        # One in flight, a light request waits, then the flooder's share (4)
+        # waits; the rest is refused while the light key waits.
+        floods = [post(gw, flooder)]
+        await until(lambda: len(engine.gates) == 1)
+        lights = [post(gw, light, messages=mine)]
+        await until(lambda: waiting(gw) == 1)
+        floods += [post(gw, flooder) for _ in range(4)]
+        await until(lambda: waiting(gw) == 5)
         refused = [await gw.http.post(CHAT, json=chat(), headers=auth(flooder)) for _ in range(3)]
         for r in refused:
             assert r.status_code == 503 and r.headers["retry-after"] == "1"
             assert r.json()["error"]["code"] == "queue_full"
             assert "key_share" in r.json()["error"]["message"]
-        assert waiting(gw) == 4
+        assert waiting(gw) == 5
         # The light key still has a place, and is served ahead of the backlog
         # (fair queuing), not refused.
-        mine = [{"role": "user", "content": "light"}]
-        lights = [post(gw, light, messages=mine) for _ in range(2)]
+        lights.append(post(gw, light, messages=mine))
         await until(lambda: waiting(gw) == 6)
         for i in range(7):
             await until(lambda i=i: len(engine.gates) > i)  # type: ignore[misc]
             engine.gates[i].set()
         results = await asyncio.gather(*floods, *lights)
         assert [r.status_code for r in results] == [200] * 7
-        # Served alternately with the backlog (a tie goes to the earlier arrival).
         order = ["light" if engine.body(i)["messages"] == mine else "flood" for i in range(7)]
+        # Served alternately with the backlog (fair queuing on the estimated cost).
         assert order == ["flood", "flood", "light", "flood", "light", "flood", "flood"], order
         assert 'reason="key_share"' in (await gw.http.get("/metrics", headers=auth(ADMIN_KEY))).text
+
+
+async def test_a_key_waiting_alone_may_fill_the_queue(tmp_path: Path) -> None:
+    # A single-key install keeps the whole queue: the share binds only while
+    # another key waits.
+    engine = GatedEngine()
+    models = [queued(M, max_waiting=8, key_share=0.5)]
+    async with gateway(tmp_path / "s.db", [ready("r1", M, "http://e1:1")], models, engine) as gw:
+        _, only = gw.key()
+        sent = [post(gw, only)]
+        await until(lambda: len(engine.gates) == 1)
+        sent += [post(gw, only) for _ in range(8)]
+        await until(lambda: waiting(gw) == 8)
+        r = await gw.http.post(CHAT, json=chat(), headers=auth(only))
+        assert r.status_code == 503 and "key_share" not in r.json()["error"]["message"]
+        for i in range(9):
+            await until(lambda i=i: len(engine.gates) > i)  # type: ignore[misc]
+            engine.gates[i].set()
+        assert [r.status_code for r in await asyncio.gather(*sent)] == [200] * 9
 
 
 def test_heap_stays_bounded_under_join_and_leave_churn() -> None:

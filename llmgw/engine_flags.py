@@ -44,6 +44,7 @@ ADAPTERS = "loads adapters, which llmgw takes from the entry's adapters"
 FILES = "reads or writes files outside the weights roots"
 PROGRAMS = "runs programs or tools from the engine"
 PEERS = "sets the multi-node peers, which llmgw wires"
+SENDS = "connects to an address of its own choosing (data or traces leave the node)"
 
 
 def _table(groups: Iterable[tuple[str, Iterable[str]]]) -> dict[str, str]:
@@ -107,9 +108,16 @@ VLLM = _table(
                   "--ssl-ca-certs"]),
         (KEY, ["--api-key"]),
         (ADAPTERS, ["--lora-modules", "--default-mm-loras"]),
-        (FILES, ["--allowed-local-media-path"]),
-        (PROGRAMS, ["--tool-parser-plugin", "--middleware"]),
+        (FILES, ["--allowed-local-media-path", "--generation-config", "--chat-template"]),
+        (
+            PROGRAMS,
+            [
+                "--tool-parser-plugin", "--middleware", "--reasoning-parser-plugin",
+                "--logits-processors", "--worker-extension-cls",
+            ],
+        ),
         (PEERS, ["--master-addr", "--data-parallel-address"]),
+        (SENDS, ["--kv-transfer-config", "--kv-events-config", "--otlp-traces-endpoint"]),
     ]
 )  # fmt: skip
 
@@ -127,7 +135,8 @@ SGLANG = _table(
         (LISTEN, ["--host", "--port", "--ssl-keyfile", "--ssl-certfile"]),
         (KEY, ["--api-key", "--admin-api-key"]),
         (ADAPTERS, ["--lora-paths"]),
-        (FILES, ["--allowed-local-media-path"]),
+        (FILES, ["--allowed-local-media-path", "--chat-template"]),
+        (PROGRAMS, ["--tool-server", "--custom-weight-loader"]),
         (PEERS, ["--dist-init-addr", "--nccl-init-addr"]),
     ]
 )  # fmt: skip
@@ -141,11 +150,43 @@ class FlagRules:
     abbreviations: bool = False  # argparse: any unambiguous prefix of a long option
     underscores: bool = False  # vLLM: --api_key is --api-key
     positional_model: bool = False  # vLLM serve: a bare argument is the model
+    # With positional_model: the flags known to take the next word as their
+    # value. A bare word after any other flag (``--enforce-eager /anywhere``:
+    # a switch, so the word is a positional) is refused; its value can always
+    # be given as ``--flag=value``.
+    value_flags: frozenset[str] = frozenset()
 
+
+# vLLM options that take a value and that catalogs commonly set (``vllm serve
+# --help``); a dotted JSON field (``--hf-overrides.key value``) takes one too.
+VLLM_VALUE_FLAGS = frozenset(
+    [
+        "--dtype", "--max-model-len", "--kv-cache-memory-bytes", "--max-num-seqs",
+        "--max-num-batched-tokens", "--seed", "--tokenizer-mode", "--gpu-memory-utilization",
+        "--tensor-parallel-size", "-tp", "--pipeline-parallel-size", "-pp",
+        "--data-parallel-size", "-dp", "--quantization", "-q", "--block-size", "--swap-space",
+        "--cpu-offload-gb", "--max-loras", "--max-lora-rank", "--max-cpu-loras",
+        "--revision", "--tokenizer-revision", "--code-revision", "--load-format",
+        "--kv-cache-dtype", "--distributed-executor-backend", "--limit-mm-per-prompt",
+        "--compilation-config", "-O", "--hf-overrides", "--override-generation-config",
+        "--max-logprobs", "--tool-call-parser", "--reasoning-parser", "--uvicorn-log-level",
+        "--scheduling-policy", "--max-seq-len-to-capture", "--num-scheduler-steps",
+        "--rope-scaling", "--rope-theta", "--structured-outputs-config",
+        "--guided-decoding-backend", "--response-role", "--max-parallel-loading-workers",
+        "--long-prefill-token-threshold", "--max-num-partial-prefills",
+        "--mm-processor-kwargs", "--max-long-partial-prefills", "--num-gpu-blocks-override",
+    ]
+)  # fmt: skip
 
 RULES: Mapping[EngineKind, FlagRules] = {
     EngineKind.LLAMA_CPP: FlagRules(LLAMA_CPP),
-    EngineKind.VLLM: FlagRules(VLLM, abbreviations=True, underscores=True, positional_model=True),
+    EngineKind.VLLM: FlagRules(
+        VLLM,
+        abbreviations=True,
+        underscores=True,
+        positional_model=True,
+        value_flags=VLLM_VALUE_FLAGS,
+    ),
     EngineKind.SGLANG: FlagRules(SGLANG, abbreviations=True),
 }
 
@@ -161,25 +202,42 @@ def owned_flag_problems(
     """Why ``args`` may not be passed to ``engine``: one line per refused flag, naming it."""
     rules = RULES[engine]
     problems: list[str] = []
-    takes_value = False  # the previous token was a flag that may take this one as its value
+    takes_value = False  # the previous token was a flag that takes this one as its value
     for arg in args:
         if not arg.startswith("-") or _NUMBER.match(arg) or arg == "-":
             if rules.positional_model and not takes_value:
                 problems.append(
                     f"{field}: {arg!r} is a positional argument, which vLLM serve takes as the "
-                    f"model ({MODEL}): remove it, or give it after the flag it belongs to"
+                    f"model ({MODEL}), or the value of a flag not known to take one: remove it, "
+                    "or give it as --flag=value"
                 )
             takes_value = False
             continue
         name, eq, _ = arg.partition("=")
-        takes_value = not eq
         found = _owned(name, rules)
+        # An owned flag is refused already: its value needs no second line.
+        takes_value = not eq and (found is not None or _takes_value(name, rules))
         if found is None:
             continue
         flag, why = found
         shown = name if name == flag else f"{name} (read as {flag})"
         problems.append(f"{field}: {shown} {why}: remove it from {field}")
     return problems
+
+
+def _takes_value(name: str, rules: FlagRules) -> bool:
+    """Whether flag ``name`` takes the next word as its value, as far as llmgw knows.
+
+    Only judged where a bare word could be the model (vLLM); elsewhere every
+    flag may take one (llama.cpp and SGLang read no positional argument).
+    """
+    if not rules.positional_model:
+        return True
+    if rules.underscores and name.startswith("--"):
+        if "." in name:
+            return True  # --json-arg.key value
+        name = name.replace("_", "-")
+    return name in rules.value_flags
 
 
 def _owned(name: str, rules: FlagRules) -> tuple[str, str] | None:

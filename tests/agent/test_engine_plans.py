@@ -90,7 +90,7 @@ def test_vllm_single_node() -> None:
     plan = plan_shard(request(EngineKind.VLLM, pp=2, dtype="bfloat16"), KEY, {"PATH": "/bin"})
     (cmd,) = plan.commands
     assert cmd.argv == (
-        "vllm", "serve", "--model", "/models/llama-70b",
+        "vllm", "serve", "/models/llama-70b",
         "--tensor-parallel-size", "2", "--pipeline-parallel-size", "2", "--dtype", "bfloat16",
         "--served-model-name", "llama-70b", "--host", "10.0.0.1", "--port", "8001",
     )  # fmt: skip
@@ -123,6 +123,8 @@ def test_vllm_module_launcher_and_cpu_flags_pass_through() -> None:
     plan = adapter.plan(req, KEY, {})
     argv = plan.commands[0].argv
     assert argv[:3] == ("/venvs/vllm/bin/python", "-m", "vllm.entrypoints.openai.api_server")
+    # The API server module reads the model from --model only (vllm serve: positional).
+    assert argv[3:5] == ("--model", "/models/llama-70b")
     assert argv[-len(cpu_args) :] == cpu_args
     assert plan.env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
     assert plan.env["CUDA_VISIBLE_DEVICES"] == ""

@@ -64,6 +64,18 @@ LLAMA, VLLM, SGLANG = EngineKind.LLAMA_CPP, EngineKind.VLLM, EngineKind.SGLANG
         (VLLM, ["--uds", "/tmp/s.sock"], "--uds"),
         (VLLM, ["gpt2"], "'gpt2' is a positional argument"),
         (VLLM, ["--enforce-eager=true", "org/model"], "'org/model' is a positional"),
+        # A switch takes no value: the word after it is a positional (the model).
+        (VLLM, ["--enforce-eager", "/anywhere"], "'/anywhere' is a positional"),
+        (VLLM, ["--trust-remote-code", "gpt2"], "'gpt2' is a positional"),
+        (VLLM, ["--enforce_eager", "/anywhere"], "'/anywhere' is a positional"),
+        (VLLM, ["--reasoning-parser-plugin", "/tmp/p.py"], "--reasoning-parser-plugin"),
+        (VLLM, ["--logits-processors", "mod:Cls"], "--logits-processors"),
+        (VLLM, ["--worker-extension-cls", "mod.Cls"], "--worker-extension-cls"),
+        (VLLM, ["--kv-transfer-config", "{}"], "--kv-transfer-config"),
+        (VLLM, ["--kv-events-config={}"], "--kv-events-config"),
+        (VLLM, ["--otlp-traces-endpoint", "h:4317"], "--otlp-traces-endpoint"),
+        (VLLM, ["--generation-config", "/elsewhere"], "--generation-config"),
+        (VLLM, ["--chat-template", "/etc/shadow"], "--chat-template"),
         # SGLang.
         (SGLANG, ["--model-path", "/anywhere"], "--model-path"),
         (SGLANG, ["--model", "/anywhere"], "--model"),
@@ -74,6 +86,9 @@ LLAMA, VLLM, SGLANG = EngineKind.LLAMA_CPP, EngineKind.VLLM, EngineKind.SGLANG
         (SGLANG, ["--lora-paths", "a=/tmp/a"], "--lora-paths"),
         (SGLANG, ["--download-dir", "/tmp/hf"], "--download-dir"),
         (SGLANG, ["--tokenizer-path", "/elsewhere"], "--tokenizer-path"),
+        (SGLANG, ["--tool-server", "http://x"], "--tool-server"),
+        (SGLANG, ["--custom-weight-loader", "mod.fn"], "--custom-weight-loader"),
+        (SGLANG, ["--chat-template=/etc/shadow"], "--chat-template"),
     ],
 )
 def test_owned_flags_are_refused_naming_the_flag(
@@ -93,6 +108,8 @@ def test_owned_flags_are_refused_naming_the_flag(
         (VLLM, ["--enforce-eager"]),
         (VLLM, ["--max-num-seqs", "8", "--dtype=bfloat16", "--seed", "-1"]),
         (VLLM, ["--tokenizer-mode", "auto", "--hf-overrides.max_position_embeddings", "64"]),
+        (VLLM, ["--dtype", "float32", "--max-model-len", "512", "--enforce-eager"]),
+        (VLLM, ["--enforce-eager", "--max_num_seqs", "8", "--some-new-option=value"]),
         (SGLANG, ["--mem-fraction-static", "0.8", "--tokenizer-mode", "slow"]),
     ],
 )

@@ -156,7 +156,16 @@ class VllmPlanner:
     def _engine_flags(self, request: ShardRequest) -> list[str]:
         """Flags every rank needs: they shape the model each rank builds."""
         p = request.profile
-        flags = ["--model", request.model.source, "--tensor-parallel-size", str(p.tp)]
+        if VLLM_API_SERVER_MODULE in self._launch.vllm:
+            # The API server module reads the model from --model only (a bare
+            # word is its parser's unused model_tag).
+            flags = ["--model", request.model.source]
+        else:
+            # vllm serve: the model as its one positional argument, so its
+            # parser refuses any second one (a bare word in engine_args, such
+            # as "--enforce-eager /anywhere") instead of taking it as the model.
+            flags = [request.model.source]
+        flags += ["--tensor-parallel-size", str(p.tp)]
         if p.pp > 1:
             flags += ["--pipeline-parallel-size", str(p.pp)]
         if p.dtype:

@@ -147,6 +147,17 @@ class Launch:
     # The engine's own, for its loopback port only: every engine runs as one
     # user and can read another's environ and argv (worker_agent/passthrough.py).
     engine_key: str = ""
+    # The pass-through opens an engine connection per request, keeping none
+    # alive (worker_agent/passthrough.py PassThrough): for ``NO_KEEPALIVE`` engines.
+    close_engine_connections: bool = False
+
+
+# Engines the pass-through keeps no connection alive to: llama-server's HTTP
+# server (cpp-httplib) holds a thread with each kept-alive connection for up to
+# 5 s, which a wake's burst could queue behind (issue 23 item 13). vLLM's and
+# SGLang's (uvicorn) have no such limit: they keep the pooled connections,
+# which spare each request a connect (0.2-0.4 ms).
+NO_KEEPALIVE = frozenset({EngineKind.LLAMA_CPP})
 
 
 class Launcher:
@@ -299,6 +310,7 @@ class Launcher:
             key=key,
             bind=bind,
             engine_key=loopback_key,
+            close_engine_connections=spec.model.engine in NO_KEEPALIVE,
         )
 
     def start(self, spec: ShardSpec, launch: Launch) -> RunningShard:
@@ -312,7 +324,9 @@ class Launcher:
             # First, so it leads the process group: one signal stops it with the engine.
             upstream = f"http://{LOOPBACK}:{launch.internal_port}"
             keys = passthrough.keys_input(launch.key, launch.engine_key or launch.key)
-            argv = passthrough.command(sys.executable, self._host, port, upstream)
+            argv = passthrough.command(
+                sys.executable, self._host, port, upstream, launch.close_engine_connections
+            )
             commands.insert(
                 0, Command(argv, engine_env(os.environ), drops_privileges=True, stdin_secret=keys)
             )

@@ -60,11 +60,16 @@ from worker_agent.users import drop_privileges_on_startup, not_dumpable
 log = logging.getLogger(__name__)
 
 KEY_ENV = "LLMGW_PASSTHROUGH_KEY"
+CLOSE_FLAG = "--close-engine-connections"
 # worker_agent.supervisor.TITLE_ENV, which the agent sets for every process of a
 # shard (not imported: the pass-through starts with as few modules as it can).
 TITLE_ENV = "LLMGW_ENGINE_TITLE"
 # More than any key: stdin is a pipe of one or two lines (a key is ASCII).
 _MAX_KEYS_BYTES = 4096
+# Pooled engine connections are retired after this, below the engines' own
+# keep-alive (5 s: vLLM's and SGLang's uvicorn), so one is never reused just
+# as the engine closes it. llama.cpp's engines get none (``close_engine_connections``).
+KEEPALIVE_S = 4.0
 # Hop-by-hop, and Host (the engine's address goes instead). Expect too: uvicorn
 # answered the client's 100-continue and the body is read; forwarded, it would
 # make aiohttp wait for the engine's.
@@ -103,10 +108,13 @@ class PassThrough:
         connect_timeout_s: float = 10.0,
         listen: str = "",
         engine_key: str = "",
+        close_engine_connections: bool = False,
     ) -> None:
         """``listen``: the address it serves on, as ``endpoint_proof.address`` writes
         it; without it, no endpoint proof is answered (and no router routes here).
-        ``engine_key``: what the engine is sent instead of ``key`` (empty: ``key``)."""
+        ``engine_key``: what the engine is sent instead of ``key`` (empty: ``key``).
+        ``close_engine_connections``: a connection per request, none kept alive
+        (llama.cpp's engines: see ``_open``); otherwise pooled for ``KEEPALIVE_S``."""
         if not key:
             raise ValueError("the pass-through needs the engine key")
         self._upstream = upstream.rstrip("/")
@@ -114,6 +122,7 @@ class PassThrough:
         self._engine_auth = f"Bearer {engine_key or key}"
         self._key = key
         self._listen = listen
+        self._close = close_engine_connections
         # No read timeout: a long generation streams for as long as it streams.
         self._timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout_s)
         self._session: aiohttp.ClientSession | None = None
@@ -122,16 +131,8 @@ class PassThrough:
         # Made on first use, in the loop that serves: a session is bound to its loop.
         if self._session is None:
             self._session = aiohttp.ClientSession(
-                # No connection limit: the router bounds concurrency. And no
-                # keep-alive (issue 23 item 13): llama-server's HTTP server keeps
-                # a thread with each kept-alive connection until it sends again
-                # or 5 s pass, and starts another only when none is idle as a
-                # connection is queued, so a burst (a wake dispatches every
-                # waiting request at once) could queue behind idle pooled
-                # connections, answered 5 s late; or find pooled ones the
-                # engine had closed, a 502 even after the one retry. A loopback
-                # connect costs microseconds.
-                connector=aiohttp.TCPConnector(limit=0, force_close=True),
+                # No connection limit: the router bounds concurrency.
+                connector=self._connector(),
                 timeout=self._timeout,
                 # One client's cookies must never reach another's request.
                 cookie_jar=aiohttp.DummyCookieJar(),
@@ -145,6 +146,21 @@ class PassThrough:
             # GET case fails if it stops working.)
             self._session._retry_connection = False
         return self._session
+
+    def _connector(self) -> aiohttp.TCPConnector:
+        if self._close:
+            # No keep-alive for llama.cpp (issue 23 item 13): llama-server's HTTP
+            # server (cpp-httplib) keeps a thread with each kept-alive connection
+            # until it sends again or 5 s pass, and starts another only when none
+            # is idle as a connection is queued, so a burst (a wake dispatches
+            # every waiting request at once) could queue behind idle pooled
+            # connections, answered 5 s late; or find pooled ones the engine had
+            # closed, a 502 even after the one retry. It costs a loopback connect
+            # a request (+0.2-0.4 ms, ~0.2 ms CPU: tests/bench/bench_passthrough.py),
+            # which the engines whose servers have no such limit (vLLM, SGLang:
+            # uvicorn) are spared.
+            return aiohttp.TCPConnector(limit=0, force_close=True)
+        return aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S)
 
     async def aclose(self) -> None:
         """Close the engine connections (the lifespan's shutdown does it when served)."""
@@ -240,10 +256,10 @@ class PassThrough:
                 raise  # no connection at all (a ClientOSError too): not sent again
             except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
                 # The engine closed (FIN) or reset (RST) the connection without
-                # answering: it never answered, so sending it again is safe
-                # (seen on reused kept-alive connections, as one 502 in a few
-                # hundred under `llmgw bench`, before each request had its own).
-                # Once: an engine that died reading it refuses the second one.
+                # answering (a kept-alive one just as it was reused: one 502 in a
+                # few hundred under `llmgw bench` before this retry): it never
+                # answered, so sending it again is safe. Once: an engine that
+                # died reading it refuses the second connection.
                 log.info("engine connection lost before an answer (%r): sending again", exc)
                 upstream = await request()
         except (aiohttp.ClientError, TimeoutError) as exc:
@@ -306,8 +322,15 @@ async def _lifespan(receive: Receive, send: Send, close: Callable[[], Awaitable[
             return
 
 
-def command(python: str, listen_host: str, listen_port: int, upstream: str) -> list[str]:
-    """The argv that runs a pass-through (the keys go on its stdin: ``keys_input``).
+def command(
+    python: str,
+    listen_host: str,
+    listen_port: int,
+    upstream: str,
+    close_engine_connections: bool = False,
+) -> list[str]:
+    """The argv that runs a pass-through (the keys go on its stdin: ``keys_input``);
+    ``close_engine_connections``: see ``PassThrough`` (the engine's plan says).
 
     ``-I``: an isolated interpreter, which puts neither the working directory
     nor anything from the environment on ``sys.path``; it may be started as
@@ -324,6 +347,7 @@ def command(python: str, listen_host: str, listen_port: int, upstream: str) -> l
         f"{listen}:{listen_port}",
         "--upstream",
         upstream,
+        *([CLOSE_FLAG] if close_engine_connections else []),
     ]
 
 
@@ -381,6 +405,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Authenticating pass-through to an engine.")
     parser.add_argument("--listen", required=True, help="HOST:PORT on the node's address")
     parser.add_argument("--upstream", required=True, help="the engine's loopback URL")
+    parser.add_argument(
+        CLOSE_FLAG, action="store_true", help="a connection per request to the engine"
+    )
     parser.add_argument("--header-timeout", type=float, default=LIMITS.header_timeout_s)
     parser.add_argument("--keepalive-timeout", type=int, default=LIMITS.keepalive_timeout_s)
     parser.add_argument("--max-connections", type=int, default=LIMITS.max_connections)
@@ -402,7 +429,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: no key on stdin (nor {KEY_ENV} set)", file=sys.stderr)
         return 2
     listen = endpoint_proof.address(host, int(port))  # the address the router proves
-    app = PassThrough(args.upstream, key, listen=listen, engine_key=engine_key)
+    app = PassThrough(
+        args.upstream,
+        key,
+        listen=listen,
+        engine_key=engine_key,
+        close_engine_connections=args.close_engine_connections,
+    )
     uvicorn.run(
         # Started as root (worker_agent/spawn.py user_for): the engine user from here.
         drop_privileges_on_startup(app, os.environ),

@@ -13,8 +13,23 @@ thread, which makes the race certain: the pass-through must not keep idle engine
 connections for long."""
 
 import asyncio
+import os
 import time
+from pathlib import Path
 
+from temporalio.testing import ActivityEnvironment
+
+from activities.node import NodeActivities
+from llmgw.dev.tinymodel import TinyModel
+from llmgw.keys import engine_key
+from llmgw.types import (
+    EngineKind,
+    LaunchShardInput,
+    ModelSpec,
+    ShardRef,
+    ShardSpec,
+    StopShardInput,
+)
 from tests.agent.test_passthrough import (
     AUTH,
     Client,
@@ -24,6 +39,11 @@ from tests.agent.test_passthrough import (
     read_request,
     response,
 )
+from tests.harness import cpu_inventory, free_port, llama_only
+from worker_agent import passthrough
+from worker_agent.installs.llamacpp import LlamaCppInstall
+from worker_agent.launch import Launcher
+from worker_agent.supervisor import Supervisor
 
 # cpp-httplib's CPPHTTPLIB_KEEPALIVE_TIMEOUT_SECOND
 ENGINE_KEEPALIVE_S = 5.0
@@ -52,8 +72,13 @@ def one_thread_engine() -> tuple[asyncio.Semaphore, object]:
 
 
 async def test_a_burst_is_not_queued_behind_idle_engine_connections() -> None:
+    """In llama.cpp's mode (``close_engine_connections``): in the pooled mode
+    vLLM and SGLang get, this takes 4-5 s a burst."""
     _, serve = one_thread_engine()
-    async with engine(serve) as seen, front(seen.port) as port:  # type: ignore[arg-type]
+    async with (
+        engine(serve) as seen,  # type: ignore[arg-type]
+        front(seen.port, close_engine_connections=True) as port,
+    ):
         clients = [await Client.open(port) for _ in range(4)]
         try:
             for _ in range(2):  # the second burst finds what the first left
@@ -74,3 +99,41 @@ async def test_a_burst_is_not_queued_behind_idle_engine_connections() -> None:
             for c in clients:
                 await c.close()
     assert len(seen.requests) == 8
+
+
+async def test_the_engine_plan_says_which_engines_get_a_connection_per_request(
+    llama: LlamaCppInstall, tiny: TinyModel, tmp_path: Path
+) -> None:
+    """llama.cpp's pass-through is started in that mode (its cmdline says so);
+    vLLM's and SGLang's keep pooled connections, which spare each request a
+    connect (tests/bench/bench_passthrough.py)."""
+    sup = Supervisor(tmp_path)
+    start = free_port()
+    launcher = Launcher(
+        supervisor=sup,
+        installs=llama_only(llama, tmp_path),
+        engine_key=lambda rid: engine_key("test-secret", rid),
+        engine_host="127.0.0.1",
+        ports=range(start, start + 50),
+        inventory=cpu_inventory,
+        threads=1,
+    )
+    acts = NodeActivities(launcher)
+    for kind in (EngineKind.VLLM, EngineKind.SGLANG):
+        model = ModelSpec(name=f"m-{kind.value}", engine=kind, source="org/model")
+        async with launcher.planned(ShardSpec(replica_id=f"r-{kind.value}", model=model)) as plan:
+            assert plan.close_engine_connections is False, kind
+    model = ModelSpec(name="tiny-close", engine=EngineKind.LLAMA_CPP, source=str(tiny.model_path))
+    ref = ShardRef(replica_id="close-1")
+    env = ActivityEnvironment()
+    handle = await env.run(
+        acts.launch_shard, LaunchShardInput(spec=ShardSpec(replica_id=ref.replica_id, model=model))
+    )
+    try:
+        # The pass-through leads the shard's process group.
+        cmdline = Path(f"/proc/{os.getpgid(handle.pid)}/cmdline").read_bytes().replace(b"\0", b" ")
+        assert b"worker_agent.passthrough" in cmdline, cmdline
+        assert passthrough.CLOSE_FLAG.encode() in cmdline, cmdline
+    finally:
+        await env.run(acts.stop_shard, StopShardInput(shard=ref, grace_s=5))
+        await acts.aclose()

@@ -1,17 +1,11 @@
-"""Reading processes from /proc: fingerprints that survive pid reuse."""
+"""Reading processes from /proc: identities that survive pid reuse."""
 
-from dataclasses import dataclass
+import re
 from pathlib import Path
 
 PROC = Path("/proc")
-
-
-@dataclass(frozen=True)
-class Fingerprint:
-    """A live process as /proc shows it: a reused pid differs in start time."""
-
-    start_time: int
-    cmdline: tuple[str, ...]
+# An environment entry: NAME=value, NAME as a shell variable name.
+_ENV_ENTRY = re.compile(rb"[A-Za-z_][A-Za-z0-9_]*=")
 
 
 def _stat_fields(pid: int) -> list[str] | None:
@@ -22,20 +16,6 @@ def _stat_fields(pid: int) -> list[str] | None:
     # comm (field 2) may contain spaces and parentheses: split after the last ')'.
     rest = raw[raw.rfind(")") + 2 :].split()
     return rest
-
-
-def fingerprint(pid: int) -> Fingerprint | None:
-    """The fingerprint of a live process, or None if there is none."""
-    fields = _stat_fields(pid)
-    if fields is None:
-        return None
-    try:
-        raw_cmd = (PROC / str(pid) / "cmdline").read_bytes()
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
-        return None
-    cmdline = tuple(part.decode(errors="replace") for part in raw_cmd.split(b"\0") if part)
-    # Field 22 of stat is starttime; rest[] starts at field 3.
-    return Fingerprint(start_time=int(fields[19]), cmdline=cmdline)
 
 
 def same_process(pid: int, recorded: object, marker: str | None = None) -> bool:
@@ -72,16 +52,20 @@ def environ_has(pid: int, entry: str) -> bool | None:
     """Whether ``/proc/<pid>/environ`` holds ``entry`` (``NAME=value``).
 
     None where it cannot be told: not readable (another user's process to a
-    non-root agent, or one made non-dumpable), or empty (a process between
-    exec and its new image being set up shows none yet).
+    non-root agent, or one made non-dumpable), empty (a process between exec
+    and its new image being set up shows none yet), or holding no
+    ``NAME=value`` entry at all: a process that retitled itself over its
+    environment's memory (setproctitle without SPT_NOENV, as vLLM does) shows
+    its title's tail and NULs there, which says nothing about the marker.
     """
     try:
         raw = (PROC / str(pid) / "environ").read_bytes()
     except OSError:
         return None
-    if not raw:
+    entries = raw.split(b"\0")
+    if not any(_ENV_ENTRY.match(e) for e in entries):
         return None
-    return entry.encode() in raw.split(b"\0")
+    return entry.encode() in entries
 
 
 def is_zombie_or_gone(pid: int) -> bool:

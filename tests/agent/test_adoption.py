@@ -80,7 +80,7 @@ def test_reused_pid_is_left_alone_and_the_shard_lost(first: Supervisor, tmp_path
         spec.write_text(json.dumps(data))
         report = adopt(Supervisor(tmp_path, "n1"))
         assert report.adopted == [] and report.lost == [ShardRef(replica_id="rr")]
-        assert procfs.fingerprint(stranger.pid) is not None, "the stranger must survive"
+        assert procfs.start_time(stranger.pid) is not None, "the stranger must survive"
         # The real engine now has no spec: it is an unidentified engine, killed.
         assert report.killed == [real]
         assert wait_for(lambda: pids_with_args("tag-reused") == [], 5)

@@ -15,7 +15,7 @@ from tests.procs_util import pids_with_args
 from worker_agent import procfs
 from worker_agent.shard_record import ShardRecord, SpecFile
 from worker_agent.spawn import Command
-from worker_agent.supervisor import TITLE_ENV, Supervisor
+from worker_agent.supervisor import ENGINE_MARKER, TITLE_ENV, Supervisor, engine_title
 
 # A stand-in engine that forks a worker, as vLLM and SGLang do, and ignores
 # SIGTERM in the worker so only a group SIGKILL removes it.
@@ -77,12 +77,10 @@ def test_reused_pid_is_not_adopted(tmp_path: Path) -> None:
     sup.stop(ref, grace_s=0.5)
 
 
-def test_fingerprint_reads_start_time_and_cmdline() -> None:
-    fp = procfs.fingerprint(os.getpid())
-    assert fp is not None
-    assert fp.start_time > 0
-    assert Path(fp.cmdline[0]).name.startswith("python") or "pytest" in " ".join(fp.cmdline)
-    assert procfs.fingerprint(2**22 + 7) is None
+def test_start_time_of_a_live_process_and_none_for_a_gone_one() -> None:
+    start = procfs.start_time(os.getpid())
+    assert start is not None and start > 0
+    assert procfs.start_time(2**22 + 7) is None
 
 
 def test_log_is_trimmed_keeping_the_newest_part(tmp_path: Path) -> None:
@@ -191,6 +189,44 @@ def test_a_process_without_the_recorded_marker_is_not_the_engine(tmp_path: Path)
     assert pids_with_args("tag-marked") == []
 
 
+# A stand-in for vLLM: setproctitle without SPT_NOENV writes the title over
+# the memory /proc/<pid>/environ shows, marker included.
+RETITLING_ENGINE = """
+import os, sys, time
+os.environ.pop("SPT_NOENV", None)
+import setproctitle
+setproctitle.setproctitle("VLLM::EngineCore")
+print("retitled", flush=True)
+while True: time.sleep(1)
+"""
+
+
+def test_an_engine_that_retitled_itself_over_its_environment_is_adopted(
+    tmp_path: Path,
+) -> None:
+    """Its environ then holds no NAME=value entry at all: that says nothing of
+    the marker (unreadable, not absent), so pid and start time decide. The old
+    reading took it for "marker absent" and a restarted agent killed a healthy
+    vLLM."""
+    first = Supervisor(tmp_path)
+    ref = ShardRef(replica_id="retitled")
+    command = Command([sys.executable, "-c", RETITLING_ENGINE, "tag-retitled"], dict(os.environ))
+    pid = first.launch(ref, [command], 1, "x", ShardRecord()).pid
+    log = first.shard_dir(ref) / "engine.log"
+    try:
+        assert wait_for(lambda: log.exists() and b"retitled" in log.read_bytes(), 30)
+        environ = Path(f"/proc/{pid}/environ").read_bytes()
+        assert environ and f"{ENGINE_MARKER}=".encode() not in environ
+        assert procfs.environ_has(pid, f"{ENGINE_MARKER}={first.marker}") is None
+        found = Supervisor(tmp_path).find_running(ref)
+        assert found is not None and found.pid == pid
+    finally:
+        first.stop(ref, grace_s=0.5)
+    assert pids_with_args("tag-retitled") == []
+    assert procfs.environ_has(os.getpid(), f"PATH={os.environ['PATH']}") is True
+    assert procfs.environ_has(os.getpid(), f"{ENGINE_MARKER}=/elsewhere") is False
+
+
 def _old_spec_file(pid: int, start_time: int, cmdline: list[str]) -> dict[str, object]:
     """A spec.json as agents wrote it before ShardRecord (a plain dict, json.dumps)."""
     return {
@@ -225,10 +261,12 @@ def test_spec_files_written_before_shard_record_still_load(tmp_path: Path) -> No
         [sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True
     )
     try:
-        assert wait_for(lambda: bool((fp := procfs.fingerprint(stranger.pid)) and fp.cmdline), 5)
-        fp = procfs.fingerprint(stranger.pid)
-        assert fp is not None
-        old = _old_spec_file(stranger.pid, fp.start_time, list(fp.cmdline))
+        cmdline_file = Path(f"/proc/{stranger.pid}/cmdline")
+        assert wait_for(lambda: b"time.sleep" in cmdline_file.read_bytes(), 5)
+        cmdline = cmdline_file.read_bytes().decode().split("\0")[:-1]
+        started = procfs.start_time(stranger.pid)
+        assert started is not None
+        old = _old_spec_file(stranger.pid, started, cmdline)
         sup = Supervisor(tmp_path)
         ref = ShardRef(replica_id="old")
         sup.shard_dir(ref).mkdir(parents=True)
@@ -253,7 +291,7 @@ def test_spec_files_written_before_shard_record_still_load(tmp_path: Path) -> No
         assert loaded.model_dump(mode="json") == {
             **old, "fingerprint": fingerprint, "group_start_time": None,
         }  # fmt: skip
-        assert loaded.leader_start == fp.start_time  # the pid led its group
+        assert loaded.leader_start == started  # the pid led its group
     finally:
         stranger.kill()
         stranger.wait()
@@ -324,6 +362,10 @@ def test_engines_are_titled_with_their_replica(tmp_path: Path) -> None:
     sup.launch(ref, [python, native], 1, "x", ShardRecord(engine="llama.cpp"))
     try:
         title = "llmgw llama.cpp replica titled-1 rank 2"
+        assert engine_title(ref, "llama.cpp") == title
+        # Just after exec a command line can read empty: wait for both.
+        assert wait_for(lambda: len(pids_with_args(f"sleep [{title}]", "600")) == 1, 10)
+        assert wait_for(lambda: len(pids_with_args("tag-t")) == 1, 10)
         [native_pid] = pids_with_args(f"sleep [{title}]", "600")
         [python_pid] = pids_with_args("tag-t")
         assert Path(f"/proc/{python_pid}/cmdline").read_bytes().startswith(sys.executable.encode())

@@ -51,7 +51,7 @@ from llmgw.types import (
 )
 from worker_agent.engines import LaunchValidationError, ReadyProbe
 from worker_agent.installs.llamacpp import EngineInstallError
-from worker_agent.launch import Launcher
+from worker_agent.launch import LOOPBACK_KEY_PREFIX, Launcher
 from worker_agent.probes import engine_busy, engine_load, probe_ready
 from worker_agent.supervisor import RunningShard
 from worker_agent.weights import WeightsError
@@ -68,12 +68,10 @@ _KEY_SETTING = re.compile(
     r"""(?i)((?:--)?api[_-]?keys?["']?\s*[=:]?\s*\[?\s*["']?)([^\s"',)\]]+)"""
 )
 # Keys printed bare: a replica's engine key, and an engine's own loopback key
-# (``secrets.token_urlsafe(32)``, worker_agent/launch.py; not kept by the agent,
-# so matched by its form: 43 URL-safe characters, letters and digits both).
+# (worker_agent/launch.py new_loopback_key; not kept by the agent, so matched
+# by its prefix). Engines from before loopback keys hold the replica key.
 _BARE_KEY = re.compile(
-    r"llmgw-engine-[0-9a-f]{16,}"
-    r"|(?<![A-Za-z0-9_-])(?=[A-Za-z0-9_-]*[0-9])(?=[A-Za-z0-9_-]*[A-Za-z])[A-Za-z0-9_-]{43}"
-    r"(?![A-Za-z0-9_-])"
+    r"llmgw-engine-[0-9a-f]{16,}|" + re.escape(LOOPBACK_KEY_PREFIX) + r"[0-9a-f]{16,}"
 )
 
 

@@ -160,6 +160,16 @@ class Launch:
 NO_KEEPALIVE = frozenset({EngineKind.LLAMA_CPP})
 
 
+# An engine's own loopback key: the prefix lets a log tail's redaction
+# (activities/node.py) find it exactly, as the agent does not keep it.
+LOOPBACK_KEY_PREFIX = "llmgw-loop-"
+
+
+def new_loopback_key() -> str:
+    """A fresh loopback key: ``LOOPBACK_KEY_PREFIX`` and 64 hex digits."""
+    return LOOPBACK_KEY_PREFIX + secrets.token_hex(32)
+
+
 class Launcher:
     """Plans and starts the shards of one node; dependencies come through the constructor."""
 
@@ -298,7 +308,7 @@ class Launcher:
             ),
         )
         key = self.engine_key(spec.replica_id)
-        loopback_key = secrets.token_urlsafe(32)
+        loopback_key = new_loopback_key()
         planners = self.installs.planners(spec.model.profile.device)
         plan = plan_shard(request, loopback_key, engine_env(os.environ), planners)
         if plan.serves_http and not fronted:

@@ -4,7 +4,6 @@ errors) with the engine key redacted. SGLang prints its ``server_args``,
 the API key included; a real llama.cpp engine here, its log carrying the key
 as engines print it."""
 
-import secrets
 from pathlib import Path
 
 import pytest
@@ -27,6 +26,7 @@ from llmgw.types import (
 )
 from tests.harness import node_activities
 from worker_agent.installs.llamacpp import LlamaCppInstall
+from worker_agent.launch import new_loopback_key
 from worker_agent.supervisor import Supervisor
 
 SECRET = "test-secret"
@@ -34,9 +34,7 @@ SECRET = "test-secret"
 
 def test_printed_keys_are_redacted_in_every_form() -> None:
     key = "k-0123456789"
-    loopback = secrets.token_urlsafe(32)  # an engine's own key (worker_agent/launch.py)
-    while not (any(c.isdigit() for c in loopback) and any(c.isalpha() for c in loopback)):
-        loopback = secrets.token_urlsafe(32)  # the form matched (1 in ~1,400 is not)
+    loopback = new_loopback_key()  # an engine's own key (worker_agent/launch.py)
     replica_key = engine_key("another-secret", "another-replica")
     lines = [
         f"server_args=ServerArgs(model_path='/m', api_key='{key}', port=30000)",
@@ -54,6 +52,18 @@ def test_printed_keys_are_redacted_in_every_form() -> None:
     assert out[0] == f"server_args=ServerArgs(model_path='/m', api_key='{REDACTED}', port=30000)"
     assert out[2] == f"argv: llama-server --api-key {REDACTED} --port 1"
     assert out[-1] == lines[-1]  # ordinary lines pass as they are
+
+
+def test_every_loopback_key_is_redacted_exactly() -> None:
+    """Each of many loopback keys, however its random part falls (the old form,
+    ``token_urlsafe(32)`` matched by its shape, escaped about 1 launch in
+    1,500), and nothing else of that length."""
+    for _ in range(20_000):
+        key = new_loopback_key()
+        assert redacted([f"Bearer {key}, ok"], []) == [f"Bearer {REDACTED}, ok"]
+    # A digest or an id of a key's length is no key.
+    kept = ["sha256 " + "ab12" * 16, "id " + "A" * 21 + "b9_-" + "c" * 18]
+    assert redacted(kept, []) == kept
 
 
 @pytest.mark.timeout(300)

@@ -5,7 +5,6 @@ user it can make, it refuses to start engines and the replica says why."""
 import contextlib
 import json
 import os
-import platform
 import secrets
 import shutil
 import subprocess
@@ -26,10 +25,9 @@ from llmgw.errors import EngineError
 from llmgw.keys import engine_key
 from llmgw.store import Store
 from llmgw.types import EngineKind, ModelSpec, ReplicaTimeouts, ShardRef
+from tests.conftest import LlamaPath
 from tests.harness import System, free_port
 from worker_agent import procfs
-from worker_agent.installs import llamacpp
-from worker_agent.installs.llamacpp import wheel_supported
 from worker_agent.supervisor import Supervisor
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="dropping to another user needs root")
@@ -377,20 +375,6 @@ def _private_venv(clone: Path) -> Path:
     return python
 
 
-_WHEEL_HERE = wheel_supported(platform.machine(), llamacpp._read_cpu_flags())
-
-
-@pytest.mark.parametrize(
-    "choice",
-    [
-        pytest.param(
-            "auto",
-            id="wheel",
-            marks=pytest.mark.skipif(not _WHEEL_HERE, reason="this CPU cannot run the wheel"),
-        ),
-        pytest.param("portable", id="portable"),
-    ],
-)
 async def test_a_clone_whose_venv_is_private_too_runs_its_engines_as_the_engine_user(
     temporal_address: str,
     client: Client,
@@ -398,17 +382,23 @@ async def test_a_clone_whose_venv_is_private_too_runs_its_engines_as_the_engine_
     private_root: Path,
     system_dir: Path,
     user_name: str,
-    choice: str,
+    llama_path: LlamaPath,
 ) -> None:
     """``make run`` makes the venv in the clone, so under root's 0700 home the engine
-    user reaches neither the wheel's llama-server nor xllamacpp there: the agent
-    copies what the engine runs into the system dir's engine cache, and the engine
-    serves as that user from the copy (on the old code the wheel was refused,
-    "cannot reach .../llama-server", and the portable server failed to import)."""
+    user reaches neither the wheel's llama-server nor xllamacpp there, nor a source
+    build in the clone's engine cache: the agent copies what the engine runs into
+    the system dir's engine cache (a build is copied, not built again), and the
+    engine serves as that user from the copy. On the old code the wheel was
+    refused ("cannot reach .../llama-server"), the portable server failed to
+    import xllamacpp, and the build was started again in the system dir."""
+    choice = llama_path.setting
     clone = private_root / "clone"
     work = clone / ".llmgw"
     work.mkdir(parents=True)
     python = _private_venv(clone)
+    if llama_path.install.source == "build":  # finished in the clone's cache, as make run left it
+        built = llama_path.install.server.parent.parent
+        shutil.copytree(built, work / "engines" / "llama.cpp" / built.name, copy_function=os.link)
     system = System(temporal_address, work, free_port())
     node = f"venv-node-{user_name}"
     replica_id = ""
@@ -421,7 +411,7 @@ async def test_a_clone_whose_venv_is_private_too_runs_its_engines_as_the_engine_
         "LLMGW_ALLOW_ROOT_ENGINES": "false",
         "LLMGW_SYSTEM_DIR": str(system_dir),
         "LLMGW_ENGINE_CACHE_DIR": str(work / "engines"),
-        "LLMGW_LLAMA_CPP": choice,
+        **llama_path.agent_env(),
     }
     try:
         system.catalog(spec)
@@ -450,7 +440,9 @@ async def test_a_clone_whose_venv_is_private_too_runs_its_engines_as_the_engine_
             exe = Path(f"/proc/{shard.pid}/exe").resolve()
             assert exe.parent.parent.parent == copies and exe.name == "llama-server", exe
         assert str(clone) not in maps
-        assert f"engine cache: {base / 'engines'}" in agent.log_tail(400)
+        log = agent.log_tail(400)
+        assert f"engine cache: {base / 'engines'}" in log
+        assert f"copying llama.cpp ({llama_path.install.source})" in log and "building" not in log
         body = {"model": spec.name, "prompt": "hi", "max_tokens": 4}
         async with httpx.AsyncClient(timeout=60) as http:
             r = await http.post(

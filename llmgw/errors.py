@@ -10,6 +10,7 @@ module are named with where they live::
     │                             (worker_agent/engines/spec.py; also a ValueError)
     ├── StoreError                the store could not answer
     ├── TemporalConnectError      no Temporal client: unreachable, or refused (TLS, API key)
+    ├── InstanceRunningError      another live ``llmgw up`` holds the work dir (llmgw/cli/up.py)
     ├── EngineError               an engine shard misbehaved
     │   ├── EngineLaunchError     it could not be started
     │   │   └── EngineUserError   ...because it would have to run as root
@@ -73,6 +74,12 @@ class TemporalConnectError(LlmgwError):
     """No Temporal client could be made: the server is unreachable or refused
     the connection (TLS handshake, certificate, API key). The message says how
     llmgw tried, never the key."""
+
+
+class InstanceRunningError(LlmgwError):
+    """Another live ``llmgw up`` holds this work dir's lock: nothing of it is touched."""
+
+    retryable = False
 
 
 class EngineError(LlmgwError):

@@ -54,6 +54,7 @@ import aiohttp
 from yarl import URL
 
 from llmgw import endpoint_proof
+from llmgw.errors import EngineLaunchError
 from llmgw.listener import ListenerLimits, fit_open_files, limited_protocol
 from worker_agent.users import drop_privileges_on_startup, not_dumpable
 
@@ -355,7 +356,7 @@ def keys_input(key: str, engine_key: str) -> bytes:
     """What the agent writes to a pass-through's stdin: the replica key, then the engine's."""
     for k in (key, engine_key):
         if not k or any(c.isspace() for c in k):
-            raise ValueError("a key is one non-empty word")
+            raise EngineLaunchError("a key is one non-empty word")
     return f"{key}\n{engine_key}\n".encode()
 
 

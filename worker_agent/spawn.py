@@ -145,7 +145,7 @@ def _secret_pipe(secret: bytes) -> Iterator[int]:
         fd = os.open(os.devnull, os.O_RDONLY)
     else:
         if len(secret) > select.PIPE_BUF:
-            raise ValueError("a secret must fit a pipe's atomic write")
+            raise EngineLaunchError("a secret must fit a pipe's atomic write")
         fd, write_end = os.pipe()
         try:
             os.write(write_end, secret)

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from llmgw.errors import EngineUserError
+from llmgw.errors import EngineLaunchError, EngineUserError
 
 log = logging.getLogger(__name__)
 
@@ -446,7 +446,8 @@ def not_dumpable() -> None:
     """
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE, 0) failed")
+        err = ctypes.get_errno()
+        raise EngineLaunchError(f"prctl(PR_SET_DUMPABLE, 0) failed: {os.strerror(err)}")
 
 
 def drop_privileges(drop_to: str) -> None:
@@ -465,7 +466,7 @@ def drop_privileges(drop_to: str) -> None:
     os.setgid(int(gid))
     os.setuid(int(uid))
     if 0 in (os.getuid(), os.geteuid()) or 0 in os.getresuid():
-        raise SystemExit(f"still root after dropping to {drop_to}")
+        raise EngineUserError(f"still root after dropping to {drop_to}")
     not_dumpable()
     if home:
         os.chdir(home)

@@ -38,7 +38,7 @@ from temporalio.service import RPCError
 from llmgw import replicas
 from llmgw.cli.procs import Child, Supervised, log_tail, wait_for
 from llmgw.dev.tinymodel import generate_tiny_model
-from llmgw.errors import LlmgwError
+from llmgw.errors import InstanceRunningError, LlmgwError
 from llmgw.lifecycle import stop_event_on_signals, unless_stopped
 from llmgw.settings import UpSettings
 from llmgw.store import Store
@@ -356,7 +356,7 @@ def instance_lock(work: Path) -> Iterator[None]:
     names the holder's pid, for the message.
 
     Raises:
-        LlmgwError: another live process holds the lock.
+        InstanceRunningError: another live process holds the lock.
     """
     work.mkdir(parents=True, exist_ok=True)
     path = work / "up.lock"
@@ -366,7 +366,7 @@ def instance_lock(work: Path) -> Iterator[None]:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-            raise LlmgwError(
+            raise InstanceRunningError(
                 f"another llmgw up is running in {work} (pid {holder}): not starting;"
                 " its processes and engines are left alone. Stop it first (Ctrl-C"
                 " where it runs), or use another LLMGW_WORK_DIR."
@@ -383,7 +383,7 @@ async def run_up(settings: UpSettings, say: Say, announce: Announce) -> None:
     (which also interrupts a start-up still under way).
 
     Raises:
-        LlmgwError: another ``llmgw up`` runs in the work dir.
+        InstanceRunningError: another ``llmgw up`` runs in the work dir.
     """
     with instance_lock(settings.work_dir.resolve()):
         up = Up(settings, say)

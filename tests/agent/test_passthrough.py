@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import uvicorn
 
+from llmgw.errors import EngineLaunchError
 from tests.harness import reset as rst
 from worker_agent.passthrough import KEY_ENV, PassThrough, keys_input
 
@@ -469,5 +470,5 @@ def test_keys_come_on_stdin_and_stdin_is_closed_after(tmp_path: Path) -> None:
         input=b"", capture_output=True, env={**env, KEY_ENV: "k"}, timeout=60, check=True,
     )  # fmt: skip
     assert by_hand.stdout.startswith(b"('k', 'k')")
-    with pytest.raises(ValueError):
+    with pytest.raises(EngineLaunchError):
         keys_input("two words", "x")

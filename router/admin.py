@@ -37,6 +37,7 @@ from router.apikeys import KeyInfo, KeyPolicy, KeyUpdate
 from router.blocking import within
 from router.deps import Deps, get_deps
 from router.errors import (
+    Incident,
     invalid_fields,
     name_mismatch,
     no_temporal_client,
@@ -235,20 +236,20 @@ async def admin_nodes(deps: DepsDep) -> dict[str, Any]:
 @router.get("/errors")
 async def admin_errors(
     deps: DepsDep, limit: Annotated[int, Query(ge=1, le=1000)] = 100
-) -> list[dict[str, object]]:
+) -> list[Incident]:
     """The latest errors clients got as a fixed message and an error id, with
     their full reasons, newest first (this router's; its log keeps them all)."""
-    return [i.view() for i in deps.admission.incidents.recent(limit)]
+    return deps.admission.incidents.recent(limit)
 
 
 @router.get("/errors/{error_id}")
-async def admin_error(error_id: str, deps: DepsDep) -> dict[str, object]:
+async def admin_error(error_id: str, deps: DepsDep) -> Incident:
     """Why the client given ``error_id`` (its ``x-request-id``) failed. Only the
     router that answered knows; the latest 1,000 are kept, the log has every one."""
     incident = deps.admission.incidents.get(error_id)
     if incident is None:
         raise not_found("error id on this router", error_id)
-    return incident.view()
+    return incident
 
 
 # Keys and usage ---------------------------------------------------------

@@ -15,12 +15,11 @@ import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from llmgw.errors import LlmgwError
@@ -35,20 +34,18 @@ KEEP_INCIDENTS = 1000
 MAX_REASON_CHARS = 4000
 
 
-@dataclass(frozen=True)
-class Incident:
-    """Why a client got a fixed message: the full reason, for admins only."""
+class Incident(BaseModel):
+    """Why a client got a fixed message: the full reason, for admins only
+    (``/admin/errors``; a model so the API reference documents its fields)."""
 
-    error_id: str
-    at: float  # epoch seconds
-    status: int
-    code: str
-    model: str
-    reason: str
+    model_config = ConfigDict(frozen=True)
 
-    def view(self) -> dict[str, object]:
-        """As the admin API shows it."""
-        return asdict(self)
+    error_id: str = Field(description="The id the client was given (its x-request-id).")
+    at: float = Field(description="When, in epoch seconds.")
+    status: int = Field(description="The HTTP status the client got.")
+    code: str = Field(description="The error code the client got.")
+    model: str = Field(description="The model the request named.")
+    reason: str = Field(description="The full reason (node names, paths, engine output).")
 
 
 class Incidents:
@@ -65,7 +62,14 @@ class Incidents:
         error_id = f"err_{secrets.token_hex(8)}"
         reason = reason[:MAX_REASON_CHARS]
         log.warning("%d %s for `%s` (error id %s): %s", status, code, model, error_id, reason)
-        self._by_id[error_id] = Incident(error_id, self._clock(), status, code, model, reason)
+        self._by_id[error_id] = Incident(
+            error_id=error_id,
+            at=self._clock(),
+            status=status,
+            code=code,
+            model=model,
+            reason=reason,
+        )
         while len(self._by_id) > self._keep:
             self._by_id.popitem(last=False)
         return error_id

@@ -1,6 +1,7 @@
 """The admin API in process: its credential, catalog CRUD with errors naming the
 field, keys shown once, replicas from the routing table, engine keys."""
 
+import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -167,3 +168,13 @@ async def test_openapi_docs_are_served(gw: Gateway) -> None:
     body = schema["paths"]["/v1/chat/completions"]["post"]["requestBody"]
     assert "messages" in str(body)
     assert "/admin/replicas/{replica_id}/engine-key" in schema["paths"]
+
+
+async def test_the_admin_errors_have_a_schema(gw: Gateway) -> None:
+    # The API reference documents an incident's fields, not a bare object.
+    schema = (await gw.http.get("/openapi.json")).json()
+    incident = schema["components"]["schemas"]["Incident"]
+    assert set(incident["properties"]) == {"error_id", "at", "status", "code", "model", "reason"}
+    for path in ("/admin/errors", "/admin/errors/{error_id}"):
+        ok = schema["paths"][path]["get"]["responses"]["200"]["content"]["application/json"]
+        assert "Incident" in json.dumps(ok["schema"]), (path, ok)

@@ -10,6 +10,8 @@ other's adapters, and NCCL then hangs rather than fails.
 from collections.abc import Callable, Mapping
 from datetime import datetime
 
+from temporalio import workflow
+
 from llmgw.types import (
     EngineCapability,
     EngineKind,
@@ -73,17 +75,23 @@ def _cpu_slots(node: NodeInventory, model: ModelSpec, held: list[ShardPlacement]
     return None
 
 
-def missing_capability(node: NodeInventory, model: ModelSpec) -> str | None:
-    """Why ``node``'s engine install cannot run a rank of ``model``, or None.
+# Placement on node capabilities (issue 23 item 15) changed what workflow code
+# decides: a history recorded before it replays without it, so two control
+# workers of different versions never diverge on one placement.
+CAPABILITIES_PATCH = "placement-engine-capabilities-v1"
+
+
+def capability_gap(node: NodeInventory, model: ModelSpec) -> str | None:
+    """Why ``node``'s engine install cannot run a rank of ``model``, or None (the
+    decision alone: ``missing_capability`` applies it where placement may).
 
     A node that reports no capabilities (an agent from before they were
-    reported) is taken to have them all, as before: old histories replay alike.
+    reported) is taken to have them all, as before.
     """
-    if node.capabilities is None:
+    if node.capabilities is None or not needs_capabilities(model):
         return None
     needed = EngineCapability.LLAMA_CPP_RPC
-    spans = model.engine is EngineKind.LLAMA_CPP and model.profile.nodes > 1
-    if spans and needed not in node.capabilities:
+    if needed not in node.capabilities:
         return (
             f"its llama.cpp install has no RPC server (capability {needed.value}), which a "
             f"{model.profile.nodes}-node llama.cpp replica needs on every node: run "
@@ -91,6 +99,27 @@ def missing_capability(node: NodeInventory, model: ModelSpec) -> str | None:
             "serve the model on one node"
         )
     return None
+
+
+def needs_capabilities(model: ModelSpec) -> bool:
+    """Whether a node must report a capability to run ``model``: a multi-node
+    llama.cpp replica needs the RPC server on each."""
+    return model.engine is EngineKind.LLAMA_CPP and model.profile.nodes > 1
+
+
+def capabilities_checked(model: ModelSpec) -> bool:
+    """Whether placement turns nodes down by ``capability_gap`` for ``model``:
+    outside a workflow (``llmgw explain``, tests) always; in one, from
+    ``CAPABILITIES_PATCH`` on. Asked only for the models it concerns, which
+    keeps every other placement's history free of the marker."""
+    if not needs_capabilities(model):
+        return False
+    return not workflow.in_workflow() or workflow.patched(CAPABILITIES_PATCH)
+
+
+def missing_capability(node: NodeInventory, model: ModelSpec) -> str | None:
+    """``capability_gap``, where placement checks capabilities (``capabilities_checked``)."""
+    return capability_gap(node, model) if capabilities_checked(model) else None
 
 
 def _capabilities(node: NodeInventory, model: ModelSpec, held: list[ShardPlacement]) -> str | None:

@@ -52,28 +52,59 @@ def system(temporal_address: str, tmp_path: Path) -> Iterator[System]:
     sys_.stop()
 
 
+@dataclass
+class EngineWatch:
+    """The directories whose agents' engines a test must not leave running."""
+
+    places: list[Path]
+
+    def watch(self, place: Path) -> Path:
+        """Also kill, after the test, engines of agents whose work (or system)
+        dir is under ``place`` (one made outside ``tmp_path``); ``place``."""
+        self.places.append(place)
+        return place
+
+    def left(self) -> list[int]:
+        """Live engines of the watched places."""
+        return sorted({pid for place in self.places for pid in engine_pids(place)})
+
+    def kill_left(self) -> list[int]:
+        """SIGKILL the groups of the engines left; those engines.
+
+        Never pytest's own group: an engine started without a session of its
+        own is killed alone."""
+        left = self.left()
+        for pid in left:
+            try:
+                group = os.getpgid(pid)
+                if group == os.getpgrp():
+                    os.kill(pid, signal.SIGKILL)
+                else:
+                    os.killpg(group, signal.SIGKILL)
+            except ProcessLookupError:
+                continue
+        if left:
+            wait_for(lambda: not self.left(), 10)
+        return left
+
+
 @pytest.fixture(autouse=True)
-def no_engine_outlives_its_test(tmp_path: Path) -> Iterator[None]:
+def no_engine_outlives_its_test(tmp_path: Path) -> Iterator[EngineWatch]:
     """Kill, after the test and its fixtures, every engine it left running.
 
     Every process an agent starts for a shard carries the engine marker,
     naming a shard dir of the agent's (tests/procs_util.py ``agent_places``:
     under the work dir, which tests keep under their ``tmp_path``, or the
-    system place made for it). A test that fails half-way (or a fixture that never got to
+    system place made for it). A fixture that makes a work dir elsewhere
+    (one the engine user can pass: pytest's are 0700) registers it with
+    ``watch``. A test that fails half-way (or a fixture that never got to
     stop what it started) left engines that held CPU slots and ports in the
     tests after it. Autouse: set up first, so torn down last.
     """
-    yield
-    left = engine_pids(tmp_path)
-    if not left:
-        return
-    print(f"\nkilling engines the test left: {left}", file=sys.stderr)
-    for pid in left:
-        try:
-            os.killpg(os.getpgid(pid), signal.SIGKILL)
-        except ProcessLookupError:
-            continue
-    wait_for(lambda: not engine_pids(tmp_path), 10)
+    places = EngineWatch([tmp_path])
+    yield places
+    if left := places.kill_left():
+        print(f"\nkilled engines the test left: {left}", file=sys.stderr)
 
 
 @pytest.fixture(scope="session")
@@ -100,9 +131,17 @@ class LlamaPath:
     def runs(self, pid: int) -> bool:
         """Whether process ``pid`` is this install's llama-server (the portable
         one is python3 under its launcher: known by the title it sets)."""
+        from worker_agent.installs import portable_server  # noqa: PLC0415
+
         proc = Path(f"/proc/{pid}")
         if self.install.source == "portable":
-            return (proc / "cmdline").read_bytes().startswith(b"llama-server [llmgw ")
+            # The title the agent asked for (its environment: SPT_NOENV keeps it).
+            prefix = portable_server.TITLE_ENV.encode() + b"="
+            environ = (proc / "environ").read_bytes().split(b"\0")
+            label = next((e[len(prefix) :] for e in environ if e.startswith(prefix)), b"")
+            env = {portable_server.TITLE_ENV: label.decode()}
+            title = portable_server.title([], env).encode()
+            return bool(label) and (proc / "cmdline").read_bytes().startswith(title + b" ")
         return (proc / "exe").resolve() == self.install.server.resolve()
 
 

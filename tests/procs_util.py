@@ -3,6 +3,8 @@
 import os
 from pathlib import Path
 
+from worker_agent.supervisor import ENGINE_MARKER
+
 
 def pids_with_args(*needles: str) -> list[int]:
     """Live pids whose command line contains every needle."""
@@ -79,5 +81,5 @@ def engine_pids(work: Path, *needles: str) -> list[int]:
     marker, ``LLMGW_ENGINE_OF``) whose command line contains every needle."""
     marked: set[int] = set()
     for place in agent_places(work):
-        marked.update(pids_with_env_prefix(f"LLMGW_ENGINE_OF={place}/"))
+        marked.update(pids_with_env_prefix(f"{ENGINE_MARKER}={place}/"))
     return sorted(pid for pid in pids_with_args(*needles) if pid in marked)

@@ -24,7 +24,7 @@ from worker_agent.adoption import adopt
 from worker_agent.main import stop_orphans
 from worker_agent.shard_record import ShardRecord
 from worker_agent.spawn import Command
-from worker_agent.supervisor import ENGINE_MARKER, Supervisor
+from worker_agent.supervisor import ENGINE_MARKER, Supervisor, engine_title
 
 ENGINE = """
 import os, sys, time
@@ -142,7 +142,8 @@ async def test_a_real_engine_is_adopted_on_each_install_path(
         assert wait_for(lambda: llama_path.runs(handle.pid), 30), llama_path
         # Titled for ps, whichever install (issue 23 item 14).
         cmdline = Path(f"/proc/{handle.pid}/cmdline").read_bytes().replace(b"\0", b" ")
-        assert cmdline.startswith(b"llama-server [llmgw llama.cpp replica real-1 rank 0] "), cmdline
+        title = engine_title(ShardRef(replica_id="real-1"), "llama.cpp")
+        assert cmdline.startswith(f"llama-server [{title}] ".encode()), cmdline
         assert b"--alias tiny-adopted" in cmdline
         group = os.getpgid(handle.pid)
         members = sorted(procfs.group_members(group))

@@ -28,6 +28,7 @@ from llmgw.types import (
     StopShardInput,
     WaitReadyInput,
 )
+from tests.conftest import EngineWatch
 from tests.harness import free_port, node_activities
 from worker_agent import passthrough, procfs
 from worker_agent.installs.llamacpp import LlamaCppInstall
@@ -50,9 +51,11 @@ def user_name() -> Iterator[str]:
 
 
 @pytest.fixture
-def open_dir() -> Iterator[Path]:
-    """A work dir whose parents the engine user can pass (pytest's tmp dirs are 0700)."""
+def open_dir(no_engine_outlives_its_test: EngineWatch) -> Iterator[Path]:
+    """A work dir whose parents the engine user can pass (pytest's tmp dirs are 0700):
+    outside tmp_path, so watched for engines left running."""
     work = Path(tempfile.mkdtemp(prefix="llmgw-escape-", dir="/tmp"))
+    no_engine_outlives_its_test.watch(work)
     work.chmod(0o755)
     yield work
     shutil.rmtree(work, ignore_errors=True)

@@ -25,7 +25,7 @@ from llmgw.errors import EngineError
 from llmgw.keys import engine_key
 from llmgw.store import Store
 from llmgw.types import EngineKind, ModelSpec, ReplicaTimeouts, ShardRef
-from tests.conftest import LlamaPath
+from tests.conftest import EngineWatch, LlamaPath
 from tests.harness import System, free_port
 from worker_agent import procfs
 from worker_agent.supervisor import Supervisor
@@ -42,9 +42,12 @@ SECRETS = {
 
 
 @pytest.fixture
-def open_root() -> Iterator[Path]:
-    """A directory whose parents the engine user can pass (pytest's tmp dirs are 0700)."""
-    root = Path(tempfile.mkdtemp(prefix="llmgw-agent-user-", dir="/tmp"))
+def open_root(no_engine_outlives_its_test: EngineWatch) -> Iterator[Path]:
+    """A directory whose parents the engine user can pass (pytest's tmp dirs are 0700):
+    outside tmp_path, so watched for engines left running."""
+    root = no_engine_outlives_its_test.watch(
+        Path(tempfile.mkdtemp(prefix="llmgw-agent-user-", dir="/tmp"))
+    )
     root.chmod(0o755)
     yield root
     shutil.rmtree(root, ignore_errors=True)
@@ -209,18 +212,22 @@ async def test_agent_refuses_engines_when_it_cannot_make_the_user(
 
 
 @pytest.fixture
-def private_root() -> Iterator[Path]:
+def private_root(no_engine_outlives_its_test: EngineWatch) -> Iterator[Path]:
     """A 0700 directory of root's: where root clones on a fresh VM (/root)."""
-    root = Path(tempfile.mkdtemp(prefix="llmgw-private-", dir="/tmp"))
+    root = no_engine_outlives_its_test.watch(
+        Path(tempfile.mkdtemp(prefix="llmgw-private-", dir="/tmp"))
+    )
     root.chmod(0o700)
     yield root
     shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture
-def system_dir() -> Iterator[Path]:
+def system_dir(no_engine_outlives_its_test: EngineWatch) -> Iterator[Path]:
     """Stands in for /var/lib/llmgw (LLMGW_SYSTEM_DIR): made by the agent."""
-    parent = Path(tempfile.mkdtemp(prefix="llmgw-sysdir-", dir="/tmp"))
+    parent = no_engine_outlives_its_test.watch(
+        Path(tempfile.mkdtemp(prefix="llmgw-sysdir-", dir="/tmp"))
+    )
     parent.chmod(0o755)
     yield parent / "llmgw"
     shutil.rmtree(parent, ignore_errors=True)

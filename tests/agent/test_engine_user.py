@@ -41,6 +41,7 @@ from worker_agent.users import (
     SystemUsers,
     engine_identity,
     make_private,
+    system_place,
 )
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="dropping to another user needs root")
@@ -184,6 +185,60 @@ def test_unreachable_work_dir_moves_to_the_system_dir(
     assert (base / "work-dir").read_text() == f"{tmp_path.resolve()}\n"
     assert _mode(system_dir) == 0o711 and _mode(base) == 0o710
     assert base.stat().st_gid == identity.run_as.gid
+
+
+def test_an_existing_system_dir_is_used_as_it_is_never_changed(
+    tmp_path: Path, throwaway_user: str, open_work_dir: Path
+) -> None:
+    """LLMGW_SYSTEM_DIR=/srv: the operator's directory keeps its mode (it was
+    made 0711, which locks everyone else out of listing it)."""
+    system_dir = open_work_dir / "srv"
+    system_dir.mkdir()
+    system_dir.chmod(0o755)
+    identity = engine_identity(
+        throwaway_user, tmp_path, tmp_path / "agent" / "n1", [],
+        admin=SystemUsers(), system_dir=system_dir,
+    )  # fmt: skip
+    assert identity.run_as is not None and not identity.refusal, identity.why
+    assert _mode(system_dir) == 0o755
+    [base] = list(system_dir.iterdir())
+    assert _mode(base) == 0o710
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o775])
+def test_an_existing_system_dir_others_may_write_is_refused_unchanged(
+    tmp_path: Path, throwaway_user: str, open_work_dir: Path, mode: int
+) -> None:
+    system_dir = open_work_dir / "srv"
+    system_dir.mkdir()
+    system_dir.chmod(mode)
+    identity = engine_identity(
+        throwaway_user, tmp_path, tmp_path / "agent" / "n1", [],
+        admin=SystemUsers(), system_dir=system_dir,
+    )  # fmt: skip
+    assert identity.run_as is None and "writable by" in identity.refusal
+    assert _mode(system_dir) == mode and list(system_dir.iterdir()) == []
+
+
+def test_a_system_dir_below_an_untrusted_parent_is_not_made(open_work_dir: Path) -> None:
+    """The parents are checked first: nothing is made under a directory others
+    may write (they could swap it for a link)."""
+    shared = open_work_dir / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with pytest.raises(EngineUserError, match="writable by others"):
+        system_place(shared / "system", open_work_dir / "work", "n1", os.getgid())
+    assert not (shared / "system").exists()
+
+
+def test_two_agents_making_one_place_both_get_it(open_work_dir: Path) -> None:
+    """The second finds the work-dir note made (O_EXCL): not an error."""
+    system_dir, work = open_work_dir / "system", open_work_dir / "work"
+    first = system_place(system_dir, work, "n1", os.getgid())
+    note = first.parents[1] / "work-dir"
+    assert note.read_text() == f"{work.resolve()}\n"
+    assert system_place(system_dir, work, "n2", os.getgid()).parent == first.parent
+    assert note.read_text() == f"{work.resolve()}\n"
 
 
 @pytest.mark.parametrize("bad", ["link", "writable"])

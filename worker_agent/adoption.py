@@ -9,6 +9,11 @@
 - A spec file whose pid is gone, or now belongs to an unrelated process (the
   fingerprint differs), is a lost shard: the spec is dropped, the process is
   left alone - adopting or killing a stranger is worse than losing a shard.
+- An adopted shard whose pass-through predates endpoint proofs (its record
+  says so: ``ShardRecord.endpoint_proofs``) keeps running, but no router sends
+  it a request, since it cannot prove it holds its replica's key: the agent
+  warns, naming the command that replaces it (a roll), and the agent.adopt
+  span lists it.
 - A process carrying this node's engine marker that no spec file describes
   is killed, with its group: something holding GPUs that nothing can
   describe is worse than no process, because placement hands those GPUs out
@@ -20,6 +25,8 @@ import os
 import signal
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from opentelemetry import trace
 
 from llmgw.types import ShardRef
 from worker_agent import procfs
@@ -35,6 +42,8 @@ class AdoptionReport:
     adopted: list[RunningShard] = field(default_factory=list)
     lost: list[ShardRef] = field(default_factory=list)
     killed: list[int] = field(default_factory=list)
+    # Adopted, serving, but not routed: pass-throughs from before endpoint proofs.
+    unproven: list[ShardRef] = field(default_factory=list)
 
 
 def marked_engines(marker: str, proc_root: Path = procfs.PROC) -> dict[int, int]:
@@ -73,6 +82,15 @@ def adopt(supervisor: Supervisor) -> AdoptionReport:
         supervisor.note_adopted(running)
         report.adopted.append(running)
         log.info("replica %s rank %d: adopted engine pid %d", ref.replica_id, ref.rank, running.pid)
+        record = supervisor.plan_of(ref)
+        if record.serves_http and not record.endpoint_proofs:
+            log.warning(
+                "replica %s: pass-through predates endpoint proofs; it is not routed "
+                "until the model is rolled: llmgw restart %s",
+                ref.replica_id,
+                record.model or "MODEL",
+            )
+            report.unproven.append(ref)
     known_groups = {r.group for r in report.adopted}
     for pid, pgid in marked_engines(supervisor.marker).items():
         if pgid in known_groups or pgid in report.killed:
@@ -83,4 +101,8 @@ def adopt(supervisor: Supervisor) -> AdoptionReport:
         except ProcessLookupError:
             continue
         report.killed.append(pgid)
+    # The agent's agent.adopt span (worker_agent/main.py), when adopt runs in it.
+    trace.get_current_span().set_attribute(
+        "llmgw.unproven", [r.replica_id for r in report.unproven]
+    )
     return report

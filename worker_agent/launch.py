@@ -353,6 +353,7 @@ class Launcher:
             plan=plan.loggable(),
             internal_port=launch.internal_port,
             cpu_bind=launch.bind,
+            endpoint_proofs=True,
         )
         return self.supervisor.launch(
             ref,

@@ -38,6 +38,10 @@ class ShardRecord(_Record):
     # The engine's own loopback port behind the pass-through (rank 0 only).
     internal_port: int | None = None
     cpu_bind: str = ""
+    # Its pass-through answers the router's endpoint proofs (llmgw/endpoint_proof.py).
+    # False in records from before them: routers send such a replica nothing
+    # until the model is rolled (worker_agent/adoption.py warns at adoption).
+    endpoint_proofs: bool = False
 
 
 class RecordedFingerprint(_Record):

@@ -288,8 +288,9 @@ def test_spec_files_written_before_shard_record_still_load(tmp_path: Path) -> No
         loaded = SpecFile.load(sup.shard_dir(ref) / "spec.json")
         assert loaded is not None
         fingerprint = {**old["fingerprint"], "marker": None}  # type: ignore[dict-item]
+        spec = {**old["spec"], "endpoint_proofs": False}  # type: ignore[dict-item]
         assert loaded.model_dump(mode="json") == {
-            **old, "fingerprint": fingerprint, "group_start_time": None,
+            **old, "fingerprint": fingerprint, "group_start_time": None, "spec": spec,
         }  # fmt: skip
         assert loaded.leader_start == started  # the pid led its group
     finally:

@@ -56,6 +56,7 @@ from worker_agent.inventory import (
 from worker_agent.launch import Launcher
 from worker_agent.shard_record import ShardRecord
 from worker_agent.supervisor import RunningShard, Supervisor
+from worker_agent.terminal import detach_terminal
 from worker_agent.users import (
     EngineIdentity,
     SystemUsers,
@@ -373,4 +374,6 @@ def main() -> None:
     """Entry point of ``llmgw agent``."""
     settings = AgentSettings()
     setup_logging(settings.log_level, "agent")
+    # Before any engine is forked: they would inherit a root terminal.
+    detach_terminal()
     asyncio.run(run(settings))

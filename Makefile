@@ -32,5 +32,18 @@ types: $(STAMP)
 docs: $(STAMP)
 	DISABLE_MKDOCS_2_WARNING=true $(BIN)/mkdocs build --strict
 
+## Also this clone's directories in the system dir (LLMGW_SYSTEM_DIR, default
+## /var/lib/llmgw), which an agent run as root makes for a work dir its engine
+## user cannot reach (worker_agent/users.py system_place): each is found by its
+## work-dir note naming a work dir in this clone; other clones' are left alone.
 clean:
 	rm -rf $(VENV) .llmgw .llmgw-test .mypy_cache .ruff_cache
+	@sys="$${LLMGW_SYSTEM_DIR-/var/lib/llmgw}"; top="$$(pwd -P)"; \
+	if [ "$$(id -u)" = 0 ] && [ -n "$$sys" ] && [ -d "$$sys" ]; then \
+	  for note in "$$sys"/*/work-dir; do \
+	    [ -f "$$note" ] && [ ! -L "$$note" ] || continue; \
+	    case "$$(head -n 1 "$$note")" in \
+	      "$$top" | "$$top"/*) echo "rm -rf $${note%/work-dir}"; rm -rf "$${note%/work-dir}";; \
+	    esac; \
+	  done; \
+	fi

@@ -27,7 +27,7 @@ def check_media(deps: Deps, body: BaseModel) -> None:
     """Raise 400 for an inference request carrying a remote media URL, unless
     its model's catalog entry (an adapter's: its base model's) allows them."""
     model = str(getattr(body, "model", ""))
-    target = deps.adapters.base_of(body.model)
+    target = deps.adapters.base_of(model)
     spec = target[0] if target else deps.table.specs.get(model)
     if spec is not None and spec.remote_media:
         return

@@ -10,11 +10,16 @@ an endpoint whose answer checks out is routed to (router/endpoint_proof.py).
 
 The address is in the MAC so a relay proves nothing: a forged endpoint that
 forwards the challenge to the real pass-through gets back an answer for the
-real address, not for its own.
+real address, not for its own. That holds for IP addresses only: the
+pass-through MACs the *name* it was told to listen on, and a host name may
+resolve elsewhere for the router (where a relay passes the answer on), so
+the router proves, and routes to, only endpoints whose host is an IP
+literal (:func:`ip_literal`).
 """
 
 import hashlib
 import hmac
+import ipaddress
 import re
 from urllib.parse import urlsplit
 
@@ -45,6 +50,15 @@ def endpoint_address(endpoint: str) -> str | None:
     if parts.scheme != "http" or not parts.hostname or port is None:
         return None
     return address(parts.hostname, port)
+
+
+def ip_literal(host: str) -> bool:
+    """Whether ``host`` is an IPv4 or IPv6 address (bracketed or not), not a name."""
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return False
+    return True
 
 
 def answer(engine_key: str, listen_address: str, nonce: str) -> str:

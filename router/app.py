@@ -30,6 +30,7 @@ from router.auth import KeyVerifier
 from router.blocking import STORE_WAIT_S
 from router.deployment_link import DeploymentLink, TemporalDeploymentLink
 from router.deps import Deps
+from router.endpoint_proof import ProvenSource
 from router.errors import install_handlers
 from router.health import EngineProbe, HttpProbe, probe_forever
 from router.load_report import REPORT_INTERVAL_S, LoadReporter
@@ -145,7 +146,10 @@ def create_app(
     def key_of(replica_id: str) -> str:
         return engine_key(secret, replica_id)
 
-    prober = probe or HttpProbe(key_of)
+    # Endpoint proofs (router/endpoint_proof.py): a failed connection drops
+    # one, and the lost-node probe proves an endpoint before it sends a key.
+    proofs = source if isinstance(source, ProvenSource) else None
+    prober = probe or HttpProbe(key_of, prove=proofs.check if proofs else None)
     admission, reporter = _elastic(
         table, metrics, temporal, deployment_link, router_id, load_report_interval_s
     )
@@ -191,7 +195,15 @@ def create_app(
         table=table,
         keys=KeyVerifier(store, key_cache_ttl_s, admin_key, store_wait_s, key_stale_s),
         # One record of hidden reasons (router/errors.py), served by /admin/errors.
-        proxy=Proxy(client, table, key_of, metrics, pacer, incidents=admission.incidents),
+        proxy=Proxy(
+            client,
+            table,
+            key_of,
+            metrics,
+            pacer,
+            incidents=admission.incidents,
+            on_unreachable=proofs.distrust if proofs else None,
+        ),
         accountant=accountant,
         metrics=metrics,
         store=store,

@@ -13,7 +13,7 @@ passed over for ``router.proxy.PASSIVE_EJECT_S`` while another replica can serve
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 import aiohttp
@@ -42,16 +42,28 @@ class HttpProbe:
     """``GET /health`` with the engine key; any answer but a gateway error counts.
 
     The pass-through answers 502 when the engine behind it is gone; a 503
-    is an engine busy loading, which is not a dead one.
+    is an engine busy loading, which is not a dead one. With ``prove`` (the
+    endpoint proofs, router/endpoint_proof.py) the endpoint proves it holds
+    the replica's key first, which sends none: the key goes only to an
+    endpoint that just proved it (a node-lost replica's port may have changed
+    hands), and one that does not prove is not answering (its proof dropped).
     """
 
-    def __init__(self, engine_key: Callable[[str], str], timeout_s: float = PROBE_TIMEOUT_S):
+    def __init__(
+        self,
+        engine_key: Callable[[str], str],
+        timeout_s: float = PROBE_TIMEOUT_S,
+        prove: Callable[[str, str], Awaitable[bool]] | None = None,
+    ):
         self._engine_key = engine_key
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._session: aiohttp.ClientSession | None = None
+        self._prove = prove
 
     async def answers(self, route: Route) -> bool:
         """Probe ``route``'s engine once."""
+        if self._prove is not None and not await self._prove(route.replica_id, route.endpoint):
+            return False
         if self._session is None:
             self._session = aiohttp.ClientSession(timeout=self._timeout)
         headers = {"Authorization": f"Bearer {self._engine_key(route.replica_id)}"}

@@ -148,6 +148,7 @@ async def run(settings: RouterSettings) -> None:
             tracer,
         )
     finally:
+        await source.aclose()  # no proof outlives the router
         tracing.shutdown()
 
 

@@ -25,6 +25,7 @@ the engine's own usage when the stream got that far.
 
 import asyncio
 import contextlib
+import errno
 import json
 import logging
 import re
@@ -33,6 +34,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+import aiohttp
 import orjson
 from opentelemetry import trace
 from opentelemetry.propagate import inject
@@ -122,8 +124,12 @@ class Proxy:
         metrics: Metrics,
         pacer: Pacer | None = None,
         incidents: Incidents | None = None,
+        on_unreachable: Callable[[str, str], None] | None = None,
     ) -> None:
         self._http = http
+        # Told (replica id, endpoint) of a connection that failed or was
+        # reset: its endpoint proof is dropped (router/endpoint_proof.py).
+        self._on_unreachable = on_unreachable
         # Why a request failed, for admins: the client gets the error id only.
         self.incidents = incidents or Incidents()
         self._table = table
@@ -162,6 +168,7 @@ class Proxy:
             except UpstreamConnectError as exc:
                 # Nothing reached the engine nor the client: another replica may answer.
                 route.eject(PASSIVE_EJECT_S)
+                self._unreachable(route)
                 if route.node_lost:
                     route.answering = False  # the probe says when it answers again
                 last_error = f"{route.replica_id}: {exc!r}"
@@ -169,6 +176,8 @@ class Proxy:
                 log.warning("replica %s unreachable, failing over: %s", route.replica_id, exc)
             except UpstreamError as exc:
                 # The engine may have started on it: no second try.
+                if _was_reset(exc):
+                    self._unreachable(route)
                 self._metrics.upstream_errors.labels(call.model, route.replica_id, "send").inc()
                 # The client learns no address or path of ours; the log has them.
                 reason = f"replica {route.replica_id} failed the request: {exc!r}"
@@ -177,6 +186,10 @@ class Proxy:
             raise replicas_saturated(call.model)
         reason = f"no replica could be reached; the last: {last_error}"
         raise upstream_failed(call.model, reason, self.incidents)
+
+    def _unreachable(self, route: Route) -> None:
+        if self._on_unreachable is not None:
+            self._on_unreachable(route.replica_id, route.endpoint)
 
     async def _try(self, route: Route, call: Call) -> Reply | StreamReply:
         headers = self._engine_headers(route.replica_id)
@@ -288,6 +301,15 @@ async def _cancelled_if_gone(call: Call) -> AsyncIterator[None]:
     finally:
         active = False
         watcher.cancel()
+
+
+def _was_reset(exc: BaseException) -> bool:
+    """Whether a connection was reset or closed under the request (what
+    answered on that port may not be what was proven there)."""
+    cause = exc.__cause__
+    return isinstance(cause, ConnectionResetError | aiohttp.ServerDisconnectedError) or (
+        isinstance(cause, aiohttp.ClientOSError) and cause.errno == errno.ECONNRESET
+    )
 
 
 def _reservation_billed(call: Call) -> Outcome:

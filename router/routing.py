@@ -67,11 +67,16 @@ class CountedSource(Protocol):
 @runtime_checkable
 class NotifyingSource(Protocol):
     """A source whose replicas may change between two listings (an endpoint
-    proof landed, router/endpoint_proof.py): it says so, and the table
-    refreshes at once rather than at the next interval."""
+    proof landed, router/endpoint_proof.py): it says so, and the table is
+    rebuilt at once from what the source holds (:meth:`held`), rather than
+    at the next interval and without a new listing."""
 
     def on_change(self, listener: Callable[[], None]) -> None:
         """Call ``listener`` on each such change."""
+        ...
+
+    def held(self) -> list[ReplicaMemo]:
+        """The replicas from the last listing, as they stand now."""
         ...
 
 
@@ -148,10 +153,18 @@ class RoutingTable:
     _reread: asyncio.Future[None] | None = None
     # Re-reads asked for that the next refresh (begun after the ask) answers.
     _asked: list[asyncio.Future[None]] = field(default_factory=list)
+    # A full refresh (a new listing) is wanted, not only a rebuild (rebuild_soon).
+    _full: bool = False
 
     def refresh_soon(self) -> None:
         """Refresh without waiting for the interval: a replica is known ready
         and requests wait for it (router.admission, after a wake)."""
+        self._full = True
+        self._wanted.set()
+
+    def rebuild_soon(self) -> None:
+        """Rebuild from the replicas the source already holds, now (an
+        endpoint proof landed): no new listing, no catalog read."""
         self._wanted.set()
 
     async def knows(self, model: str) -> bool:
@@ -189,12 +202,17 @@ class RoutingTable:
 
         return ended
 
-    async def next_refresh(self, interval_s: float) -> None:
-        """Until the next refresh is due: ``interval_s``, or sooner when wanted."""
+    async def next_refresh(self, interval_s: float) -> bool:
+        """Until the next refresh is due: ``interval_s``, or sooner when wanted.
+        False when only a rebuild from what is held was asked for."""
+        full = True
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(interval_s):
                 await self._wanted.wait()
+                full = self._full
         self._wanted.clear()
+        self._full = False
+        return full
 
     def update(self, replicas: list[ReplicaMemo], catalog: dict[str, ModelSpec]) -> None:
         """Replace the routes, keeping in-flight counts of replicas that remain."""
@@ -252,6 +270,10 @@ class RoutingTable:
         return sorted([*self.routes, *adapters])
 
 
+def _answers_nothing() -> None:
+    """A rebuild's end: it answers no re-read (it read nothing)."""
+
+
 async def refresh_forever(
     table: RoutingTable,
     source: ReplicaSource,
@@ -267,27 +289,36 @@ async def refresh_forever(
     store does not answer, the last catalog read serves and replicas keep
     coming and going from Temporal (a frozen store must not freeze routing).
     """
+    notifying = isinstance(source, NotifyingSource)
     if isinstance(source, NotifyingSource):
-        source.on_change(table.refresh_soon)
+        source.on_change(table.rebuild_soon)
     built: tuple[int, dict[str, ModelSpec]] | None = None  # what the table was built from
     last: dict[str, ModelSpec] | None = None  # the last catalog the store gave
     stale = False  # logged once when the store stops answering, once when it is back
+    full = True
     while True:
-        ended = table.refreshing()
+        # A rebuild (a proof landed) lists nothing and reads no catalog: the
+        # re-reads asked for wait for the next full refresh.
+        rebuild = not full and notifying and last is not None
+        ended = _answers_nothing if rebuild else table.refreshing()
         try:
-            replicas = await source.replicas()
-            try:
-                specs = last = await within(store_wait_s, catalog)
-                if stale:
-                    stale = False
-                    log.info("catalog read again")
-            except StoreError as exc:
-                if last is None:
-                    raise
-                if not stale:
-                    stale = True
-                    log.warning("catalog not read (%s): the last one read serves", exc)
-                specs = last
+            if rebuild:
+                assert isinstance(source, NotifyingSource) and last is not None
+                replicas, specs = source.held(), last
+            else:
+                replicas = await source.replicas()
+                try:
+                    specs = last = await within(store_wait_s, catalog)
+                    if stale:
+                        stale = False
+                        log.info("catalog read again")
+                except StoreError as exc:
+                    if last is None:
+                        raise
+                    if not stale:
+                        stale = True
+                        log.warning("catalog not read (%s): the last one read serves", exc)
+                    specs = last
             if not isinstance(source, CountedSource):
                 table.update(replicas, specs)
             elif built is None or built != (source.generation, specs):
@@ -299,4 +330,4 @@ async def refresh_forever(
         except Exception as exc:  # keep the last good table
             log.warning("routing refresh failed: %s", exc)
         ended()
-        await table.next_refresh(interval_s)
+        full = await table.next_refresh(interval_s)

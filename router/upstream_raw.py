@@ -260,7 +260,9 @@ class RawUpstream:
                     await answer.wait()
             except _Stale:
                 if fresh:
-                    raise UpstreamError("the engine closed the connection unanswered") from None
+                    # As a reset: the proxy drops the endpoint's proof on it.
+                    closed = ConnectionResetError("closed unanswered")
+                    raise UpstreamError("the engine closed the connection unanswered") from closed
                 fresh = True  # once more, on a connection of its own
                 continue
             except (OSError, TimeoutError, httptools.HttpParserError) as exc:

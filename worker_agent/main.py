@@ -279,6 +279,7 @@ async def run(settings: AgentSettings) -> None:
         identity.run_as,
         refusal=identity.refusal,
         allow_root=identity.allow_root,
+        proxy=identity.proxy,
     )
     # Before adopt(): what a restarted agent found and kept is traced too.
     tracing = setup_tracing(settings.tracing, "agent")

@@ -62,7 +62,9 @@ class As:
     in_home: bool = False
 
 
-def user_for(command: Command, run_as: RunAs | None, allow_root: bool) -> As:
+def user_for(
+    command: Command, run_as: RunAs | None, allow_root: bool, proxy: RunAs | None = None
+) -> As:
     """Whom ``command`` runs as: the engine user, unless it cannot reach the program.
 
     A program that drops privileges itself (the pass-through, which holds
@@ -75,6 +77,10 @@ def user_for(command: Command, run_as: RunAs | None, allow_root: bool) -> As:
     Isolated, nothing outside the interpreter's own paths is imported; it
     starts in the root-owned shard directory and enters the home only after
     it dropped to the user (users.drop_privileges). Anything else is refused.
+
+    It drops to ``proxy`` where there is one (the pass-through user, not the
+    engine user): an engine could otherwise signal or ptrace another
+    replica's pass-through, its own uid, kill it and bind its port.
     """
     if run_as is None:
         return As(None, {})
@@ -84,7 +90,8 @@ def user_for(command: Command, run_as: RunAs | None, allow_root: bool) -> As:
                 f"{command.argv[:3]} is not an isolated Python (-I), and a program that "
                 "drops privileges itself starts as root: refused"
             )
-        return As(None, {**run_as.env(), DROP_TO_ENV: run_as.drop_to()})
+        who = proxy or run_as
+        return As(None, {**who.env(), DROP_TO_ENV: who.drop_to()})
     program = Path(shutil.which(command.argv[0]) or command.argv[0]).resolve()
     if reachable(program, run_as.uid, run_as.groups):
         return As(run_as, run_as.env(), in_home=True)

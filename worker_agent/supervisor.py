@@ -127,13 +127,16 @@ class Supervisor:
         *,
         refusal: str = "",
         allow_root: bool = False,
+        proxy: RunAs | None = None,
     ) -> None:
         """``run_as`` None: engines run as the agent's user. ``refusal``: every
         launch fails with it (the agent is root and has no usable engine
         user). ``allow_root``: a program the engine user cannot reach runs as
-        the agent's user instead of failing the launch."""
+        the agent's user instead of failing the launch. ``proxy``: whom the
+        pass-throughs become (``users.PROXY_USER``); None: ``run_as``."""
         self.node_id = node_id
         self.run_as = run_as
+        self.proxy = proxy
         self.refusal = refusal
         self.allow_root = allow_root
         self.work_dir = work_dir
@@ -310,7 +313,7 @@ class Supervisor:
         """
         if self.refusal:
             raise EngineUserError(self.refusal)
-        users = [user_for(c, self.run_as, self.allow_root) for c in commands]
+        users = [user_for(c, self.run_as, self.allow_root, self.proxy) for c in commands]
         shard_dir = self.shard_dir(ref)
         _private_dir(shard_dir)
         log_path = shard_dir / "engine.log"
@@ -366,8 +369,25 @@ class Supervisor:
         return spec.spec if spec is not None else ShardRecord()
 
     def dead_sidecar(self, ref: ShardRef) -> tuple[str, int] | None:
-        """A sidecar (the pass-through, a Ray head) of this shard that has exited: argv0, code."""
-        for sidecar in self._sidecars.get(shard_key(ref), []):
+        """A sidecar (the pass-through, a Ray head) of this shard that has exited: argv0, code.
+
+        For a shard this agent adopted (its sidecars are another agent's
+        children), the first one, which leads the shard's group: gone, or its
+        pid now another process's, once its recorded start time no longer
+        matches. Its exit code is not known then: -1.
+        """
+        key = shard_key(ref)
+        if key not in self._sidecars:
+            spec = self._read_spec(ref)
+            if spec is None or spec.group == spec.pid or spec.group_start_time is None:
+                return None  # no sidecar, or a record from before leaders were kept
+            leader = spec.group
+            if procfs.start_time(leader) == spec.group_start_time and not (
+                procfs.is_zombie_or_gone(leader)
+            ):
+                return None
+            return f"sidecar (group leader {leader})", -1
+        for sidecar in self._sidecars[key]:
             code = sidecar.poll()
             if code is not None:
                 argv = [str(a) for a in sidecar.args]  # type: ignore[union-attr]

@@ -7,7 +7,12 @@ user (``llmgw-engine``): its uid, gid and supplementary groups
 (``video``/``render``, for the GPU device files), a 0700 home under the
 agent's work directory as working directory, HOME and XDG_CACHE_HOME there.
 
-The agent creates that user when it is missing. When it cannot (no
+The pass-throughs (which hold the replica keys) run as another user,
+``llmgw-proxy`` (no GPU groups, no home): an engine, compromised, cannot
+signal or ptrace a pass-through, so it can neither kill another replica's
+and take its port nor read its memory.
+
+The agent creates these users when they are missing. When it cannot (no
 ``useradd``, a name the system refuses), it fails closed: engines are refused
 with an ``EngineUserError`` that becomes the replica's failure reason, unless
 the operator allowed root engines (``LLMGW_ALLOW_ROOT_ENGINES=true``).
@@ -49,6 +54,10 @@ from llmgw.errors import EngineLaunchError, EngineUserError
 log = logging.getLogger(__name__)
 
 DEFAULT_ENGINE_USER = "llmgw-engine"
+# Whom the pass-throughs run as: another uid than the engines', so no engine
+# can signal or ptrace a replica's pass-through (kill it and bind its port).
+# No GPU groups, no home (it works in "/").
+PROXY_USER = "llmgw-proxy"
 # "uid:gid:g1,g2:home": set by the supervisor for a pass-through it has to
 # start as root (the engine user cannot read the agent's interpreter), which
 # becomes that user itself, and only then enters its home, before it listens.
@@ -96,6 +105,8 @@ class EngineIdentity:
     # Where what the engine user must reach lives (its home, the weights
     # cache): the agent dir, or a system directory (``system_place``).
     engine_dir: Path | None = None
+    # Whom the pass-throughs become (PROXY_USER), with run_as only.
+    proxy: RunAs | None = None
 
 
 class UserAdmin(Protocol):
@@ -107,6 +118,10 @@ class UserAdmin(Protocol):
 
     def create(self, user: str) -> list[str]:
         """Create ``user`` in the GPU groups; what was done. Raises EngineUserError."""
+        ...
+
+    def create_plain(self, user: str) -> list[str]:
+        """Create ``user`` in no group but its own; what was done. Raises EngineUserError."""
         ...
 
 
@@ -130,6 +145,14 @@ class SystemUsers:
         )  # fmt: skip
         done.append(f"created user {user} in groups {', '.join(GPU_GROUPS)}")
         return done
+
+    def create_plain(self, user: str) -> list[str]:
+        """A system user with its own group only, no login shell, no home."""
+        _run(
+            ["useradd", "--system", "--user-group", "--no-create-home",
+             "--home-dir", "/", "--shell", "/usr/sbin/nologin", user],
+        )  # fmt: skip
+        return [f"created user {user}"]
 
     def ensure_groups(self, user: str) -> list[str]:
         """Add an existing ``user`` to the GPU groups."""
@@ -211,6 +234,7 @@ def engine_identity(
     admin: UserAdmin,
     allow_root: bool = False,
     system_dir: Path | None = None,
+    proxy_name: str = PROXY_USER,
 ) -> EngineIdentity:
     """Whom engines run as on this node, creating the engine user when missing.
 
@@ -221,6 +245,10 @@ def engine_identity(
     ``EngineIdentity.engine_dir``: the agent dir when the user can reach it,
     else, with ``system_dir``, a directory the agent makes there for this
     work dir (``system_place``): a clone under root's 0700 home works.
+
+    The pass-throughs run as ``proxy_name`` (created like the engine user,
+    in no GPU group); where it cannot be made, engines are refused as when
+    the engine user cannot be (or run as root, if allowed).
     """
     if os.geteuid() != 0:
         make_private(work_dir, agent_dir)
@@ -228,6 +256,7 @@ def engine_identity(
         return EngineIdentity(why=why, engine_dir=agent_dir.resolve())
     try:
         run_as = _engine_user(user, work_dir, agent_dir, list(must_reach), admin, system_dir)
+        proxy = proxy_user(proxy_name, admin, run_as)
     except EngineUserError as err:
         make_private(work_dir, agent_dir)
         return _without_user(str(err), agent_dir, allow_root)
@@ -238,7 +267,33 @@ def engine_identity(
             f"; {user} cannot reach the work dir {work_dir.resolve()}, so its home and the"
             f" weights cache are in {engine_dir}"
         )
-    return EngineIdentity(run_as=run_as, allow_root=allow_root, why=why, engine_dir=engine_dir)
+    why += f"; pass-throughs as {proxy.user}"
+    return EngineIdentity(
+        run_as=run_as, allow_root=allow_root, why=why, engine_dir=engine_dir, proxy=proxy
+    )
+
+
+def proxy_user(user: str, admin: UserAdmin, engine: RunAs) -> RunAs:
+    """The pass-throughs' user, created (in no group but its own) when missing.
+
+    Raises EngineUserError where it cannot be made, or shares a uid or a
+    group with the engine user (which could then signal it or read its files).
+    """
+    if not user:
+        raise EngineUserError("no pass-through user is configured")
+    if not admin.exists(user):
+        for line in admin.create_plain(user):
+            log.info("pass-through user: %s", line)
+    try:
+        entry = pwd.getpwnam(user)
+    except KeyError:
+        raise EngineUserError(f"user {user} does not exist after creating it") from None
+    groups = tuple(sorted(set(os.getgrouplist(user, entry.pw_gid))))
+    if entry.pw_uid in (0, engine.uid):
+        raise EngineUserError(f"pass-through user {user} has uid {entry.pw_uid}")
+    if entry.pw_gid in (0, engine.gid) or set(groups) & {0, *engine.groups}:
+        raise EngineUserError(f"pass-through user {user} shares a group with root or {engine.user}")
+    return RunAs(user, entry.pw_uid, entry.pw_gid, groups, Path("/"))
 
 
 def _without_user(err: str, agent_dir: Path, allow_root: bool) -> EngineIdentity:
@@ -440,7 +495,10 @@ def setup_node(user: str = DEFAULT_ENGINE_USER, admin: SystemUsers | None = None
     Returns what was done, for the CLI to print. Needs root.
     """
     users = admin or SystemUsers()
-    return users.ensure_groups(user) if users.exists(user) else users.create(user)
+    done = users.ensure_groups(user) if users.exists(user) else users.create(user)
+    if not users.exists(PROXY_USER):
+        done += users.create_plain(PROXY_USER)
+    return done
 
 
 Scope = MutableMapping[str, Any]

@@ -79,6 +79,9 @@ class CannotCreateUsers:
     def create(self, user: str) -> list[str]:
         raise EngineUserError(f"useradd failed: cannot create {user} (injected)")
 
+    def create_plain(self, user: str) -> list[str]:
+        return self.create(user)
+
 
 def _uids(pid: int) -> list[int]:
     """Real, effective, saved and filesystem uids of a live process."""
@@ -132,6 +135,50 @@ def test_refuses_engines_when_the_user_cannot_be_created(open_work_dir: Path) ->
     assert "cannot create llmgw-never-made" in identity.refusal
     assert "LLMGW_ALLOW_ROOT_ENGINES=true" in identity.refusal
     assert _mode(open_work_dir) == 0o700  # nobody else needs to pass
+
+
+class CannotCreateProxy(SystemUsers):
+    """The engine user can be made, the pass-through user cannot."""
+
+    def create_plain(self, user: str) -> list[str]:
+        raise EngineUserError(f"useradd failed: cannot create {user} (injected)")
+
+
+def test_the_pass_through_user_is_made_without_gpu_groups(
+    throwaway_user: str, open_work_dir: Path
+) -> None:
+    proxy_name = f"llmgw-p{secrets.token_hex(4)}"
+    try:
+        identity = engine_identity(
+            throwaway_user, open_work_dir, open_work_dir / "agent" / "n1", [],
+            admin=SystemUsers(), proxy_name=proxy_name,
+        )  # fmt: skip
+        assert identity.run_as is not None and identity.proxy is not None, identity.why
+        entry = pwd.getpwnam(proxy_name)
+        assert identity.proxy.uid == entry.pw_uid not in (0, identity.run_as.uid)
+        groups = subprocess.run(
+            ["id", "-nG", proxy_name], capture_output=True, text=True, check=True
+        )
+        assert groups.stdout.split() == [proxy_name]
+        assert f"pass-throughs as {proxy_name}" in identity.why
+    finally:
+        _delete_user(proxy_name)
+
+
+@pytest.mark.parametrize("allow_root", [False, True])
+def test_no_pass_through_user_fails_closed_like_no_engine_user(
+    throwaway_user: str, open_work_dir: Path, allow_root: bool
+) -> None:
+    identity = engine_identity(
+        throwaway_user, open_work_dir, open_work_dir / "agent" / "n1", [],
+        admin=CannotCreateProxy(), allow_root=allow_root, proxy_name="llmgw-never-made",
+    )  # fmt: skip
+    assert identity.run_as is None and identity.proxy is None
+    assert "cannot create llmgw-never-made" in identity.why
+    if allow_root:
+        assert identity.refusal == "" and identity.allow_root
+    else:
+        assert "LLMGW_ALLOW_ROOT_ENGINES=true" in identity.refusal
 
 
 def test_allow_root_engines_runs_them_as_root_instead(open_work_dir: Path) -> None:

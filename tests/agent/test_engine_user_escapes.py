@@ -5,6 +5,7 @@ by a process of a real unprivileged user, against the agent's real code."""
 import os
 import secrets
 import shutil
+import signal
 import socket
 import stat
 import subprocess
@@ -35,7 +36,7 @@ from worker_agent.installs.llamacpp import LlamaCppInstall
 from worker_agent.shard_record import ShardRecord
 from worker_agent.spawn import Command, user_for
 from worker_agent.supervisor import Supervisor
-from worker_agent.users import DROP_TO_ENV, RunAs, SystemUsers, engine_identity
+from worker_agent.users import DROP_TO_ENV, PROXY_USER, RunAs, SystemUsers, engine_identity
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="dropping to another user needs root")
 
@@ -326,6 +327,62 @@ async def test_another_engine_user_process_cannot_learn_the_key(
         # And the key still opens the replica, through the pass-through only.
         assert _get(running.endpoint, key) == 200
         assert _get(running.endpoint, "wrong") == 401
+    finally:
+        await env.run(acts.stop_shard, StopShardInput(shard=ref, grace_s=5))
+        await acts.aclose()
+
+
+_KILL = """
+import os, signal, sys
+try:
+    os.kill(int(sys.argv[1]), signal.SIGKILL)
+except PermissionError:
+    print("denied")
+"""
+
+
+async def test_an_engine_cannot_kill_a_pass_through_and_an_adopted_one_dying_is_noticed(
+    llama: LlamaCppInstall, tiny: TinyModel, user_name: str, open_dir: Path
+) -> None:
+    """The pass-throughs run as their own user (llmgw-proxy): an engine-user
+    process (a compromised engine) cannot signal one, so it cannot kill
+    another replica's pass-through and take its port. And when a
+    pass-through of an adopted shard dies all the same, the new agent sees it
+    (the group leader it recorded is gone), as it does for its own children."""
+    model = open_dir / "tiny.gguf"
+    shutil.copy(tiny.model_path, model)
+    model.chmod(0o644)
+    identity = engine_identity(
+        user_name, open_dir, open_dir / "agent" / "n1", [llama.server, model], admin=SystemUsers()
+    )
+    run_as, proxy = identity.run_as, identity.proxy
+    assert run_as is not None and proxy is not None, identity.why
+    assert proxy.user == PROXY_USER and proxy.uid != run_as.uid
+    assert not {proxy.gid, *proxy.groups} & {run_as.gid, *run_as.groups}
+    sup = Supervisor(open_dir / "agent" / "n1", "n1", run_as, proxy=proxy)
+    acts = node_activities(llama, sup, secret=SECRET)
+    env = ActivityEnvironment()
+    replica = "guarded"
+    key = engine_key(SECRET, replica)
+    ref = ShardRef(replica_id=replica)
+    spec = ShardSpec(replica_id=replica, model=ModelSpec(name="tiny-guard", source=str(model)))
+    await env.run(acts.launch_shard, LaunchShardInput(spec=spec))
+    try:
+        await env.run(acts.wait_shard_ready, WaitReadyInput(shard=ref, timeout_s=60))
+        running = sup.find_running(ref)
+        assert running is not None and running.group != running.pid
+        front = running.group  # the pass-through leads the shard's group
+        assert set(_uids(front)) == {proxy.uid}
+        assert set(_uids(running.pid)) == {run_as.uid}
+        killed = _as_user(run_as, _KILL, str(front))
+        assert killed.stdout.strip() == "denied", killed.stdout + killed.stderr
+        assert _get(running.endpoint, key) == 200
+        # A new agent adopts the shard; then the pass-through dies anyway.
+        again = Supervisor(open_dir / "agent" / "n1", "n1", run_as, proxy=proxy)
+        assert again.find_running(ref) is not None
+        assert again.dead_sidecar(ref) is None
+        os.kill(front, signal.SIGKILL)
+        assert wait_for(lambda: again.dead_sidecar(ref) is not None, 10)
     finally:
         await env.run(acts.stop_shard, StopShardInput(shard=ref, grace_s=5))
         await acts.aclose()

@@ -5,6 +5,7 @@ user it can make, it refuses to start engines and the replica says why."""
 import contextlib
 import json
 import os
+import pwd
 import secrets
 import shutil
 import subprocess
@@ -29,6 +30,7 @@ from tests.conftest import EngineWatch, LlamaPath
 from tests.harness import System, free_port
 from worker_agent import procfs
 from worker_agent.supervisor import Supervisor
+from worker_agent.users import PROXY_USER
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="dropping to another user needs root")
 
@@ -73,15 +75,20 @@ def _mode(path: Path) -> int:
 
 
 def _assert_run_as_without_secrets(pids: list[int], uid: int, *replica_keys: str) -> None:
-    """Every uid of each process is ``uid`` (as ps shows too), and no secret (the
-    replica's key included) is in its environment."""
+    """Every uid of each engine process is ``uid``, of the pass-through (which
+    leads the shard's group) the pass-through user's (as ps shows too), and no
+    secret (the replica's key included) is in its environment."""
+    proxy = pwd.getpwnam(PROXY_USER).pw_uid
+    expected = {pid: proxy if os.getpgid(pid) == pid else uid for pid in pids}
     ps = subprocess.run(
-        ["ps", "-o", "uid=,comm=", "-p", ",".join(map(str, pids))],
+        ["ps", "-o", "pid=,uid=,comm=", "-p", ",".join(map(str, pids))],
         capture_output=True, text=True, check=True,
     ).stdout  # fmt: skip
-    assert {line.split()[0] for line in ps.splitlines()} == {str(uid)}, ps
+    shown = {int(line.split()[0]): int(line.split()[1]) for line in ps.splitlines()}
+    assert shown == expected, ps
+    assert uid in expected.values(), ps
     for pid in pids:
-        assert _status(pid, "Uid") == [uid] * 4, ps
+        assert _status(pid, "Uid") == [expected[pid]] * 4, ps
         environ = Path(f"/proc/{pid}/environ").read_bytes()
         names = {e.split(b"=", 1)[0].decode() for e in environ.split(b"\0") if e}
         assert not names & SECRETS.keys(), names
@@ -288,8 +295,10 @@ async def test_a_clone_under_a_private_dir_runs_its_engines_as_the_engine_user(
         assert len(members) == 2, "pass-through and llama-server"
         key = engine_key(Store(system.store_url).engine_key_secret(), replica_id)
         _assert_run_as_without_secrets(members, uid, key)
+        # The engine works in its home; the pass-through (its own user, no home) in /.
         for pid in members:
-            assert Path(f"/proc/{pid}/cwd").resolve() == home
+            where = Path("/") if os.getpgid(pid) == pid else home
+            assert Path(f"/proc/{pid}/cwd").resolve() == where
         # The portable server's launcher was put where the engine user reaches.
         assert f"engine cache: {base / 'engines'}" in agent.log_tail(400)
         assert list((base / "engines" / "llama.cpp").glob("portable-*/llama-server"))

@@ -4,9 +4,12 @@ Also, for every test: no engine it started outlives it (a failed assertion
 included), and ``llama_path``, the llama.cpp install paths this machine has.
 """
 
+import contextlib
 import os
+import shutil
 import signal
 import sys
+import tempfile
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +23,7 @@ from llmgw.dev.tinymodel import TinyModel, generate_tiny_model
 from llmgw.temporal import connect
 from tests.harness import System, devserver, engine_cache, free_port
 from tests.pg import PgCluster, own_cluster
-from tests.procs_util import engine_pids
+from tests.procs_util import agent_places, engine_pids
 
 __all__ = ["engine_cache"]  # tests.conftest.engine_cache, as before it moved to harness
 
@@ -105,6 +108,27 @@ def no_engine_outlives_its_test(tmp_path: Path) -> Iterator[EngineWatch]:
     yield places
     if left := places.kill_left():
         print(f"\nkilled engines the test left: {left}", file=sys.stderr)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_system_place_outlives_the_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Remove, after the run, the system places agents made for its work dirs.
+
+    An agent running as root whose engine user cannot reach its work dir (all
+    of pytest's are under a 0700 dir) makes ``<system dir>/<digest>/`` for it,
+    which outlives the work dir (worker_agent/users.py ``system_place``). Only
+    places naming a work dir under this run's base temp dir, or under the
+    temp dir and gone, are removed: another clone's are not the tests'.
+    """
+    yield
+    base = tmp_path_factory.getbasetemp().resolve()
+    temp = Path(tempfile.gettempdir()).resolve()
+    for place in agent_places(base)[1:]:
+        shutil.rmtree(place, ignore_errors=True)
+    for place in agent_places(temp)[1:]:
+        with contextlib.suppress(OSError):  # removed meanwhile by another run
+            if not Path((place / "work-dir").read_text().strip()).exists():
+                shutil.rmtree(place, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

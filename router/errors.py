@@ -125,71 +125,65 @@ def model_not_found(model: str) -> OpenAIError:
     )
 
 
-def no_ready_replica(model: str) -> OpenAIError:
+def _unavailable(message: str, code: str, retry_after_s: int = 1) -> OpenAIError:
+    """503 with a Retry-After: the shape of every "retry shortly" error below."""
     return OpenAIError(
         503,
-        f"No ready replica of `{model}` can take the request; retry shortly.",
+        message,
         type="service_unavailable_error",
-        code="no_ready_replica",
-        headers={"Retry-After": "1"},
+        code=code,
+        headers={"Retry-After": str(retry_after_s)},
+    )
+
+
+def no_ready_replica(model: str) -> OpenAIError:
+    return _unavailable(
+        f"No ready replica of `{model}` can take the request; retry shortly.", "no_ready_replica"
     )
 
 
 def replicas_saturated(model: str) -> OpenAIError:
-    return OpenAIError(
-        503,
+    return _unavailable(
         f"Every replica of `{model}` is at its in-flight limit; retry shortly.",
-        type="service_unavailable_error",
-        code="replicas_saturated",
-        headers={"Retry-After": "1"},
+        "replicas_saturated",
     )
 
 
 def queue_full(model: str, max_waiting: int) -> OpenAIError:
     """503: the model's admission queue holds ``max_waiting`` requests already."""
-    return OpenAIError(
-        503,
+    return _unavailable(
         f"Every replica of `{model}` is busy and {max_waiting} requests wait already"
         " (queue.max_waiting); retry shortly.",
-        type="service_unavailable_error",
-        code="queue_full",
-        headers={"Retry-After": "1"},
+        "queue_full",
     )
 
 
 def key_queue_full(model: str, share: int) -> OpenAIError:
     """503: this key has its share of the model's admission queue waiting already."""
-    return OpenAIError(
-        503,
+    return _unavailable(
         f"Every replica of `{model}` is busy and {share} requests of this API key wait"
         " already (its share of the queue: queue.key_share); retry shortly.",
-        type="service_unavailable_error",
-        code="queue_full",
-        headers={"Retry-After": "1"},
+        "queue_full",
     )
 
 
 def queue_timeout(model: str, max_wait_s: float) -> OpenAIError:
     """503: the request waited ``queue.max_wait_s`` without a replica taking it."""
-    return OpenAIError(
-        503,
+    return _unavailable(
         f"No replica of `{model}` took the request within {max_wait_s:g} s"
         " (queue.max_wait_s); retry later.",
-        type="service_unavailable_error",
-        code="queue_timeout",
-        headers={"Retry-After": str(max(1, round(max_wait_s / 4)))},
+        "queue_timeout",
+        retry_after_s=max(1, round(max_wait_s / 4)),
     )
 
 
 def store_unavailable() -> OpenAIError:
     """503: the store did not answer within the router's bound (LLMGW_STORE_WAIT_S)
     for a key with no recent answer, or for a quota reservation."""
-    return OpenAIError(
-        503,
+    return _unavailable(
         "The router's store did not answer in time; retry shortly.",
-        type="service_unavailable_error",
-        code="store_unavailable",
-        headers={"Retry-After": "5"},
+        "store_unavailable",
+        retry_after_s=5,
     )
 
 

@@ -6,8 +6,10 @@ included), and ``llama_path``, the llama.cpp install paths this machine has.
 
 import contextlib
 import os
+import secrets
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 from collections.abc import AsyncIterator, Iterator
@@ -67,6 +69,15 @@ class EngineWatch:
         self.places.append(place)
         return place
 
+    @contextlib.contextmanager
+    def tmp_dir(self, prefix: str, mode: int) -> Iterator[Path]:
+        """A directory of ``mode`` made in /tmp (outside ``tmp_path``, whose
+        parents are 0700: one the engine user can pass), watched; removed after."""
+        place = self.watch(Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp")))
+        place.chmod(mode)
+        yield place
+        shutil.rmtree(place, ignore_errors=True)
+
     def left(self) -> list[int]:
         """Live engines of the watched places."""
         return sorted({pid for place in self.places for pid in engine_pids(place)})
@@ -108,6 +119,21 @@ def no_engine_outlives_its_test(tmp_path: Path) -> Iterator[EngineWatch]:
     yield places
     if left := places.kill_left():
         print(f"\nkilled engines the test left: {left}", file=sys.stderr)
+
+
+def delete_user(name: str) -> None:
+    """Remove a user (and its group) a test made; nothing if there is none."""
+    subprocess.run(["userdel", name], capture_output=True, check=False)
+    subprocess.run(["groupdel", name], capture_output=True, check=False)
+
+
+@pytest.fixture
+def user_name() -> Iterator[str]:
+    """A fresh user name for an engine user (tests that make users run as
+    root); the user is deleted afterwards if the test made it."""
+    name = f"llmgw-t{secrets.token_hex(4)}"
+    yield name
+    delete_user(name)
 
 
 @pytest.fixture(scope="session", autouse=True)

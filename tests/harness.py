@@ -9,35 +9,54 @@ connection reset, polling a deployment's status.
 import asyncio
 import contextlib
 import os
+import shutil
 import socket
 import struct
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 from temporalio.client import Client
+from temporalio.testing import ActivityEnvironment
 
 from activities.node import NodeActivities
 from llmgw import replicas
 from llmgw.cli.procs import Child, wait_for
 from llmgw.cli.up import kill_recorded_engines
+from llmgw.dev.tinymodel import TinyModel
 from llmgw.keys import engine_key
 from llmgw.store import Store
-from llmgw.types import DeploymentStatus, GpuHealth, GpuInfo, ModelSpec, NodeInventory
+from llmgw.types import (
+    DeploymentStatus,
+    GpuHealth,
+    GpuInfo,
+    LaunchShardInput,
+    ModelSpec,
+    NodeInventory,
+    ReplicaTimeouts,
+    ShardHandle,
+    ShardRef,
+    ShardSpec,
+    StopShardInput,
+    WaitReadyInput,
+)
 from worker_agent.installs.installed import EngineInstalls
 from worker_agent.installs.llamacpp import LlamaCppInstall
 from worker_agent.launch import Launcher
-from worker_agent.supervisor import Supervisor
+from worker_agent.supervisor import RunningShard, Supervisor
 
 REPO = Path(__file__).resolve().parents[1]
 TESTS = REPO / "tests"
 # Recorded machines (sysfs trees, GPU snapshots, inventories) the tests load.
 FIXTURES = TESTS / "fixtures"
 DEVSERVER = REPO / "temporal-dev" / "devserver.py"
+# Replica timeouts for deployments in tests: placement retried often, a short
+# router grace, drains bounded.
+FAST = ReplicaTimeouts(place_retry_s=0.5, place_attempts=1000, router_grace_s=0.5, drain_s=10)
 
 
 def engine_cache() -> Path:
@@ -337,3 +356,32 @@ def node_activities(
             threads=1,
         )
     )
+
+
+def readable_model(tiny: TinyModel, where: Path) -> Path:
+    """A copy of the tiny model in ``where`` that every user may read (an engine
+    user's engine among them)."""
+    model = where / "tiny.gguf"
+    shutil.copy(tiny.model_path, model)
+    model.chmod(0o644)
+    return model
+
+
+@contextlib.asynccontextmanager
+async def ready_shard(
+    llama: LlamaCppInstall, supervisor: Supervisor, spec: ShardSpec, secret: str = "test-secret"
+) -> AsyncIterator[tuple[RunningShard, ShardHandle]]:
+    """``spec`` launched through real node activities over ``supervisor``, and
+    ready: its running engine and the launch's handle. Stopped afterwards."""
+    acts = node_activities(llama, supervisor, secret=secret)
+    env = ActivityEnvironment()
+    ref = ShardRef(replica_id=spec.replica_id)
+    handle = await env.run(acts.launch_shard, LaunchShardInput(spec=spec))
+    try:
+        await env.run(acts.wait_shard_ready, WaitReadyInput(shard=ref, timeout_s=60))
+        running = supervisor.find_running(ref)
+        assert running is not None
+        yield running, handle
+    finally:
+        await env.run(acts.stop_shard, StopShardInput(shard=ref, grace_s=5))
+        await acts.aclose()

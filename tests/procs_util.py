@@ -1,9 +1,11 @@
 """Counting processes the way an operator would: by scanning /proc."""
 
+import contextlib
 import os
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from worker_agent.supervisor import ENGINE_MARKER
+from worker_agent.supervisor import ENGINE_MARKER, Supervisor
 
 
 def pids_with_args(*needles: str) -> list[int]:
@@ -25,33 +27,27 @@ def pids_with_args(*needles: str) -> list[int]:
 def pids_with_env(entry: str) -> list[int]:
     """Live pids whose environment holds ``entry`` (e.g. ``LLMGW_WORK_DIR=/x``)."""
     needle = entry.encode() + b"\0"
-    found: list[int] = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit() or int(proc.name) == os.getpid():
-            continue
-        try:
-            environ = (proc / "environ").read_bytes() + b"\0"
-            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if state != "Z" and needle in environ:
-            found.append(int(proc.name))
-    return found
+    return _pids_whose_environ(lambda environ: needle in environ + b"\0")
 
 
 def pids_with_env_prefix(prefix: str) -> list[int]:
     """Live pids with an environment entry starting with ``prefix`` (``NAME=/dir/``)."""
     needle = b"\0" + prefix.encode()
+    return _pids_whose_environ(lambda environ: needle in b"\0" + environ)
+
+
+def _pids_whose_environ(matches: Callable[[bytes], bool]) -> list[int]:
+    """Live pids but this one's (no zombies) whose raw environment ``matches``."""
     found: list[int] = []
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit() or int(proc.name) == os.getpid():
             continue
         try:
-            environ = b"\0" + (proc / "environ").read_bytes()
+            environ = (proc / "environ").read_bytes()
             state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
         except OSError:
             continue
-        if state != "Z" and needle in environ:
+        if state != "Z" and matches(environ):
             found.append(int(proc.name))
     return found
 
@@ -83,3 +79,20 @@ def engine_pids(work: Path, *needles: str) -> list[int]:
     for place in agent_places(work):
         marked.update(pids_with_env_prefix(f"{ENGINE_MARKER}={place}/"))
     return sorted(pid for pid in pids_with_args(*needles) if pid in marked)
+
+
+@contextlib.contextmanager
+def stopped_after(sup: Supervisor, grace_s: float = 0.5) -> Iterator[Supervisor]:
+    """``sup``; afterwards every shard it recorded is stopped and its children reaped."""
+    yield sup
+    for ref in sup.recorded():
+        sup.stop(ref, grace_s=grace_s)
+    sup.reap()
+
+
+def uids(pid: int) -> list[int]:
+    """Real, effective, saved and filesystem uids of a live process."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("Uid:"):
+            return [int(v) for v in line.split()[1:]]
+    raise AssertionError("no Uid line")

@@ -281,19 +281,27 @@ def proxy_user(user: str, admin: UserAdmin, engine: RunAs) -> RunAs:
     """
     if not user:
         raise EngineUserError("no pass-through user is configured")
-    if not admin.exists(user):
-        for line in admin.create_plain(user):
-            log.info("pass-through user: %s", line)
-    try:
-        entry = pwd.getpwnam(user)
-    except KeyError:
-        raise EngineUserError(f"user {user} does not exist after creating it") from None
-    groups = tuple(sorted(set(os.getgrouplist(user, entry.pw_gid))))
+    entry, groups = _made(user, admin.exists, admin.create_plain, "pass-through user")
     if entry.pw_uid in (0, engine.uid):
         raise EngineUserError(f"pass-through user {user} has uid {entry.pw_uid}")
     if entry.pw_gid in (0, engine.gid) or set(groups) & {0, *engine.groups}:
         raise EngineUserError(f"pass-through user {user} shares a group with root or {engine.user}")
     return RunAs(user, entry.pw_uid, entry.pw_gid, groups, Path("/"))
+
+
+def _made(
+    user: str, exists: Callable[[str], bool], create: Callable[[str], list[str]], what: str
+) -> tuple[pwd.struct_passwd, tuple[int, ...]]:
+    """``user``'s passwd entry and groups, made by ``create`` (its output logged
+    as ``what``'s) when it does not exist yet."""
+    if not exists(user):
+        for line in create(user):
+            log.info("%s: %s", what, line)
+    try:
+        entry = pwd.getpwnam(user)
+    except KeyError:
+        raise EngineUserError(f"user {user} does not exist after creating it") from None
+    return entry, tuple(sorted(set(os.getgrouplist(user, entry.pw_gid))))
 
 
 def _without_user(err: str, agent_dir: Path, allow_root: bool) -> EngineIdentity:
@@ -329,16 +337,9 @@ def _engine_user(
 ) -> RunAs:
     if not user:
         raise EngineUserError("no engine user is configured (LLMGW_ENGINE_USER is empty)")
-    if not admin.exists(user):
-        for line in admin.create(user):
-            log.info("engine user: %s", line)
-    try:
-        entry = pwd.getpwnam(user)
-    except KeyError:
-        raise EngineUserError(f"user {user} does not exist after creating it") from None
+    entry, groups = _made(user, admin.exists, admin.create, "engine user")
     if entry.pw_uid == 0:
         raise EngineUserError(f"engine user {user} has uid 0")
-    groups = tuple(sorted(set(os.getgrouplist(user, entry.pw_gid))))
     make_private(work_dir, agent_dir, entry.pw_gid)
     engine_dir = agent_dir.resolve()
     if not reachable(agent_dir, entry.pw_uid, groups):

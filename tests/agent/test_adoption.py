@@ -18,7 +18,7 @@ from llmgw.dev.tinymodel import TinyModel
 from llmgw.types import EngineKind, LaunchShardInput, ModelSpec, ShardRef, ShardSpec
 from tests.conftest import LlamaPath
 from tests.harness import node_activities
-from tests.procs_util import pids_with_args
+from tests.procs_util import pids_with_args, stopped_after
 from worker_agent import procfs
 from worker_agent.adoption import adopt
 from worker_agent.main import stop_orphans
@@ -46,11 +46,8 @@ def _launch(sup: Supervisor, replica: str, tag: str) -> int:
 @pytest.fixture
 def first(tmp_path: Path) -> Iterator[Supervisor]:
     """The agent that started the engines; kept so its Popen objects reap them."""
-    sup = Supervisor(tmp_path, "n1")
-    yield sup
-    for ref in sup.recorded():
-        sup.stop(ref, grace_s=0.5)
-    sup.reap()
+    with stopped_after(Supervisor(tmp_path, "n1")) as sup:
+        yield sup
 
 
 def test_restarted_agent_adopts_the_same_pids(first: Supervisor, tmp_path: Path) -> None:

@@ -21,7 +21,7 @@ from llmgw.cli.procs import wait_for
 from llmgw.dev.tinymodel import TinyModel
 from llmgw.types import EngineKind, LaunchShardInput, ModelSpec, ShardRef, ShardSpec, StopShardInput
 from tests.harness import node_activities
-from tests.procs_util import pids_with_args
+from tests.procs_util import pids_with_args, stopped_after
 from worker_agent.adoption import adopt
 from worker_agent.installs.llamacpp import LlamaCppInstall
 from worker_agent.shard_record import ShardRecord
@@ -34,11 +34,8 @@ ENGINE = "import time\nwhile True: time.sleep(1)\n"
 @pytest.fixture
 def first(tmp_path: Path) -> Iterator[Supervisor]:
     """The agent that started the engines; kept so its Popen objects reap them."""
-    sup = Supervisor(tmp_path, "n1")
-    yield sup
-    for ref in sup.recorded():
-        sup.stop(ref, grace_s=0.5)
-    sup.reap()
+    with stopped_after(Supervisor(tmp_path, "n1")) as sup:
+        yield sup
 
 
 def _launch(sup: Supervisor, replica: str, record: ShardRecord) -> ShardRef:

@@ -21,15 +21,10 @@ from temporalio.testing import ActivityEnvironment
 
 from llmgw.dev.tinymodel import TinyModel
 from llmgw.errors import EngineUserError
-from llmgw.types import (
-    LaunchShardInput,
-    ModelSpec,
-    ShardRef,
-    ShardSpec,
-    StopShardInput,
-    WaitReadyInput,
-)
-from tests.harness import node_activities
+from llmgw.types import LaunchShardInput, ModelSpec, ShardRef, ShardSpec
+from tests.conftest import delete_user
+from tests.harness import node_activities, readable_model, ready_shard
+from tests.procs_util import uids
 from worker_agent import procfs
 from worker_agent.installs.llamacpp import LlamaCppInstall
 from worker_agent.launch import engine_env
@@ -38,6 +33,7 @@ from worker_agent.spawn import Command
 from worker_agent.supervisor import Supervisor
 from worker_agent.users import (
     DEFAULT_ENGINE_USER,
+    EngineIdentity,
     SystemUsers,
     engine_identity,
     make_private,
@@ -47,18 +43,11 @@ from worker_agent.users import (
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="dropping to another user needs root")
 
 
-def _delete_user(name: str) -> None:
-    subprocess.run(["userdel", name], capture_output=True, check=False)
-    subprocess.run(["groupdel", name], capture_output=True, check=False)
-
-
 @pytest.fixture
-def throwaway_user() -> Iterator[str]:
+def throwaway_user(user_name: str) -> str:
     """A user name nobody has; the user is deleted afterwards if a test made it."""
-    name = f"llmgw-t{secrets.token_hex(4)}"
-    assert not SystemUsers().exists(name)
-    yield name
-    _delete_user(name)
+    assert not SystemUsers().exists(user_name)
+    return user_name
 
 
 @pytest.fixture
@@ -81,14 +70,6 @@ class CannotCreateUsers:
 
     def create_plain(self, user: str) -> list[str]:
         return self.create(user)
-
-
-def _uids(pid: int) -> list[int]:
-    """Real, effective, saved and filesystem uids of a live process."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("Uid:"):
-            return [int(v) for v in line.split()[1:]]
-    raise AssertionError("no Uid line")
 
 
 def _mode(path: Path) -> int:
@@ -162,7 +143,7 @@ def test_the_pass_through_user_is_made_without_gpu_groups(
         assert groups.stdout.split() == [proxy_name]
         assert f"pass-throughs as {proxy_name}" in identity.why
     finally:
-        _delete_user(proxy_name)
+        delete_user(proxy_name)
 
 
 @pytest.mark.parametrize("allow_root", [False, True])
@@ -211,19 +192,19 @@ def test_unreachable_work_dir_is_refused_not_root(tmp_path: Path) -> None:
     assert "cannot reach" in identity.refusal
 
 
+def _identity_with_system_dir(user: str, work: Path, system_dir: Path) -> EngineIdentity:
+    """The engine identity of an agent (node n1) of ``work`` given LLMGW_SYSTEM_DIR."""
+    return engine_identity(
+        user, work, work / "agent" / "n1", [], admin=SystemUsers(), system_dir=system_dir
+    )
+
+
 def test_unreachable_work_dir_moves_to_the_system_dir(
     tmp_path: Path, throwaway_user: str, open_work_dir: Path
 ) -> None:
     """A work dir under a 0700 dir: the home goes to the system dir, made for it."""
     system_dir = open_work_dir / "system"
-    identity = engine_identity(
-        throwaway_user,
-        tmp_path,
-        tmp_path / "agent" / "n1",
-        [],
-        admin=SystemUsers(),
-        system_dir=system_dir,
-    )
+    identity = _identity_with_system_dir(throwaway_user, tmp_path, system_dir)
     assert identity.run_as is not None and not identity.refusal, identity.why
     [base] = list(system_dir.iterdir())
     assert identity.engine_dir == base / "agent" / "n1"
@@ -242,10 +223,7 @@ def test_an_existing_system_dir_is_used_as_it_is_never_changed(
     system_dir = open_work_dir / "srv"
     system_dir.mkdir()
     system_dir.chmod(0o755)
-    identity = engine_identity(
-        throwaway_user, tmp_path, tmp_path / "agent" / "n1", [],
-        admin=SystemUsers(), system_dir=system_dir,
-    )  # fmt: skip
+    identity = _identity_with_system_dir(throwaway_user, tmp_path, system_dir)
     assert identity.run_as is not None and not identity.refusal, identity.why
     assert _mode(system_dir) == 0o755
     [base] = list(system_dir.iterdir())
@@ -259,10 +237,7 @@ def test_an_existing_system_dir_others_may_write_is_refused_unchanged(
     system_dir = open_work_dir / "srv"
     system_dir.mkdir()
     system_dir.chmod(mode)
-    identity = engine_identity(
-        throwaway_user, tmp_path, tmp_path / "agent" / "n1", [],
-        admin=SystemUsers(), system_dir=system_dir,
-    )  # fmt: skip
+    identity = _identity_with_system_dir(throwaway_user, tmp_path, system_dir)
     assert identity.run_as is None and "writable by" in identity.refusal
     assert _mode(system_dir) == mode and list(system_dir.iterdir()) == []
 
@@ -302,14 +277,7 @@ def test_a_system_dir_that_cannot_be_trusted_is_refused_not_root(
         shared.mkdir()
         shared.chmod(0o777)  # no sticky bit: anyone could swap our directory
         system_dir = shared / "system"
-    identity = engine_identity(
-        throwaway_user,
-        tmp_path,
-        tmp_path / "agent" / "n1",
-        [],
-        admin=SystemUsers(),
-        system_dir=system_dir,
-    )
+    identity = _identity_with_system_dir(throwaway_user, tmp_path, system_dir)
     assert identity.run_as is None
     assert f"no directory it can reach could be made in {system_dir}" in identity.refusal
     assert "LLMGW_SYSTEM_DIR" in identity.refusal and "LLMGW_ALLOW_ROOT_ENGINES" in identity.refusal
@@ -355,7 +323,7 @@ def test_unreachable_program_is_refused_not_run_as_root(
     allowed = Supervisor(agent_dir, "n1", identity.run_as, allow_root=True)
     running = allowed.launch(ref, [Command([str(program)], {})], 1, "x", ShardRecord())
     try:
-        assert _uids(running.pid)[0] == 0
+        assert uids(running.pid)[0] == 0
     finally:
         allowed.stop(ref, 5)
 
@@ -396,9 +364,7 @@ def test_engine_env_is_an_allow_list() -> None:
 async def test_engine_and_pass_through_run_as_engine_user(
     llama: LlamaCppInstall, tiny: TinyModel, open_work_dir: Path, throwaway_user: str
 ) -> None:
-    model = open_work_dir / "tiny.gguf"
-    shutil.copy(tiny.model_path, model)
-    model.chmod(0o644)
+    model = readable_model(tiny, open_work_dir)
     agent_dir = open_work_dir / "agent" / "n1"
     identity = engine_identity(
         throwaway_user, open_work_dir, agent_dir, [llama.server, model], admin=SystemUsers()
@@ -406,19 +372,13 @@ async def test_engine_and_pass_through_run_as_engine_user(
     run_as = identity.run_as
     assert run_as is not None, identity.why
     sup = Supervisor(agent_dir, "user-node", run_as)
-    acts = node_activities(llama, sup)
-    env = ActivityEnvironment()
     ref = ShardRef(replica_id="as-user")
     spec = ShardSpec(replica_id="as-user", model=ModelSpec(name="tiny-user", source=str(model)))
-    handle = await env.run(acts.launch_shard, LaunchShardInput(spec=spec))
-    try:
-        await env.run(acts.wait_shard_ready, WaitReadyInput(shard=ref, timeout_s=60))
-        running = sup.find_running(ref)
-        assert running is not None
+    async with ready_shard(llama, sup, spec) as (running, handle):
         members = procfs.group_members(running.group)
         assert len(members) == 2, "pass-through and llama-server"
         for pid in members:
-            assert _uids(pid) == [run_as.uid] * 4, pid
+            assert uids(pid) == [run_as.uid] * 4, pid
             environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
             assert f"HOME={run_as.home}".encode() in environ
             assert Path(f"/proc/{pid}/cwd").resolve() == run_as.home
@@ -427,6 +387,3 @@ async def test_engine_and_pass_through_run_as_engine_user(
         assert _mode(sup.shard_dir(ref)) == 0o700
         assert _mode(sup.shard_dir(ref) / "spec.json") == 0o600
         assert handle.pid == running.pid
-    finally:
-        await env.run(acts.stop_shard, StopShardInput(shard=ref, grace_s=5))
-        await acts.aclose()

@@ -3,34 +3,25 @@ learn another replica's key (issue 23, A1-A3). Each attack is made for real,
 by a process of a real unprivileged user, against the agent's real code."""
 
 import os
-import secrets
 import shutil
 import signal
 import socket
 import stat
 import subprocess
 import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
-from temporalio.testing import ActivityEnvironment
 
 from llmgw.cli.procs import wait_for
 from llmgw.dev.tinymodel import TinyModel
 from llmgw.keys import engine_key
-from llmgw.types import (
-    LaunchShardInput,
-    ModelSpec,
-    ShardRef,
-    ShardSpec,
-    StopShardInput,
-    WaitReadyInput,
-)
+from llmgw.types import ModelSpec, ShardRef, ShardSpec
 from tests.conftest import EngineWatch
-from tests.harness import free_port, node_activities
+from tests.harness import free_port, readable_model, ready_shard
+from tests.procs_util import uids
 from worker_agent import passthrough, procfs
 from worker_agent.installs.llamacpp import LlamaCppInstall
 from worker_agent.shard_record import ShardRecord
@@ -44,22 +35,11 @@ SECRET = "escape-test-secret"
 
 
 @pytest.fixture
-def user_name() -> Iterator[str]:
-    name = f"llmgw-t{secrets.token_hex(4)}"
-    yield name
-    subprocess.run(["userdel", name], capture_output=True, check=False)
-    subprocess.run(["groupdel", name], capture_output=True, check=False)
-
-
-@pytest.fixture
 def open_dir(no_engine_outlives_its_test: EngineWatch) -> Iterator[Path]:
     """A work dir whose parents the engine user can pass (pytest's tmp dirs are 0700):
     outside tmp_path, so watched for engines left running."""
-    work = Path(tempfile.mkdtemp(prefix="llmgw-escape-", dir="/tmp"))
-    no_engine_outlives_its_test.watch(work)
-    work.chmod(0o755)
-    yield work
-    shutil.rmtree(work, ignore_errors=True)
+    with no_engine_outlives_its_test.tmp_dir("llmgw-escape-", 0o755) as work:
+        yield work
 
 
 def _identity(user: str, work: Path, must_reach: list[Path] | None = None) -> RunAs:
@@ -158,6 +138,16 @@ def test_relaunch_does_not_follow_a_link_in_the_scratch_dir(user_name: str, open
         sup.stop(ref, 1)
 
 
+def _root_only_python(where: Path) -> Path:
+    """An interpreter only root can reach, as under root's 0700 home."""
+    hidden = where / "hidden"
+    hidden.mkdir(mode=0o700)
+    python = hidden / "python3"
+    python.write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
+    python.chmod(0o700)
+    return python
+
+
 # A2 ---------------------------------------------------------------------------
 
 
@@ -179,12 +169,7 @@ def test_a_module_planted_in_the_engine_home_never_runs_as_root(
         module,
     )
     assert planted.returncode == 0, planted.stderr
-    # An interpreter only root can reach, as under root's 0700 home.
-    hidden = open_dir / "hidden"
-    hidden.mkdir(mode=0o700)
-    python = hidden / "python3"
-    python.write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
-    python.chmod(0o700)
+    python = _root_only_python(open_dir)
     sup = Supervisor(open_dir / "agent" / "n1", "n1", run_as)
     ref = ShardRef(replica_id="planted")
     port = free_port()
@@ -201,7 +186,7 @@ def test_a_module_planted_in_the_engine_home_never_runs_as_root(
         assert wait_for(lambda: _listening(port) or sup.find_running(ref) is None, 60)
         assert [p.name for p in seen.iterdir()] == [], "the planted module ran"
         assert _listening(port), sup.log_tail(ref)
-        assert _uids(running.pid) == [run_as.uid] * 4
+        assert uids(running.pid) == [run_as.uid] * 4
         assert Path(f"/proc/{running.pid}/cwd").resolve() == run_as.home
     finally:
         sup.stop(ref, 5)
@@ -226,11 +211,7 @@ def test_a_root_start_without_an_isolated_interpreter_is_refused(
     user_name: str, open_dir: Path
 ) -> None:
     run_as = _identity(user_name, open_dir)
-    hidden = open_dir / "hidden"
-    hidden.mkdir(mode=0o700)
-    python = hidden / "python3"
-    python.write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
-    python.chmod(0o700)
+    python = _root_only_python(open_dir)
     sup = Supervisor(open_dir / "agent" / "n1", "n1", run_as)
     argv = [str(python), "-m", "worker_agent.passthrough"]
     with pytest.raises(Exception, match="isolated Python"):
@@ -296,22 +277,14 @@ sys.exit(3 if found else 0)
 async def test_another_engine_user_process_cannot_learn_the_key(
     llama: LlamaCppInstall, tiny: TinyModel, user_name: str, open_dir: Path
 ) -> None:
-    model = open_dir / "tiny.gguf"
-    shutil.copy(tiny.model_path, model)
-    model.chmod(0o644)
+    model = readable_model(tiny, open_dir)
     run_as = _identity(user_name, open_dir, [llama.server, model])
     sup = Supervisor(open_dir / "agent" / "n1", "n1", run_as)
-    acts = node_activities(llama, sup, secret=SECRET)
-    env = ActivityEnvironment()
     replica = "snooped"
     key = engine_key(SECRET, replica)
     ref = ShardRef(replica_id=replica)
     spec = ShardSpec(replica_id=replica, model=ModelSpec(name="tiny-snoop", source=str(model)))
-    await env.run(acts.launch_shard, LaunchShardInput(spec=spec))
-    try:
-        await env.run(acts.wait_shard_ready, WaitReadyInput(shard=ref, timeout_s=60))
-        running = sup.find_running(ref)
-        assert running is not None
+    async with ready_shard(llama, sup, spec, secret=SECRET) as (running, _):
         members = procfs.group_members(running.group)
         assert len(members) == 2, "pass-through and llama-server"
         scratch = Path((sup.shard_dir(ref) / "scratch-path").read_text())
@@ -327,9 +300,6 @@ async def test_another_engine_user_process_cannot_learn_the_key(
         # And the key still opens the replica, through the pass-through only.
         assert _get(running.endpoint, key) == 200
         assert _get(running.endpoint, "wrong") == 401
-    finally:
-        await env.run(acts.stop_shard, StopShardInput(shard=ref, grace_s=5))
-        await acts.aclose()
 
 
 _KILL = """
@@ -349,9 +319,7 @@ async def test_an_engine_cannot_kill_a_pass_through_and_an_adopted_one_dying_is_
     another replica's pass-through and take its port. And when a
     pass-through of an adopted shard dies all the same, the new agent sees it
     (the group leader it recorded is gone), as it does for its own children."""
-    model = open_dir / "tiny.gguf"
-    shutil.copy(tiny.model_path, model)
-    model.chmod(0o644)
+    model = readable_model(tiny, open_dir)
     identity = engine_identity(
         user_name, open_dir, open_dir / "agent" / "n1", [llama.server, model], admin=SystemUsers()
     )
@@ -360,20 +328,15 @@ async def test_an_engine_cannot_kill_a_pass_through_and_an_adopted_one_dying_is_
     assert proxy.user == PROXY_USER and proxy.uid != run_as.uid
     assert not {proxy.gid, *proxy.groups} & {run_as.gid, *run_as.groups}
     sup = Supervisor(open_dir / "agent" / "n1", "n1", run_as, proxy=proxy)
-    acts = node_activities(llama, sup, secret=SECRET)
-    env = ActivityEnvironment()
     replica = "guarded"
     key = engine_key(SECRET, replica)
     ref = ShardRef(replica_id=replica)
     spec = ShardSpec(replica_id=replica, model=ModelSpec(name="tiny-guard", source=str(model)))
-    await env.run(acts.launch_shard, LaunchShardInput(spec=spec))
-    try:
-        await env.run(acts.wait_shard_ready, WaitReadyInput(shard=ref, timeout_s=60))
-        running = sup.find_running(ref)
-        assert running is not None and running.group != running.pid
+    async with ready_shard(llama, sup, spec, secret=SECRET) as (running, _):
+        assert running.group != running.pid
         front = running.group  # the pass-through leads the shard's group
-        assert set(_uids(front)) == {proxy.uid}
-        assert set(_uids(running.pid)) == {run_as.uid}
+        assert set(uids(front)) == {proxy.uid}
+        assert set(uids(running.pid)) == {run_as.uid}
         killed = _as_user(run_as, _KILL, str(front))
         assert killed.stdout.strip() == "denied", killed.stdout + killed.stderr
         assert _get(running.endpoint, key) == 200
@@ -383,9 +346,6 @@ async def test_an_engine_cannot_kill_a_pass_through_and_an_adopted_one_dying_is_
         assert again.dead_sidecar(ref) is None
         os.kill(front, signal.SIGKILL)
         assert wait_for(lambda: again.dead_sidecar(ref) is not None, 10)
-    finally:
-        await env.run(acts.stop_shard, StopShardInput(shard=ref, grace_s=5))
-        await acts.aclose()
 
 
 def _get(endpoint: str, key: str) -> int:
@@ -399,10 +359,3 @@ def _listening(port: int) -> bool:
     with socket.socket() as s:
         s.settimeout(0.5)
         return s.connect_ex(("127.0.0.1", port)) == 0
-
-
-def _uids(pid: int) -> list[int]:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("Uid:"):
-            return [int(v) for v in line.split()[1:]]
-    raise AssertionError("no Uid line")

@@ -20,14 +20,11 @@ from llmgw.types import (
     EngineProfile,
     ModelSpec,
     ReplicaPhase,
-    ReplicaTimeouts,
     RestartPolicy,
 )
-from tests.harness import System, wait_deployment
+from tests.harness import FAST, System, wait_deployment
 from tests.procs_util import pids_with_args
 from tests.recording import record
-
-FAST = ReplicaTimeouts(place_retry_s=0.5, place_attempts=1000, router_grace_s=0.5, drain_s=10)
 
 
 async def test_higher_priority_preempts_lower_and_both_sides_record_it(

@@ -32,11 +32,9 @@ from llmgw.types import (
     WakeInput,
     WakeResult,
 )
-from tests.harness import System, free_port, wait_deployment
+from tests.harness import FAST, System, free_port, wait_deployment
 from tests.procs_util import pids_with_args
 from tests.recording import record
-
-FAST = ReplicaTimeouts(place_retry_s=0.5, place_attempts=1000, router_grace_s=0.5, drain_s=10)
 
 
 def _spec(tiny: TinyModel, name: str, policy: AutoscalePolicy, gpus: int = 0) -> ModelSpec:

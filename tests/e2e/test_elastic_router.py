@@ -35,10 +35,9 @@ from llmgw.types import (
     QueuePolicy,
     ReplicaTimeouts,
 )
-from tests.harness import System, free_port, wait_deployment
+from tests.harness import FAST, System, free_port, wait_deployment
 from tests.procs_util import pids_with_args
 
-FAST = ReplicaTimeouts(place_retry_s=0.5, place_attempts=1000, router_grace_s=0.5, drain_s=10)
 # Generous: a wake on two shared cores can take a while; a hang still fails.
 QUEUE = QueuePolicy(max_waiting=64, max_wait_s=150)
 

@@ -27,9 +27,10 @@ from llmgw.keys import engine_key
 from llmgw.store import Store
 from llmgw.types import EngineKind, ModelSpec, ReplicaTimeouts, ShardRef
 from tests.conftest import EngineWatch, LlamaPath
-from tests.harness import System, free_port
+from tests.harness import System, free_port, readable_model
+from tests.procs_util import uids
 from worker_agent import procfs
-from worker_agent.supervisor import Supervisor
+from worker_agent.supervisor import RunningShard, Supervisor
 from worker_agent.users import PROXY_USER
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="dropping to another user needs root")
@@ -47,27 +48,8 @@ SECRETS = {
 def open_root(no_engine_outlives_its_test: EngineWatch) -> Iterator[Path]:
     """A directory whose parents the engine user can pass (pytest's tmp dirs are 0700):
     outside tmp_path, so watched for engines left running."""
-    root = no_engine_outlives_its_test.watch(
-        Path(tempfile.mkdtemp(prefix="llmgw-agent-user-", dir="/tmp"))
-    )
-    root.chmod(0o755)
-    yield root
-    shutil.rmtree(root, ignore_errors=True)
-
-
-@pytest.fixture
-def user_name() -> Iterator[str]:
-    name = f"llmgw-t{secrets.token_hex(4)}"
-    yield name
-    subprocess.run(["userdel", name], capture_output=True, check=False)
-    subprocess.run(["groupdel", name], capture_output=True, check=False)
-
-
-def _status(pid: int, field: str) -> list[int]:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(f"{field}:"):
-            return [int(v) for v in line.split()[1:]]
-    raise AssertionError(f"no {field} line")
+    with no_engine_outlives_its_test.tmp_dir("llmgw-agent-user-", 0o755) as root:
+        yield root
 
 
 def _mode(path: Path) -> int:
@@ -88,7 +70,7 @@ def _assert_run_as_without_secrets(pids: list[int], uid: int, *replica_keys: str
     assert shown == expected, ps
     assert uid in expected.values(), ps
     for pid in pids:
-        assert _status(pid, "Uid") == [expected[pid]] * 4, ps
+        assert uids(pid) == [expected[pid]] * 4, ps
         environ = Path(f"/proc/{pid}/environ").read_bytes()
         names = {e.split(b"=", 1)[0].decode() for e in environ.split(b"\0") if e}
         assert not names & SECRETS.keys(), names
@@ -102,10 +84,54 @@ def _assert_run_as_without_secrets(pids: list[int], uid: int, *replica_keys: str
 def _model_in(root: Path, tiny: TinyModel) -> Path:
     models = root / "models"
     models.mkdir(mode=0o755)
-    model = models / "tiny.gguf"
-    shutil.copy(tiny.model_path, model)
-    model.chmod(0o644)
-    return model
+    return readable_model(tiny, models)
+
+
+def _tiny_spec(root: Path, tiny: TinyModel, user_name: str) -> ModelSpec:
+    """The tiny model, copied under ``root``, as a replica's spec."""
+    model = _model_in(root, tiny)
+    return ModelSpec(name=f"tiny-{user_name}", engine=EngineKind.LLAMA_CPP, source=str(model))
+
+
+def _agent_env(node: str, user: str, **more: str) -> dict[str, str]:
+    """An agent's settings: engines as ``user``, never as root; and ``more``."""
+    return {
+        "LLMGW_NODE_ID": node,
+        "LLMGW_ENGINE_USER": user,
+        "LLMGW_ALLOW_ROOT_ENGINES": "false",
+        **more,
+    }
+
+
+def _shard_run_as(
+    system: System, agent_dir: Path, replica_id: str, uid: int, processes: int | None = None
+) -> tuple[RunningShard, list[int], str]:
+    """The replica's running shard, its processes and its key, once checked: they
+    (``processes`` of them, where given) run as ``uid`` (the pass-through as
+    its own user), without secrets."""
+    shard = Supervisor(agent_dir).find_running(ShardRef(replica_id=replica_id))
+    assert shard is not None
+    members = procfs.group_members(shard.group)
+    if processes is not None:
+        assert len(members) == processes, "pass-through and llama-server"
+    key = engine_key(Store(system.store_url).engine_key_secret(), replica_id)
+    _assert_run_as_without_secrets(members, uid, key)
+    return shard, members, key
+
+
+async def _complete(endpoint: str, key: str, body: dict[str, object]) -> httpx.Response:
+    """A completion through the replica's pass-through, with its key."""
+    async with httpx.AsyncClient(timeout=60) as http:
+        return await http.post(
+            f"{endpoint}/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}
+        )
+
+
+async def _stop(client: Client, system: System, replica_id: str) -> None:
+    """Cleanup, not a check: system.stop() kills what a failed stop leaves."""
+    with contextlib.suppress(Exception):
+        await replicas.stop_replica(client, replica_id, "test over", 30)
+    system.stop()
 
 
 async def test_agent_creates_its_engine_user_and_runs_engines_as_it(
@@ -115,57 +141,34 @@ async def test_agent_creates_its_engine_user_and_runs_engines_as_it(
     system.work_dir.mkdir()
     node = f"user-node-{user_name}"
     replica_id = ""
-    model = _model_in(open_root, tiny)
-    spec = ModelSpec(name=f"tiny-{user_name}", engine=EngineKind.LLAMA_CPP, source=str(model))
+    spec = _tiny_spec(open_root, tiny, user_name)
     try:
         system.catalog(spec)
         system.spawn("control")
-        agent_env = {
-            "LLMGW_NODE_ID": node,
-            "LLMGW_ENGINE_USER": user_name,
-            "LLMGW_ALLOW_ROOT_ENGINES": "false",
-            **SECRETS,
-        }
-        agent = system.spawn("agent", agent_env)
+        agent = system.spawn("agent", _agent_env(node, user_name, **SECRETS))
         await replicas.wait_node_registered(client, node, 60)
         replica_id = await replicas.start_replica(client, spec)
         memo = await replicas.wait_ready(client, replica_id, 120)
 
         # The agent made the user, in the GPU groups, and not root.
-        entry = subprocess.run(["id", "-u", user_name], capture_output=True, text=True, check=True)
-        uid = int(entry.stdout)
-        groups = subprocess.run(
-            ["id", "-nG", user_name], capture_output=True, text=True, check=True
-        ).stdout.split()
+        uid = int(_id(user_name, "-u"))
+        groups = _id(user_name, "-nG").split()
         assert uid != 0 and {"video", "render"} <= set(groups)
 
         agent_dir = system.work_dir / "agent" / node
-        shard = Supervisor(agent_dir).find_running(ShardRef(replica_id=replica_id))
-        assert shard is not None
-        members = procfs.group_members(shard.group)
-        assert len(members) == 2, "pass-through and llama-server"
-        key = engine_key(Store(system.store_url).engine_key_secret(), replica_id)
-        _assert_run_as_without_secrets(members, uid, key)
+        shard, _, key = _shard_run_as(system, agent_dir, replica_id, uid, processes=2)
 
         # The pass-through, dropped to the user, still serves a stream with the key.
         body = {"model": spec.name, "prompt": "hi", "max_tokens": 4, "stream": True}
+        r = await _complete(memo.endpoint, key, body)
+        assert r.status_code == 200 and "data: [DONE]" in r.text
         async with httpx.AsyncClient(timeout=60) as http:
-            r = await http.post(
-                f"{memo.endpoint}/v1/completions",
-                json=body,
-                headers={"Authorization": f"Bearer {key}"},
-            )
-            assert r.status_code == 200 and "data: [DONE]" in r.text
             denied = await http.get(f"{memo.endpoint}/v1/models")
             assert denied.status_code == 401
 
         # Private files: the work dir passable only by the engine group, the
         # store 0600, logs and spec 0600, weights not world-readable.
-        gid = int(
-            subprocess.run(
-                ["id", "-g", user_name], capture_output=True, text=True, check=True
-            ).stdout
-        )
+        gid = int(_id(user_name, "-g"))
         assert _mode(system.work_dir) == 0o710 and system.work_dir.stat().st_gid == gid
         assert _mode(system.work_dir / "llmgw.db") == 0o600
         shard_dir = shard.log_path.parent
@@ -177,10 +180,7 @@ async def test_agent_creates_its_engine_user_and_runs_engines_as_it(
                 assert _mode(path) & 0o007 == 0 and path.stat().st_gid == gid, path
         assert "engines run as root" not in agent.log_tail(200)
     finally:
-        # Cleanup, not a check: system.stop() kills what a failed stop leaves.
-        with contextlib.suppress(Exception):
-            await replicas.stop_replica(client, replica_id, "test over", 30)
-        system.stop()
+        await _stop(client, system, replica_id)
 
 
 async def test_agent_refuses_engines_when_it_cannot_make_the_user(
@@ -193,14 +193,7 @@ async def test_agent_refuses_engines_when_it_cannot_make_the_user(
     spec = ModelSpec(name="tiny-refused", engine=EngineKind.LLAMA_CPP, source=str(tiny.model_path))
     try:
         system.spawn("control")
-        agent = system.spawn(
-            "agent",
-            {
-                "LLMGW_NODE_ID": node,
-                "LLMGW_ENGINE_USER": "not a valid name!",
-                "LLMGW_ALLOW_ROOT_ENGINES": "false",
-            },
-        )
+        agent = system.spawn("agent", _agent_env(node, "not a valid name!"))
         await replicas.wait_node_registered(client, node, 60)
         replica_id = await replicas.start_replica(
             client, spec, ReplicaTimeouts(launch_s=60, ready_s=60)
@@ -221,23 +214,15 @@ async def test_agent_refuses_engines_when_it_cannot_make_the_user(
 @pytest.fixture
 def private_root(no_engine_outlives_its_test: EngineWatch) -> Iterator[Path]:
     """A 0700 directory of root's: where root clones on a fresh VM (/root)."""
-    root = no_engine_outlives_its_test.watch(
-        Path(tempfile.mkdtemp(prefix="llmgw-private-", dir="/tmp"))
-    )
-    root.chmod(0o700)
-    yield root
-    shutil.rmtree(root, ignore_errors=True)
+    with no_engine_outlives_its_test.tmp_dir("llmgw-private-", 0o700) as root:
+        yield root
 
 
 @pytest.fixture
 def system_dir(no_engine_outlives_its_test: EngineWatch) -> Iterator[Path]:
     """Stands in for /var/lib/llmgw (LLMGW_SYSTEM_DIR): made by the agent."""
-    parent = no_engine_outlives_its_test.watch(
-        Path(tempfile.mkdtemp(prefix="llmgw-sysdir-", dir="/tmp"))
-    )
-    parent.chmod(0o755)
-    yield parent / "llmgw"
-    shutil.rmtree(parent, ignore_errors=True)
+    with no_engine_outlives_its_test.tmp_dir("llmgw-sysdir-", 0o755) as parent:
+        yield parent / "llmgw"
 
 
 def _as(uid: int, gid: int, *argv: str) -> subprocess.CompletedProcess[str]:
@@ -263,18 +248,16 @@ async def test_a_clone_under_a_private_dir_runs_its_engines_as_the_engine_user(
     system = System(temporal_address, work, free_port())
     node = f"private-node-{user_name}"
     replica_id = ""
-    model = _model_in(private_root / "clone", tiny)
-    spec = ModelSpec(name=f"tiny-{user_name}", engine=EngineKind.LLAMA_CPP, source=str(model))
-    agent_env = {
-        "LLMGW_NODE_ID": node,
-        "LLMGW_ENGINE_USER": user_name,
-        "LLMGW_ALLOW_ROOT_ENGINES": "false",
-        "LLMGW_SYSTEM_DIR": str(system_dir),
+    spec = _tiny_spec(private_root / "clone", tiny, user_name)
+    agent_env = _agent_env(
+        node,
+        user_name,
+        LLMGW_SYSTEM_DIR=str(system_dir),
         # As `llmgw up` names it: the clone's own engine cache, which the engine
         # user cannot reach; the portable server is the one behind a launcher there.
-        "LLMGW_ENGINE_CACHE_DIR": str(work / "engines"),
-        "LLMGW_LLAMA_CPP": "portable",
-    }
+        LLMGW_ENGINE_CACHE_DIR=str(work / "engines"),
+        LLMGW_LLAMA_CPP="portable",
+    )
     try:
         system.catalog(spec)
         system.spawn("control")
@@ -289,12 +272,9 @@ async def test_a_clone_under_a_private_dir_runs_its_engines_as_the_engine_user(
         assert home.stat().st_uid == uid and _mode(home) == 0o700
         assert str(place) in agent.log_tail(200)
 
-        shard = Supervisor(work / "agent" / node).find_running(ShardRef(replica_id=replica_id))
-        assert shard is not None
-        members = procfs.group_members(shard.group)
-        assert len(members) == 2, "pass-through and llama-server"
-        key = engine_key(Store(system.store_url).engine_key_secret(), replica_id)
-        _assert_run_as_without_secrets(members, uid, key)
+        shard, members, key = _shard_run_as(
+            system, work / "agent" / node, replica_id, uid, processes=2
+        )
         # The engine works in its home; the pass-through (its own user, no home) in /.
         for pid in members:
             where = Path("/") if os.getpgid(pid) == pid else home
@@ -306,28 +286,16 @@ async def test_a_clone_under_a_private_dir_runs_its_engines_as_the_engine_user(
         # The weights the engine reads were copied where it can reach them.
         assert str(place / "weights").encode() in engine_cmd, engine_cmd
         body = {"model": spec.name, "prompt": "hi", "max_tokens": 4}
-        async with httpx.AsyncClient(timeout=60) as http:
-            r = await http.post(
-                f"{memo.endpoint}/v1/completions",
-                json=body,
-                headers={"Authorization": f"Bearer {key}"},
-            )
-            assert r.status_code == 200, r.text
+        r = await _complete(memo.endpoint, key, body)
+        assert r.status_code == 200, r.text
 
         agent.stop(grace_s=10)
         await _plant_a_link_and_restart(system, client, agent_env, home, (uid, gid))
         # The adopted engine still serves: its pass-through kept both keys.
-        async with httpx.AsyncClient(timeout=60) as http:
-            r = await http.post(
-                f"{memo.endpoint}/v1/completions",
-                json=body,
-                headers={"Authorization": f"Bearer {key}"},
-            )
-            assert r.status_code == 200, r.text
+        r = await _complete(memo.endpoint, key, body)
+        assert r.status_code == 200, r.text
     finally:
-        with contextlib.suppress(Exception):
-            await replicas.stop_replica(client, replica_id, "test over", 30)
-        system.stop()
+        await _stop(client, system, replica_id)
 
 
 def _assert_system_place(system_dir: Path, work: Path, node: str, gid: int) -> tuple[Path, Path]:
@@ -350,11 +318,7 @@ async def _plant_a_link_and_restart(
     target.chmod(0o755)
     try:
         plant = 'rm -rf "$0/.cache" && ln -s "$1" "$0/.cache"'
-        planted = subprocess.run(
-            ["/bin/sh", "-c", plant, str(home), str(target)],
-            user=ids[0], group=ids[1], extra_groups=[], cwd="/",
-            capture_output=True, text=True, timeout=60, check=False,
-        )  # fmt: skip
+        planted = _as(ids[0], ids[1], "/bin/sh", "-c", plant, str(home), str(target))
         assert planted.returncode == 0, planted.stderr
         again = system.spawn("agent", agent_env)
         await replicas.wait_node_registered(client, agent_env["LLMGW_NODE_ID"], 120)
@@ -418,16 +382,16 @@ async def test_a_clone_whose_venv_is_private_too_runs_its_engines_as_the_engine_
     system = System(temporal_address, work, free_port())
     node = f"venv-node-{user_name}"
     replica_id = ""
-    model = _model_in(clone, tiny)
-    spec = ModelSpec(name=f"tiny-{user_name}", engine=EngineKind.LLAMA_CPP, source=str(model))
+    spec = _tiny_spec(clone, tiny, user_name)
     agent_env = {
         **system.env,
-        "LLMGW_NODE_ID": node,
-        "LLMGW_ENGINE_USER": user_name,
-        "LLMGW_ALLOW_ROOT_ENGINES": "false",
-        "LLMGW_SYSTEM_DIR": str(system_dir),
-        "LLMGW_ENGINE_CACHE_DIR": str(work / "engines"),
-        **llama_path.agent_env(),
+        **_agent_env(
+            node,
+            user_name,
+            LLMGW_SYSTEM_DIR=str(system_dir),
+            LLMGW_ENGINE_CACHE_DIR=str(work / "engines"),
+            **llama_path.agent_env(),
+        ),
     }
     try:
         system.catalog(spec)
@@ -442,11 +406,7 @@ async def test_a_clone_whose_venv_is_private_too_runs_its_engines_as_the_engine_
 
         uid, gid = int(_id(user_name, "-u")), int(_id(user_name, "-g"))
         base, _ = _assert_system_place(system_dir, work, node, gid)
-        shard = Supervisor(work / "agent" / node).find_running(ShardRef(replica_id=replica_id))
-        assert shard is not None
-        members = procfs.group_members(shard.group)
-        key = engine_key(Store(system.store_url).engine_key_secret(), replica_id)
-        _assert_run_as_without_secrets(members, uid, key)
+        shard, _, key = _shard_run_as(system, work / "agent" / node, replica_id, uid)
         # What the engine runs is the copy in the system dir, nothing of the clone's venv.
         copies = base / "engines" / "llama.cpp"
         maps = Path(f"/proc/{shard.pid}/maps").read_text()
@@ -460,14 +420,7 @@ async def test_a_clone_whose_venv_is_private_too_runs_its_engines_as_the_engine_
         assert f"engine cache: {base / 'engines'}" in log
         assert f"copying llama.cpp ({llama_path.install.source})" in log and "building" not in log
         body = {"model": spec.name, "prompt": "hi", "max_tokens": 4}
-        async with httpx.AsyncClient(timeout=60) as http:
-            r = await http.post(
-                f"{memo.endpoint}/v1/completions",
-                json=body,
-                headers={"Authorization": f"Bearer {key}"},
-            )
-            assert r.status_code == 200, r.text
+        r = await _complete(memo.endpoint, key, body)
+        assert r.status_code == 200, r.text
     finally:
-        with contextlib.suppress(Exception):
-            await replicas.stop_replica(client, replica_id, "test over", 30)
-        system.stop()
+        await _stop(client, system, replica_id)

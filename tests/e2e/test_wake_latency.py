@@ -32,11 +32,9 @@ from llmgw.types import (
     EngineProfile,
     ModelSpec,
     QueuePolicy,
-    ReplicaTimeouts,
 )
-from tests.harness import System, wait_deployment
+from tests.harness import FAST, System, wait_deployment
 
-FAST = ReplicaTimeouts(place_retry_s=0.5, place_attempts=1000, router_grace_s=0.5, drain_s=10)
 WAKES = 6
 REQUESTS = 20
 # The spread allowed between a wake's first and last answer: twenty short

@@ -83,6 +83,11 @@ def request(s: socket.socket, path: str, headers: dict[str, str] | None = None) 
         *(f"{k}: {v}" for k, v in (headers or {}).items()),
     ]
     s.sendall(("\r\n".join(lines) + "\r\n\r\n").encode())
+    return response(s)
+
+
+def response(s: socket.socket) -> bytes:
+    """One response (head and Content-Length body) read off ``s``."""
     data = b""
     while b"\r\n\r\n" not in data:
         chunk = s.recv(65536)

@@ -21,7 +21,7 @@ import time
 import pytest
 
 from llmgw.cli.procs import wait_for
-from tests.gateway.test_listener_limits import closed_by_server
+from tests.gateway.test_listener_limits import closed_by_server, response
 from tests.harness import System, free_port
 
 ADDRESSES = [f"127.0.0.{i}" for i in range(2, 12)]
@@ -59,26 +59,6 @@ def _connect(port: int, source: str) -> socket.socket:
     return socket.create_connection(("127.0.0.1", port), timeout=10, source_address=(source, 0))
 
 
-def _response(s: socket.socket) -> bytes:
-    """One response (head and Content-Length body) read off ``s``."""
-    data = b""
-    while b"\r\n\r\n" not in data:
-        chunk = s.recv(65536)
-        assert chunk, f"closed before the response head: {data!r}"
-        data += chunk
-    head, _, body = data.partition(b"\r\n\r\n")
-    length = next(
-        int(line.split(b":", 1)[1])
-        for line in head.split(b"\r\n")
-        if line.lower().startswith(b"content-length:")
-    )
-    while len(body) < length:
-        chunk = s.recv(65536)
-        assert chunk, "closed in the middle of the body"
-        body += chunk
-    return head + b"\r\n\r\n" + body
-
-
 def _read(s: socket.socket, got: dict[socket.socket, bytes]) -> bool:
     """Add what the server sent on ``s`` to ``got[s]``; whether it has closed it."""
     s.setblocking(False)
@@ -110,7 +90,7 @@ def router(system: System) -> tuple[int, str]:
     system.start_router(port)
     with _connect(port, "127.0.0.1") as warm:  # the key is cached from here on
         warm.sendall(f"GET /v1/models HTTP/1.1\r\nHost: t\r\n{_auth(key)}\r\n".encode())
-        assert _response(warm).startswith(b"HTTP/1.1 200")
+        assert response(warm).startswith(b"HTTP/1.1 200")
     return port, key
 
 
@@ -144,9 +124,9 @@ def test_trickling_bodies_neither_starve_a_client_nor_stay(router: tuple[int, st
         with _connect(port, "127.0.0.1") as normal:
             start = time.monotonic()
             normal.sendall(_head(key, len(body)) + body.encode())
-            answer = _response(normal)
+            answer = response(normal)
             normal.sendall(f"GET /v1/models HTTP/1.1\r\nHost: t\r\n{_auth(key)}\r\n".encode())
-            models = _response(normal)
+            models = response(normal)
             served_s = time.monotonic() - start
         # The whole request was read and answered: the missing field's 400, then a 200.
         assert answer.startswith(b"HTTP/1.1 400") and b'"param":"model"' in answer.replace(

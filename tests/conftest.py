@@ -5,6 +5,7 @@ included), and ``llama_path``, the llama.cpp install paths this machine has.
 """
 
 import contextlib
+import filecmp
 import os
 import secrets
 import shutil
@@ -23,7 +24,7 @@ from temporalio.client import Client
 from llmgw.cli.procs import wait_for
 from llmgw.dev.tinymodel import TinyModel, generate_tiny_model
 from llmgw.temporal import connect
-from tests.harness import System, devserver, engine_cache, free_port
+from tests.harness import NOBODY, System, agents_engine_cache, devserver, engine_cache, free_port
 from tests.pg import PgCluster, own_cluster
 from tests.procs_util import agent_places, engine_pids
 
@@ -157,12 +158,34 @@ def no_system_place_outlives_the_run(tmp_path_factory: pytest.TempPathFactory) -
                 shutil.rmtree(place, ignore_errors=True)
 
 
-@pytest.fixture(scope="session")
-def llama() -> "LlamaCppInstall":
-    """The real llama.cpp server, as the agent installs it (cached per CPU)."""
-    from worker_agent.installs.llamacpp import ensure_llama_cpp  # noqa: PLC0415
+def anyone_reaches(path: Path) -> bool:
+    """Whether a user in no group of ours (a test's throwaway engine user) can reach ``path``."""
+    from worker_agent.users import reachable  # noqa: PLC0415
 
-    return ensure_llama_cpp(engine_cache())
+    return reachable(path, NOBODY, ())
+
+
+@pytest.fixture(scope="session")
+def llama() -> Iterator["LlamaCppInstall"]:
+    """The real llama.cpp server, as the agent installs it (cached per CPU), where
+    the tests' engine users reach it.
+
+    A clone under root's 0700 home holds the venv, and with it the prebuilt
+    servers, and the tests' engine cache where none of them reaches: there the
+    install is copied as an agent does it (``relocated``) into a directory all
+    may pass (``agents_engine_cache``, where the agents copy it too), removed after the run.
+    """
+    from worker_agent.installs.llamacpp import ensure_llama_cpp, relocated  # noqa: PLC0415
+
+    install = ensure_llama_cpp(engine_cache())
+    if all(anyone_reaches(path) for path in install.needs()):
+        yield install
+        return
+    place = agents_engine_cache()
+    try:
+        yield relocated(install, place, anyone_reaches)
+    finally:
+        shutil.rmtree(place, ignore_errors=True)
 
 
 @dataclass(frozen=True)
@@ -192,7 +215,9 @@ class LlamaPath:
             env = {portable_server.TITLE_ENV: label.decode()}
             title = portable_server.title([], env).encode()
             return bool(label) and (proc / "cmdline").read_bytes().startswith(title + b" ")
-        return (proc / "exe").resolve() == self.install.server.resolve()
+        # This install's binary, or the copy of it an agent made where its
+        # engine user reaches it (worker_agent.installs.llamacpp.relocated).
+        return filecmp.cmp(proc / "exe", self.install.server, shallow=False)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -8,9 +8,11 @@ connection reset, polling a deployment's status.
 
 import asyncio
 import contextlib
+import hashlib
 import os
 import shutil
 import socket
+import stat
 import struct
 import subprocess
 import sys
@@ -48,6 +50,7 @@ from worker_agent.installs.installed import EngineInstalls
 from worker_agent.installs.llamacpp import LlamaCppInstall
 from worker_agent.launch import Launcher
 from worker_agent.supervisor import RunningShard, Supervisor
+from worker_agent.users import reachable
 
 REPO = Path(__file__).resolve().parents[1]
 TESTS = REPO / "tests"
@@ -68,6 +71,29 @@ def engine_cache() -> Path:
     is the tests' alone, and nothing makes it private.
     """
     return Path(os.environ.get("LLMGW_TEST_ENGINE_CACHE", REPO / ".llmgw-test" / "engines"))
+
+
+NOBODY = 65534  # a user in no group of ours, as the tests' throwaway engine users are
+
+
+def agents_engine_cache() -> Path:
+    """The engine cache the tests' agents are given: the tests' own
+    (``engine_cache``), or, where an engine user cannot reach it (a clone under
+    root's 0700 home), ``/tmp/llmgw-test-engines-<digest of the clone>``, into
+    which an agent copies the install its engine user must run
+    (worker_agent.installs.llamacpp ``relocated``), as the ``llama`` fixture
+    does. Root's and not a link, or the tests stop here.
+    """
+    cache = engine_cache()
+    if reachable(REPO, NOBODY, ()):
+        return cache
+    digest = hashlib.sha256(str(REPO).encode()).hexdigest()[:12]
+    place = Path("/tmp") / f"llmgw-test-engines-{digest}"
+    place.mkdir(mode=0o755, exist_ok=True)
+    info = place.lstat()
+    assert stat.S_ISDIR(info.st_mode) and info.st_uid == os.geteuid(), f"{place} is not ours"
+    place.chmod(0o755)
+    return place
 
 
 def free_port() -> int:
@@ -165,7 +191,7 @@ class System:
                 "LLMGW_SYSTEM_DIR": "",
                 # Test models are generated under pytest's temp dirs.
                 "LLMGW_WEIGHTS_ROOTS": str(Path(tempfile.gettempdir()).resolve()),
-                "LLMGW_ENGINE_CACHE_DIR": str(engine_cache()),
+                "LLMGW_ENGINE_CACHE_DIR": str(agents_engine_cache()),
             }
         )
         self.env.update(extra_env or {})

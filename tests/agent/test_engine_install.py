@@ -15,6 +15,7 @@ import sys
 import tarfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -23,7 +24,7 @@ import pytest
 from llmgw.cli.procs import Child, wait_for
 from llmgw.dev.tinymodel import TinyModel
 from llmgw.types import ModelSpec
-from tests.conftest import source_build_wanted
+from tests.conftest import EngineWatch, source_build_wanted
 from tests.harness import engine_cache, free_port, port_open
 from worker_agent.engines import Launchers, LlamaCppPlanner, LoraAdapter, NodeFacts, ShardRequest
 from worker_agent.installs import llamacpp as engine_install
@@ -464,15 +465,16 @@ def _as_nobody(*argv: str, env: dict[str, str] | None = None) -> subprocess.Comp
 
 
 @pytest.fixture
-def private_and_open(tmp_path: Path) -> tuple[Path, Path]:
-    """A 0700 directory (where ``make run`` puts the venv under /root) and one all may pass."""
-    private, shared = tmp_path / "private", tmp_path / "open"
-    private.mkdir(mode=0o700)
-    shared.mkdir()
-    for path in [shared, *shared.parents]:
-        if not _nobody_reaches(path):
-            path.chmod(path.stat().st_mode | 0o111)  # pytest's tmp dirs are 0700
-    return private, shared
+def private_and_open(no_engine_outlives_its_test: EngineWatch) -> Iterator[tuple[Path, Path]]:
+    """A 0700 directory (where ``make run`` puts the venv under /root) and one all may pass.
+
+    Made in /tmp, not under ``tmp_path``: opening pytest's 0700 tmp dirs to all
+    would let later tests' engine users reach work dirs they must not."""
+    with no_engine_outlives_its_test.tmp_dir("llmgw-install-", 0o755) as top:
+        private, shared = top / "private", top / "open"
+        private.mkdir(mode=0o700)
+        shared.mkdir()
+        yield private, shared
 
 
 def _private_copy(package: Path, private: Path) -> Path:

@@ -6,6 +6,7 @@ directly and through the pass-through, interleaved so that drift on a shared
 machine hits both alike. Prints medians and p90s; asserts nothing.
 
     .venv/bin/python -m tests.bench.bench_passthrough [--requests 300] [--streams 20]
+        [--close-engine-connections]
 """
 
 import argparse
@@ -123,6 +124,11 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=300)
     parser.add_argument("--streams", type=int, default=20)
     parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument(
+        passthrough.CLOSE_FLAG,
+        action="store_true",
+        help="a connection to the engine per request, as llama.cpp's pass-throughs run",
+    )
     args = parser.parse_args()
     llama = ensure_llama_cpp(REPO / ".llmgw" / "engines")
     with tempfile.TemporaryDirectory(prefix="llmgw-bench-") as tmp:
@@ -136,8 +142,9 @@ def main() -> int:
         engine = Child("llama-server", argv, env, Path(tmp) / "engine.log")
         front_env = {**os.environ, passthrough.KEY_ENV: KEY}
         front_argv = passthrough.command(
-            sys.executable, "127.0.0.1", front_port, f"http://127.0.0.1:{engine_port}"
-        )
+            sys.executable, "127.0.0.1", front_port, f"http://127.0.0.1:{engine_port}",
+            close_engine_connections=args.close_engine_connections,
+        )  # fmt: skip
         front = Child("passthrough", front_argv, front_env, Path(tmp) / "front.log")
         try:
             up = wait_for(lambda: _healthy(front_port) and _healthy(engine_port), 60)

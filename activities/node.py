@@ -50,7 +50,7 @@ from llmgw.types import (
     WatchShardInput,
 )
 from worker_agent.engines import LaunchValidationError, ReadyProbe
-from worker_agent.installs.llamacpp import EngineInstallError
+from worker_agent.installs.steps import EngineInstallError
 from worker_agent.launch import LOOPBACK_KEY_PREFIX, Launcher
 from worker_agent.probes import engine_busy, engine_load, probe_ready
 from worker_agent.supervisor import RunningShard

@@ -13,7 +13,7 @@ from pathlib import Path
 from llmgw import error_types, errors, messages
 from worker_agent import weights
 from worker_agent.engines.spec import LaunchValidationError
-from worker_agent.installs.llamacpp import EngineInstallError
+from worker_agent.installs.steps import EngineInstallError
 
 WIRE_MESSAGES = {
     "FLEET": "Fleet",

@@ -41,11 +41,11 @@ from llmgw.types import (
 from worker_agent.adoption import adopt
 from worker_agent.installs.installed import EngineInstalls
 from worker_agent.installs.llamacpp import (
-    EngineInstallError,
     LlamaCppInstall,
     ensure_llama_cpp,
     relocated,
 )
+from worker_agent.installs.steps import EngineInstallError
 from worker_agent.inventory import (
     Sources,
     collect,

@@ -30,8 +30,6 @@ from worker_agent.engines import Launchers, LlamaCppPlanner, LoraAdapter, NodeFa
 from worker_agent.installs import llamacpp as engine_install
 from worker_agent.installs import portable_server
 from worker_agent.installs.llamacpp import (
-    MARKER,
-    EngineInstallError,
     LlamaCppInstall,
     cache_key,
     cpu_flags,
@@ -39,6 +37,7 @@ from worker_agent.installs.llamacpp import (
     portable_supported,
     wheel_supported,
 )
+from worker_agent.installs.steps import MARKER, EngineInstallError, run_step
 from worker_agent.supervisor import ENGINE_MARKER, TITLE_ENV
 from worker_agent.users import reachable
 
@@ -432,7 +431,7 @@ def test_failed_step_reports_log_path_and_tail(tmp_path: Path) -> None:
     log = tmp_path / "build.log"
     cmd = [sys.executable, "-c", "print('compiler says no'); raise SystemExit(3)"]
     with pytest.raises(EngineInstallError) as caught:
-        engine_install._run("cmake build", cmd, log)
+        run_step("cmake build", cmd, log)
     message = str(caught.value)
     assert str(log) in message and "compiler says no" in message and "exit 3" in message
 

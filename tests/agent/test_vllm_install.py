@@ -14,7 +14,8 @@ from llmgw.keys import engine_key
 from llmgw.types import EngineKind, FetchWeightsInput
 from tests.harness import cpu_inventory, free_port
 from worker_agent.installs.installed import EngineInstalls, Progress
-from worker_agent.installs.llamacpp import MARKER, EngineInstallError, LlamaCppInstall
+from worker_agent.installs.llamacpp import LlamaCppInstall
+from worker_agent.installs.steps import MARKER, EngineInstallError
 from worker_agent.installs.vllm import (
     CPU_PACKAGE,
     GPU_PACKAGE,

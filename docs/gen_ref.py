@@ -7,7 +7,7 @@ build anywhere in seconds. What it reads:
 - the catalog: the pydantic models of ``llmgw/catalog.py`` and ``llmgw/types``;
 - settings: every ``BaseSettings`` class in the packages (found in the
   source), and ``LLMGW_*`` names read outside them;
-- the CLI: the typer app of ``llmgw/cli/app.py``;
+- the CLI: the typer app of ``llmgw_cli/app.py``;
 - the HTTP API: the router app's OpenAPI document (the app is built, not served);
 - metrics: every Prometheus metric and Temporal meter declared in the source;
 - Temporal: the workflow classes of ``workflows/`` and their signals,
@@ -35,7 +35,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("llmgw", "router", "workflows", "activities", "worker_agent")
+PACKAGES = ("llmgw", "router", "workflows", "activities", "worker_agent", "llmgw_cli")
 sys.path.insert(0, str(ROOT))
 
 GENERATED = (
@@ -485,12 +485,12 @@ def _usage(path: list[str], command: Any) -> str:
 def cli_page() -> str:
     import typer  # noqa: PLC0415
 
-    from llmgw.cli.app import app  # noqa: PLC0415
+    from llmgw_cli.app import app  # noqa: PLC0415
 
     commands = list(_commands(typer.main.get_command(app), []))
     parts = [
         "# CLI\n\n",
-        "Every `llmgw` command, read from the typer app (`llmgw/cli/app.py`). "
+        "Every `llmgw` command, read from the typer app (`llmgw_cli/app.py`). "
         "`llmgw COMMAND --help` prints the same.\n\n",
         "| command | what |\n|---|---|\n",
     ]

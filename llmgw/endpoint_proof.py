@@ -6,7 +6,7 @@ A Replica memo is written by whoever can start a workflow, and under
 on loopback). So the router sends a new endpoint a nonce on :data:`PROOF_PATH`
 first; the pass-through in front of the engine (worker_agent/passthrough.py)
 answers :func:`answer` over the nonce and *its own* listen address, and only
-an endpoint whose answer checks out is routed to (router/endpoint_proof.py).
+an endpoint whose answer checks out is routed to (router/control_link/endpoint_proof.py).
 
 The address is in the MAC so a relay proves nothing: a forged endpoint that
 forwards the challenge to the real pass-through gets back an answer for the

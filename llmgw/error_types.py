@@ -31,7 +31,7 @@ AGENT_SHUTDOWN = "AgentShutdown"
 # A multi-node start failed and every rank it started was stopped.
 RENDEZVOUS_FAILED = "RendezvousFailed"
 
-# LoRA adapter loads and unloads (activities/adapters.py)
+# LoRA adapter loads and unloads (activities/agent/adapters.py)
 ENGINE_GONE = "EngineGone"
 ADAPTER_OUTSIDE_ROOTS = "AdapterOutsideRoots"
 ADAPTER_NOT_FOUND = "AdapterNotFound"

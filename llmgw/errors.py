@@ -10,7 +10,7 @@ module are named with where they live::
     │                             (worker_agent/engines/spec.py; also a ValueError)
     ├── StoreError                the store could not answer
     ├── TemporalConnectError      no Temporal client: unreachable, or refused (TLS, API key)
-    ├── InstanceRunningError      another live ``llmgw up`` holds the work dir (llmgw/cli/up.py)
+    ├── InstanceRunningError      another live ``llmgw up`` holds the work dir (llmgw_cli/up.py)
     ├── EngineError               an engine shard misbehaved
     │   ├── EngineLaunchError     it could not be started
     │   │   └── EngineUserError   ...because it would have to run as root
@@ -30,13 +30,13 @@ module are named with where they live::
     ├── OpenAIError               what a router client sees: status and OpenAI error JSON,
     │                             built in router/errors.py
     ├── AdapterLoadFailed         the router could not have a LoRA adapter loaded
-    │                             (router/adapters.py)
+    │                             (router/control_link/adapters.py)
     └── StaleAdapter              the engine no longer holds the LoRA adapter the router
-                                  sent it to (router/proxy.py)
+                                  sent it to (router/forwarding/proxy.py)
 
 The replica workflow's private ``_StopRequested`` and ``NoAgent``
 (workflows/node_loss.py) derive from the root too; they never leave the
-workflow. So does router/upstream_raw.py's ``_Stale`` (a kept-alive
+workflow. So does router/forwarding/upstream_raw.py's ``_Stale`` (a kept-alive
 connection closed unanswered), which never leaves the engine client.
 
 Errors that cross Temporal are raised as ``ApplicationError`` with ``type``

@@ -22,7 +22,7 @@ REPLICA_NODE = SearchAttributeKey.for_keyword("ReplicaNode")
 REPLICA_STATE = SearchAttributeKey.for_keyword("ReplicaState")
 REPLICA_ENDPOINT = SearchAttributeKey.for_keyword("ReplicaEndpoint")
 # When the Replica last published its state (workflow time): the router lists
-# only the replicas changed since its last listing (router/replica_source.py).
+# only the replicas changed since its last listing (router/control_link/replica_source.py).
 REPLICA_UPDATED_AT = SearchAttributeKey.for_datetime("ReplicaUpdatedAt")
 
 ALL: tuple[SearchAttributeKey[str] | SearchAttributeKey[datetime], ...] = (

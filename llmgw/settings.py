@@ -144,18 +144,18 @@ class RouterSettings(_Common):
     port: int = 8000
     refresh_interval_s: float = 1.0
     # Between full listings of the Replica workflows the routing table reads
-    # only the replicas changed since (router/replica_source.py).
+    # only the replicas changed since (router/control_link/replica_source.py).
     full_resync_s: float = Field(default=300.0, gt=0)
     upstream_connect_timeout_s: float = 5.0
     upstream_read_timeout_s: float = 600.0
     # Connections to engines, all replicas together; requests beyond wait.
     upstream_max_connections: int = 1024
-    # The engine client: "raw" (router/upstream_raw.py: asyncio protocol and
+    # The engine client: "raw" (router/forwarding/upstream_raw.py: asyncio protocol and
     # httptools, streams relayed from its read callback; about a third less
-    # CPU per request) or "aiohttp" (router/upstream.py).
+    # CPU per request) or "aiohttp" (router/forwarding/upstream.py).
     upstream_client: Literal["raw", "aiohttp"] = "raw"
     # While the event loop is busy, a stream's events after its first are
-    # held up to this long and relayed together (router/pacing.py): the
+    # held up to this long and relayed together (router/forwarding/pacing.py): the
     # loop's CPU per event falls, and new requests are not served late.
     # 0: every engine read is relayed as it comes, however busy the loop.
     stream_coalesce_max_s: float = Field(default=0.05, ge=0, le=1.0)
@@ -185,7 +185,7 @@ class RouterSettings(_Common):
     store_wait_s: float = Field(default=2.0, gt=0)
     key_stale_s: float = Field(default=3600.0, ge=0)
     usage_flush_interval_s: float = 1.0
-    # Where usage the store could not take yet is kept (router/usage_spool.py;
+    # Where usage the store could not take yet is kept (router/billing/usage_spool.py;
     # default <work_dir>/router-usage): a router killed during a store outage
     # leaves it there for the next router started with the same directory.
     usage_spool_dir: Path | None = None

@@ -18,29 +18,28 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from temporalio.client import Client
 
 from llmgw.catalog import DEFAULT_MAX_REPLICAS
-from llmgw.catalog_store import all_specs
-from llmgw.keys import engine_key
+from llmgw.engine_keys import engine_key
 from llmgw.store import Store
-from router import admin, engine_metrics
-from router.accounting import Accountant
-from router.adapters import AdapterLoader, AdapterRouter, TemporalAdapterLoader
-from router.admission import Admission
-from router.api import openai, openapi_docs
-from router.auth import KeyVerifier
+from llmgw.store.catalog_store import all_specs
+from router.admission.queue import Admission
+from router.api import admin, engine_metrics, openai, openapi_docs
+from router.api.auth import KeyVerifier
+from router.billing.accounting import Accountant
+from router.billing.usage_spool import UsageSpool
 from router.blocking import STORE_WAIT_S
-from router.deployment_link import DeploymentLink, TemporalDeploymentLink
+from router.control_link.adapters import AdapterLoader, AdapterRouter, TemporalAdapterLoader
+from router.control_link.deployment_link import DeploymentLink, TemporalDeploymentLink
+from router.control_link.endpoint_proof import ProvenSource
+from router.control_link.load_report import REPORT_INTERVAL_S, LoadReporter
+from router.control_link.routing import ReplicaSource, RoutingTable, refresh_forever
 from router.deps import Deps
-from router.endpoint_proof import ProvenSource
 from router.errors import install_handlers
-from router.health import EngineProbe, HttpProbe, probe_forever
-from router.load_report import REPORT_INTERVAL_S, LoadReporter
+from router.forwarding.health import EngineProbe, HttpProbe, probe_forever
+from router.forwarding.pacing import MAX_WINDOW_S, Pacer
+from router.forwarding.proxy import Proxy
+from router.forwarding.upstream import AiohttpUpstream, Upstream
+from router.forwarding.upstream_raw import RawUpstream
 from router.metrics import Metrics
-from router.pacing import MAX_WINDOW_S, Pacer
-from router.proxy import Proxy
-from router.routing import ReplicaSource, RoutingTable, refresh_forever
-from router.upstream import AiohttpUpstream, Upstream
-from router.upstream_raw import RawUpstream
-from router.usage_spool import UsageSpool
 
 MiB = 1024 * 1024
 
@@ -146,7 +145,7 @@ def create_app(
     def key_of(replica_id: str) -> str:
         return engine_key(secret, replica_id)
 
-    # Endpoint proofs (router/endpoint_proof.py): a failed connection drops
+    # Endpoint proofs (router/control_link/endpoint_proof.py): a failed connection drops
     # one, and the lost-node probe proves an endpoint before it sends a key.
     proofs = source if isinstance(source, ProvenSource) else None
     prober = probe or HttpProbe(key_of, prove=proofs.check if proofs else None)

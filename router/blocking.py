@@ -1,6 +1,6 @@
 """Blocking store calls from the event loop, in a thread, waited for within
 a bound (``within``, on a request's path). Writes that must land are never
-abandoned: router/usage_batches.py and router/accounting.py keep their
+abandoned: router/billing/usage_batches.py and router/billing/accounting.py keep their
 thread's future and wait for it again at the next flush."""
 
 import asyncio

@@ -7,15 +7,16 @@ from opentelemetry.trace import Tracer
 from temporalio.client import Client
 
 from llmgw.catalog import DEFAULT_MAX_REPLICAS
+from llmgw.engine_keys import EngineKeyFn
 from llmgw.store import Store
-from router.accounting import Accountant
-from router.adapters import AdapterRouter
-from router.admission import Admission
-from router.auth import KeyVerifier
+from router.admission.queue import Admission
+from router.api.auth import KeyVerifier
+from router.billing.accounting import Accountant
 from router.blocking import STORE_WAIT_S
+from router.control_link.adapters import AdapterRouter
+from router.control_link.routing import RoutingTable
+from router.forwarding.proxy import Proxy
 from router.metrics import Metrics
-from router.proxy import EngineKeyFn, Proxy
-from router.routing import RoutingTable
 
 
 @dataclass

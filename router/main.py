@@ -10,7 +10,7 @@ import uvicorn
 from opentelemetry.trace import Tracer
 from temporalio.client import Client
 
-from llmgw.keys import engine_key
+from llmgw.engine_keys import engine_key
 from llmgw.lifecycle import ShutdownWatchdog, setup_logging
 from llmgw.listener import ListenerLimits, fit_open_files, limited_protocol
 from llmgw.settings import RouterSettings
@@ -18,10 +18,10 @@ from llmgw.store import Store
 from llmgw.temporal import connect_with
 from llmgw.tracing import setup_tracing
 from router.app import create_app, make_upstream
-from router.endpoint_proof import HttpProver, ProvenSource
-from router.replica_source import TemporalReplicaSource
-from router.routing import ReplicaSource
-from router.usage_spool import UsageSpool, spool_dir
+from router.billing.usage_spool import UsageSpool, spool_dir
+from router.control_link.endpoint_proof import HttpProver, ProvenSource
+from router.control_link.replica_source import TemporalReplicaSource
+from router.control_link.routing import ReplicaSource
 
 log = logging.getLogger(__name__)
 # Of shutdown_timeout_s, what is kept for the lifespan's shutdown (the last

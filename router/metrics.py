@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from router.routing import RoutingTable
+from router.control_link.routing import RoutingTable
 
 # Label sets of cached children (models x endpoints x statuses, normally a few dozen).
 MAX_CACHED_CHILDREN = 10_000
@@ -86,7 +86,7 @@ class Metrics:
             registry=r,
         )
         r.register(_InflightCollector(table))
-        # Elastic serving (router/admission.py, router/wake.py).
+        # Elastic serving (router/admission/queue.py, router/admission/wake.py).
         self.queue_wait = Histogram(
             "llmgw_queue_wait_seconds",
             "time a request waited in the admission queue (served or not)",

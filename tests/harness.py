@@ -25,12 +25,9 @@ import httpx
 from temporalio.client import Client
 from temporalio.testing import ActivityEnvironment
 
-from activities.node import NodeActivities
+from activities.agent.shards import NodeActivities
 from llmgw import replicas
-from llmgw.cli.procs import Child, wait_for
-from llmgw.cli.up import kill_recorded_engines
-from llmgw.dev.tinymodel import TinyModel
-from llmgw.keys import engine_key
+from llmgw.engine_keys import engine_key
 from llmgw.store import Store
 from llmgw.types import (
     DeploymentStatus,
@@ -46,6 +43,9 @@ from llmgw.types import (
     StopShardInput,
     WaitReadyInput,
 )
+from llmgw_cli.dev.tinymodel import TinyModel
+from llmgw_cli.procs import Child, wait_for
+from llmgw_cli.up import kill_recorded_engines
 from worker_agent.installs.installed import EngineInstalls
 from worker_agent.installs.llamacpp import LlamaCppInstall
 from worker_agent.launch import Launcher
@@ -200,7 +200,7 @@ class System:
     def cli(self, *args: str, timeout_s: float = 180) -> subprocess.CompletedProcess[str]:
         """Run ``llmgw <args>`` against this system, its output captured (blocking)."""
         return subprocess.run(
-            [sys.executable, "-m", "llmgw", *args],
+            [sys.executable, "-m", "llmgw_cli", *args],
             env=self.env,
             capture_output=True,
             text=True,
@@ -212,7 +212,7 @@ class System:
         """Start ``llmgw <name>`` as a child process."""
         env = dict(self.env, **(extra_env or {}))
         log = self.work_dir / "logs" / f"{name}-{len(self.children)}.log"
-        child = Child(name, [sys.executable, "-m", "llmgw", name], env, log)
+        child = Child(name, [sys.executable, "-m", "llmgw_cli", name], env, log)
         self.children.append(child)
         return child
 

@@ -7,8 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from llmgw.cli.procs import wait_for
 from llmgw.types import ShardRef
+from llmgw_cli.procs import wait_for
 from tests.harness import REPO
 from tests.procs_util import pids_with_args
 from worker_agent.shard_record import ShardRecord

@@ -102,7 +102,7 @@ def test_error_types_raised_from_classes_are_their_class_names() -> None:
     assert {name: cls.__name__ for name, cls in pairs.items()} == {n: n for n in pairs}
 
 
-PACKAGES = ("llmgw", "workflows", "activities", "router", "worker_agent")
+PACKAGES = ("llmgw", "workflows", "activities", "router", "worker_agent", "llmgw_cli")
 
 
 def _project_exceptions() -> list[type[BaseException]]:

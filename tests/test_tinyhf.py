@@ -8,7 +8,7 @@ import numpy as np
 from safetensors.numpy import load_file
 from tokenizers import Tokenizer
 
-from llmgw.dev.tinyhf import EOS, HEAD_DIM, HIDDEN, N_LAYER, generate_tiny_hf_model
+from llmgw_cli.dev.tinyhf import EOS, HEAD_DIM, HIDDEN, N_LAYER, generate_tiny_hf_model
 
 
 def _digests(path: Path) -> dict[str, str]:

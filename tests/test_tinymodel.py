@@ -1,4 +1,4 @@
-"""Tests for llmgw.dev.tinymodel: the synthetic GGUF model the end-to-end tests serve.
+"""Tests for llmgw_cli.dev.tinymodel: the synthetic GGUF model the end-to-end tests serve.
 
 No server here: the files are read back with gguf.GGUFReader, and a numpy forward
 pass over the first position (where RoPE is the identity and attention just copies V)
@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 from numpy.typing import NDArray
 
-from llmgw.dev import tinymodel
-from llmgw.dev.tinymodel import TinyModel, generate_tiny_model
+from llmgw_cli.dev import tinymodel
+from llmgw_cli.dev.tinymodel import TinyModel, generate_tiny_model
 
 F64 = NDArray[np.float64]
 SPACE = "\u2581"

@@ -1,7 +1,7 @@
 """Launching a shard on this node: the ports and cores it gets, its plan, the
 pass-through in front of its engine, and the record the supervisor keeps.
 
-``NodeActivities.launch_shard`` (``activities/node.py``) is the Temporal side
+``NodeActivities.launch_shard`` (``activities/agent/shards.py``) is the Temporal side
 of this module: it finds a running engine, installs the engine, heartbeats
 and turns errors into activity failures; every decision is made here.
 Nothing here needs Temporal, so each part can be tested without it.
@@ -18,6 +18,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from llmgw.engine_keys import EngineKeyFn
 from llmgw.errors import ConfigError, EngineLaunchError
 from llmgw.types import EngineKind, NodeInventory, PortReservation, ShardRef, ShardSpec
 from worker_agent import cpu_share, passthrough
@@ -38,7 +39,6 @@ from worker_agent.weights import WeightsCache
 
 log = logging.getLogger(__name__)
 
-EngineKeyFn = Callable[[str], str]
 # Engines listen here only; the node's address is the pass-through's.
 LOOPBACK = "127.0.0.1"
 
@@ -161,7 +161,7 @@ NO_KEEPALIVE = frozenset({EngineKind.LLAMA_CPP})
 
 
 # An engine's own loopback key: the prefix lets a log tail's redaction
-# (activities/node.py) find it exactly, as the agent does not keep it.
+# (activities/agent/shards.py) find it exactly, as the agent does not keep it.
 LOOPBACK_KEY_PREFIX = "llmgw-loop-"
 
 

@@ -21,10 +21,10 @@ from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.service import RPCError
 from temporalio.worker import Worker
 
-from activities.adapters import AdapterActivities
-from activities.node import NodeActivities
+from activities.agent.adapters import AdapterActivities
+from activities.agent.shards import NodeActivities
 from llmgw import messages
-from llmgw.keys import engine_key
+from llmgw.engine_keys import engine_key
 from llmgw.lifecycle import setup_logging, stop_event_on_signals, unless_stopped
 from llmgw.queues import CONTROL_QUEUE, FLEET_WORKFLOW_ID, node_queue, replica_workflow_id
 from llmgw.settings import AgentSettings

@@ -83,7 +83,7 @@ _HOP_BY_HOP = frozenset(
 _NO_AUTO_HEADERS = ("User-Agent", "Accept", "Accept-Encoding", "Content-Type")
 # The listener's limits (llmgw/listener.py). It listens on the node's address,
 # where anyone on that network can connect. Keep-alive stays above the
-# router's pooled keep-alive (4 s, router/upstream.py), so the router retires
+# router's pooled keep-alive (4 s, router/forwarding/upstream.py), so the router retires
 # a connection before it is closed under a request; the cap is above the
 # router's whole upstream pool (1024 by default).
 LIMITS = ListenerLimits(header_timeout_s=10.0, keepalive_timeout_s=5, max_connections=2048)

@@ -56,10 +56,10 @@ with workflow.unsafe.imports_passed_through():
     from workflows.calls import node_activity
     from workflows.deployment_load import DueTimer, LoadBook, wake_outcome
     from workflows.deployment_rules import backoff_s, slots_to_retire
-    from workflows.deployment_slots import Ended, SlotBook
+    from workflows.deployment_slots import SlotBook, SlotEnd
     from workflows.spans import count_scale, decision
 
-Outcome = tuple[int, ReplicaStatus | None, str]
+ReplicaOutcome = tuple[int, ReplicaStatus | None, str]
 JOB_SEARCH_ATTRIBUTES_PATCH = "job-search-attributes-v1"
 LEAST_LOADED_PATCH = "scale-down-least-loaded-v1"
 REAPED_HOLDS_PATCH = "reaped-slot-holds-its-place-v1"
@@ -86,7 +86,7 @@ class DeploymentWorkflow:
             converge=False,
         )
         # Replicas this run started: their end arrives as a child result.
-        self._running: dict[int, asyncio.Future[Outcome]] = {}
+        self._running: dict[int, asyncio.Future[ReplicaOutcome]] = {}
         self._handles: dict[int, ChildWorkflowHandle[object, ReplicaStatus]] = {}
         # Replicas an earlier run started: their end arrives as a signal.
         self._inherited: set[int] = set(carry.live)
@@ -462,15 +462,15 @@ class DeploymentWorkflow:
         policy = self._input.restart
         slot, what = self._book.ended(number, final, error, workflow.now(), policy)
         model = self._input.model.name
-        if what is Ended.RETIRED:
+        if what is SlotEnd.RETIRED:
             return
         self._ends += 1
         self._last_end = f"replica {slot.replica_id} ended: {slot.last_reason}"
-        if what is Ended.PREEMPTED:
+        if what is SlotEnd.PREEMPTED:
             decision("deployment.preempted", model=model, slot=slot.slot,
                      replica=slot.replica_id, by=slot.preempted_by)  # fmt: skip
             workflow.logger.warning("deployment %s slot %d: %s", model, slot.slot, slot.last_reason)
-        elif what is Ended.REAPED:
+        elif what is SlotEnd.REAPED:
             decision("deployment.reap", model=model, slot=slot.slot,
                      replica=slot.replica_id, reason=slot.last_reason)  # fmt: skip
             workflow.logger.warning(
@@ -486,7 +486,9 @@ class DeploymentWorkflow:
                      after_s=delay, reason=slot.last_reason)  # fmt: skip
 
 
-async def _outcome(number: int, handle: ChildWorkflowHandle[object, ReplicaStatus]) -> Outcome:
+async def _outcome(
+    number: int, handle: ChildWorkflowHandle[object, ReplicaStatus]
+) -> ReplicaOutcome:
     try:
         return number, await handle, ""
     except ChildWorkflowError as err:

@@ -21,7 +21,7 @@ from llmgw.types import ReplicaPhase, ReplicaStatus, RestartPolicy, Slot
 from workflows.deployment_rules import backoff_s, should_reap
 
 
-class Ended(StrEnum):
+class SlotEnd(StrEnum):
     """What a slot's replica ending led to."""
 
     RETIRED = "retired"
@@ -155,14 +155,14 @@ class SlotBook:
         error: str,
         now: datetime,
         policy: RestartPolicy,
-    ) -> tuple[Slot, Ended]:
+    ) -> tuple[Slot, SlotEnd]:
         """Slot ``number``'s replica ended: drop the slot, or plan its restart."""
         slot = self.slot(number)
         self.active.discard(number)
         if number in self.retiring:
             self.retiring.discard(number)
             self.slots.remove(slot)
-            return slot, Ended.RETIRED
+            return slot, SlotEnd.RETIRED
         slot.last_reason = error or (final.reason if final else "") or "ended"
         slot.last_log_tail = final.log_tail if final else []
         if final is not None and final.preempted_by:
@@ -170,14 +170,14 @@ class SlotBook:
             # The replacement waits in placement until room frees up.
             slot.preempted_by = final.preempted_by
             slot.next_start_at = (now + timedelta(seconds=policy.initial_backoff_s)).isoformat()
-            return slot, Ended.PREEMPTED
+            return slot, SlotEnd.PREEMPTED
         served = final is not None and any(h.phase is ReplicaPhase.READY for h in final.history)
         if served:
             slot.consecutive_failures = 0  # it worked for a while: not a crash loop
         slot.consecutive_failures += 1
         if should_reap(slot, policy):
             slot.reaped = True
-            return slot, Ended.REAPED
+            return slot, SlotEnd.REAPED
         delay = backoff_s(slot.consecutive_failures, policy)
         slot.next_start_at = (now + timedelta(seconds=delay)).isoformat()
-        return slot, Ended.RESTART
+        return slot, SlotEnd.RESTART

@@ -36,7 +36,7 @@ with workflow.unsafe.imports_passed_through():
     )
     from workflows.calls import failure_reason, fetch_input, node_activity, stop_rank
     from workflows.node_loss import NoAgent, agent_answers, agent_or_silence
-    from workflows.replica_serving import WATCH_LIFETIME, Ended, ServingPath
+    from workflows.replica_serving import WATCH_LIFETIME, ServingEnded, ServingPath
 
 P = ReplicaPhase
 T = TypeVar("T")
@@ -49,7 +49,7 @@ LOG_TAIL_LINES = 40
 class OneNode(ServingPath):
     """Starts, watches and stops the one shard of a single-node replica."""
 
-    async def serve(self) -> Ended:
+    async def serve(self) -> ServingEnded:
         """Start the engine and watch it until it exits."""
         placement = self._placement
         model = self._input.model
@@ -102,7 +102,7 @@ class OneNode(ServingPath):
             )
         self._status.log_tail = exit_info.log_tail
         self.launched = False
-        return Ended(exit_info.reason, engine_gone=True)
+        return ServingEnded(exit_info.reason, engine_gone=True)
 
     async def _watch_through_node_loss(self) -> ShardExit:
         """Watch the engine until it exits; a silent agent is not an exit.

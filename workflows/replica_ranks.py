@@ -26,7 +26,7 @@ with workflow.unsafe.imports_passed_through():
         WatchShardInput,
     )
     from workflows.calls import failure_reason, node_activity, stop_rank
-    from workflows.replica_serving import WATCH_LIFETIME, Ended, ServingPath
+    from workflows.replica_serving import WATCH_LIFETIME, ServingEnded, ServingPath
 
 P = ReplicaPhase
 
@@ -34,7 +34,7 @@ P = ReplicaPhase
 class Ranks(ServingPath):
     """Starts (through a Rendezvous), watches and stops the ranks of a multi-node replica."""
 
-    async def serve(self) -> Ended:
+    async def serve(self) -> ServingEnded:
         """Start every rank, then watch them until the first exits."""
         placement = self._placement
         rid = self._input.replica_id
@@ -58,7 +58,7 @@ class Ranks(ServingPath):
         self._move(P.READY, f"serving {self._input.model.name} from {started.leader.endpoint}")
         rank, exit_info = await self._interruptible(self._first_exit())
         self._status.log_tail = exit_info.log_tail
-        return Ended(f"rank {rank}: {exit_info.reason}")
+        return ServingEnded(f"rank {rank}: {exit_info.reason}")
 
     async def _first_exit(self) -> tuple[int, ShardExit]:
         watches = {

@@ -38,7 +38,7 @@ class Interruptible(Protocol):
 
 
 @dataclass(frozen=True)
-class Ended:
+class ServingEnded:
     """Why serving ended on its own: the replica fails with ``reason``."""
 
     reason: str
@@ -70,7 +70,7 @@ class ServingPath:
         # Whether an engine may be running: what a stop has to stop.
         self.launched = False
 
-    async def serve(self) -> Ended:
+    async def serve(self) -> ServingEnded:
         """Start the engine and watch it until it exits (a stop request raises)."""
         raise NotImplementedError
 

@@ -9,10 +9,10 @@ from temporalio.client import Client
 from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.worker import Worker
 
-from activities.control import ControlActivities, EngineKeyFn
+from activities.control.replicas import ControlActivities
 from llmgw import search_attributes as sa
+from llmgw.engine_keys import EngineKeySource, engine_key
 from llmgw.errors import ConfigError
-from llmgw.keys import engine_key
 from llmgw.lifecycle import setup_logging, stop_event_on_signals
 from llmgw.queues import CONTROL_QUEUE, FLEET_WORKFLOW_ID
 from llmgw.settings import ControlSettings
@@ -58,7 +58,7 @@ async def ensure_fleet(client: Client) -> None:
     )
 
 
-def engine_key_from(settings: ControlSettings) -> EngineKeyFn:
+def engine_key_from(settings: ControlSettings) -> EngineKeySource:
     """Engine keys for probes, from the store's secret (read once, when first needed)."""
     secret: list[str] = []
 

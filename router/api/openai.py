@@ -24,9 +24,9 @@ from starlette.routing import Route as HttpRoute
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from llmgw.types import AdapterSpec, EngineKind, ModelSpec
-from router.accounting import Outcome
-from router.adapters import base_body
-from router.admission import queue_cost
+from router.admission.queue import queue_cost
+from router.api.apikeys import KeyPolicy
+from router.api.auth import Caller
 from router.api.media import check_media
 from router.api.schemas import (
     ChatCompletionRequest,
@@ -34,8 +34,10 @@ from router.api.schemas import (
     EmbeddingRequest,
     _Generation,
 )
-from router.apikeys import KeyPolicy
-from router.auth import Caller
+from router.billing.accounting import RequestOutcome
+from router.billing.quotas import QuotaRejection
+from router.control_link.adapters import base_body
+from router.control_link.routing import Route
 from router.deps import Deps, get_deps
 from router.errors import (
     OpenAIError,
@@ -49,10 +51,8 @@ from router.errors import (
     request_exceeds_quota,
     unbounded_generation,
 )
-from router.proxy import Call, StaleAdapter
-from router.quotas import Rejection
-from router.relay import Reply, StreamReply
-from router.routing import Route
+from router.forwarding.proxy import Call, StaleAdapter
+from router.forwarding.relay import Reply, StreamReply
 
 # Reusable: entering and leaving it does nothing.
 _NO_SPAN = contextlib.nullcontext()
@@ -237,15 +237,15 @@ async def _serve(
         reservation = await deps.accountant.reserve(caller.key_id, caller.policy, reserve)
     except OpenAIError as exc:  # the store did not answer in time
         deps.metrics.requests.labels(endpoint, model, str(exc.status)).inc()
-        _end_span(span, Outcome(error=True, status=exc.status))
+        _end_span(span, RequestOutcome(error=True, status=exc.status))
         raise
-    if isinstance(reservation, Rejection):
+    if isinstance(reservation, QuotaRejection):
         raise _over_quota(deps, endpoint, model, span, reservation)
 
     finished = False
     release: Callable[[], None] | None = None  # an on-demand adapter's use
 
-    def on_done(outcome: Outcome) -> None:
+    def on_done(outcome: RequestOutcome) -> None:
         nonlocal finished
         if finished:
             return
@@ -284,14 +284,14 @@ async def _serve(
     try:
         # An on-demand adapter's load is part of the request (and its span);
         # with tracing off there is no span to make current. A model's
-        # request may wait for a replica first (router/admission.py).
+        # request may wait for a replica first (router/admission/queue.py).
         with trace.use_span(span, end_on_exit=False) if call.traced else _NO_SPAN:
             return await deps.admission.forward(
                 call, caller.key_id, caller.policy, queue_cost(body, prompt_estimate),
                 lambda: _forward(deps, target, call, set_release), queueable=target is None,
             )  # fmt: skip
     except OpenAIError as exc:
-        on_done(Outcome(error=True, status=exc.status))  # releases the reservation
+        on_done(RequestOutcome(error=True, status=exc.status))  # releases the reservation
         raise
 
 
@@ -329,7 +329,7 @@ async def _forward(
 
 
 def _over_quota(
-    deps: Deps, endpoint: str, model: str, span: Span, rejection: Rejection
+    deps: Deps, endpoint: str, model: str, span: Span, rejection: QuotaRejection
 ) -> OpenAIError:
     """Count and trace a request refused by its key's quota; the error to raise."""
     # One that no window can ever admit is the request's fault: a 429 would
@@ -341,7 +341,7 @@ def _over_quota(
     )
     deps.metrics.quota_rejections.labels(rejection.limit).inc()
     deps.metrics.requests.labels(endpoint, model, str(error.status)).inc()
-    _end_span(span, Outcome(error=True, status=error.status))
+    _end_span(span, RequestOutcome(error=True, status=error.status))
     return error
 
 
@@ -358,7 +358,7 @@ def _start_span(deps: Deps, scope: Scope, path: str, model: str, key_id: int, st
     )
 
 
-def _end_span(span: Span, outcome: Outcome) -> None:
+def _end_span(span: Span, outcome: RequestOutcome) -> None:
     span.set_attribute("http.response.status_code", outcome.status)
     span.set_attribute("llmgw.prompt_tokens", outcome.prompt_tokens)
     span.set_attribute("llmgw.completion_tokens", outcome.completion_tokens)

@@ -13,9 +13,9 @@ import pytest
 from temporalio.client import Client
 from temporalio.testing import ActivityEnvironment
 
-from llmgw.cli.procs import wait_for
-from llmgw.dev.tinymodel import TinyModel
 from llmgw.types import EngineKind, LaunchShardInput, ModelSpec, ShardRef, ShardSpec
+from llmgw_cli.dev.tinymodel import TinyModel
+from llmgw_cli.procs import wait_for
 from tests.conftest import LlamaPath
 from tests.harness import node_activities
 from tests.procs_util import pids_with_args, stopped_after

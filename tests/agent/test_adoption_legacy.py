@@ -17,9 +17,9 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from temporalio.testing import ActivityEnvironment
 
-from llmgw.cli.procs import wait_for
-from llmgw.dev.tinymodel import TinyModel
 from llmgw.types import EngineKind, LaunchShardInput, ModelSpec, ShardRef, ShardSpec, StopShardInput
+from llmgw_cli.dev.tinymodel import TinyModel
+from llmgw_cli.procs import wait_for
 from tests.harness import node_activities
 from tests.procs_util import pids_with_args, stopped_after
 from worker_agent.adoption import adopt

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from llmgw.cli.up import instance_lock
 from llmgw.errors import EngineLaunchError, InstanceRunningError, LlmgwError
+from llmgw_cli.up import instance_lock
 from worker_agent import spawn
 from worker_agent.passthrough import keys_input
 

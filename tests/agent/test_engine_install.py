@@ -21,9 +21,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from llmgw.cli.procs import Child, wait_for
-from llmgw.dev.tinymodel import TinyModel
 from llmgw.types import ModelSpec
+from llmgw_cli.dev.tinymodel import TinyModel
+from llmgw_cli.procs import Child, wait_for
 from tests.conftest import EngineWatch, source_build_wanted
 from tests.harness import engine_cache, free_port, port_open
 from worker_agent.engines import Launchers, LlamaCppPlanner, LoraAdapter, NodeFacts, ShardRequest

@@ -19,9 +19,9 @@ import pytest
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import ActivityEnvironment
 
-from llmgw.dev.tinymodel import TinyModel
 from llmgw.errors import EngineUserError
 from llmgw.types import LaunchShardInput, ModelSpec, ShardRef, ShardSpec
+from llmgw_cli.dev.tinymodel import TinyModel
 from tests.conftest import delete_user
 from tests.harness import node_activities, readable_model, ready_shard
 from tests.procs_util import uids
@@ -78,7 +78,7 @@ def _mode(path: Path) -> int:
 
 def test_node_setup_creates_the_user_in_gpu_groups() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "llmgw", "node", "setup"],
+        [sys.executable, "-m", "llmgw_cli", "node", "setup"],
         capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
@@ -183,7 +183,7 @@ def test_empty_engine_user_is_refused_not_root(open_work_dir: Path) -> None:
 def test_unreachable_work_dir_is_refused_not_root(tmp_path: Path) -> None:
     """pytest's tmp dirs sit under a 0700 dir: the engine user cannot reach them."""
     subprocess.run(
-        [sys.executable, "-m", "llmgw", "node", "setup"], check=True, capture_output=True
+        [sys.executable, "-m", "llmgw_cli", "node", "setup"], check=True, capture_output=True
     )
     identity = engine_identity(
         DEFAULT_ENGINE_USER, tmp_path, tmp_path / "agent" / "n1", [], admin=SystemUsers()

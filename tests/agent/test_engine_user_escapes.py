@@ -15,10 +15,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from llmgw.cli.procs import wait_for
-from llmgw.dev.tinymodel import TinyModel
-from llmgw.keys import engine_key
+from llmgw.engine_keys import engine_key
 from llmgw.types import ModelSpec, ShardRef, ShardSpec
+from llmgw_cli.dev.tinymodel import TinyModel
+from llmgw_cli.procs import wait_for
 from tests.conftest import EngineWatch
 from tests.harness import free_port, readable_model, ready_shard
 from tests.procs_util import uids

@@ -10,9 +10,8 @@ import pytest
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import ActivityEnvironment
 
-from activities.node import REDACTED, redacted
-from llmgw.dev.tinymodel import TinyModel
-from llmgw.keys import engine_key
+from activities.agent.shards import REDACTED, redacted
+from llmgw.engine_keys import engine_key
 from llmgw.types import (
     EngineKind,
     LaunchShardInput,
@@ -24,6 +23,7 @@ from llmgw.types import (
     WaitReadyInput,
     WatchShardInput,
 )
+from llmgw_cli.dev.tinymodel import TinyModel
 from tests.harness import node_activities
 from worker_agent.installs.llamacpp import LlamaCppInstall
 from worker_agent.launch import new_loopback_key

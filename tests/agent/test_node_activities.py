@@ -11,9 +11,8 @@ import pytest
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import ActivityEnvironment
 
-from activities.node import NodeActivities
-from llmgw.dev.tinymodel import TinyModel
-from llmgw.keys import engine_key
+from activities.agent.shards import NodeActivities
+from llmgw.engine_keys import engine_key
 from llmgw.types import (
     AdapterSpec,
     EngineKind,
@@ -25,6 +24,7 @@ from llmgw.types import (
     WaitReadyInput,
     WatchShardInput,
 )
+from llmgw_cli.dev.tinymodel import TinyModel
 from tests.conftest import LlamaPath
 from tests.harness import cpu_inventory, llama_only, node_activities
 from tests.procs_util import pids_with_args

@@ -19,9 +19,8 @@ from pathlib import Path
 
 from temporalio.testing import ActivityEnvironment
 
-from activities.node import NodeActivities
-from llmgw.dev.tinymodel import TinyModel
-from llmgw.keys import engine_key
+from activities.agent.shards import NodeActivities
+from llmgw.engine_keys import engine_key
 from llmgw.types import (
     EngineKind,
     LaunchShardInput,
@@ -30,6 +29,7 @@ from llmgw.types import (
     ShardSpec,
     StopShardInput,
 )
+from llmgw_cli.dev.tinymodel import TinyModel
 from tests.agent.test_passthrough import (
     AUTH,
     Client,

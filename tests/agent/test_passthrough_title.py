@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 
-from llmgw.cli.procs import wait_for
+from llmgw_cli.procs import wait_for
 from tests.harness import free_port, port_open
 from worker_agent import passthrough
 from worker_agent.supervisor import ENGINE_MARKER, TITLE_ENV

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from llmgw.cli.procs import wait_for
 from llmgw.types import ShardRef
+from llmgw_cli.procs import wait_for
 from tests.procs_util import pids_with_args
 from worker_agent import procfs
 from worker_agent.shard_record import ShardRecord, SpecFile

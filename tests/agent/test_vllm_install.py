@@ -9,8 +9,8 @@ import pytest
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import ActivityEnvironment
 
-from activities.node import NodeActivities
-from llmgw.keys import engine_key
+from activities.agent.shards import NodeActivities
+from llmgw.engine_keys import engine_key
 from llmgw.types import EngineKind, FetchWeightsInput
 from tests.harness import cpu_inventory, free_port
 from worker_agent.installs.installed import EngineInstalls, Progress

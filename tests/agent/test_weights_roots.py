@@ -9,7 +9,7 @@ import pytest
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import ActivityEnvironment
 
-from activities.adapters import AdapterActivities
+from activities.agent.adapters import AdapterActivities
 from llmgw.settings import AgentSettings
 from llmgw.types import AdapterCall
 from worker_agent.supervisor import Supervisor

@@ -3,7 +3,7 @@
     .venv/bin/python -m tests.bench.bench_adapters [--requests 20000] [--seed 1]
 
 A discrete-event simulation of the router's adapter policy
-(router/adapter_policy.py, the same code the router runs) on a Zipf workload:
+(router/control_link/adapter_policy.py, the same code the router runs) on a Zipf workload:
 50 adapters, 4 replicas, at most N = 4 adapters loaded per replica, a
 per-replica in-flight cap, Poisson arrivals, exponential service times and a
 fixed adapter load time. A request nobody can take waits (FIFO) until a
@@ -21,7 +21,14 @@ import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from router.adapter_policy import Action, AdapterUse, Choice, ReplicaView, choose, choose_naive
+from router.control_link.adapter_policy import (
+    Action,
+    AdapterUse,
+    Choice,
+    ReplicaView,
+    choose,
+    choose_naive,
+)
 
 Policy = Callable[[str, Sequence[ReplicaView]], Choice | None]
 

@@ -29,9 +29,8 @@ from typing import Any
 
 from temporalio.client import Client, WorkflowHandle
 
-from activities.placer import Placer, fleet_sender
+from activities.control.placer import Placer, fleet_sender
 from llmgw import replicas
-from llmgw.dev.tinymodel import generate_tiny_model
 from llmgw.queues import CONTROL_QUEUE, FLEET_WORKFLOW_ID
 from llmgw.temporal import connect
 from llmgw.types import (
@@ -45,6 +44,7 @@ from llmgw.types import (
     PlaceRequest,
     ReplicaPhase,
 )
+from llmgw_cli.dev.tinymodel import generate_tiny_model
 from tests.bench.timing import load_seconds, percentile_ms, phase_at, print_start_figures
 from tests.harness import System, free_port, start_devserver
 from workflows.placement import choose_node

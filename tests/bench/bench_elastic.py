@@ -37,7 +37,6 @@ import httpx
 from temporalio.client import Client
 
 from llmgw import replicas
-from llmgw.dev.tinymodel import TinyModel, generate_tiny_model
 from llmgw.temporal import connect
 from llmgw.types import (
     AutoscalePolicy,
@@ -47,6 +46,7 @@ from llmgw.types import (
     QueuePolicy,
     ReplicaTimeouts,
 )
+from llmgw_cli.dev.tinymodel import TinyModel, generate_tiny_model
 from tests.bench.timing import load_seconds
 from tests.harness import System, free_port, start_devserver, wait_deployment
 

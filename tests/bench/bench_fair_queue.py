@@ -12,7 +12,7 @@ import random
 import time
 
 from llmgw.types import Priority
-from router.fair_queue import FairQueue
+from router.admission.fair_queue import FairQueue
 
 
 def main() -> None:

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import httpx
 
-from llmgw.cli.procs import Child, wait_for
-from llmgw.dev.tinymodel import generate_tiny_model
+from llmgw_cli.dev.tinymodel import generate_tiny_model
+from llmgw_cli.procs import Child, wait_for
 from worker_agent import passthrough
 from worker_agent.installs.llamacpp import ensure_llama_cpp
 

@@ -230,13 +230,13 @@ def measure_wrk(target: Target, up_port: int, args: argparse.Namespace, work: Pa
 def client_cost(up_port: int, n: int) -> list[str]:
     """CPU per request of the upstream HTTP client alone, sequential, against the mock.
 
-    The router's clients (router.upstream_raw, the default; router.upstream's
+    The router's clients (router.forwarding.upstream_raw, the default; router.forwarding.upstream's
     aiohttp, the one before), and httpx, used before that, on the same requests.
     """
     import httpx  # noqa: PLC0415
 
-    from router.upstream import AiohttpUpstream, Upstream  # noqa: PLC0415
-    from router.upstream_raw import RawUpstream  # noqa: PLC0415
+    from router.forwarding.upstream import AiohttpUpstream, Upstream  # noqa: PLC0415
+    from router.forwarding.upstream_raw import RawUpstream  # noqa: PLC0415
 
     url = f"http://127.0.0.1:{up_port}/v1/chat/completions"
     body = request_bytes("/", "x", False).split(b"\r\n\r\n", 1)[1]

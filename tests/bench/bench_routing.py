@@ -11,7 +11,7 @@ real engines. The Fleet is started the same way, its memo naming every node.
 
 Then, for the old refresh (``list_workflows`` + ``memo()`` per workflow;
 ``--skip-old`` leaves it out) and the router's
-:class:`~router.replica_source.TemporalReplicaSource`, once made to list in
+:class:`~router.control_link.replica_source.TemporalReplicaSource`, once made to list in
 full every refresh and once as the router runs it (a full listing, then
 deltas: only the replicas that published, started or closed since):
 
@@ -49,8 +49,8 @@ from llmgw import search_attributes as sa
 from llmgw.queues import FLEET_NODES_MEMO, FLEET_WORKFLOW_ID, replica_workflow_id
 from llmgw.temporal import connect
 from llmgw.types import ModelSpec, ReplicaMemo, ReplicaPhase
-from router.replica_source import DELTA_MARGIN_S, LIST_QUERY, TemporalReplicaSource
-from router.routing import CountedSource, RoutingTable, on_registered_nodes
+from router.control_link.replica_source import DELTA_MARGIN_S, LIST_QUERY, TemporalReplicaSource
+from router.control_link.routing import CountedSource, RoutingTable, on_registered_nodes
 from tests.harness import free_port, start_devserver
 
 NOBODY = "bench-routing-nobody"  # a task queue no worker polls

@@ -9,7 +9,7 @@ the mock, then through the router (served as ``llmgw router`` serves it,
 ``python -m tests.bench.bench_router _router URL``). Printed: time to the
 first token, direct and proxied (p50/p99, and what the router adds); each
 stream's longest wait between two writes (what coalescing under load costs
-a stream: router/pacing.py); events relayed per second, the router's CPU
+a stream: router/forwarding/pacing.py); events relayed per second, the router's CPU
 per relayed event, and its memory per open stream (resident set while the
 streams run, less before, over their count).
 """

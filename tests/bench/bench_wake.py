@@ -21,7 +21,6 @@ from pathlib import Path
 from temporalio.client import Client
 
 from llmgw import messages, replicas
-from llmgw.dev.tinymodel import generate_tiny_model
 from llmgw.queues import deployment_workflow_id
 from llmgw.temporal import connect
 from llmgw.types import (
@@ -31,6 +30,7 @@ from llmgw.types import (
     WakeInput,
     WakeResult,
 )
+from llmgw_cli.dev.tinymodel import generate_tiny_model
 from tests.bench.timing import load_seconds, print_start_figures
 from tests.harness import System, free_port, start_devserver, wait_deployment
 

@@ -13,7 +13,7 @@ from typing import Any
 import aiohttp
 import uvicorn
 
-from router.upstream_raw import RawUpstream
+from router.forwarding.upstream_raw import RawUpstream
 
 Scope = dict[str, Any]
 Message = dict[str, Any]

@@ -14,8 +14,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from llmgw.store import Store
-from router.apikeys import KeyPolicy, create_key
-from router.quotas import Limits, Quotas
+from router.api.apikeys import KeyPolicy, create_key
+from router.billing.quotas import Limits, Quotas
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """The bench's figures from samples, without a server."""
 
-from llmgw.cli.bench import BenchConfig, Sample, summarize
+from llmgw_cli.bench import BenchConfig, Sample, summarize
 
 CONFIG = BenchConfig(base_url="http://x/v1", key="k", model="m", concurrency=2, requests=4)
 

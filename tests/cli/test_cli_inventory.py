@@ -23,7 +23,7 @@ def _inventory(
         LLMGW_SYS_ROOT=str(FIXTURES / "sysfs" / sysfs),
     )
     return subprocess.run(
-        [sys.executable, "-m", "llmgw", "agent", "inventory", *args],
+        [sys.executable, "-m", "llmgw_cli", "agent", "inventory", *args],
         env=env,
         capture_output=True,
         text=True,

@@ -8,13 +8,13 @@ from pathlib import Path
 
 from llmgw.store import Store
 from llmgw.types import Priority
-from router.apikeys import list_keys
+from router.api.apikeys import list_keys
 
 
 def _cli(db: Path, *args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "LLMGW_STORE_URL": f"sqlite:///{db}", "COLUMNS": "250"}
     return subprocess.run(
-        [sys.executable, "-m", "llmgw", "keys", *args],
+        [sys.executable, "-m", "llmgw_cli", "keys", *args],
         env=env, capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip
 

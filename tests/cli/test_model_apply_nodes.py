@@ -13,8 +13,8 @@ from pathlib import Path
 from temporalio.client import Client
 
 from llmgw import replicas
-from llmgw.dev.tinymodel import TinyModel
 from llmgw.store import Store
+from llmgw_cli.dev.tinymodel import TinyModel
 from tests.harness import System
 
 

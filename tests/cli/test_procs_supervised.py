@@ -1,4 +1,4 @@
-"""``llmgw up``'s restart decisions (llmgw/cli/procs.py): the backoff as pure
+"""``llmgw up``'s restart decisions (llmgw_cli/procs.py): the backoff as pure
 decisions over a fake clock and fake children, then one real child killed
 and started again; and the shutdown watchdog (llmgw/lifecycle.py) ending a
 real process whose shutdown hangs; private logs and one ``llmgw up`` per
@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from llmgw.cli.procs import Backoff, Child, Supervised, wait_for
-from llmgw.cli.up import instance_lock
 from llmgw.errors import LlmgwError
 from llmgw.lifecycle import WATCHDOG_EXIT
+from llmgw_cli.procs import Backoff, Child, Supervised, wait_for
+from llmgw_cli.up import instance_lock
 
 
 class FakeClock:
@@ -229,7 +229,7 @@ def test_a_childs_log_is_private_whatever_the_umask(tmp_path: Path) -> None:
 HOLD_LOCK = """
 import sys, time
 from pathlib import Path
-from llmgw.cli.up import instance_lock
+from llmgw_cli.up import instance_lock
 with instance_lock(Path(sys.argv[1])):
     print("held", flush=True)
     time.sleep(600)

@@ -21,9 +21,8 @@ from temporalio.client import Client, WorkflowFailureError
 from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.worker import Worker
 
-from activities.adapters import AdapterActivities, busy_adapters
-from llmgw.cli.procs import wait_for
-from llmgw.keys import engine_key
+from activities.agent.adapters import AdapterActivities, busy_adapters
+from llmgw.engine_keys import engine_key
 from llmgw.queues import node_queue
 from llmgw.types import (
     AdapterLoadInput,
@@ -36,7 +35,8 @@ from llmgw.types import (
     ReplicaPhase,
     ShardRef,
 )
-from router.adapters import TemporalAdapterLoader
+from llmgw_cli.procs import wait_for
+from router.control_link.adapters import TemporalAdapterLoader
 from tests.gateway_util import MockEngine, auth, gateway
 from tests.harness import TESTS, free_port, port_open
 from worker_agent.shard_record import ShardRecord

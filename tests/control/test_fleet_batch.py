@@ -13,7 +13,7 @@ from temporalio.client import Client, WorkflowHandle
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.worker import Replayer, Worker
 
-from activities.placer import Placer
+from activities.control.placer import Placer
 from llmgw import messages
 from llmgw.types import (
     EngineProfile,

@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from activities.placer import Placer
+from activities.control.placer import Placer
 from llmgw.types import (
     ModelSpec,
     PlaceBatch,

@@ -7,8 +7,8 @@ import openai
 from temporalio.client import Client
 
 from llmgw import replicas
-from llmgw.dev.tinymodel import TinyModel
 from llmgw.types import EngineKind, ModelSpec, ReplicaPhase
+from llmgw_cli.dev.tinymodel import TinyModel
 from tests.conftest import LlamaPath
 from tests.harness import System, wait_routable
 from tests.procs_util import engine_pids

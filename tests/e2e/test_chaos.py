@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from temporalio.client import Client
 
 from llmgw import replicas
-from llmgw.cli.procs import Child
-from llmgw.dev.tinymodel import TinyModel
 from llmgw.types import ModelSpec, ReplicaPhase, ReplicaTimeouts, RestartPolicy
+from llmgw_cli.dev.tinymodel import TinyModel
+from llmgw_cli.procs import Child
 from tests.harness import System
 from tests.procs_util import pids_with_args
 

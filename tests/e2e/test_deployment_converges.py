@@ -7,7 +7,6 @@ import asyncio
 from temporalio.client import Client
 
 from llmgw import replicas
-from llmgw.dev.tinymodel import TinyModel
 from llmgw.queues import deployment_workflow_id
 from llmgw.types import (
     DeploymentStatus,
@@ -20,6 +19,7 @@ from llmgw.types import (
     ScaleInput,
     SetModelInput,
 )
+from llmgw_cli.dev.tinymodel import TinyModel
 from tests.harness import System, wait_deployment
 from tests.procs_util import pids_with_args
 

@@ -10,8 +10,7 @@ from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client
 
 from llmgw import replicas
-from llmgw.dev.tinymodel import TinyModel
-from llmgw.keys import engine_key
+from llmgw.engine_keys import engine_key
 from llmgw.queues import CONTROL_QUEUE, deployment_workflow_id, replica_workflow_id
 from llmgw.store import Store
 from llmgw.types import (
@@ -22,6 +21,7 @@ from llmgw.types import (
     ReplicaPhase,
     RestartPolicy,
 )
+from llmgw_cli.dev.tinymodel import TinyModel
 from tests.harness import FAST, System, wait_deployment
 from tests.procs_util import pids_with_args
 from tests.recording import record
@@ -41,7 +41,7 @@ async def test_higher_priority_preempts_lower_and_both_sides_record_it(
     victim = await replicas.wait_deployment_ready(client, low.name, 120)
     system.catalog(low, high)
     explained = await asyncio.to_thread(
-        subprocess.run, [sys.executable, "-m", "llmgw", "explain", high.name],
+        subprocess.run, [sys.executable, "-m", "llmgw_cli", "explain", high.name],
         env=system.env, capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
     assert f"priority 5 would preempt {victim.replica_id} on pre-node" in explained.stdout, (
@@ -120,7 +120,7 @@ async def test_a_two_node_replica_preempts_a_replica_on_each_of_its_nodes(
     assert sorted(victims.values()) == ["pmn-a", "pmn-b"]
     system.catalog(low, wide)
     explained = await asyncio.to_thread(
-        subprocess.run, [sys.executable, "-m", "llmgw", "explain", wide.name],
+        subprocess.run, [sys.executable, "-m", "llmgw_cli", "explain", wide.name],
         env=system.env, capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
     assert "priority 5 would preempt" in explained.stdout, explained.stdout + explained.stderr

@@ -7,8 +7,8 @@ import sys
 from temporalio.client import Client
 
 from llmgw import replicas
-from llmgw.dev.tinymodel import TinyModel
 from llmgw.types import EngineKind, ModelSpec, ReplicaPhase, RestartPolicy
+from llmgw_cli.dev.tinymodel import TinyModel
 from tests.harness import System
 from tests.recording import record
 
@@ -28,7 +28,7 @@ async def test_drain_node_moves_the_replica_to_another_node(
 
     result = await asyncio.to_thread(
         subprocess.run,
-        [sys.executable, "-m", "llmgw", "node", "drain", first.node_id, "--timeout", "60"],
+        [sys.executable, "-m", "llmgw_cli", "node", "drain", first.node_id, "--timeout", "60"],
         env=system.env, capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr

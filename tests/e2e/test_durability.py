@@ -8,10 +8,10 @@ from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client
 
 from llmgw import replicas
-from llmgw.cli.procs import Child
-from llmgw.dev.tinymodel import TinyModel
 from llmgw.queues import replica_workflow_id
 from llmgw.types import EngineKind, ModelSpec, ReplicaPhase
+from llmgw_cli.dev.tinymodel import TinyModel
+from llmgw_cli.procs import Child
 from tests.harness import System
 from tests.procs_util import pids_with_args
 

@@ -16,12 +16,12 @@ import pytest
 from temporalio.client import Client
 
 from llmgw import replicas
-from llmgw.dev.tinymodel import TinyModel
+from llmgw.engine_keys import engine_key
 from llmgw.errors import EngineError
-from llmgw.keys import engine_key
 from llmgw.queues import replica_workflow_id
 from llmgw.store import Store
 from llmgw.types import EngineKind, ModelSpec, ReplicaPhase, ReplicaTimeouts
+from llmgw_cli.dev.tinymodel import TinyModel
 from tests.e2e.openai_calls import streamed_chat
 from tests.harness import System, wait_routable
 from tests.procs_util import pids_with_args
@@ -295,8 +295,8 @@ def test_bench_prints_a_table_and_valid_json(system: System, served: dict[str, s
     key = engine_key(store.engine_key_secret(), served["replica"])
     store.close()
     direct = subprocess.run(
-        [sys.executable, "-m", "llmgw", "bench", "--engine", "--url", f"{served['endpoint']}/v1",
-         *common, "--no-stream"],
+        [sys.executable, "-m", "llmgw_cli", "bench", "--engine",
+         "--url", f"{served['endpoint']}/v1", *common, "--no-stream"],
         env=system.env | {"LLMGW_ENGINE_KEY": key}, capture_output=True, text=True, timeout=180,
         check=False,
     )  # fmt: skip

@@ -19,7 +19,6 @@ import httpx
 from temporalio.client import Client, WorkflowExecutionStatus
 
 from llmgw import messages, replicas
-from llmgw.dev.tinymodel import TinyModel
 from llmgw.queues import CONTROL_QUEUE, deployment_workflow_id
 from llmgw.types import (
     AutoscalePolicy,
@@ -32,6 +31,7 @@ from llmgw.types import (
     WakeInput,
     WakeResult,
 )
+from llmgw_cli.dev.tinymodel import TinyModel
 from tests.harness import FAST, System, free_port, wait_deployment
 from tests.procs_util import pids_with_args
 from tests.recording import record

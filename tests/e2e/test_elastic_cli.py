@@ -11,10 +11,10 @@ import httpx
 from temporalio.client import Client
 
 from llmgw import messages, replicas
-from llmgw.dev.tinymodel import TinyModel
 from llmgw.queues import deployment_workflow_id
 from llmgw.store import Store
 from llmgw.types import AutoscalePolicy, LoadReport, ModelLoad
+from llmgw_cli.dev.tinymodel import TinyModel
 from tests.harness import System, wait_deployment
 
 ADMIN = "admin-elastic-cli"
@@ -23,7 +23,7 @@ MODEL = "tiny-cli-elastic"
 
 def _cli(system: System, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "llmgw", *args],
+        [sys.executable, "-m", "llmgw_cli", *args],
         env=system.env, capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip
 

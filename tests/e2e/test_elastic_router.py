@@ -25,7 +25,6 @@ import pytest
 from temporalio.client import Client, WorkflowExecutionStatus
 
 from llmgw import replicas
-from llmgw.dev.tinymodel import TinyModel
 from llmgw.queues import deployment_workflow_id
 from llmgw.types import (
     AutoscalePolicy,
@@ -35,6 +34,7 @@ from llmgw.types import (
     QueuePolicy,
     ReplicaTimeouts,
 )
+from llmgw_cli.dev.tinymodel import TinyModel
 from tests.harness import FAST, System, free_port, wait_deployment
 from tests.procs_util import pids_with_args
 

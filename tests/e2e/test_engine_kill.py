@@ -9,8 +9,8 @@ import openai
 from temporalio.client import Client
 
 from llmgw import replicas
-from llmgw.dev.tinymodel import TinyModel
 from llmgw.types import EngineKind, ModelSpec, ReplicaPhase, RestartPolicy, ShardRef
+from llmgw_cli.dev.tinymodel import TinyModel
 from tests.harness import System, wait_routable
 from worker_agent import procfs
 from worker_agent.supervisor import Supervisor

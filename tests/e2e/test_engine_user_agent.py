@@ -20,12 +20,12 @@ import pytest
 from temporalio.client import Client
 
 from llmgw import replicas
-from llmgw.cli.procs import Child, wait_for
-from llmgw.dev.tinymodel import TinyModel
+from llmgw.engine_keys import engine_key
 from llmgw.errors import EngineError
-from llmgw.keys import engine_key
 from llmgw.store import Store
 from llmgw.types import EngineKind, ModelSpec, ReplicaTimeouts, ShardRef
+from llmgw_cli.dev.tinymodel import TinyModel
+from llmgw_cli.procs import Child, wait_for
 from tests.conftest import EngineWatch, LlamaPath
 from tests.harness import System, free_port, readable_model
 from tests.procs_util import uids
@@ -397,7 +397,10 @@ async def test_a_clone_whose_venv_is_private_too_runs_its_engines_as_the_engine_
         system.catalog(spec)
         system.spawn("control")
         agent = Child(
-            "agent", [str(python), "-m", "llmgw", "agent"], agent_env, work / "logs" / "agent.log"
+            "agent",
+            [str(python), "-m", "llmgw_cli", "agent"],
+            agent_env,
+            work / "logs" / "agent.log",
         )
         system.children.append(agent)
         await replicas.wait_node_registered(client, node, 120)

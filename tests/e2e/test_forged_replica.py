@@ -22,11 +22,11 @@ from temporalio.common import SearchAttributePair, TypedSearchAttributes
 
 from llmgw import messages, replicas
 from llmgw import search_attributes as sa
-from llmgw.dev.tinymodel import TinyModel
-from llmgw.keys import engine_key
+from llmgw.engine_keys import engine_key
 from llmgw.queues import replica_workflow_id
 from llmgw.store import Store
 from llmgw.types import EngineKind, ModelSpec, ReplicaMemo, ReplicaPhase
+from llmgw_cli.dev.tinymodel import TinyModel
 from tests.harness import System
 
 MODEL = "tiny-forged"

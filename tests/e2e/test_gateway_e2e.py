@@ -14,8 +14,8 @@ import pytest
 from temporalio.client import Client
 
 from llmgw import replicas
-from llmgw.dev.tinymodel import TinyModel
 from llmgw.types import EngineKind, ModelSpec, ReplicaPhase
+from llmgw_cli.dev.tinymodel import TinyModel
 from tests.harness import System, wait_routable
 
 CHAT = "tiny-gw"

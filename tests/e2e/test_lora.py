@@ -4,10 +4,10 @@ import httpx
 from temporalio.client import Client
 
 from llmgw import replicas
-from llmgw.dev.tinymodel import TinyModel
-from llmgw.keys import engine_key
+from llmgw.engine_keys import engine_key
 from llmgw.store import Store
 from llmgw.types import AdapterSpec, ModelSpec
+from llmgw_cli.dev.tinymodel import TinyModel
 from tests.harness import System
 
 

@@ -8,11 +8,11 @@ import pytest
 from temporalio.client import Client
 
 from llmgw import replicas
-from llmgw.dev.tinymodel import TinyModel
-from llmgw.keys import engine_key
+from llmgw.engine_keys import engine_key
 from llmgw.store import Store
 from llmgw.types import AdapterSpec, ModelSpec
-from router.apikeys import KeyPolicy, create_key
+from llmgw_cli.dev.tinymodel import TinyModel
+from router.api.apikeys import KeyPolicy, create_key
 from tests.harness import System, wait_routable
 
 BASE = "tiny-lora-gw"

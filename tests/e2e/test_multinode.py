@@ -18,7 +18,6 @@ import pytest
 from temporalio.client import Client
 
 from llmgw import replicas
-from llmgw.dev.tinymodel import TinyModel
 from llmgw.errors import EngineError
 from llmgw.types import (
     EngineCapability,
@@ -29,6 +28,7 @@ from llmgw.types import (
     ReplicaTimeouts,
     RestartPolicy,
 )
+from llmgw_cli.dev.tinymodel import TinyModel
 from tests.conftest import LlamaPath
 from tests.harness import System, wait_routable
 from tests.procs_util import pids_with_args

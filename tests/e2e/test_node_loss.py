@@ -12,8 +12,8 @@ import openai
 from temporalio.client import Client
 
 from llmgw import replicas
-from llmgw.dev.tinymodel import TinyModel
 from llmgw.types import DeploymentStatus, ModelSpec, ReplicaPhase, ReplicaTimeouts, RestartPolicy
+from llmgw_cli.dev.tinymodel import TinyModel
 from tests.harness import System, wait_routable
 from tests.procs_util import pids_with_args
 

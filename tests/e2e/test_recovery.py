@@ -6,10 +6,10 @@ from collections.abc import Awaitable, Callable
 from temporalio.client import Client
 
 from llmgw import replicas
-from llmgw.dev.tinymodel import TinyModel
 from llmgw.queues import FLEET_WORKFLOW_ID, replica_workflow_id
 from llmgw.store import Store
 from llmgw.types import DeploymentStatus, ModelSpec, ReplicaPhase, RestartPolicy
+from llmgw_cli.dev.tinymodel import TinyModel
 from tests.harness import System
 from tests.procs_util import pids_with_args
 

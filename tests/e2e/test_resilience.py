@@ -24,11 +24,11 @@ from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client
 
 from llmgw import replicas
-from llmgw.cli.procs import Child
-from llmgw.dev.tinymodel import TinyModel
 from llmgw.queues import deployment_workflow_id, replica_workflow_id
 from llmgw.temporal import connect
 from llmgw.types import DeploymentStatus, EngineKind, ModelSpec, ReplicaPhase
+from llmgw_cli.dev.tinymodel import TinyModel
+from llmgw_cli.procs import Child
 from tests.harness import System, free_port, start_devserver, wait_deployment, wait_routable
 from tests.otlp_receiver import OtlpReceiver, ReceivedSpan
 from tests.procs_util import pids_with_args

@@ -8,8 +8,8 @@ from datetime import datetime
 from temporalio.client import Client
 
 from llmgw import replicas
-from llmgw.dev.tinymodel import TinyModel
 from llmgw.types import DeploymentStatus, EngineKind, ModelSpec, ReplicaPhase
+from llmgw_cli.dev.tinymodel import TinyModel
 from tests.harness import System
 from tests.procs_util import pids_with_args
 from tests.recording import record
@@ -51,7 +51,7 @@ async def test_rolling_restart_replaces_one_at_a_time(
     old = {s.replica_id for s in (await replicas.deployment_status(client, MODEL)).slots}
 
     result = await asyncio.to_thread(
-        subprocess.run, [sys.executable, "-m", "llmgw", "restart", MODEL],
+        subprocess.run, [sys.executable, "-m", "llmgw_cli", "restart", MODEL],
         env=system.env, capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr

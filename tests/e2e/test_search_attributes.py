@@ -6,7 +6,7 @@ import sysconfig
 from pathlib import Path
 
 from llmgw import search_attributes as sa
-from llmgw.cli.procs import Child, wait_for
+from llmgw_cli.procs import Child, wait_for
 from tests.harness import System, free_port, port_open
 from workflows.worker import CONFIG_EXIT
 

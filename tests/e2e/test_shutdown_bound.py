@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from llmgw.cli.procs import Child, wait_for
 from llmgw.lifecycle import WATCHDOG_EXIT
+from llmgw_cli.procs import Child, wait_for
 from tests.harness import System, free_port, start_devserver
 from tests.pg import PgCluster, own_cluster
 

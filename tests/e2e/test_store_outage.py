@@ -22,10 +22,10 @@ import httpx
 import openai
 import pytest
 
-from llmgw.cli.procs import wait_for
 from llmgw.store import Store
-from router import usage, usage_spool
-from router.apikeys import KeyPolicy, create_key
+from llmgw_cli.procs import wait_for
+from router.api.apikeys import KeyPolicy, create_key
+from router.billing import usage, usage_spool
 from tests.bench.fasthttp import MODEL
 from tests.bench.procs import free_port, spawn, stop, wait_http
 from tests.pg import PgCluster, own_cluster

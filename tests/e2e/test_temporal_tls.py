@@ -20,11 +20,11 @@ from temporalio.client import Client
 from temporalio.service import TLSConfig
 
 from llmgw import replicas
-from llmgw.dev.tinymodel import TinyModel
 from llmgw.errors import ConfigError, TemporalConnectError
 from llmgw.settings import ControlSettings
 from llmgw.temporal import connect_with, tls_config
 from llmgw.types import EngineKind, ModelSpec
+from llmgw_cli.dev.tinymodel import TinyModel
 from tests.harness import System, free_port, start_devserver, wait_routable
 from tests.tls_front import Pki, TlsFront, issue, make_ca, make_pki
 
@@ -161,7 +161,7 @@ def test_llmgw_up_children_leave_cluster_settings_behind(tmp_path: Path) -> None
     # `llmgw up` serves its own plain dev server on loopback; TLS files, a key
     # or a namespace meant for a cluster would keep its children off it.
     script = (
-        "import json; from llmgw.settings import UpSettings; from llmgw.cli.up import child_env;"
+        "import json; from llmgw.settings import UpSettings; from llmgw_cli.up import child_env;"
         " print(json.dumps(child_env(UpSettings())))"
     )
     env = {
@@ -290,7 +290,7 @@ def cli(
     system: System, *args: str, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "llmgw", *args],
+        [sys.executable, "-m", "llmgw_cli", *args],
         env=env or system.env,
         capture_output=True,
         text=True,

@@ -11,11 +11,11 @@ from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client
 
 from llmgw import replicas
-from llmgw.dev.tinymodel import TinyModel
 from llmgw.queues import replica_workflow_id
 from llmgw.temporal import connect
 from llmgw.tracing import Tracing, TracingSettings, build_provider, setup_tracing
 from llmgw.types import ModelSpec
+from llmgw_cli.dev.tinymodel import TinyModel
 from tests.harness import System
 from tests.otlp_receiver import OtlpReceiver, ReceivedSpan
 

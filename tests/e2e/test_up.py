@@ -22,11 +22,11 @@ from temporalio.client import Client
 
 from activities import names
 from llmgw import replicas
-from llmgw.cli.procs import wait_for
-from llmgw.cli.up import instance_lock
 from llmgw.queues import replica_workflow_id
 from llmgw.temporal import connect
 from llmgw.types import ReplicaPhase, ReplicaStatus
+from llmgw_cli.procs import wait_for
+from llmgw_cli.up import instance_lock
 from tests.conftest import LlamaPath
 from tests.harness import engine_cache, free_port
 from tests.procs_util import engine_pids, pids_with_args, pids_with_env
@@ -230,7 +230,7 @@ class Load:
 def agent_pid(work: Path) -> int | None:
     """The pid of the node agent that ``llmgw up`` in ``work`` runs."""
     ours = set(pids_with_env(f"LLMGW_WORK_DIR={work}"))
-    found = [p for p in pids_with_args("-m", "llmgw", "agent") if p in ours]
+    found = [p for p in pids_with_args("-m", "llmgw_cli", "agent") if p in ours]
     return found[0] if len(found) == 1 else None
 
 

@@ -19,11 +19,11 @@ import pytest
 from temporalio.client import Client
 
 from llmgw import replicas
-from llmgw.dev.tinyhf import TinyHfModel
-from llmgw.dev.tinymodel import TinyModel
-from llmgw.keys import engine_key
+from llmgw.engine_keys import engine_key
 from llmgw.store import Store
 from llmgw.types import EngineKind, EngineProfile, ModelSpec, ReplicaPhase, ShardRef
+from llmgw_cli.dev.tinyhf import TinyHfModel
+from llmgw_cli.dev.tinymodel import TinyModel
 from tests.e2e.openai_calls import streamed_chat, streamed_completion
 from tests.harness import System, node_address, wait_routable
 from worker_agent import procfs

@@ -11,11 +11,9 @@ import pytest
 from temporalio.client import Client
 from temporalio.common import WorkflowIDConflictPolicy
 
-from activities.adapters import busy_adapters
+from activities.agent.adapters import busy_adapters
 from llmgw import replicas
-from llmgw.dev.tinyhf import TinyHfModel
-from llmgw.dev.tinypeft import generate_peft_adapter
-from llmgw.keys import engine_key
+from llmgw.engine_keys import engine_key
 from llmgw.queues import CONTROL_QUEUE
 from llmgw.store import Store
 from llmgw.types import (
@@ -26,6 +24,8 @@ from llmgw.types import (
     EngineProfile,
     ModelSpec,
 )
+from llmgw_cli.dev.tinyhf import TinyHfModel
+from llmgw_cli.dev.tinypeft import generate_peft_adapter
 from tests.harness import System, wait_routable
 from worker_agent.installs.vllm import VllmInstall
 

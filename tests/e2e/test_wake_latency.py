@@ -25,7 +25,6 @@ import pytest
 from temporalio.client import Client
 
 from llmgw import replicas
-from llmgw.dev.tinymodel import TinyModel
 from llmgw.types import (
     AutoscalePolicy,
     DeploymentStatus,
@@ -33,6 +32,7 @@ from llmgw.types import (
     ModelSpec,
     QueuePolicy,
 )
+from llmgw_cli.dev.tinymodel import TinyModel
 from tests.harness import FAST, System, wait_deployment
 
 WAKES = 6

@@ -1,6 +1,13 @@
 """Adapter routing decisions, without a router."""
 
-from router.adapter_policy import Action, AdapterUse, Choice, ReplicaView, choose, choose_naive
+from router.control_link.adapter_policy import (
+    Action,
+    AdapterUse,
+    Choice,
+    ReplicaView,
+    choose,
+    choose_naive,
+)
 
 
 def replica(rid: str, in_flight: int = 0, cap: int = 4, **loaded: AdapterUse) -> ReplicaView:

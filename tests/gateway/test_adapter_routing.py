@@ -28,7 +28,7 @@ from llmgw.types import (
     ReplicaMemo,
     ReplicaPhase,
 )
-from router.adapters import AdapterLoadFailed
+from router.control_link.adapters import AdapterLoadFailed
 from tests.gateway_util import FakeSource, Gateway, MockEngine, auth, gateway
 
 BASE = "base"

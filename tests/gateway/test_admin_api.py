@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from llmgw.keys import engine_key
+from llmgw.engine_keys import engine_key
 from llmgw.types import ReplicaMemo, ReplicaPhase
-from router.apikeys import lookup
+from router.api.apikeys import lookup
 from tests.gateway_util import ADMIN_KEY, Gateway, auth, gateway, ready, spec
 
 ADMIN = auth(ADMIN_KEY)

@@ -17,14 +17,14 @@ import openai
 import pytest
 import uvicorn
 
-from llmgw.dev.tinymodel import TinyModel
-from llmgw.keys import engine_key
+from llmgw.engine_keys import engine_key
 from llmgw.store import Store
 from llmgw.types import AutoscalePolicy, EngineProfile, ModelSpec, QueuePolicy, WakeResult
-from router.admission import Admission
-from router.apikeys import KeyPolicy, create_key, list_keys
+from llmgw_cli.dev.tinymodel import TinyModel
+from router.admission.queue import Admission
+from router.api.apikeys import KeyPolicy, create_key, list_keys
 from router.app import create_app
-from router.routing import RoutingTable
+from router.control_link.routing import RoutingTable
 from tests.gateway.test_admission import FakeLink
 from tests.gateway_util import FakeSource, ready
 from tests.harness import free_port

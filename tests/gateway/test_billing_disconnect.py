@@ -1,5 +1,5 @@
 """A non-streamed request whose client leaves is billed what the engine
-generated when that can be known, else its reservation (router/proxy.py).
+generated when that can be known, else its reservation (router/forwarding/proxy.py).
 
 llama.cpp finishes such a request regardless, so the router awaits its
 answer and bills its usage (the replica counts as busy until then); vLLM
@@ -13,9 +13,9 @@ import json
 from pathlib import Path
 
 from llmgw.types import EngineKind, ModelSpec
-from router import usage
 from router.api.openai import _estimate, reserved_tokens
 from router.api.schemas import ChatCompletionRequest
+from router.billing import usage
 from tests.gateway_util import PROMPT_TOKENS, Gateway, MockEngine, gateway, post_scope, ready, spec
 
 M = "m1"

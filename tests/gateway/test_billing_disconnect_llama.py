@@ -5,8 +5,8 @@ tests/gateway/test_admission_llama.py; the official openai client."""
 
 import asyncio
 
-from router import usage
-from router.apikeys import list_keys
+from router.api.apikeys import list_keys
+from router.billing import usage
 from tests.gateway.test_admission_llama import (
     LONG,
     LONG_TOKENS,

@@ -19,16 +19,22 @@ import uvicorn
 from temporalio.client import Client
 
 from llmgw import endpoint_proof, messages
+from llmgw.engine_keys import engine_key
 from llmgw.errors import LlmgwError, UpstreamConnectError, UpstreamError
-from llmgw.keys import engine_key
 from llmgw.queues import replica_workflow_id
 from llmgw.types import ReplicaMemo, ReplicaPhase
-from router.endpoint_proof import PROOF_TIMEOUT_S, HttpProver, ProvenSource, Slots, Verdict
-from router.health import HttpProbe
+from router.control_link.endpoint_proof import (
+    PROOF_TIMEOUT_S,
+    HttpProver,
+    ProvenSource,
+    Slots,
+    Verdict,
+)
+from router.control_link.replica_source import TemporalReplicaSource
+from router.control_link.routing import Route, RoutingTable, refresh_forever
+from router.forwarding.health import HttpProbe
+from router.forwarding.proxy import Call, Proxy
 from router.metrics import Metrics
-from router.proxy import Call, Proxy
-from router.replica_source import TemporalReplicaSource
-from router.routing import Route, RoutingTable, refresh_forever
 from worker_agent.passthrough import PassThrough
 
 SECRET = "proof-test-secret"
@@ -367,7 +373,7 @@ async def test_an_endpoint_naming_a_host_is_refused_unasked(
         endpoint = f"http://localhost:{port}"
         assert await prover.prove(RID, endpoint) is Verdict.NOT_IP
         source = ProvenSource(ListSource([memo(RID, endpoint)]), prover, first_wait_s=5)
-        with caplog.at_level("WARNING", "router.endpoint_proof"):
+        with caplog.at_level("WARNING", "router.control_link.endpoint_proof"):
             assert await source.replicas() == []
         assert "names a host, not an IP address" in caplog.text
         await source.aclose()
@@ -387,7 +393,7 @@ async def test_a_pass_through_from_before_proofs_is_told_to_be_rolled(
         endpoint = f"http://127.0.0.1:{port}"
         assert await prover.prove(RID, endpoint) is Verdict.OUTDATED
         source = ProvenSource(ListSource([memo(RID, endpoint)]), prover, first_wait_s=5)
-        with caplog.at_level("WARNING", "router.endpoint_proof"):
+        with caplog.at_level("WARNING", "router.control_link.endpoint_proof"):
             assert await source.replicas() == []
         assert (
             "pass-through predates endpoint proofs: roll the model (llmgw restart m)" in caplog.text
@@ -585,7 +591,7 @@ async def test_aclose_cancels_proofs_quietly(caplog: pytest.LogCaptureFixture) -
     await source.replicas()
     await settle()
     tasks = [p.task for p in source._proofs.values()]
-    with caplog.at_level("WARNING", "router.endpoint_proof"):
+    with caplog.at_level("WARNING", "router.control_link.endpoint_proof"):
         await source.aclose()
     assert all(t is not None and t.cancelled() for t in tasks)
     assert caplog.text == ""

@@ -1,6 +1,6 @@
 """Relabelling engines' Prometheus text for the admin API."""
 
-from router.engine_metrics import relabel
+from router.api.engine_metrics import relabel
 
 TEXT = """# HELP llamacpp:prompt_tokens_total Number of prompt tokens processed.
 # TYPE llamacpp:prompt_tokens_total counter

@@ -15,9 +15,9 @@ import httpx
 import pytest
 
 from llmgw.store import Store
-from router.apikeys import KeyPolicy, create_key
+from router.api.apikeys import KeyPolicy, create_key
 from router.app import create_app
-from router.upstream_raw import RawUpstream
+from router.forwarding.upstream_raw import RawUpstream
 from tests.gateway_util import FakeSource, auth, ready, serving, spec
 from worker_agent.passthrough import PassThrough
 
@@ -72,7 +72,7 @@ async def test_a_router_502_names_the_model_not_the_engine(
             http=RawUpstream(connect_timeout_s=5, read_timeout_s=10, max_connections=4),
         )
         async with serving(app) as http:
-            with caplog.at_level(logging.WARNING, logger="router.proxy"):
+            with caplog.at_level(logging.WARNING, logger="router.forwarding.proxy"):
                 r = await http.post(
                     "/v1/chat/completions",
                     json={"model": M, "messages": [{"role": "user", "content": "hi"}]},

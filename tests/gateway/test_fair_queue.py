@@ -4,9 +4,9 @@ then weighted fair queuing on tokens across keys; a request's cost."""
 from collections import Counter
 
 from llmgw.types import Priority
-from router.admission import DEFAULT_COMPLETION_COST, queue_cost
+from router.admission.fair_queue import FairQueue
+from router.admission.queue import DEFAULT_COMPLETION_COST, queue_cost
 from router.api.schemas import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
-from router.fair_queue import FairQueue
 
 A, B, C = 1, 2, 3
 

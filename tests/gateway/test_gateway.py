@@ -11,13 +11,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from llmgw.keys import engine_key
+from llmgw.engine_keys import engine_key
 from llmgw.store import Store
 from llmgw.types import EngineKind, QueuePolicy, ReplicaMemo
-from router import usage
-from router.apikeys import KeyPolicy, create_key, revoke_key
+from router.api.apikeys import KeyPolicy, create_key, revoke_key
 from router.app import create_app
-from router.quotas import minute_of
+from router.billing import usage
+from router.billing.quotas import minute_of
 from tests.gateway_util import (
     ADMIN_KEY,
     PROMPT_TOKENS,

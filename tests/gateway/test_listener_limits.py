@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from llmgw.cli.procs import Child, wait_for
+from llmgw_cli.procs import Child, wait_for
 from tests.harness import System, free_port, port_open
 from worker_agent import passthrough
 

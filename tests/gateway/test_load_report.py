@@ -16,9 +16,9 @@ from temporalio.worker import Worker
 from llmgw import messages
 from llmgw.queues import deployment_workflow_id
 from llmgw.types import AutoscalePolicy, LoadReport, ModelLoad, WakeInput, WakeResult
-from router.deployment_link import TemporalDeploymentLink
-from router.load_report import LoadCounter, LoadReporter, loads
-from router.routing import RoutingTable
+from router.control_link.deployment_link import TemporalDeploymentLink
+from router.control_link.load_report import LoadCounter, LoadReporter, loads
+from router.control_link.routing import RoutingTable
 from tests.gateway_util import ready, spec
 
 M = "m1"

@@ -1,4 +1,4 @@
-"""The stream coalescing window (router.pacing): its rule as a pure function,
+"""The stream coalescing window (router.forwarding.pacing): its rule as a pure function,
 then the Pacer measuring a loop thread through injected clocks."""
 
 import asyncio
@@ -8,7 +8,7 @@ from collections.abc import Callable
 import pytest
 
 from router.blocking import WARN_EVERY_S
-from router.pacing import (
+from router.forwarding.pacing import (
     BUSY,
     EASY,
     LATE_S,
@@ -68,7 +68,7 @@ def test_observe_reports_each_new_window_and_logs_only_on_and_off(
     heard: list[float] = []
     clocks = Clocks()
     pacer = Pacer(MOST, wall=clocks.wall, on_change=heard.append)
-    with caplog.at_level(logging.INFO, logger="router.pacing"):
+    with caplog.at_level(logging.INFO, logger="router.forwarding.pacing"):
         for busy in (0.9, 0.9, 0.9, 0.5, 0.1, 0.1):
             pacer.observe(busy)
             clocks.tick(WARN_EVERY_S / 2)
@@ -86,7 +86,7 @@ def test_a_load_swinging_about_the_line_logs_at_most_a_line_per_interval(
 ) -> None:
     clocks = Clocks()
     pacer = Pacer(MOST, wall=clocks.wall)
-    with caplog.at_level(logging.INFO, logger="router.pacing"):
+    with caplog.at_level(logging.INFO, logger="router.forwarding.pacing"):
         for _ in range(150):  # on, off, on, ... for 15 s
             pacer.observe(0.9 if pacer.window == 0 else 0.1)
             clocks.tick(0.1)

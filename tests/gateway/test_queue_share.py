@@ -12,8 +12,8 @@ import tracemalloc
 from pathlib import Path
 
 from llmgw.types import Priority, QueuePolicy
-from router.admission import key_share
-from router.fair_queue import COMPACT_MIN_DEAD, FairQueue
+from router.admission.fair_queue import COMPACT_MIN_DEAD, FairQueue
+from router.admission.queue import key_share
 from tests.gateway.test_admission import GatedEngine, chat, post, queued, until, waiting
 from tests.gateway_util import ADMIN_KEY, auth, gateway, ready
 

@@ -9,10 +9,10 @@ import pytest
 from temporalio.client import Client
 
 from llmgw.catalog import parse_catalog
-from llmgw.catalog_store import get_entry, scale_model
 from llmgw.errors import ConfigError
 from llmgw.settings import RouterSettings
 from llmgw.store import Store
+from llmgw.store.catalog_store import get_entry, scale_model
 from tests.gateway_util import ADMIN_KEY, auth, gateway, ready, spec
 
 LIMIT = 8

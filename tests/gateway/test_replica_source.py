@@ -21,14 +21,14 @@ from llmgw import search_attributes as sa
 from llmgw.queues import FLEET_NODES_MEMO, FLEET_WORKFLOW_ID, replica_workflow_id
 from llmgw.temporal import connect
 from llmgw.types import ReplicaMemo, ReplicaPhase
-from router.replica_source import (
+from router.control_link.replica_source import (
     DELTA_MARGIN_S,
     TemporalReplicaSource,
     delta_query,
     delta_since,
     rfc3339,
 )
-from router.routing import RoutingTable, refresh_forever
+from router.control_link.routing import RoutingTable, refresh_forever
 from tests.harness import devserver
 
 QUEUE = "stand-in-replicas"

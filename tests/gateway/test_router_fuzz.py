@@ -20,8 +20,8 @@ from schemathesis.checks import negative_data_rejection, not_a_server_error
 from schemathesis.config import SchemathesisConfig
 from schemathesis.schemas import BaseSchema
 
-from llmgw.cli.procs import wait_for
-from router.apikeys import KeyPolicy, create_key
+from llmgw_cli.procs import wait_for
+from router.api.apikeys import KeyPolicy, create_key
 from tests.gateway_util import ADMIN_KEY, MockEngine, MockUpstream, ready, spec
 from tests.harness import free_port, port_open
 

@@ -11,8 +11,8 @@ from temporalio.client import Client
 
 from llmgw.queues import replica_workflow_id
 from llmgw.types import ReplicaMemo, ReplicaPhase
-from router.replica_source import TemporalReplicaSource
-from router.routing import Route, RoutingTable, on_registered_nodes
+from router.control_link.replica_source import TemporalReplicaSource
+from router.control_link.routing import Route, RoutingTable, on_registered_nodes
 from tests.gateway_util import MockEngine, auth, gateway, ready, spec
 
 

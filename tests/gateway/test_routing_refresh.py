@@ -14,8 +14,8 @@ from temporalio.client import Client, WorkflowHandle
 from llmgw import messages
 from llmgw.queues import replica_workflow_id
 from llmgw.types import ModelSpec, ReplicaMemo, ReplicaPhase
-from router.replica_source import TemporalReplicaSource
-from router.routing import RoutingTable, refresh_forever
+from router.control_link.replica_source import TemporalReplicaSource
+from router.control_link.routing import RoutingTable, refresh_forever
 
 
 def _memo(rid: str, phase: ReplicaPhase) -> ReplicaMemo:

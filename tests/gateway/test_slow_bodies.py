@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from llmgw.cli.procs import wait_for
+from llmgw_cli.procs import wait_for
 from tests.gateway.test_listener_limits import closed_by_server, response
 from tests.harness import System, free_port
 

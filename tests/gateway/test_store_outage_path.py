@@ -1,12 +1,12 @@
 """The request path's store calls while the store does not answer.
 
-KeyVerifier (router/auth.py): the last answer serves for ``stale_s``, the
+KeyVerifier (router/api/auth.py): the last answer serves for ``stale_s``, the
 store is asked at most once per TTL and only that request waits, a key with
 no recent answer gets 503 ``store_unavailable``; a real SQLite store, the key
 read going through a switch (injected through the constructor) that fails or
 stalls like a store that is down or frozen, and a clock the test moves.
 
-Accountant (router/accounting.py): a reservation given up on before its
+Accountant (router/billing/accounting.py): a reservation given up on before its
 thread started never counts. The end-to-end case, with a real PostgreSQL
 frozen and stopped under a router process, is tests/e2e/test_store_outage.py.
 """
@@ -21,11 +21,11 @@ import pytest
 from sqlalchemy.exc import OperationalError
 
 from llmgw.store import Store
-from router.accounting import Accountant
-from router.apikeys import KeyInfo, KeyPolicy, create_key, lookup, revoke_key
-from router.auth import NEGATIVE_CACHE_MAX, KeyVerifier
+from router.api.apikeys import KeyInfo, KeyPolicy, create_key, lookup, revoke_key
+from router.api.auth import NEGATIVE_CACHE_MAX, KeyVerifier
+from router.billing.accounting import Accountant
+from router.billing.quotas import QuotaRejection, QuotaReservation
 from router.errors import OpenAIError
-from router.quotas import Rejection, Reservation
 
 TTL_S = 5.0
 STALE_S = 60.0
@@ -179,8 +179,8 @@ def test_a_reservation_given_up_on_before_its_thread_started_never_counts(
         await busy
         await loop.run_in_executor(None, lambda: None)  # the given-up call had its turn
         # The key's one request a minute is still there: nothing was reserved.
-        assert isinstance(await accountant.reserve(info.id, info.policy, 10), Reservation)
-        assert isinstance(await accountant.reserve(info.id, info.policy, 10), Rejection)
+        assert isinstance(await accountant.reserve(info.id, info.policy, 10), QuotaReservation)
+        assert isinstance(await accountant.reserve(info.id, info.policy, 10), QuotaRejection)
 
     asyncio.run(scenario())
 

@@ -1,5 +1,5 @@
 """The stream relay with RawUpstream's diverted body: the engine's reads go
-to the client from the connection's read callback (router.relay.Pour).
+to the client from the connection's read callback (router.forwarding.relay.Pour).
 
 First the client alone (``RawUpstream``'s answer handing its body to a
 sink), then a real router process (served as ``llmgw router`` serves it:
@@ -24,15 +24,15 @@ from starlette.types import Message
 
 from llmgw.errors import UpstreamError
 from llmgw.store import Store
-from router import usage
-from router.accounting import Outcome
-from router.apikeys import KeyPolicy, create_key
+from router.api.apikeys import KeyPolicy, create_key
+from router.billing import usage
+from router.billing.accounting import RequestOutcome
+from router.control_link.routing import Route, RoutingTable
+from router.forwarding.pacing import Pacer
+from router.forwarding.proxy import Call, _Relay
+from router.forwarding.upstream import Divertible, Sink
+from router.forwarding.upstream_raw import RawUpstream
 from router.metrics import Metrics
-from router.pacing import Pacer
-from router.proxy import Call, _Relay
-from router.routing import Route, RoutingTable
-from router.upstream import Divertible, Sink
-from router.upstream_raw import RawUpstream
 from tests.bench.fasthttp import MODEL, request_bytes
 from tests.bench.procs import free_port, spawn, stop, wait_http
 from tests.gateway.test_upstream import read_request, server
@@ -169,7 +169,7 @@ async def test_a_send_the_client_cannot_take_yet_pauses_the_engine_until_it_has_
     blocked = asyncio.Event()
     gate: asyncio.Future[None] = asyncio.get_running_loop().create_future()
     bodies: list[bytes] = []
-    outcomes: list[Outcome] = []
+    outcomes: list[RequestOutcome] = []
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await read_request(reader)
@@ -207,9 +207,9 @@ async def test_a_busy_loop_holds_a_fast_stream_s_reads_once_its_first_token_is_o
     bodies: list[bytes] = []
     relayed = [asyncio.Event() for _ in range(4)]  # relayed[n]: n + 1 bodies sent
     engine_wrote = asyncio.Event()
-    outcomes: list[Outcome] = []
+    outcomes: list[RequestOutcome] = []
     pacer = Pacer()
-    pacer.window = 1.5  # as router.pacing keeps it for a busy loop
+    pacer.window = 1.5  # as router.forwarding.pacing keeps it for a busy loop
     role = event({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

@@ -14,9 +14,9 @@ from contextlib import asynccontextmanager
 import pytest
 
 from llmgw.errors import UpstreamConnectError, UpstreamError
-from router.upstream import AiohttpUpstream, Upstream, UpstreamResponse
-from router.upstream_answer import RawAnswer as _RawAnswer
-from router.upstream_raw import RawUpstream
+from router.forwarding.upstream import AiohttpUpstream, Upstream, UpstreamResponse
+from router.forwarding.upstream_answer import RawAnswer as _RawAnswer
+from router.forwarding.upstream_raw import RawUpstream
 from tests.harness import reset
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]

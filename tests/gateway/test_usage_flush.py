@@ -9,9 +9,9 @@ from sqlalchemy.exc import OperationalError
 from sqlmodel import Session
 
 from llmgw.store import Store
-from router import usage
-from router.accounting import Accountant, Outcome
-from router.usage import UsageDelta, UsageKey
+from router.billing import usage
+from router.billing.accounting import Accountant, RequestOutcome
+from router.billing.usage import UsageDelta, UsageKey
 
 MODELS = ["m1", "m2", "m3", "m4"]
 
@@ -62,7 +62,7 @@ def test_a_batch_cut_short_keeps_only_the_rows_it_did_not_add(store: FlakyStore)
 def serve_one_each(accountant: Accountant) -> None:
     """A request of key 1 to each model, as the router queues it once answered."""
     for model in MODELS:
-        accountant.done(1, model, None, Outcome(prompt_tokens=3, completion_tokens=2))
+        accountant.done(1, model, None, RequestOutcome(prompt_tokens=3, completion_tokens=2))
 
 
 async def test_a_flush_cut_short_bills_every_request_once(store: FlakyStore) -> None:

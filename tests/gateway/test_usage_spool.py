@@ -1,4 +1,4 @@
-"""The usage spool (router/usage_spool.py): usage the store could not take,
+"""The usage spool (router/billing/usage_spool.py): usage the store could not take,
 kept on disk for the next router when this one is killed; a router that is
 still running keeps its own."""
 
@@ -16,10 +16,10 @@ import pytest
 from sqlalchemy.exc import OperationalError
 from sqlmodel import Session
 
-from router import usage_spool
-from router.accounting import Accountant, Outcome
-from router.usage import UsageDelta, UsageKey
-from router.usage_spool import UsageSpool, spool_dir
+from router.billing import usage_spool
+from router.billing.accounting import Accountant, RequestOutcome
+from router.billing.usage import UsageDelta, UsageKey
+from router.billing.usage_spool import UsageSpool, spool_dir
 from tests.gateway.test_usage_flush import MODELS, FlakyStore, billed, serve_one_each
 
 KEY = UsageKey(1, "m", "2026-12-04")
@@ -28,8 +28,8 @@ KEY = UsageKey(1, "m", "2026-12-04")
 HOLDER = """
 import sys, time
 from pathlib import Path
-from router.usage import UsageDelta, UsageKey
-from router.usage_spool import UsageSpool
+from router.billing.usage import UsageDelta, UsageKey
+from router.billing.usage_spool import UsageSpool
 spool = UsageSpool(Path(sys.argv[1]), "killed")
 spool.open()
 spool.save({UsageKey(1, "m", "2026-12-04"): UsageDelta(2, 1, 30, 20)})
@@ -237,7 +237,7 @@ async def test_a_frozen_store_holds_the_write_s_thread_not_the_flush(
 ) -> None:
     spool = tmp_path / "spool"
     accountant, _ = await frozen_in_a_write(frozen, spool, "r")
-    accountant.done(1, "m1", None, Outcome())
+    accountant.done(1, "m1", None, RequestOutcome())
     await accountant.flush()  # returns too
     assert frozen.sessions == 1  # no second batch while the first may still land
     assert spooled(spool) == {"m1": 2, "m2": 1, "m3": 1, "m4": 1}  # all that is owed

@@ -1,4 +1,4 @@
-"""The usage spool trusts only its own directory (router/usage_spool.py): the
+"""The usage spool trusts only its own directory (router/billing/usage_spool.py): the
 next router bills whatever a spool holds, so no other user may plant one,
 no link is followed, and a negative count is never billed."""
 
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from router.usage import UsageDelta, UsageKey
-from router.usage_spool import UsageSpool
+from router.billing.usage import UsageDelta, UsageKey
+from router.billing.usage_spool import UsageSpool
 
 KEY = UsageKey(1, "m", "2026-12-04")
 PLANTED = b'[{"key_id":1,"model":"m","day":"2026-12-04","requests":1,"errors":0,'

@@ -6,9 +6,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from llmgw.catalog import CatalogModel, parse_catalog, problems_with
-from llmgw.catalog_store import apply_entries, list_entries, scaled_entry
 from llmgw.errors import ConfigError
 from llmgw.store import Store
+from llmgw.store.catalog_store import apply_entries, list_entries, scaled_entry
 from llmgw.types import AdapterSpec, EngineKind
 
 GOOD = """

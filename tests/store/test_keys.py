@@ -6,10 +6,11 @@ from pathlib import Path
 import pytest
 from sqlalchemy import event
 
-from llmgw.keys import API_KEY_PREFIX, engine_key, hash_api_key, new_api_key
+from llmgw.api_keys import API_KEY_PREFIX, hash_api_key, new_api_key
+from llmgw.engine_keys import engine_key
 from llmgw.store import Store
-from router.apikeys import KeyPolicy, create_key
-from router.auth import KeyVerifier
+from router.api.apikeys import KeyPolicy, create_key
+from router.api.auth import KeyVerifier
 from router.errors import OpenAIError
 
 

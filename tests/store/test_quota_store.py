@@ -8,17 +8,17 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from llmgw.store import Store
-from router.apikeys import KeyPolicy, create_key, list_keys, lookup, revoke_key
-from router.quotas import (
+from router.api.apikeys import KeyPolicy, create_key, list_keys, lookup, revoke_key
+from router.billing.quotas import (
     Limits,
+    QuotaReservation,
     Quotas,
-    Reservation,
     minute_of,
     period_end,
     period_of,
     sliding_retry_after,
 )
-from router.usage import UsageDelta, UsageKey, day_of, query, record
+from router.billing.usage import UsageDelta, UsageKey, day_of, query, record
 
 
 @pytest.fixture
@@ -52,7 +52,7 @@ def test_racing_reservations_admit_exactly_the_limit(stores: list[Store]) -> Non
 
     with ThreadPoolExecutor(16) as pool:
         results = list(pool.map(reserve, range(200)))
-    admitted = [r for r in results if isinstance(r, Reservation)]
+    admitted = [r for r in results if isinstance(r, QuotaReservation)]
     assert len(admitted) == 10
     assert {getattr(r, "limit", None) for r in results if r not in admitted} == {"rpm"}
 
@@ -66,11 +66,11 @@ def test_a_minute_boundary_does_not_double_the_rate(stores: list[Store]) -> None
 
     def admitted(at: float) -> int:
         results = [quotas.reserve(info.id, limits, 0, at) for _ in range(12)]
-        return sum(isinstance(r, Reservation) for r in results)
+        return sum(isinstance(r, QuotaReservation) for r in results)
 
     assert admitted(m + 59) == 10
     refused = quotas.reserve(info.id, limits, 0, m + 61)
-    assert not isinstance(refused, Reservation) and refused.limit == "rpm"
+    assert not isinstance(refused, QuotaReservation) and refused.limit == "rpm"
     # 10 * (1 - t/60) + 0 + 1 <= 10 from t = 6 s into the minute: 5 s from 01:01.
     assert refused.retry_after_s == 5
     assert admitted(m + 61) == 0
@@ -89,11 +89,11 @@ def test_a_late_update_from_before_the_boundary_does_not_reset_the_window(
     quotas, limits = Quotas(stores[1]), Limits(rpm=10)
     m = minute_of(time.time()) * 60.0
     for i in range(9):
-        assert isinstance(quotas.reserve(info.id, limits, 0, m + 10 + i), Reservation)
-    assert isinstance(quotas.reserve(info.id, limits, 0, m + 60.01), Reservation)
-    assert isinstance(quotas.reserve(info.id, limits, 0, m + 59.99), Reservation)
+        assert isinstance(quotas.reserve(info.id, limits, 0, m + 10 + i), QuotaReservation)
+    assert isinstance(quotas.reserve(info.id, limits, 0, m + 60.01), QuotaReservation)
+    assert isinstance(quotas.reserve(info.id, limits, 0, m + 59.99), QuotaReservation)
     # At 01:01: 9 * 59/60 + 2 + 1 > 10. Reset to 00:xx, nine more would pass.
-    assert not isinstance(quotas.reserve(info.id, limits, 0, m + 61), Reservation)
+    assert not isinstance(quotas.reserve(info.id, limits, 0, m + 61), QuotaReservation)
 
 
 def test_a_correction_reaches_a_minute_that_became_the_previous_one(stores: list[Store]) -> None:
@@ -101,12 +101,12 @@ def test_a_correction_reaches_a_minute_that_became_the_previous_one(stores: list
     quotas, limits = Quotas(stores[1]), Limits(tpm=1000)
     m = minute_of(time.time()) * 60.0
     first = quotas.reserve(info.id, limits, 600, m + 50)
-    assert isinstance(first, Reservation)
+    assert isinstance(first, QuotaReservation)
     # At 01:30, 600 * 0.5 = 300 of the last 60 s: 800 does not fit...
-    assert not isinstance(quotas.reserve(info.id, limits, 800, m + 90), Reservation)
+    assert not isinstance(quotas.reserve(info.id, limits, 800, m + 90), QuotaReservation)
     # ...until the first request settles at 100 tokens (the row has moved on).
     quotas.settle({(info.id, "minute", first.minute): -500})
-    assert isinstance(quotas.reserve(info.id, limits, 800, m + 90), Reservation)
+    assert isinstance(quotas.reserve(info.id, limits, 800, m + 90), QuotaReservation)
 
 
 def test_sliding_retry_after() -> None:
@@ -123,17 +123,17 @@ def test_budget_and_settlement(stores: list[Store]) -> None:
     info, _ = create_key(stores[0], "k", KeyPolicy(token_budget=1000))
     quotas, limits, now = Quotas(stores[1]), Limits(token_budget=1000), time.time()
     first = quotas.reserve(info.id, limits, 600, now)
-    assert isinstance(first, Reservation)
+    assert isinstance(first, QuotaReservation)
     refused = quotas.reserve(info.id, limits, 600, now)
-    assert not isinstance(refused, Reservation) and refused.limit == "token_budget"
+    assert not isinstance(refused, QuotaReservation) and refused.limit == "token_budget"
     assert refused.retry_after_s <= 86400
     # The first used 100 of its 600: settled, the second fits.
     quotas.settle(
         {(info.id, "minute", first.minute): -500, (info.id, "period", first.period): -500}
     )
-    assert isinstance(quotas.reserve(info.id, limits, 600, now), Reservation)
+    assert isinstance(quotas.reserve(info.id, limits, 600, now), QuotaReservation)
     # Next day: a fresh budget.
-    assert isinstance(quotas.reserve(info.id, limits, 1000, now + 86400), Reservation)
+    assert isinstance(quotas.reserve(info.id, limits, 1000, now + 86400), QuotaReservation)
 
 
 def test_usage_adds_up_across_stores(stores: list[Store]) -> None:

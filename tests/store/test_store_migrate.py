@@ -11,12 +11,12 @@ from sqlalchemy import text
 from temporalio.client import Client
 
 from llmgw import replicas
-from llmgw.cli.procs import wait_for
-from llmgw.cli.store_copy import copy_store, migrate_store
-from llmgw.dev.tinymodel import TinyModel
 from llmgw.errors import ConfigError
 from llmgw.store import Store
 from llmgw.types import EngineKind, ModelSpec
+from llmgw_cli.dev.tinymodel import TinyModel
+from llmgw_cli.procs import wait_for
+from llmgw_cli.store_copy import copy_store, migrate_store
 from tests.harness import System, free_port, port_open, wait_routable
 from tests.pg import PgCluster
 
@@ -29,7 +29,7 @@ SPECS = [
 def _llmgw(store_url: str, *args: str) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, LLMGW_STORE_URL=store_url)
     return subprocess.run(
-        [sys.executable, "-m", "llmgw", *args],
+        [sys.executable, "-m", "llmgw_cli", *args],
         env=env,
         capture_output=True,
         text=True,
@@ -136,7 +136,7 @@ def test_every_table_reaches_the_migrate_command() -> None:
     be neither created nor copied; every module of every package is checked."""
     walk = (
         "import importlib, pkgutil, sqlmodel\n"
-        "for pkg in ('llmgw', 'router', 'workflows', 'activities', 'worker_agent'):\n"
+        "for pkg in ('llmgw', 'router', 'workflows', 'activities', 'worker_agent', 'llmgw_cli'):\n"
         "    importlib.import_module(pkg)\n"
         "    for m in pkgutil.walk_packages(importlib.import_module(pkg).__path__, pkg + '.'):\n"
         "        if not m.name.endswith('__main__'):\n"
@@ -144,7 +144,7 @@ def test_every_table_reaches_the_migrate_command() -> None:
         "print(' '.join(sorted(sqlmodel.SQLModel.metadata.tables)))\n"
     )
     cli = (
-        "import llmgw.cli.app, sqlmodel; print(' '.join(sorted(sqlmodel.SQLModel.metadata.tables)))"
+        "import llmgw_cli.app, sqlmodel; print(' '.join(sorted(sqlmodel.SQLModel.metadata.tables)))"
     )
     tables = []
     for code in (walk, cli):
@@ -155,7 +155,7 @@ def test_every_table_reaches_the_migrate_command() -> None:
     everywhere, seen_by_cli = tables
     assert {"secret", "apikey", "modelrecord"} <= seen_by_cli
     missing = everywhere - seen_by_cli
-    assert not missing, f"import the modules of tables {missing} from llmgw/store.py"
+    assert not missing, f"import the modules of tables {missing} from llmgw/store/__init__.py"
 
 
 async def test_a_router_on_the_migrated_store_reaches_running_engines(

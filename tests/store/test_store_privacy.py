@@ -10,8 +10,8 @@ import pytest
 from sqlalchemy import create_engine, text
 from sqlalchemy.exc import OperationalError
 
+from llmgw.api_keys import hash_api_key
 from llmgw.errors import StoreError
-from llmgw.keys import hash_api_key
 from llmgw.store import Store
 
 SECRET_KEY = "sk-llmgw-do-not-print-0123456789"

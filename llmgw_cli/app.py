@@ -1,0 +1,501 @@
+"""The ``llmgw`` command line."""
+
+import asyncio
+import os
+import sys
+from collections.abc import Coroutine
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
+
+import typer
+from rich.table import Table
+from temporalio.client import Client
+
+from llmgw import replicas
+from llmgw.errors import LlmgwError
+from llmgw.settings import UpSettings, _Common
+from llmgw.store import Store
+from llmgw.store.catalog_store import apply_entries
+from llmgw.temporal import connect_with
+from llmgw.tracing import Tracing, setup_tracing
+from llmgw.types import DeploymentStatus, ModelSpec, ReplicaMemo
+from llmgw_cli.bench_command import bench
+from llmgw_cli.common import CliSettings, console, out
+from llmgw_cli.common import fail as _fail
+from llmgw_cli.elastic import autoscale_lines, deployments, deployments_table, scale
+from llmgw_cli.keys import keys_app
+from llmgw_cli.store_copy import migrate_store
+
+if TYPE_CHECKING:
+    from llmgw.catalog import CatalogModel
+    from llmgw.catalog_sources import SourceCheck
+
+app = typer.Typer(
+    help="llmgw: LLM inference control plane and OpenAI gateway", no_args_is_help=True
+)
+app.command()(bench)
+app.command()(scale)
+app.add_typer(keys_app, name="keys")
+
+
+T = TypeVar("T")
+
+
+def _catalog_spec(settings: "CliSettings", model: str) -> ModelSpec:
+    """The catalog entry of ``model``, or exit naming what the catalog has."""
+    store = Store(settings.resolved_store_url())
+    store.migrate()
+    spec = store.get_model(model)
+    if spec is None:
+        have = ", ".join(store.model_names()) or "none"
+        _fail(f"model {model!r} is not in the catalog (have: {have})")
+    return spec
+
+
+_tracing: list[Tracing] = []
+
+
+async def _connect(settings: _Common) -> Client:
+    """A client for one command; traced when the settings say so, so that a
+    job started here is one trace with the workflows and node activities."""
+    if not _tracing:
+        _tracing.append(setup_tracing(settings.tracing, "cli"))
+    return await connect_with(settings, _tracing[0].interceptors())
+
+
+def _run(work: Coroutine[Any, Any, T]) -> T:
+    """Run a command's async part; llmgw errors become a one-line message."""
+    try:
+        return asyncio.run(work)
+    except LlmgwError as exc:
+        _fail(str(exc))
+
+
+@app.command()
+def up(
+    router_port: Annotated[int | None, typer.Option(help="router port")] = None,
+    temporal_port: Annotated[int | None, typer.Option(help="Temporal gRPC port")] = None,
+    ui_port: Annotated[int | None, typer.Option(help="Temporal web UI port")] = None,
+) -> None:
+    """Run the whole system on this machine and serve the default model."""
+    from llmgw_cli.up import run_up  # noqa: PLC0415 - heavy imports only for this command
+
+    overrides = {
+        k: v
+        for k, v in {
+            "router_port": router_port,
+            "temporal_port": temporal_port,
+            "ui_port": ui_port,
+        }.items()
+        if v is not None
+    }
+    settings = UpSettings().model_copy(update=overrides)
+
+    def say(line: str) -> None:
+        console.print(f"[dim]llmgw up:[/dim] {line}")
+
+    def announce(endpoint: str, ui: str, key: str) -> None:
+        out.print(
+            f"\n[bold green]llmgw is serving[/bold green]\n"
+            f"  OpenAI endpoint : {endpoint}\n"
+            f"  Temporal UI     : {ui}\n"
+            f"  API key         : {key}  (also in {settings.work_dir}/dev-api-key)\n"
+            f"  Ctrl-C stops everything.\n"
+        )
+        out.file.flush()
+
+    try:
+        asyncio.run(run_up(settings, say, announce))
+    except LlmgwError as exc:
+        _fail(str(exc))
+
+
+@app.command()
+def control() -> None:
+    """Run the control-plane worker (task queue ``control``)."""
+    from workflows.worker import main  # noqa: PLC0415
+
+    main()
+
+
+agent_app = typer.Typer(help="The node agent (task queue node-<id>)")
+app.add_typer(agent_app, name="agent")
+node_app = typer.Typer(help="Node preparation", no_args_is_help=True)
+app.add_typer(node_app, name="node")
+model_app = typer.Typer(help="The model catalog", no_args_is_help=True)
+app.add_typer(model_app, name="model")
+
+
+@model_app.command("apply")
+def model_apply(
+    file: Annotated[Path, typer.Argument(exists=True, dir_okay=False, readable=True)],
+    deploy_: Annotated[
+        bool, typer.Option("--deploy", help="also scale each model's deployment")
+    ] = False,
+) -> None:
+    """Add or update catalog models from a YAML file."""
+    from llmgw.catalog import parse_catalog  # noqa: PLC0415
+
+    settings = CliSettings()
+    try:
+        entries = parse_catalog(file.read_text(), settings.max_replicas_per_model)
+    except LlmgwError as exc:
+        _fail(f"{file}: {exc}")
+        return
+    # What the agents would refuse, refused now rather than at a replica's start.
+    check = _run(_node_checks(settings, entries))
+    for note in check.notes:
+        console.print(f"[yellow]note:[/yellow] {note}", markup=True, highlight=False)
+    if check.problems:
+        _fail(f"{file}: " + "; ".join(check.problems))
+    store = Store(settings.resolved_store_url())
+    store.migrate()
+    # Checked against the rest of the catalog and written in one go, or not at all.
+    problems = apply_entries(store, entries, max_replicas=settings.max_replicas_per_model)
+    if problems:
+        _fail(f"{file}: " + "; ".join(problems))
+    for entry in entries:
+        console.print(f"model {entry.name}: {entry.engine.value}, {_replicas_line(entry)}")
+    if not deploy_:
+        return
+
+    async def go() -> None:
+        client = await _connect(settings)
+        for entry in entries:
+            status = await replicas.apply_deployment(client, entry.spec(), entry.replicas)
+            policy = status.autoscale
+            bounds = f" (autoscale {policy.min_replicas}..{policy.max_replicas})" if policy else ""
+            console.print(f"deployment/{entry.name}: {status.desired} replicas desired{bounds}")
+
+    _run(go())
+
+
+def _replicas_line(entry: "CatalogModel") -> str:
+    """How many replicas the entry asks for: its autoscale bounds when it has them."""
+    policy = entry.autoscale
+    if policy is None:
+        return f"{entry.replicas} replica{'' if entry.replicas == 1 else 's'}"
+    return f"autoscale {policy.min_replicas}..{policy.max_replicas} replicas"
+
+
+async def _node_checks(settings: CliSettings, entries: "list[CatalogModel]") -> "SourceCheck":
+    """Sources against what the live agents report (engine_args were checked
+    with the file: ``catalog_problems``).
+
+    The fleet is asked with a bound: a catalog can be applied before any
+    agent or Temporal runs, and then only the notes say what was not checked.
+    """
+    from llmgw.catalog_sources import SourceCheck, check_sources  # noqa: PLC0415
+    from workflows.placement import split_live  # noqa: PLC0415
+
+    try:
+        async with asyncio.timeout(10):
+            fleet = await replicas.fleet_snapshot(await _connect(settings))
+    except Exception as exc:  # any failure only means "not checked"
+        why = str(exc) or type(exc).__name__
+        return SourceCheck(notes=[f"sources not checked against the nodes: {why}"])
+    now = datetime.now(UTC)
+    live, _ = split_live(fleet, now)
+    ages = {
+        node: (now - datetime.fromisoformat(seen.last_seen)).total_seconds()
+        for node, seen in fleet.liveness.items()
+    }
+    return check_sources(entries, live, ages_s=ages)
+
+
+@app.command()
+def explain(model: str) -> None:
+    """Where a new replica of MODEL would go, or why it cannot be placed."""
+    from workflows.placement import choose_node, split_live  # noqa: PLC0415
+    from workflows.preemption import claims, plan_preemption  # noqa: PLC0415
+
+    settings = CliSettings()
+    spec = _catalog_spec(settings, model)
+
+    async def go() -> None:
+        client = await _connect(settings)
+        fleet = await replicas.fleet_snapshot(client)
+        live, down = split_live(fleet, datetime.now(UTC))
+        held = claims(fleet.allocations, fleet.reservations)
+        result = choose_node("explain", spec, live, held)
+        if result.placement is not None:
+            nodes = ", ".join(f"rank {s.rank} on {s.node_id}" for s in result.placement.shards())
+            out.print(f"{model}: a new replica would be placed: {nodes}")
+        elif plan := plan_preemption("explain", spec, live, fleet.allocations, fleet.reservations):
+            where = ", ".join(sorted({s.node_id for s in plan.placement.shards()}))
+            out.print(
+                f"{model}: no free room; priority {spec.priority} would preempt "
+                f"{', '.join(plan.victims)} on {where}"
+            )
+        else:
+            out.print(f"{model}: no placement")
+        for rejection in [*result.rejections, *down]:
+            out.print(f"  {rejection.node_id}: {rejection.reason}")
+        for line in await autoscale_lines(client, model):
+            out.print(line, markup=False)
+
+    _run(go())
+
+
+@agent_app.callback(invoke_without_command=True)
+def agent(ctx: typer.Context) -> None:
+    """Run the node agent for this machine (task queue ``node-<id>``)."""
+    if ctx.invoked_subcommand is None:
+        from worker_agent.main import main  # noqa: PLC0415
+
+        main()
+
+
+@agent_app.command("inventory")
+def agent_inventory(
+    as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
+) -> None:
+    """What the scheduler would see for this node."""
+    from llmgw.settings import AgentSettings  # noqa: PLC0415
+    from worker_agent.installs.installed import installed_engines  # noqa: PLC0415
+    from worker_agent.installs.llamacpp import find_llama_cpp  # noqa: PLC0415
+    from worker_agent.inventory import engine_capabilities, sources_from  # noqa: PLC0415
+    from worker_agent.main import inventory  # noqa: PLC0415
+    from worker_agent.supervisor import Supervisor  # noqa: PLC0415
+
+    settings = AgentSettings()
+    shards = Supervisor(settings.work_dir / "agent" / settings.node_id, settings.node_id)
+    inv = inventory(settings, shards, sources_from(settings.sys_root, settings.gpu_snapshot))
+    inv.engines = installed_engines(settings.resolved_engine_cache_dir())
+    inv.capabilities = engine_capabilities(find_llama_cpp(settings.resolved_engine_cache_dir()))
+    if as_json:
+        out.print_json(inv.model_dump_json())
+        return
+    out.print(
+        f"node [bold]{inv.node_id}[/bold] ({inv.hostname}): {inv.cpu_count} CPUs, "
+        f"{inv.memory_mib} MiB, engines reached at {inv.address}"
+    )
+    out.print(f"GPUs: {inv.gpu_discovery}")
+    if inv.gpus:
+        table = Table("index", "name", "class", "memory MiB", "CC", "PCI", "health")
+        for g in inv.gpus:
+            health = "ok" if g.healthy else f"[red]{g.health_detail}[/red]"
+            table.add_row(
+                str(g.index), g.name, g.gpu_class, str(g.memory_mib),
+                g.compute_capability, g.pci_bus_id, health,
+            )  # fmt: skip
+        out.print(table)
+    fab = inv.fabric
+    out.print(
+        f"fabric: {fab.kind.value} (island {fab.island}); management interface "
+        f"{fab.management_interface or 'unknown'} ({fab.management_address or '-'})"
+    )
+    if fab.ports:
+        ports = Table("device", "port", "state", "rate Gb/s", "link", "netdev", "RoCE v2 GID")
+        for p in fab.ports:
+            gid = "-" if p.roce_v2_ipv4_gid_index is None else str(p.roce_v2_ipv4_gid_index)
+            ports.add_row(
+                p.device, str(p.port), p.state, f"{p.rate_gbps:g}",
+                p.link_layer.value, p.netdev or "-", gid,
+            )  # fmt: skip
+        out.print(ports)
+    for engine in inv.engines:
+        out.print(f"engine: {engine.engine} ({engine.package}=={engine.version}) at {engine.path}")
+    out.print(f"capabilities: {', '.join(inv.capabilities or []) or 'none beyond one node'}")
+    if inv.weights is not None:
+        walked = "" if inv.weights.complete else " (more than are reported)"
+        out.print(f"weights roots: {', '.join(inv.weights.roots) or 'none'}{walked}")
+        for refused in inv.weights.refused:
+            out.print(f"  refused as a source: {refused.path}: {refused.problem}")
+    for shard in inv.running:
+        out.print(f"running: {shard.replica_id} rank {shard.rank} pid {shard.pid} {shard.endpoint}")
+
+
+@node_app.command("drain")
+def node_drain(
+    node_id: str,
+    timeout: Annotated[float, typer.Option(help="seconds to wait for the replicas")] = 1800.0,
+) -> None:
+    """Cordon a node, then drain its replicas (deployments replace them elsewhere)."""
+    settings = CliSettings()
+
+    async def go() -> None:
+        client = await _connect(settings)
+        with console.status(f"draining {node_id}"):
+            result = await replicas.drain_node(client, node_id, timeout)
+        console.print(f"{node_id}: cordoned; drained {', '.join(result.drained) or 'nothing'}")
+        if result.remaining:
+            _fail(f"still on {node_id} after {timeout:.0f}s: {', '.join(result.remaining)}")
+
+    _run(go())
+
+
+@node_app.command("uncordon")
+def node_uncordon(node_id: str) -> None:
+    """Offer a cordoned node to new replicas again."""
+    settings = CliSettings()
+
+    async def go() -> None:
+        client = await _connect(settings)
+        snap = await replicas.cordon(client, node_id, cordoned=False)
+        console.print(f"{node_id}: uncordoned (cordoned now: {', '.join(snap.cordoned) or 'none'})")
+
+    _run(go())
+
+
+@node_app.command("setup")
+def node_setup() -> None:
+    """Create the llmgw-engine user (in the video and render groups). Needs root."""
+    from worker_agent.users import setup_node  # noqa: PLC0415
+
+    try:
+        for line in setup_node():
+            console.print(line)
+    except (OSError, RuntimeError, LlmgwError) as exc:
+        _fail(f"node setup failed: {exc}")
+
+
+@app.command()
+def logs(
+    replica_id: str,
+    lines: Annotated[int, typer.Option("--lines", "-n", min=1, max=2000)] = 100,
+) -> None:
+    """The last lines a replica's engine wrote, fetched from its node."""
+    settings = CliSettings()
+
+    async def go() -> list[str]:
+        client = await _connect(settings)
+        return await replicas.log_tail(client, replica_id, lines)
+
+    for line in _run(go()):
+        out.print(line, markup=False, highlight=False)
+
+
+@app.command()
+def router() -> None:
+    """Run the OpenAI-compatible router."""
+    from router.main import main  # noqa: PLC0415
+
+    main()
+
+
+@app.command()
+def deploy(
+    model: str,
+    replicas_: Annotated[
+        int, typer.Option("--replicas", "-n", min=1, help="how many replicas")
+    ] = 1,
+    wait: Annotated[bool, typer.Option(help="wait until ready, showing progress")] = True,
+    timeout: Annotated[float, typer.Option(help="seconds to wait")] = 600.0,
+) -> None:
+    """Start replicas of a catalog model."""
+    settings = CliSettings()
+    spec = _catalog_spec(settings, model)
+
+    async def go() -> None:
+        client = await _connect(settings)
+        ids = [await replicas.start_replica(client, spec) for _ in range(replicas_)]
+        for rid in ids:
+            console.print(f"started replica [bold]{rid}[/bold] (workflow replica/{rid})")
+        if not wait:
+            return
+        with console.status("waiting for replicas") as status:
+
+            def show(memo: ReplicaMemo) -> None:
+                status.update(f"{memo.replica_id}: {memo.phase} {memo.node_id}")
+                console.print(f"  {memo.replica_id}: {memo.phase} {memo.node_id}")
+
+            await asyncio.gather(*(replicas.wait_ready(client, r, timeout, show) for r in ids))
+        console.print("[green]ready[/green]")
+
+    _run(go())
+
+
+@app.command()
+def restart(model: str) -> None:
+    """Rolling restart of the model's deployment: start new, wait ready, drain old."""
+    settings = CliSettings()
+
+    async def go() -> None:
+        client = await _connect(settings)
+        status = await replicas.rolling_restart(client, model, "llmgw restart")
+        console.print(f"deployment/{model}: replacing slots {status.rolling or 'none'}")
+
+    _run(go())
+
+
+@app.command()
+def status(
+    all_: Annotated[bool, typer.Option("--all", help="include stopped replicas")] = False,
+) -> None:
+    """Replicas and their states, read from Temporal."""
+    settings = CliSettings()
+
+    async def go() -> tuple[list[ReplicaMemo], list[DeploymentStatus]]:
+        client = await _connect(settings)
+        return await replicas.list_replicas(client, include_closed=all_), await deployments(client)
+
+    rows, found = _run(go())
+    table = Table("replica", "model", "state", "node", "endpoint")
+    for m in rows:
+        table.add_row(m.replica_id, m.model, m.phase.value, m.node_id, m.endpoint)
+    out.print(table)
+    if found:
+        out.print(deployments_table(found))
+
+
+@app.command()
+def stop(replica_id: str, timeout: float = 60.0) -> None:
+    """Drain and stop one replica."""
+    settings = CliSettings()
+
+    async def go() -> None:
+        client = await _connect(settings)
+        final = await replicas.stop_replica(client, replica_id, "llmgw stop", timeout)
+        console.print(f"{replica_id}: {final.phase}")
+
+    _run(go())
+
+
+store_app = typer.Typer(help="The store: SQLite or PostgreSQL", no_args_is_help=True)
+app.add_typer(store_app, name="store")
+
+
+@store_app.command("migrate")
+def store_migrate(
+    to: Annotated[
+        str,
+        typer.Option(
+            "--to",
+            envvar="LLMGW_STORE_MIGRATE_TO",
+            help="the new, empty store, e.g. postgresql://llmgw@db/llmgw"
+            " (password in PGPASSWORD or ~/.pgpass, not in the URL)",
+        ),
+    ],
+) -> None:
+    """Copy the whole store (catalog, keys, engine-key secret) into an empty one."""
+    settings = CliSettings()
+    try:
+        migrate_store(settings.resolved_store_url(), to, lambda line: out.print(line, markup=False))
+    except LlmgwError as exc:
+        _fail(str(exc))
+    out.print("now set LLMGW_STORE_URL to the new store and restart every llmgw process")
+
+
+def main() -> None:
+    """The ``llmgw`` entry point.
+
+    Ends with ``os._exit`` once output is flushed: a process that held a
+    Temporal client can abort while the interpreter finalises (the SDK's
+    runtime threads outlive it; sdk-python#300), turning a successful
+    command into a crash.
+    """
+    code: int = 0
+    try:
+        app()
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:
+        console.print_exception()
+        code = 1
+    for tracing in _tracing:
+        tracing.shutdown()  # os._exit skips atexit: flush the command's spans here
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

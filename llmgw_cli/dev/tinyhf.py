@@ -1,0 +1,411 @@
+"""A tiny, deterministic Hugging Face-format llama model, generated on demand.
+
+vLLM loads Hugging Face checkpoints (``config.json``, safetensors, a tokenizer),
+not GGUF, so the vLLM tests need their own tiny model. Like ``llmgw_cli.dev.tinymodel``
+it is synthesised rather than downloaded, with no torch or transformers in the
+project's environment: the weights are numpy arrays written with ``safetensors``,
+the tokenizer is a byte-level BPE trained with ``tokenizers`` on generated text.
+
+* ``LlamaForCausalLM``: 2 layers, hidden 128, 4 query / 2 KV heads, FFN 256,
+  float32, about 1.6 MB. **head_dim must be at least 32**: with 16, vLLM's CPU
+  attention passes ``/health`` and then kills the engine on the first
+  generation (DESIGN §5), which is also why readiness includes a completion.
+* A tokenizer that works offline: ``tokenizer.json`` plus a
+  ``tokenizer_config.json`` naming ``PreTrainedTokenizerFast``, with bos / eos /
+  pad tokens and a chatml chat template.
+* As in the GGUF model, one residual dimension is held constant and the output
+  matrix has a large negative weight on it for every token that must never be
+  sampled (specials, pieces that are not a space-led printable word), so output
+  is readable text and generation always runs to ``max_tokens``.
+
+Files are rewritten only when their bytes change, each through a temp file and
+``os.replace``, so an engine reading the directory never sees a partial file.
+
+Run ``python -m llmgw_cli.dev.tinyhf OUT_DIR`` to write the files and print the directory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from numpy.typing import NDArray
+from safetensors.numpy import save as save_safetensors
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+F32 = NDArray[np.float32]
+
+N_LAYER = 2
+HIDDEN = 128
+N_HEAD = 4
+N_HEAD_KV = 2
+HEAD_DIM = HIDDEN // N_HEAD  # 32: the least vLLM's CPU attention generates with
+INTERMEDIATE = 256
+MAX_POSITIONS = 2048
+VOCAB_TARGET = 600
+_SEED = 20251202
+
+SPECIALS = ("<unk>", "<s>", "</s>", "<pad>")
+BOS, EOS, PAD = "<s>", "</s>", "<pad>"
+_BIAS_DIM = 0
+_BIAS_VALUE = 1.0
+_SUPPRESS = -10000.0
+_SPACE = "\u0120"  # byte-level BPE's visible space ("Ġ")
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+_WORDS = [
+    "the",
+    "of",
+    "and",
+    "to",
+    "in",
+    "is",
+    "it",
+    "you",
+    "that",
+    "he",
+    "was",
+    "for",
+    "on",
+    "are",
+    "with",
+    "as",
+    "his",
+    "they",
+    "be",
+    "at",
+    "one",
+    "have",
+    "this",
+    "from",
+    "or",
+    "had",
+    "by",
+    "hot",
+    "word",
+    "but",
+    "what",
+    "some",
+    "we",
+    "can",
+    "out",
+    "other",
+    "were",
+    "all",
+    "there",
+    "when",
+    "up",
+    "use",
+    "your",
+    "how",
+    "said",
+    "an",
+    "each",
+    "she",
+    "which",
+    "do",
+    "their",
+    "time",
+    "if",
+    "will",
+    "way",
+    "about",
+    "many",
+    "then",
+    "them",
+    "write",
+    "would",
+    "like",
+    "so",
+    "these",
+    "her",
+    "long",
+    "make",
+    "thing",
+    "see",
+    "him",
+    "two",
+    "has",
+    "look",
+    "more",
+    "day",
+    "could",
+    "go",
+    "come",
+    "did",
+    "number",
+    "sound",
+    "no",
+    "most",
+    "people",
+    "my",
+    "over",
+    "know",
+    "water",
+    "than",
+    "call",
+    "first",
+    "who",
+    "may",
+    "down",
+    "side",
+    "been",
+    "now",
+    "find",
+    "any",
+    "new",
+    "work",
+    "part",
+    "take",
+    "get",
+    "place",
+    "made",
+    "live",
+    "where",
+    "after",
+    "back",
+    "little",
+    "only",
+    "round",
+    "man",
+    "year",
+    "came",
+    "show",
+    "every",
+    "good",
+    "me",
+    "give",
+    "our",
+    "under",
+    "name",
+    "very",
+    "through",
+    "just",
+    "form",
+    "sentence",
+    "great",
+    "think",
+    "say",
+    "help",
+    "low",
+    "line",
+    "cat",
+    "dog",
+    "tree",
+    "sky",
+    "blue",
+    "red",
+    "green",
+    "light",
+    "model",
+    "token",
+    "hello",
+    "world",
+    "yes",
+    "small",
+    "fast",
+    "slow",
+    "open",
+    "close",
+    "river",
+    "stone",
+    "cloud",
+    "user",
+    "assistant",
+    "system",
+]
+
+
+@dataclass(frozen=True)
+class TinyHfModel:
+    """Where the generated checkpoint is."""
+
+    path: Path
+    vocab_size: int
+
+
+def _corpus() -> list[str]:
+    """Deterministic sentences over the word list, for training the BPE."""
+    rng = np.random.default_rng(_SEED)
+    lines = []
+    for _ in range(400):
+        picks = rng.choice(len(_WORDS), size=12)
+        lines.append(" ".join(_WORDS[i] for i in picks) + ".")
+    return lines
+
+
+def build_tokenizer() -> Tokenizer:
+    """A byte-level BPE: any text tokenizes, and decoding gives back the bytes."""
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_TARGET,
+        special_tokens=list(SPECIALS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, tok.token_to_id(BOS))]
+    )
+    return tok
+
+
+def _emittable(tok: Tokenizer) -> NDArray[np.bool_]:
+    """Tokens the model may sample: a space followed by at least two printable letters."""
+    vocab = tok.get_vocab()
+    ok = np.zeros(len(vocab), dtype=bool)
+    for piece, idx in vocab.items():
+        word = piece[1:]
+        ok[idx] = piece.startswith(_SPACE) and len(word) >= 2 and word.isascii() and word.isalpha()
+    return ok
+
+
+def _normal(rng: np.random.Generator, shape: tuple[int, ...], scale: float) -> F32:
+    return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+
+def _tensors(vocab_size: int, emittable: NDArray[np.bool_]) -> dict[str, F32]:
+    """LlamaForCausalLM's state dict; Linear weights are (out_features, in_features)."""
+    rng = np.random.default_rng(_SEED)
+    inv = 1.0 / np.sqrt(HIDDEN)
+    kv = N_HEAD_KV * HEAD_DIM
+    embed = _normal(rng, (vocab_size, HIDDEN), 1.0)
+    embed[:, _BIAS_DIM] = _BIAS_VALUE
+    t: dict[str, F32] = {"model.embed_tokens.weight": embed}
+    for i in range(N_LAYER):
+        p = f"model.layers.{i}."
+        layer = {
+            "input_layernorm.weight": np.ones(HIDDEN, dtype=np.float32),
+            "self_attn.q_proj.weight": _normal(rng, (N_HEAD * HEAD_DIM, HIDDEN), 2.0 * inv),
+            "self_attn.k_proj.weight": _normal(rng, (kv, HIDDEN), 2.0 * inv),
+            "self_attn.v_proj.weight": _normal(rng, (kv, HIDDEN), inv),
+            "self_attn.o_proj.weight": _normal(rng, (HIDDEN, N_HEAD * HEAD_DIM), inv),
+            "post_attention_layernorm.weight": np.ones(HIDDEN, dtype=np.float32),
+            "mlp.gate_proj.weight": _normal(rng, (INTERMEDIATE, HIDDEN), inv),
+            "mlp.up_proj.weight": _normal(rng, (INTERMEDIATE, HIDDEN), inv),
+            "mlp.down_proj.weight": _normal(
+                rng, (HIDDEN, INTERMEDIATE), 1.0 / np.sqrt(INTERMEDIATE)
+            ),
+        }
+        # Blocks add to the residual; zero rows keep the suppression dimension constant.
+        layer["self_attn.o_proj.weight"][_BIAS_DIM, :] = 0.0
+        layer["mlp.down_proj.weight"][_BIAS_DIM, :] = 0.0
+        t.update({p + name: w for name, w in layer.items()})
+    t["model.norm.weight"] = np.ones(HIDDEN, dtype=np.float32)
+    head = _normal(rng, (vocab_size, HIDDEN), inv)
+    head[:, _BIAS_DIM] = np.where(emittable, 0.0, _SUPPRESS)
+    t["lm_head.weight"] = head
+    return t
+
+
+def _config(tok: Tokenizer, vocab_size: int) -> dict[str, object]:
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": HIDDEN,
+        "intermediate_size": INTERMEDIATE,
+        "num_hidden_layers": N_LAYER,
+        "num_attention_heads": N_HEAD,
+        "num_key_value_heads": N_HEAD_KV,
+        "head_dim": HEAD_DIM,
+        "hidden_act": "silu",
+        "max_position_embeddings": MAX_POSITIONS,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "vocab_size": vocab_size,
+        "bos_token_id": tok.token_to_id(BOS),
+        "eos_token_id": tok.token_to_id(EOS),
+        "pad_token_id": tok.token_to_id(PAD),
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+    }
+
+
+def _tokenizer_config() -> dict[str, object]:
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS,
+        "eos_token": EOS,
+        "pad_token": PAD,
+        "unk_token": "<unk>",
+        "add_bos_token": True,
+        "add_eos_token": False,
+        "model_max_length": MAX_POSITIONS,
+        "clean_up_tokenization_spaces": False,
+        "chat_template": CHAT_TEMPLATE,
+    }
+
+
+def _dumps(obj: object) -> bytes:
+    return (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode()
+
+
+def _write_if_changed(target: Path, data: bytes) -> None:
+    """Replace ``target`` atomically, unless it already holds exactly ``data``."""
+    if target.is_file() and hashlib.sha256(target.read_bytes()).digest() == (
+        hashlib.sha256(data).digest()
+    ):
+        return
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.chmod(tmp_name, 0o644)  # engines may run as another user
+        os.replace(tmp_name, target)
+    finally:
+        Path(tmp_name).unlink(missing_ok=True)
+
+
+def generate_tiny_hf_model(out_dir: Path) -> TinyHfModel:
+    """Write (idempotently) the checkpoint into ``out_dir``; the same bytes every run."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    out.chmod(0o755)
+    tok = build_tokenizer()
+    vocab_size = tok.get_vocab_size()
+    tensors = _tensors(vocab_size, _emittable(tok))
+    files = {
+        "config.json": _dumps(_config(tok, vocab_size)),
+        "generation_config.json": _dumps(
+            {"bos_token_id": tok.token_to_id(BOS), "eos_token_id": tok.token_to_id(EOS)}
+        ),
+        "tokenizer.json": tok.to_str(pretty=True).encode() + b"\n",
+        "tokenizer_config.json": _dumps(_tokenizer_config()),
+        "special_tokens_map.json": _dumps(
+            {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD, "unk_token": "<unk>"}
+        ),
+        "model.safetensors": save_safetensors(tensors, metadata={"format": "pt"}),
+    }
+    for name, data in files.items():
+        _write_if_changed(out / name, data)
+    return TinyHfModel(path=out, vocab_size=vocab_size)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m llmgw_cli.dev.tinyhf OUT_DIR``."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m llmgw_cli.dev.tinyhf OUT_DIR", file=sys.stderr)
+        return 2
+    print(generate_tiny_hf_model(Path(args[0])).path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

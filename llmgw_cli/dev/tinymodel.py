@@ -1,0 +1,284 @@
+"""A tiny, deterministic llama GGUF model and two LoRA adapters, generated on demand.
+
+Why this exists: the gateway's end-to-end tests must drive a *real* llama.cpp server
+(``llama-server``) - load a model, apply chat templates, stream tokens, switch LoRA
+adapters per request - without downloading gigabytes of weights or needing a GPU.
+So we synthesise the smallest model llama.cpp accepts as a normal llama checkpoint:
+
+* llama architecture, 2 layers, hidden 64, 4 query / 2 KV heads, FFN 128, all F32
+  (about 0.6 MB), with weights drawn from ``numpy.random.default_rng`` with fixed seeds,
+  so every run writes byte-identical files (for given numpy and gguf versions; if those
+  ever change the bytes, the hash check below simply rewrites the files);
+* a SentencePiece ("llama") vocabulary: ``<unk> <s> </s>``, the 256 byte-fallback
+  tokens, then printable pieces, so any prompt tokenizes;
+* a chatml chat template, which llama.cpp knows both natively and through jinja;
+* two rank-8 LoRA adapters on the attention projections ("lora-a", "lora-b").
+
+Random weights would happily emit byte and control tokens (invalid UTF-8 fragments,
+early EOS). To keep output readable, one residual dimension (``_BIAS_DIM``) is held at
+a constant value: every token embedding sets it, no layer writes to it, and the output
+matrix has a large negative weight on it for every token that must never be sampled.
+Only whole-word pieces ("▁the" -> " the") survive, so greedy output is printable ASCII
+and generation always runs to ``max_tokens``.
+
+Run ``python -m llmgw_cli.dev.tinymodel OUT_DIR`` to write the files and print their paths.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import gguf
+import numpy as np
+from numpy.typing import NDArray
+
+F32 = NDArray[np.float32]
+
+MODEL_FILE = "tiny-llama.gguf"
+ADAPTER_FILES = {"lora-a": "tiny-lora-a.gguf", "lora-b": "tiny-lora-b.gguf"}
+# One seed per file: each adapter differs from the other and from the base.
+_MODEL_SEED = 20240601
+_ADAPTER_SEEDS = {"lora-a": 1, "lora-b": 2}
+
+N_LAYER = 2
+N_EMBD = 64
+N_HEAD = 4
+N_HEAD_KV = 2
+HEAD_DIM = N_EMBD // N_HEAD
+N_FF = 128
+N_CTX = 2048
+LORA_RANK = 8
+# llama.cpp scales B @ A by alpha / rank = 2. Together with B's spread this makes the
+# adapters move greedy output (not merely nudge logits) without blowing up the residual
+# stream, which would shrink the suppression margin below.
+LORA_ALPHA = 16.0
+_LORA_B_STD = 0.2
+# The four attention projections get adapters: (name, rows of W = n_out).
+LORA_TARGETS = (
+    ("attn_q", N_HEAD * HEAD_DIM),
+    ("attn_k", N_HEAD_KV * HEAD_DIM),
+    ("attn_v", N_HEAD_KV * HEAD_DIM),
+    ("attn_output", N_EMBD),
+)
+
+_BIAS_DIM = 0  # residual dimension that stays constant through every layer
+_BIAS_VALUE = 1.0
+_SUPPRESS = -10000.0  # output weight on _BIAS_DIM for tokens that must never be sampled
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+# Whole words are the only pieces the model ever emits (see _build_vocab).
+_WORD_TEXT = (
+    "the of and to in is it you that he was for on are with as his they be at one have this from "
+    "or had by hot word but what some we can out other were all there when up use your how said "
+    "an each she which do their time if will way about many then them write would like so these "
+    "her long make thing see him two has look more day could go come did number sound no most "
+    "people my over know water than call first who may down side been now find any new work part "
+    "take get place made live where after back little only round man year came show every good me "
+    "give our under name very through just form sentence great think say help low line cat dog "
+    "tree sky blue red green light model token hello world yes small fast slow open close river "
+    "stone cloud"
+)
+_WORDS = tuple(_WORD_TEXT.split())
+_SUFFIXES = ("ing", "ed", "er", "ly", "es", "s", "tion", "th", "he", "in", "an", "re", "on")
+
+_SPACE = "\u2581"  # SentencePiece's visible space
+
+
+@dataclass(frozen=True)
+class TinyModel:
+    model_path: Path
+    adapters: dict[str, Path]
+
+
+@dataclass(frozen=True)
+class _Vocab:
+    tokens: list[str]
+    scores: list[float]
+    types: list[int]
+    emittable: NDArray[np.bool_]  # tokens the model may sample
+
+
+def _build_vocab() -> _Vocab:
+    """Specials, byte fallback, then pieces; only whole words are ever sampled."""
+    tokens = ["<unk>", "<s>", "</s>"]
+    types = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL]
+    tokens += [f"<0x{b:02X}>" for b in range(256)]
+    types += [gguf.TokenType.BYTE] * 256
+    # Single characters let any ASCII text tokenize without byte fallback; words and
+    # suffixes give the SPM merger something to merge. dict.fromkeys dedupes in order.
+    singles = [_SPACE] + [chr(c) for c in range(33, 127)]
+    words = [_SPACE + w for w in _WORDS] + [_SPACE + chr(c) for c in range(97, 123)]
+    pieces = list(dict.fromkeys(singles + list(_SUFFIXES) + words))
+    tokens += pieces
+    types += [gguf.TokenType.NORMAL] * len(pieces)
+    # SPM merges the adjacent pair whose merged piece scores highest; prefer long pieces.
+    scores = [0.0] * (3 + 256) + [float(len(p)) - 100.0 for p in pieces]
+    emittable = np.array([t.startswith(_SPACE) and len(t) > 2 for t in tokens])
+    return _Vocab(tokens, scores, [int(t) for t in types], emittable)
+
+
+def _normal(rng: np.random.Generator, shape: tuple[int, ...], scale: float) -> F32:
+    return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+
+def _layer_tensors(rng: np.random.Generator, i: int) -> dict[str, F32]:
+    """One transformer block; numpy shapes are (n_out, n_in), GGUF stores them reversed."""
+    kv = N_HEAD_KV * HEAD_DIM
+    inv = 1.0 / np.sqrt(N_EMBD)
+    t = {
+        "attn_norm": np.ones(N_EMBD, dtype=np.float32),
+        "attn_q": _normal(rng, (N_HEAD * HEAD_DIM, N_EMBD), 2.0 * inv),
+        "attn_k": _normal(rng, (kv, N_EMBD), 2.0 * inv),
+        "attn_v": _normal(rng, (kv, N_EMBD), inv),
+        "attn_output": _normal(rng, (N_EMBD, N_HEAD * HEAD_DIM), inv),
+        "ffn_norm": np.ones(N_EMBD, dtype=np.float32),
+        "ffn_gate": _normal(rng, (N_FF, N_EMBD), inv),
+        "ffn_up": _normal(rng, (N_FF, N_EMBD), inv),
+        "ffn_down": _normal(rng, (N_EMBD, N_FF), 1.0 / np.sqrt(N_FF)),
+    }
+    # Blocks add their outputs to the residual; keeping these rows zero keeps the
+    # suppression dimension at exactly _BIAS_VALUE.
+    t["attn_output"][_BIAS_DIM, :] = 0.0
+    t["ffn_down"][_BIAS_DIM, :] = 0.0
+    return {f"blk.{i}.{name}.weight": w for name, w in t.items()}
+
+
+def _model_tensors(vocab: _Vocab) -> dict[str, F32]:
+    rng = np.random.default_rng(_MODEL_SEED)
+    n_vocab = len(vocab.tokens)
+    embd = _normal(rng, (n_vocab, N_EMBD), 1.0)
+    embd[:, _BIAS_DIM] = _BIAS_VALUE
+    out = _normal(rng, (n_vocab, N_EMBD), 1.0 / np.sqrt(N_EMBD))
+    out[:, _BIAS_DIM] = np.where(vocab.emittable, 0.0, _SUPPRESS)
+    tensors = {"token_embd.weight": embd}
+    for i in range(N_LAYER):
+        tensors.update(_layer_tensors(rng, i))
+    tensors["output_norm.weight"] = np.ones(N_EMBD, dtype=np.float32)
+    tensors["output.weight"] = out
+    return tensors
+
+
+def _adapter_tensors(seed: int) -> dict[str, F32]:
+    """lora_a is (r, n_in) and lora_b is (n_out, r) in numpy order, i.e. GGUF ne
+    [n_in, r] and [r, n_out]: llama.cpp computes W x + scale * B (A x)."""
+    rng = np.random.default_rng(seed)
+    tensors: dict[str, F32] = {}
+    for i in range(N_LAYER):
+        for name, n_out in LORA_TARGETS:
+            a = _normal(rng, (LORA_RANK, N_EMBD), 1.0 / np.sqrt(N_EMBD))
+            b = _normal(rng, (n_out, LORA_RANK), _LORA_B_STD)
+            if name == "attn_output":
+                b[_BIAS_DIM, :] = 0.0  # never disturb the suppression dimension
+            tensors[f"blk.{i}.{name}.weight.lora_a"] = a
+            tensors[f"blk.{i}.{name}.weight.lora_b"] = b
+    return tensors
+
+
+def _model_metadata(w: gguf.GGUFWriter, vocab: _Vocab) -> None:
+    w.add_name("llmgw tiny test model")
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    w.add_vocab_size(len(vocab.tokens))
+    w.add_context_length(N_CTX)
+    w.add_embedding_length(N_EMBD)
+    w.add_block_count(N_LAYER)
+    w.add_feed_forward_length(N_FF)
+    w.add_head_count(N_HEAD)
+    w.add_head_count_kv(N_HEAD_KV)
+    w.add_rope_dimension_count(HEAD_DIM)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(vocab.tokens)
+    w.add_token_scores(vocab.scores)
+    w.add_token_types(vocab.types)
+    w.add_unk_token_id(0)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_add_bos_token(True)
+    w.add_add_eos_token(False)
+    w.add_chat_template(CHAT_TEMPLATE)
+
+
+def _adapter_metadata(w: gguf.GGUFWriter, name: str) -> None:
+    w.add_name(f"llmgw tiny {name}")
+    w.add_type(gguf.GGUFType.ADAPTER)
+    w.add_string(gguf.Keys.Adapter.TYPE, "lora")
+    w.add_float32(gguf.Keys.Adapter.LORA_ALPHA, LORA_ALPHA)
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _write_gguf(
+    target: Path, metadata: Callable[[gguf.GGUFWriter], None], tensors: dict[str, F32]
+) -> None:
+    """Write to a temp file beside target, then os.replace it in - unless target already
+    holds exactly these bytes, in which case it is left untouched (same inode, same
+    mtime), so a server that has the file mmapped or a concurrent writer never sees a
+    partial or changing file."""
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        writer = gguf.GGUFWriter(tmp, "llama")
+        metadata(writer)
+        for name, tensor in tensors.items():
+            writer.add_tensor(name, tensor)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        if target.is_file() and _sha256(target) == _sha256(tmp):
+            return
+        with tmp.open("rb") as fh:
+            os.fsync(fh.fileno())
+        tmp.chmod(0o644)  # mkstemp creates 0600; servers may run as another user
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def generate_tiny_model(out_dir: Path) -> TinyModel:
+    """Write (idempotently, atomically: temp file + os.replace) the model and adapters
+    into out_dir; if files already exist with the expected content hash, do nothing."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    vocab = _build_vocab()
+    model_path = out_dir / MODEL_FILE
+    _write_gguf(model_path, partial(_model_metadata, vocab=vocab), _model_tensors(vocab))
+    adapters: dict[str, Path] = {}
+    for name, filename in ADAPTER_FILES.items():
+        path = out_dir / filename
+        tensors = _adapter_tensors(_ADAPTER_SEEDS[name])
+        _write_gguf(path, partial(_adapter_metadata, name=name), tensors)
+        adapters[name] = path
+    return TinyModel(model_path=model_path, adapters=adapters)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m llmgw_cli.dev.tinymodel OUT_DIR", file=sys.stderr)
+        return 2
+    tiny = generate_tiny_model(Path(args[0]))
+    print(f"model {tiny.model_path}")
+    for name, path in tiny.adapters.items():
+        print(f"{name} {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,326 @@
+"""The admin API (``/admin/...``), under its own credential.
+
+Every call needs ``Authorization: Bearer <admin key>``: the router's
+``LLMGW_ADMIN_KEY``, or a stored key made with ``llmgw keys create --admin``.
+Client keys are refused here, and admin keys are refused by ``/v1``.
+
+Replica states come from the routing table (refreshed from Temporal in the
+background), so listing them never waits on Temporal; nodes and log tails
+ask Temporal (bounded) and answer 503 when it cannot. Store calls are
+bounded the same way (``LLMGW_STORE_WAIT_S``): past it the answer is 503
+``store_unavailable``, and a write given up on may still land when the
+store answers again (read it back to know).
+"""
+
+import asyncio
+from collections.abc import Callable
+from typing import Annotated, Any, ParamSpec, TypeVar
+
+from fastapi import APIRouter, Depends, Header, Path, Query
+from pydantic import BaseModel, ConfigDict, Field
+from temporalio.client import Client
+from temporalio.service import RPCError
+
+from llmgw import replicas
+from llmgw.catalog import CatalogModel
+from llmgw.errors import ConfigError, LlmgwError, StoreError
+from llmgw.store.catalog_store import (
+    apply_entries,
+    delete_entry,
+    get_entry,
+    list_entries,
+    scale_model,
+)
+from llmgw.types import DeploymentStatus, ReplicaMemo
+from router.api import apikeys
+from router.api.apikeys import KeyInfo, KeyPolicy, KeyUpdate
+from router.billing import usage
+from router.billing.usage import UsageRow
+from router.blocking import within
+from router.deps import Deps, get_deps
+from router.errors import (
+    Incident,
+    invalid_fields,
+    name_mismatch,
+    no_temporal_client,
+    not_found,
+    store_unavailable,
+    temporal_unavailable,
+)
+
+DepsDep = Annotated[Deps, Depends(get_deps)]
+P = ParamSpec("P")
+T = TypeVar("T")
+# Store integers are 32-bit on PostgreSQL: larger ones are refused up front.
+INT32_MAX = 2**31 - 1
+KeyId = Annotated[int, Path(ge=1, le=INT32_MAX)]
+
+
+async def _admin(
+    deps: DepsDep, authorization: Annotated[str | None, Header(include_in_schema=False)] = None
+) -> None:
+    await deps.keys.verify_admin(authorization)
+
+
+router = APIRouter(prefix="/admin", tags=["admin"], dependencies=[Depends(_admin)])
+
+
+def _temporal(deps: Deps) -> Client:
+    if deps.temporal is None:
+        raise no_temporal_client()
+    return deps.temporal
+
+
+async def _stored(deps: Deps, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+    """``fn`` on the store, within the router's bound (503 past it)."""
+    try:
+        return await within(deps.store_wait_s, lambda: fn(*args, **kwargs))
+    except StoreError as exc:
+        raise store_unavailable() from exc
+
+
+# Models -----------------------------------------------------------------
+
+
+@router.get("/models")
+async def admin_list_models(deps: DepsDep) -> list[CatalogModel]:
+    """The catalog."""
+    return await _stored(deps, list_entries, deps.store)
+
+
+@router.get("/models/{name}")
+async def admin_get_model(name: str, deps: DepsDep) -> CatalogModel:
+    """One catalog entry."""
+    entry = await _stored(deps, get_entry, deps.store, name)
+    if entry is None:
+        raise not_found("model", name)
+    return entry
+
+
+@router.put("/models/{name}")
+async def admin_put_model(name: str, entry: CatalogModel, deps: DepsDep) -> CatalogModel:
+    """Add or replace a catalog entry (the catalog file's fields; errors name the field)."""
+    if entry.name != name:
+        raise name_mismatch(entry.name, name)
+    # The entry's own fields unprefixed (`adapters[0].name`), others by name.
+    problems = await _stored(
+        deps, apply_entries, deps.store, [entry], lambda _: "", deps.max_replicas
+    )
+    if problems:
+        where = problems[0].split(":")[0]
+        own = where.startswith(("adapters", "profile", "autoscale", "queue", "replicas"))
+        raise invalid_fields(problems, where if own else "name")
+    return entry
+
+
+@router.delete("/models/{name}")
+async def admin_delete_model(name: str, deps: DepsDep) -> dict[str, Any]:
+    """Remove a catalog entry (running replicas are not stopped)."""
+    if not await _stored(deps, delete_entry, deps.store, name):
+        raise not_found("model", name)
+    return {"deleted": name}
+
+
+class ScaleRequest(BaseModel):
+    """POST /admin/models/{name}/scale: a fixed count, or bounds to follow the load within."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    replicas: int | None = Field(default=None, ge=0, description="a fixed count (autoscale off)")
+    min_replicas: int | None = Field(default=None, ge=0)
+    max_replicas: int | None = Field(default=None, ge=1)
+
+
+@router.post("/models/{name}/scale")
+async def admin_scale_model(name: str, request: ScaleRequest, deps: DepsDep) -> DeploymentStatus:
+    """Scale the model's deployment (started if it was not), as ``llmgw scale``:
+    the catalog entry first, so that the control plane's reconcile agrees.
+    Counts past LLMGW_MAX_REPLICAS_PER_MODEL are refused, naming it."""
+    asked = request.model_dump(exclude_none=True)
+    if over := [f for f, n in asked.items() if n > deps.max_replicas]:
+        problems = [
+            f"{f}: {asked[f]} is more than LLMGW_MAX_REPLICAS_PER_MODEL ({deps.max_replicas})"
+            for f in over
+        ]
+        raise invalid_fields(problems, over[0])
+    client = _temporal(deps)
+    if await _stored(deps, get_entry, deps.store, name) is None:
+        raise not_found("model", name)
+    try:
+        return await asyncio.wait_for(
+            scale_model(
+                client, deps.store, name,
+                request.replicas, request.min_replicas, request.max_replicas, deps.max_replicas,
+            ),
+            35,
+        )  # fmt: skip
+    except ConfigError as exc:
+        raise invalid_fields([str(exc)], str(exc).split(":")[0]) from exc
+    except (RPCError, TimeoutError, LlmgwError) as exc:
+        raise temporal_unavailable(exc) from exc
+
+
+# Replicas and nodes -----------------------------------------------------
+
+
+class ReplicaView(ReplicaMemo):
+    """A replica as the router sees it."""
+
+    inflight: int = 0
+
+
+@router.get("/replicas")
+async def admin_replicas(deps: DepsDep) -> list[ReplicaView]:
+    """Every running replica and its state (as of the last routing refresh)."""
+    inflight = {r.replica_id: r.inflight for rs in deps.table.routes.values() for r in rs}
+    return [
+        ReplicaView(**m.model_dump(), inflight=inflight.get(m.replica_id, 0))
+        for m in deps.table.replicas
+    ]
+
+
+def _replica(deps: Deps, replica_id: str) -> ReplicaMemo:
+    for memo in deps.table.replicas:
+        if memo.replica_id == replica_id:
+            return memo
+    raise not_found("running replica", replica_id)
+
+
+class LogTailView(BaseModel):
+    replica_id: str
+    lines: list[str]
+
+
+@router.get("/replicas/{replica_id}/logs")
+async def admin_replica_logs(
+    replica_id: str, deps: DepsDep, lines: Annotated[int, Query(ge=1, le=2000)] = 100
+) -> LogTailView:
+    """The last lines the replica's engine wrote, fetched from its node."""
+    _replica(deps, replica_id)
+    client = _temporal(deps)
+    try:
+        tail = await asyncio.wait_for(replicas.log_tail(client, replica_id, lines), 35)
+    except (RPCError, TimeoutError, LlmgwError) as exc:
+        raise temporal_unavailable(exc) from exc
+    return LogTailView(replica_id=replica_id, lines=tail)
+
+
+class EngineKeyView(BaseModel):
+    replica_id: str
+    endpoint: str
+    engine_key: str
+
+
+@router.get("/replicas/{replica_id}/engine-key")
+async def admin_engine_key(replica_id: str, deps: DepsDep) -> EngineKeyView:
+    """The replica's engine key, to benchmark its engine directly."""
+    memo = _replica(deps, replica_id)
+    return EngineKeyView(
+        replica_id=replica_id, endpoint=memo.endpoint, engine_key=deps.engine_key(replica_id)
+    )
+
+
+@router.get("/nodes")
+async def admin_nodes(deps: DepsDep) -> dict[str, Any]:
+    """The fleet: nodes, their liveness, allocations and cordons."""
+    client = _temporal(deps)
+    try:
+        snap = await replicas.fleet_snapshot(client)
+    except RPCError as exc:
+        raise temporal_unavailable(exc) from exc
+    return snap.model_dump(mode="json")
+
+
+# Errors -----------------------------------------------------------------
+
+
+@router.get("/errors")
+async def admin_errors(
+    deps: DepsDep, limit: Annotated[int, Query(ge=1, le=1000)] = 100
+) -> list[Incident]:
+    """The latest errors clients got as a fixed message and an error id, with
+    their full reasons, newest first (this router's; its log keeps them all)."""
+    return deps.admission.incidents.recent(limit)
+
+
+@router.get("/errors/{error_id}")
+async def admin_error(error_id: str, deps: DepsDep) -> Incident:
+    """Why the client given ``error_id`` (its ``x-request-id``) failed. Only the
+    router that answered knows; the latest 1,000 are kept, the log has every one."""
+    incident = deps.admission.incidents.get(error_id)
+    if incident is None:
+        raise not_found("error id on this router", error_id)
+    return incident
+
+
+# Keys and usage ---------------------------------------------------------
+
+
+class NewKey(BaseModel):
+    """POST /admin/keys."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, max_length=200)
+    policy: KeyPolicy = Field(default_factory=KeyPolicy)
+
+
+class CreatedKey(KeyInfo):
+    key: str = Field(description="the key itself: shown this once, stored hashed")
+
+
+@router.get("/keys")
+async def admin_list_keys(deps: DepsDep) -> list[KeyInfo]:
+    """Every key (never the keys themselves)."""
+    return await _stored(deps, apikeys.list_keys, deps.store)
+
+
+@router.post("/keys", status_code=201)
+async def admin_create_key(new: NewKey, deps: DepsDep) -> CreatedKey:
+    """Create a key; the response is the only time it is shown."""
+    info, key = await _stored(deps, apikeys.create_key, deps.store, new.name, new.policy)
+    return CreatedKey(**info.model_dump(), key=key)
+
+
+@router.get("/keys/{key_id}")
+async def admin_get_key(key_id: KeyId, deps: DepsDep) -> KeyInfo:
+    """One key."""
+    info = await _stored(deps, apikeys.get_key, deps.store, key_id)
+    if info is None:
+        raise not_found("key", str(key_id))
+    return info
+
+
+@router.delete("/keys/{key_id}")
+async def admin_revoke_key(key_id: KeyId, deps: DepsDep) -> KeyInfo:
+    """Revoke a key: refused here at once, by other routers within their cache TTL."""
+    info = await _stored(deps, apikeys.revoke_key, deps.store, key_id)
+    if info is None:
+        raise not_found("key", str(key_id))
+    deps.keys.forget(key_id)
+    return info
+
+
+@router.patch("/keys/{key_id}")
+async def admin_update_key(key_id: KeyId, update: KeyUpdate, deps: DepsDep) -> KeyInfo:
+    """Change a key's name, models, expiry or quotas (only the fields given).
+    Applies here at once, on other routers within their key cache TTL; quota
+    windows already counted keep their counts."""
+    info = await _stored(deps, apikeys.update_key, deps.store, key_id, update)
+    if info is None:
+        raise not_found("key", str(key_id))
+    deps.keys.forget(key_id)
+    return info
+
+
+@router.get("/usage")
+async def admin_usage(
+    deps: DepsDep,
+    key_id: Annotated[int | None, Query(ge=1, le=INT32_MAX)] = None,
+    model: str | None = None,
+    since: Annotated[str | None, Query(pattern=r"^\d{4}-\d{2}-\d{2}$")] = None,
+    until: Annotated[str | None, Query(pattern=r"^\d{4}-\d{2}-\d{2}$")] = None,
+) -> list[UsageRow]:
+    """Usage per key, model and UTC day (written in batches: up to a second behind)."""
+    await deps.accountant.flush()
+    return await _stored(deps, usage.query, deps.store, key_id, model, since, until)

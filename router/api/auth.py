@@ -1,0 +1,173 @@
+"""Client and admin key checks, with a short cache so the hot path rarely hits the store.
+
+Revocation bound: a key revoked through this router's admin API stops
+working here at once (its cache entry is dropped); on other router processes
+it stops within ``ttl_s`` (``LLMGW_KEY_CACHE_TTL_S``, default 5 s), the life
+of a cached answer. Expiry is checked on every request against the cached
+expiry time, so it is exact everywhere.
+
+A store that stalls or fails does not take known keys down: a request waits
+for a key's lookup at most ``store_wait_s`` (``LLMGW_STORE_WAIT_S``, 2 s),
+then the last answer the store gave for that key serves, for up to
+``stale_s`` (``LLMGW_KEY_STALE_S``, an hour) after it was read; a key with no
+answer that recent gets 503 ``store_unavailable``. A revocation cannot reach
+the store while it is down either, so a stale answer admits no key the
+store would refuse.
+"""
+
+import asyncio
+import hashlib
+import hmac
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+from llmgw.api_keys import hash_api_key
+from llmgw.errors import StoreError
+from llmgw.store import Store
+from router.api.apikeys import KeyInfo, KeyPolicy, lookup
+from router.blocking import STORE_WAIT_S, Warnings, within
+from router.errors import admin_required, invalid_key, key_expired, store_unavailable
+
+log = logging.getLogger(__name__)
+
+NEGATIVE_CACHE_MAX = 10_000
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who sent a request."""
+
+    key_id: int
+    key_name: str
+    policy: KeyPolicy
+
+
+def _bearer(authorization: str | None) -> str | None:
+    if not authorization or authorization[:7].lower() != "bearer ":
+        return None
+    return authorization[7:].strip() or None
+
+
+@dataclass(frozen=True)
+class _Answer:
+    """What the store last said of a key, and when (monotonic seconds)."""
+
+    info: KeyInfo | None
+    read_at: float
+
+
+class KeyVerifier:
+    """Verifies ``Authorization: Bearer`` keys against the store.
+
+    Answers, positive and negative, are cached for ``ttl_s``; keys are random
+    256-bit tokens, so a new key cannot be in the negative cache. Past that,
+    an answer still serves while the store does not answer (module
+    docstring); a key's lookup is then retried once per ``ttl_s``, so only
+    the requests that arrive while that lookup is pending wait for the store.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        ttl_s: float = 5.0,
+        admin_key: str = "",
+        store_wait_s: float = STORE_WAIT_S,
+        stale_s: float = 3600.0,
+        read_key: Callable[[Store, str], KeyInfo | None] = lookup,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._store = store
+        self._read_key = read_key
+        self._clock = clock
+        self._ttl = ttl_s
+        self._wait = store_wait_s
+        self._max_stale = stale_s
+        self._cache: dict[str, _Answer] = {}
+        # When the store last failed a key's lookup; apart from the answers,
+        # so that bounding it (random keys during an outage) drops none of them.
+        self._failed: dict[str, float] = {}
+        self._pending: dict[str, asyncio.Future[KeyInfo | None]] = {}
+        self._warnings = Warnings(log, clock)
+        # Only the hash of the configured admin key is kept in memory.
+        self._admin_digest = hashlib.sha256(admin_key.encode()).digest() if admin_key else b""
+
+    async def _info(self, key: str) -> KeyInfo | None:
+        digest = hash_api_key(key)
+        now = self._clock()
+        hit = self._cache.get(digest)
+        if hit is not None and now - hit.read_at < self._ttl:
+            return hit.info
+        failed = self._failed.get(digest)
+        if failed is not None and now - failed < self._ttl:
+            return self._last_answer(hit, now)  # the store failed just now: no wait
+        # One store lookup per key at a time: when a busy key's entry
+        # expires, the requests arriving meanwhile wait for that one lookup
+        # rather than each sending its own.
+        pending = self._pending.get(digest)
+        if pending is None:
+            pending = asyncio.ensure_future(self._lookup(key, digest))
+            self._pending[digest] = pending
+            pending.add_done_callback(lambda _: self._pending.pop(digest, None))
+        try:
+            return await asyncio.shield(pending)
+        except StoreError:
+            return self._last_answer(self._cache.get(digest), now)
+
+    def _last_answer(self, answer: _Answer | None, now: float) -> KeyInfo | None:
+        """The last answer while the store does not give one, or 503 if there
+        is none recent enough."""
+        if answer is None or now - answer.read_at > self._max_stale:
+            raise store_unavailable()
+        return answer.info
+
+    async def _lookup(self, key: str, digest: str) -> KeyInfo | None:
+        """The store's answer, cached; StoreError past ``store_wait_s`` (noted,
+        so the key's requests of the next ``ttl_s`` do not wait)."""
+        try:
+            info = await within(self._wait, lambda: self._read_key(self._store, key))
+        except StoreError as exc:
+            now = self._clock()
+            if len(self._failed) >= NEGATIVE_CACHE_MAX:
+                self._failed.clear()
+            self._failed[digest] = now
+            self._warnings.warn("store did not answer a key lookup (%s): cached answers serve", exc)
+            raise
+        self._failed.pop(digest, None)
+        if info is None and len(self._cache) >= NEGATIVE_CACHE_MAX:
+            self._cache.clear()  # bounded: a flood of bad keys cannot grow it
+        self._cache[digest] = _Answer(info, self._clock())
+        return info
+
+    async def verify(self, authorization: str | None) -> Caller:
+        """The caller behind an Authorization header, or a 401 OpenAIError."""
+        key = _bearer(authorization)
+        if key is None:
+            raise invalid_key()
+        info = await self._info(key)
+        if info is None or info.policy.admin:
+            raise invalid_key()
+        if info.expired(datetime.now(UTC)):
+            raise key_expired()
+        return Caller(key_id=info.id, key_name=info.name, policy=info.policy)
+
+    async def verify_admin(self, authorization: str | None) -> None:
+        """Pass when the header carries the admin key (configured or stored), else 401."""
+        key = _bearer(authorization)
+        if key is None:
+            raise admin_required()
+        if self._admin_digest and hmac.compare_digest(
+            hashlib.sha256(key.encode()).digest(), self._admin_digest
+        ):
+            return
+        info = await self._info(key)
+        if info is None or not info.policy.admin or info.expired(datetime.now(UTC)):
+            raise admin_required()
+
+    def forget(self, key_id: int) -> None:
+        """Drop a key's cached answer (it was just revoked here)."""
+        for digest, answer in list(self._cache.items()):
+            if answer.info is not None and answer.info.id == key_id:
+                del self._cache[digest]

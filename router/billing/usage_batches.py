@@ -1,0 +1,128 @@
+"""Usage queued in memory and written to the store a batch at a time; while
+the store does not take it, kept in the spool (router/billing/usage_spool.py).
+
+A batch is written by a worker thread (``router.billing.usage.record``: each row
+leaves the batch once committed). ``flush`` waits for it at most
+``WRITE_WAIT_S`` and never abandons it: a store that froze holds the thread
+until it answers, and the batch comes back to the queue only once the thread
+has finished, less the rows it committed. Meanwhile no second batch starts
+(it could be billed twice), and the usage owed (the batch in the thread and
+the queue) is saved in the spool at each flush. A router killed while the
+store is frozen or down leaves it there for the next.
+
+The spool is removed once a batch that started after its last save has
+been written whole: that batch held all the spool held (batches run one at
+a time; what a batch did not write goes into the next).
+"""
+
+import asyncio
+import logging
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+
+from llmgw.store import Store
+from router.billing.usage import UsageDelta, UsageKey, record
+from router.billing.usage_spool import Pending, UsageSpool
+from router.blocking import Warnings
+
+log = logging.getLogger(__name__)
+
+# The longest a flush waits for a batch's write; it goes on in its thread.
+WRITE_WAIT_S = 5.0
+
+
+class UsageBatches:
+    """The usage queue, its one write at a time, and its spool (None: no spool)."""
+
+    def __init__(
+        self, store: Store, spool: UsageSpool | None = None, write_wait_s: float = WRITE_WAIT_S
+    ) -> None:
+        self._store = store
+        self._spool = spool
+        self._wait = write_wait_s
+        self._warnings = Warnings(log)
+        self._queued: Pending = defaultdict(UsageDelta)
+        self._writing: Pending = {}  # the batch in the thread (rows leave as committed)
+        self._write: asyncio.Future[None] | None = None
+        self._failed = False  # the last batch left rows unwritten
+        self._next = 1  # the number of the next batch
+        self._whole = 0  # the last batch written whole
+        self._spooled_until = 0  # the spool is gone once batch >= this is whole (0: none)
+        # Spool files are written by a thread of their own: never queued
+        # behind store calls stuck in the default pool.
+        self._io = ThreadPoolExecutor(1, thread_name_prefix="usage-spool")
+
+    def add(self, key: UsageKey, delta: UsageDelta) -> None:
+        """Queue ``delta`` (no I/O)."""
+        self._queued[key].add(delta)
+
+    async def open(self) -> None:
+        """Queue what routers stopped during a store outage left in the spool."""
+        if self._spool is not None:
+            taken = await asyncio.get_running_loop().run_in_executor(self._io, self._spool.open)
+            for key, delta in taken.items():
+                self._queued[key].add(delta)
+            if taken:  # saved as this router's spool: gone once the next batch is
+                self._spooled_until = self._next
+
+    async def flush(self) -> None:
+        """Start a batch unless one is still being written; wait for it within
+        the bound; then keep the spool true to what is owed."""
+        if self._write is None and self._queued:
+            self._start()
+        if self._write is not None:
+            await asyncio.wait([self._write], timeout=self._wait)  # never cancels it
+        await self._keep()
+
+    def _start(self) -> None:
+        batch, self._queued = dict(self._queued), defaultdict(UsageDelta)
+        number, self._next = self._next, self._next + 1
+        self._writing = batch
+        write = asyncio.ensure_future(asyncio.to_thread(record, self._store, batch))
+        write.add_done_callback(lambda done: self._written(done, number, batch))
+        self._write = write
+
+    def _written(self, write: "asyncio.Future[None]", number: int, batch: Pending) -> None:
+        self._write, self._writing = None, {}
+        if not write.cancelled() and (exc := write.exception()) is not None:
+            log.warning("usage write failed, will retry: %s", exc)
+        for key, delta in batch.items():  # what did not land
+            self._queued[key].add(delta)
+        self._failed = bool(batch)
+        if not batch:
+            self._whole = number
+
+    async def _keep(self) -> None:
+        if self._spool is None:
+            return
+        loop = asyncio.get_running_loop()
+        try:
+            if self._write is not None or self._failed:
+                owed: Pending = defaultdict(UsageDelta)
+                for part in (self._writing.copy(), self._queued):
+                    for key, delta in part.items():
+                        owed[key].add(replace(delta))
+                await loop.run_in_executor(self._io, self._spool.save, dict(owed))
+                self._spooled_until = self._next
+            elif self._spooled_until and (
+                self._whole >= self._spooled_until or not self._queued
+            ):  # a later batch held all it held, or nothing at all is owed
+                await loop.run_in_executor(self._io, self._spool.clear)
+                self._spooled_until = 0
+        except OSError as exc:
+            self._warnings.warn("usage spool: %s", exc)
+
+    async def close(self) -> None:
+        """After the last flush: what is owed stays in the spool, for the next
+        router. A write still in its thread is waited for first, however long
+        (the process cannot exit before that thread ends anyway): let go
+        earlier, the spool could be taken over and billed while the write
+        lands too. Killed meanwhile (the shutdown watchdog), the lock goes
+        with the process and the write with its connection."""
+        if self._write is not None:
+            await asyncio.wait([self._write])
+            await self._keep()
+        if self._spool is not None:
+            self._spool.close()
+        self._io.shutdown(wait=True)

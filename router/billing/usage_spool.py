@@ -1,0 +1,246 @@
+"""Usage the store has not taken yet, kept on local disk (LLMGW_USAGE_SPOOL_DIR).
+
+The Accountant writes usage in batches every second. While the store is
+down those batches pile up in memory, for as long as the outage lasts (known
+keys go on being served: router/api/auth.py), and a router killed then lost
+them all: the outage's requests were never billed. So after a flush that
+could not write everything, the usage still pending is saved here, and
+removed once a flush has written it all.
+
+One directory per store (``spool_dir``), in it one spool per router process
+that has usage kept: ``<router id>-<nonce>.json`` (replaced whole: written
+aside, then renamed over), beside its ``.lock``, which the process holds
+locked (``flock``) from its first save until the spool is cleared. A router
+starting takes over every spool whose lock it can take (its process is
+gone): it queues that usage as its own, saves it in its own spool, then
+removes the old one. A spool left by a router on another host waits for the
+next router started on that host with the same store. Keep the directory
+on a local disk: ``flock`` over NFS is not a lock to rely on.
+
+Exactness: usage is billed once, except when a router dies after the store
+committed some of a flush's rows and before the spool was rewritten (the
+length of one flush's writes), or while taking a spool over (between saving
+it as its own and removing the old one): those rows are billed again.
+
+Trust: the next router bills whatever a spool holds, so the directory must
+be this router's own. It is made 0700; one that is a symlink, owned by
+another user, or writable by its group or others is refused (PermissionError:
+no spool is read or written there), files are opened with ``O_NOFOLLOW``,
+and a file with a negative count is set aside as ``.bad``, not billed.
+"""
+
+import errno
+import fcntl
+import hashlib
+import logging
+import os
+import re
+import stat
+import uuid
+from pathlib import Path
+
+from pydantic import TypeAdapter, ValidationError
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError
+
+from router.billing.usage import UsageDelta, UsageKey, UsageRow
+
+log = logging.getLogger(__name__)
+
+Pending = dict[UsageKey, UsageDelta]
+
+
+# On disk: the rows' pending deltas, in the admin API's usage row shape.
+_FILE = TypeAdapter(list[UsageRow])
+
+
+def _dump(pending: Pending) -> bytes:
+    return _FILE.dump_json(
+        [
+            UsageRow(
+                key_id=k.key_id,
+                model=k.model,
+                day=k.day,
+                requests=d.requests,
+                errors=d.errors,
+                prompt_tokens=d.prompt_tokens,
+                completion_tokens=d.completion_tokens,
+            )
+            for k, d in pending.items()
+        ]
+    )
+
+
+def read(path: Path) -> Pending:
+    """What one spool file holds (raises OSError or ValidationError when it
+    cannot be read)."""
+    out: Pending = {}
+    _load(_read_nofollow(path), out)
+    return out
+
+
+def _read_nofollow(path: Path) -> bytes:
+    """The file's bytes; a symlink is refused (ELOOP), not followed."""
+    with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC), "rb") as f:
+        return f.read()
+
+
+def check_dir(directory: Path) -> None:
+    """Refuse (PermissionError) a spool directory another user could plant
+    usage in: a symlink, not owned by this process's user, or writable by
+    its group or by others."""
+    st = os.lstat(directory)
+    if not stat.S_ISDIR(st.st_mode):
+        raise PermissionError(f"usage spool {directory} is not a directory (a symlink?)")
+    if st.st_uid != os.geteuid():
+        raise PermissionError(
+            f"usage spool {directory} is owned by uid {st.st_uid}, not this router's"
+            f" ({os.geteuid()})"
+        )
+    if st.st_mode & 0o022:
+        raise PermissionError(
+            f"usage spool {directory} is writable by its group or others"
+            f" (mode {stat.S_IMODE(st.st_mode):o}): make it 0700"
+        )
+
+
+def _load(data: bytes, into: Pending) -> None:
+    # UsageRow's counts are >= 0: a negative one fails validation (never billed).
+    for row in _FILE.validate_json(data):
+        delta = UsageDelta(row.requests, row.errors, row.prompt_tokens, row.completion_tokens)
+        key = UsageKey(row.key_id, row.model, row.day)
+        into.setdefault(key, UsageDelta()).add(delta)
+
+
+def spool_dir(base: Path, store_url: str) -> Path:
+    """The spool directory for routers of one store: a router takes over only
+    usage that was meant for the store it writes to. Named by a digest of the
+    URL without its password (a rotated password is the same store)."""
+    try:
+        url = make_url(store_url)._replace(password=None).render_as_string(hide_password=False)
+    except ArgumentError:
+        url = store_url
+    return base / hashlib.sha256(url.encode()).hexdigest()[:16]
+
+
+def _fsync_dir(directory: Path) -> None:
+    """A rename or removal in ``directory`` made durable (a power loss must
+    not bring back a spool already billed)."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _lock(path: Path, create: bool) -> int | None:
+    """``path`` opened and locked; None when another process holds it or it
+    is gone (removed between the open and the lock: that file is not the
+    spool's lock any more)."""
+    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_CREAT if create else 0)
+    try:
+        fd = os.open(path, flags, 0o600)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise
+        log.warning("usage spool %s is a symlink: not followed", path)
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        st = os.fstat(fd)
+        now = os.stat(path)
+        if (st.st_dev, st.st_ino) != (now.st_dev, now.st_ino):
+            raise FileNotFoundError(path)
+    except (BlockingIOError, FileNotFoundError):
+        os.close(fd)
+        return None
+    return fd
+
+
+class UsageSpool:
+    """This router's spool in ``directory`` (``spool_dir``): files exist
+    only while there is usage kept, so a router that never needed the spool
+    leaves nothing behind."""
+
+    def __init__(self, directory: Path, owner: str) -> None:
+        self._dir = directory
+        # The router id names it for people; the nonce keeps two processes
+        # with one id (PID 1 in two containers) from sharing a file.
+        name = re.sub(r"[^A-Za-z0-9_.-]", "_", owner) + "-" + uuid.uuid4().hex[:8]
+        self._data = directory / f"{name}.json"
+        self._lock = directory / f"{name}.lock"
+        self._fd: int | None = None
+
+    def open(self) -> Pending:
+        """Take over the spools of routers that are gone; what they held (to
+        queue for the store)."""
+        if not os.path.lexists(self._dir):
+            return {}
+        check_dir(self._dir)
+        taken: Pending = {}
+        orphans: list[tuple[Path, int]] = []
+        for lock in sorted(self._dir.glob("*.lock")):
+            fd = _lock(lock, create=False)
+            if fd is None:
+                continue  # its router runs (or has just cleared it)
+            orphans.append((lock, fd))
+            data = lock.with_suffix(".json")
+            try:
+                if os.path.lexists(data):
+                    _load(_read_nofollow(data), taken)
+            except (OSError, ValidationError) as exc:
+                # Not ours to read (damaged, another version): set aside, not
+                # billed, and the routers still start.
+                log.warning("usage spool %s unreadable, set aside as .bad: %s", data, exc)
+                data.rename(data.with_suffix(".bad"))
+        if taken:
+            self.save(taken)  # ours before theirs go: nothing is lost in between
+            log.info("took over the usage of stopped routers from %s", self._dir)
+        for lock, fd in orphans:
+            lock.with_suffix(".json").unlink(missing_ok=True)
+            lock.with_suffix(".json.tmp").unlink(missing_ok=True)
+            lock.unlink(missing_ok=True)
+            os.close(fd)
+        if orphans:
+            _fsync_dir(self._dir)
+        return taken
+
+    def save(self, pending: Pending) -> None:
+        """Keep ``pending`` (all of it: it replaces what was kept)."""
+        if self._fd is None:
+            # The lock first: from now on no other router takes this spool.
+            self._dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+            check_dir(self._dir)
+            self._fd = _lock(self._lock, create=True)
+            if self._fd is None:
+                raise OSError(f"{self._lock} is locked by another process")
+        aside = self._data.with_suffix(".json.tmp")
+        flags = os.O_CREAT | os.O_WRONLY | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
+        with open(os.open(aside, flags, 0o600), "wb") as f:
+            f.write(_dump(pending))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(aside, self._data)
+        _fsync_dir(self._dir)
+
+    @property
+    def kept(self) -> bool:
+        """Whether this router has usage kept (files on disk)."""
+        return self._fd is not None
+
+    def clear(self) -> None:
+        """Everything kept has reached the store: the files go (the data first)."""
+        if self._fd is not None:
+            self._data.unlink(missing_ok=True)
+            self._lock.unlink(missing_ok=True)
+            _fsync_dir(self._dir)
+            os.close(self._fd)
+            self._fd = None
+
+    def close(self) -> None:
+        """Let go of the lock; what is kept stays, for the next router."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None

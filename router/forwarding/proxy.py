@@ -1,0 +1,511 @@
+"""Forwarding a request to a replica's engine, streamed or not.
+
+The client's body goes upstream byte for byte (unknown fields included),
+except that a stream always asks the engine for usage
+(``stream_options.include_usage``) so it can be billed; the engine's answer
+comes back byte for byte, SSE events included, less that usage when the
+client did not ask for it. The client's Authorization never reaches the
+engine: the router sends the replica's own engine key instead.
+
+Failover: a connection failure before anything was sent to the client tries
+the next replica; once a byte has gone out there is no retry.
+
+A stream is relayed read by read (with RawUpstream, from the engine
+connection's read callback: router.forwarding.relay.Pour; while the event loop is
+busy, reads are spaced out so that each brings several events:
+router.forwarding.pacing): a read that holds no usage passes through untouched, its
+content chunks counted by a byte pattern (no per-event work); only the
+event carrying usage is parsed. A client that goes away
+mid-stream cancels the relay (router.forwarding.relay watches); closing the upstream
+response closes the connection, which llama.cpp and vLLM take as a
+cancellation. What was relayed until then is billed: one token per streamed
+chunk with content (exact for llama.cpp, which sends a chunk per token), or
+the engine's own usage when the stream got that far.
+"""
+
+import asyncio
+import contextlib
+import errno
+import json
+import logging
+import re
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import aiohttp
+import orjson
+from opentelemetry import trace
+from opentelemetry.propagate import inject
+from starlette.types import Send
+
+from llmgw.engine_keys import EngineKeyFn
+from llmgw.errors import LlmgwError, UpstreamConnectError, UpstreamError
+from router.billing.accounting import RequestOutcome
+from router.control_link.routing import Route, RoutingTable
+from router.errors import (
+    Incidents,
+    client_gone,
+    engine_failed,
+    no_ready_replica,
+    replicas_saturated,
+    upstream_failed,
+)
+from router.forwarding.pacing import Pacer
+from router.forwarding.relay import Pour, Reply, StreamReply, media_header
+from router.forwarding.upstream import Upstream, UpstreamResponse, divertible
+from router.metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+# Passive health: how long an engine that refused a connection is passed
+# over while another replica can serve (router.forwarding.health probes the lost ones).
+PASSIVE_EJECT_S = 5.0
+# Engine headers kept per replica id (cleared past this: replicas come and go).
+MAX_CACHED_REPLICAS = 10_000
+
+
+@dataclass
+class Call:
+    """One request to forward."""
+
+    model: str
+    path: str
+    body: bytes
+    stream: bool
+    # True when the router added include_usage and the client must not see it.
+    strip_usage: bool
+    # Called once when the request is over (also after a client disconnect).
+    on_done: Callable[[RequestOutcome], None]
+    started: float
+    # Billed as the prompt when a stream ends before the engine's usage.
+    prompt_estimate: int = 0
+    # What the request reserved (prompt estimate and every token it may
+    # generate): billed when the client leaves a non-streamed request and
+    # what the engine generated cannot be known.
+    reserved: int = 0
+    # The engine generates on after the client leaves (llama.cpp finishes a
+    # non-streamed request regardless): its answer is awaited anyway, to bill
+    # what it generated, and the replica counts as busy until then.
+    finishes_when_gone: bool = False
+    # Set when the client has left (such a call then runs on to its answer).
+    left: bool = False
+    # Returns when the client has disconnected (None: never watched).
+    client_gone: Callable[[], Awaitable[None]] | None = None
+    # The body for a given replica (a llama.cpp adapter's id is the replica's own).
+    body_for: Callable[[Route], bytes] | None = None
+    # An on-demand adapter the router believes the replica holds: a 404 means
+    # its view is stale (another router unloaded it), raised as StaleAdapter.
+    stale_on_404: bool = False
+    # False with tracing off: no span to name the replica on, no trace
+    # context to hand the engine (saves the propagators' work per request).
+    traced: bool = True
+
+
+class StaleAdapter(LlmgwError):
+    """The engine does not hold the adapter the router sent it: nothing was
+    relayed or billed; the caller loads the adapter and forwards once more."""
+
+    def __init__(self, route: Route) -> None:
+        super().__init__(route.replica_id)
+        self.route = route
+
+
+class Proxy:
+    """Sends inference requests to engines."""
+
+    def __init__(
+        self,
+        http: Upstream,
+        table: RoutingTable,
+        engine_key: EngineKeyFn,
+        metrics: Metrics,
+        pacer: Pacer | None = None,
+        incidents: Incidents | None = None,
+        on_unreachable: Callable[[str, str], None] | None = None,
+    ) -> None:
+        self._http = http
+        # Told (replica id, endpoint) of a connection that failed or was
+        # reset: its endpoint proof is dropped (router/control_link/endpoint_proof.py).
+        self._on_unreachable = on_unreachable
+        # Why a request failed, for admins: the client gets the error id only.
+        self.incidents = incidents or Incidents()
+        self._table = table
+        self._engine_key = engine_key
+        self._metrics = metrics
+        self._pacer = pacer  # coalesces relayed reads while the loop is busy
+        # The engine key is a MAC of the replica id: computed once per replica.
+        self._headers: dict[str, dict[str, str]] = {}
+
+    def _engine_headers(self, replica_id: str) -> dict[str, str]:
+        headers = self._headers.get(replica_id)
+        if headers is None:
+            if len(self._headers) >= MAX_CACHED_REPLICAS:
+                self._headers.clear()  # bounded under replica churn
+            headers = {
+                "Authorization": f"Bearer {self._engine_key(replica_id)}",
+                "Content-Type": "application/json",
+            }
+            self._headers[replica_id] = headers
+        return headers
+
+    async def forward(self, call: Call, routes: list[Route] | None = None) -> Reply | StreamReply:
+        """Send the call to the least busy ready replica of its model (or of ``routes``,
+        chosen by the caller: an adapter's holders)."""
+        candidates = self._table.candidates(call.model) if routes is None else routes
+        if not candidates:
+            if self._table.has_replicas(call.model):
+                raise replicas_saturated(call.model)
+            raise no_ready_replica(call.model)
+        last_error = ""
+        for route in candidates:
+            if route.saturated():  # filled up while we tried another
+                continue
+            try:
+                return await self._try(route, call)
+            except UpstreamConnectError as exc:
+                # Nothing reached the engine nor the client: another replica may answer.
+                route.eject(PASSIVE_EJECT_S)
+                self._unreachable(route)
+                if route.node_lost:
+                    route.answering = False  # the probe says when it answers again
+                last_error = f"{route.replica_id}: {exc!r}"
+                self._metrics.upstream_errors.labels(call.model, route.replica_id, "connect").inc()
+                log.warning("replica %s unreachable, failing over: %s", route.replica_id, exc)
+            except UpstreamError as exc:
+                # The engine may have started on it: no second try.
+                if _was_reset(exc):
+                    self._unreachable(route)
+                self._metrics.upstream_errors.labels(call.model, route.replica_id, "send").inc()
+                # The client learns no address or path of ours; the log has them.
+                reason = f"replica {route.replica_id} failed the request: {exc!r}"
+                raise upstream_failed(call.model, reason, self.incidents) from exc
+        if not last_error:  # every candidate filled up before its turn
+            raise replicas_saturated(call.model)
+        reason = f"no replica could be reached; the last: {last_error}"
+        raise upstream_failed(call.model, reason, self.incidents)
+
+    def _unreachable(self, route: Route) -> None:
+        if self._on_unreachable is not None:
+            self._on_unreachable(route.replica_id, route.endpoint)
+
+    async def _try(self, route: Route, call: Call) -> Reply | StreamReply:
+        headers = self._engine_headers(route.replica_id)
+        if call.traced:
+            # The request's span continues in the engine (traceparent).
+            headers = dict(headers)
+            inject(headers)
+            trace.get_current_span().set_attribute("llmgw.replica", route.replica_id)
+        body = call.body if call.body_for is None else call.body_for(route)
+        route.inflight += 1
+        relayed = False
+        try:
+            # Engines answer a non-streamed request only once it is generated:
+            # a client that leaves meanwhile cancels it, unless the engine
+            # generates on regardless (one watch for the whole exchange; a
+            # stream's relay watches for itself).
+            async with _cancelled_if_gone(call):
+                upstream = await self._http.post(f"{route.endpoint}{call.path}", body, headers)
+                if upstream.status == 401:
+                    upstream.close()
+                    self._metrics.upstream_errors.labels(
+                        call.model, route.replica_id, "engine_key"
+                    ).inc()
+                    # The engine refused our key: a router/agent secret mismatch.
+                    log.error("replica %s rejected the engine key", route.replica_id)
+                    reason = f"replica {route.replica_id} refused the router's engine key"
+                    raise upstream_failed(call.model, reason, self.incidents)
+                if upstream.status == 404 and call.stale_on_404:
+                    upstream.close()
+                    log.info("replica %s does not hold %s", route.replica_id, call.model)
+                    raise StaleAdapter(route)
+                media = upstream.content_type
+                if call.stream and upstream.status == 200:
+                    relayed = True  # the relay releases the replica
+                    relay = _Relay(upstream, route, call, self._metrics, self._pacer)
+                    return StreamReply(relay, media, route.replica_id)
+                try:
+                    content = await upstream.read()
+                except UpstreamError as exc:
+                    self._metrics.upstream_errors.labels(call.model, route.replica_id, "read").inc()
+                    call.on_done(RequestOutcome(error=True, status=502))
+                    reason = f"replica {route.replica_id} broke off its answer: {exc!r}"
+                    raise upstream_failed(call.model, reason, self.incidents) from exc
+                finally:
+                    upstream.close()
+        finally:
+            if not relayed:
+                route.inflight -= 1
+        outcome = _outcome_of(upstream.status, content)
+        # A client gone while the engine finished: billed what it generated, as gone.
+        call.on_done(replace(outcome, error=True, status=499) if call.left else outcome)
+        if upstream.status >= 500:
+            # An engine's (or its pass-through's) own failure: its text may
+            # name paths, exceptions or what its log said; admins see it.
+            answer = content[:2000].decode(errors="replace")
+            reason = f"replica {route.replica_id}: {answer}"
+            raise engine_failed(call.model, upstream.status, reason, self.incidents)
+        return Reply(
+            upstream.status,
+            [
+                (b"x-llmgw-replica", route.replica_id.encode()),
+                (b"content-length", b"%d" % len(content)),
+                (b"content-type", media_header(media)),
+            ],
+            content,
+        )
+
+
+@contextlib.asynccontextmanager
+async def _cancelled_if_gone(call: Call) -> AsyncIterator[None]:
+    """Run the block unless the client disconnects first: then the block is
+    cancelled (closing the engine connection), the call is billed its
+    reservation (nothing generated is known, and the engine may have
+    generated up to it) and 499 raised. Where the engine generates on
+    regardless (``call.finishes_when_gone``) the block runs to its end, the
+    answer bills what the engine generated, and the reply goes nowhere.
+
+    One watcher task that cancels this task, rather than a task per awaited
+    step: the common case (the client stays) costs a task start and a cancel.
+    vLLM aborts a request whose connection closes; llama.cpp (checked with
+    this project's build) finishes a non-streamed one regardless, so there
+    the engine keeps working while the router has already let go.
+    """
+    if call.client_gone is None:
+        yield
+        return
+    task = asyncio.current_task()
+    assert task is not None
+    watcher = asyncio.ensure_future(call.client_gone())
+    active, left = True, False
+
+    def leave(done: asyncio.Future[None]) -> None:
+        nonlocal left
+        # The callback may run after the block ended: only cancel while inside.
+        if active and not done.cancelled() and done.exception() is None:
+            left = call.left = True
+            if not call.finishes_when_gone:
+                task.cancel()
+
+    watcher.add_done_callback(leave)
+    try:
+        yield
+    except asyncio.CancelledError:
+        if not left:
+            raise
+        task.uncancel()
+        call.on_done(_reservation_billed(call))
+        raise client_gone() from None
+    finally:
+        active = False
+        watcher.cancel()
+
+
+def _was_reset(exc: BaseException) -> bool:
+    """Whether a connection was reset or closed under the request (what
+    answered on that port may not be what was proven there)."""
+    cause = exc.__cause__
+    return isinstance(cause, ConnectionResetError | aiohttp.ServerDisconnectedError) or (
+        isinstance(cause, aiohttp.ClientOSError) and cause.errno == errno.ECONNRESET
+    )
+
+
+def _reservation_billed(call: Call) -> RequestOutcome:
+    """A call given up on when its client left: the prompt estimate, and the
+    rest of the reservation as generated (the most the engine could have)."""
+    completion = max(0, call.reserved - call.prompt_estimate)
+    return RequestOutcome(call.prompt_estimate, completion, error=True, status=499)
+
+
+def _count(value: object) -> int:
+    """A token count from an engine's usage; anything odd counts 0."""
+    return value if isinstance(value, int) and value > 0 else 0
+
+
+def _parse(content: bytes) -> Any:
+    try:
+        return orjson.loads(content)
+    except orjson.JSONDecodeError:
+        # What orjson refuses and the standard library reads (NaN, integers
+        # past 64 bits, UTF-16): as before.
+        return json.loads(content)
+
+
+def _outcome_of(status: int, content: bytes) -> RequestOutcome:
+    if status != 200:
+        return RequestOutcome(error=True, status=status)
+    try:
+        usage = _parse(content).get("usage")
+    except (ValueError, AttributeError):
+        return RequestOutcome()
+    if not isinstance(usage, dict):
+        return RequestOutcome()
+    return RequestOutcome(
+        prompt_tokens=_count(usage.get("prompt_tokens")),
+        completion_tokens=_count(usage.get("completion_tokens")),
+    )
+
+
+# A choice's delta (or text) with something in it: one token, as engines stream.
+_CONTENT = re.compile(rb'"(?:content|text|reasoning_content)":"(?!")|"tool_calls":\[')
+
+
+def _json_event(event: bytes) -> dict[str, Any] | None:
+    if not event.startswith(b"data: {"):
+        return None
+    try:
+        obj = json.loads(event[6:])
+    except ValueError:
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
+def _has_content(choice: Any) -> bool:
+    if not isinstance(choice, dict):
+        return False
+    delta = choice.get("delta")
+    part = delta if isinstance(delta, dict) else choice
+    return bool(
+        part.get("content") or part.get("text") or part.get("reasoning_content")
+        or part.get("tool_calls")
+    )  # fmt: skip
+
+
+class _Relay:
+    """Relays one SSE stream, counting content chunks and (maybe) stripping usage."""
+
+    def __init__(
+        self,
+        upstream: UpstreamResponse,
+        route: Route,
+        call: Call,
+        metrics: Metrics,
+        pacer: Pacer | None = None,
+    ):
+        self._upstream = upstream
+        self._route = route
+        self._call = call
+        self._metrics = metrics
+        self._pacer = pacer
+        self._counted = 0
+        self._usage: dict[str, Any] | None = None
+        self._finished = False
+        self._buf = b""  # an event not complete yet
+        self._first = True
+
+    def _scan(self, events: bytes) -> bytes:
+        """The events to pass on, event by event; counts content chunks and notes usage.
+
+        Only an event that mentions usage is parsed (the last one, normally);
+        the others are counted by a byte pattern, a fraction of a JSON parse.
+        """
+        out: list[bytes] = []
+        for event in events.split(b"\n\n"):
+            if not event:
+                continue
+            if b'"usage"' not in event:
+                self._counted += len(_CONTENT.findall(event))
+                out.append(event + b"\n\n")
+                continue
+            keep = event
+            obj = _json_event(event)
+            if obj is not None:
+                choices = obj.get("choices")
+                if isinstance(choices, list):
+                    self._counted += sum(1 for c in choices if _has_content(c))
+                usage = obj.get("usage")
+                if isinstance(usage, dict):
+                    self._usage = usage
+                    if self._call.strip_usage:
+                        if not choices:
+                            continue  # the usage-only chunk: the client did not ask
+                        del obj["usage"]
+                        keep = b"data: " + json.dumps(obj, separators=(",", ":")).encode()
+            out.append(keep + b"\n\n")
+        return b"".join(out)
+
+    def _pass(self, events: bytes) -> bytes:
+        """What ``_scan`` gives, without splitting when it would give ``events`` back:
+        no usage (or only ``"usage":null``, which engines in OpenAI's manner put
+        in every chunk), no empty event (four newlines, or one ending the last read)."""
+        if (
+            (b'"usage"' in events and events.count(b'"usage"') != events.count(b'"usage":null'))
+            or b"\n\n\n\n" in events
+            or events.startswith(b"\n\n")
+        ):
+            return self._scan(events)
+        # The pattern holds no newline: counting the whole read counts each event.
+        self._counted += len(_CONTENT.findall(events))
+        return events
+
+    def _events(self, chunk: bytes) -> bytes:
+        """The complete events up to this chunk, counted (``_pass``); an
+        incomplete last one waits for the next chunk."""
+        data = self._buf + chunk if self._buf else chunk
+        cut = data.rfind(b"\n\n") + 2
+        if cut < 2:
+            self._buf = data
+            return b""
+        if cut == len(data):
+            self._buf = b""
+        else:
+            data, self._buf = data[:cut], data[cut:]
+        out = self._pass(data)
+        if out and self._first:
+            self._first = False
+            self._metrics.ttft.labels(self._call.model).observe(
+                time.monotonic() - self._call.started
+            )
+        return out
+
+    async def pump(self, send: Send, headers: list[tuple[bytes, bytes]]) -> None:
+        """Answer with ``headers`` and relay the stream until it ends (or this task
+        is cancelled: the client left, even before it took the answer's head)."""
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        error = False
+        try:
+            diverted = divertible(self._upstream)
+            if diverted is not None:
+                await Pour(self._events, diverted, send, self._pacer, self._started).over
+            else:
+                async for chunk in self._upstream.chunks():
+                    out = self._events(chunk)
+                    if out:
+                        await send({"type": "http.response.body", "body": out, "more_body": True})
+            if self._buf:
+                await send({"type": "http.response.body", "body": self._buf, "more_body": True})
+        except UpstreamError as exc:
+            error = True
+            self._metrics.upstream_errors.labels(
+                self._call.model, self._route.replica_id, "stream"
+            ).inc()
+            log.warning("stream from %s broke: %s", self._route.replica_id, exc)
+        await self.finish(error)
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def finish(self, error: bool = False) -> None:
+        """Account and release, once: after the stream, or when it never started."""
+        if self._finished:
+            return
+        self._finished = True
+        # Accounting, then the close (synchronous: a cancellation cannot cut
+        # it short), so the engine sees the connection close.
+        self._route.inflight -= 1
+        self._call.on_done(self._outcome(error))
+        self._upstream.close()
+
+    def _started(self) -> bool:
+        """Whether the client has had a token (a role-only first event is none)."""
+        return self._counted > 0
+
+    def _outcome(self, error: bool) -> RequestOutcome:
+        if self._usage is not None:
+            return RequestOutcome(
+                prompt_tokens=_count(self._usage.get("prompt_tokens")),
+                completion_tokens=_count(self._usage.get("completion_tokens")),
+                error=error,
+            )
+        return RequestOutcome(
+            prompt_tokens=self._call.prompt_estimate, completion_tokens=self._counted, error=error
+        )

@@ -3,34 +3,46 @@
 import asyncio
 import os
 import sys
-from collections.abc import Coroutine
 from datetime import UTC, datetime
-from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, TypeVar
+from typing import Annotated
 
 import typer
 from rich.table import Table
-from temporalio.client import Client
 
 from llmgw import replicas
 from llmgw.errors import LlmgwError
-from llmgw.settings import UpSettings, _Common
-from llmgw.store import Store
-from llmgw.store.catalog_store import apply_entries
-from llmgw.temporal import connect_with
-from llmgw.tracing import Tracing, setup_tracing
-from llmgw.types import DeploymentStatus, ModelSpec, ReplicaMemo
+from llmgw.settings import UpSettings
+from llmgw.types import DeploymentStatus, ReplicaMemo
 from llmgw_cli.bench_command import bench
-from llmgw_cli.common import CliSettings, console, out
+from llmgw_cli.common import CliSettings, catalog_spec, console, out, tracings
+from llmgw_cli.common import connect as _connect
 from llmgw_cli.common import fail as _fail
-from llmgw_cli.elastic import autoscale_lines, deployments, deployments_table, scale
+from llmgw_cli.common import run as _run
+from llmgw_cli.elastic import (
+    autoscale_lines,
+    deployment_or_none,
+    deployments,
+    deployments_table,
+    scale,
+)
 from llmgw_cli.keys import keys_app
+from llmgw_cli.model import model_app
+from llmgw_cli.output import (
+    DecisionRow,
+    DeploymentRow,
+    ExplainDeployment,
+    ExplainOutput,
+    NodeReason,
+    Preemption,
+    ReplicaRow,
+    ShardRow,
+    StatusOutput,
+    print_json,
+)
 from llmgw_cli.store_copy import migrate_store
 
-if TYPE_CHECKING:
-    from llmgw.catalog import CatalogModel
-    from llmgw.catalog_sources import SourceCheck
-
+# Every command and sub-app is registered here, and only here: the modules
+# that define them import what they share from ``common``, never this one.
 app = typer.Typer(
     help="llmgw: LLM inference control plane and OpenAI gateway", no_args_is_help=True
 )
@@ -38,38 +50,7 @@ app.command()(bench)
 app.command()(scale)
 app.add_typer(keys_app, name="keys")
 
-
-T = TypeVar("T")
-
-
-def _catalog_spec(settings: "CliSettings", model: str) -> ModelSpec:
-    """The catalog entry of ``model``, or exit naming what the catalog has."""
-    store = Store(settings.resolved_store_url())
-    store.migrate()
-    spec = store.get_model(model)
-    if spec is None:
-        have = ", ".join(store.model_names()) or "none"
-        _fail(f"model {model!r} is not in the catalog (have: {have})")
-    return spec
-
-
-_tracing: list[Tracing] = []
-
-
-async def _connect(settings: _Common) -> Client:
-    """A client for one command; traced when the settings say so, so that a
-    job started here is one trace with the workflows and node activities."""
-    if not _tracing:
-        _tracing.append(setup_tracing(settings.tracing, "cli"))
-    return await connect_with(settings, _tracing[0].interceptors())
-
-
-def _run(work: Coroutine[Any, Any, T]) -> T:
-    """Run a command's async part; llmgw errors become a one-line message."""
-    try:
-        return asyncio.run(work)
-    except LlmgwError as exc:
-        _fail(str(exc))
+_JSON_HELP = "print JSON (docs: CLI JSON output)"
 
 
 @app.command()
@@ -123,119 +104,79 @@ agent_app = typer.Typer(help="The node agent (task queue node-<id>)")
 app.add_typer(agent_app, name="agent")
 node_app = typer.Typer(help="Node preparation", no_args_is_help=True)
 app.add_typer(node_app, name="node")
-model_app = typer.Typer(help="The model catalog", no_args_is_help=True)
 app.add_typer(model_app, name="model")
 
 
-@model_app.command("apply")
-def model_apply(
-    file: Annotated[Path, typer.Argument(exists=True, dir_okay=False, readable=True)],
-    deploy_: Annotated[
-        bool, typer.Option("--deploy", help="also scale each model's deployment")
-    ] = False,
-) -> None:
-    """Add or update catalog models from a YAML file."""
-    from llmgw.catalog import parse_catalog  # noqa: PLC0415
-
-    settings = CliSettings()
-    try:
-        entries = parse_catalog(file.read_text(), settings.max_replicas_per_model)
-    except LlmgwError as exc:
-        _fail(f"{file}: {exc}")
-        return
-    # What the agents would refuse, refused now rather than at a replica's start.
-    check = _run(_node_checks(settings, entries))
-    for note in check.notes:
-        console.print(f"[yellow]note:[/yellow] {note}", markup=True, highlight=False)
-    if check.problems:
-        _fail(f"{file}: " + "; ".join(check.problems))
-    store = Store(settings.resolved_store_url())
-    store.migrate()
-    # Checked against the rest of the catalog and written in one go, or not at all.
-    problems = apply_entries(store, entries, max_replicas=settings.max_replicas_per_model)
-    if problems:
-        _fail(f"{file}: " + "; ".join(problems))
-    for entry in entries:
-        console.print(f"model {entry.name}: {entry.engine.value}, {_replicas_line(entry)}")
-    if not deploy_:
-        return
-
-    async def go() -> None:
-        client = await _connect(settings)
-        for entry in entries:
-            status = await replicas.apply_deployment(client, entry.spec(), entry.replicas)
-            policy = status.autoscale
-            bounds = f" (autoscale {policy.min_replicas}..{policy.max_replicas})" if policy else ""
-            console.print(f"deployment/{entry.name}: {status.desired} replicas desired{bounds}")
-
-    _run(go())
-
-
-def _replicas_line(entry: "CatalogModel") -> str:
-    """How many replicas the entry asks for: its autoscale bounds when it has them."""
-    policy = entry.autoscale
-    if policy is None:
-        return f"{entry.replicas} replica{'' if entry.replicas == 1 else 's'}"
-    return f"autoscale {policy.min_replicas}..{policy.max_replicas} replicas"
-
-
-async def _node_checks(settings: CliSettings, entries: "list[CatalogModel]") -> "SourceCheck":
-    """Sources against what the live agents report (engine_args were checked
-    with the file: ``catalog_problems``).
-
-    The fleet is asked with a bound: a catalog can be applied before any
-    agent or Temporal runs, and then only the notes say what was not checked.
-    """
-    from llmgw.catalog_sources import SourceCheck, check_sources  # noqa: PLC0415
-    from workflows.placement import split_live  # noqa: PLC0415
-
-    try:
-        async with asyncio.timeout(10):
-            fleet = await replicas.fleet_snapshot(await _connect(settings))
-    except Exception as exc:  # any failure only means "not checked"
-        why = str(exc) or type(exc).__name__
-        return SourceCheck(notes=[f"sources not checked against the nodes: {why}"])
-    now = datetime.now(UTC)
-    live, _ = split_live(fleet, now)
-    ages = {
-        node: (now - datetime.fromisoformat(seen.last_seen)).total_seconds()
-        for node, seen in fleet.liveness.items()
-    }
-    return check_sources(entries, live, ages_s=ages)
-
-
 @app.command()
-def explain(model: str) -> None:
+def explain(
+    model: str, as_json: Annotated[bool, typer.Option("--json", help=_JSON_HELP)] = False
+) -> None:
     """Where a new replica of MODEL would go, or why it cannot be placed."""
     from workflows.placement import choose_node, split_live  # noqa: PLC0415
     from workflows.preemption import claims, plan_preemption  # noqa: PLC0415
 
     settings = CliSettings()
-    spec = _catalog_spec(settings, model)
+    spec = catalog_spec(settings, model)
 
-    async def go() -> None:
+    async def go() -> tuple[ExplainOutput, DeploymentStatus | None]:
         client = await _connect(settings)
         fleet = await replicas.fleet_snapshot(client)
         live, down = split_live(fleet, datetime.now(UTC))
         held = claims(fleet.allocations, fleet.reservations)
         result = choose_node("explain", spec, live, held)
+        placement = preemption = None
         if result.placement is not None:
-            nodes = ", ".join(f"rank {s.rank} on {s.node_id}" for s in result.placement.shards())
-            out.print(f"{model}: a new replica would be placed: {nodes}")
+            placement = [
+                ShardRow(rank=s.rank, node_id=s.node_id) for s in result.placement.shards()
+            ]
         elif plan := plan_preemption("explain", spec, live, fleet.allocations, fleet.reservations):
-            where = ", ".join(sorted({s.node_id for s in plan.placement.shards()}))
-            out.print(
-                f"{model}: no free room; priority {spec.priority} would preempt "
-                f"{', '.join(plan.victims)} on {where}"
+            preemption = Preemption(
+                priority=spec.priority,
+                victims=plan.victims,
+                nodes=sorted({s.node_id for s in plan.placement.shards()}),
             )
-        else:
-            out.print(f"{model}: no placement")
-        for rejection in [*result.rejections, *down]:
-            out.print(f"  {rejection.node_id}: {rejection.reason}")
-        for line in await autoscale_lines(client, model):
-            out.print(line, markup=False)
+        status = await deployment_or_none(client, model)
+        found = ExplainOutput(
+            model=model,
+            placement=placement,
+            preemption=preemption,
+            rejections=[
+                NodeReason(node_id=r.node_id, reason=r.reason) for r in [*result.rejections, *down]
+            ],
+            deployment=None if status is None else _explain_deployment(status),
+        )
+        return found, status
 
-    _run(go())
+    found, status = _run(go())
+    if as_json:
+        print_json(found)
+        return
+    if found.placement is not None:
+        nodes = ", ".join(f"rank {s.rank} on {s.node_id}" for s in found.placement)
+        out.print(f"{model}: a new replica would be placed: {nodes}")
+    elif (plan := found.preemption) is not None:
+        out.print(
+            f"{model}: no free room; priority {plan.priority} would preempt "
+            f"{', '.join(plan.victims)} on {', '.join(plan.nodes)}"
+        )
+    else:
+        out.print(f"{model}: no placement")
+    for rejection in found.rejections:
+        out.print(f"  {rejection.node_id}: {rejection.reason}")
+    for line in autoscale_lines(model, status):
+        out.print(line, markup=False)
+
+
+def _explain_deployment(status: DeploymentStatus) -> ExplainDeployment:
+    row = DeploymentRow.of(status)
+    return ExplainDeployment(
+        desired=status.desired,
+        autoscale=row.autoscale,
+        inflight=status.load.inflight,
+        waiting=status.load.waiting,
+        routers=status.load.routers,
+        decisions=[DecisionRow.of(d) for d in status.decisions],
+    )
 
 
 @agent_app.callback(invoke_without_command=True)
@@ -386,7 +327,7 @@ def deploy(
 ) -> None:
     """Start replicas of a catalog model."""
     settings = CliSettings()
-    spec = _catalog_spec(settings, model)
+    spec = catalog_spec(settings, model)
 
     async def go() -> None:
         client = await _connect(settings)
@@ -423,6 +364,7 @@ def restart(model: str) -> None:
 @app.command()
 def status(
     all_: Annotated[bool, typer.Option("--all", help="include stopped replicas")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help=_JSON_HELP)] = False,
 ) -> None:
     """Replicas and their states, read from Temporal."""
     settings = CliSettings()
@@ -432,6 +374,14 @@ def status(
         return await replicas.list_replicas(client, include_closed=all_), await deployments(client)
 
     rows, found = _run(go())
+    if as_json:
+        print_json(
+            StatusOutput(
+                replicas=[ReplicaRow.of(m) for m in rows],
+                deployments=[DeploymentRow.of(d) for d in sorted(found, key=lambda d: d.model)],
+            )
+        )
+        return
     table = Table("replica", "model", "state", "node", "endpoint")
     for m in rows:
         table.add_row(m.replica_id, m.model, m.phase.value, m.node_id, m.endpoint)
@@ -494,7 +444,7 @@ def main() -> None:
     except BaseException:
         console.print_exception()
         code = 1
-    for tracing in _tracing:
+    for tracing in tracings:
         tracing.shutdown()  # os._exit skips atexit: flush the command's spans here
     sys.stdout.flush()
     sys.stderr.flush()

@@ -13,7 +13,8 @@ from llmgw.errors import LlmgwError
 from llmgw.store import Store
 from llmgw.store.catalog_store import scale_model
 from llmgw.types import DeploymentStatus
-from llmgw_cli.common import CliSettings, console, fail, out
+from llmgw_cli.common import CliSettings, connect, console, fail, out, run
+from llmgw_cli.output import DeploymentRow, print_json
 
 
 def scale(
@@ -29,11 +30,12 @@ def scale(
         int | None, typer.Option("--min", min=0, help="autoscale: at least (0: scale to zero)")
     ] = None,
     max_: Annotated[int | None, typer.Option("--max", min=1, help="autoscale: at most")] = None,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="print the deployment as JSON (docs: CLI JSON output)")
+    ] = False,
 ) -> None:
     """Start or scale the model's deployment: a fixed count, or --min/--max to
     follow the load within (written to the catalog entry too)."""
-    from llmgw_cli.app import _connect, _run  # noqa: PLC0415 (app registers this command)
-
     settings = CliSettings()
     fixed = replicas_ if replicas_ is not None else count
     if fixed is None and min_ is None and max_ is None:
@@ -42,18 +44,21 @@ def scale(
     store.migrate()
 
     async def go() -> DeploymentStatus:
-        client = await _connect(settings)
+        client = await connect(settings)
         return await scale_model(
             client, store, model, fixed, min_, max_, settings.max_replicas_per_model
         )
 
     try:
-        status = _run(go())
+        status = run(go())
     except LlmgwError as exc:
         fail(str(exc))
     policy = status.autoscale
     bounds = f" (autoscale {policy.min_replicas}..{policy.max_replicas})" if policy else ""
     console.print(f"deployment/{model}: {status.desired} replicas desired{bounds}")
+    if as_json:
+        print_json(DeploymentRow.of(status))
+        return
     table = Table("slot", "replica", "starts", "failures", "reaped", "last reason")
     for s in status.slots:
         table.add_row(
@@ -81,11 +86,17 @@ def deployments_table(found: list[DeploymentStatus]) -> Table:
     return table
 
 
-async def autoscale_lines(client: Client, model: str) -> list[str]:
-    """``llmgw explain``'s autoscale section: bounds, load, the last decisions."""
+async def deployment_or_none(client: Client, model: str) -> DeploymentStatus | None:
+    """The model's deployment; None when none runs."""
     try:
-        status = await replicas.deployment_status(client, model)
+        return await replicas.deployment_status(client, model)
     except RPCError:
+        return None
+
+
+def autoscale_lines(model: str, status: DeploymentStatus | None) -> list[str]:
+    """``llmgw explain``'s autoscale section: bounds, load, the last decisions."""
+    if status is None:
         return [f"{model}: no deployment running"]
     policy = status.autoscale
     if policy is None:

@@ -9,6 +9,7 @@ from rich.table import Table
 from llmgw.store import Store
 from llmgw_cli.common import CliSettings, console, out
 from llmgw_cli.common import fail as _fail
+from llmgw_cli.output import KeyRow, KeysOutput, print_json
 
 keys_app = typer.Typer(help="Client API keys", no_args_is_help=True)
 
@@ -74,11 +75,18 @@ def keys_create(
 
 
 @keys_app.command("list")
-def keys_list() -> None:
+def keys_list(
+    as_json: Annotated[
+        bool, typer.Option("--json", help="print JSON (docs: CLI JSON output)")
+    ] = False,
+) -> None:
     """Every key: id, name, prefix, policy (never the key itself)."""
     from router.api.apikeys import list_keys  # noqa: PLC0415
 
     store = _store()
+    if as_json:
+        print_json(KeysOutput(keys=[KeyRow.of(k) for k in list_keys(store)]))
+        return
     table = Table("id", "name", "prefix", "created", "state", "models", "expires", "limits")
     for k in list_keys(store):
         p = k.policy
@@ -94,7 +102,7 @@ def keys_list() -> None:
             limits = f"{limits}, {queue}" if limits else queue
         table.add_row(
             str(k.id), k.name, k.prefix + "…", k.created_at.strftime("%Y-%m-%d %H:%M"),
-            "revoked" if k.revoked else ("admin" if p.admin else "active"),
+            KeyRow.of(k).state,
             ",".join(p.models) or "all",
             p.expires_at.strftime("%Y-%m-%d %H:%M") if p.expires_at else "never",
             limits or "none",

@@ -1,0 +1,226 @@
+"""The ``--json`` shapes of the CLI's listings, in one place.
+
+Operators script these (docs/reference/cli-json.md), so each is its own
+model rather than a dump of an internal type: a field of ``DeploymentStatus``
+or ``KeyInfo`` may change without changing what ``llmgw status --json``
+prints. Fields are only ever added. Every command prints one JSON object
+(never a bare list, so that a field can be added at the top level too).
+
+Catalog entries are the exception: ``llmgw model list/show --json`` print
+``CatalogModel`` as ``llmgw model apply`` reads it and ``GET /admin/models``
+answers it, a format documented field by field in reference/catalog.md.
+"""
+
+import sys
+from datetime import datetime
+from typing import TYPE_CHECKING
+
+from pydantic import BaseModel, Field
+
+from llmgw.catalog import CatalogModel
+from llmgw.types import DeploymentStatus, ReplicaMemo, ScaleDecision
+
+if TYPE_CHECKING:
+    from router.api.apikeys import KeyInfo
+
+
+class ReplicaRow(BaseModel):
+    """One replica, as ``llmgw status`` lists it."""
+
+    replica_id: str
+    model: str
+    phase: str = Field(description="placing, fetching, starting, loading, ready, node-lost, ...")
+    node_id: str = Field(description="the leader's node; empty until placed")
+    endpoint: str = Field(description="the engine's address; empty until it serves")
+
+    @classmethod
+    def of(cls, memo: ReplicaMemo) -> "ReplicaRow":
+        """The row of a replica's memo."""
+        return cls(
+            replica_id=memo.replica_id,
+            model=memo.model,
+            phase=memo.phase.value,
+            node_id=memo.node_id,
+            endpoint=memo.endpoint,
+        )
+
+
+class AutoscaleBounds(BaseModel):
+    """The bounds an autoscaled deployment follows its load within."""
+
+    min_replicas: int
+    max_replicas: int
+    target_inflight: float = Field(description="requests in flight (and waiting) per replica")
+
+
+class SlotRow(BaseModel):
+    """One desired replica of a deployment, across its restarts."""
+
+    slot: int
+    replica_id: str = Field(description="its current replica; empty between starts")
+    ready: bool
+    starts: int
+    failures: int = Field(description="consecutive failed starts")
+    reaped: bool
+    last_reason: str
+
+
+class DeploymentRow(BaseModel):
+    """One model's deployment, as ``llmgw status`` and ``llmgw scale`` show it."""
+
+    model: str
+    desired: int
+    ready: int = Field(description="slots whose replica serves")
+    inflight: int = Field(description="requests at an engine, as the routers report")
+    waiting: int = Field(description="requests in the routers' admission queues")
+    autoscale: AutoscaleBounds | None = Field(description="null: a fixed count")
+    slots: list[SlotRow]
+
+    @classmethod
+    def of(cls, status: DeploymentStatus) -> "DeploymentRow":
+        """The row of a deployment's status query."""
+        policy = status.autoscale
+        return cls(
+            model=status.model,
+            desired=status.desired,
+            ready=sum(s.ready for s in status.slots),
+            inflight=status.load.inflight,
+            waiting=status.load.waiting,
+            autoscale=None
+            if policy is None
+            else AutoscaleBounds(
+                min_replicas=policy.min_replicas,
+                max_replicas=policy.max_replicas,
+                target_inflight=policy.target_inflight,
+            ),
+            slots=[
+                SlotRow(
+                    slot=s.slot,
+                    replica_id=s.replica_id,
+                    ready=s.ready,
+                    starts=s.starts,
+                    failures=s.consecutive_failures,
+                    reaped=s.reaped,
+                    last_reason=s.last_reason,
+                )
+                for s in status.slots
+            ],
+        )
+
+
+class StatusOutput(BaseModel):
+    """``llmgw status --json``."""
+
+    replicas: list[ReplicaRow]
+    deployments: list[DeploymentRow] = Field(description="by model name")
+
+
+class NodeReason(BaseModel):
+    """Why a node was left out of a placement ("*": no node at all)."""
+
+    node_id: str
+    reason: str
+
+
+class ShardRow(BaseModel):
+    """Where one rank of a replica would go."""
+
+    rank: int
+    node_id: str
+
+
+class Preemption(BaseModel):
+    """No free room, but draining lower-priority replicas would make some."""
+
+    priority: int = Field(description="the model's priority")
+    victims: list[str] = Field(description="replica ids that would be drained")
+    nodes: list[str] = Field(description="the nodes they free room on")
+
+
+class DecisionRow(BaseModel):
+    """One change of a deployment's desired count, and why."""
+
+    at: str = Field(description="ISO time (workflow time)")
+    from_replicas: int
+    to_replicas: int
+    reason: str
+
+    @classmethod
+    def of(cls, decision: ScaleDecision) -> "DecisionRow":
+        """The row of a recorded decision."""
+        return cls(
+            at=decision.at,
+            from_replicas=decision.from_replicas,
+            to_replicas=decision.to_replicas,
+            reason=decision.reason,
+        )
+
+
+class ExplainDeployment(BaseModel):
+    """The model's deployment, as ``llmgw explain`` reports it."""
+
+    desired: int
+    autoscale: AutoscaleBounds | None = Field(description="null: a fixed count")
+    inflight: int
+    waiting: int
+    routers: int = Field(description="routers whose last load report has not expired")
+    decisions: list[DecisionRow] = Field(description="the last ones, oldest first")
+
+
+class ExplainOutput(BaseModel):
+    """``llmgw explain MODEL --json``: at most one of ``placement`` and
+    ``preemption`` is set; neither means no placement."""
+
+    model: str
+    placement: list[ShardRow] | None = Field(description="where a new replica would go")
+    preemption: Preemption | None
+    rejections: list[NodeReason] = Field(description="nodes left out, and why")
+    deployment: ExplainDeployment | None = Field(description="null: no deployment running")
+
+
+class KeyRow(BaseModel):
+    """One client API key: its id, prefix and policy, never the key itself."""
+
+    id: int
+    name: str
+    prefix: str = Field(description="the key's first characters, as shown at creation")
+    created_at: datetime
+    state: str = Field(description="active, admin or revoked")
+    models: list[str] = Field(description="the models it may use; empty: all")
+    expires_at: datetime | None = Field(description="null: never")
+    rpm: int = Field(description="requests per minute; 0: no limit")
+    tpm: int = Field(description="tokens per minute; 0: no limit")
+    token_budget: int = Field(description="tokens per budget period; 0: no limit")
+    budget_period: str = Field(description="day or month")
+    weight: float
+    priority: str = Field(description="admission queue class: high, normal or batch")
+
+    @classmethod
+    def of(cls, info: "KeyInfo") -> "KeyRow":
+        """The row of a stored key (which holds only the key's hash anyway)."""
+        p = info.policy
+        return cls(
+            id=info.id, name=info.name, prefix=info.prefix, created_at=info.created_at,
+            state="revoked" if info.revoked else ("admin" if p.admin else "active"),
+            models=p.models, expires_at=p.expires_at, rpm=p.rpm, tpm=p.tpm,
+            token_budget=p.token_budget, budget_period=p.budget_period, weight=p.weight,
+            priority=p.priority.value,
+        )  # fmt: skip
+
+
+class KeysOutput(BaseModel):
+    """``llmgw keys list --json``."""
+
+    keys: list[KeyRow] = Field(description="by id")
+
+
+class ModelsOutput(BaseModel):
+    """``llmgw model list --json``: the catalog."""
+
+    models: list[CatalogModel] = Field(description="by name")
+
+
+def print_json(shape: BaseModel) -> None:
+    """Print ``shape`` on stdout as one JSON document: written as is, never
+    through rich, which would colour it or wrap long strings."""
+    sys.stdout.write(shape.model_dump_json(indent=2) + "\n")

@@ -15,12 +15,17 @@ import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from enum import Enum, unique
+from functools import cache
+from string import Formatter
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import BaseRoute, Match
 
 from llmgw.errors import LlmgwError
 
@@ -115,117 +120,265 @@ class OpenAIError(LlmgwError):
         }
 
 
-def invalid_key() -> OpenAIError:
-    return OpenAIError(401, "Invalid API key.", code="invalid_api_key")
+class ErrorDetail(BaseModel):
+    """What went wrong, as OpenAI's clients parse it."""
+
+    message: str
+    type: str
+    param: str | None = Field(description="The request field at fault, if one is.")
+    code: str | None = Field(description="Machine-readable: `model_not_found`, `queue_full`...")
 
 
-def model_not_found(model: str) -> OpenAIError:
-    return OpenAIError(
-        404, f"The model `{model}` does not exist.", code="model_not_found", param="model"
+class ErrorBody(BaseModel):
+    """The body of every error answer (the OpenAPI description's error schema)."""
+
+    error: ErrorDetail
+
+
+@dataclass(frozen=True)
+class ErrorSpec:
+    """One row of the error table: what the client gets for one kind of failure."""
+
+    status: int | None  # None: the builder's status (an engine's, the framework's)
+    message: str  # a str.format template over the builder's fields
+    type: str = "invalid_request_error"
+    code: str | None = None
+    param: str | None = None  # the field at fault, when it is always the same one
+    retry_after_s: int | None = None  # sent as Retry-After: "retry shortly"
+    # The client gets ``message`` and an error id; the builder's ``reason``
+    # (node names, paths, an engine's log: maybe secrets) goes to Incidents.
+    hidden: bool = False
+
+
+_UNAVAILABLE = "service_unavailable_error"
+
+
+@unique
+class ErrorKind(Enum):
+    """Every error the router makes, one row each; :meth:`error` builds one."""
+
+    # Keys and permissions.
+    INVALID_KEY = ErrorSpec(401, "Invalid API key.", code="invalid_api_key")
+    KEY_EXPIRED = ErrorSpec(401, "The API key has expired.", code="expired_api_key")
+    ADMIN_REQUIRED = ErrorSpec(401, "The admin API needs the admin key.", code="invalid_admin_key")
+    MODEL_NOT_ALLOWED = ErrorSpec(
+        403,
+        "This API key may not use the model `{model}`.",
+        type="permission_error",
+        code="model_not_allowed",
+        param="model",
     )
-
-
-def _unavailable(message: str, code: str, retry_after_s: int = 1) -> OpenAIError:
-    """503 with a Retry-After: the shape of every "retry shortly" error below."""
-    return OpenAIError(
+    MODEL_NOT_FOUND = ErrorSpec(
+        404, "The model `{model}` does not exist.", code="model_not_found", param="model"
+    )
+    # Quotas (router/billing/quotas.py writes the message).
+    TOKEN_BUDGET_EXCEEDED = ErrorSpec(
+        429, "{message}", type="insufficient_quota", code="insufficient_quota"
+    )
+    REQUEST_RATE_EXCEEDED = ErrorSpec(429, "{message}", type="requests", code="rate_limit_exceeded")
+    TOKEN_RATE_EXCEEDED = ErrorSpec(429, "{message}", type="tokens", code="rate_limit_exceeded")
+    # 400, not 429: no window of the key's quota can ever admit this request,
+    # and a 429 would have clients retry it forever.
+    REQUEST_EXCEEDS_QUOTA = ErrorSpec(400, "{message}", code="request_exceeds_quota")
+    # The request itself.
+    INVALID_FIELDS = ErrorSpec(400, "{problems}")  # every problem; the first field in param
+    INVALID_JSON = ErrorSpec(400, "The request body is not valid JSON.")
+    NOT_AN_OBJECT = ErrorSpec(400, "The request body must be a JSON object.")
+    # A key whose tokens are counted may not generate until the context is full.
+    UNBOUNDED_GENERATION = ErrorSpec(
+        400,
+        "n_predict -1 (generate until the context is full) is not allowed for a key"
+        " with a token quota; set max_tokens or a non-negative n_predict.",
+        param="n_predict",
+    )
+    # A media URL the engine would fetch itself, for a model whose catalog
+    # entry does not allow them (router/api/media.py); param says where.
+    REMOTE_MEDIA_REFUSED = ErrorSpec(
+        400,
+        "Media URLs other than data: are not accepted for the model `{model}` ({where});"
+        " send the media inline as a data: URL.",
+        code="remote_media_refused",
+    )
+    BODY_TOO_LARGE = ErrorSpec(
+        413, "The request body is larger than {limit} bytes.", code="body_too_large"
+    )
+    # nginx's 499: nobody reads it, but logs and metrics tell it from a 5xx.
+    CLIENT_GONE = ErrorSpec(499, "The client closed the request.", code="client_closed_request")
+    # "Retry shortly": 503 with a Retry-After.
+    NO_READY_REPLICA = ErrorSpec(
         503,
-        message,
-        type="service_unavailable_error",
-        code=code,
-        headers={"Retry-After": str(retry_after_s)},
+        "No ready replica of `{model}` can take the request; retry shortly.",
+        type=_UNAVAILABLE,
+        code="no_ready_replica",
+        retry_after_s=1,
     )
-
-
-def no_ready_replica(model: str) -> OpenAIError:
-    return _unavailable(
-        f"No ready replica of `{model}` can take the request; retry shortly.", "no_ready_replica"
+    REPLICAS_SATURATED = ErrorSpec(
+        503,
+        "Every replica of `{model}` is at its in-flight limit; retry shortly.",
+        type=_UNAVAILABLE,
+        code="replicas_saturated",
+        retry_after_s=1,
     )
-
-
-def replicas_saturated(model: str) -> OpenAIError:
-    return _unavailable(
-        f"Every replica of `{model}` is at its in-flight limit; retry shortly.",
-        "replicas_saturated",
-    )
-
-
-def queue_full(model: str, max_waiting: int) -> OpenAIError:
-    """503: the model's admission queue holds ``max_waiting`` requests already."""
-    return _unavailable(
-        f"Every replica of `{model}` is busy and {max_waiting} requests wait already"
+    # The model's admission queue holds queue.max_waiting requests already.
+    QUEUE_FULL = ErrorSpec(
+        503,
+        "Every replica of `{model}` is busy and {max_waiting} requests wait already"
         " (queue.max_waiting); retry shortly.",
-        "queue_full",
+        type=_UNAVAILABLE,
+        code="queue_full",
+        retry_after_s=1,
     )
-
-
-def key_queue_full(model: str, share: int) -> OpenAIError:
-    """503: this key has its share of the model's admission queue waiting already."""
-    return _unavailable(
-        f"Every replica of `{model}` is busy and {share} requests of this API key wait"
+    # This key has its share of the model's admission queue waiting already.
+    KEY_QUEUE_FULL = ErrorSpec(
+        503,
+        "Every replica of `{model}` is busy and {share} requests of this API key wait"
         " already (its share of the queue: queue.key_share); retry shortly.",
-        "queue_full",
+        type=_UNAVAILABLE,
+        code="queue_full",
+        retry_after_s=1,
     )
+    # Waited queue.max_wait_s without a replica taking it (Retry-After: see queue_timeout).
+    QUEUE_TIMEOUT = ErrorSpec(
+        503,
+        "No replica of `{model}` took the request within {max_wait_s:g} s"
+        " (queue.max_wait_s); retry later.",
+        type=_UNAVAILABLE,
+        code="queue_timeout",
+    )
+    # The store did not answer within LLMGW_STORE_WAIT_S, for a key with no
+    # recent answer, a quota reservation or an admin call.
+    STORE_UNAVAILABLE = ErrorSpec(
+        503,
+        "The router's store did not answer in time; retry shortly.",
+        type=_UNAVAILABLE,
+        code="store_unavailable",
+        retry_after_s=5,
+    )
+    # The model is scaled to zero and its wake failed.
+    WAKE_FAILED = ErrorSpec(
+        503,
+        "The model `{model}` is scaled to zero and could not be woken; retry later.",
+        type=_UNAVAILABLE,
+        code="wake_failed",
+        hidden=True,
+    )
+    # Engines and adapters.
+    UPSTREAM_FAILED = ErrorSpec(  # no engine answered (replica, address, exception: hidden)
+        502,
+        "The engine of the model `{model}` failed the request.",
+        type="server_error",
+        code="upstream_error",
+        hidden=True,
+    )
+    ENGINE_FAILED = ErrorSpec(  # an engine's own 5xx, its status kept, its text hidden
+        None,
+        "The engine of the model `{model}` could not serve the request (HTTP {status}).",
+        type="server_error",
+        code="engine_error",
+        hidden=True,
+    )
+    # An engine's error answer without the OpenAI shape, as its status and text.
+    ENGINE_REFUSED = ErrorSpec(None, "{text}", type="server_error")
+    # Why is in the router's log, which may name paths and addresses.
+    ADAPTER_LOAD_FAILED = ErrorSpec(
+        502,
+        "Loading the adapter `{adapter}` on replica {replica_id} failed ({kind});"
+        " the router's log says why.",
+        type="server_error",
+        code="adapter_load_failed",
+        param="model",
+    )
+    # On-demand adapters need Temporal, and this router has none.
+    ADAPTERS_UNAVAILABLE = ErrorSpec(
+        503,
+        "The adapter `{adapter}` is loaded on demand and this router cannot load adapters.",
+        type=_UNAVAILABLE,
+        code="adapter_loading_unavailable",
+    )
+    # The admin API.
+    NOT_FOUND = ErrorSpec(404, "No {what} `{name}`.", code="not_found")
+    NAME_MISMATCH = ErrorSpec(  # a PUT whose body names another entry than its path
+        400, "name: `{body_name}` differs from the path's `{path_name}`", param="name"
+    )
+    NO_TEMPORAL_CLIENT = ErrorSpec(503, "This router has no Temporal client.", type="server_error")
+    TEMPORAL_UNAVAILABLE = ErrorSpec(
+        503, "Temporal did not answer: {exc}", type=_UNAVAILABLE, code="temporal"
+    )
+    # The framework's own (unknown path, wrong method), and a bug of ours
+    # (the client gets no details; Starlette logs them).
+    HTTP_ERROR = ErrorSpec(None, "{detail}")
+    INTERNAL_ERROR = ErrorSpec(500, "Internal error in the router.", type="server_error")
+
+    def error(
+        self,
+        *,
+        status: int | None = None,
+        param: str | None = None,
+        retry_after_s: int | None = None,
+        incidents: Incidents | None = None,
+        reason: str = "",
+        **fields: object,
+    ) -> OpenAIError:
+        """The error of this kind: its message formatted with ``fields`` (exactly
+        the template's), ``status``, ``param`` and ``retry_after_s`` where the
+        row leaves them open, and for a hidden kind ``reason`` recorded in
+        ``incidents``."""
+        spec: ErrorSpec = self.value
+        if set(fields) != _fields_of(spec.message) - {"status"}:
+            raise TypeError(f"{self.name} takes {sorted(_fields_of(spec.message))}")
+        if (spec.status is None) == (status is None):
+            raise TypeError(f"{self.name}: a status is {'fixed' if spec.status else 'needed'}")
+        status = spec.status if spec.status is not None else status
+        assert status is not None
+        message = spec.message.format(status=status, **fields)
+        retry = spec.retry_after_s if retry_after_s is None else retry_after_s
+        headers = {} if retry is None else {"Retry-After": str(retry)}
+        if spec.hidden:
+            if incidents is None:
+                raise TypeError(f"{self.name} takes incidents and a reason")
+            error_id = incidents.record(status, spec.code or "", str(fields["model"]), reason)
+            message = f"{message} (error id {error_id})"
+            headers[ERROR_ID_HEADER] = error_id
+        return OpenAIError(
+            status, message, spec.type, spec.code, spec.param or param, headers or None
+        )
+
+
+@cache
+def _fields_of(template: str) -> frozenset[str]:
+    return frozenset(name for _, name, _, _ in Formatter().parse(template) if name)
+
+
+# Which 429 a quota rejection is (router/billing/quotas.py's ``limit``).
+QUOTA_EXCEEDED = {
+    "token_budget": ErrorKind.TOKEN_BUDGET_EXCEEDED,
+    "rpm": ErrorKind.REQUEST_RATE_EXCEEDED,
+    "tpm": ErrorKind.TOKEN_RATE_EXCEEDED,
+}
 
 
 def queue_timeout(model: str, max_wait_s: float) -> OpenAIError:
-    """503: the request waited ``queue.max_wait_s`` without a replica taking it."""
-    return _unavailable(
-        f"No replica of `{model}` took the request within {max_wait_s:g} s"
-        " (queue.max_wait_s); retry later.",
-        "queue_timeout",
-        retry_after_s=max(1, round(max_wait_s / 4)),
+    """503 after ``queue.max_wait_s``: retrying at once would only wait again."""
+    return ErrorKind.QUEUE_TIMEOUT.error(
+        model=model, max_wait_s=max_wait_s, retry_after_s=max(1, round(max_wait_s / 4))
     )
 
 
-def store_unavailable() -> OpenAIError:
-    """503: the store did not answer within the router's bound (LLMGW_STORE_WAIT_S)
-    for a key with no recent answer, or for a quota reservation."""
-    return _unavailable(
-        "The router's store did not answer in time; retry shortly.",
-        "store_unavailable",
-        retry_after_s=5,
-    )
-
-
-def _hidden(
-    incidents: Incidents,
-    status: int,
-    code: str,
-    model: str,
-    message: str,
-    reason: str,
-    type: str,
-    headers: dict[str, str] | None = None,
-) -> OpenAIError:
-    """An error whose ``reason`` only admins see: the client gets ``message``
-    and the error id that finds the reason (log, admin API)."""
-    error_id = incidents.record(status, code, model, reason)
-    return OpenAIError(
-        status,
-        f"{message} (error id {error_id})",
-        type=type,
-        code=code,
-        headers={**(headers or {}), ERROR_ID_HEADER: error_id},
-    )
-
-
-def wake_failed(model: str, reason: str, incidents: Incidents) -> OpenAIError:
-    """503: the model is scaled to zero and its wake failed; ``reason`` (which
-    may name nodes, paths and an engine's log) goes to admins only."""
-    return _hidden(
-        incidents,
-        503,
-        "wake_failed",
-        model,
-        f"The model `{model}` is scaled to zero and could not be woken; retry later.",
-        reason,
-        "service_unavailable_error",
+def engine_failed(model: str, status: int, answer: str, incidents: Incidents) -> OpenAIError:
+    """An engine's own 5xx answer, its text (exception text, paths, maybe
+    what its log said) for admins only; the client keeps the status."""
+    return ErrorKind.ENGINE_FAILED.error(
+        model=model,
+        status=status,
+        retry_after_s=1 if status == 503 else None,
+        incidents=incidents,
+        reason=f"engine answered {status}: {answer}",
     )
 
 
 def engine_refused(status: int, text: str) -> OpenAIError:
     """An engine's error answer without the OpenAI shape, as its status and text."""
-    return OpenAIError(status, text[:500] or f"HTTP {status}", type="server_error")
+    return ErrorKind.ENGINE_REFUSED.error(status=status, text=text[:500] or f"HTTP {status}")
 
 
 def sse_error(error: OpenAIError) -> bytes:
@@ -234,99 +387,18 @@ def sse_error(error: OpenAIError) -> bytes:
     return b"data: " + json.dumps(error.body(), separators=(",", ":")).encode() + b"\n\n"
 
 
-def key_expired() -> OpenAIError:
-    return OpenAIError(401, "The API key has expired.", code="expired_api_key")
-
-
-def model_not_allowed(model: str) -> OpenAIError:
-    return OpenAIError(
-        403,
-        f"This API key may not use the model `{model}`.",
-        type="permission_error",
-        code="model_not_allowed",
-        param="model",
-    )
-
-
-def admin_required() -> OpenAIError:
-    return OpenAIError(401, "The admin API needs the admin key.", code="invalid_admin_key")
-
-
-def quota_exceeded(limit: str, message: str, retry_after_s: int) -> OpenAIError:
-    budget = limit == "token_budget"
-    return OpenAIError(
-        429,
-        message,
-        type="insufficient_quota" if budget else ("requests" if limit == "rpm" else "tokens"),
-        code="insufficient_quota" if budget else "rate_limit_exceeded",
-        headers={"Retry-After": str(retry_after_s)},
-    )
-
-
-def body_too_large(limit: int) -> OpenAIError:
-    return OpenAIError(
-        413, f"The request body is larger than {limit} bytes.", code="body_too_large"
-    )
-
-
-def client_gone() -> OpenAIError:
-    # nginx's 499: nobody reads it, but logs and metrics tell it from a 5xx.
-    return OpenAIError(499, "The client closed the request.", code="client_closed_request")
-
-
-def upstream_failed(model: str, reason: str, incidents: Incidents) -> OpenAIError:
-    """502: no engine of ``model`` answered the request; ``reason`` (replica,
-    address, exception) goes to admins only."""
-    return _hidden(
-        incidents,
-        502,
-        "upstream_error",
-        model,
-        f"The engine of the model `{model}` failed the request.",
-        reason,
-        "server_error",
-    )
-
-
-def engine_failed(model: str, status: int, answer: str, incidents: Incidents) -> OpenAIError:
-    """An engine's own 5xx answer, its text (exception text, paths, maybe
-    what its log said) for admins only; the client keeps the status."""
-    return _hidden(
-        incidents,
-        status,
-        "engine_error",
-        model,
-        f"The engine of the model `{model}` could not serve the request (HTTP {status}).",
-        f"engine answered {status}: {answer}",
-        "server_error",
-        {"Retry-After": "1"} if status == 503 else None,
-    )
-
-
-def remote_media_refused(model: str, where: str) -> OpenAIError:
-    """400: a media URL the engine would fetch itself, for a model whose catalog
-    entry does not allow them (router/api/media.py)."""
-    return OpenAIError(
-        400,
-        f"Media URLs other than data: are not accepted for the model `{model}` ({where});"
-        " send the media inline as a data: URL.",
-        code="remote_media_refused",
-        param=where,
-    )
-
-
 def invalid_fields(problems: Sequence[str], param: str | None) -> OpenAIError:
     """400: every problem with the request in the message, the first field in param."""
-    return OpenAIError(400, "; ".join(problems), param=param)
+    return ErrorKind.INVALID_FIELDS.error(problems="; ".join(problems), param=param)
 
 
 def invalid_body(exc: ValidationError) -> OpenAIError:
     """A 400 naming the first bad field (every problem in the message)."""
     errors = exc.errors()
     if errors and errors[0]["type"] == "json_invalid":
-        return OpenAIError(400, "The request body is not valid JSON.")
+        return ErrorKind.INVALID_JSON.error()
     if errors and errors[0]["type"] == "model_type" and not errors[0]["loc"]:
-        return OpenAIError(400, "The request body must be a JSON object.")
+        return ErrorKind.NOT_AN_OBJECT.error()
     problems = []
     for e in errors:
         loc = ".".join(str(p) for p in e["loc"])
@@ -335,77 +407,14 @@ def invalid_body(exc: ValidationError) -> OpenAIError:
     return invalid_fields(problems, first or None)
 
 
-def unbounded_generation() -> OpenAIError:
-    """400: a key whose tokens are counted may not generate until the context is full."""
-    return OpenAIError(
-        400,
-        "n_predict -1 (generate until the context is full) is not allowed for a key"
-        " with a token quota; set max_tokens or a non-negative n_predict.",
-        param="n_predict",
-    )
-
-
-def request_exceeds_quota(message: str) -> OpenAIError:
-    """400, not 429: no window of the key's quota can ever admit this request,
-    and a 429 would have clients retry it forever."""
-    return OpenAIError(400, message, code="request_exceeds_quota")
-
-
-def adapter_load_failed(adapter: str, replica_id: str, kind: str) -> OpenAIError:
-    """502: the adapter could not be loaded (a later request tries again); why is
-    in the router's log, which may name paths and addresses the client must not see."""
-    return OpenAIError(
-        502,
-        f"Loading the adapter `{adapter}` on replica {replica_id} failed ({kind});"
-        " the router's log says why.",
-        type="server_error",
-        code="adapter_load_failed",
-        param="model",
-    )
-
-
-def adapters_unavailable(adapter: str) -> OpenAIError:
-    """503: on-demand adapters need Temporal, and this router has none."""
-    return OpenAIError(
-        503,
-        f"The adapter `{adapter}` is loaded on demand and this router cannot load adapters.",
-        type="service_unavailable_error",
-        code="adapter_loading_unavailable",
-    )
-
-
-def not_found(what: str, name: str) -> OpenAIError:
-    """404 from the admin API: no such model, key or running replica."""
-    return OpenAIError(404, f"No {what} `{name}`.", code="not_found")
-
-
-def name_mismatch(body_name: str, path_name: str) -> OpenAIError:
-    """400: an admin PUT whose body names another entry than its path."""
-    return OpenAIError(
-        400, f"name: `{body_name}` differs from the path's `{path_name}`", param="name"
-    )
-
-
-def no_temporal_client() -> OpenAIError:
-    """503: the admin call needs Temporal and this router runs without it."""
-    return OpenAIError(503, "This router has no Temporal client.", type="server_error")
-
-
-def temporal_unavailable(exc: Exception) -> OpenAIError:
-    """503: Temporal did not answer the admin call."""
-    return OpenAIError(
-        503, f"Temporal did not answer: {exc}", type="service_unavailable_error", code="temporal"
-    )
-
-
-def http_error(status: int, detail: str) -> OpenAIError:
-    """The framework's own HTTP errors (unknown path, wrong method) in the OpenAI shape."""
-    return OpenAIError(status, detail, code=None)
-
-
-def internal_error() -> OpenAIError:
-    """500: a bug in the router; the client gets no details (Starlette logs them)."""
-    return OpenAIError(500, "Internal error in the router.", type="server_error")
+def _allowed(request: Request) -> str:
+    """RFC 9110's Allow for a 405: every method the request's path answers
+    (Starlette's own names only those of the first route it matched)."""
+    methods: set[str] = set()
+    for route in request.app.router.routes:
+        if isinstance(route, BaseRoute) and route.matches(request.scope)[0] is not Match.NONE:
+            methods |= getattr(route, "methods", None) or set()
+    return ", ".join(sorted(methods))
 
 
 def install_handlers(app: FastAPI) -> None:
@@ -430,14 +439,17 @@ def install_handlers(app: FastAPI) -> None:
         err = invalid_fields(problems or ["invalid request"], first or None)
         return JSONResponse(err.body(), status_code=400)
 
-    async def on_http(_: Request, exc: Exception) -> JSONResponse:
+    async def on_http(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)
-        err = http_error(exc.status_code, str(exc.detail))
-        return JSONResponse(err.body(), status_code=exc.status_code)
+        err = ErrorKind.HTTP_ERROR.error(status=exc.status_code, detail=str(exc.detail))
+        headers = dict(exc.headers or {})
+        if exc.status_code == 405:
+            headers["Allow"] = _allowed(request)
+        return JSONResponse(err.body(), status_code=exc.status_code, headers=headers)
 
     async def on_bug(_: Request, exc: Exception) -> JSONResponse:
         # Starlette logs the exception; the client gets the OpenAI shape, no details.
-        err = internal_error()
+        err = ErrorKind.INTERNAL_ERROR.error()
         return JSONResponse(err.body(), status_code=500)
 
     app.add_exception_handler(OpenAIError, on_openai)

@@ -44,15 +44,7 @@ from router.billing.accounting import RequestOutcome
 from router.control_link.deployment_link import DeploymentLink
 from router.control_link.load_report import LoadCounter
 from router.control_link.routing import RoutingTable
-from router.errors import (
-    Incidents,
-    OpenAIError,
-    client_gone,
-    key_queue_full,
-    queue_full,
-    queue_timeout,
-    wake_failed,
-)
+from router.errors import ErrorKind, Incidents, OpenAIError, queue_timeout
 from router.forwarding.proxy import Call
 from router.metrics import Metrics
 
@@ -228,7 +220,7 @@ class Admission:
             return True
         if gone is not None and gone.done() and not gone.cancelled():
             self.leave(ticket, "gone")
-            raise client_gone()
+            raise ErrorKind.CLIENT_GONE.error()
         return False
 
     async def start(self, ticket: Ticket, forward: Forward) -> ASGIApp:
@@ -338,7 +330,7 @@ class Admission:
         m = self._models.setdefault(model, _Model())
         if len(m.fair) >= queue.max_waiting:
             self._metrics.queue_rejections.labels(model, "full").inc()
-            raise queue_full(model, queue.max_waiting)
+            raise ErrorKind.QUEUE_FULL.error(model=model, max_waiting=queue.max_waiting)
         share = key_share(queue)
         mine = m.fair.waiting_of(key_id)
         if mine >= share and len(m.fair) > mine:
@@ -347,7 +339,7 @@ class Admission:
             # autoscale, stays within its share too). Alone, a key has the
             # whole queue: a single-key install loses nothing to the share.
             self._metrics.queue_rejections.labels(model, "key_share").inc()
-            raise key_queue_full(model, share)
+            raise ErrorKind.KEY_QUEUE_FULL.error(model=model, share=share)
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         ticket = Ticket(model, self.clock(), future)
         ticket.entry = m.fair.push(ticket, key_id, cost, policy.weight, Priority(policy.priority))
@@ -396,7 +388,9 @@ class Admission:
         m = self._models.get(model)
         if m is None:
             return
-        error = wake_failed(model, result.reason or "no reason given", self.incidents)
+        error = ErrorKind.WAKE_FAILED.error(
+            model=model, reason=result.reason or "no reason given", incidents=self.incidents
+        )
         while (entry := m.fair.pop()) is not None:
             ticket = entry.item
             ticket.state = State.LEFT

@@ -20,7 +20,7 @@ from fastapi.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
 from router.billing.accounting import RequestOutcome
-from router.errors import OpenAIError, engine_refused, internal_error, sse_error
+from router.errors import ErrorKind, OpenAIError, engine_refused, sse_error
 from router.forwarding.proxy import Call
 
 if TYPE_CHECKING:
@@ -72,7 +72,7 @@ class WaitingStream(Response):
             return
         except Exception:
             log.exception("forwarding a stream that waited failed")
-            await self._fail(send, internal_error())
+            await self._fail(send, ErrorKind.INTERNAL_ERROR.error())
             return
         await response(scope, receive, _BodyOnly(send).send)
 

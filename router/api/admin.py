@@ -38,15 +38,7 @@ from router.billing import usage
 from router.billing.usage import UsageRow
 from router.blocking import within
 from router.deps import Deps, get_deps
-from router.errors import (
-    Incident,
-    invalid_fields,
-    name_mismatch,
-    no_temporal_client,
-    not_found,
-    store_unavailable,
-    temporal_unavailable,
-)
+from router.errors import ErrorKind, Incident, invalid_fields
 
 DepsDep = Annotated[Deps, Depends(get_deps)]
 P = ParamSpec("P")
@@ -67,7 +59,7 @@ router = APIRouter(prefix="/admin", tags=["admin"], dependencies=[Depends(_admin
 
 def _temporal(deps: Deps) -> Client:
     if deps.temporal is None:
-        raise no_temporal_client()
+        raise ErrorKind.NO_TEMPORAL_CLIENT.error()
     return deps.temporal
 
 
@@ -76,7 +68,7 @@ async def _stored(deps: Deps, fn: Callable[P, T], *args: P.args, **kwargs: P.kwa
     try:
         return await within(deps.store_wait_s, lambda: fn(*args, **kwargs))
     except StoreError as exc:
-        raise store_unavailable() from exc
+        raise ErrorKind.STORE_UNAVAILABLE.error() from exc
 
 
 # Models -----------------------------------------------------------------
@@ -93,7 +85,7 @@ async def admin_get_model(name: str, deps: DepsDep) -> CatalogModel:
     """One catalog entry."""
     entry = await _stored(deps, get_entry, deps.store, name)
     if entry is None:
-        raise not_found("model", name)
+        raise ErrorKind.NOT_FOUND.error(what="model", name=name)
     return entry
 
 
@@ -101,7 +93,7 @@ async def admin_get_model(name: str, deps: DepsDep) -> CatalogModel:
 async def admin_put_model(name: str, entry: CatalogModel, deps: DepsDep) -> CatalogModel:
     """Add or replace a catalog entry (the catalog file's fields; errors name the field)."""
     if entry.name != name:
-        raise name_mismatch(entry.name, name)
+        raise ErrorKind.NAME_MISMATCH.error(body_name=entry.name, path_name=name)
     # The entry's own fields unprefixed (`adapters[0].name`), others by name.
     problems = await _stored(
         deps, apply_entries, deps.store, [entry], lambda _: "", deps.max_replicas
@@ -117,7 +109,7 @@ async def admin_put_model(name: str, entry: CatalogModel, deps: DepsDep) -> Cata
 async def admin_delete_model(name: str, deps: DepsDep) -> dict[str, Any]:
     """Remove a catalog entry (running replicas are not stopped)."""
     if not await _stored(deps, delete_entry, deps.store, name):
-        raise not_found("model", name)
+        raise ErrorKind.NOT_FOUND.error(what="model", name=name)
     return {"deleted": name}
 
 
@@ -145,7 +137,7 @@ async def admin_scale_model(name: str, request: ScaleRequest, deps: DepsDep) -> 
         raise invalid_fields(problems, over[0])
     client = _temporal(deps)
     if await _stored(deps, get_entry, deps.store, name) is None:
-        raise not_found("model", name)
+        raise ErrorKind.NOT_FOUND.error(what="model", name=name)
     try:
         return await asyncio.wait_for(
             scale_model(
@@ -157,7 +149,7 @@ async def admin_scale_model(name: str, request: ScaleRequest, deps: DepsDep) -> 
     except ConfigError as exc:
         raise invalid_fields([str(exc)], str(exc).split(":")[0]) from exc
     except (RPCError, TimeoutError, LlmgwError) as exc:
-        raise temporal_unavailable(exc) from exc
+        raise ErrorKind.TEMPORAL_UNAVAILABLE.error(exc=exc) from exc
 
 
 # Replicas and nodes -----------------------------------------------------
@@ -183,7 +175,7 @@ def _replica(deps: Deps, replica_id: str) -> ReplicaMemo:
     for memo in deps.table.replicas:
         if memo.replica_id == replica_id:
             return memo
-    raise not_found("running replica", replica_id)
+    raise ErrorKind.NOT_FOUND.error(what="running replica", name=replica_id)
 
 
 class LogTailView(BaseModel):
@@ -201,7 +193,7 @@ async def admin_replica_logs(
     try:
         tail = await asyncio.wait_for(replicas.log_tail(client, replica_id, lines), 35)
     except (RPCError, TimeoutError, LlmgwError) as exc:
-        raise temporal_unavailable(exc) from exc
+        raise ErrorKind.TEMPORAL_UNAVAILABLE.error(exc=exc) from exc
     return LogTailView(replica_id=replica_id, lines=tail)
 
 
@@ -227,7 +219,7 @@ async def admin_nodes(deps: DepsDep) -> dict[str, Any]:
     try:
         snap = await replicas.fleet_snapshot(client)
     except RPCError as exc:
-        raise temporal_unavailable(exc) from exc
+        raise ErrorKind.TEMPORAL_UNAVAILABLE.error(exc=exc) from exc
     return snap.model_dump(mode="json")
 
 
@@ -249,7 +241,7 @@ async def admin_error(error_id: str, deps: DepsDep) -> Incident:
     router that answered knows; the latest 1,000 are kept, the log has every one."""
     incident = deps.admission.incidents.get(error_id)
     if incident is None:
-        raise not_found("error id on this router", error_id)
+        raise ErrorKind.NOT_FOUND.error(what="error id on this router", name=error_id)
     return incident
 
 
@@ -287,7 +279,7 @@ async def admin_get_key(key_id: KeyId, deps: DepsDep) -> KeyInfo:
     """One key."""
     info = await _stored(deps, apikeys.get_key, deps.store, key_id)
     if info is None:
-        raise not_found("key", str(key_id))
+        raise ErrorKind.NOT_FOUND.error(what="key", name=str(key_id))
     return info
 
 
@@ -296,7 +288,7 @@ async def admin_revoke_key(key_id: KeyId, deps: DepsDep) -> KeyInfo:
     """Revoke a key: refused here at once, by other routers within their cache TTL."""
     info = await _stored(deps, apikeys.revoke_key, deps.store, key_id)
     if info is None:
-        raise not_found("key", str(key_id))
+        raise ErrorKind.NOT_FOUND.error(what="key", name=str(key_id))
     deps.keys.forget(key_id)
     return info
 
@@ -308,7 +300,7 @@ async def admin_update_key(key_id: KeyId, update: KeyUpdate, deps: DepsDep) -> K
     windows already counted keep their counts."""
     info = await _stored(deps, apikeys.update_key, deps.store, key_id, update)
     if info is None:
-        raise not_found("key", str(key_id))
+        raise ErrorKind.NOT_FOUND.error(what="key", name=str(key_id))
     deps.keys.forget(key_id)
     return info
 

@@ -29,7 +29,7 @@ from llmgw.errors import StoreError
 from llmgw.store import Store
 from router.api.apikeys import KeyInfo, KeyPolicy, lookup
 from router.blocking import STORE_WAIT_S, Warnings, within
-from router.errors import admin_required, invalid_key, key_expired, store_unavailable
+from router.errors import ErrorKind
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +120,7 @@ class KeyVerifier:
         """The last answer while the store does not give one, or 503 if there
         is none recent enough."""
         if answer is None or now - answer.read_at > self._max_stale:
-            raise store_unavailable()
+            raise ErrorKind.STORE_UNAVAILABLE.error()
         return answer.info
 
     async def _lookup(self, key: str, digest: str) -> KeyInfo | None:
@@ -145,26 +145,26 @@ class KeyVerifier:
         """The caller behind an Authorization header, or a 401 OpenAIError."""
         key = _bearer(authorization)
         if key is None:
-            raise invalid_key()
+            raise ErrorKind.INVALID_KEY.error()
         info = await self._info(key)
         if info is None or info.policy.admin:
-            raise invalid_key()
+            raise ErrorKind.INVALID_KEY.error()
         if info.expired(datetime.now(UTC)):
-            raise key_expired()
+            raise ErrorKind.KEY_EXPIRED.error()
         return Caller(key_id=info.id, key_name=info.name, policy=info.policy)
 
     async def verify_admin(self, authorization: str | None) -> None:
         """Pass when the header carries the admin key (configured or stored), else 401."""
         key = _bearer(authorization)
         if key is None:
-            raise admin_required()
+            raise ErrorKind.ADMIN_REQUIRED.error()
         if self._admin_digest and hmac.compare_digest(
             hashlib.sha256(key.encode()).digest(), self._admin_digest
         ):
             return
         info = await self._info(key)
         if info is None or not info.policy.admin or info.expired(datetime.now(UTC)):
-            raise admin_required()
+            raise ErrorKind.ADMIN_REQUIRED.error()
 
     def forget(self, key_id: int) -> None:
         """Drop a key's cached answer (it was just revoked here)."""

@@ -20,7 +20,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from router.deps import Deps
-from router.errors import remote_media_refused
+from router.errors import ErrorKind
 
 
 def check_media(deps: Deps, body: BaseModel) -> None:
@@ -32,7 +32,7 @@ def check_media(deps: Deps, body: BaseModel) -> None:
     if spec is not None and spec.remote_media:
         return
     if (where := remote_media(body)) is not None:
-        raise remote_media_refused(model, where)
+        raise ErrorKind.REMOTE_MEDIA_REFUSED.error(model=model, where=where, param=where)
 
 
 def remote_media(body: BaseModel) -> str | None:

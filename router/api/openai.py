@@ -39,18 +39,7 @@ from router.billing.quotas import QuotaRejection
 from router.control_link.adapters import base_body
 from router.control_link.routing import Route
 from router.deps import Deps, get_deps
-from router.errors import (
-    OpenAIError,
-    body_too_large,
-    client_gone,
-    internal_error,
-    invalid_body,
-    model_not_allowed,
-    model_not_found,
-    quota_exceeded,
-    request_exceeds_quota,
-    unbounded_generation,
-)
+from router.errors import QUOTA_EXCEEDED, ErrorKind, OpenAIError, invalid_body
 from router.forwarding.proxy import Call, StaleAdapter
 from router.forwarding.relay import Reply, StreamReply
 
@@ -101,17 +90,17 @@ async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
     """The request body, or 413 once it passes ``limit`` bytes (499 if the client left)."""
     length = header(scope, b"content-length") or ""
     if length.isdigit() and int(length) > limit:
-        raise body_too_large(limit)
+        raise ErrorKind.BODY_TOO_LARGE.error(limit=limit)
     chunks: list[bytes] = []
     size = 0
     while True:
         message = await receive()
         if message["type"] != "http.request":
-            raise client_gone()
+            raise ErrorKind.CLIENT_GONE.error()
         chunk: bytes = message.get("body", b"")
         size += len(chunk)
         if size > limit:
-            raise body_too_large(limit)
+            raise ErrorKind.BODY_TOO_LARGE.error(limit=limit)
         if not message.get("more_body", False):
             if not chunks:
                 return chunk  # the common case: the whole body in one message
@@ -147,7 +136,7 @@ def reserved_tokens(body: "Body", context_length: int) -> int:
 def _bounded(body: "Body", policy: KeyPolicy) -> None:
     """Refuse generation the client leaves unbounded when the key's tokens are counted."""
     if isinstance(body, _Generation) and body.unbounded() and (policy.tpm or policy.token_budget):
-        raise unbounded_generation()
+        raise ErrorKind.UNBOUNDED_GENERATION.error()
 
 
 async def _disconnected(receive: Receive) -> None:
@@ -171,10 +160,10 @@ async def _admit(
         except ValidationError as exc:
             raise invalid_body(exc) from None
         if not caller.policy.allows(body.model):
-            raise model_not_allowed(body.model)
+            raise ErrorKind.MODEL_NOT_ALLOWED.error(model=body.model)
         _bounded(body, caller.policy)
         if not await table.knows(body.model):  # after one catalog re-read, rate-bounded
-            raise model_not_found(body.model)
+            raise ErrorKind.MODEL_NOT_FOUND.error(model=body.model)
         check_media(deps, body)
     except OpenAIError as exc:
         _refused(deps, path, exc)
@@ -335,9 +324,11 @@ def _over_quota(
     # One that no window can ever admit is the request's fault: a 429 would
     # have clients retry it forever.
     error = (
-        quota_exceeded(rejection.limit, rejection.message, rejection.retry_after_s)
+        QUOTA_EXCEEDED[rejection.limit].error(
+            message=rejection.message, retry_after_s=rejection.retry_after_s
+        )
         if not rejection.never
-        else request_exceeds_quota(rejection.message)
+        else ErrorKind.REQUEST_EXCEEDS_QUOTA.error(message=rejection.message)
     )
     deps.metrics.quota_rejections.labels(rejection.limit).inc()
     deps.metrics.requests.labels(endpoint, model, str(error.status)).inc()
@@ -397,7 +388,7 @@ class InferenceEndpoint:
         except Exception:
             # A bug: the client gets the OpenAI shape, no details; the server
             # logs it (re-raised, as Starlette's error middleware did).
-            await error_reply(internal_error())(scope, receive, send)
+            await error_reply(ErrorKind.INTERNAL_ERROR.error())(scope, receive, send)
             raise
         await reply(scope, receive, send)
 

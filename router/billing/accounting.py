@@ -27,7 +27,7 @@ from router.billing.usage import UsageDelta, UsageKey, day_of
 from router.billing.usage_batches import WRITE_WAIT_S, UsageBatches
 from router.billing.usage_spool import UsageSpool
 from router.blocking import STORE_WAIT_S, Warnings, within
-from router.errors import store_unavailable
+from router.errors import ErrorKind
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ class Accountant:
             return await within(self._wait, reserve)
         except StoreError as exc:
             self._warnings.warn("quota reservation for key %d: %s", key_id, exc)
-            raise store_unavailable() from exc
+            raise ErrorKind.STORE_UNAVAILABLE.error() from exc
 
     def done(
         self, key_id: int, model: str, reservation: QuotaReservation | None, outcome: RequestOutcome

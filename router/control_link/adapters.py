@@ -44,12 +44,7 @@ from llmgw.queues import CONTROL_QUEUE
 from llmgw.types import AdapterLoadInput, AdapterLoadResult, AdapterSpec, EngineKind, ModelSpec
 from router.control_link.adapter_policy import Action, AdapterUse, ReplicaView, choose
 from router.control_link.routing import Route, RoutingTable
-from router.errors import (
-    adapter_load_failed,
-    adapters_unavailable,
-    no_ready_replica,
-    replicas_saturated,
-)
+from router.errors import ErrorKind
 
 log = logging.getLogger(__name__)
 
@@ -236,10 +231,10 @@ class AdapterRouter:
         body for each (llama.cpp); 503 when none can take it."""
         holders = [r for r in self._table.routes.get(base.name, []) if adapter in r.adapters]
         if not holders:
-            raise no_ready_replica(adapter)
+            raise ErrorKind.NO_READY_REPLICA.error(model=adapter)
         routes = [r for r in self._table.candidates(base.name) if adapter in r.adapters]
         if not routes:
-            raise replicas_saturated(adapter)
+            raise ErrorKind.REPLICAS_SATURATED.error(model=adapter)
         body_for = _static_body(raw, adapter) if base.engine is EngineKind.LLAMA_CPP else None
         return routes, body_for
 
@@ -284,10 +279,10 @@ class AdapterRouter:
         its victim was busy elsewhere is chosen again once."""
         routes = self._table.routes.get(base.name, [])
         if not routes:
-            raise no_ready_replica(adapter.name)
+            raise ErrorKind.NO_READY_REPLICA.error(model=adapter.name)
         choice = choose(adapter.name, self._views(base, routes))
         if choice is None:
-            raise replicas_saturated(adapter.name)
+            raise ErrorKind.REPLICAS_SATURATED.error(model=adapter.name)
         route = next(r for r in routes if r.replica_id == choice.replica_id)
         state = self._state(route)
         # Counted before any await: concurrent requests see this one.
@@ -307,7 +302,7 @@ class AdapterRouter:
         if task is None and choice.action is not Action.USE:
             if self._loader is None:
                 release()
-                raise adapters_unavailable(adapter.name)
+                raise ErrorKind.ADAPTERS_UNAVAILABLE.error(adapter=adapter.name)
             if choice.evict:
                 state.evicted_here[choice.evict] = adapter.name
                 state.loaded_here.discard(choice.evict)
@@ -332,7 +327,9 @@ class AdapterRouter:
                 release()
                 if exc.busy and again:
                     return await self.on_demand_route(base, adapter, again=False)
-                raise adapter_load_failed(adapter.name, route.replica_id, exc.kind) from None
+                raise ErrorKind.ADAPTER_LOAD_FAILED.error(
+                    adapter=adapter.name, replica_id=route.replica_id, kind=exc.kind
+                ) from None
             except BaseException:
                 release()
                 raise

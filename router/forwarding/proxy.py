@@ -44,14 +44,7 @@ from llmgw.engine_keys import EngineKeyFn
 from llmgw.errors import LlmgwError, UpstreamConnectError, UpstreamError
 from router.billing.accounting import RequestOutcome
 from router.control_link.routing import Route, RoutingTable
-from router.errors import (
-    Incidents,
-    client_gone,
-    engine_failed,
-    no_ready_replica,
-    replicas_saturated,
-    upstream_failed,
-)
+from router.errors import ErrorKind, Incidents, engine_failed
 from router.forwarding.pacing import Pacer
 from router.forwarding.relay import Pour, Reply, StreamReply, media_header
 from router.forwarding.upstream import Upstream, UpstreamResponse, divertible
@@ -156,8 +149,8 @@ class Proxy:
         candidates = self._table.candidates(call.model) if routes is None else routes
         if not candidates:
             if self._table.has_replicas(call.model):
-                raise replicas_saturated(call.model)
-            raise no_ready_replica(call.model)
+                raise ErrorKind.REPLICAS_SATURATED.error(model=call.model)
+            raise ErrorKind.NO_READY_REPLICA.error(model=call.model)
         last_error = ""
         for route in candidates:
             if route.saturated():  # filled up while we tried another
@@ -180,11 +173,15 @@ class Proxy:
                 self._metrics.upstream_errors.labels(call.model, route.replica_id, "send").inc()
                 # The client learns no address or path of ours; the log has them.
                 reason = f"replica {route.replica_id} failed the request: {exc!r}"
-                raise upstream_failed(call.model, reason, self.incidents) from exc
+                raise ErrorKind.UPSTREAM_FAILED.error(
+                    model=call.model, reason=reason, incidents=self.incidents
+                ) from exc
         if not last_error:  # every candidate filled up before its turn
-            raise replicas_saturated(call.model)
+            raise ErrorKind.REPLICAS_SATURATED.error(model=call.model)
         reason = f"no replica could be reached; the last: {last_error}"
-        raise upstream_failed(call.model, reason, self.incidents)
+        raise ErrorKind.UPSTREAM_FAILED.error(
+            model=call.model, reason=reason, incidents=self.incidents
+        )
 
     def _unreachable(self, route: Route) -> None:
         if self._on_unreachable is not None:
@@ -215,7 +212,9 @@ class Proxy:
                     # The engine refused our key: a router/agent secret mismatch.
                     log.error("replica %s rejected the engine key", route.replica_id)
                     reason = f"replica {route.replica_id} refused the router's engine key"
-                    raise upstream_failed(call.model, reason, self.incidents)
+                    raise ErrorKind.UPSTREAM_FAILED.error(
+                        model=call.model, reason=reason, incidents=self.incidents
+                    )
                 if upstream.status == 404 and call.stale_on_404:
                     upstream.close()
                     log.info("replica %s does not hold %s", route.replica_id, call.model)
@@ -231,7 +230,9 @@ class Proxy:
                     self._metrics.upstream_errors.labels(call.model, route.replica_id, "read").inc()
                     call.on_done(RequestOutcome(error=True, status=502))
                     reason = f"replica {route.replica_id} broke off its answer: {exc!r}"
-                    raise upstream_failed(call.model, reason, self.incidents) from exc
+                    raise ErrorKind.UPSTREAM_FAILED.error(
+                        model=call.model, reason=reason, incidents=self.incidents
+                    ) from exc
                 finally:
                     upstream.close()
         finally:
@@ -296,7 +297,7 @@ async def _cancelled_if_gone(call: Call) -> AsyncIterator[None]:
             raise
         task.uncancel()
         call.on_done(_reservation_billed(call))
-        raise client_gone() from None
+        raise ErrorKind.CLIENT_GONE.error() from None
     finally:
         active = False
         watcher.cancel()

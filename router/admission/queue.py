@@ -20,22 +20,22 @@ A model at zero replicas is woken once (router/admission/wake.py); a wake that f
 fails every request waiting for it, with one error id whose reason the log
 and the admin API give (router/errors.py). A client that leaves
 while waiting leaves the queue: answered 499, billed nothing, its quota
-reservation released (the caller's ``on_done`` with no tokens).
+reservation released (its bill fails with no tokens: router/billing/bill.py).
 
 ``queue.max_waiting: 0`` turns the queue off for a model: today's 503.
 """
 
 import asyncio
-import enum
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from starlette.types import ASGIApp
 
 from llmgw.types import Priority, QueuePolicy, WakeResult
-from router.admission.fair_queue import Entry, FairQueue
+from router.admission.fair_queue import FairQueue
+from router.admission.ticket import Forward, State, Ticket
 from router.admission.waiting_stream import WaitingStream
 from router.admission.wake import Waker
 from router.api.apikeys import KeyPolicy
@@ -49,9 +49,6 @@ from router.forwarding.proxy import Call
 from router.metrics import Metrics
 
 log = logging.getLogger(__name__)
-
-# An answer as plain ASGI: router.forwarding.relay's Reply/StreamReply, or a WaitingStream.
-Forward = Callable[[], Awaitable[ASGIApp]]
 
 # A model whose replicas have no in-flight cap is never full.
 UNLIMITED = 1 << 30
@@ -77,24 +74,6 @@ def queue_cost(body: object, prompt_estimate: int) -> int:
         return prompt_estimate  # embeddings
     limit = body.completion_limit() or DEFAULT_COMPLETION_COST
     return prompt_estimate + limit * body.choices() * body.prompts()
-
-
-class State(enum.Enum):
-    WAITING = "waiting"  # in the queue
-    DISPATCHED = "dispatched"  # chosen; its slot is held until it is forwarded
-    STARTED = "started"  # handed to the proxy
-    LEFT = "left"  # gone unserved
-
-
-@dataclass(eq=False)
-class Ticket:
-    """A request waiting for a replica of its model."""
-
-    model: str
-    enqueued: float
-    future: asyncio.Future[None]
-    state: State = State.WAITING
-    entry: Entry["Ticket"] | None = None
 
 
 @dataclass
@@ -359,23 +338,17 @@ class Admission:
         self._metrics.queue_wait.labels(ticket.model).observe(self.clock() - ticket.enqueued)
 
     def _count(self, call: Call) -> None:
-        """Count the arrival, and on the request's end its tokens, and free its slot."""
+        """Count the arrival, and on the request's end (once its bill is
+        settled) its tokens, and free its slot."""
         model = call.model
         self.counter.arrived(model)
-        done = call.on_done
-        ended = False
 
-        def on_done(outcome: RequestOutcome) -> None:
-            nonlocal ended
-            done(outcome)
-            if ended:
-                return
-            ended = True
+        def ended(outcome: RequestOutcome) -> None:
             self.counter.served(model, outcome.prompt_tokens + outcome.completion_tokens)
             if self.waiting(model):
                 self.kick(model)
 
-        call.on_done = on_done
+        call.bill.then(ended)
 
     def _woken(self, model: str, result: WakeResult) -> None:
         if result.ready:

@@ -9,22 +9,19 @@ A failure after the 200 (the wait ran out, the wake failed, the engine
 refused) is the stream's last event: ``data: {"error": {...}}``.
 """
 
-from __future__ import annotations
-
 import asyncio
 import json
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Protocol
 
 from fastapi.responses import Response
-from starlette.types import Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from router.billing.accounting import RequestOutcome
+from router.admission.ticket import Forward, Ticket
+from router.disconnect import disconnected
 from router.errors import ErrorKind, OpenAIError, engine_refused, sse_error
 from router.forwarding.proxy import Call
-
-if TYPE_CHECKING:
-    from router.admission.queue import Admission, Forward, Ticket
 
 log = logging.getLogger(__name__)
 
@@ -36,9 +33,26 @@ HEADERS = [
 ]
 
 
-async def _disconnected(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
+class Queue(Protocol):
+    """What a waiting stream asks of the queue it waits in
+    (router.admission.queue.Admission, which makes the stream: this module
+    does not import it)."""
+
+    @property
+    def clock(self) -> Callable[[], float]: ...
+
+    @property
+    def stream_comment_s(self) -> float: ...
+
+    async def wait(
+        self, ticket: Ticket, until: float, gone: "asyncio.Future[None] | None"
+    ) -> bool: ...
+
+    async def start(self, ticket: Ticket, forward: Forward) -> ASGIApp: ...
+
+    def timed_out(self, ticket: Ticket, max_wait_s: float) -> OpenAIError: ...
+
+    def leave(self, ticket: Ticket, reason: str) -> None: ...
 
 
 class WaitingStream(Response):
@@ -46,7 +60,7 @@ class WaitingStream(Response):
 
     def __init__(
         self,
-        admission: Admission,
+        admission: Queue,
         ticket: Ticket,
         deadline: float,
         max_wait_s: float,
@@ -79,7 +93,7 @@ class WaitingStream(Response):
     async def _wait(self, receive: Receive, send: Send) -> bool:
         """Comments until the ticket is dispatched (True), or the error sent (False)."""
         admission, ticket = self._admission, self._ticket
-        gone = asyncio.ensure_future(_disconnected(receive))
+        gone = asyncio.ensure_future(disconnected(receive))
         try:
             while True:
                 until = min(self._deadline, admission.clock() + admission.stream_comment_s)
@@ -96,7 +110,7 @@ class WaitingStream(Response):
         except BaseException:
             # Cancelled, or a comment could not be sent: the client is gone.
             admission.leave(ticket, "gone")
-            self._call.on_done(RequestOutcome(error=True, status=499))
+            self._call.bill.failed(499)
             raise
         finally:
             gone.cancel()
@@ -104,7 +118,7 @@ class WaitingStream(Response):
     async def _fail(self, send: Send, error: OpenAIError) -> None:
         """Account the request as failed and end the stream with the error
         (none for a client that left: nobody reads it)."""
-        self._call.on_done(RequestOutcome(error=True, status=error.status))
+        self._call.bill.failed(error.status)
         body = b"" if error.status == 499 else sse_error(error)
         await send({"type": "http.response.body", "body": body, "more_body": False})
 

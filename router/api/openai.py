@@ -17,7 +17,7 @@ import orjson
 from fastapi import APIRouter, Depends, Header, Request
 from opentelemetry import trace
 from opentelemetry.propagate import extract
-from opentelemetry.trace import Span, SpanKind, StatusCode
+from opentelemetry.trace import Span, SpanKind
 from pydantic import ValidationError
 from starlette.datastructures import Headers
 from starlette.routing import Route as HttpRoute
@@ -35,10 +35,12 @@ from router.api.schemas import (
     _Generation,
 )
 from router.billing.accounting import RequestOutcome
+from router.billing.bill import RequestBill, end_span
 from router.billing.quotas import QuotaRejection
 from router.control_link.adapters import base_body
 from router.control_link.routing import Route
 from router.deps import Deps, get_deps
+from router.disconnect import disconnected
 from router.errors import QUOTA_EXCEEDED, ErrorKind, OpenAIError, invalid_body
 from router.forwarding.proxy import Call, StaleAdapter
 from router.forwarding.relay import Reply, StreamReply
@@ -139,12 +141,6 @@ def _bounded(body: "Body", policy: KeyPolicy) -> None:
         raise ErrorKind.UNBOUNDED_GENERATION.error()
 
 
-async def _disconnected(receive: Receive) -> None:
-    """Return once the client has gone (the body has been read already)."""
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
 Body = ChatCompletionRequest | CompletionRequest | EmbeddingRequest
 
 
@@ -226,48 +222,25 @@ async def _serve(
         reservation = await deps.accountant.reserve(caller.key_id, caller.policy, reserve)
     except OpenAIError as exc:  # the store did not answer in time
         deps.metrics.requests.labels(endpoint, model, str(exc.status)).inc()
-        _end_span(span, RequestOutcome(error=True, status=exc.status))
+        end_span(span, RequestOutcome(error=True, status=exc.status))
         raise
     if isinstance(reservation, QuotaRejection):
         raise _over_quota(deps, endpoint, model, span, reservation)
 
-    finished = False
-    release: Callable[[], None] | None = None  # an on-demand adapter's use
-
-    def on_done(outcome: RequestOutcome) -> None:
-        nonlocal finished
-        if finished:
-            return
-        finished = True
-        if release is not None:
-            release()
-        _end_span(span, outcome)
-        deps.accountant.done(caller.key_id, model, reservation, outcome)
-        deps.metrics.request_done(
-            endpoint,
-            model,
-            outcome.status,
-            time.monotonic() - started,
-            outcome.prompt_tokens,
-            outcome.completion_tokens,
-        )
-
-    def set_release(using: Callable[[], None] | None) -> None:
-        nonlocal release
-        release = using
-
+    bill = RequestBill(
+        deps.accountant, deps.metrics, caller.key_id, model, endpoint, reservation, span,
+        started, prompt_estimate, reserve,
+    )  # fmt: skip
     call = Call(
         model=model,
         path=path,
         body=raw,
         stream=stream,
         strip_usage=strip_usage,
-        on_done=on_done,
+        bill=bill,
         started=started,
-        prompt_estimate=prompt_estimate,
-        reserved=reserve,
         finishes_when_gone=_generates_on(spec, stream),
-        client_gone=lambda: _disconnected(receive),
+        client_gone=lambda: disconnected(receive),
         traced=deps.tracer is not None,
     )
     try:
@@ -277,10 +250,10 @@ async def _serve(
         with trace.use_span(span, end_on_exit=False) if call.traced else _NO_SPAN:
             return await deps.admission.forward(
                 call, caller.key_id, caller.policy, queue_cost(body, prompt_estimate),
-                lambda: _forward(deps, target, call, set_release), queueable=target is None,
+                lambda: _forward(deps, target, call, bill), queueable=target is None,
             )  # fmt: skip
     except OpenAIError as exc:
-        on_done(RequestOutcome(error=True, status=exc.status))  # releases the reservation
+        bill.failed(exc.status)  # releases the reservation
         raise
 
 
@@ -295,12 +268,12 @@ async def _forward(
     deps: Deps,
     target: tuple[ModelSpec, AdapterSpec] | None,
     call: Call,
-    set_release: Callable[[Callable[[], None] | None], None],
+    bill: RequestBill,
 ) -> Reply | StreamReply:
-    """Forward to the model's replicas or the adapter's holder; ``set_release``
-    learns of the adapter use to release when the request is over."""
+    """Forward to the model's replicas or the adapter's holder; the ``bill``
+    releases the adapter's use when the request is over."""
     routes, release = await _adapter_routes(deps, target, call)
-    set_release(release)
+    bill.release = release
     call.stale_on_404 = release is not None
     try:
         return await deps.proxy.forward(call, routes)
@@ -309,11 +282,11 @@ async def _forward(
         # cold adapter) and send the request once more.
         assert target is not None and release is not None
         release()
-        set_release(None)
+        bill.release = None
         deps.adapters.forget(stale.route, target[1].name)
         call.stale_on_404 = False
         routes, release = await _adapter_routes(deps, target, call)
-        set_release(release)
+        bill.release = release
         return await deps.proxy.forward(call, routes)
 
 
@@ -332,7 +305,7 @@ def _over_quota(
     )
     deps.metrics.quota_rejections.labels(rejection.limit).inc()
     deps.metrics.requests.labels(endpoint, model, str(error.status)).inc()
-    _end_span(span, RequestOutcome(error=True, status=error.status))
+    end_span(span, RequestOutcome(error=True, status=error.status))
     return error
 
 
@@ -347,15 +320,6 @@ def _start_span(deps: Deps, scope: Scope, path: str, model: str, key_id: int, st
         kind=SpanKind.SERVER,
         attributes={"llmgw.model": model, "llmgw.key_id": key_id, "llmgw.stream": stream},
     )
-
-
-def _end_span(span: Span, outcome: RequestOutcome) -> None:
-    span.set_attribute("http.response.status_code", outcome.status)
-    span.set_attribute("llmgw.prompt_tokens", outcome.prompt_tokens)
-    span.set_attribute("llmgw.completion_tokens", outcome.completion_tokens)
-    if outcome.error:
-        span.set_status(StatusCode.ERROR)
-    span.end()
 
 
 def error_reply(exc: OpenAIError) -> Reply:

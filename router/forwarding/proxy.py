@@ -23,15 +23,13 @@ chunk with content (exact for llama.cpp, which sends a chunk per token), or
 the engine's own usage when the stream got that far.
 """
 
-import asyncio
-import contextlib
 import errno
 import json
 import logging
 import re
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, replace
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -43,7 +41,9 @@ from starlette.types import Send
 from llmgw.engine_keys import EngineKeyFn
 from llmgw.errors import LlmgwError, UpstreamConnectError, UpstreamError
 from router.billing.accounting import RequestOutcome
+from router.billing.bill import Bill
 from router.control_link.routing import Route, RoutingTable
+from router.disconnect import cancelled_if_gone
 from router.errors import ErrorKind, Incidents, engine_failed
 from router.forwarding.pacing import Pacer
 from router.forwarding.relay import Pour, Reply, StreamReply, media_header
@@ -69,21 +69,15 @@ class Call:
     stream: bool
     # True when the router added include_usage and the client must not see it.
     strip_usage: bool
-    # Called once when the request is over (also after a client disconnect).
-    on_done: Callable[[RequestOutcome], None]
+    # Settled once when the request is over (also after a client disconnect);
+    # holds the prompt estimate and the reservation billed when the engine's
+    # usage cannot be known (router/billing/bill.py).
+    bill: Bill
     started: float
-    # Billed as the prompt when a stream ends before the engine's usage.
-    prompt_estimate: int = 0
-    # What the request reserved (prompt estimate and every token it may
-    # generate): billed when the client leaves a non-streamed request and
-    # what the engine generated cannot be known.
-    reserved: int = 0
     # The engine generates on after the client leaves (llama.cpp finishes a
     # non-streamed request regardless): its answer is awaited anyway, to bill
     # what it generated, and the replica counts as busy until then.
     finishes_when_gone: bool = False
-    # Set when the client has left (such a call then runs on to its answer).
-    left: bool = False
     # Returns when the client has disconnected (None: never watched).
     client_gone: Callable[[], Awaitable[None]] | None = None
     # The body for a given replica (a llama.cpp adapter's id is the replica's own).
@@ -199,10 +193,15 @@ class Proxy:
         relayed = False
         try:
             # Engines answer a non-streamed request only once it is generated:
-            # a client that leaves meanwhile cancels it, unless the engine
-            # generates on regardless (one watch for the whole exchange; a
-            # stream's relay watches for itself).
-            async with _cancelled_if_gone(call):
+            # a client that leaves meanwhile cancels it (closing the engine
+            # connection: vLLM aborts it), unless the engine generates on
+            # regardless (llama.cpp, checked with this project's build, finishes
+            # a non-streamed request: the router awaits it to bill what it
+            # generated, and the reply goes nowhere). One watch for the whole
+            # exchange; a stream's relay watches for itself.
+            async with cancelled_if_gone(
+                call.client_gone, cancel=not call.finishes_when_gone
+            ) as watch:
                 upstream = await self._http.post(f"{route.endpoint}{call.path}", body, headers)
                 if upstream.status == 401:
                     upstream.close()
@@ -228,19 +227,23 @@ class Proxy:
                     content = await upstream.read()
                 except UpstreamError as exc:
                     self._metrics.upstream_errors.labels(call.model, route.replica_id, "read").inc()
-                    call.on_done(RequestOutcome(error=True, status=502))
+                    call.bill.failed(502)
                     reason = f"replica {route.replica_id} broke off its answer: {exc!r}"
                     raise ErrorKind.UPSTREAM_FAILED.error(
                         model=call.model, reason=reason, incidents=self.incidents
                     ) from exc
                 finally:
                     upstream.close()
+            if watch.cut:
+                # Gone before the answer: nothing generated is known, and the
+                # engine may have generated up to the reservation.
+                call.bill.abandoned()
+                raise ErrorKind.CLIENT_GONE.error()
         finally:
             if not relayed:
                 route.inflight -= 1
-        outcome = _outcome_of(upstream.status, content)
         # A client gone while the engine finished: billed what it generated, as gone.
-        call.on_done(replace(outcome, error=True, status=499) if call.left else outcome)
+        call.bill.answered(_outcome_of(upstream.status, content), client_left=watch.left)
         if upstream.status >= 500:
             # An engine's (or its pass-through's) own failure: its text may
             # name paths, exceptions or what its log said; admins see it.
@@ -258,51 +261,6 @@ class Proxy:
         )
 
 
-@contextlib.asynccontextmanager
-async def _cancelled_if_gone(call: Call) -> AsyncIterator[None]:
-    """Run the block unless the client disconnects first: then the block is
-    cancelled (closing the engine connection), the call is billed its
-    reservation (nothing generated is known, and the engine may have
-    generated up to it) and 499 raised. Where the engine generates on
-    regardless (``call.finishes_when_gone``) the block runs to its end, the
-    answer bills what the engine generated, and the reply goes nowhere.
-
-    One watcher task that cancels this task, rather than a task per awaited
-    step: the common case (the client stays) costs a task start and a cancel.
-    vLLM aborts a request whose connection closes; llama.cpp (checked with
-    this project's build) finishes a non-streamed one regardless, so there
-    the engine keeps working while the router has already let go.
-    """
-    if call.client_gone is None:
-        yield
-        return
-    task = asyncio.current_task()
-    assert task is not None
-    watcher = asyncio.ensure_future(call.client_gone())
-    active, left = True, False
-
-    def leave(done: asyncio.Future[None]) -> None:
-        nonlocal left
-        # The callback may run after the block ended: only cancel while inside.
-        if active and not done.cancelled() and done.exception() is None:
-            left = call.left = True
-            if not call.finishes_when_gone:
-                task.cancel()
-
-    watcher.add_done_callback(leave)
-    try:
-        yield
-    except asyncio.CancelledError:
-        if not left:
-            raise
-        task.uncancel()
-        call.on_done(_reservation_billed(call))
-        raise ErrorKind.CLIENT_GONE.error() from None
-    finally:
-        active = False
-        watcher.cancel()
-
-
 def _was_reset(exc: BaseException) -> bool:
     """Whether a connection was reset or closed under the request (what
     answered on that port may not be what was proven there)."""
@@ -310,13 +268,6 @@ def _was_reset(exc: BaseException) -> bool:
     return isinstance(cause, ConnectionResetError | aiohttp.ServerDisconnectedError) or (
         isinstance(cause, aiohttp.ClientOSError) and cause.errno == errno.ECONNRESET
     )
-
-
-def _reservation_billed(call: Call) -> RequestOutcome:
-    """A call given up on when its client left: the prompt estimate, and the
-    rest of the reservation as generated (the most the engine could have)."""
-    completion = max(0, call.reserved - call.prompt_estimate)
-    return RequestOutcome(call.prompt_estimate, completion, error=True, status=499)
 
 
 def _count(value: object) -> int:
@@ -493,7 +444,7 @@ class _Relay:
         # Accounting, then the close (synchronous: a cancellation cannot cut
         # it short), so the engine sees the connection close.
         self._route.inflight -= 1
-        self._call.on_done(self._outcome(error))
+        self._call.bill.settle(self._outcome(error))
         self._upstream.close()
 
     def _started(self) -> bool:
@@ -508,5 +459,7 @@ class _Relay:
                 error=error,
             )
         return RequestOutcome(
-            prompt_tokens=self._call.prompt_estimate, completion_tokens=self._counted, error=error
+            prompt_tokens=self._call.bill.prompt_estimate,
+            completion_tokens=self._counted,
+            error=error,
         )

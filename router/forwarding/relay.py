@@ -10,12 +10,13 @@ connection's read callback (``Pour``, ``send_now``): no task wakes per read.
 """
 
 import asyncio
-from collections.abc import Callable, Coroutine, Generator
+from collections.abc import Callable, Generator
 from typing import Any, Protocol
 
 from starlette.types import Message, Receive, Scope, Send
 
 from llmgw.errors import UpstreamError
+from router.disconnect import cancelled_if_gone, disconnected
 from router.forwarding.pacing import Pacer
 from router.forwarding.upstream import Divertible
 
@@ -66,39 +67,15 @@ class StreamReply:
         ]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        # The relay runs in this task while one watcher waits for the client's
+        # disconnect (a task per stream, nothing per event); a disconnect cancels it.
         try:
-            await _unless_gone(self._relay.pump(send, self.headers), receive)
+            async with cancelled_if_gone(lambda: disconnected(receive)):
+                await self._relay.pump(send, self.headers)
+        except OSError:
+            pass  # the server could not write to a client that left
         finally:
             await self._relay.finish()
-
-
-async def _unless_gone(relay: Coroutine[Any, Any, None], receive: Receive) -> None:
-    """Run the relay in this task while one watcher waits for the client's
-    disconnect (a task per stream, nothing per event); a disconnect cancels it."""
-    task = asyncio.current_task()
-    assert task is not None
-    active, left = True, False
-
-    async def watch() -> None:
-        nonlocal left
-        while (await receive())["type"] != "http.disconnect":
-            pass
-        if active:  # not once the relay is over
-            left = True
-            task.cancel()
-
-    watcher = asyncio.ensure_future(watch())
-    try:
-        await relay
-    except asyncio.CancelledError:
-        if not left:
-            raise
-        task.uncancel()
-    except OSError:
-        pass  # the server could not write to a client that left
-    finally:
-        active = False
-        watcher.cancel()
 
 
 def send_now(send: Send, message: Message) -> "asyncio.Future[None] | None":

@@ -5,17 +5,42 @@ from the connection's read callback, one piece per read.
 """
 
 import asyncio
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from llmgw.errors import UpstreamError
 from router.forwarding.upstream import Sink
 
-if TYPE_CHECKING:
-    from router.forwarding.upstream_raw import _Conn
-
 # A stream's reader this far behind (bytes held unread) stops the socket
 # being read until it takes them: the engine feels TCP back-pressure.
 HIGH_WATER = 256 * 1024
+
+
+class Connection(Protocol):
+    """What an answer asks of the connection it comes on (upstream_raw's
+    ``_Conn``, which makes the answer: this module does not import it)."""
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop: ...
+
+    @property
+    def paused(self) -> bool: ...
+
+    @property
+    def answer(self) -> object:
+        """The answer the connection is reading now (None between answers)."""
+        ...
+
+    def pause(self) -> None:
+        """Stop reading the socket (the engine feels TCP back-pressure)."""
+        ...
+
+    def resume(self) -> None:
+        """Read the socket again."""
+        ...
+
+    def drop(self) -> None:
+        """Close the connection (the engine sees it go)."""
+        ...
 
 
 class RawAnswer:
@@ -26,8 +51,8 @@ class RawAnswer:
         "done", "error", "framed", "got_bytes", "status",
     )  # fmt: skip
 
-    def __init__(self, conn: "_Conn") -> None:
-        self._conn: _Conn | None = conn
+    def __init__(self, conn: Connection) -> None:
+        self._conn: Connection | None = conn
         self._loop = conn.loop
         self._whole = False  # read whole: never paused
         self._chunks: list[bytes] = []

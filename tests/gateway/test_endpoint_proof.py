@@ -23,6 +23,7 @@ from llmgw.engine_keys import engine_key
 from llmgw.errors import LlmgwError, UpstreamConnectError, UpstreamError
 from llmgw.queues import replica_workflow_id
 from llmgw.types import ReplicaMemo, ReplicaPhase
+from router.billing.bill import Bill
 from router.control_link.endpoint_proof import (
     PROOF_TIMEOUT_S,
     HttpProver,
@@ -492,7 +493,7 @@ async def test_the_proxy_drops_the_proof_of_an_endpoint_it_cannot_reach() -> Non
     table = RoutingTable()
     for http in (Refusing(), Resetting()):
         proxy = Proxy(http, table, key_of, Metrics(table), on_unreachable=lambda *p: told.append(p))
-        call = Call("m", "/v1/completions", b"{}", False, False, lambda _: None, 0.0)
+        call = Call("m", "/v1/completions", b"{}", False, False, Bill(), 0.0)
         with pytest.raises(LlmgwError):
             await proxy.forward(call, [Route("a", "m", "http://10.0.0.1:1")])
     assert told == [("a", "http://10.0.0.1:1")] * 2

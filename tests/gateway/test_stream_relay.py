@@ -27,6 +27,7 @@ from llmgw.store import Store
 from router.api.apikeys import KeyPolicy, create_key
 from router.billing import usage
 from router.billing.accounting import RequestOutcome
+from router.billing.bill import Bill
 from router.control_link.routing import Route, RoutingTable
 from router.forwarding.pacing import Pacer
 from router.forwarding.proxy import Call, _Relay
@@ -164,6 +165,13 @@ class Watched:
         self.inner.close()  # type: ignore[attr-defined]
 
 
+def billed_to(outcomes: list[RequestOutcome]) -> Bill:
+    """A bill whose outcome lands in ``outcomes``."""
+    bill = Bill()
+    bill.then(outcomes.append)
+    return bill
+
+
 async def test_a_send_the_client_cannot_take_yet_pauses_the_engine_until_it_has_gone() -> None:
     go_on = asyncio.Event()
     blocked = asyncio.Event()
@@ -189,7 +197,7 @@ async def test_a_send_the_client_cannot_take_yet_pauses_the_engine_until_it_has_
 
     async with answer(handle) as (response, url):
         watched = Watched(response)
-        call = Call(MODEL, "/v1/x", b"{}", True, True, outcomes.append, time.monotonic())
+        call = Call(MODEL, "/v1/x", b"{}", True, True, billed_to(outcomes), time.monotonic())
         relay = _Relay(watched, Route("r", MODEL, url), call, Metrics(RoutingTable()))  # type: ignore[arg-type]
         pump = asyncio.ensure_future(relay.pump(send, []))
         async with asyncio.timeout(10):
@@ -233,7 +241,7 @@ async def test_a_busy_loop_holds_a_fast_stream_s_reads_once_its_first_token_is_o
 
     async with answer(handle) as (response, url):
         watched = Watched(response)
-        call = Call(MODEL, "/v1/x", b"{}", True, True, outcomes.append, time.monotonic())
+        call = Call(MODEL, "/v1/x", b"{}", True, True, billed_to(outcomes), time.monotonic())
         route = Route("r", MODEL, url)
         relay = _Relay(watched, route, call, Metrics(RoutingTable()), pacer)  # type: ignore[arg-type]
         pump = asyncio.ensure_future(relay.pump(send, []))

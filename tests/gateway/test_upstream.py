@@ -16,7 +16,7 @@ import pytest
 from llmgw.errors import UpstreamConnectError, UpstreamError
 from router.forwarding.upstream import AiohttpUpstream, Upstream, UpstreamResponse
 from router.forwarding.upstream_answer import RawAnswer as _RawAnswer
-from router.forwarding.upstream_raw import RawUpstream
+from router.forwarding.upstream_raw import RawUpstream, _Conn
 from tests.harness import reset
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
@@ -323,8 +323,9 @@ def reading(response: UpstreamResponse) -> bool:
     """Whether the client still reads the answer's socket (or stopped: back-pressure)."""
     transport: asyncio.Transport | None
     if isinstance(response, _RawAnswer):
-        assert response._conn is not None and response._conn.transport is not None
-        transport = response._conn.transport
+        conn = response._conn  # the answer knows it only as a Connection
+        assert isinstance(conn, _Conn) and conn.transport is not None
+        transport = conn.transport
     else:
         connection = response._r.connection  # type: ignore[attr-defined]
         transport = connection.transport

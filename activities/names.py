@@ -1,23 +1,18 @@
-"""Activity names, shared by the workflows that call them and the workers that
-serve them, so neither has to import the other's code."""
+"""Superseded by :mod:`llmgw.contracts`; kept only until activities/agent/
+registers its handlers through the descriptors. The values come from the
+descriptors: there is one source."""
 
-# Control queue
-PLACE_REPLICA = "place_replica"
-RELEASE_REPLICA = "release_replica"
-VALIDATE_REPLICA = "validate_replica"
-FLEET_CORDON = "fleet_cordon"
-PROBE_ENGINE = "probe_engine"
+from llmgw import contracts as _c
 
-# Node queues (node-<id>)
-FETCH_WEIGHTS = "fetch_weights"
-RESERVE_PORT = "reserve_port"
-LAUNCH_SHARD = "launch_shard"
-WAIT_SHARD_READY = "wait_shard_ready"
-WATCH_SHARD = "watch_shard"
-STOP_SHARD = "stop_shard"
-DRAIN_SHARD = "drain_shard"
-SHARD_LOG_TAIL = "shard_log_tail"
-SHARD_LOAD = "shard_load"
-SHARD_RUNNING = "shard_running"
-LOAD_ADAPTER = "load_adapter"
-UNLOAD_ADAPTER = "unload_adapter"
+FETCH_WEIGHTS = _c.FETCH_WEIGHTS.name
+RESERVE_PORT = _c.RESERVE_PORT.name
+LAUNCH_SHARD = _c.LAUNCH_SHARD.name
+WAIT_SHARD_READY = _c.WAIT_SHARD_READY.name
+WATCH_SHARD = _c.WATCH_SHARD.name
+STOP_SHARD = _c.STOP_SHARD.name
+DRAIN_SHARD = _c.DRAIN_SHARD.name
+SHARD_LOG_TAIL = _c.SHARD_LOG_TAIL.name
+SHARD_LOAD = _c.SHARD_LOAD.name
+SHARD_RUNNING = _c.SHARD_RUNNING.name
+LOAD_ADAPTER = _c.LOAD_ADAPTER.name
+UNLOAD_ADAPTER = _c.UNLOAD_ADAPTER.name

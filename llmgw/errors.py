@@ -13,9 +13,11 @@ module are named with where they live::
     ├── InstanceRunningError      another live ``llmgw up`` holds the work dir (llmgw_cli/up.py)
     ├── EngineError               an engine shard misbehaved
     │   ├── EngineLaunchError     it could not be started
-    │   │   └── EngineUserError   ...because it would have to run as root
+    │   │   ├── EngineUserError   ...because it would have to run as root
+    │   │   └── RendezvousFailed  ...on several nodes; every rank started was stopped
     │   ├── EngineExitedError     it exited (exit code and log tail in message)
     │   ├── EngineNotReadyError   it did not become ready in time
+    │   ├── EngineGone            the node runs no engine for the replica (any more)
     │   └── UpstreamError         the router's request to it failed (mid-way)
     │       └── UpstreamConnectError  ...before anything was sent: another may take it
     ├── EngineInstallError        an engine could not be installed (worker_agent/installs/)
@@ -24,13 +26,24 @@ module are named with where they live::
     │   ├── ChecksumMismatch      ...to a digest other than the expected one
     │   ├── SourceMissing         ...from a path that does not exist
     │   └── SourceOutsideRoots    ...from outside the weights roots
+    ├── AdapterError              a LoRA adapter change on a node failed
+    │   │                         (raised by activities/agent/adapters.py)
+    │   ├── AdapterOutsideRoots   ...its path is outside the adapter roots
+    │   ├── AdapterNotFound       ...its path does not exist on the node
+    │   ├── AdapterLoadFailed     ...the engine refused or failed the load
+    │   ├── AdapterEngineFull     ...the engine holds its cap, none idle: nothing unloaded
+    │   ├── AdapterBusy           ...the adapter to unload has requests in flight
+    │   └── AdapterUnloadFailed   ...the engine failed the unload
+    ├── AgentShutdown             the agent is stopping: the activity resumes on the next one
     ├── GpuDiscoveryUnavailable   no NVML on this node: a CPU node (worker_agent/gpus.py)
     ├── IllegalTransition         a replica phase change the lifecycle forbids: a bug
     │                             (workflows/replica_state.py; also a ValueError)
     ├── OpenAIError               what a router client sees: status and OpenAI error JSON,
     │                             built in router/errors.py
     ├── AdapterLoadFailed         the router could not have a LoRA adapter loaded
-    │                             (router/control_link/adapters.py)
+    │                             (router/control_link/adapters.py; not the wire
+    │                             AdapterError.AdapterLoadFailed above, whose
+    │                             failure it reports among others)
     └── StaleAdapter              the engine no longer holds the LoRA adapter the router
                                   sent it to (router/forwarding/proxy.py)
 
@@ -114,3 +127,59 @@ class UpstreamError(EngineError):
 
 class UpstreamConnectError(UpstreamError):
     """The router could not reach an engine: nothing was sent, another replica may answer."""
+
+
+class EngineGone(EngineError):
+    """The node runs no engine for the replica (it exited, or was never there)."""
+
+    retryable = False
+
+
+class RendezvousFailed(EngineLaunchError):
+    """A multi-node start failed; every rank it had started was stopped."""
+
+
+class AdapterError(LlmgwError):
+    """A LoRA adapter load or unload on a node failed."""
+
+
+class AdapterOutsideRoots(AdapterError):
+    """The adapter's path is outside the node's adapter roots."""
+
+    retryable = False
+
+
+class AdapterNotFound(AdapterError):
+    """The adapter's path does not exist on the node."""
+
+    retryable = False
+
+
+class AdapterLoadFailed(AdapterError):
+    """The engine refused or failed the load. Whether a retry may help depends
+    on its answer (a bad adapter will not load later; a busy engine may)."""
+
+    def __init__(self, message: str, *, retryable: bool = True) -> None:
+        super().__init__(message)
+        self.retryable = retryable
+
+
+class AdapterEngineFull(AdapterError):
+    """The engine holds its cap of adapters and none is idle: nothing was unloaded."""
+
+    retryable = False
+
+
+class AdapterBusy(AdapterError):
+    """The adapter chosen for unloading has requests in flight: it is still loaded."""
+
+    retryable = False
+
+
+class AdapterUnloadFailed(AdapterError):
+    """The engine failed the unload."""
+
+
+class AgentShutdown(LlmgwError):
+    """The agent is stopping; a retry on the next agent process resumes the work
+    (the engine outlives the agent)."""

@@ -1,49 +1,17 @@
-"""Names of the workflows and of their signals, updates and queries.
+"""Superseded by :mod:`llmgw.contracts`; kept only until the agent and its
+tests (worker_agent/main.py, tests outside tests/control) send through the
+descriptors. The values come from the descriptors: there is one source."""
 
-Shared by every sender (CLI, reconcile, router, agent, other workflows) and
-the workflow that receives them, so neither side retypes the other's
-string. Activity names are in ``activities/names.py``.
+from llmgw import contracts as _c
 
-The values are part of stored workflow histories and of running workflows
-on upgraded clusters: never change one (tests/control/test_replay.py replays them).
-"""
-
-# Workflow types
-FLEET = "Fleet"
-REPLICA = "Replica"
-DEPLOYMENT = "Deployment"
-RENDEZVOUS = "Rendezvous"
-DRAIN_NODE = "DrainNode"
-ADAPTER_LOAD = "AdapterLoad"
-SHARD_LOGS = "ShardLogs"
-
-# Fleet: signals from the agents, updates and a query from control and CLI
-REGISTER_NODE = "register_node"
-DEREGISTER_NODE = "deregister_node"
-PLACE = "place"
-PLACE_BATCH = "place_batch"
-RELEASE = "release"
-CORDON = "cordon"
-SNAPSHOT = "snapshot"
-NODES = "nodes"
-
-# Replica
-STOP = "stop"
-REQUEST_STOP = "request_stop"
-ADAPTERS_CHANGED = "adapters_changed"
-
-# Deployment: signals from its replicas, updates from the CLI and reconcile
-REPLICA_READY = "replica_ready"
-REPLICA_ENDED = "replica_ended"
-SCALE = "scale"
-SET_MODEL = "set_model"
-ROLLING_RESTART = "rolling_restart"
-
-# Replica and Deployment both answer it with their state.
-STATUS = "status"
-
-# Deployment, elastic serving: load from the routers, a wake from a router
-# holding requests for a model at zero, and the autoscale bounds.
-REPORT_LOAD = "report_load"
-WAKE = "wake"
-SET_AUTOSCALE = "set_autoscale"
+FLEET = _c.FLEET.name
+REPLICA = _c.REPLICA.name
+DEPLOYMENT = _c.DEPLOYMENT.name
+RENDEZVOUS = _c.RENDEZVOUS.name
+DRAIN_NODE = _c.DRAIN_NODE.name
+ADAPTER_LOAD = _c.ADAPTER_LOAD.name
+SHARD_LOGS = _c.SHARD_LOGS.name
+REGISTER_NODE = _c.REGISTER_NODE.name
+DEREGISTER_NODE = _c.DEREGISTER_NODE.name
+REPORT_LOAD = _c.REPORT_LOAD.name
+WAKE = _c.WAKE.name

@@ -14,7 +14,7 @@ from temporalio.common import (
 )
 from temporalio.service import RPCError, RPCStatusCode
 
-from llmgw import messages
+from llmgw import contracts
 from llmgw import search_attributes as sa
 from llmgw.errors import EngineError
 from llmgw.queues import (
@@ -31,7 +31,6 @@ from llmgw.types import (
     DrainNodeInput,
     DrainNodeResult,
     FleetSnapshot,
-    LogTail,
     ModelSpec,
     ReplicaInput,
     ReplicaMemo,
@@ -63,8 +62,8 @@ async def start_replica(
 ) -> str:
     """Start one replica's workflow; returns the replica id."""
     replica_id = new_replica_id(spec.name)
-    await client.start_workflow(
-        messages.REPLICA,
+    await contracts.REPLICA.start(
+        client,
         ReplicaInput(replica_id=replica_id, model=spec, timeouts=timeouts or ReplicaTimeouts()),
         id=replica_workflow_id(replica_id),
         task_queue=CONTROL_QUEUE,
@@ -83,8 +82,7 @@ async def replica_memo(client: Client, replica_id: str) -> ReplicaMemo | None:
     desc = await client.get_workflow_handle(replica_workflow_id(replica_id)).describe(
         rpc_timeout=timedelta(seconds=5)
     )
-    raw = (await desc.memo()).get("replica")
-    return ReplicaMemo.model_validate(raw) if isinstance(raw, dict) else None
+    return contracts.REPLICA_MEMO.decode(await desc.memo())
 
 
 async def wait_ready(
@@ -121,10 +119,7 @@ async def status_of(client: Client, replica_id: str) -> ReplicaStatus | None:
     desc = await handle.describe(rpc_timeout=timedelta(seconds=5))
     if desc.status == WorkflowExecutionStatus.RUNNING:
         # Bounded: a query blocks ~30 s when no control worker is up.
-        status: ReplicaStatus = await handle.query(
-            messages.STATUS, result_type=ReplicaStatus, rpc_timeout=timedelta(seconds=5)
-        )
-        return status
+        return await contracts.REPLICA_STATUS.ask(handle, None, rpc_timeout=timedelta(seconds=5))
     if desc.status == WorkflowExecutionStatus.COMPLETED:
         final: ReplicaStatus = await handle.result()
         return final
@@ -133,14 +128,14 @@ async def status_of(client: Client, replica_id: str) -> ReplicaStatus | None:
 
 async def list_replicas(client: Client, include_closed: bool = False) -> list[ReplicaMemo]:
     """Replicas as their memos say, newest first."""
-    query = f'WorkflowType="{messages.REPLICA}"'
+    query = f'WorkflowType="{contracts.REPLICA.name}"'
     if not include_closed:
         query += ' AND ExecutionStatus="Running"'
     found: list[ReplicaMemo] = []
     async for wf in client.list_workflows(query, rpc_timeout=timedelta(seconds=5)):
-        raw = (await wf.memo()).get("replica")
-        if isinstance(raw, dict):
-            found.append(ReplicaMemo.model_validate(raw))
+        memo = contracts.REPLICA_MEMO.decode(await wf.memo())
+        if memo is not None:
+            found.append(memo)
     return found
 
 
@@ -151,9 +146,7 @@ async def stop_replica(
     handle = client.get_workflow_handle(replica_workflow_id(replica_id))
     try:
         return await asyncio.wait_for(
-            handle.execute_update(
-                messages.STOP, StopReplicaInput(reason=reason), result_type=ReplicaStatus
-            ),
+            contracts.STOP.execute(handle, StopReplicaInput(reason=reason)),
             timeout_s,
         )
     except RPCError as exc:
@@ -163,10 +156,7 @@ async def stop_replica(
 async def fleet_snapshot(client: Client) -> FleetSnapshot:
     """The fleet's inventory and allocations (a query: needs a control worker)."""
     handle = client.get_workflow_handle(FLEET_WORKFLOW_ID)
-    snap: FleetSnapshot = await handle.query(
-        messages.SNAPSHOT, result_type=FleetSnapshot, rpc_timeout=timedelta(seconds=5)
-    )
-    return snap
+    return await contracts.SNAPSHOT.ask(handle, None, rpc_timeout=timedelta(seconds=5))
 
 
 async def wait_node_registered(client: Client, node_id: str, timeout_s: float) -> None:
@@ -190,12 +180,11 @@ async def log_tail(client: Client, replica_id: str, lines: int) -> list[str]:
     memo = await replica_memo(client, replica_id)
     if memo is None or not memo.node_id:
         raise EngineError(f"replica {replica_id} has not been placed on a node")
-    tail: LogTail = await client.execute_workflow(
-        messages.SHARD_LOGS,
+    tail = await contracts.SHARD_LOGS.execute(
+        client,
         ShardLogsInput(node_id=memo.node_id, shard=ShardRef(replica_id=replica_id), lines=lines),
         id=f"logs/{replica_id}/{secrets.token_hex(4)}",
         task_queue=CONTROL_QUEUE,
-        result_type=LogTail,
         execution_timeout=timedelta(seconds=30),
     )
     return tail.lines
@@ -225,8 +214,8 @@ async def apply_deployment(
     for _ in range(3):
         if policy is None and replicas == 0 and not await _deployment_running(client, spec.name):
             return DeploymentStatus(model=spec.name, desired=0)
-        handle = await client.start_workflow(
-            messages.DEPLOYMENT,
+        handle = await contracts.DEPLOYMENT.start(
+            client,
             DeploymentInput(
                 model=spec,
                 replicas=replicas,
@@ -239,15 +228,11 @@ async def apply_deployment(
         )
         try:
             if policy is not None:
-                status: DeploymentStatus = await handle.execute_update(
-                    messages.SET_AUTOSCALE,
-                    SetAutoscaleInput(policy=policy),
-                    result_type=DeploymentStatus,
+                status = await contracts.SET_AUTOSCALE.execute(
+                    handle, SetAutoscaleInput(policy=policy)
                 )
             else:
-                status = await handle.execute_update(
-                    messages.SCALE, ScaleInput(replicas=replicas), result_type=DeploymentStatus
-                )
+                status = await contracts.SCALE.execute(handle, ScaleInput(replicas=replicas))
             return status
         except RPCError as exc:
             last = exc
@@ -268,16 +253,13 @@ async def _deployment_running(client: Client, model: str) -> bool:
 async def deployment_status(client: Client, model: str) -> DeploymentStatus:
     """A deployment's slots, restarts and last failure reasons."""
     handle = client.get_workflow_handle(deployment_workflow_id(model))
-    status: DeploymentStatus = await handle.query(
-        messages.STATUS, result_type=DeploymentStatus, rpc_timeout=timedelta(seconds=5)
-    )
-    return status
+    return await contracts.DEPLOYMENT_STATUS.ask(handle, None, rpc_timeout=timedelta(seconds=5))
 
 
 async def list_deployments(client: Client) -> list[DeploymentStatus]:
     """Every running deployment's state; one that cannot answer is left out."""
     found: list[DeploymentStatus] = []
-    query = f"WorkflowType = '{messages.DEPLOYMENT}' AND ExecutionStatus = 'Running'"
+    query = f"WorkflowType = '{contracts.DEPLOYMENT.name}' AND ExecutionStatus = 'Running'"
     async for wf in client.list_workflows(query, rpc_timeout=timedelta(seconds=5)):
         model = wf.id.removeprefix(deployment_workflow_id(""))
         try:
@@ -314,45 +296,33 @@ async def wait_deployment_ready(
 
 async def drain_node(client: Client, node_id: str, timeout_s: float) -> DrainNodeResult:
     """Run the DrainNode job: cordon, then drain every replica on the node."""
-    result: DrainNodeResult = await client.execute_workflow(
-        messages.DRAIN_NODE,
+    return await contracts.DRAIN_NODE.execute(
+        client,
         DrainNodeInput(node_id=node_id, timeout_s=timeout_s),
         id=f"drain-node/{node_id}/{secrets.token_hex(4)}",
         task_queue=CONTROL_QUEUE,
-        result_type=DrainNodeResult,
     )
-    return result
 
 
 async def cordon(client: Client, node_id: str, cordoned: bool) -> FleetSnapshot:
     """Cordon or uncordon a node."""
     handle = client.get_workflow_handle(FLEET_WORKFLOW_ID)
-    snap: FleetSnapshot = await handle.execute_update(
-        messages.CORDON, CordonInput(node_id=node_id, cordoned=cordoned), result_type=FleetSnapshot
-    )
-    return snap
+    return await contracts.CORDON.execute(handle, CordonInput(node_id=node_id, cordoned=cordoned))
 
 
 async def wake(client: Client, model: str, reason: str, timeout_s: float) -> WakeResult:
     """Ask an autoscaled deployment at zero for a replica; returns once one
     serves or the start failed (what a router does for its waiting requests)."""
     handle = client.get_workflow_handle(deployment_workflow_id(model))
-    result: WakeResult = await asyncio.wait_for(
-        handle.execute_update(
-            messages.WAKE, WakeInput(router_id="cli", reason=reason), result_type=WakeResult
-        ),
-        timeout_s,
+    return await asyncio.wait_for(
+        contracts.WAKE.execute(handle, WakeInput(router_id="cli", reason=reason)), timeout_s
     )
-    return result
 
 
 async def rolling_restart(client: Client, model: str, reason: str) -> DeploymentStatus:
     """Replace every replica of the deployment, one at a time."""
     handle = client.get_workflow_handle(deployment_workflow_id(model))
-    status: DeploymentStatus = await handle.execute_update(
-        messages.ROLLING_RESTART, RollingRestartInput(reason=reason), result_type=DeploymentStatus
-    )
-    return status
+    return await contracts.ROLLING_RESTART.execute(handle, RollingRestartInput(reason=reason))
 
 
 async def remove_deployment(client: Client, spec: ModelSpec, timeout_s: float) -> DeploymentStatus:

@@ -8,14 +8,22 @@ import ast
 import importlib
 import inspect
 import pkgutil
+import typing
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
-from llmgw import error_types, errors, messages
+from temporalio import activity, workflow
+
+from llmgw import contracts, error_types, errors
 from worker_agent import weights
 from worker_agent.engines.spec import LaunchValidationError
 from worker_agent.installs.steps import EngineInstallError
 
-WIRE_MESSAGES = {
+# Every descriptor's wire name: workflow types, signals, updates, queries,
+# activities and memo keys. Stored histories and running workflows carry them.
+WIRE_NAMES = {
+    # Workflow types
     "FLEET": "Fleet",
     "REPLICA": "Replica",
     "DEPLOYMENT": "Deployment",
@@ -23,6 +31,7 @@ WIRE_MESSAGES = {
     "DRAIN_NODE": "DrainNode",
     "ADAPTER_LOAD": "AdapterLoad",
     "SHARD_LOGS": "ShardLogs",
+    # Fleet
     "REGISTER_NODE": "register_node",
     "DEREGISTER_NODE": "deregister_node",
     "PLACE": "place",
@@ -31,27 +40,173 @@ WIRE_MESSAGES = {
     "CORDON": "cordon",
     "SNAPSHOT": "snapshot",
     "NODES": "nodes",
+    # Replica
     "STOP": "stop",
     "REQUEST_STOP": "request_stop",
     "ADAPTERS_CHANGED": "adapters_changed",
+    "REPLICA_STATUS": "status",
+    # Deployment
     "REPLICA_READY": "replica_ready",
     "REPLICA_ENDED": "replica_ended",
     "SCALE": "scale",
     "SET_MODEL": "set_model",
     "ROLLING_RESTART": "rolling_restart",
-    "STATUS": "status",
+    "DEPLOYMENT_STATUS": "status",
     "REPORT_LOAD": "report_load",
     "WAKE": "wake",
     "SET_AUTOSCALE": "set_autoscale",
+    # Activities: control queue
+    "PLACE_REPLICA": "place_replica",
+    "RELEASE_REPLICA": "release_replica",
+    "VALIDATE_REPLICA": "validate_replica",
+    "FLEET_CORDON": "fleet_cordon",
+    "PROBE_ENGINE": "probe_engine",
+    # Activities: node queues
+    "FETCH_WEIGHTS": "fetch_weights",
+    "RESERVE_PORT": "reserve_port",
+    "LAUNCH_SHARD": "launch_shard",
+    "WAIT_SHARD_READY": "wait_shard_ready",
+    "WATCH_SHARD": "watch_shard",
+    "STOP_SHARD": "stop_shard",
+    "DRAIN_SHARD": "drain_shard",
+    "SHARD_LOG_TAIL": "shard_log_tail",
+    "SHARD_LOAD": "shard_load",
+    "SHARD_RUNNING": "shard_running",
+    "LOAD_ADAPTER": "load_adapter",
+    "UNLOAD_ADAPTER": "unload_adapter",
+    # Memo keys
+    "REPLICA_MEMO": "replica",
+    "FLEET_NODES_MEMO": "nodes",
 }
+
+Descriptor = (
+    contracts.WorkflowType[Any, Any]
+    | contracts.Signal[Any]
+    | contracts.Update[Any, Any]
+    | contracts.Query[Any, Any]
+    | contracts.Activity[Any, Any]
+)
+_KINDS = (
+    contracts.WorkflowType,
+    contracts.Signal,
+    contracts.Update,
+    contracts.Query,
+    contracts.Activity,
+)
+
+
+def _descriptors() -> dict[str, Descriptor]:
+    return {k: v for k, v in vars(contracts).items() if isinstance(v, _KINDS)}
+
+
+def test_every_wire_name_keeps_its_value() -> None:
+    found: dict[str, str] = {k: d.name for k, d in _descriptors().items()}
+    found |= {k: m.key for k, m in vars(contracts).items() if isinstance(m, contracts.Memo)}
+    assert found == WIRE_NAMES
+
+
+def test_the_descriptor_lists_hold_every_descriptor_once() -> None:
+    listed = [*contracts.WORKFLOWS, *contracts.MESSAGES, *contracts.ACTIVITIES]
+    assert len(listed) == len({id(d) for d in listed})
+    assert {id(d) for d in listed} == {id(d) for d in _descriptors().values()}
+
+
+def _walk(package: str) -> Iterator[type]:
+    """The classes defined in ``package``'s modules."""
+    path = importlib.import_module(package).__path__
+    for info in pkgutil.walk_packages(path, f"{package}."):
+        module = importlib.import_module(info.name)
+        yield from (
+            obj
+            for obj in vars(module).values()
+            if inspect.isclass(obj) and obj.__module__ == module.__name__
+        )
+
+
+def _signature(fn: Callable[..., Any]) -> tuple[object, object]:
+    """(input annotation, return annotation) of a handler; ``NoneType`` for
+    one taking nothing besides ``self``."""
+    hints = typing.get_type_hints(fn)
+    params = [p for p in inspect.signature(fn).parameters if p != "self"]
+    assert len(params) <= 1, f"{fn.__qualname__} takes more than one input"
+    return (hints[params[0]] if params else type(None)), hints["return"]
+
+
+# (kind, workflow type or "" for an activity, name) -> the handler's signature
+Handlers = dict[tuple[str, str, str], list[tuple[str, tuple[object, object]]]]
+
+
+def _handlers() -> Handlers:
+    found: Handlers = {}
+
+    def add(key: tuple[str, str, str], fn: Callable[..., Any]) -> None:
+        found.setdefault(key, []).append((fn.__qualname__, _signature(fn)))
+
+    for cls in _walk("workflows"):
+        defn = workflow._Definition.from_class(cls)
+        if defn is None:
+            continue
+        assert defn.name is not None, f"{cls.__qualname__} is a dynamic workflow"
+        add(("workflow", "", defn.name), defn.run_fn)
+        for kind, handlers in (
+            ("signal", defn.signals),
+            ("update", defn.updates),
+            ("query", defn.queries),
+        ):
+            for name, handler in handlers.items():
+                assert name is not None, f"{cls.__qualname__} has a dynamic {kind} handler"
+                add((kind, defn.name, name), handler.fn)
+    for package in ("activities.control", "activities.agent"):
+        for cls in _walk(package):
+            for _, fn in inspect.getmembers(cls, inspect.isfunction):
+                adefn = activity._Definition.from_callable(fn)
+                if adefn is not None:
+                    assert adefn.name is not None, f"{fn.__qualname__} is a dynamic activity"
+                    add(("activity", "", adefn.name), fn)
+    return found
+
+
+def _key(d: Descriptor) -> tuple[str, str, str]:
+    if isinstance(d, contracts.WorkflowType):
+        return ("workflow", "", d.name)
+    if isinstance(d, contracts.Activity):
+        return ("activity", "", d.name)
+    kind = {contracts.Signal: "signal", contracts.Update: "update", contracts.Query: "query"}
+    return (kind[type(d)], d.workflow, d.name)
+
+
+def _expected(d: Descriptor) -> tuple[object, object]:
+    return (d.input, type(None) if isinstance(d, contracts.Signal) else d.result)
+
+
+def test_every_descriptor_has_one_handler_typed_as_it_says() -> None:
+    handlers = _handlers()
+    assert len(handlers) > 40  # the walk did reach the workflows and activities
+    descriptors = {_key(d): d for d in _descriptors().values()}
+    assert len(descriptors) == len(_descriptors())  # no two descriptors for one handler
+    assert sorted(set(handlers) - set(descriptors)) == []  # every handler has a descriptor
+    assert sorted(set(descriptors) - set(handlers)) == []  # every descriptor a handler
+    assert {k: len(v) for k, v in handlers.items() if len(v) != 1} == {}
+    wrong = {
+        f"{k}: {handlers[k][0][0]}": (handlers[k][0][1], _expected(d))
+        for k, d in descriptors.items()
+        if handlers[k][0][1] != _expected(d)
+    }
+    assert wrong == {}
+
+
+def test_memos_round_trip_as_their_writers_store_them() -> None:
+    nodes = contracts.FleetNodes({"n1": "10.0.0.1"})
+    # The stored shape is the plain object the Fleet published before the
+    # descriptor existed: a RootModel adds no wrapper.
+    assert contracts.FLEET_NODES_MEMO.encode(nodes) == {"nodes": {"n1": "10.0.0.1"}}
+    assert contracts.FLEET_NODES_MEMO.decode({"nodes": {"n1": "10.0.0.1"}}) == nodes
+    assert contracts.FLEET_NODES_MEMO.decode({}) is None
+    assert contracts.REPLICA_MEMO.decode({"replica": "not an object"}) is None
 
 
 def _constants(module: object) -> dict[str, str]:
     return {k: v for k, v in vars(module).items() if k.isupper() and isinstance(v, str)}
-
-
-def test_message_names_keep_their_values() -> None:
-    assert _constants(messages) == WIRE_MESSAGES
 
 
 WIRE_ERROR_TYPES = {
@@ -98,8 +253,22 @@ def test_error_types_raised_from_classes_are_their_class_names() -> None:
         error_types.CHECKSUM_MISMATCH: weights.ChecksumMismatch,
         error_types.SOURCE_MISSING: weights.SourceMissing,
         error_types.SOURCE_OUTSIDE_ROOTS: weights.SourceOutsideRoots,
+        error_types.AGENT_SHUTDOWN: errors.AgentShutdown,
+        error_types.RENDEZVOUS_FAILED: errors.RendezvousFailed,
+        error_types.ENGINE_GONE: errors.EngineGone,
+        error_types.ADAPTER_OUTSIDE_ROOTS: errors.AdapterOutsideRoots,
+        error_types.ADAPTER_NOT_FOUND: errors.AdapterNotFound,
+        error_types.ADAPTER_LOAD_FAILED: errors.AdapterLoadFailed,
+        error_types.ADAPTER_ENGINE_FULL: errors.AdapterEngineFull,
+        error_types.ADAPTER_BUSY: errors.AdapterBusy,
+        error_types.ADAPTER_UNLOAD_FAILED: errors.AdapterUnloadFailed,
     }
+    # Every type that crosses has its class (none is raised as a bare string).
+    assert set(pairs) == set(_constants(error_types).values())
     assert {name: cls.__name__ for name, cls in pairs.items()} == {n: n for n in pairs}
+    for name, cls in pairs.items():
+        if issubclass(cls, errors.LlmgwError):
+            assert cls("x").to_application_error().type == name
 
 
 PACKAGES = ("llmgw", "workflows", "activities", "router", "worker_agent", "llmgw_cli")

@@ -14,8 +14,7 @@ from temporalio import workflow
 from temporalio.common import RetryPolicy
 
 with workflow.unsafe.imports_passed_through():
-    from activities import names
-    from llmgw import messages
+    from llmgw import contracts
     from llmgw.queues import replica_workflow_id
     from llmgw.types import (
         AdapterCall,
@@ -32,7 +31,7 @@ with workflow.unsafe.imports_passed_through():
 TIMEOUTS = ReplicaTimeouts(schedule_to_start_s=15.0, heartbeat_s=60.0)
 
 
-@workflow.defn(name=messages.ADAPTER_LOAD)
+@workflow.defn(name=contracts.ADAPTER_LOAD.name)
 class AdapterLoadWorkflow:
     """Unload an idle adapter if asked, load the wanted one, tell the replica."""
 
@@ -43,8 +42,8 @@ class AdapterLoadWorkflow:
         evicted = None
         if request.evict:
             await node_activity(
-                request.node_id, names.UNLOAD_ADAPTER,
-                AdapterCall(replica_id=rid, name=request.evict), AdapterCallResult,
+                request.node_id, contracts.UNLOAD_ADAPTER,
+                AdapterCall(replica_id=rid, name=request.evict),
                 TIMEOUTS, timedelta(seconds=60),
             )  # fmt: skip
             evicted = request.evict
@@ -55,7 +54,7 @@ class AdapterLoadWorkflow:
             replica_id=rid, name=name, path=request.adapter.source, max_loaded=request.max_loaded
         )
         result: AdapterCallResult = await node_activity(
-            request.node_id, names.LOAD_ADAPTER, call, AdapterCallResult,
+            request.node_id, contracts.LOAD_ADAPTER, call,
             TIMEOUTS, timedelta(seconds=120), retry=RetryPolicy(maximum_attempts=3),
         )  # fmt: skip
         decision("adapter.load", replica=rid, adapter=name, changed=result.changed)
@@ -69,8 +68,8 @@ class AdapterLoadWorkflow:
             reason += f", unloaded {', '.join(made_room)} (engine full, idle)"
             evicted = evicted or made_room[0]
         try:
-            await workflow.get_external_workflow_handle(replica_workflow_id(rid)).signal(
-                messages.ADAPTERS_CHANGED,
+            await contracts.ADAPTERS_CHANGED.send(
+                workflow.get_external_workflow_handle(replica_workflow_id(rid)),
                 AdaptersChanged(
                     loaded=[name],
                     unloaded=[*([request.evict] if request.evict else []), *made_room],

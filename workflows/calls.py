@@ -13,7 +13,7 @@ from temporalio.common import RetryPolicy
 from temporalio.exceptions import ApplicationError
 
 with workflow.unsafe.imports_passed_through():
-    from activities import names
+    from llmgw import contracts
     from llmgw.queues import node_queue
     from llmgw.types import (
         FetchWeightsInput,
@@ -24,39 +24,35 @@ with workflow.unsafe.imports_passed_through():
         StopShardResult,
     )
 
-T = TypeVar("T")
+I = TypeVar("I")  # noqa: E741 - an activity's input type, as in contracts.Activity[I, R]
+R = TypeVar("R")
 
 
 async def node_activity(
     node_id: str,
-    name: str,
-    arg: object,
-    result_type: type[T],
+    activity: contracts.Activity[I, R],
+    arg: I,
     timeouts: ReplicaTimeouts,
     start_to_close: timedelta,
     retry: RetryPolicy | None = None,
-) -> T:
-    """Run activity ``name`` on ``node_id``'s queue."""
-    result: T = await workflow.execute_activity(
-        name,
+) -> R:
+    """Run ``activity`` on ``node_id``'s queue."""
+    return await activity.run(
         arg,
-        result_type=result_type,
         task_queue=node_queue(node_id),
         schedule_to_start_timeout=timedelta(seconds=timeouts.schedule_to_start_s),
         start_to_close_timeout=start_to_close,
         heartbeat_timeout=timedelta(seconds=timeouts.heartbeat_s),
         retry_policy=retry or RetryPolicy(maximum_attempts=3),
     )
-    return result
 
 
 async def stop_rank(node_id: str, shard: ShardRef, timeouts: ReplicaTimeouts) -> StopShardResult:
     """Stop one rank's process group (a no-op when it is not running)."""
     return await node_activity(
         node_id,
-        names.STOP_SHARD,
+        contracts.STOP_SHARD,
         StopShardInput(shard=shard, grace_s=timeouts.stop_grace_s),
-        StopShardResult,
         timeouts,
         timedelta(seconds=timeouts.stop_grace_s + 30),
         retry=RetryPolicy(maximum_attempts=5),

@@ -29,8 +29,7 @@ from temporalio.exceptions import ActivityError, ChildWorkflowError
 from temporalio.workflow import ChildWorkflowHandle, ParentClosePolicy
 
 with workflow.unsafe.imports_passed_through():
-    from activities import names
-    from llmgw import messages
+    from llmgw import contracts
     from llmgw import search_attributes as sa
     from llmgw.queues import replica_workflow_id
     from llmgw.types import (
@@ -46,7 +45,6 @@ with workflow.unsafe.imports_passed_through():
         ScaleInput,
         SetAutoscaleInput,
         SetModelInput,
-        ShardLoad,
         ShardRef,
         Slot,
         StopReplicaInput,
@@ -67,7 +65,7 @@ CONVERGE_PATCH = "converge-after-roll-v1"
 ELASTIC_PATCH = "elastic-serving-v1"
 
 
-@workflow.defn(name=messages.DEPLOYMENT)
+@workflow.defn(name=contracts.DEPLOYMENT.name)
 class DeploymentWorkflow:
     """Reconciles desired replicas of one model against those running."""
 
@@ -137,7 +135,7 @@ class DeploymentWorkflow:
         await workflow.wait_condition(workflow.all_handlers_finished)
         return self.status()
 
-    @workflow.signal(name=messages.REPLICA_ENDED)
+    @workflow.signal(name=contracts.REPLICA_ENDED.name)
     def replica_ended(self, final: ReplicaStatus) -> None:
         """A replica ended (sent by replicas, whichever run started them)."""
         self._ended[final.replica_id] = final
@@ -191,7 +189,7 @@ class DeploymentWorkflow:
         )
         return self._input.model_copy(update={"carry": carry})
 
-    @workflow.update(name=messages.SCALE)
+    @workflow.update(name=contracts.SCALE.name)
     def scale(self, request: ScaleInput) -> DeploymentStatus:
         """Set the desired number of replicas: a fixed count (autoscaling stops)."""
         self._load.set_policy(None, workflow.now().timestamp())
@@ -199,21 +197,21 @@ class DeploymentWorkflow:
         self._changed = True
         return self.status()
 
-    @workflow.update(name=messages.SET_AUTOSCALE)
+    @workflow.update(name=contracts.SET_AUTOSCALE.name)
     def set_autoscale(self, request: SetAutoscaleInput) -> DeploymentStatus:
         """Follow the load within ``request.policy`` (None: keep today's count, fixed)."""
         self._load.set_policy(request.policy, workflow.now().timestamp())
         self._changed = True
         return self.status()
 
-    @workflow.signal(name=messages.REPORT_LOAD)
+    @workflow.signal(name=contracts.REPORT_LOAD.name)
     def report_load(self, report: LoadReport) -> None:
         """A router's load on this model (about once a second while it has any)."""
         self._load.report(report, workflow.now().timestamp())
         if self._load.policy is not None:
             self._changed = True
 
-    @workflow.update(name=messages.WAKE)
+    @workflow.update(name=contracts.WAKE.name)
     async def wake(self, request: WakeInput) -> WakeResult:
         """Requests wait for this model: start a replica if at zero, and answer
         once one serves or the start failed. Idempotent: however many routers
@@ -282,14 +280,14 @@ class DeploymentWorkflow:
             self._load.next_check(self._book.desired, now, self._starting()), now
         )
 
-    @workflow.update(name=messages.SET_MODEL)
+    @workflow.update(name=contracts.SET_MODEL.name)
     def set_model(self, request: SetModelInput) -> DeploymentStatus:
         """Start new replicas from ``request.model`` and roll the running ones onto it."""
         self._input = self._input.model_copy(update={"model": request.model})
         self._begin_roll(request.reason)
         return self.status()
 
-    @workflow.update(name=messages.ROLLING_RESTART)
+    @workflow.update(name=contracts.ROLLING_RESTART.name)
     def rolling_restart(self, request: RollingRestartInput) -> DeploymentStatus:
         """Replace every replica one at a time: start new, wait ready, drain old."""
         self._begin_roll(request.reason)
@@ -307,7 +305,7 @@ class DeploymentWorkflow:
             )
         self._changed = True
 
-    @workflow.signal(name=messages.REPLICA_READY)
+    @workflow.signal(name=contracts.REPLICA_READY.name)
     def replica_ready(self, notice: ReplicaReadyNotice) -> None:
         """A child replica serves: a rolling restart may retire what it replaces."""
         self._book.ready(notice.replica_id, notice.node_id)
@@ -317,7 +315,7 @@ class DeploymentWorkflow:
             self._load.touch(workflow.now().timestamp())
         self._changed = True
 
-    @workflow.query(name=messages.STATUS)
+    @workflow.query(name=contracts.DEPLOYMENT_STATUS.name)
     def status(self) -> DeploymentStatus:
         """Every slot: its current replica, restarts, and why the last one ended."""
         return DeploymentStatus(
@@ -359,9 +357,8 @@ class DeploymentWorkflow:
             s.slot: asyncio.ensure_future(
                 node_activity(
                     s.node_id,
-                    names.SHARD_LOAD,
+                    contracts.SHARD_LOAD,
                     ShardRef(replica_id=s.replica_id),
-                    ShardLoad,
                     quick,
                     timedelta(seconds=10),
                     retry=RetryPolicy(maximum_attempts=1),
@@ -388,13 +385,11 @@ class DeploymentWorkflow:
     async def _start(self, slot: Slot) -> None:
         name = self._input.model.name
         self._book.started(slot, f"{name}-{str(workflow.uuid4())[:8]}")
-        handle = await workflow.start_child_workflow(
-            messages.REPLICA,
+        handle = await contracts.REPLICA.start_child(
             ReplicaInput(
                 replica_id=slot.replica_id, model=self._input.model, timeouts=self._input.timeouts
             ),
             id=replica_workflow_id(slot.replica_id),
-            result_type=ReplicaStatus,
             # Replicas outlive a run of their deployment: continue-as-new must
             # not stop them. A cancelled deployment drains them itself; one
             # terminated leaves them to the reconcile pass (parent gone).
@@ -415,10 +410,10 @@ class DeploymentWorkflow:
         handle = self._handles.get(slot.slot)
         stop = StopReplicaInput(reason="scaled down")
         if handle is not None and slot.slot in self._running:
-            await handle.signal(messages.REQUEST_STOP, stop)
+            await contracts.REQUEST_STOP.send(handle, stop)
         elif slot.slot in self._inherited:
             external = workflow.get_external_workflow_handle(replica_workflow_id(slot.replica_id))
-            await external.signal(messages.REQUEST_STOP, stop)
+            await contracts.REQUEST_STOP.send(external, stop)
 
     async def _wait_for_change(self) -> None:
         self._changed = False

@@ -12,8 +12,7 @@ from datetime import timedelta
 from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
-    from activities import names
-    from llmgw import messages
+    from llmgw import contracts
     from llmgw import search_attributes as sa
     from llmgw.queues import replica_workflow_id
     from llmgw.types import (
@@ -37,7 +36,7 @@ def on_node(fleet: FleetSnapshot, node_id: str) -> list[str]:
     )
 
 
-@workflow.defn(name=messages.DRAIN_NODE)
+@workflow.defn(name=contracts.DRAIN_NODE.name)
 class DrainNodeWorkflow:
     """Cordon a node and drain its replicas, bounded."""
 
@@ -54,8 +53,8 @@ class DrainNodeWorkflow:
         workflow.logger.info("node %s cordoned; draining %s", request.node_id, asked)
         for rid in asked:
             handle = workflow.get_external_workflow_handle(replica_workflow_id(rid))
-            await handle.signal(
-                messages.REQUEST_STOP, StopReplicaInput(reason=f"node {request.node_id} drained")
+            await contracts.REQUEST_STOP.send(
+                handle, StopReplicaInput(reason=f"node {request.node_id} drained")
             )
         deadline = workflow.now() + timedelta(seconds=request.timeout_s)
         remaining = asked
@@ -72,10 +71,7 @@ class DrainNodeWorkflow:
         )
 
     async def _fleet(self, cordon: CordonInput | None) -> FleetSnapshot:
-        snapshot: FleetSnapshot = await workflow.execute_activity(
-            names.FLEET_CORDON,
+        return await contracts.FLEET_CORDON.run(
             cordon or CordonInput(node_id="", cordoned=False),
-            result_type=FleetSnapshot,
             start_to_close_timeout=timedelta(seconds=30),
         )
-        return snapshot

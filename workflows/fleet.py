@@ -7,8 +7,7 @@ GPU is never handed out twice; agents register by signal-with-start.
 from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
-    from llmgw import messages
-    from llmgw.queues import FLEET_NODES_MEMO
+    from llmgw import contracts
     from llmgw.types import (
         CordonInput,
         FleetSnapshot,
@@ -38,7 +37,7 @@ MULTI_NODE_PREEMPTION = "multi-node-preemption-v1"
 NODES_MEMO_PATCH = "fleet-nodes-memo-v1"
 
 
-@workflow.defn(name=messages.FLEET)
+@workflow.defn(name=contracts.FLEET.name)
 class FleetWorkflow:
     """Node inventory and allocation ledger; continues as new when long."""
 
@@ -59,7 +58,7 @@ class FleetWorkflow:
         await workflow.wait_condition(workflow.all_handlers_finished)
         workflow.continue_as_new(self._state)
 
-    @workflow.signal(name=messages.REGISTER_NODE)
+    @workflow.signal(name=contracts.REGISTER_NODE.name)
     def register_node(self, inventory: NodeInventory) -> None:
         """An agent (re)registered: replace its inventory."""
         first = inventory.node_id not in self._state.liveness
@@ -94,9 +93,9 @@ class FleetWorkflow:
         self._published_nodes = nodes
         # Routers send requests (and engine keys) only to these addresses,
         # so a forged Replica memo cannot point them elsewhere.
-        workflow.upsert_memo({FLEET_NODES_MEMO: nodes})
+        workflow.upsert_memo(contracts.FLEET_NODES_MEMO.encode(contracts.FleetNodes(nodes)))
 
-    @workflow.signal(name=messages.DEREGISTER_NODE)
+    @workflow.signal(name=contracts.DEREGISTER_NODE.name)
     def deregister_node(self, node: NodeRef) -> None:
         """An agent shut down cleanly: offer its node to no new replica."""
         seen = self._state.liveness.get(node.node_id)
@@ -104,7 +103,7 @@ class FleetWorkflow:
             seen.up = False
             workflow.logger.info("node %s deregistered", node.node_id)
 
-    @workflow.update(name=messages.PLACE)
+    @workflow.update(name=contracts.PLACE.name)
     def place(self, request: PlaceRequest) -> PlaceResult:
         """Choose a node and record the allocation (idempotent per replica).
 
@@ -113,7 +112,7 @@ class FleetWorkflow:
         """
         return self._place(request, split_live(self._state, workflow.now()))
 
-    @workflow.update(name=messages.PLACE_BATCH)
+    @workflow.update(name=contracts.PLACE_BATCH.name)
     def place_batch(self, batch: PlaceBatch) -> PlaceBatchResult:
         """``place`` for each request in turn, in one workflow task."""
         # Liveness is judged once: workflow time stands still within a task.
@@ -197,7 +196,7 @@ class FleetWorkflow:
             )  # fmt: skip
         del self._state.preemptions[:-KEEP_PREEMPTIONS]
 
-    @workflow.update(name=messages.RELEASE)
+    @workflow.update(name=contracts.RELEASE.name)
     def release(self, request: ReleaseRequest) -> ReleaseResult:
         """Give back a replica's allocation (and any room reserved for it)."""
         rid = request.replica_id
@@ -208,7 +207,7 @@ class FleetWorkflow:
             self._index.remove(rid)
         return ReleaseResult(released=released)
 
-    @workflow.update(name=messages.CORDON)
+    @workflow.update(name=contracts.CORDON.name)
     def cordon(self, request: CordonInput) -> FleetSnapshot:
         """Cordon (or uncordon) a node: running replicas stay, new ones go elsewhere."""
         cordoned = set(self._state.cordoned)
@@ -219,14 +218,14 @@ class FleetWorkflow:
         self._state.cordoned = sorted(cordoned)
         return self._state
 
-    @workflow.query(name=messages.NODES)
+    @workflow.query(name=contracts.NODES.name)
     def nodes(self, query: NodesQuery) -> NodesResult:
         """Some nodes' inventories: what checking a launch needs, without
         serialising the whole fleet (megabytes on a large one) each time."""
         known = self._state.nodes
         return NodesResult(nodes={n: known[n] for n in query.node_ids if n in known})
 
-    @workflow.query(name=messages.SNAPSHOT)
+    @workflow.query(name=contracts.SNAPSHOT.name)
     def snapshot(self) -> FleetSnapshot:
         """The whole fleet state."""
         return self._state

@@ -9,25 +9,21 @@ from datetime import timedelta
 from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
-    from activities import names
-    from llmgw import messages
+    from llmgw import contracts
     from llmgw.queues import node_queue
     from llmgw.types import LogTail, LogTailInput, ShardLogsInput
 
 
-@workflow.defn(name=messages.SHARD_LOGS)
+@workflow.defn(name=contracts.SHARD_LOGS.name)
 class ShardLogsWorkflow:
     """Runs one node activity and returns its answer."""
 
     @workflow.run
     async def run(self, request: ShardLogsInput) -> LogTail:
         """The tail of one shard's engine log."""
-        tail: LogTail = await workflow.execute_activity(
-            names.SHARD_LOG_TAIL,
+        return await contracts.SHARD_LOG_TAIL.run(
             LogTailInput(shard=request.shard, lines=request.lines),
-            result_type=LogTail,
             task_queue=node_queue(request.node_id),
             schedule_to_start_timeout=timedelta(seconds=10),
             start_to_close_timeout=timedelta(seconds=10),
         )
-        return tail

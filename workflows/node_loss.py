@@ -15,7 +15,7 @@ from temporalio.common import RetryPolicy
 from temporalio.exceptions import ActivityError, CancelledError
 
 with workflow.unsafe.imports_passed_through():
-    from activities import names
+    from llmgw import contracts
     from llmgw.errors import LlmgwError
     from llmgw.types import (
         ProbeEngineInput,
@@ -46,9 +46,8 @@ async def agent_answers(node: str, shard: ShardRef, timeouts: ReplicaTimeouts) -
     try:
         return await node_activity(
             node,
-            names.SHARD_RUNNING,
+            contracts.SHARD_RUNNING,
             shard,
-            ShardRunning,
             quick,
             timedelta(seconds=30),
             retry=RetryPolicy(maximum_attempts=1),
@@ -70,9 +69,8 @@ async def agent_or_silence(
         return asyncio.ensure_future(
             node_activity(
                 node,
-                names.SHARD_RUNNING,
+                contracts.SHARD_RUNNING,
                 shard,
-                ShardRunning,
                 patient,
                 timedelta(seconds=30),
                 retry=RetryPolicy(maximum_interval=timedelta(seconds=10)),
@@ -81,15 +79,13 @@ async def agent_or_silence(
 
     agent = ask_agent()
     probe: asyncio.Future[ProbeEngineResult] = asyncio.ensure_future(
-        workflow.execute_activity(
-            names.PROBE_ENGINE,
+        contracts.PROBE_ENGINE.run(
             ProbeEngineInput(
                 replica_id=shard.replica_id,
                 endpoint=endpoint,
                 interval_s=timeouts.probe_interval_s,
                 unreachable_s=timeouts.engine_unreachable_s,
             ),
-            result_type=ProbeEngineResult,
             start_to_close_timeout=PROBE_LIFETIME,
             heartbeat_timeout=timedelta(seconds=max(30.0, 3 * timeouts.probe_interval_s)),
             retry_policy=RetryPolicy(maximum_interval=timedelta(seconds=10)),

@@ -32,7 +32,7 @@ from pydantic import BaseModel, Field
 from temporalio.client import Client
 from temporalio.service import RPCError
 
-from llmgw import messages
+from llmgw import contracts
 from llmgw.queues import FLEET_WORKFLOW_ID, deployment_workflow_id, replica_workflow_id
 from llmgw.store import Store
 from llmgw.temporal import workflow_running
@@ -42,7 +42,6 @@ from llmgw.types import (
     FleetSnapshot,
     ModelSpec,
     ReleaseRequest,
-    ReleaseResult,
     ReplicaPhase,
     ReplicaStatus,
     ScaleInput,
@@ -135,7 +134,7 @@ async def ledger_orders(client: Client, fleet: FleetSnapshot) -> list[Order]:
 async def ownership_orders(client: Client, deployments: list[DeploymentStatus]) -> list[Order]:
     """Replicas whose deployment ended, and slots whose replica vanished untold."""
     orders: list[Order] = []
-    query = f"WorkflowType = '{messages.REPLICA}' AND ExecutionStatus = 'Running'"
+    query = f"WorkflowType = '{contracts.REPLICA.name}' AND ExecutionStatus = 'Running'"
     async for wf in client.list_workflows(query):
         if wf.parent_id and await workflow_running(client, wf.parent_id) is False:
             rid = wf.id.removeprefix(replica_workflow_id(""))
@@ -161,11 +160,11 @@ async def ownership_orders(client: Client, deployments: list[DeploymentStatus]) 
 
 async def _deployments(client: Client) -> list[DeploymentStatus]:
     found: list[DeploymentStatus] = []
-    query = f"WorkflowType = '{messages.DEPLOYMENT}' AND ExecutionStatus = 'Running'"
+    query = f"WorkflowType = '{contracts.DEPLOYMENT.name}' AND ExecutionStatus = 'Running'"
     async for wf in client.list_workflows(query):
         try:
-            status: DeploymentStatus = await client.get_workflow_handle(wf.id).query(
-                messages.STATUS, result_type=DeploymentStatus, rpc_timeout=timedelta(seconds=5)
+            status = await contracts.DEPLOYMENT_STATUS.ask(
+                client.get_workflow_handle(wf.id), None, rpc_timeout=timedelta(seconds=5)
             )
         except RPCError as exc:
             log.info("reconcile: cannot read %s: %s", wf.id, exc)
@@ -177,20 +176,19 @@ async def _deployments(client: Client) -> list[DeploymentStatus]:
 async def _carry_out(client: Client, order: Order, catalog: Mapping[str, ModelSpec]) -> None:
     log.warning("reconcile: %s %s: %s", order.action.value, order.target, order.reason)
     if order.action is Action.REMOVE_DEPLOYMENT:
-        await client.get_workflow_handle(deployment_workflow_id(order.target)).execute_update(
-            messages.SCALE, ScaleInput(replicas=0), result_type=DeploymentStatus
+        await contracts.SCALE.execute(
+            client.get_workflow_handle(deployment_workflow_id(order.target)),
+            ScaleInput(replicas=0),
         )
     elif order.action is Action.UPDATE_DEPLOYMENT:
-        await client.get_workflow_handle(deployment_workflow_id(order.target)).execute_update(
-            messages.SET_MODEL,
+        await contracts.SET_MODEL.execute(
+            client.get_workflow_handle(deployment_workflow_id(order.target)),
             SetModelInput(model=catalog[order.target], reason=order.reason),
-            result_type=DeploymentStatus,
         )
     elif order.action is Action.SET_AUTOSCALE:
-        await client.get_workflow_handle(deployment_workflow_id(order.target)).execute_update(
-            messages.SET_AUTOSCALE,
+        await contracts.SET_AUTOSCALE.execute(
+            client.get_workflow_handle(deployment_workflow_id(order.target)),
             SetAutoscaleInput(policy=catalog[order.target].autoscale),
-            result_type=DeploymentStatus,
         )
     elif order.action is Action.NOTIFY_ENDED:
         ended = ReplicaStatus(
@@ -199,16 +197,17 @@ async def _carry_out(client: Client, order: Order, catalog: Mapping[str, ModelSp
             phase=ReplicaPhase.FAILED,
             reason=order.reason,
         )
-        await client.get_workflow_handle(deployment_workflow_id(order.target)).signal(
-            messages.REPLICA_ENDED, ended
+        await contracts.REPLICA_ENDED.send(
+            client.get_workflow_handle(deployment_workflow_id(order.target)), ended
         )
     elif order.action is Action.STOP_REPLICA:
-        await client.get_workflow_handle(replica_workflow_id(order.target)).signal(
-            messages.REQUEST_STOP, StopReplicaInput(reason=order.reason)
+        await contracts.REQUEST_STOP.send(
+            client.get_workflow_handle(replica_workflow_id(order.target)),
+            StopReplicaInput(reason=order.reason),
         )
     else:
-        await client.get_workflow_handle(FLEET_WORKFLOW_ID).execute_update(
-            messages.RELEASE, ReleaseRequest(replica_id=order.target), result_type=ReleaseResult
+        await contracts.RELEASE.execute(
+            client.get_workflow_handle(FLEET_WORKFLOW_ID), ReleaseRequest(replica_id=order.target)
         )
 
 
@@ -220,8 +219,8 @@ async def reconcile_once(
     Reads go through ``client``, actions through ``acts`` (default: the same):
     a pass that does something is one trace, a span per action beneath it.
     """
-    fleet: FleetSnapshot = await client.get_workflow_handle(FLEET_WORKFLOW_ID).query(
-        messages.SNAPSHOT, result_type=FleetSnapshot, rpc_timeout=timedelta(seconds=5)
+    fleet = await contracts.SNAPSHOT.ask(
+        client.get_workflow_handle(FLEET_WORKFLOW_ID), None, rpc_timeout=timedelta(seconds=5)
     )
     orders = await ledger_orders(client, fleet)
     deployments = await _deployments(client)

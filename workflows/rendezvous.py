@@ -19,11 +19,10 @@ from temporalio import workflow
 from temporalio.exceptions import ActivityError, ApplicationError
 
 with workflow.unsafe.imports_passed_through():
-    from activities import names
-    from llmgw import error_types, messages
+    from llmgw import contracts
+    from llmgw.errors import RendezvousFailed
     from llmgw.types import (
         EngineKind,
-        FetchWeightsResult,
         LaunchShardInput,
         ModelSpec,
         PortReservation,
@@ -35,9 +34,7 @@ with workflow.unsafe.imports_passed_through():
         ShardRef,
         ShardSpec,
         ValidateInput,
-        ValidateResult,
         WaitReadyInput,
-        WaitReadyResult,
     )
     from workflows.calls import failure_reason, fetch_input, node_activity, stop_rank
 
@@ -53,7 +50,7 @@ def needs_weights(engine: EngineKind, rank: int) -> bool:
     return rank == 0 or engine is not EngineKind.LLAMA_CPP
 
 
-@workflow.defn(name=messages.RENDEZVOUS)
+@workflow.defn(name=contracts.RENDEZVOUS.name)
 class RendezvousWorkflow:
     """Starts the ranks of one multi-node replica; compensates on failure."""
 
@@ -66,11 +63,9 @@ class RendezvousWorkflow:
             return await self._bounded()
         except (ActivityError, TimeoutError, ApplicationError) as err:
             await self._stop_all()
-            raise ApplicationError(
-                f"multi-node start failed: {_why(err, self._t.rendezvous_s)}",
-                type=error_types.RENDEZVOUS_FAILED,
-                non_retryable=True,
-            ) from err
+            raise RendezvousFailed(
+                f"multi-node start failed: {_why(err, self._t.rendezvous_s)}"
+            ).to_application_error() from err
         except asyncio.CancelledError:
             await self._stop_all()
             raise
@@ -97,12 +92,10 @@ class RendezvousWorkflow:
             for rank, shard in shards.items()
         }
         rendezvous = await self._rendezvous(engine, shards)
-        await workflow.execute_activity(
-            names.VALIDATE_REPLICA,
+        await contracts.VALIDATE_REPLICA.run(
             ValidateInput(
                 model=self._req.model, placement=self._req.placement, rendezvous=rendezvous
             ),
-            result_type=ValidateResult,
             start_to_close_timeout=timedelta(seconds=30),
         )
         handles: dict[int, ShardHandle] = {}
@@ -119,9 +112,8 @@ class RendezvousWorkflow:
             )
             handles[rank] = await node_activity(
                 shard.node_id,
-                names.LAUNCH_SHARD,
+                contracts.LAUNCH_SHARD,
                 LaunchShardInput(spec=spec),
-                ShardHandle,
                 self._t,
                 timedelta(seconds=self._t.rendezvous_s),
             )
@@ -131,9 +123,8 @@ class RendezvousWorkflow:
         for rank in sorted(handles, reverse=True):  # workers alive, then the leader answering
             await node_activity(
                 shards[rank].node_id,
-                names.WAIT_SHARD_READY,
+                contracts.WAIT_SHARD_READY,
                 WaitReadyInput(shard=self._ref(rank), timeout_s=self._t.ready_s),
-                WaitReadyResult,
                 self._t,
                 timedelta(seconds=self._t.ready_s + 30),
             )
@@ -143,9 +134,8 @@ class RendezvousWorkflow:
         model = self._req.model
         fetched = await node_activity(
             shard.node_id,
-            names.FETCH_WEIGHTS,
+            contracts.FETCH_WEIGHTS,
             fetch_input(self._req.replica_id, model),
-            FetchWeightsResult,
             self._t,
             timedelta(seconds=self._t.fetch_s),
         )
@@ -161,9 +151,8 @@ class RendezvousWorkflow:
         for rank in reserve:
             found[rank] = await node_activity(
                 shards[rank].node_id,
-                names.RESERVE_PORT,
+                contracts.RESERVE_PORT,
                 self._ref(rank),
-                PortReservation,
                 self._t,
                 timedelta(seconds=30),
             )

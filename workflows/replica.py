@@ -24,20 +24,16 @@ from temporalio import workflow
 from temporalio.exceptions import ActivityError, ChildWorkflowError
 
 with workflow.unsafe.imports_passed_through():
-    from activities import names
-    from llmgw import messages
+    from llmgw import contracts
     from llmgw import search_attributes as sa
     from llmgw.errors import LlmgwError
     from llmgw.queues import replica_workflow_id
     from llmgw.types import (
         AdaptersChanged,
         DrainInput,
-        DrainResult,
         Placement,
         PlaceRequest,
-        PlaceResult,
         ReleaseRequest,
-        ReleaseResult,
         ReplicaInput,
         ReplicaPhase,
         ReplicaReadyNotice,
@@ -64,7 +60,7 @@ class _StopRequested(LlmgwError):
     """Internal: a stop update arrived while waiting for something else."""
 
 
-@workflow.defn(name=messages.REPLICA)
+@workflow.defn(name=contracts.REPLICA.name)
 class ReplicaWorkflow:
     """The lifecycle of one replica."""
 
@@ -116,9 +112,9 @@ class ReplicaWorkflow:
             return
         handle = workflow.get_external_workflow_handle(parent.workflow_id)
         with contextlib.suppress(Exception):  # a deployment already gone needs no notice
-            await handle.signal(messages.REPLICA_ENDED, self._status)
+            await contracts.REPLICA_ENDED.send(handle, self._status)
 
-    @workflow.update(name=messages.STOP)
+    @workflow.update(name=contracts.STOP.name)
     async def stop(self, request: StopReplicaInput) -> ReplicaStatus:
         """Stop the replica (draining first) and answer once it has stopped."""
         if self._stop is None:
@@ -126,14 +122,14 @@ class ReplicaWorkflow:
         await workflow.wait_condition(lambda: is_terminal(self._status.phase))
         return self._status
 
-    @workflow.signal(name=messages.REQUEST_STOP)
+    @workflow.signal(name=contracts.REQUEST_STOP.name)
     def request_stop(self, request: StopReplicaInput) -> None:
         """Stop the replica (workflows, which cannot send updates, signal)."""
         if self._stop is None:
             self._stop = request
             self._status.preempted_by = request.preempted_by
 
-    @workflow.signal(name=messages.ADAPTERS_CHANGED)
+    @workflow.signal(name=contracts.ADAPTERS_CHANGED.name)
     def adapters_changed(self, change: AdaptersChanged) -> None:
         """An AdapterLoad changed what the engine holds: recorded and published."""
         held = [a for a in self._status.adapters if a not in change.unloaded]
@@ -143,7 +139,7 @@ class ReplicaWorkflow:
         workflow.logger.info("replica %s: %s", self._input.replica_id, change.reason)
         self._publish()
 
-    @workflow.query(name=messages.STATUS)
+    @workflow.query(name=contracts.REPLICA_STATUS.name)
     def status(self) -> ReplicaStatus:
         """The replica's full state."""
         return self._status
@@ -167,10 +163,8 @@ class ReplicaWorkflow:
     async def _place(self) -> Placement | None:
         attempt = 0
         while attempt < self._t.place_attempts:
-            result: PlaceResult = await workflow.execute_activity(
-                names.PLACE_REPLICA,
+            result = await contracts.PLACE_REPLICA.run(
                 PlaceRequest(replica_id=self._input.replica_id, model=self._input.model),
-                result_type=PlaceResult,
                 start_to_close_timeout=timedelta(seconds=30),
             )
             if result.preempt:
@@ -216,8 +210,8 @@ class ReplicaWorkflow:
                 preempted_by=self._input.replica_id,
             )
             try:
-                await workflow.get_external_workflow_handle(replica_workflow_id(victim)).signal(
-                    messages.REQUEST_STOP, request
+                await contracts.REQUEST_STOP.send(
+                    workflow.get_external_workflow_handle(replica_workflow_id(victim)), request
                 )
             except Exception as err:  # a victim that already ended needs no signal
                 workflow.logger.info(
@@ -277,9 +271,8 @@ class ReplicaWorkflow:
         try:
             drained = await node_activity(
                 self._placement.node_id,
-                names.DRAIN_SHARD,
+                contracts.DRAIN_SHARD,
                 DrainInput(shard=leader, timeout_s=self._t.drain_s),
-                DrainResult,
                 self._t,
                 timedelta(seconds=self._t.drain_s + 30),
             )
@@ -316,10 +309,8 @@ class ReplicaWorkflow:
     async def _release(self) -> None:
         if self._placement is None:
             return
-        await workflow.execute_activity(
-            names.RELEASE_REPLICA,
+        await contracts.RELEASE_REPLICA.run(
             ReleaseRequest(replica_id=self._input.replica_id),
-            result_type=ReleaseResult,
             start_to_close_timeout=timedelta(seconds=30),
         )
         self._placement = None
@@ -334,8 +325,8 @@ class ReplicaWorkflow:
             # A deployment in a rolling restart retires the old replica only
             # once this one serves.
             self._notify = asyncio.ensure_future(
-                workflow.get_external_workflow_handle(parent.workflow_id).signal(
-                    messages.REPLICA_READY,
+                contracts.REPLICA_READY.send(
+                    workflow.get_external_workflow_handle(parent.workflow_id),
                     ReplicaReadyNotice(
                         replica_id=self._input.replica_id, node_id=self._status.node_id
                     ),
@@ -345,7 +336,7 @@ class ReplicaWorkflow:
     def _publish(self) -> None:
         s = self._status
         memo = memo_of(s).model_copy(update={"engine": self._input.model.engine.value})
-        workflow.upsert_memo({"replica": memo.model_dump(mode="json")})
+        workflow.upsert_memo(contracts.REPLICA_MEMO.encode(memo))
         # No patch: replay checks an upsert's command type, not its
         # attributes (the stored histories replay with ReplicaUpdatedAt added).
         workflow.upsert_search_attributes(

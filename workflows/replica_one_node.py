@@ -14,7 +14,7 @@ from temporalio.common import RetryPolicy
 from temporalio.exceptions import ActivityError, CancelledError
 
 with workflow.unsafe.imports_passed_through():
-    from activities import names
+    from llmgw import contracts
     from llmgw.types import (
         FetchWeightsResult,
         LaunchShardInput,
@@ -29,7 +29,6 @@ with workflow.unsafe.imports_passed_through():
         ShardRef,
         ShardSpec,
         ValidateInput,
-        ValidateResult,
         WaitReadyInput,
         WaitReadyResult,
         WatchShardInput,
@@ -39,7 +38,8 @@ with workflow.unsafe.imports_passed_through():
     from workflows.replica_serving import WATCH_LIFETIME, ServingEnded, ServingPath
 
 P = ReplicaPhase
-T = TypeVar("T")
+I = TypeVar("I")  # noqa: E741 - an activity's input type, as in contracts.Activity[I, R]
+R = TypeVar("R")
 VALIDATE_PATCH = "validate-before-launch-v1"
 FAIL_TAIL_PATCH = "fail-log-tail-v1"
 NODE_LOST_PATCH = "node-lost-v1"
@@ -54,18 +54,15 @@ class OneNode(ServingPath):
         placement = self._placement
         model = self._input.model
         if workflow.patched(VALIDATE_PATCH):
-            await workflow.execute_activity(
-                names.VALIDATE_REPLICA,
+            await contracts.VALIDATE_REPLICA.run(
                 ValidateInput(model=model, placement=placement),
-                result_type=ValidateResult,
                 start_to_close_timeout=timedelta(seconds=30),
             )
         if self._fetches:
             fetched: FetchWeightsResult = await self._interruptible(
                 self._node_activity(
-                    names.FETCH_WEIGHTS,
+                    contracts.FETCH_WEIGHTS,
                     fetch_input(self._input.replica_id, model),
-                    FetchWeightsResult,
                     timedelta(seconds=self._t.fetch_s),
                 )
             )
@@ -78,9 +75,8 @@ class OneNode(ServingPath):
         self._move(P.LOADING, f"pid {handle.pid} on {handle.endpoint}")
         ready: WaitReadyResult = await self._interruptible(
             self._node_activity(
-                names.WAIT_SHARD_READY,
+                contracts.WAIT_SHARD_READY,
                 WaitReadyInput(shard=self._shard(), timeout_s=self._t.ready_s),
-                WaitReadyResult,
                 timedelta(seconds=self._t.ready_s + 30),
             )
         )
@@ -93,9 +89,8 @@ class OneNode(ServingPath):
         else:
             exit_info = await self._interruptible(
                 self._node_activity(
-                    names.WATCH_SHARD,
+                    contracts.WATCH_SHARD,
                     WatchShardInput(shard=self._shard()),
-                    ShardExit,
                     WATCH_LIFETIME,
                     retry=RetryPolicy(maximum_interval=timedelta(seconds=10)),
                 )
@@ -117,9 +112,8 @@ class OneNode(ServingPath):
         while True:
             try:
                 exit_info: ShardExit = await self._node_activity(
-                    names.WATCH_SHARD,
+                    contracts.WATCH_SHARD,
                     WatchShardInput(shard=self._shard()),
-                    ShardExit,
                     WATCH_LIFETIME,
                     retry=RetryPolicy(maximum_attempts=1),
                 )
@@ -159,9 +153,8 @@ class OneNode(ServingPath):
         )
         self.launched = True
         return await self._node_activity(
-            names.LAUNCH_SHARD,
+            contracts.LAUNCH_SHARD,
             LaunchShardInput(spec=spec),
-            ShardHandle,
             timedelta(seconds=self._t.launch_s),
         )
 
@@ -172,9 +165,8 @@ class OneNode(ServingPath):
             return
         try:
             tail: LogTail = await self._node_activity(
-                names.SHARD_LOG_TAIL,
+                contracts.SHARD_LOG_TAIL,
                 LogTailInput(shard=self._shard(), lines=LOG_TAIL_LINES),
-                LogTail,
                 timedelta(seconds=30),
                 retry=RetryPolicy(maximum_attempts=2),
             )
@@ -195,14 +187,13 @@ class OneNode(ServingPath):
 
     async def _node_activity(
         self,
-        name: str,
-        arg: object,
-        result_type: type[T],
+        activity: contracts.Activity[I, R],
+        arg: I,
         start_to_close: timedelta,
         retry: RetryPolicy | None = None,
-    ) -> T:
+    ) -> R:
         return await node_activity(
-            self._placement.node_id, name, arg, result_type, self._t, start_to_close, retry
+            self._placement.node_id, activity, arg, self._t, start_to_close, retry
         )
 
     def _shard(self) -> ShardRef:

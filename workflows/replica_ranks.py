@@ -15,8 +15,7 @@ from temporalio.common import RetryPolicy
 from temporalio.exceptions import ActivityError
 
 with workflow.unsafe.imports_passed_through():
-    from activities import names
-    from llmgw import messages
+    from llmgw import contracts
     from llmgw.types import (
         RendezvousInput,
         RendezvousResult,
@@ -43,13 +42,11 @@ class Ranks(ServingPath):
         if self._status.phase is P.FETCHING:
             self._move(P.STARTING, f"rendezvous of {len(ranks)} ranks")
         started: RendezvousResult = await self._interruptible(
-            workflow.execute_child_workflow(
-                messages.RENDEZVOUS,
+            contracts.RENDEZVOUS.execute_child(
                 RendezvousInput(
                     replica_id=rid, model=self._input.model, placement=placement, timeouts=self._t
                 ),
                 id=f"rendezvous/{rid}",
-                result_type=RendezvousResult,
             )
         )
         self._status.endpoint = started.leader.endpoint
@@ -65,11 +62,10 @@ class Ranks(ServingPath):
             asyncio.ensure_future(
                 node_activity(
                     shard.node_id,
-                    names.WATCH_SHARD,
+                    contracts.WATCH_SHARD,
                     WatchShardInput(
                         shard=ShardRef(replica_id=self._input.replica_id, rank=shard.rank)
                     ),
-                    ShardExit,
                     self._t,
                     WATCH_LIFETIME,
                     retry=RetryPolicy(maximum_interval=timedelta(seconds=10)),

@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable
 
 from temporalio.client import Client
 
-from llmgw import messages
+from llmgw import contracts
 from llmgw.queues import FLEET_WORKFLOW_ID
 from llmgw.types import PlaceBatch, PlaceBatchResult, PlaceRequest, PlaceResult
 
@@ -31,10 +31,7 @@ def fleet_sender(client: Client) -> SendBatch:
 
     async def send(batch: PlaceBatch) -> PlaceBatchResult:
         handle = client.get_workflow_handle(FLEET_WORKFLOW_ID)
-        result: PlaceBatchResult = await handle.execute_update(
-            messages.PLACE_BATCH, batch, result_type=PlaceBatchResult
-        )
-        return result
+        return await contracts.PLACE_BATCH.execute(handle, batch)
 
     return send
 

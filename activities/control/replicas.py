@@ -19,16 +19,14 @@ from temporalio import activity
 from temporalio.client import Client
 from temporalio.exceptions import ApplicationError
 
-from activities import names
 from activities.control.placer import Placer, fleet_sender
-from llmgw import error_types, messages
+from llmgw import contracts, error_types
 from llmgw.engine_keys import EngineKeySource
 from llmgw.queues import FLEET_WORKFLOW_ID
 from llmgw.types import (
     CordonInput,
     FleetSnapshot,
     NodesQuery,
-    NodesResult,
     PlaceRequest,
     PlaceResult,
     ProbeEngineInput,
@@ -73,7 +71,7 @@ class ControlActivities:
         self._engine_key = engine_key
         self._placer = placer or Placer(fleet_sender(client))
 
-    @activity.defn(name=names.PROBE_ENGINE)
+    @activity.defn(name=contracts.PROBE_ENGINE.name)
     async def probe_engine(self, request: ProbeEngineInput) -> ProbeEngineResult:
         """Return once the engine has not answered for ``unreachable_s``.
 
@@ -110,7 +108,7 @@ class ControlActivities:
                 if error:
                     silent += loop.time() - began
 
-    @activity.defn(name=names.PLACE_REPLICA)
+    @activity.defn(name=contracts.PLACE_REPLICA.name)
     async def place_replica(self, request: PlaceRequest) -> PlaceResult:
         """Ask the fleet to place a replica (in one batch with those asked meanwhile)."""
         result = await self._placer.place(request)
@@ -132,17 +130,15 @@ class ControlActivities:
             )
         return result
 
-    @activity.defn(name=names.VALIDATE_REPLICA)
+    @activity.defn(name=contracts.VALIDATE_REPLICA.name)
     async def validate_replica(self, request: ValidateInput) -> ValidateResult:
         """Refuse, before anything starts, a launch that would fail slowly,
         hang or run degraded (mixed GPU types in a TP group, fp8 on GPUs that
         cannot run it, parallelism that does not add up...)."""
         handle = self._client.get_workflow_handle(FLEET_WORKFLOW_ID)
         shards = request.placement.shards()
-        fleet: NodesResult = await handle.query(
-            messages.NODES,
-            NodesQuery(node_ids=sorted({s.node_id for s in shards})),
-            result_type=NodesResult,
+        fleet = await contracts.NODES.ask(
+            handle, NodesQuery(node_ids=sorted({s.node_id for s in shards}))
         )
         facts = []
         for shard in shards:
@@ -159,23 +155,16 @@ class ControlActivities:
             )
         return ValidateResult()
 
-    @activity.defn(name=names.FLEET_CORDON)
+    @activity.defn(name=contracts.FLEET_CORDON.name)
     async def fleet_cordon(self, request: CordonInput) -> FleetSnapshot:
         """Cordon or uncordon a node (an empty node id only reads the fleet)."""
         handle = self._client.get_workflow_handle(FLEET_WORKFLOW_ID)
         if not request.node_id:
-            snap: FleetSnapshot = await handle.query(messages.SNAPSHOT, result_type=FleetSnapshot)
-            return snap
-        result: FleetSnapshot = await handle.execute_update(
-            messages.CORDON, request, result_type=FleetSnapshot
-        )
-        return result
+            return await contracts.SNAPSHOT.ask(handle, None)
+        return await contracts.CORDON.execute(handle, request)
 
-    @activity.defn(name=names.RELEASE_REPLICA)
+    @activity.defn(name=contracts.RELEASE_REPLICA.name)
     async def release_replica(self, request: ReleaseRequest) -> ReleaseResult:
         """Give a replica's allocation back to the fleet."""
         handle = self._client.get_workflow_handle(FLEET_WORKFLOW_ID)
-        result: ReleaseResult = await handle.execute_update(
-            messages.RELEASE, request, result_type=ReleaseResult
-        )
-        return result
+        return await contracts.RELEASE.execute(handle, request)

@@ -21,7 +21,7 @@ from temporalio.client import (
 )
 from temporalio.service import RPCError, RPCStatusCode
 
-from llmgw import messages
+from llmgw import contracts
 from llmgw.queues import deployment_workflow_id
 from llmgw.types import LoadReport, WakeInput, WakeResult
 
@@ -63,7 +63,7 @@ class TemporalDeploymentLink:
     async def report(self, model: str, report: LoadReport) -> None:
         """One signal; a failure raises (the reporter logs and drops it)."""
         handle = self._client.get_workflow_handle(deployment_workflow_id(model))
-        await handle.signal(messages.REPORT_LOAD, report, rpc_timeout=self._rpc_timeout)
+        await contracts.REPORT_LOAD.send(handle, report, rpc_timeout=self._rpc_timeout)
 
     async def wake(self, model: str, wake: WakeInput) -> WakeResult:
         """The ``wake`` update's result; any failure becomes ``ready=False`` with why."""
@@ -100,12 +100,11 @@ class TemporalDeploymentLink:
     ) -> WakeResult:
         """Start (or join) the wake and wait for its answer. Each call is bounded
         by the RPC timeout; past it the SDK raises (it does not poll again)."""
-        update = await handle.start_update(
-            messages.WAKE,
+        update = await contracts.WAKE.start(
+            handle,
             wake,
             id=update_id,
             wait_for_stage=WorkflowUpdateStage.ACCEPTED,
-            result_type=WakeResult,
             rpc_timeout=self._rpc_timeout,
         )
         return WakeResult.model_validate(await update.result(rpc_timeout=self._rpc_timeout))

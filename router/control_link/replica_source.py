@@ -33,9 +33,9 @@ from temporalio.api.workflowservice.v1 import (
 from temporalio.client import Client
 from temporalio.service import RPCError
 
-from llmgw import messages
+from llmgw import contracts
 from llmgw import search_attributes as sa
-from llmgw.queues import FLEET_NODES_MEMO, FLEET_WORKFLOW_ID, replica_workflow_id
+from llmgw.queues import FLEET_WORKFLOW_ID, replica_workflow_id
 from llmgw.types import ReplicaMemo
 from router.control_link.routing import on_registered_nodes
 
@@ -43,10 +43,9 @@ log = logging.getLogger(__name__)
 
 # Bounded: a slow Temporal delays a refresh, never a request.
 LIST_RPC_TIMEOUT = timedelta(seconds=5)
-LIST_QUERY = f'WorkflowType="{messages.REPLICA}" AND ExecutionStatus="Running"'
+LIST_QUERY = f'WorkflowType="{contracts.REPLICA.name}" AND ExecutionStatus="Running"'
 # The visibility store's usual page cap: ten list calls for 10,000 replicas.
 LIST_PAGE_SIZE = 1000
-REPLICA_MEMO = "replica"  # the memo key the Replica workflow publishes under
 # How far before the previous listing's start a delta looks back: visibility
 # is eventually consistent (a publish may be indexed a moment after it
 # happened) and ReplicaUpdatedAt is the server's clock, not the router's.
@@ -88,7 +87,7 @@ def delta_query(since: float) -> str:
     listings back on."""
     t = rfc3339(since)
     return (
-        f'WorkflowType="{messages.REPLICA}" AND ({sa.REPLICA_UPDATED_AT.name} >= "{t}"'
+        f'WorkflowType="{contracts.REPLICA.name}" AND ({sa.REPLICA_UPDATED_AT.name} >= "{t}"'
         f' OR StartTime >= "{t}" OR CloseTime >= "{t}")'
     )
 
@@ -205,10 +204,10 @@ class TemporalReplicaSource:
         legacy = False
         fresh: list[tuple[str, str, bytes, Payload]] = []
         for info in page:
-            if info.type.name != messages.REPLICA:  # the query says so; so does this
+            if info.type.name != contracts.REPLICA.name:  # the query says so; so does this
                 continue
             legacy |= sa.REPLICA_UPDATED_AT.name not in info.search_attributes.indexed_fields
-            payload = info.memo.fields.get(REPLICA_MEMO)
+            payload = info.memo.fields.get(contracts.REPLICA_MEMO.key)
             if payload is None:
                 continue
             wid, run_id = info.execution.workflow_id, info.execution.run_id
@@ -261,14 +260,14 @@ class TemporalReplicaSource:
         """A listed memo as a :class:`ReplicaMemo`; a malformed one is skipped
         (anyone who can start a workflow can write one) rather than failing
         every replica's refresh."""
-        if not isinstance(value, dict):
-            return None
         try:
-            memo = ReplicaMemo.model_validate(value)
+            memo = contracts.REPLICA_MEMO.parse(value)
         except ValidationError as exc:
             if workflow_id not in self._warned:
                 self._warned.add(workflow_id)
                 log.warning("workflow %s ignored: malformed replica memo: %s", workflow_id, exc)
+            return None
+        if memo is None:
             return None
         # A running workflow id is unique: a memo naming a replica other than
         # its own workflow's would stand beside that replica's real one.
@@ -310,15 +309,18 @@ class TemporalReplicaSource:
         except RPCError as exc:
             log.info("fleet nodes not read: %s", exc)
             return False
-        payload = desc.workflow_execution_info.memo.fields.get(FLEET_NODES_MEMO)
+        payload = desc.workflow_execution_info.memo.fields.get(contracts.FLEET_NODES_MEMO.key)
         raw = payload.SerializeToString() if payload is not None else b""
         if raw == self._nodes_raw:
             return False
         self._nodes_raw = raw
-        raw_nodes = (await self._client.data_converter.decode([payload]))[0] if payload else {}
-        nodes = (
-            {str(k): str(v) for k, v in raw_nodes.items()} if isinstance(raw_nodes, dict) else {}
-        )
+        value = (await self._client.data_converter.decode([payload]))[0] if payload else None
+        try:
+            parsed = contracts.FLEET_NODES_MEMO.parse(value)
+        except ValidationError as exc:
+            log.warning("fleet nodes memo ignored: malformed: %s", exc)
+            parsed = None
+        nodes = parsed.root if parsed is not None else {}
         if nodes == self._nodes:
             return False
         self._nodes = nodes

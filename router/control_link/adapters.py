@@ -38,7 +38,7 @@ from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError
 
-from llmgw import error_types, messages
+from llmgw import contracts, error_types
 from llmgw.errors import LlmgwError
 from llmgw.queues import CONTROL_QUEUE
 from llmgw.types import AdapterLoadInput, AdapterLoadResult, AdapterSpec, EngineKind, ModelSpec
@@ -116,16 +116,14 @@ class TemporalAdapterLoader:
     async def load(self, request: AdapterLoadInput) -> AdapterLoadResult:
         """Start or join the (replica, adapter) load and wait for its result."""
         try:
-            result: AdapterLoadResult = await self._client.execute_workflow(
-                messages.ADAPTER_LOAD,
+            return await contracts.ADAPTER_LOAD.execute(
+                self._client,
                 request,
                 id=adapter_workflow_id(request.replica_id, request.adapter.name),
                 task_queue=self._queue,
                 id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
                 execution_timeout=LOAD_TIMEOUT,
-                result_type=AdapterLoadResult,
             )
-            return result
         except WorkflowFailureError as exc:
             raise AdapterLoadFailed(_root(exc), busy=_busy(exc), kind=_kind(exc)) from exc
         except RPCError as exc:

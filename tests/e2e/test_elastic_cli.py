@@ -1,11 +1,13 @@
-"""``llmgw scale --min/--max``, ``llmgw status``, ``llmgw explain`` and the
-admin API's scale endpoint against a real control plane and router. The
-model needs GPUs the node lacks, so no engine starts: these are about the
-deployment's count, its bounds and the catalog entry."""
+"""``llmgw scale --min/--max``, ``llmgw status``, ``llmgw explain`` (tables
+and ``--json``) and the admin API's scale endpoint against a real control
+plane and router. The model needs GPUs the node lacks, so no engine starts:
+these are about the deployment's count, its bounds and the catalog entry."""
 
 import asyncio
+import json
 import subprocess
 import sys
+from typing import Any
 
 import httpx
 from temporalio.client import Client
@@ -19,6 +21,11 @@ from tests.harness import System, wait_deployment
 
 ADMIN = "admin-elastic-cli"
 MODEL = "tiny-cli-elastic"
+# The documented shapes (docs/reference/cli-json.md).
+DEPLOYMENT = {"model", "desired", "ready", "inflight", "waiting", "autoscale", "slots"}
+SLOT = {"slot", "replica_id", "ready", "starts", "failures", "reaped", "last_reason"}
+REPLICA = {"replica_id", "model", "phase", "node_id", "endpoint"}
+BOUNDS = {"min_replicas": 0, "max_replicas": 2, "target_inflight": 4.0}
 
 
 def _cli(system: System, *args: str) -> subprocess.CompletedProcess[str]:
@@ -26,6 +33,47 @@ def _cli(system: System, *args: str) -> subprocess.CompletedProcess[str]:
         [sys.executable, "-m", "llmgw_cli", *args],
         env=system.env, capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip
+
+
+def _json(result: subprocess.CompletedProcess[str]) -> Any:
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+async def _replica_listed(client: Client) -> str:
+    """The id of the model's replica, once Temporal's list has it."""
+    async with asyncio.timeout(120):
+        while True:
+            found = [m for m in await replicas.list_replicas(client) if m.model == MODEL]
+            if found:
+                return found[0].replica_id
+            await asyncio.sleep(0.2)
+
+
+async def _json_while_placing(system: System, client: Client) -> None:
+    """``explain --json`` and ``status --json`` once the load woke the model."""
+    explain = _json(await asyncio.to_thread(_cli, system, "explain", MODEL, "--json"))
+    assert set(explain) == {"model", "placement", "preemption", "rejections", "deployment"}
+    assert (explain["model"], explain["placement"], explain["preemption"]) == (MODEL, None, None)
+    assert all(set(r) == {"node_id", "reason"} for r in explain["rejections"])
+    assert "cli-node" in [r["node_id"] for r in explain["rejections"]]  # 8 GPUs, it has none
+    scaling = explain["deployment"]
+    assert set(scaling) == {"desired", "autoscale", "inflight", "waiting", "routers", "decisions"}
+    assert (scaling["desired"], scaling["autoscale"]) == (1, BOUNDS)
+    last = scaling["decisions"][-1]
+    assert set(last) == {"at", "from_replicas", "to_replicas", "reason"}
+    assert (last["from_replicas"], last["to_replicas"]) == (0, 1)
+    assert last["reason"].startswith("scale 0 -> 1: 3 requests while scaled to zero")
+    # The replica it started waits for room (placing): status lists it, and the slot.
+    replica_id = await _replica_listed(client)
+    status = _json(await asyncio.to_thread(_cli, system, "status", "--json"))
+    rows = [r for r in status["replicas"] if r["model"] == MODEL]
+    assert [r["replica_id"] for r in rows] == [replica_id]
+    assert set(rows[0]) == REPLICA and rows[0]["endpoint"] == ""
+    (mine,) = [d for d in status["deployments"] if d["model"] == MODEL]
+    assert (mine["desired"], mine["ready"], mine["autoscale"]) == (1, 0, BOUNDS)
+    assert [set(s) for s in mine["slots"]] == [SLOT]
+    assert mine["slots"][0]["ready"] is False
 
 
 def _stored(system: System) -> AutoscalePolicy | None:
@@ -52,9 +100,15 @@ async def test_scale_status_explain_and_the_admin_api(
     assert applied.returncode == 0, applied.stderr
     assert f"deployment/{MODEL}: 0 replicas desired (autoscale 0..4)" in applied.stderr
 
-    scaled = await asyncio.to_thread(_cli, system, "scale", MODEL, "--max", "2")
+    scaled = await asyncio.to_thread(_cli, system, "scale", MODEL, "--max", "2", "--json")
     assert scaled.returncode == 0, scaled.stderr
     assert f"deployment/{MODEL}: 0 replicas desired (autoscale 0..2)" in scaled.stderr
+    deployment = _json(scaled)
+    assert set(deployment) == DEPLOYMENT
+    assert deployment == {
+        "model": MODEL, "desired": 0, "ready": 0, "inflight": 0, "waiting": 0,
+        "autoscale": BOUNDS, "slots": [],
+    }  # fmt: skip
     assert _stored(system) == AutoscalePolicy(min_replicas=0, max_replicas=2)
 
     listed = await asyncio.to_thread(_cli, system, "status")
@@ -62,6 +116,12 @@ async def test_scale_status_explain_and_the_admin_api(
     row = next(line for line in listed.stdout.splitlines() if MODEL in line)
     cells = [c.strip() for c in row.strip().strip("│|").split("│")]
     assert cells == [MODEL, "0", "0", "0", "0", "0..2"], row
+    status = _json(await asyncio.to_thread(_cli, system, "status", "--json"))
+    assert set(status) == {"replicas", "deployments"}
+    assert [r for r in status["replicas"] if r["model"] == MODEL] == []
+    mine = [d for d in status["deployments"] if d["model"] == MODEL]
+    assert mine == [deployment]
+    assert all(set(d) == DEPLOYMENT for d in status["deployments"])
 
     # A router holding requests for the model at zero: the count follows.
     await client.get_workflow_handle(deployment_workflow_id(MODEL)).signal(
@@ -73,6 +133,7 @@ async def test_scale_status_explain_and_the_admin_api(
     assert explained.returncode == 0, explained.stderr
     assert f"{MODEL}: autoscale 0..2, target 4 in flight per replica" in explained.stdout
     assert "scale 0 -> 1: 3 requests while scaled to zero" in explained.stdout
+    await _json_while_placing(system, client)
 
     async with httpx.AsyncClient(
         base_url=started.root, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=60

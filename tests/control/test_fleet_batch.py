@@ -14,21 +14,18 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.worker import Replayer, Worker
 
 from activities.control.placer import Placer
-from llmgw import messages
+from llmgw import contracts
 from llmgw.types import (
     EngineProfile,
     FleetSnapshot,
     ModelSpec,
     NodeFabric,
     NodesQuery,
-    NodesResult,
     PlaceBatch,
     PlaceBatchResult,
     Placement,
     PlaceRequest,
-    PlaceResult,
     ReleaseRequest,
-    ReleaseResult,
     ShardReport,
 )
 from tests.harness import node_inventory
@@ -53,7 +50,7 @@ async def start_fleet(client: Client, queue: str) -> WorkflowHandle[FleetWorkflo
     for i in range(6):
         node = node_inventory(f"n{i}", gpus=8, cpu_slots=1)
         node.fabric = NodeFabric(island="ib-1" if i < 3 else "ib-2")
-        await fleet.signal(messages.REGISTER_NODE, node)
+        await contracts.REGISTER_NODE.send(fleet, node)
     return fleet
 
 
@@ -65,15 +62,12 @@ async def test_batched_placements_match_the_exhaustive_scorer_in_order(client: C
 
         async def send(batch: PlaceBatch) -> PlaceBatchResult:
             seen.extend(batch.requests)
-            result: PlaceBatchResult = await fleet.execute_update(
-                messages.PLACE_BATCH, batch, result_type=PlaceBatchResult
-            )
-            return result
+            return await contracts.PLACE_BATCH.execute(fleet, batch)
 
         placer = Placer(send)
         requests = [PlaceRequest(replica_id=f"r{i}", model=m) for i, m in enumerate(models())]
         answers = await asyncio.gather(*(placer.place(r) for r in requests))
-        snapshot = await fleet.query(FleetWorkflow.snapshot)
+        snapshot = await contracts.SNAPSHOT.ask(fleet, None)
 
         assert len(seen) == len(requests)
         # The reference: the same requests, one by one, in the fleet's order.
@@ -92,21 +86,15 @@ async def test_batched_placements_match_the_exhaustive_scorer_in_order(client: C
 
         # Released room is offered again, as the scorer would offer it.
         victim = next(iter(expected))
-        released = await fleet.execute_update(
-            messages.RELEASE, ReleaseRequest(replica_id=victim), result_type=ReleaseResult
-        )
+        released = await contracts.RELEASE.execute(fleet, ReleaseRequest(replica_id=victim))
         assert released.released
         del expected[victim]
         again = ModelSpec(name="m1", source="/m", gpus=1)
-        result = await fleet.execute_update(
-            messages.PLACE, PlaceRequest(replica_id="again", model=again), result_type=PlaceResult
-        )
+        result = await contracts.PLACE.execute(fleet, PlaceRequest(replica_id="again", model=again))
         assert result.placement == choose_node("again", again, snapshot.nodes, expected).placement
 
         # A launch check reads only the nodes it names.
-        some = await fleet.query(
-            messages.NODES, NodesQuery(node_ids=["n1", "gone"]), result_type=NodesResult
-        )
+        some = await contracts.NODES.ask(fleet, NodesQuery(node_ids=["n1", "gone"]))
         assert list(some.nodes) == ["n1"] and some.nodes["n1"] == snapshot.nodes["n1"]
 
         history = await fleet.fetch_history()
@@ -124,11 +112,9 @@ async def test_shards_an_agent_reports_are_not_offered_again(client: Client) -> 
             FleetWorkflow.run, FleetSnapshot(), id=f"fleet-{uuid.uuid4()}", task_queue=queue
         )
         for name in ("a", "b"):
-            await fleet.signal(messages.REGISTER_NODE, node_inventory(name, gpus=8))
+            await contracts.REGISTER_NODE.send(fleet, node_inventory(name, gpus=8))
         gpu8 = ModelSpec(name="m8", source="/m", gpus=8)
-        first = await fleet.execute_update(
-            messages.PLACE, PlaceRequest(replica_id="r1", model=gpu8), result_type=PlaceResult
-        )
+        first = await contracts.PLACE.execute(fleet, PlaceRequest(replica_id="r1", model=gpu8))
         assert first.placement is not None
         other = "a" if first.placement.node_id == "b" else "b"
         # The other node's agent reports an engine holding all its GPUs.
@@ -136,9 +122,7 @@ async def test_shards_an_agent_reports_are_not_offered_again(client: Client) -> 
         report.running = [
             ShardReport(replica_id="lost", rank=0, pid=1, endpoint="x", gpu_indices=list(range(8)))
         ]
-        await fleet.signal(messages.REGISTER_NODE, report)
-        second = await fleet.execute_update(
-            messages.PLACE, PlaceRequest(replica_id="r2", model=gpu8), result_type=PlaceResult
-        )
+        await contracts.REGISTER_NODE.send(fleet, report)
+        second = await contracts.PLACE.execute(fleet, PlaceRequest(replica_id="r2", model=gpu8))
         assert second.placement is None
         assert {r.reason for r in second.rejections} == {"needs 8 free healthy GPUs, has 0"}

@@ -18,7 +18,7 @@ from temporalio.client import Client
 from temporalio.exceptions import ApplicationError
 from temporalio.worker import Worker
 
-from activities import names
+from llmgw import contracts
 from llmgw.queues import node_queue
 from llmgw.types import (
     EngineKind,
@@ -95,16 +95,16 @@ class FakeNode:
     plans: dict[int, ShardPlan] = field(default_factory=dict)
     stops: int = 0
 
-    @activity.defn(name=names.RESERVE_PORT)
+    @activity.defn(name=contracts.RESERVE_PORT.name)
     async def reserve_port(self, ref: ShardRef) -> PortReservation:
         port = self.reserved.setdefault(ref.rank, self.next_port)  # idempotent, as the agent
         return PortReservation(host=self.inv.address, port=port)
 
-    @activity.defn(name=names.FETCH_WEIGHTS)
+    @activity.defn(name=contracts.FETCH_WEIGHTS.name)
     async def fetch(self, req: FetchWeightsInput) -> FetchWeightsResult:
         return FetchWeightsResult(path=req.source, sha256="0" * 64, size_bytes=1, cached=True)
 
-    @activity.defn(name=names.LAUNCH_SHARD)
+    @activity.defn(name=contracts.LAUNCH_SHARD.name)
     async def launch(self, req: LaunchShardInput) -> ShardHandle:
         spec = req.spec
         self.specs.append(spec)
@@ -125,11 +125,11 @@ class FakeNode:
             endpoint=f"http://{self.inv.address}:{HTTP_PORT}",
         )
 
-    @activity.defn(name=names.WAIT_SHARD_READY)
+    @activity.defn(name=contracts.WAIT_SHARD_READY.name)
     async def wait_ready(self, req: WaitReadyInput) -> WaitReadyResult:
         return WaitReadyResult(model_ids=["llama-70b"])
 
-    @activity.defn(name=names.STOP_SHARD)
+    @activity.defn(name=contracts.STOP_SHARD.name)
     async def stop(self, req: StopShardInput) -> StopShardResult:
         self.stops += 1
         return StopShardResult(was_running=False)
@@ -145,7 +145,7 @@ class FakeControl:
     nodes: dict[str, NodeInventory]
     seen: list[ValidateInput] = field(default_factory=list)
 
-    @activity.defn(name=names.VALIDATE_REPLICA)
+    @activity.defn(name=contracts.VALIDATE_REPLICA.name)
     async def validate(self, req: ValidateInput) -> ValidateResult:
         self.seen.append(req)
         facts = [

@@ -14,7 +14,7 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.exceptions import ApplicationError
 from temporalio.worker import Replayer, Worker
 
-from activities import names
+from llmgw import contracts
 from llmgw import search_attributes as sa
 from llmgw.queues import node_queue
 from llmgw.types import (
@@ -82,7 +82,7 @@ class Fakes:
     def __post_init__(self) -> None:
         self.ready_gate.set()
 
-    @activity.defn(name=names.PLACE_REPLICA)
+    @activity.defn(name=contracts.PLACE_REPLICA.name)
     async def place(self, req: PlaceRequest) -> PlaceResult:
         if not self.place_ok:
             return PlaceResult(rejections=[Rejection(node_id="n1", reason="needs 8 GPUs, has 0")])
@@ -92,23 +92,23 @@ class Fakes:
             )
         )
 
-    @activity.defn(name=names.VALIDATE_REPLICA)
+    @activity.defn(name=contracts.VALIDATE_REPLICA.name)
     async def validate(self, req: ValidateInput) -> ValidateResult:
         if self.invalid:
             raise ApplicationError(self.invalid, type="LaunchValidationError", non_retryable=True)
         return ValidateResult()
 
-    @activity.defn(name=names.RELEASE_REPLICA)
+    @activity.defn(name=contracts.RELEASE_REPLICA.name)
     async def release(self, req: ReleaseRequest) -> ReleaseResult:
         self.releases += 1
         return ReleaseResult(released=True)
 
-    @activity.defn(name=names.FETCH_WEIGHTS)
+    @activity.defn(name=contracts.FETCH_WEIGHTS.name)
     async def fetch(self, req: FetchWeightsInput) -> FetchWeightsResult:
         self.fetches += 1
         return FetchWeightsResult(path="/cache/m.gguf", sha256="0" * 64, size_bytes=1, cached=False)
 
-    @activity.defn(name=names.LAUNCH_SHARD)
+    @activity.defn(name=contracts.LAUNCH_SHARD.name)
     async def launch(self, req: LaunchShardInput) -> ShardHandle:
         self.launches += 1
         self.launched_sources.append(req.spec.model.source)
@@ -116,7 +116,7 @@ class Fakes:
             replica_id=req.spec.replica_id, rank=0, pid=4242, port=1, endpoint="http://127.0.0.1:1"
         )
 
-    @activity.defn(name=names.WAIT_SHARD_READY)
+    @activity.defn(name=contracts.WAIT_SHARD_READY.name)
     async def wait_ready(self, req: WaitReadyInput) -> WaitReadyResult:
         while not self.ready_gate.is_set():
             activity.heartbeat()
@@ -125,7 +125,7 @@ class Fakes:
             raise ApplicationError(self.ready_error, type="EngineNotReadyError", non_retryable=True)
         return WaitReadyResult(model_ids=["m"])
 
-    @activity.defn(name=names.WATCH_SHARD)
+    @activity.defn(name=contracts.WATCH_SHARD.name)
     async def watch(self, req: WatchShardInput) -> ShardExit:
         self.watches += 1
         if self.agent_restarts:
@@ -139,14 +139,14 @@ class Fakes:
             await asyncio.sleep(0.05)
         return ShardExit(exit_code=139, reason="engine exited with code 139", log_tail=["segfault"])
 
-    @activity.defn(name=names.SHARD_RUNNING)
+    @activity.defn(name=contracts.SHARD_RUNNING.name)
     async def running(self, req: ShardRef) -> ShardRunning:
         # A frozen agent answers nothing: this attempt times out (no heartbeat).
         while self.agent_silent.is_set() and not self.agent_back.is_set():
             await asyncio.sleep(0.05)
         return ShardRunning(pid=4242)
 
-    @activity.defn(name=names.PROBE_ENGINE)
+    @activity.defn(name=contracts.PROBE_ENGINE.name)
     async def probe(self, req: ProbeEngineInput) -> ProbeEngineResult:
         self.probes += 1
         while not self.engine_dead.is_set():
@@ -154,12 +154,12 @@ class Fakes:
             await asyncio.sleep(0.05)
         return ProbeEngineResult(last_error="ConnectError: refused", unanswered_s=60.0)
 
-    @activity.defn(name=names.DRAIN_SHARD)
+    @activity.defn(name=contracts.DRAIN_SHARD.name)
     async def drain(self, req: DrainInput) -> DrainResult:
         self.drains += 1
         return DrainResult(idle=True, waited_s=0.0)
 
-    @activity.defn(name=names.STOP_SHARD)
+    @activity.defn(name=contracts.STOP_SHARD.name)
     async def stop(self, req: StopShardInput) -> StopShardResult:
         self.stops += 1
         return StopShardResult(was_running=True, exit_code=0)

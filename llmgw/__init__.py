@@ -6,3 +6,4 @@ hierarchy, key derivation, the store and the Temporal connection. Each process
 """
 
 __version__ = "0.1.0"
+LAYER = "core"  # this package's layer in the dependency rule: tests/test_layers.py

@@ -1,0 +1,1 @@
+LAYER = "control"  # this package's layer in the dependency rule: tests/test_layers.py

@@ -1,0 +1,1 @@
+LAYER = "agent"  # this package's layer in the dependency rule: tests/test_layers.py

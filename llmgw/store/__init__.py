@@ -33,6 +33,7 @@ from llmgw.errors import StoreError
 from llmgw.store import gateway_tables  # noqa: F401  (registers the gateway's tables)
 from llmgw.types import EngineKind, ModelSpec
 
+LAYER = "store"  # this package's layer in the dependency rule: tests/test_layers.py
 ENGINE_KEY_SECRET = "engine-key-secret"
 
 

@@ -121,6 +121,8 @@ from llmgw.types.shard import (
     WatchShardInput,
 )
 
+LAYER = "core"  # this package's layer in the dependency rule: tests/test_layers.py
+
 __all__ = [
     "ROUTABLE_PHASES",
     "TERMINAL_PHASES",

@@ -57,6 +57,9 @@ CHECKED_AGAINST: Mapping[str, str] = {
 }
 
 
+LAYER = "plans"  # this package's layer in the dependency rule: tests/test_layers.py
+
+
 def default_planners(
     launchers: Launchers | None = None, env_hooks: Mapping[EngineKind, EnvHook] | None = None
 ) -> dict[EngineKind, EnginePlanner]:

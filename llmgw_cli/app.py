@@ -183,7 +183,7 @@ def _explain_deployment(status: DeploymentStatus) -> ExplainDeployment:
 def agent(ctx: typer.Context) -> None:
     """Run the node agent for this machine (task queue ``node-<id>``)."""
     if ctx.invoked_subcommand is None:
-        from worker_agent.main import main  # noqa: PLC0415
+        from llmgw_cli.agent import main  # noqa: PLC0415
 
         main()
 

@@ -49,6 +49,7 @@ from llmgw_cli.up import kill_recorded_engines
 from worker_agent.installs.installed import EngineInstalls
 from worker_agent.installs.llamacpp import LlamaCppInstall
 from worker_agent.launch import Launcher
+from worker_agent.shard_service import ShardService
 from worker_agent.supervisor import RunningShard, Supervisor
 from worker_agent.users import reachable
 
@@ -372,14 +373,16 @@ def node_activities(
     """Node activities over real llama.cpp binaries, on a fresh port range."""
     start = free_port()
     return NodeActivities(
-        Launcher(
-            supervisor=supervisor,
-            installs=llama_only(llama, supervisor.work_dir),
-            engine_key=lambda rid: engine_key(secret, rid),
-            engine_host="127.0.0.1",
-            ports=range(start, start + 50),
-            inventory=cpu_inventory,
-            threads=1,
+        ShardService(
+            Launcher(
+                supervisor=supervisor,
+                installs=llama_only(llama, supervisor.work_dir),
+                engine_key=lambda rid: engine_key(secret, rid),
+                engine_host="127.0.0.1",
+                ports=range(start, start + 50),
+                inventory=cpu_inventory,
+                threads=1,
+            )
         )
     )
 

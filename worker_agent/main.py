@@ -4,6 +4,11 @@ On start it adopts the engines a previous agent left running, kills engines
 nothing describes, registers its inventory (GPUs, fabric, running shards)
 with the fleet, and then keeps re-registering; each round also stops engines
 whose replica the control plane no longer runs.
+
+The agent builds its services (``ShardService``, ``AdapterService``); the
+Temporal activities over them come from the ``activities`` factory its caller
+passes (``llmgw agent``: llmgw_cli/agent.py, with ``activities/agent/``), so
+the imports point one way: that layer imports the agent, never back.
 """
 
 import asyncio
@@ -11,6 +16,7 @@ import contextlib
 import logging
 import os
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -21,8 +27,6 @@ from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.service import RPCError
 from temporalio.worker import Worker
 
-from activities.agent.adapters import AdapterActivities
-from activities.agent.shards import NodeActivities
 from llmgw import messages
 from llmgw.engine_keys import engine_key
 from llmgw.lifecycle import setup_logging, stop_event_on_signals, unless_stopped
@@ -38,6 +42,7 @@ from llmgw.types import (
     ShardRef,
     ShardReport,
 )
+from worker_agent.adapter_service import AdapterService
 from worker_agent.adoption import adopt
 from worker_agent.installs.installed import EngineInstalls
 from worker_agent.installs.llamacpp import (
@@ -55,6 +60,7 @@ from worker_agent.inventory import (
 )
 from worker_agent.launch import Launcher
 from worker_agent.shard_record import ShardRecord
+from worker_agent.shard_service import ShardService
 from worker_agent.supervisor import RunningShard, Supervisor
 from worker_agent.terminal import detach_terminal
 from worker_agent.users import (
@@ -74,6 +80,18 @@ DEREGISTER_TIMEOUT_S = 2.0
 WORKER_STOP_MARGIN_S = 1.0
 
 
+@dataclass(frozen=True)
+class AgentServices:
+    """What the agent serves on its node queue, for the Temporal layer to adapt."""
+
+    shards: ShardService
+    adapters: AdapterService
+
+
+# The functions the worker registers as activities, made from the services.
+ActivityFactory = Callable[[AgentServices], Sequence[Callable[..., object]]]
+
+
 async def register(client: Client, inventory: NodeInventory) -> None:
     """Report this node to the fleet, starting the fleet if it is not running."""
     await client.start_workflow(
@@ -87,18 +105,18 @@ async def register(client: Client, inventory: NodeInventory) -> None:
     )
 
 
-def build_activities(
+def build_shards(
     settings: AgentSettings,
     secret: str,
     supervisor: Supervisor,
     installs: EngineInstalls,
     current_inventory: Callable[[], NodeInventory],
     engine_dir: Path | None = None,
-) -> NodeActivities:
-    """The node's activities with their real dependencies; the weights cache is in
+) -> ShardService:
+    """The node's shard service with its real dependencies; the weights cache is in
     ``engine_dir`` (where the engine user reaches: EngineIdentity.engine_dir),
     by default the supervisor's directory."""
-    return NodeActivities(
+    return ShardService(
         Launcher(
             supervisor=supervisor,
             installs=installs,
@@ -251,8 +269,9 @@ async def _keep_registered(
             log.warning("registration round failed: %s", exc)
 
 
-async def run(settings: AgentSettings) -> None:
-    """Adopt, register, then serve the node queue until SIGTERM/SIGINT."""
+async def run(settings: AgentSettings, activities: ActivityFactory) -> None:
+    """Adopt, register, then serve the node queue until SIGTERM/SIGINT, with
+    the activities ``activities`` makes from the agent's services."""
     store = Store(settings.resolved_store_url())
     store.migrate()
     secret = store.engine_key_secret()
@@ -303,16 +322,17 @@ async def run(settings: AgentSettings) -> None:
     )
     sources = sources_from(settings.sys_root, settings.gpu_snapshot)
     latest = [inventory(settings, supervisor, sources, report.lost, installs)]
-    node_activities = build_activities(
+    shards = build_shards(
         settings, secret, supervisor, installs, lambda: latest[0], identity.engine_dir
     )
     adapter_http = httpx.AsyncClient(timeout=httpx.Timeout(60.0))
-    adapter_activities = AdapterActivities(
+    adapters = AdapterService(
         supervisor,
         lambda replica_id: engine_key(secret, replica_id),
         adapter_http,
         settings.resolved_weights_roots(),
     )
+    served = activities(AgentServices(shards=shards, adapters=adapters))
     # Registration rounds are not traced (a trace every 30 s per node is
     # noise); the node's activities are, as part of their caller's trace.
     client = await connect_with(settings)
@@ -321,20 +341,7 @@ async def run(settings: AgentSettings) -> None:
         client,
         task_queue=queue,
         interceptors=tracing.interceptors(),
-        activities=[
-            node_activities.fetch_weights,
-            node_activities.reserve_port,
-            node_activities.launch_shard,
-            node_activities.wait_shard_ready,
-            node_activities.watch_shard,
-            node_activities.drain_shard,
-            node_activities.shard_load,
-            node_activities.shard_running,
-            node_activities.stop_shard,
-            node_activities.shard_log_tail,
-            adapter_activities.load_adapter,
-            adapter_activities.unload_adapter,
-        ],
+        activities=served,
         max_concurrent_activities=64,
         graceful_shutdown_timeout=timedelta(seconds=settings.graceful_shutdown_s),
     )
@@ -366,15 +373,16 @@ async def run(settings: AgentSettings) -> None:
             raise
         log.warning("agent %s: worker did not stop in time; exiting anyway", settings.node_id)
     await leaving
-    await node_activities.aclose()
+    await shards.aclose()
     await adapter_http.aclose()
     tracing.shutdown()
 
 
-def main() -> None:
-    """Entry point of ``llmgw agent``."""
+def main(activities: ActivityFactory) -> None:
+    """Run the agent until SIGTERM/SIGINT, serving the activities ``activities``
+    makes (``llmgw agent``: llmgw_cli/agent.py)."""
     settings = AgentSettings()
     setup_logging(settings.log_level, "agent")
     # Before any engine is forked: they would inherit a root terminal.
     detach_terminal()
-    asyncio.run(run(settings))
+    asyncio.run(run(settings, activities))

@@ -1,227 +1,39 @@
 """Node activities that load and unload LoRA adapters in a running engine.
 
-They call vLLM's runtime LoRA API from the node, with the replica's engine
-key: the engine is reachable without a key from nowhere but its node, and the
-paths come from the catalog (the AdapterLoad workflow's input), never from a
-client, and must resolve inside the weights roots (``LLMGW_WEIGHTS_ROOTS``), as
-weights do: the engine is handed the resolved path. Repeats are harmless: an
-adapter already loaded, or already gone on unload, is reported as no change.
-
-An unload asks the engine first whether the adapter has requests running or
-waiting (vLLM's ``vllm:lora_requests_info``): the router that chose it as
-idle knows only its own requests, and another router's may be in flight.
-Such an unload is refused (``AdapterBusy``) and the router chooses again.
-
-The engine's cap holds whatever the routers believe: a load given the
-replica's ``max_loaded`` first lists what the engine holds, and when it is
-full (a router's view lagged behind another router's loads) unloads an idle
-one itself, the oldest loaded first (none idle: ``AdapterEngineFull``).
-Adapter calls to one replica run one at a time on its node, so two loads
-cannot both find the last free place.
+Only the Temporal layer: the agent's adapter service
+(``worker_agent/adapter_service.py``) checks the paths against the weights
+roots, keeps the engine's cap and calls vLLM's runtime LoRA API; its refusals
+(``AdapterError``s and ``EngineGone``) become the ``ApplicationError`` types the
+AdapterLoad workflow and the routers match (``llmgw/error_types.py``).
 """
 
-import asyncio
-import logging
-import re
-from collections.abc import Callable, Sequence
-from pathlib import Path
-
-import httpx
 from temporalio import activity
-from temporalio.exceptions import ApplicationError
 
 from activities import names
-from llmgw import error_types
-from llmgw.types import AdapterCall, AdapterCallResult, ShardRef
-from worker_agent.supervisor import RunningShard, Supervisor
-from worker_agent.weights import Roots, SourceOutsideRoots
-
-log = logging.getLogger(__name__)
+from llmgw.errors import AdapterError, EngineGone
+from llmgw.types import AdapterCall, AdapterCallResult
+from worker_agent.adapter_service import AdapterService
 
 
 class AdapterActivities:
-    """Adapter calls to this node's engines; built by the agent."""
+    """Adapter calls to this node's engines, over the agent's adapter service."""
 
-    def __init__(
-        self,
-        supervisor: Supervisor,
-        engine_key: Callable[[str], str],
-        http: httpx.AsyncClient,
-        roots: Sequence[Path],
-    ) -> None:
-        """``roots``: the only directories adapters may be loaded from."""
-        self._sup = supervisor
-        self._roots = Roots.of(roots)
-        self._engine_key = engine_key
-        self._http = http
-        self._locks: dict[str, asyncio.Lock] = {}
-
-    def _auth(self, replica_id: str) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self._engine_key(replica_id)}"}
-
-    def _lock(self, replica_id: str) -> asyncio.Lock:
-        """One adapter change at a time per replica (check and change together)."""
-        return self._locks.setdefault(replica_id, asyncio.Lock())
-
-    def _engine(self, replica_id: str) -> RunningShard:
-        running = self._sup.find_running(ShardRef(replica_id=replica_id))
-        if running is None:
-            raise ApplicationError(
-                f"replica {replica_id} has no running engine on this node",
-                type=error_types.ENGINE_GONE,
-                non_retryable=True,
-            )
-        return running
-
-    async def _post(self, replica_id: str, path: str, body: dict[str, str]) -> httpx.Response:
-        engine = self._engine(replica_id)
-        headers = self._auth(replica_id)
-        return await self._http.post(f"{engine.endpoint}{path}", json=body, headers=headers)
+    def __init__(self, adapters: AdapterService) -> None:
+        self._adapters = adapters
 
     @activity.defn(name=names.LOAD_ADAPTER)
     async def load_adapter(self, call: AdapterCall) -> AdapterCallResult:
         """Load a catalog adapter into the replica's engine."""
         try:
-            # Before looking for it: whether a file outside exists is no one's business.
-            path = await asyncio.to_thread(self._roots.inside, call.path)
-        except SourceOutsideRoots as exc:
-            raise ApplicationError(
-                f"adapter {call.name}: {exc}",
-                type=error_types.ADAPTER_OUTSIDE_ROOTS,
-                non_retryable=True,
-            ) from None
-        if not await asyncio.to_thread(path.exists):
-            raise ApplicationError(
-                f"adapter {call.name}: {call.path} does not exist on this node",
-                type=error_types.ADAPTER_NOT_FOUND,
-                non_retryable=True,
-            )
-        async with self._lock(call.replica_id):
-            unloaded = await self._make_room(call) if call.max_loaded else []
-            resp = await self._post(
-                call.replica_id,
-                "/v1/load_lora_adapter",
-                {"lora_name": call.name, "lora_path": str(path)},
-            )
-        if resp.status_code == 200:
-            log.info("replica %s: adapter %s loaded", call.replica_id, call.name)
-            return AdapterCallResult(changed=True, detail=resp.text[:200], unloaded=unloaded)
-        if resp.status_code == 400 and "already" in resp.text:
-            return AdapterCallResult(changed=False, detail="already loaded", unloaded=unloaded)
-        message = _message(resp)
-        # 404 (path the engine cannot read) and 500 (rank too high, bad
-        # adapter) will not change on a retry; anything else might.
-        raise ApplicationError(
-            f"adapter {call.name}: engine answered {resp.status_code}: {message}",
-            type=error_types.ADAPTER_LOAD_FAILED,
-            non_retryable=resp.status_code in (404, 500),
-        )
-
-    async def _loaded(self, replica_id: str) -> list[str]:
-        """The adapters the engine holds, in its listing's order (loading order)."""
-        engine = self._engine(replica_id)
-        headers = self._auth(replica_id)
-        resp = await self._http.get(f"{engine.endpoint}/v1/models", headers=headers)
-        if resp.status_code != 200:
-            raise ApplicationError(
-                f"engine answered {resp.status_code} listing its models: {_message(resp)}",
-                type=error_types.ADAPTER_LOAD_FAILED,
-            )
-        return [str(m["id"]) for m in resp.json()["data"] if m.get("parent")]
-
-    async def _make_room(self, call: AdapterCall) -> list[str]:
-        """Unload an idle adapter when the engine is full; what was unloaded."""
-        loaded = await self._loaded(call.replica_id)
-        if call.name in loaded or len(loaded) < call.max_loaded:
-            return []
-        busy = await self._busy(call.replica_id)
-        idle = [n for n in loaded if busy is not None and n not in busy]
-        if not idle:
-            why = "none of them idle" if busy is not None else "its metrics unreadable"
-            raise ApplicationError(
-                f"replica {call.replica_id} holds {len(loaded)} adapters (its cap is"
-                f" {call.max_loaded}), {why}: {call.name} not loaded",
-                # Not AdapterBusy: that tells the router its chosen victim is
-                # still loaded, and this refusal comes after that unload.
-                type=error_types.ADAPTER_ENGINE_FULL,
-                non_retryable=True,
-            )
-        await self._unload(call.replica_id, idle[0])
-        log.warning(
-            "replica %s: full when asked for %s (a router's view lagged): unloaded %s",
-            call.replica_id, call.name, idle[0],
-        )  # fmt: skip
-        return [idle[0]]
-
-    async def _busy(self, replica_id: str) -> set[str] | None:
-        """Adapters with requests running or waiting in the engine (None: unknown)."""
-        engine = self._engine(replica_id)
-        headers = self._auth(replica_id)
-        try:
-            resp = await self._http.get(f"{engine.endpoint}/metrics", headers=headers)
-        except httpx.HTTPError as exc:
-            log.warning("replica %s: no metrics to check adapters with: %s", replica_id, exc)
-            return None
-        return busy_adapters(resp.text) if resp.status_code == 200 else None
+            return await self._adapters.load(call)
+        except (AdapterError, EngineGone) as err:
+            raise err.to_application_error() from None
 
     @activity.defn(name=names.UNLOAD_ADAPTER)
     async def unload_adapter(self, call: AdapterCall) -> AdapterCallResult:
         """Unload an adapter (to make room) unless the engine is serving it;
         unknown to the engine is no change."""
-        async with self._lock(call.replica_id):
-            busy = await self._busy(call.replica_id)
-            if busy is not None and call.name in busy:
-                raise ApplicationError(
-                    f"adapter {call.name} has requests in flight on replica {call.replica_id}"
-                    " (another router's): not unloaded",
-                    type=error_types.ADAPTER_BUSY,
-                    non_retryable=True,
-                )
-            changed = await self._unload(call.replica_id, call.name)
-        return AdapterCallResult(changed=changed, detail="" if changed else "not loaded")
-
-    async def _unload(self, replica_id: str, name: str) -> bool:
-        """Unload from the engine; False when it did not hold it."""
-        resp = await self._post(replica_id, "/v1/unload_lora_adapter", {"lora_name": name})
-        if resp.status_code == 200:
-            log.info("replica %s: adapter %s unloaded", replica_id, name)
-            return True
-        if resp.status_code == 404:
-            return False
-        raise ApplicationError(
-            f"unload {name}: engine answered {resp.status_code}: {_message(resp)}",
-            type=error_types.ADAPTER_UNLOAD_FAILED,
-        )
-
-
-def _message(resp: httpx.Response) -> str:
-    try:
-        return str(resp.json().get("message") or resp.json())
-    except ValueError:
-        return resp.text[:200]
-
-
-_LORA_INFO = re.compile(r"^vllm:lora_requests_info\{(?P<labels>[^}]*)\}\s+(?P<value>\S+)", re.M)
-_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
-
-
-def busy_adapters(metrics: str) -> set[str]:
-    """The adapters vLLM reports running or waiting, from its Prometheus text.
-
-    vLLM sets ``vllm:lora_requests_info`` to the current time under labels
-    naming them (comma-separated); label sets it used before stay exposed
-    with older times, so the newest sample is the current one.
-    """
-    newest: tuple[float, dict[str, str]] | None = None
-    for match in _LORA_INFO.finditer(metrics):
         try:
-            value = float(match["value"])
-        except ValueError:
-            continue
-        if newest is None or value >= newest[0]:
-            newest = (value, dict(_LABEL.findall(match["labels"])))
-    if newest is None:
-        return set()
-    labels = newest[1]
-    names = f"{labels.get('running_lora_adapters', '')},{labels.get('waiting_lora_adapters', '')}"
-    return {n for n in names.split(",") if n}
+            return await self._adapters.unload(call)
+        except (AdapterError, EngineGone) as err:
+            raise err.to_application_error() from None

@@ -10,7 +10,6 @@ import pytest
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import ActivityEnvironment
 
-from activities.agent.shards import REDACTED, redacted
 from llmgw.engine_keys import engine_key
 from llmgw.types import (
     EngineKind,
@@ -27,6 +26,7 @@ from llmgw_cli.dev.tinymodel import TinyModel
 from tests.harness import node_activities
 from worker_agent.installs.llamacpp import LlamaCppInstall
 from worker_agent.launch import new_loopback_key
+from worker_agent.shard_service import REDACTED, redacted
 from worker_agent.supervisor import Supervisor
 
 SECRET = "test-secret"

@@ -30,6 +30,7 @@ from tests.harness import cpu_inventory, llama_only, node_activities
 from tests.procs_util import pids_with_args
 from worker_agent.installs.llamacpp import LlamaCppInstall
 from worker_agent.launch import Launcher
+from worker_agent.shard_service import ShardService
 from worker_agent.supervisor import Supervisor
 from worker_agent.weights import WeightsCache
 
@@ -168,15 +169,17 @@ async def test_a_static_adapter_outside_the_weights_roots_is_refused(
     root.mkdir()
     (root / "a.gguf").symlink_to(tiny.adapters["lora-a"])  # the generated adapter lives outside
     acts = NodeActivities(
-        Launcher(
-            supervisor=Supervisor(tmp_path / "work"),
-            installs=llama_only(llama, tmp_path),
-            engine_key=lambda rid: engine_key(SECRET, rid),
-            engine_host="127.0.0.1",
-            ports=range(41000, 41050),
-            inventory=cpu_inventory,
-            threads=1,
-            weights=WeightsCache(tmp_path / "weights", [root]),
+        ShardService(
+            Launcher(
+                supervisor=Supervisor(tmp_path / "work"),
+                installs=llama_only(llama, tmp_path),
+                engine_key=lambda rid: engine_key(SECRET, rid),
+                engine_host="127.0.0.1",
+                ports=range(41000, 41050),
+                inventory=cpu_inventory,
+                threads=1,
+                weights=WeightsCache(tmp_path / "weights", [root]),
+            )
         )
     )
     model = ModelSpec(

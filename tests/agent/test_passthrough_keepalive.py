@@ -43,6 +43,7 @@ from tests.harness import cpu_inventory, free_port, llama_only
 from worker_agent import passthrough
 from worker_agent.installs.llamacpp import LlamaCppInstall
 from worker_agent.launch import Launcher
+from worker_agent.shard_service import ShardService
 from worker_agent.supervisor import Supervisor
 
 # cpp-httplib's CPPHTTPLIB_KEEPALIVE_TIMEOUT_SECOND
@@ -118,7 +119,7 @@ async def test_the_engine_plan_says_which_engines_get_a_connection_per_request(
         inventory=cpu_inventory,
         threads=1,
     )
-    acts = NodeActivities(launcher)
+    acts = NodeActivities(ShardService(launcher))
     for kind in (EngineKind.VLLM, EngineKind.SGLANG):
         model = ModelSpec(name=f"m-{kind.value}", engine=kind, source="org/model")
         async with launcher.planned(ShardSpec(replica_id=f"r-{kind.value}", model=model)) as plan:

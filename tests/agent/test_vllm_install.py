@@ -26,6 +26,7 @@ from worker_agent.installs.vllm import (
     package_for,
 )
 from worker_agent.launch import Launcher
+from worker_agent.shard_service import ShardService
 from worker_agent.supervisor import Supervisor
 from worker_agent.weights import WeightsCache
 
@@ -75,14 +76,16 @@ async def test_a_replica_whose_engine_cannot_install_fails_with_the_reason(
     llama: LlamaCppInstall, tmp_path: Path
 ) -> None:
     acts = NodeActivities(
-        Launcher(
-            supervisor=Supervisor(tmp_path / "agent"),
-            engine_key=lambda rid: engine_key("secret", rid),
-            engine_host="127.0.0.1",
-            ports=range(free_port(), 65536)[:1],
-            inventory=cpu_inventory,
-            weights=WeightsCache(tmp_path / "weights", [tmp_path]),
-            installs=_Broken(tmp_path / "engines", llama),
+        ShardService(
+            Launcher(
+                supervisor=Supervisor(tmp_path / "agent"),
+                engine_key=lambda rid: engine_key("secret", rid),
+                engine_host="127.0.0.1",
+                ports=range(free_port(), 65536)[:1],
+                inventory=cpu_inventory,
+                weights=WeightsCache(tmp_path / "weights", [tmp_path]),
+                installs=_Broken(tmp_path / "engines", llama),
+            )
         )
     )
     request = FetchWeightsInput(

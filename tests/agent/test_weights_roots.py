@@ -12,6 +12,7 @@ from temporalio.testing import ActivityEnvironment
 from activities.agent.adapters import AdapterActivities
 from llmgw.settings import AgentSettings
 from llmgw.types import AdapterCall
+from worker_agent.adapter_service import AdapterService
 from worker_agent.supervisor import Supervisor
 from worker_agent.weights import (
     ROOTS_SETTING,
@@ -121,7 +122,7 @@ async def test_adapters_are_loaded_only_from_inside_the_roots(node: Path) -> Non
     (node / "models" / "sneaky").symlink_to(node / "private")
     async with httpx.AsyncClient() as http:
         acts = AdapterActivities(
-            Supervisor(node / "agent"), lambda _: "key", http, [node / "models"]
+            AdapterService(Supervisor(node / "agent"), lambda _: "key", http, [node / "models"])
         )
         for path in (node / "private", node / "models" / "sneaky", node / "private" / "none"):
             call = AdapterCall(replica_id="r1", name="x", path=str(path))

@@ -21,7 +21,7 @@ from temporalio.client import Client, WorkflowFailureError
 from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.worker import Worker
 
-from activities.agent.adapters import AdapterActivities, busy_adapters
+from activities.agent.adapters import AdapterActivities
 from llmgw.engine_keys import engine_key
 from llmgw.queues import node_queue
 from llmgw.types import (
@@ -39,6 +39,7 @@ from llmgw_cli.procs import wait_for
 from router.control_link.adapters import TemporalAdapterLoader
 from tests.gateway_util import MockEngine, auth, gateway
 from tests.harness import TESTS, free_port, port_open
+from worker_agent.adapter_service import AdapterService, busy_adapters
 from worker_agent.shard_record import ShardRecord
 from worker_agent.spawn import Command
 from worker_agent.supervisor import Supervisor
@@ -96,7 +97,7 @@ async def node(client: Client, tmp_path: Path) -> AsyncIterator[Node]:
             activities=[
                 (
                     acts := AdapterActivities(
-                        sup, lambda r: engine_key(SECRET, r), http, [tmp_path]
+                        AdapterService(sup, lambda r: engine_key(SECRET, r), http, [tmp_path])
                     )
                 ).load_adapter,
                 acts.unload_adapter,

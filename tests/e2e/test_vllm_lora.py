@@ -11,7 +11,6 @@ import pytest
 from temporalio.client import Client
 from temporalio.common import WorkflowIDConflictPolicy
 
-from activities.agent.adapters import busy_adapters
 from llmgw import replicas
 from llmgw.engine_keys import engine_key
 from llmgw.queues import CONTROL_QUEUE
@@ -27,6 +26,7 @@ from llmgw.types import (
 from llmgw_cli.dev.tinyhf import TinyHfModel
 from llmgw_cli.dev.tinypeft import generate_peft_adapter
 from tests.harness import System, wait_routable
+from worker_agent.adapter_service import busy_adapters
 from worker_agent.installs.vllm import VllmInstall
 
 pytestmark = pytest.mark.timeout(900)

@@ -28,7 +28,6 @@ from llmgw_cli.elastic import (
 from llmgw_cli.keys import keys_app
 from llmgw_cli.model import model_app
 from llmgw_cli.output import (
-    DecisionRow,
     DeploymentRow,
     ExplainDeployment,
     ExplainOutput,
@@ -143,7 +142,7 @@ def explain(
             rejections=[
                 NodeReason(node_id=r.node_id, reason=r.reason) for r in [*result.rejections, *down]
             ],
-            deployment=None if status is None else _explain_deployment(status),
+            deployment=None if status is None else ExplainDeployment.of(status),
         )
         return found, status
 
@@ -165,18 +164,6 @@ def explain(
         out.print(f"  {rejection.node_id}: {rejection.reason}")
     for line in autoscale_lines(model, status):
         out.print(line, markup=False)
-
-
-def _explain_deployment(status: DeploymentStatus) -> ExplainDeployment:
-    row = DeploymentRow.of(status)
-    return ExplainDeployment(
-        desired=status.desired,
-        autoscale=row.autoscale,
-        inflight=status.load.inflight,
-        waiting=status.load.waiting,
-        routers=status.load.routers,
-        decisions=[DecisionRow.of(d) for d in status.decisions],
-    )
 
 
 @agent_app.callback(invoke_without_command=True)

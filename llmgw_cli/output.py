@@ -166,6 +166,18 @@ class ExplainDeployment(BaseModel):
     routers: int = Field(description="routers whose last load report has not expired")
     decisions: list[DecisionRow] = Field(description="the last ones, oldest first")
 
+    @classmethod
+    def of(cls, status: DeploymentStatus) -> "ExplainDeployment":
+        """The scaling side of a deployment's status query."""
+        return cls(
+            desired=status.desired,
+            autoscale=DeploymentRow.of(status).autoscale,
+            inflight=status.load.inflight,
+            waiting=status.load.waiting,
+            routers=status.load.routers,
+            decisions=[DecisionRow.of(d) for d in status.decisions],
+        )
+
 
 class ExplainOutput(BaseModel):
     """``llmgw explain MODEL --json``: at most one of ``placement`` and

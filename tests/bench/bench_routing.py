@@ -44,9 +44,9 @@ from temporalio.client import Client
 from temporalio.common import SearchAttributePair, TypedSearchAttributes
 from temporalio.worker import Worker
 
-from llmgw import messages
+from llmgw import contracts
 from llmgw import search_attributes as sa
-from llmgw.queues import FLEET_NODES_MEMO, FLEET_WORKFLOW_ID, replica_workflow_id
+from llmgw.queues import FLEET_WORKFLOW_ID, replica_workflow_id
 from llmgw.temporal import connect
 from llmgw.types import ModelSpec, ReplicaMemo, ReplicaPhase
 from router.control_link.replica_source import DELTA_MARGIN_S, LIST_QUERY, TemporalReplicaSource
@@ -77,7 +77,7 @@ def _memo(i: int, phase: ReplicaPhase = ReplicaPhase.READY) -> ReplicaMemo:
     )
 
 
-@workflow.defn(name=messages.REPLICA, sandboxed=False)
+@workflow.defn(name=contracts.REPLICA.name, sandboxed=False)
 class PublishingReplica:
     """Started with its memo and search attributes (as the others); on a
     signal republishes them as ``ReplicaWorkflow._publish`` does."""
@@ -90,7 +90,7 @@ class PublishingReplica:
     @workflow.signal(name=PUBLISH)
     def publish(self, memo: ReplicaMemo) -> None:
         """A phase change."""
-        workflow.upsert_memo({"replica": memo.model_dump(mode="json")})
+        workflow.upsert_memo(contracts.REPLICA_MEMO.encode(memo))
         workflow.upsert_search_attributes(
             [
                 sa.REPLICA_STATE.value_set(memo.phase.value),
@@ -101,11 +101,11 @@ class PublishingReplica:
 
 async def _start_replica(client: Client, memo: ReplicaMemo, queue: str = NOBODY) -> None:
     await client.start_workflow(
-        messages.REPLICA,
+        contracts.REPLICA.name,
         memo,
         id=replica_workflow_id(memo.replica_id),
         task_queue=queue,
-        memo={"replica": memo.model_dump(mode="json")},
+        memo=contracts.REPLICA_MEMO.encode(memo),
         search_attributes=TypedSearchAttributes(
             [
                 SearchAttributePair(sa.REPLICA_MODEL, memo.model),
@@ -152,10 +152,10 @@ async def populate(client: Client, replicas: int, publishers: int) -> None:
         await fleet.describe()
     except Exception:  # not there yet
         await client.start_workflow(
-            messages.FLEET,
+            contracts.FLEET.name,
             id=FLEET_WORKFLOW_ID,
             task_queue=NOBODY,
-            memo={FLEET_NODES_MEMO: nodes},
+            memo={contracts.FLEET_NODES_MEMO.key: nodes},
         )
     have = await _listed(client)
     if have < replicas:
@@ -179,7 +179,7 @@ class ListAndMemoSource:
             if isinstance(raw, dict):
                 found.append(ReplicaMemo.model_validate(raw))
         desc = await self._client.get_workflow_handle(FLEET_WORKFLOW_ID).describe()
-        nodes = (await desc.memo()).get(FLEET_NODES_MEMO)
+        nodes = (await desc.memo()).get(contracts.FLEET_NODES_MEMO.key)
         assert isinstance(nodes, dict)
         kept, _ = on_registered_nodes(found, {str(k): str(v) for k, v in nodes.items()})
         return kept

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from temporalio.client import Client
 
-from llmgw import messages, replicas
+from llmgw import contracts, replicas
 from llmgw.queues import deployment_workflow_id
 from llmgw.temporal import connect
 from llmgw.types import (
@@ -46,8 +46,8 @@ async def bench_wakes(client: Client, system: System, model: ModelSpec, wakes: i
     for i in range(wakes):
         await wait_deployment(client, model.name, lambda s: s.desired == 0 and not s.slots)
         began = time.perf_counter()
-        woken: WakeResult = await handle.execute_update(
-            messages.WAKE, WakeInput(router_id="bench", reason=f"bench {i}"), result_type=WakeResult
+        woken: WakeResult = await contracts.WAKE.execute(
+            handle, WakeInput(router_id="bench", reason=f"bench {i}")
         )
         total = time.perf_counter() - began
         assert woken.ready, woken.reason

@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator
 import httpx
 from temporalio.client import Client, WorkflowExecutionStatus
 
-from llmgw import messages, replicas
+from llmgw import contracts, replicas
 from llmgw.queues import CONTROL_QUEUE, deployment_workflow_id
 from llmgw.types import (
     AutoscalePolicy,
@@ -51,8 +51,8 @@ async def _router_load(client: Client, model: str, inflight: int) -> AsyncIterat
     handle = client.get_workflow_handle(deployment_workflow_id(model))
 
     async def report(n: int) -> None:
-        await handle.signal(
-            messages.REPORT_LOAD,
+        await contracts.REPORT_LOAD.send(
+            handle,
             LoadReport(
                 router_id="test-router", load=ModelLoad(model=model, inflight=n, arrivals=n)
             ),
@@ -74,10 +74,8 @@ async def _router_load(client: Client, model: str, inflight: int) -> AsyncIterat
 
 
 async def _wake(client: Client, model: str, router: str) -> WakeResult:
-    result: WakeResult = await client.get_workflow_handle(
-        deployment_workflow_id(model)
-    ).execute_update(messages.WAKE, WakeInput(router_id=router), result_type=WakeResult)
-    return result
+    handle = client.get_workflow_handle(deployment_workflow_id(model))
+    return await contracts.WAKE.execute(handle, WakeInput(router_id=router))
 
 
 async def _running(client: Client, model: str) -> bool:
@@ -96,8 +94,8 @@ async def test_load_scales_up_to_three_and_back_to_one(
     await system.start(client, "elastic-node")
     # A short history: reports twice a second make it continue as new
     # several times, carrying the load and the decisions.
-    first = await client.start_workflow(
-        messages.DEPLOYMENT,
+    first = await contracts.DEPLOYMENT.start(
+        client,
         DeploymentInput(model=spec, replicas=1, timeouts=FAST, continue_after_events=60),
         id=deployment_workflow_id(spec.name),
         task_queue=CONTROL_QUEUE,
@@ -225,8 +223,8 @@ async def test_a_waiting_wake_holds_continue_as_new_until_it_answered(
     spec = _spec(tiny, "tiny-wake-can", policy, gpus=8)
     await system.start(client, "can-node")
     few = ReplicaTimeouts(place_retry_s=1, place_attempts=3)
-    first = await client.start_workflow(
-        messages.DEPLOYMENT,
+    first = await contracts.DEPLOYMENT.start(
+        client,
         DeploymentInput(model=spec, replicas=0, timeouts=few, continue_after_events=40),
         id=deployment_workflow_id(spec.name),
         task_queue=CONTROL_QUEUE,
@@ -235,8 +233,8 @@ async def test_a_waiting_wake_holds_continue_as_new_until_it_answered(
     handle = client.get_workflow_handle(deployment_workflow_id(spec.name))
     async with asyncio.timeout(60):
         while not wake.done():
-            await handle.signal(
-                messages.REPORT_LOAD,
+            await contracts.REPORT_LOAD.send(
+                handle,
                 LoadReport(router_id="r1", load=ModelLoad(model=spec.name, waiting=1)),
             )
             await asyncio.sleep(0.05)
@@ -250,8 +248,8 @@ async def test_a_waiting_wake_holds_continue_as_new_until_it_answered(
     assert len(events) > 40
     async with asyncio.timeout(60):
         while (await handle.describe()).run_id == first.result_run_id:
-            await handle.signal(
-                messages.REPORT_LOAD,
+            await contracts.REPORT_LOAD.send(
+                handle,
                 LoadReport(router_id="r1", load=ModelLoad(model=spec.name)),
             )
             await asyncio.sleep(0.1)

@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 from temporalio.client import Client
 
-from llmgw import messages, replicas
+from llmgw import contracts, replicas
 from llmgw.queues import deployment_workflow_id
 from llmgw.store import Store
 from llmgw.types import AutoscalePolicy, LoadReport, ModelLoad
@@ -124,8 +124,8 @@ async def test_scale_status_explain_and_the_admin_api(
     assert all(set(d) == DEPLOYMENT for d in status["deployments"])
 
     # A router holding requests for the model at zero: the count follows.
-    await client.get_workflow_handle(deployment_workflow_id(MODEL)).signal(
-        messages.REPORT_LOAD,
+    await contracts.REPORT_LOAD.send(
+        client.get_workflow_handle(deployment_workflow_id(MODEL)),
         LoadReport(router_id="r", load=ModelLoad(model=MODEL, waiting=3, arrivals=3)),
     )
     await wait_deployment(client, MODEL, lambda s: s.desired == 1)

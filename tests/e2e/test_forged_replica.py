@@ -20,7 +20,7 @@ import httpx
 from temporalio.client import Client, WorkflowHandle
 from temporalio.common import SearchAttributePair, TypedSearchAttributes
 
-from llmgw import messages, replicas
+from llmgw import contracts, replicas
 from llmgw import search_attributes as sa
 from llmgw.engine_keys import engine_key
 from llmgw.queues import replica_workflow_id
@@ -80,10 +80,10 @@ async def _forge(
 ) -> WorkflowHandle[object, object]:
     """A running ``Replica`` workflow, on a queue nobody polls, publishing ``memo``."""
     return await client.start_workflow(
-        messages.REPLICA,
+        contracts.REPLICA.name,
         id=replica_workflow_id(workflow_rid),
         task_queue=f"forged-{uuid.uuid4().hex[:8]}",
-        memo={"replica": memo.model_dump(mode="json")},
+        memo=contracts.REPLICA_MEMO.encode(memo),
         search_attributes=TypedSearchAttributes(
             [SearchAttributePair(sa.REPLICA_UPDATED_AT, datetime.now(UTC))]
         ),

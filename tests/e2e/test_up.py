@@ -20,8 +20,7 @@ import openai
 from temporalio.api.enums.v1 import PendingActivityState
 from temporalio.client import Client
 
-from activities import names
-from llmgw import replicas
+from llmgw import contracts, replicas
 from llmgw.queues import replica_workflow_id
 from llmgw.temporal import connect
 from llmgw.types import ReplicaPhase, ReplicaStatus
@@ -239,7 +238,7 @@ async def watched_by(client: Client, replica_id: str, pid: int) -> bool:
     (the SDK's worker identity starts with its pid)."""
     desc = await client.get_workflow_handle(replica_workflow_id(replica_id)).describe()
     return any(
-        a.activity_type.name == names.WATCH_SHARD
+        a.activity_type.name == contracts.WATCH_SHARD.name
         and a.state == PendingActivityState.PENDING_ACTIVITY_STATE_STARTED
         and a.last_worker_identity.startswith(f"{pid}@")
         for a in desc.raw_description.pending_activities

@@ -18,7 +18,7 @@ import pytest
 import uvicorn
 from temporalio.client import Client
 
-from llmgw import endpoint_proof, messages
+from llmgw import contracts, endpoint_proof
 from llmgw.engine_keys import engine_key
 from llmgw.errors import LlmgwError, UpstreamConnectError, UpstreamError
 from llmgw.queues import replica_workflow_id
@@ -339,10 +339,10 @@ async def test_a_memo_naming_another_replica_than_its_workflow_is_ignored(client
     own = ReplicaMemo(replica_id=rid, model="m-twin", phase=ReplicaPhase.READY)
     handles = [
         await client.start_workflow(
-            messages.REPLICA,
+            contracts.REPLICA.name,
             id=replica_workflow_id(wid),
             task_queue=f"nobody-{wid}",  # no worker: it just sits there, running
-            memo={"replica": own.model_dump(mode="json")},
+            memo=contracts.REPLICA_MEMO.encode(own),
         )
         for wid in (rid, f"{rid}-twin")
     ]

@@ -13,7 +13,7 @@ from temporalio import workflow
 from temporalio.client import Client, WorkflowHandle
 from temporalio.worker import Worker
 
-from llmgw import messages
+from llmgw import contracts
 from llmgw.queues import deployment_workflow_id
 from llmgw.types import AutoscalePolicy, LoadReport, ModelLoad, WakeInput, WakeResult
 from router.control_link.deployment_link import TemporalDeploymentLink
@@ -80,7 +80,7 @@ async def test_a_failed_report_is_dropped() -> None:
 
 
 # This module imports the router (aiohttp...): the sandbox would re-import it all.
-@workflow.defn(name=messages.DEPLOYMENT, sandboxed=False)
+@workflow.defn(name=contracts.DEPLOYMENT.name, sandboxed=False)
 class RecordingDeployment:
     """Records load reports; answers a wake once told whether a replica came up."""
 
@@ -93,11 +93,11 @@ class RecordingDeployment:
     async def run(self) -> None:
         await workflow.wait_condition(lambda: False)
 
-    @workflow.signal(name=messages.REPORT_LOAD)
+    @workflow.signal(name=contracts.REPORT_LOAD.name)
     def report_load(self, report: LoadReport) -> None:
         self.reports.append(report)
 
-    @workflow.update(name=messages.WAKE)
+    @workflow.update(name=contracts.WAKE.name)
     async def wake(self, wake: WakeInput) -> WakeResult:
         self.wakes.append(wake)
         await workflow.wait_condition(lambda: self.outcome is not None)
@@ -119,7 +119,7 @@ async def deployment(client: Client) -> AsyncIterator[tuple[str, WorkflowHandle[
     queue = f"deploy-{model}"
     async with Worker(client, task_queue=queue, workflows=[RecordingDeployment]):
         handle = await client.start_workflow(
-            messages.DEPLOYMENT, id=deployment_workflow_id(model), task_queue=queue
+            contracts.DEPLOYMENT.name, id=deployment_workflow_id(model), task_queue=queue
         )
         yield model, handle
         await handle.terminate("test over")

@@ -16,9 +16,9 @@ from temporalio.client import Client, WorkflowHandle
 from temporalio.service import RPCError
 from temporalio.worker import Worker
 
-from llmgw import messages
+from llmgw import contracts
 from llmgw import search_attributes as sa
-from llmgw.queues import FLEET_NODES_MEMO, FLEET_WORKFLOW_ID, replica_workflow_id
+from llmgw.queues import FLEET_WORKFLOW_ID, replica_workflow_id
 from llmgw.temporal import connect
 from llmgw.types import ReplicaMemo, ReplicaPhase
 from router.control_link.replica_source import (
@@ -36,7 +36,7 @@ PUBLISH = "publish"
 HOUR = 3600.0  # no resync due within a test: every refresh after the first may be a delta
 
 
-@workflow.defn(name=messages.REPLICA, sandboxed=False)
+@workflow.defn(name=contracts.REPLICA.name, sandboxed=False)
 class PublishingReplica:
     """Publishes its memo as the Replica workflow does, at start and on each signal."""
 
@@ -49,7 +49,7 @@ class PublishingReplica:
     @workflow.signal(name=PUBLISH)
     def publish(self, memo: ReplicaMemo) -> None:
         """What ``ReplicaWorkflow._publish`` writes that the router reads."""
-        workflow.upsert_memo({"replica": memo.model_dump(mode="json")})
+        workflow.upsert_memo(contracts.REPLICA_MEMO.encode(memo))
         workflow.upsert_search_attributes([sa.REPLICA_UPDATED_AT.value_set(workflow.now())])
 
 
@@ -76,7 +76,7 @@ async def _start(
 ) -> WorkflowHandle[object, object]:
     rid = f"delta-{uuid.uuid4().hex[:8]}"
     return await client.start_workflow(
-        messages.REPLICA, _memo(rid, phase), id=replica_workflow_id(rid), task_queue=QUEUE
+        contracts.REPLICA.name, _memo(rid, phase), id=replica_workflow_id(rid), task_queue=QUEUE
     )
 
 
@@ -192,10 +192,10 @@ async def test_a_replica_without_the_attribute_forces_full_listings(
     new = await _start(own_client)
     old_rid = f"old-{uuid.uuid4().hex[:8]}"
     old = await own_client.start_workflow(
-        messages.REPLICA,
+        contracts.REPLICA.name,
         id=replica_workflow_id(old_rid),
         task_queue=f"nobody-{old_rid}",  # no worker: it never sets ReplicaUpdatedAt
-        memo={"replica": _memo(old_rid).model_dump(mode="json")},
+        memo=contracts.REPLICA_MEMO.encode(_memo(old_rid)),
     )
     try:
         await _until(_phase(source, old_rid, ReplicaPhase.READY))
@@ -269,7 +269,7 @@ async def test_newly_registered_nodes_are_checked_against_every_entry_in_a_delta
         endpoint="http://10.9.9.9:18000",
     )  # fmt: skip
     handle = await own_client.start_workflow(
-        messages.REPLICA, memo, id=replica_workflow_id(rid), task_queue=QUEUE
+        contracts.REPLICA.name, memo, id=replica_workflow_id(rid), task_queue=QUEUE
     )
     fleet: WorkflowHandle[object, object] | None = None
     try:
@@ -282,10 +282,10 @@ async def test_newly_registered_nodes_are_checked_against_every_entry_in_a_delta
         await _in_delta_mode(source)  # it is listed by now, but on no registered node
         assert rid not in [m.replica_id for m in await source.replicas()]
         fleet = await own_client.start_workflow(
-            messages.FLEET,
+            contracts.FLEET.name,
             id=FLEET_WORKFLOW_ID,
             task_queue="nobody-fleet",
-            memo={FLEET_NODES_MEMO: {"n1": "10.9.9.9"}},
+            memo=contracts.FLEET_NODES_MEMO.encode(contracts.FleetNodes({"n1": "10.9.9.9"})),
         )
         assert rid in [m.replica_id for m in await source.replicas()]
         assert source.last_since is not None

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from temporalio.client import Client
 
+from llmgw import contracts
 from llmgw.queues import replica_workflow_id
 from llmgw.types import ReplicaMemo, ReplicaPhase
 from router.control_link.replica_source import TemporalReplicaSource
@@ -42,7 +43,7 @@ async def test_a_forged_replica_memo_is_not_routed(client: Client) -> None:
         "Replica",
         id=replica_workflow_id(rid),
         task_queue=f"nobody-{rid}",  # no worker: it just sits there, running
-        memo={"replica": memo.model_dump(mode="json")},
+        memo=contracts.REPLICA_MEMO.encode(memo),
     )
     try:
         source = TemporalReplicaSource(client)

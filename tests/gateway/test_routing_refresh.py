@@ -11,7 +11,7 @@ from collections.abc import Awaitable, Callable
 from sqlalchemy.exc import OperationalError
 from temporalio.client import Client, WorkflowHandle
 
-from llmgw import messages
+from llmgw import contracts
 from llmgw.queues import replica_workflow_id
 from llmgw.types import ModelSpec, ReplicaMemo, ReplicaPhase
 from router.control_link.replica_source import TemporalReplicaSource
@@ -25,10 +25,10 @@ def _memo(rid: str, phase: ReplicaPhase) -> ReplicaMemo:
 
 async def _start(client: Client, memo: ReplicaMemo) -> WorkflowHandle[object, object]:
     return await client.start_workflow(
-        messages.REPLICA,
+        contracts.REPLICA.name,
         id=replica_workflow_id(memo.replica_id),
         task_queue=f"nobody-{memo.replica_id}",  # no worker: it just sits there, running
-        memo={"replica": memo.model_dump(mode="json")},
+        memo=contracts.REPLICA_MEMO.encode(memo),
     )
 
 
@@ -77,10 +77,10 @@ async def test_a_malformed_memo_is_skipped_not_a_failed_refresh(client: Client) 
     rid = f"malformed-{uuid.uuid4().hex[:8]}"
     good = await _start(client, _memo(rid, ReplicaPhase.PLACING))
     bad = await client.start_workflow(
-        messages.REPLICA,
+        contracts.REPLICA.name,
         id=replica_workflow_id(f"{rid}-bad"),
         task_queue=f"nobody-{rid}",
-        memo={"replica": {"replica_id": f"{rid}-bad", "phase": "no-such-phase"}},
+        memo={contracts.REPLICA_MEMO.key: {"replica_id": f"{rid}-bad", "phase": "no-such-phase"}},
     )
     source = TemporalReplicaSource(client)
     try:

@@ -4,10 +4,8 @@ CONTROL_QUEUE = "control"
 """The control plane's task queue: workflows and control activities."""
 
 FLEET_WORKFLOW_ID = "fleet"
-# The fleet's memo key for registered nodes (node id -> engine address): the
-# router routes only to endpoints on these addresses.
-FLEET_NODES_MEMO = "nodes"
-"""The one fleet entity workflow: node inventory and the allocation ledger."""
+"""The one fleet entity workflow: node inventory and the allocation ledger.
+Its memo key for registered nodes is ``llmgw.contracts.FLEET_NODES_MEMO``."""
 
 
 def node_queue(node_id: str) -> str:

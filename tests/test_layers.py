@@ -104,7 +104,10 @@ class Tree:
         tops = [
             d
             for d in sorted(root.iterdir())
-            if d.is_dir() and d.name not in NOT_PACKAGES and (d / "__init__.py").is_file()
+            if d.is_dir()
+            and d.name not in NOT_PACKAGES
+            and not d.name.startswith(".")
+            and (d / "__init__.py").is_file()
         ]
         for top in tops:
             for init in sorted(top.rglob("__init__.py")):
@@ -397,6 +400,7 @@ def test_the_checks_on_a_made_up_tree(tmp_path: Path) -> None:
             "tests/__init__.py": "",
             "tests/test_x.py": "import high.top\n",
             "notapackage/script.py": "import low.base\n",
+            ".hidden/__init__.py": "",
         },
     )
     tree = Tree.read(tmp_path)

@@ -240,7 +240,8 @@ def create_app(
 
     def openapi() -> dict[str, Any]:
         # FastAPI documents its own routes; the inference routes are plain
-        # Starlette ones (router/api/openai.py says why) and bring their entries.
+        # Starlette ones (router/api/openai.py says why) and bring their entries;
+        # then what our error handlers answer instead of FastAPI's (openapi_docs).
         if app.openapi_schema is None:
             schema = get_openapi(
                 title=app.title, version=app.version, description=app.description, routes=app.routes
@@ -249,7 +250,7 @@ def create_app(
                 **openapi_docs.inference_openapi(openai.INFERENCE),
                 **schema["paths"],
             }
-            app.openapi_schema = schema
+            app.openapi_schema = openapi_docs.truthful(schema)
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]

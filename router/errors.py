@@ -25,7 +25,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.routing import BaseRoute, Match
+from starlette.routing import Match
 
 from llmgw.errors import LlmgwError
 
@@ -407,14 +407,18 @@ def invalid_body(exc: ValidationError) -> OpenAIError:
     return invalid_fields(problems, first or None)
 
 
+_METHODS = ("DELETE", "GET", "HEAD", "OPTIONS", "PATCH", "POST", "PUT")
+
+
 def _allowed(request: Request) -> str:
-    """RFC 9110's Allow for a 405: every method the request's path answers
-    (Starlette's own names only those of the first route it matched)."""
-    methods: set[str] = set()
-    for route in request.app.router.routes:
-        if isinstance(route, BaseRoute) and route.matches(request.scope)[0] is not Match.NONE:
-            methods |= getattr(route, "methods", None) or set()
-    return ", ".join(sorted(methods))
+    """RFC 9110's Allow for a 405: every method some route takes at this path
+    (Starlette's own names only the first route it matched, FastAPI's none)."""
+    routes = request.app.router.routes
+    return ", ".join(
+        method
+        for method in _METHODS
+        if any(r.matches({**request.scope, "method": method})[0] is Match.FULL for r in routes)
+    )
 
 
 def install_handlers(app: FastAPI) -> None:

@@ -34,6 +34,7 @@ from llmgw.store.catalog_store import (
 from llmgw.types import DeploymentStatus, ReplicaMemo
 from router.api import apikeys
 from router.api.apikeys import KeyInfo, KeyPolicy, KeyUpdate
+from router.api.openapi_docs import error_responses
 from router.billing import usage
 from router.billing.usage import UsageRow
 from router.blocking import within
@@ -46,6 +47,15 @@ T = TypeVar("T")
 # Store integers are 32-bit on PostgreSQL: larger ones are refused up front.
 INT32_MAX = 2**31 - 1
 KeyId = Annotated[int, Path(ge=1, le=INT32_MAX)]
+# The operation's own error answers (openapi_docs.truthful adds 400 for an
+# invalid input, and the 401 and 503 of the credential check, to every one).
+NO_MODEL = error_responses({404: "No such catalog entry (`not_found`)"})
+NO_KEY = error_responses({404: "No such key (`not_found`)"})
+NO_REPLICA = error_responses({404: "No such running replica (`not_found`)"})
+TEMPORAL = {
+    503: "Temporal did not answer (`temporal`), this router has no Temporal client,"
+    " or the store did not answer in time (`store_unavailable`, `Retry-After`)"
+}
 
 
 async def _admin(
@@ -80,7 +90,7 @@ async def admin_list_models(deps: DepsDep) -> list[CatalogModel]:
     return await _stored(deps, list_entries, deps.store)
 
 
-@router.get("/models/{name}")
+@router.get("/models/{name}", responses=NO_MODEL)
 async def admin_get_model(name: str, deps: DepsDep) -> CatalogModel:
     """One catalog entry."""
     entry = await _stored(deps, get_entry, deps.store, name)
@@ -89,9 +99,23 @@ async def admin_get_model(name: str, deps: DepsDep) -> CatalogModel:
     return entry
 
 
-@router.put("/models/{name}")
-async def admin_put_model(name: str, entry: CatalogModel, deps: DepsDep) -> CatalogModel:
-    """Add or replace a catalog entry (the catalog file's fields; errors name the field)."""
+@router.put(
+    "/models/{name}",
+    responses=error_responses(
+        {
+            400: "An invalid field (`param` names it), an entry the catalog refuses,"
+            " or a body whose `name` is not the path's (`param`: `name`)"
+        }
+    ),
+)
+async def admin_put_model(
+    name: Annotated[str, Path(description="The entry's name: the body's `name` must be the same")],
+    entry: CatalogModel,
+    deps: DepsDep,
+) -> CatalogModel:
+    """Add or replace a catalog entry (the catalog file's fields; errors name the field).
+    The body's `name` must equal the path's: a body naming another entry is refused
+    (400, `param` `name`), so a PUT never renames an entry."""
     if entry.name != name:
         raise ErrorKind.NAME_MISMATCH.error(body_name=entry.name, path_name=name)
     # The entry's own fields unprefixed (`adapters[0].name`), others by name.
@@ -105,7 +129,7 @@ async def admin_put_model(name: str, entry: CatalogModel, deps: DepsDep) -> Cata
     return entry
 
 
-@router.delete("/models/{name}")
+@router.delete("/models/{name}", responses=NO_MODEL)
 async def admin_delete_model(name: str, deps: DepsDep) -> dict[str, Any]:
     """Remove a catalog entry (running replicas are not stopped)."""
     if not await _stored(deps, delete_entry, deps.store, name):
@@ -123,7 +147,17 @@ class ScaleRequest(BaseModel):
     max_replicas: int | None = Field(default=None, ge=1)
 
 
-@router.post("/models/{name}/scale")
+@router.post(
+    "/models/{name}/scale",
+    responses=error_responses(
+        {
+            400: "An invalid field, or a count past LLMGW_MAX_REPLICAS_PER_MODEL"
+            " (`param` names it)",
+            404: "No such catalog entry (`not_found`)",
+            **TEMPORAL,
+        }
+    ),
+)
 async def admin_scale_model(name: str, request: ScaleRequest, deps: DepsDep) -> DeploymentStatus:
     """Scale the model's deployment (started if it was not), as ``llmgw scale``:
     the catalog entry first, so that the control plane's reconcile agrees.
@@ -183,7 +217,7 @@ class LogTailView(BaseModel):
     lines: list[str]
 
 
-@router.get("/replicas/{replica_id}/logs")
+@router.get("/replicas/{replica_id}/logs", responses={**NO_REPLICA, **error_responses(TEMPORAL)})
 async def admin_replica_logs(
     replica_id: str, deps: DepsDep, lines: Annotated[int, Query(ge=1, le=2000)] = 100
 ) -> LogTailView:
@@ -203,7 +237,7 @@ class EngineKeyView(BaseModel):
     engine_key: str
 
 
-@router.get("/replicas/{replica_id}/engine-key")
+@router.get("/replicas/{replica_id}/engine-key", responses=NO_REPLICA)
 async def admin_engine_key(replica_id: str, deps: DepsDep) -> EngineKeyView:
     """The replica's engine key, to benchmark its engine directly."""
     memo = _replica(deps, replica_id)
@@ -212,7 +246,7 @@ async def admin_engine_key(replica_id: str, deps: DepsDep) -> EngineKeyView:
     )
 
 
-@router.get("/nodes")
+@router.get("/nodes", responses=error_responses(TEMPORAL))
 async def admin_nodes(deps: DepsDep) -> dict[str, Any]:
     """The fleet: nodes, their liveness, allocations and cordons."""
     client = _temporal(deps)
@@ -235,7 +269,10 @@ async def admin_errors(
     return deps.admission.incidents.recent(limit)
 
 
-@router.get("/errors/{error_id}")
+@router.get(
+    "/errors/{error_id}",
+    responses=error_responses({404: "No such error id on this router (`not_found`)"}),
+)
 async def admin_error(error_id: str, deps: DepsDep) -> Incident:
     """Why the client given ``error_id`` (its ``x-request-id``) failed. Only the
     router that answered knows; the latest 1,000 are kept, the log has every one."""
@@ -274,7 +311,7 @@ async def admin_create_key(new: NewKey, deps: DepsDep) -> CreatedKey:
     return CreatedKey(**info.model_dump(), key=key)
 
 
-@router.get("/keys/{key_id}")
+@router.get("/keys/{key_id}", responses=NO_KEY)
 async def admin_get_key(key_id: KeyId, deps: DepsDep) -> KeyInfo:
     """One key."""
     info = await _stored(deps, apikeys.get_key, deps.store, key_id)
@@ -283,7 +320,7 @@ async def admin_get_key(key_id: KeyId, deps: DepsDep) -> KeyInfo:
     return info
 
 
-@router.delete("/keys/{key_id}")
+@router.delete("/keys/{key_id}", responses=NO_KEY)
 async def admin_revoke_key(key_id: KeyId, deps: DepsDep) -> KeyInfo:
     """Revoke a key: refused here at once, by other routers within their cache TTL."""
     info = await _stored(deps, apikeys.revoke_key, deps.store, key_id)
@@ -293,7 +330,7 @@ async def admin_revoke_key(key_id: KeyId, deps: DepsDep) -> KeyInfo:
     return info
 
 
-@router.patch("/keys/{key_id}")
+@router.patch("/keys/{key_id}", responses=NO_KEY)
 async def admin_update_key(key_id: KeyId, update: KeyUpdate, deps: DepsDep) -> KeyInfo:
     """Change a key's name, models, expiry or quotas (only the fields given).
     Applies here at once, on other routers within their key cache TTL; quota

@@ -1,8 +1,13 @@
-"""Fuzz the router's OpenAPI schema (schemathesis): valid and invalid inputs alike,
-never a 5xx, every error OpenAI-shaped, invalid input a 4xx. Bounded: a fixed
-number of examples per operation, the engine scripted (no real inference)."""
+"""Fuzz the router's OpenAPI schema (schemathesis) against a live router: valid
+and invalid inputs alike, never a 5xx, every error OpenAI-shaped, invalid input
+a 4xx, and every answer as the description says (its status, content type,
+headers and body schema: the description is what the API reference is made
+of). A 405 names the methods that path takes (Allow). Bounded and
+deterministic: a fixed number of examples per operation, derandomized, the
+engine scripted (no real inference)."""
 
 import asyncio
+import re
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -16,7 +21,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.errors import Unsatisfiable
 from schemathesis import Case, GenerationMode
-from schemathesis.checks import negative_data_rejection, not_a_server_error
+from schemathesis.checks import (
+    content_type_conformance,
+    negative_data_rejection,
+    not_a_server_error,
+    response_headers_conformance,
+    response_schema_conformance,
+    status_code_conformance,
+)
 from schemathesis.config import SchemathesisConfig
 from schemathesis.schemas import BaseSchema
 
@@ -96,11 +108,19 @@ def _served_model(case: Case[Any]) -> Case[Any]:
 def _check(case: Case[Any], served: _Served) -> None:
     key = ADMIN_KEY if case.path.startswith("/admin") else served.key
     # not_a_server_error: no 5xx; negative_data_rejection: input against the
-    # schema gets a 4xx (schemathesis knows when its mutation is still valid).
+    # schema gets a 4xx (schemathesis knows when its mutation is still valid);
+    # the *_conformance checks: the answer is one the description documents.
     response = case.call_and_validate(
         base_url=served.root,
         headers={"Authorization": f"Bearer {key}"},
-        checks=[not_a_server_error, negative_data_rejection],
+        checks=[
+            not_a_server_error,
+            negative_data_rejection,
+            status_code_conformance,
+            content_type_conformance,
+            response_headers_conformance,
+            response_schema_conformance,
+        ],
     )
     if response.status_code >= 400:
         where = (case.method, case.path, case.body, response.text[:300])
@@ -160,3 +180,24 @@ def test_fuzz_raw_bodies_are_400_and_oversize_413(served: _Served) -> None:
         big = b'{"model": "m1", "prompt": "' + b"x" * (64 * 1024) + b'"}'
         r = http.post("/v1/completions", content=big)
         assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
+
+
+def test_a_405_says_which_methods_the_path_takes(api_schema: BaseSchema, served: _Served) -> None:
+    # RFC 9110: a 405 carries Allow, listing what the resource supports: here
+    # exactly the methods the description documents for that path.
+    spec = api_schema.raw_schema
+    paths = spec["paths"]
+    assert any(p.startswith("/v1/") for p in paths) and any(p.startswith("/admin/") for p in paths)
+    methods = ("GET", "POST", "PUT", "PATCH", "DELETE")
+    with httpx.Client(base_url=served.root) as http:
+        for template, item in paths.items():
+            documented = {m.upper() for m in item} & set(methods)
+            path = template.replace("{name}", "m1").replace("{key_id}", "1")
+            path = re.sub(r"\{[a-z_]+\}", "x", path)
+            key = ADMIN_KEY if path.startswith("/admin") else served.key
+            for method in sorted(set(methods) - documented):
+                r = http.request(method, path, headers={"Authorization": f"Bearer {key}"})
+                assert r.status_code == 405, (method, path, r.status_code)
+                allow = {m.strip() for m in r.headers.get("allow", "").split(",") if m.strip()}
+                assert allow == documented, (method, path, r.headers.get("allow"))
+                assert r.json()["error"]["message"] == "Method Not Allowed"

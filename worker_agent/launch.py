@@ -1,9 +1,10 @@
 """Launching a shard on this node: the ports and cores it gets, its plan, the
 pass-through in front of its engine, and the record the supervisor keeps.
 
-``NodeActivities.launch_shard`` (``activities/agent/shards.py``) is the Temporal side
-of this module: it finds a running engine, installs the engine, heartbeats
-and turns errors into activity failures; every decision is made here.
+``ShardService.launch`` (``worker_agent/shard_service.py``) drives this
+module: it finds a running engine, installs the engine and heartbeats, and
+the ``launch_shard`` activity (``activities/agent/shards.py``) turns its
+errors into activity failures; every decision is made here.
 Nothing here needs Temporal, so each part can be tested without it.
 """
 
@@ -161,7 +162,7 @@ NO_KEEPALIVE = frozenset({EngineKind.LLAMA_CPP})
 
 
 # An engine's own loopback key: the prefix lets a log tail's redaction
-# (activities/agent/shards.py) find it exactly, as the agent does not keep it.
+# (worker_agent/shard_service.py) find it exactly, as the agent does not keep it.
 LOOPBACK_KEY_PREFIX = "llmgw-loop-"
 
 

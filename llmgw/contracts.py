@@ -90,6 +90,7 @@ from llmgw.types import (
 
 I = TypeVar("I")  # noqa: E741 - the input type, as in Update[I, R]
 R = TypeVar("R")
+W = TypeVar("W")  # another workflow type's input
 M = TypeVar("M", bound=BaseModel)
 
 # Who can be signalled: a client's handle, or, inside a workflow, a child's
@@ -160,6 +161,34 @@ class Signal(Generic[I]):
             await handle.signal(self.name, arg, rpc_timeout=rpc_timeout)
         else:
             await handle.signal(self.name, arg)
+
+    async def send_with_start(
+        self,
+        client: Client,
+        workflow_type: WorkflowType[W, Any],
+        start_arg: W,
+        arg: I,
+        *,
+        id: str,
+        task_queue: str,
+        **options: Any,
+    ) -> WorkflowHandle[Any, Any]:
+        """Signal-with-start: start ``workflow_type`` with ``start_arg`` unless
+        ``id`` runs (``options`` such as ``id_conflict_policy``), then signal it."""
+        if workflow_type.name != self.workflow:
+            raise ValueError(
+                f"{self.name} is a signal of {self.workflow}, not {workflow_type.name}"
+            )
+        handle: WorkflowHandle[Any, Any] = await client.start_workflow(
+            workflow_type.name,
+            start_arg,
+            id=id,
+            task_queue=task_queue,
+            start_signal=self.name,
+            start_signal_args=[arg],
+            **options,
+        )
+        return handle
 
 
 @dataclass(frozen=True)

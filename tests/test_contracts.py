@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
 from temporalio import activity, workflow
 
 from llmgw import contracts, error_types, errors
@@ -193,6 +194,16 @@ def test_every_descriptor_has_one_handler_typed_as_it_says() -> None:
         if handlers[k][0][1] != _expected(d)
     }
     assert wrong == {}
+
+
+async def test_a_signal_starts_only_its_own_workflow_type() -> None:
+    """Signal-with-start of the wrong type is refused before any call (no client used)."""
+    client: Any = None
+    nothing: Any = None
+    with pytest.raises(ValueError, match="register_node is a signal of Fleet, not Replica"):
+        await contracts.REGISTER_NODE.send_with_start(
+            client, contracts.REPLICA, nothing, nothing, id="x", task_queue="q"
+        )
 
 
 def test_memos_round_trip_as_their_writers_store_them() -> None:

@@ -10,6 +10,7 @@ import asyncio
 import uuid
 
 from temporalio.client import Client, WorkflowHandle
+from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.worker import Replayer, Worker
 
@@ -126,3 +127,29 @@ async def test_shards_an_agent_reports_are_not_offered_again(client: Client) -> 
         second = await contracts.PLACE.execute(fleet, PlaceRequest(replica_id="r2", model=gpu8))
         assert second.placement is None
         assert {r.reason for r in second.rejections} == {"needs 8 free healthy GPUs, has 0"}
+
+
+async def test_an_agent_registers_by_signal_with_start(client: Client) -> None:
+    """What the agent does at start: the first registration starts the fleet,
+    the next joins the running one (``register_node`` through its descriptor)."""
+    queue = f"fleet-batch-{uuid.uuid4()}"
+    fleet_id = f"fleet-{uuid.uuid4()}"
+    async with Worker(client, task_queue=queue, workflows=[FleetWorkflow]):
+        handles = [
+            await contracts.REGISTER_NODE.send_with_start(
+                client,
+                contracts.FLEET,
+                FleetSnapshot(),
+                node_inventory(name, gpus=1),
+                id=fleet_id,
+                task_queue=queue,
+                id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+            )
+            for name in ("a", "b")
+        ]
+        assert handles[0].result_run_id == handles[1].result_run_id  # one fleet run
+        fleet = client.get_workflow_handle(fleet_id)
+        async with asyncio.timeout(60):  # both signals are in; wait for them to be handled
+            while sorted((await contracts.SNAPSHOT.ask(fleet, None)).nodes) != ["a", "b"]:
+                await asyncio.sleep(0.05)
+        await handles[0].terminate("test over")

@@ -7,6 +7,12 @@ openai client shows as ``request_id``): never a node name, a path, an
 exception's text or an engine's log, which may carry secrets. The full
 reason goes to the router's log, on one line with the id, and to
 :class:`Incidents`, which the admin API serves by id (``/admin/errors``).
+
+Every error is a row of :class:`ErrorKind` (status, type, code, message
+template, Retry-After, whether its reason is hidden) built by one method:
+``raise ErrorKind.MODEL_NOT_FOUND.error(model=name)``. A status, param or
+Retry-After that depends on the case (an engine's status, the field at
+fault) is the builder's argument; the few helpers below compute one.
 """
 
 import json

@@ -3,6 +3,7 @@ the admission queue, the proxy and the relay share: what it cancels, what
 it lets run on, and what it leaves behind."""
 
 import asyncio
+from pathlib import Path
 
 import pytest
 from starlette.types import Message
@@ -117,3 +118,15 @@ async def test_nothing_to_watch_runs_the_block_plainly() -> None:
     async with cancelled_if_gone(None) as watch:
         await asyncio.sleep(0)
     assert (watch.left, watch.cut) == (False, False)
+
+
+def test_the_router_watches_the_disconnect_in_one_place() -> None:
+    """The API layer, the queue, the waiting stream, the proxy and the relay
+    take the watch from router/disconnect.py; none reads the message itself."""
+    router = Path(__file__).resolve().parents[2] / "router"
+    readers = sorted(
+        str(p.relative_to(router))
+        for p in router.rglob("*.py")
+        if '"http.disconnect"' in p.read_text()
+    )
+    assert readers == ["disconnect.py"]

@@ -27,7 +27,7 @@ from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.service import RPCError
 from temporalio.worker import Worker
 
-from llmgw import messages
+from llmgw import contracts
 from llmgw.engine_keys import engine_key
 from llmgw.lifecycle import setup_logging, stop_event_on_signals, unless_stopped
 from llmgw.queues import CONTROL_QUEUE, FLEET_WORKFLOW_ID, node_queue, replica_workflow_id
@@ -94,13 +94,13 @@ ActivityFactory = Callable[[AgentServices], Sequence[Callable[..., object]]]
 
 async def register(client: Client, inventory: NodeInventory) -> None:
     """Report this node to the fleet, starting the fleet if it is not running."""
-    await client.start_workflow(
-        messages.FLEET,
+    await contracts.REGISTER_NODE.send_with_start(
+        client,
+        contracts.FLEET,
         FleetSnapshot(),
+        inventory,
         id=FLEET_WORKFLOW_ID,
         task_queue=CONTROL_QUEUE,
-        start_signal=messages.REGISTER_NODE,
-        start_signal_args=[inventory],
         id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
     )
 
@@ -240,8 +240,8 @@ async def deregister(client: Client, node_id: str, timeout_s: float) -> None:
     fleet = client.get_workflow_handle(FLEET_WORKFLOW_ID)
     try:
         async with asyncio.timeout(timeout_s):
-            await fleet.signal(
-                messages.DEREGISTER_NODE,
+            await contracts.DEREGISTER_NODE.send(
+                fleet,
                 NodeRef(node_id=node_id),
                 rpc_timeout=timedelta(seconds=timeout_s),
             )

@@ -9,7 +9,7 @@ AdapterLoad workflow and the routers match (``llmgw/error_types.py``).
 
 from temporalio import activity
 
-from activities import names
+from llmgw import contracts
 from llmgw.errors import AdapterError, EngineGone
 from llmgw.types import AdapterCall, AdapterCallResult
 from worker_agent.adapter_service import AdapterService
@@ -21,7 +21,7 @@ class AdapterActivities:
     def __init__(self, adapters: AdapterService) -> None:
         self._adapters = adapters
 
-    @activity.defn(name=names.LOAD_ADAPTER)
+    @activity.defn(name=contracts.LOAD_ADAPTER.name)
     async def load_adapter(self, call: AdapterCall) -> AdapterCallResult:
         """Load a catalog adapter into the replica's engine."""
         try:
@@ -29,7 +29,7 @@ class AdapterActivities:
         except (AdapterError, EngineGone) as err:
             raise err.to_application_error() from None
 
-    @activity.defn(name=names.UNLOAD_ADAPTER)
+    @activity.defn(name=contracts.UNLOAD_ADAPTER.name)
     async def unload_adapter(self, call: AdapterCall) -> AdapterCallResult:
         """Unload an adapter (to make room) unless the engine is serving it;
         unknown to the engine is no change."""

@@ -13,8 +13,7 @@ the activity's task.
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
-from activities import names
-from llmgw import error_types
+from llmgw import contracts, error_types
 from llmgw.errors import (
     AgentShutdown,
     ConfigError,
@@ -59,7 +58,7 @@ class NodeActivities:
         """Close the shard service (its HTTP client)."""
         await self._shards.aclose()
 
-    @activity.defn(name=names.FETCH_WEIGHTS)
+    @activity.defn(name=contracts.FETCH_WEIGHTS.name)
     async def fetch_weights(self, request: FetchWeightsInput) -> FetchWeightsResult:
         """Bring the weights into the node's cache, verified, heartbeating progress."""
         try:
@@ -71,12 +70,12 @@ class NodeActivities:
         except WeightsError as err:
             raise err.to_application_error() from err
 
-    @activity.defn(name=names.RESERVE_PORT)
+    @activity.defn(name=contracts.RESERVE_PORT.name)
     async def reserve_port(self, ref: ShardRef) -> PortReservation:
         """A port for a shard that peers must know before it starts (idempotent)."""
         return await self._shards.reserve_port(ref)
 
-    @activity.defn(name=names.LAUNCH_SHARD)
+    @activity.defn(name=contracts.LAUNCH_SHARD.name)
     async def launch_shard(self, request: LaunchShardInput) -> ShardHandle:
         """Start a shard, or return the one already running for it."""
         try:
@@ -88,7 +87,7 @@ class NodeActivities:
         except LlmgwError as err:
             raise err.to_application_error() from err
 
-    @activity.defn(name=names.WAIT_SHARD_READY)
+    @activity.defn(name=contracts.WAIT_SHARD_READY.name)
     async def wait_shard_ready(self, request: WaitReadyInput) -> WaitReadyResult:
         """Wait until the shard serves (or, for a worker rank, stays alive)."""
         try:
@@ -96,7 +95,7 @@ class NodeActivities:
         except (EngineExitedError, EngineNotReadyError) as err:
             raise err.to_application_error() from None
 
-    @activity.defn(name=names.WATCH_SHARD)
+    @activity.defn(name=contracts.WATCH_SHARD.name)
     async def watch_shard(self, request: WatchShardInput) -> ShardExit:
         """Return when the shard's engine exits; heartbeat while it runs."""
         try:
@@ -106,29 +105,29 @@ class NodeActivities:
         except AgentShutdown as err:
             raise err.to_application_error() from None
 
-    @activity.defn(name=names.DRAIN_SHARD)
+    @activity.defn(name=contracts.DRAIN_SHARD.name)
     async def drain_shard(self, request: DrainInput) -> DrainResult:
         """Wait, bounded, until the engine has no request in flight."""
         return await self._shards.drain(request, activity.heartbeat)
 
-    @activity.defn(name=names.SHARD_LOAD)
+    @activity.defn(name=contracts.SHARD_LOAD.name)
     async def shard_load(self, request: ShardRef) -> ShardLoad:
         """Requests in flight on the shard's engine (a deployment scaling down
         drains the least loaded replica)."""
         return await self._shards.load(request)
 
-    @activity.defn(name=names.SHARD_RUNNING)
+    @activity.defn(name=contracts.SHARD_RUNNING.name)
     async def shard_running(self, request: ShardRef) -> ShardRunning:
         """The shard's engine as this agent finds it (a replica whose node was
         lost asks this when the agent is back: same pid means adopted)."""
         return self._shards.running(request)
 
-    @activity.defn(name=names.STOP_SHARD)
+    @activity.defn(name=contracts.STOP_SHARD.name)
     async def stop_shard(self, request: StopShardInput) -> StopShardResult:
         """Stop the shard's process group; a no-op when it is not running."""
         return await self._shards.stop(request)
 
-    @activity.defn(name=names.SHARD_LOG_TAIL)
+    @activity.defn(name=contracts.SHARD_LOG_TAIL.name)
     async def shard_log_tail(self, request: LogTailInput) -> LogTail:
         """The last lines the shard's engine wrote (bounded)."""
         return self._shards.log_tail(request)

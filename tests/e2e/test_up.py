@@ -95,7 +95,7 @@ def start_up(
         [
             sys.executable,
             "-m",
-            "llmgw",
+            "llmgw_cli",
             "up",
             "--router-port",
             str(router_port),

@@ -39,7 +39,7 @@ module are named with where they live::
     ├── IllegalTransition         a replica phase change the lifecycle forbids: a bug
     │                             (workflows/replica_state.py; also a ValueError)
     ├── OpenAIError               what a router client sees: status and OpenAI error JSON,
-    │                             built in router/errors.py
+    │                             built in router/common/errors.py
     ├── AdapterLoadFailed         the router could not have a LoRA adapter loaded
     │                             (router/control_link/adapters.py; not the wire
     │                             AdapterError.AdapterLoadFailed above, whose

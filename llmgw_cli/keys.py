@@ -52,7 +52,8 @@ def keys_create(
     """Create a client API key; it is printed once and stored hashed."""
     from pydantic import ValidationError  # noqa: PLC0415
 
-    from router.api.apikeys import KeyPolicy, create_key  # noqa: PLC0415
+    from router.api.apikeys import create_key  # noqa: PLC0415
+    from router.billing.key_policy import KeyPolicy  # noqa: PLC0415
 
     try:
         policy = KeyPolicy(

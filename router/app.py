@@ -24,22 +24,22 @@ from llmgw.store.catalog_store import all_specs
 from router.admission.queue import Admission
 from router.api import admin, engine_metrics, openai, openapi_docs
 from router.api.auth import KeyVerifier
+from router.api.deps import Deps
 from router.billing.accounting import Accountant
 from router.billing.usage_spool import UsageSpool
-from router.blocking import STORE_WAIT_S
+from router.common.blocking import STORE_WAIT_S
+from router.common.errors import install_handlers
+from router.common.metrics import Metrics
 from router.control_link.adapters import AdapterLoader, AdapterRouter, TemporalAdapterLoader
 from router.control_link.deployment_link import DeploymentLink, TemporalDeploymentLink
 from router.control_link.endpoint_proof import ProvenSource
 from router.control_link.load_report import REPORT_INTERVAL_S, LoadReporter
 from router.control_link.routing import ReplicaSource, RoutingTable, refresh_forever
-from router.deps import Deps
-from router.errors import install_handlers
 from router.forwarding.health import EngineProbe, HttpProbe, probe_forever
 from router.forwarding.pacing import MAX_WINDOW_S, Pacer
 from router.forwarding.proxy import Proxy
 from router.forwarding.upstream import AiohttpUpstream, Upstream
 from router.forwarding.upstream_raw import RawUpstream
-from router.metrics import Metrics
 
 MiB = 1024 * 1024
 
@@ -193,7 +193,7 @@ def create_app(
     app.state.deps = Deps(
         table=table,
         keys=KeyVerifier(store, key_cache_ttl_s, admin_key, store_wait_s, key_stale_s),
-        # One record of hidden reasons (router/errors.py), served by /admin/errors.
+        # One record of hidden reasons (router/common/errors.py), served by /admin/errors.
         proxy=Proxy(
             client,
             table,

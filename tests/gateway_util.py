@@ -24,8 +24,9 @@ from fastapi import FastAPI
 from llmgw.errors import UpstreamConnectError, UpstreamError
 from llmgw.store import Store
 from llmgw.types import EngineProfile, ModelSpec, ReplicaMemo, ReplicaPhase
-from router.api.apikeys import KeyPolicy, create_key
+from router.api.apikeys import create_key
 from router.app import create_app
+from router.billing.key_policy import KeyPolicy
 
 ADMIN_KEY = "test-admin-key"
 PROMPT_TOKENS = 7

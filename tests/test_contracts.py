@@ -312,7 +312,7 @@ def test_every_project_exception_is_under_the_root_and_drawn_in_the_tree() -> No
 
 
 def test_router_failures_are_built_in_router_errors() -> None:
-    """router/errors.py is the one place that says what a client sees on failure."""
+    """router/common/errors.py is the one place that says what a client sees on failure."""
     root = Path(__file__).resolve().parent.parent / "router"
     built_elsewhere = [
         f"{path.relative_to(root.parent)}:{node.lineno}"

@@ -62,27 +62,6 @@ RANK = {
     "cli": 4,
 }
 
-# Cycles still in the tree while issue 24's work lands, each as the members of
-# its strongly connected component. Only ever remove entries: a cycle not
-# listed fails, and so does an entry whose cycle is gone. Both must end empty.
-KNOWN_PACKAGE_CYCLES: set[frozenset[str]] = {
-    # The router's rooms import one another (admission -> api.apikeys and
-    # api.schemas, billing.accounting -> api.apikeys, api -> admission and
-    # billing), and router/ holds both what composes them (app, main, deps)
-    # and what they all use (errors, metrics, blocking, disconnect).
-    frozenset(
-        {
-            "router",
-            "router.admission",
-            "router.api",
-            "router.billing",
-            "router.control_link",
-            "router.forwarding",
-        }
-    ),
-}
-KNOWN_MODULE_CYCLES: set[frozenset[str]] = set()
-
 
 @dataclass
 class Tree:
@@ -282,21 +261,11 @@ def _describe(component: frozenset[str], arrows: dict[tuple[str, str], set[str]]
 
 
 def _check_cycles(
-    kind: str,
-    found: set[frozenset[str]],
-    known: set[frozenset[str]],
-    arrows: dict[tuple[str, str], set[str]],
+    kind: str, found: set[frozenset[str]], arrows: dict[tuple[str, str], set[str]]
 ) -> None:
-    for component in sorted(found, key=sorted):
-        print(f"{kind} cycle{' (known)' if component in known else ''}:")
-        print(_describe(component, arrows))
-    new = sorted(found - known, key=sorted)
-    assert not new, f"{kind} cycles:\n" + "\n".join(_describe(c, arrows) for c in new)
-    stale = sorted(known - found, key=sorted)
-    assert not stale, (
-        f"{kind} cycles gone: remove them from KNOWN_{kind.upper()}_CYCLES"
-        " in tests/test_layers.py:\n" + "\n".join("  {" + ", ".join(sorted(c)) + "}" for c in stale)
-    )
+    """No cycle at all: each one found is printed with the imports that make it."""
+    cycles = sorted(found, key=sorted)
+    assert not cycles, f"{kind} cycles:\n" + "\n".join(_describe(c, arrows) for c in cycles)
 
 
 @cache
@@ -342,13 +311,13 @@ def test_imports_follow_the_rule() -> None:
 def test_no_cycle_between_packages() -> None:
     tree = _tree()
     found = strongly_connected(tree.packages, tree.package_edges())
-    _check_cycles("package", found, KNOWN_PACKAGE_CYCLES, _package_arrows(tree))
+    _check_cycles("package", found, _package_arrows(tree))
 
 
 def test_no_cycle_between_modules() -> None:
     tree = _tree()
     found = strongly_connected(tree.modules, tree.edges)
-    _check_cycles("module", found, KNOWN_MODULE_CYCLES, _module_arrows(tree))
+    _check_cycles("module", found, _module_arrows(tree))
 
 
 def test_the_rule_itself() -> None:
@@ -428,11 +397,9 @@ def test_the_checks_on_a_made_up_tree(tmp_path: Path) -> None:
         frozenset({"low", "high"}),
         frozenset({"nest", "nest.sub"}),
     }
-    _check_cycles("made-up", {frozenset({"low", "high"})}, {frozenset({"low", "high"})}, {})
+    _check_cycles("made-up", set(), {})
     with pytest.raises(AssertionError, match="low -> high: x"):
-        _check_cycles("made-up", {frozenset({"low", "high"})}, set(), {("low", "high"): {"x"}})
-    with pytest.raises(AssertionError, match="gone"):
-        _check_cycles("made-up", set(), {frozenset({"low", "high"})}, {})
+        _check_cycles("made-up", {frozenset({"low", "high"})}, {("low", "high"): {"x"}})
 
 
 def test_strongly_connected_against_reachability() -> None:

@@ -18,7 +18,7 @@ layer only says when to go.
 
 A model at zero replicas is woken once (router/admission/wake.py); a wake that fails
 fails every request waiting for it, with one error id whose reason the log
-and the admin API give (router/errors.py). A client that leaves
+and the admin API give (router/common/errors.py). A client that leaves
 while waiting leaves the queue: answered 499, billed nothing, its quota
 reservation released (its bill fails with no tokens: router/billing/bill.py).
 
@@ -38,15 +38,14 @@ from router.admission.fair_queue import FairQueue
 from router.admission.ticket import Forward, State, Ticket
 from router.admission.waiting_stream import WaitingStream
 from router.admission.wake import Waker
-from router.api.apikeys import KeyPolicy
-from router.api.schemas import _Generation
 from router.billing.accounting import RequestOutcome
+from router.billing.key_policy import KeyPolicy
+from router.common.errors import ErrorKind, Incidents, OpenAIError, queue_timeout
+from router.common.metrics import Metrics
 from router.control_link.deployment_link import DeploymentLink
 from router.control_link.load_report import LoadCounter
 from router.control_link.routing import RoutingTable
-from router.errors import ErrorKind, Incidents, OpenAIError, queue_timeout
 from router.forwarding.proxy import Call
-from router.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
@@ -56,24 +55,12 @@ UNLIMITED = 1 << 30
 TICK_S = 0.5
 # After a ready wake, the table is read again this soon while it lacks the replica.
 TABLE_LAG_S = 0.1
-# What a request that does not bound its generation costs in the queue, per
-# choice (its quota reservation assumes the whole context instead).
-DEFAULT_COMPLETION_COST = 256
 
 
 def key_share(queue: QueuePolicy) -> int:
     """How many requests of one key may wait for a model: ``queue.key_share``
     of ``queue.max_waiting``, at least one."""
     return max(1, int(queue.max_waiting * queue.key_share))
-
-
-def queue_cost(body: object, prompt_estimate: int) -> int:
-    """A request's cost for fair queuing, in tokens: the prompt estimate plus
-    what it asks to generate (or a default) for every choice and prompt."""
-    if not isinstance(body, _Generation):
-        return prompt_estimate  # embeddings
-    limit = body.completion_limit() or DEFAULT_COMPLETION_COST
-    return prompt_estimate + limit * body.choices() * body.prompts()
 
 
 @dataclass

@@ -19,8 +19,8 @@ from fastapi.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from router.admission.ticket import Forward, Ticket
-from router.disconnect import disconnected
-from router.errors import ErrorKind, OpenAIError, engine_refused, sse_error
+from router.common.disconnect import disconnected
+from router.common.errors import ErrorKind, OpenAIError, engine_refused, sse_error
 from router.forwarding.proxy import Call
 
 log = logging.getLogger(__name__)

@@ -14,8 +14,8 @@ import time
 from collections.abc import Callable
 
 from llmgw.types import WakeInput, WakeResult
+from router.common.metrics import Metrics
 from router.control_link.deployment_link import DeploymentLink
-from router.metrics import Metrics
 
 log = logging.getLogger(__name__)
 

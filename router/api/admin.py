@@ -33,13 +33,14 @@ from llmgw.store.catalog_store import (
 )
 from llmgw.types import DeploymentStatus, ReplicaMemo
 from router.api import apikeys
-from router.api.apikeys import KeyInfo, KeyPolicy, KeyUpdate
+from router.api.apikeys import KeyInfo, KeyUpdate
+from router.api.deps import Deps, get_deps
 from router.api.openapi_docs import error_responses
 from router.billing import usage
+from router.billing.key_policy import KeyPolicy
 from router.billing.usage import UsageRow
-from router.blocking import within
-from router.deps import Deps, get_deps
-from router.errors import ErrorKind, Incident, invalid_fields
+from router.common.blocking import within
+from router.common.errors import ErrorKind, Incident, invalid_fields
 
 DepsDep = Annotated[Deps, Depends(get_deps)]
 P = ParamSpec("P")

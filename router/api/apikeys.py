@@ -17,42 +17,8 @@ from sqlmodel import select
 from llmgw.api_keys import hash_api_key, new_api_key
 from llmgw.store import ApiKey, Store
 from llmgw.types import Priority
+from router.billing.key_policy import INT32_MAX, MAX_WEIGHT, KeyPolicy
 from router.billing.quotas import Quotas
-
-# The limits are INTEGER columns: 32-bit on PostgreSQL.
-INT32_MAX = 2**31 - 1
-# Weights are relative; a bound keeps virtual finish times well-behaved.
-MAX_WEIGHT = 1000.0
-
-
-class KeyPolicy(BaseModel):
-    """What a key may do; every limit 0 means unlimited."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    models: list[str] = Field(default_factory=list, description="allowed models; empty = all")
-    expires_at: datetime | None = Field(default=None, description="UTC; none = never")
-    admin: bool = Field(default=False, description="opens the admin API (and only that)")
-    rpm: int = Field(default=0, ge=0, le=INT32_MAX, description="requests per minute")
-    tpm: int = Field(
-        default=0, ge=0, le=INT32_MAX, description="tokens per minute (prompt + completion)"
-    )
-    token_budget: int = Field(default=0, ge=0, le=INT32_MAX, description="tokens per budget period")
-    budget_period: Literal["day", "month"] = "day"
-    weight: float = Field(
-        default=1.0, gt=0, le=MAX_WEIGHT, description="share of a busy model's tokens vs other keys"
-    )
-    priority: Priority = Field(
-        default=Priority.NORMAL, description="admission queue class: high, normal, batch"
-    )
-
-    def has_quota(self) -> bool:
-        """Whether requests of this key go through the quota store at all."""
-        return bool(self.rpm or self.tpm or self.token_budget)
-
-    def allows(self, model: str) -> bool:
-        """Whether the key may use ``model``."""
-        return not self.models or model in self.models
 
 
 class KeyInfo(BaseModel):

@@ -27,9 +27,10 @@ from datetime import UTC, datetime
 from llmgw.api_keys import hash_api_key
 from llmgw.errors import StoreError
 from llmgw.store import Store
-from router.api.apikeys import KeyInfo, KeyPolicy, lookup
-from router.blocking import STORE_WAIT_S, Warnings, within
-from router.errors import ErrorKind
+from router.api.apikeys import KeyInfo, lookup
+from router.billing.key_policy import KeyPolicy
+from router.common.blocking import STORE_WAIT_S, Warnings, within
+from router.common.errors import ErrorKind
 
 log = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ from fastapi import APIRouter, Depends
 from fastapi.responses import PlainTextResponse
 
 from router.api.admin import _admin
+from router.api.deps import Deps, get_deps
 from router.control_link.routing import Route
-from router.deps import Deps, get_deps
 
 router = APIRouter(prefix="/admin", tags=["admin"], dependencies=[Depends(_admin)])
 DepsDep = Annotated[Deps, Depends(get_deps)]

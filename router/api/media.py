@@ -19,8 +19,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from router.deps import Deps
-from router.errors import ErrorKind
+from router.api.deps import Deps
+from router.common.errors import ErrorKind
 
 
 def check_media(deps: Deps, body: BaseModel) -> None:

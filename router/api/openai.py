@@ -24,24 +24,24 @@ from starlette.routing import Route as HttpRoute
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from llmgw.types import AdapterSpec, EngineKind, ModelSpec
-from router.admission.queue import queue_cost
-from router.api.apikeys import KeyPolicy
 from router.api.auth import Caller
+from router.api.deps import Deps, get_deps
 from router.api.media import check_media
 from router.api.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     EmbeddingRequest,
     _Generation,
+    queue_cost,
 )
 from router.billing.accounting import RequestOutcome
 from router.billing.bill import RequestBill, end_span
+from router.billing.key_policy import KeyPolicy
 from router.billing.quotas import QuotaRejection
+from router.common.disconnect import disconnected
+from router.common.errors import QUOTA_EXCEEDED, ErrorKind, OpenAIError, invalid_body
 from router.control_link.adapters import base_body
 from router.control_link.routing import Route
-from router.deps import Deps, get_deps
-from router.disconnect import disconnected
-from router.errors import QUOTA_EXCEEDED, ErrorKind, OpenAIError, invalid_body
 from router.forwarding.proxy import Call, StaleAdapter
 from router.forwarding.relay import Reply, StreamReply
 

@@ -5,7 +5,7 @@ schemathesis against it).
 The inference endpoints are plain ASGI endpoints that read the raw body (it
 is forwarded as is), so FastAPI cannot derive their documentation: it is
 written out here. FastAPI documents the other routes, except what our
-handlers change (router/errors.py): a validation error is a 400 in the
+handlers change (router/common/errors.py): a validation error is a 400 in the
 OpenAI shape, never FastAPI's 422, and every keyed path may answer 401 and a
 store outage's 503. :func:`truthful` says so.
 """
@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from router.errors import ErrorBody
+from router.common.errors import ErrorBody
 
 
 def _inline(node: Any, defs: dict[str, Any]) -> Any:
@@ -42,7 +42,7 @@ def _openapi_body(model: type[BaseModel]) -> dict[str, Any]:
     }
 
 
-# The error schema, a component (router/errors.py's ErrorBody).
+# The error schema, a component (router/common/errors.py's ErrorBody).
 ERROR_SCHEMA_NAME = ErrorBody.__name__
 _ERROR_CONTENT = {
     "application/json": {"schema": {"$ref": f"#/components/schemas/{ERROR_SCHEMA_NAME}"}}

@@ -145,3 +145,17 @@ class EmbeddingRequest(_Body):
 def _ids(x: int | TokenIds) -> int:
     # A token id list is worth two "bytes" each: the estimate divides by two.
     return 2 if isinstance(x, int) else 2 * len(x)
+
+
+# What a request that does not bound its generation costs in the queue, per
+# choice (its quota reservation assumes the whole context instead).
+DEFAULT_COMPLETION_COST = 256
+
+
+def queue_cost(body: object, prompt_estimate: int) -> int:
+    """A request's cost for fair queuing, in tokens: the prompt estimate plus
+    what it asks to generate (or a default) for every choice and prompt."""
+    if not isinstance(body, _Generation):
+        return prompt_estimate  # embeddings
+    limit = body.completion_limit() or DEFAULT_COMPLETION_COST
+    return prompt_estimate + limit * body.choices() * body.prompts()

@@ -21,13 +21,13 @@ from dataclasses import dataclass
 
 from llmgw.errors import StoreError
 from llmgw.store import Store
-from router.api.apikeys import KeyPolicy
+from router.billing.key_policy import KeyPolicy
 from router.billing.quotas import Limits, QuotaRejection, QuotaReservation, Quotas
 from router.billing.usage import UsageDelta, UsageKey, day_of
 from router.billing.usage_batches import WRITE_WAIT_S, UsageBatches
 from router.billing.usage_spool import UsageSpool
-from router.blocking import STORE_WAIT_S, Warnings, within
-from router.errors import ErrorKind
+from router.common.blocking import STORE_WAIT_S, Warnings, within
+from router.common.errors import ErrorKind
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from opentelemetry.trace import Span, StatusCode
 
 from router.billing.accounting import Accountant, RequestOutcome
 from router.billing.quotas import QuotaReservation
-from router.metrics import Metrics
+from router.common.metrics import Metrics
 
 
 class Bill:

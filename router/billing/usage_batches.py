@@ -24,7 +24,7 @@ from dataclasses import replace
 from llmgw.store import Store
 from router.billing.usage import UsageDelta, UsageKey, record
 from router.billing.usage_spool import Pending, UsageSpool
-from router.blocking import Warnings
+from router.common.blocking import Warnings
 
 log = logging.getLogger(__name__)
 

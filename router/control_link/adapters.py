@@ -42,9 +42,9 @@ from llmgw import contracts, error_types
 from llmgw.errors import LlmgwError
 from llmgw.queues import CONTROL_QUEUE
 from llmgw.types import AdapterLoadInput, AdapterLoadResult, AdapterSpec, EngineKind, ModelSpec
+from router.common.errors import ErrorKind
 from router.control_link.adapter_policy import Action, AdapterUse, ReplicaView, choose
 from router.control_link.routing import Route, RoutingTable
-from router.errors import ErrorKind
 
 log = logging.getLogger(__name__)
 

@@ -38,7 +38,7 @@ from urllib.parse import urlsplit
 
 from llmgw.errors import StoreError
 from llmgw.types import ROUTABLE_PHASES, ModelSpec, ReplicaMemo, ReplicaPhase
-from router.blocking import STORE_WAIT_S, within
+from router.common.blocking import STORE_WAIT_S, within
 
 log = logging.getLogger(__name__)
 

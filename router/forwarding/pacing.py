@@ -31,7 +31,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from router.blocking import Warnings
+from router.common.blocking import Warnings
 
 log = logging.getLogger(__name__)
 

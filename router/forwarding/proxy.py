@@ -42,13 +42,13 @@ from llmgw.engine_keys import EngineKeyFn
 from llmgw.errors import LlmgwError, UpstreamConnectError, UpstreamError
 from router.billing.accounting import RequestOutcome
 from router.billing.bill import Bill
+from router.common.disconnect import cancelled_if_gone
+from router.common.errors import ErrorKind, Incidents, engine_failed
+from router.common.metrics import Metrics
 from router.control_link.routing import Route, RoutingTable
-from router.disconnect import cancelled_if_gone
-from router.errors import ErrorKind, Incidents, engine_failed
 from router.forwarding.pacing import Pacer
 from router.forwarding.relay import Pour, Reply, StreamReply, media_header
 from router.forwarding.upstream import Upstream, UpstreamResponse, divertible
-from router.metrics import Metrics
 
 log = logging.getLogger(__name__)
 

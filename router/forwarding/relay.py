@@ -16,7 +16,7 @@ from typing import Any, Protocol
 from starlette.types import Message, Receive, Scope, Send
 
 from llmgw.errors import UpstreamError
-from router.disconnect import cancelled_if_gone, disconnected
+from router.common.disconnect import cancelled_if_gone, disconnected
 from router.forwarding.pacing import Pacer
 from router.forwarding.upstream import Divertible
 

@@ -14,7 +14,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from llmgw.store import Store
-from router.api.apikeys import KeyPolicy, create_key
+from router.api.apikeys import create_key
+from router.billing.key_policy import KeyPolicy
 from router.billing.quotas import Limits, Quotas
 
 

@@ -19,7 +19,8 @@ from llmgw.store import Store
 from llmgw.store.catalog_store import list_entries
 from llmgw.types import AutoscalePolicy, ModelSpec
 from llmgw_cli.output import DeploymentRow, ExplainOutput, KeysOutput, ModelsOutput, StatusOutput
-from router.api.apikeys import KeyPolicy, create_key, list_keys, revoke_key
+from router.api.apikeys import create_key, list_keys, revoke_key
+from router.billing.key_policy import KeyPolicy
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "reference" / "cli-json.md"
 

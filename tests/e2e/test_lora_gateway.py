@@ -12,7 +12,8 @@ from llmgw.engine_keys import engine_key
 from llmgw.store import Store
 from llmgw.types import AdapterSpec, ModelSpec
 from llmgw_cli.dev.tinymodel import TinyModel
-from router.api.apikeys import KeyPolicy, create_key
+from router.api.apikeys import create_key
+from router.billing.key_policy import KeyPolicy
 from tests.harness import System, wait_routable
 
 BASE = "tiny-lora-gw"

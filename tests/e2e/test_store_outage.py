@@ -24,8 +24,9 @@ import pytest
 
 from llmgw.store import Store
 from llmgw_cli.procs import wait_for
-from router.api.apikeys import KeyPolicy, create_key
+from router.api.apikeys import create_key
 from router.billing import usage, usage_spool
+from router.billing.key_policy import KeyPolicy
 from tests.bench.fasthttp import MODEL
 from tests.bench.procs import free_port, spawn, stop, wait_http
 from tests.pg import PgCluster, own_cluster

@@ -22,8 +22,9 @@ from llmgw.store import Store
 from llmgw.types import AutoscalePolicy, EngineProfile, ModelSpec, QueuePolicy, WakeResult
 from llmgw_cli.dev.tinymodel import TinyModel
 from router.admission.queue import Admission
-from router.api.apikeys import KeyPolicy, create_key, list_keys
+from router.api.apikeys import create_key, list_keys
 from router.app import create_app
+from router.billing.key_policy import KeyPolicy
 from router.control_link.routing import RoutingTable
 from tests.gateway.test_admission import FakeLink
 from tests.gateway_util import FakeSource, ready

@@ -10,8 +10,8 @@ from llmgw.store import Store
 from router.billing import usage
 from router.billing.accounting import Accountant, RequestOutcome
 from router.billing.bill import Bill, RequestBill
+from router.common.metrics import Metrics
 from router.control_link.routing import RoutingTable
-from router.metrics import Metrics
 
 
 def test_the_first_report_settles_the_bill_and_later_ones_do_nothing() -> None:

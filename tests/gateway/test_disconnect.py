@@ -1,4 +1,4 @@
-"""The one client-disconnect watch (router/disconnect.py) that the API layer,
+"""The one client-disconnect watch (router/common/disconnect.py) that the API layer,
 the admission queue, the proxy and the relay share: what it cancels, what
 it lets run on, and what it leaves behind."""
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from starlette.types import Message
 
-from router.disconnect import cancelled_if_gone, disconnected
+from router.common.disconnect import cancelled_if_gone, disconnected
 
 
 class Client:
@@ -122,11 +122,11 @@ async def test_nothing_to_watch_runs_the_block_plainly() -> None:
 
 def test_the_router_watches_the_disconnect_in_one_place() -> None:
     """The API layer, the queue, the waiting stream, the proxy and the relay
-    take the watch from router/disconnect.py; none reads the message itself."""
+    take the watch from router/common/disconnect.py; none reads the message itself."""
     router = Path(__file__).resolve().parents[2] / "router"
     readers = sorted(
         str(p.relative_to(router))
         for p in router.rglob("*.py")
         if '"http.disconnect"' in p.read_text()
     )
-    assert readers == ["disconnect.py"]
+    assert readers == ["common/disconnect.py"]

@@ -24,6 +24,7 @@ from llmgw.errors import LlmgwError, UpstreamConnectError, UpstreamError
 from llmgw.queues import replica_workflow_id
 from llmgw.types import ReplicaMemo, ReplicaPhase
 from router.billing.bill import Bill
+from router.common.metrics import Metrics
 from router.control_link.endpoint_proof import (
     PROOF_TIMEOUT_S,
     HttpProver,
@@ -35,7 +36,6 @@ from router.control_link.replica_source import TemporalReplicaSource
 from router.control_link.routing import Route, RoutingTable, refresh_forever
 from router.forwarding.health import HttpProbe
 from router.forwarding.proxy import Call, Proxy
-from router.metrics import Metrics
 from worker_agent.passthrough import PassThrough
 
 SECRET = "proof-test-secret"

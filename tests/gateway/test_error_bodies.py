@@ -15,8 +15,9 @@ import httpx
 import pytest
 
 from llmgw.store import Store
-from router.api.apikeys import KeyPolicy, create_key
+from router.api.apikeys import create_key
 from router.app import create_app
+from router.billing.key_policy import KeyPolicy
 from router.forwarding.upstream_raw import RawUpstream
 from tests.gateway_util import FakeSource, auth, ready, serving, spec
 from worker_agent.passthrough import PassThrough

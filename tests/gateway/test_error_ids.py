@@ -57,7 +57,7 @@ async def test_a_failed_wake_gives_clients_an_id_and_admins_the_reason(
         streamed = post(gw, key, stream=True)
         await until(lambda: waiting(gw) == 2 and link.answer is not None)
         assert link.answer is not None
-        with caplog.at_level(logging.WARNING, logger="router.errors"):
+        with caplog.at_level(logging.WARNING, logger="router.common.errors"):
             link.answer.set_result(WakeResult(ready=False, reason=REASON))
             r, s = await asyncio.gather(plain, streamed)
         assert r.status_code == 503

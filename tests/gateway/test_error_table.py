@@ -1,4 +1,4 @@
-"""router/errors.py's table: one row per kind of error, one builder. The
+"""router/common/errors.py's table: one row per kind of error, one builder. The
 answers themselves are pinned where the router gives them (test_gateway,
 test_admission, test_error_ids...); here, what the builder guarantees."""
 
@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from pydantic import BaseModel, ValidationError
 
-from router.errors import (
+from router.common.errors import (
     ERROR_ID_HEADER,
     QUOTA_EXCEEDED,
     ErrorBody,
@@ -84,7 +84,7 @@ def test_the_computed_headers() -> None:
     assert ErrorKind.ADAPTERS_UNAVAILABLE.error(adapter="a").headers == {}
 
 
-# Every error as the factories of router/errors.py made it before the table
+# Every error as the factories of router/common/errors.py made it before the table
 # (same arguments, bodies and headers; error ids as err_X): the table changed
 # how they are written, not what a client gets.
 INC = Incidents()

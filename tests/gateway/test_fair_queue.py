@@ -5,8 +5,13 @@ from collections import Counter
 
 from llmgw.types import Priority
 from router.admission.fair_queue import FairQueue
-from router.admission.queue import DEFAULT_COMPLETION_COST, queue_cost
-from router.api.schemas import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
+from router.api.schemas import (
+    DEFAULT_COMPLETION_COST,
+    ChatCompletionRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+    queue_cost,
+)
 
 A, B, C = 1, 2, 3
 

@@ -14,9 +14,10 @@ import pytest
 from llmgw.engine_keys import engine_key
 from llmgw.store import Store
 from llmgw.types import EngineKind, QueuePolicy, ReplicaMemo
-from router.api.apikeys import KeyPolicy, create_key, revoke_key
+from router.api.apikeys import create_key, revoke_key
 from router.app import create_app
 from router.billing import usage
+from router.billing.key_policy import KeyPolicy
 from router.billing.quotas import minute_of
 from tests.gateway_util import (
     ADMIN_KEY,

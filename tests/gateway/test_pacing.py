@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import pytest
 
-from router.blocking import WARN_EVERY_S
+from router.common.blocking import WARN_EVERY_S
 from router.forwarding.pacing import (
     BUSY,
     EASY,

@@ -33,7 +33,8 @@ from schemathesis.config import SchemathesisConfig
 from schemathesis.schemas import BaseSchema
 
 from llmgw_cli.procs import wait_for
-from router.api.apikeys import KeyPolicy, create_key
+from router.api.apikeys import create_key
+from router.billing.key_policy import KeyPolicy
 from tests.gateway_util import ADMIN_KEY, MockEngine, MockUpstream, ready, spec
 from tests.harness import free_port, port_open
 

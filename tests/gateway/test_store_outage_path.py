@@ -21,11 +21,12 @@ import pytest
 from sqlalchemy.exc import OperationalError
 
 from llmgw.store import Store
-from router.api.apikeys import KeyInfo, KeyPolicy, create_key, lookup, revoke_key
+from router.api.apikeys import KeyInfo, create_key, lookup, revoke_key
 from router.api.auth import NEGATIVE_CACHE_MAX, KeyVerifier
 from router.billing.accounting import Accountant
+from router.billing.key_policy import KeyPolicy
 from router.billing.quotas import QuotaRejection, QuotaReservation
-from router.errors import OpenAIError
+from router.common.errors import OpenAIError
 
 TTL_S = 5.0
 STALE_S = 60.0

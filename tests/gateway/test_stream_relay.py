@@ -24,16 +24,17 @@ from starlette.types import Message
 
 from llmgw.errors import UpstreamError
 from llmgw.store import Store
-from router.api.apikeys import KeyPolicy, create_key
+from router.api.apikeys import create_key
 from router.billing import usage
 from router.billing.accounting import RequestOutcome
 from router.billing.bill import Bill
+from router.billing.key_policy import KeyPolicy
+from router.common.metrics import Metrics
 from router.control_link.routing import Route, RoutingTable
 from router.forwarding.pacing import Pacer
 from router.forwarding.proxy import Call, _Relay
 from router.forwarding.upstream import Divertible, Sink
 from router.forwarding.upstream_raw import RawUpstream
-from router.metrics import Metrics
 from tests.bench.fasthttp import MODEL, request_bytes
 from tests.bench.procs import free_port, spawn, stop, wait_http
 from tests.gateway.test_upstream import read_request, server

@@ -9,9 +9,10 @@ from sqlalchemy import event
 from llmgw.api_keys import API_KEY_PREFIX, hash_api_key, new_api_key
 from llmgw.engine_keys import engine_key
 from llmgw.store import Store
-from router.api.apikeys import KeyPolicy, create_key
+from router.api.apikeys import create_key
 from router.api.auth import KeyVerifier
-from router.errors import OpenAIError
+from router.billing.key_policy import KeyPolicy
+from router.common.errors import OpenAIError
 
 
 def test_engine_key_is_a_function_of_secret_and_replica() -> None:

@@ -8,7 +8,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from llmgw.store import Store
-from router.api.apikeys import KeyPolicy, create_key, list_keys, lookup, revoke_key
+from router.api.apikeys import create_key, list_keys, lookup, revoke_key
+from router.billing.key_policy import KeyPolicy
 from router.billing.quotas import (
     Limits,
     QuotaReservation,

@@ -5,14 +5,28 @@ per replica is read off the routing table at scrape time rather than kept in
 a gauge updated on every request.
 """
 
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from router.control_link.routing import RoutingTable
+
+class _Route(Protocol):
+    @property
+    def replica_id(self) -> str: ...
+    @property
+    def inflight(self) -> int: ...
+
+
+class Routes(Protocol):
+    """What the metrics read of the routing table (router/control_link/routing.py),
+    at scrape time: the table sits above this module, so it is named by shape."""
+
+    @property
+    def routes(self) -> Mapping[str, Sequence[_Route]]: ...
+
 
 # Label sets of cached children (models x endpoints x statuses, normally a few dozen).
 MAX_CACHED_CHILDREN = 10_000
@@ -21,7 +35,7 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 
 
 
 class _InflightCollector(Collector):
-    def __init__(self, table: RoutingTable) -> None:
+    def __init__(self, table: Routes) -> None:
         self._table = table
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
@@ -50,7 +64,7 @@ class _QueueCollector(Collector):
 class Metrics:
     """Every metric the router exports."""
 
-    def __init__(self, table: RoutingTable) -> None:
+    def __init__(self, table: Routes) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(

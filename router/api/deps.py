@@ -12,11 +12,11 @@ from llmgw.store import Store
 from router.admission.queue import Admission
 from router.api.auth import KeyVerifier
 from router.billing.accounting import Accountant
-from router.blocking import STORE_WAIT_S
+from router.common.blocking import STORE_WAIT_S
+from router.common.metrics import Metrics
 from router.control_link.adapters import AdapterRouter
 from router.control_link.routing import RoutingTable
 from router.forwarding.proxy import Proxy
-from router.metrics import Metrics
 
 
 @dataclass

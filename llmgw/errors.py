@@ -40,10 +40,9 @@ module are named with where they live::
     │                             (workflows/replica_state.py; also a ValueError)
     ├── OpenAIError               what a router client sees: status and OpenAI error JSON,
     │                             built in router/common/errors.py
-    ├── AdapterLoadFailed         the router could not have a LoRA adapter loaded
-    │                             (router/control_link/adapters.py; not the wire
-    │                             AdapterError.AdapterLoadFailed above, whose
-    │                             failure it reports among others)
+    ├── AdapterUnavailable        the router could not have a LoRA adapter loaded
+    │                             (router/control_link/adapters.py; it reports the
+    │                             wire AdapterError.AdapterLoadFailed among others)
     └── StaleAdapter              the engine no longer holds the LoRA adapter the router
                                   sent it to (router/forwarding/proxy.py)
 

@@ -52,7 +52,7 @@ log = logging.getLogger(__name__)
 LOAD_TIMEOUT = timedelta(seconds=180)
 
 
-class AdapterLoadFailed(LlmgwError):
+class AdapterUnavailable(LlmgwError):
     """The engine (or Temporal) did not load the adapter; the message says why.
 
     ``busy``: the adapter chosen for unloading had requests in flight in the
@@ -71,7 +71,7 @@ class AdapterLoader(Protocol):
     """Loads a catalog adapter into a replica (the AdapterLoad workflow)."""
 
     async def load(self, request: AdapterLoadInput) -> AdapterLoadResult:
-        """Load it (unloading ``request.evict`` first); AdapterLoadFailed if not."""
+        """Load it (unloading ``request.evict`` first); AdapterUnavailable if not."""
         ...
 
 
@@ -125,9 +125,11 @@ class TemporalAdapterLoader:
                 execution_timeout=LOAD_TIMEOUT,
             )
         except WorkflowFailureError as exc:
-            raise AdapterLoadFailed(_root(exc), busy=_busy(exc), kind=_kind(exc)) from exc
+            raise AdapterUnavailable(_root(exc), busy=_busy(exc), kind=_kind(exc)) from exc
         except RPCError as exc:
-            raise AdapterLoadFailed(f"Temporal: {exc.message}", kind="TemporalUnavailable") from exc
+            raise AdapterUnavailable(
+                f"Temporal: {exc.message}", kind="TemporalUnavailable"
+            ) from exc
 
 
 @dataclass
@@ -321,7 +323,7 @@ class AdapterRouter:
             try:
                 # Shielded: a client that leaves does not cancel the others' load.
                 await asyncio.shield(task)
-            except AdapterLoadFailed as exc:
+            except AdapterUnavailable as exc:
                 release()
                 if exc.busy and again:
                     return await self.on_demand_route(base, adapter, again=False)
@@ -363,7 +365,7 @@ class AdapterRouter:
                 request.replica_id,
                 f" (unloaded {result.evicted})" if result.evicted else "",
             )
-        except AdapterLoadFailed as exc:
+        except AdapterUnavailable as exc:
             log.warning("adapter %s failed to load on %s: %s", name, request.replica_id, exc)
             if exc.busy and request.evict:
                 # Still loaded, and in use: shown again, and the most recently
@@ -374,7 +376,7 @@ class AdapterRouter:
             raise
         except Exception as exc:  # the loader's own failure: same answer to the client
             log.exception("adapter %s: loader failed", name)
-            raise AdapterLoadFailed(
+            raise AdapterUnavailable(
                 f"{type(exc).__name__}: {exc}", kind=type(exc).__name__
             ) from exc
         finally:

@@ -28,7 +28,7 @@ from llmgw.types import (
     ReplicaMemo,
     ReplicaPhase,
 )
-from router.control_link.adapters import AdapterLoadFailed
+from router.control_link.adapters import AdapterUnavailable
 from tests.gateway_util import FakeSource, Gateway, MockEngine, auth, gateway
 
 BASE = "base"
@@ -67,9 +67,9 @@ class Fleet:
         name, rid = request.adapter.name, request.replica_id
         if name in self.fail_next:
             self.fail_next.discard(name)
-            raise AdapterLoadFailed(f"No adapter found for {request.adapter.source}")
+            raise AdapterUnavailable(f"No adapter found for {request.adapter.source}")
         if request.evict in self.busy_elsewhere:  # the node activity's refusal
-            raise AdapterLoadFailed(f"adapter {request.evict} has requests in flight", busy=True)
+            raise AdapterUnavailable(f"adapter {request.evict} has requests in flight", busy=True)
         held = self.held.setdefault(rid, [])
         if request.evict:
             held.remove(request.evict)

@@ -10,6 +10,7 @@ from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.worker import Worker
 
 from activities.control.replicas import ControlActivities
+from llmgw import contracts
 from llmgw import search_attributes as sa
 from llmgw.engine_keys import EngineKeySource, engine_key
 from llmgw.errors import ConfigError
@@ -49,8 +50,8 @@ WORKFLOWS = [
 
 async def ensure_fleet(client: Client) -> None:
     """Start the fleet entity unless it runs already."""
-    await client.start_workflow(
-        FleetWorkflow.run,
+    await contracts.FLEET.start(
+        client,
         FleetSnapshot(),
         id=FLEET_WORKFLOW_ID,
         task_queue=CONTROL_QUEUE,

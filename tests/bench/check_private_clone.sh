@@ -31,7 +31,7 @@ done
 echo "first completion after $(( $(date +%s) - start )) s (LLMGW_LLAMA_CPP=${LLMGW_LLAMA_CPP:-auto})"
 ps -eo user,args | grep -E "^\S+ +(llama-server|worker_agent.passthrough) \[llmgw" | cut -c1-110
 engine=$(pgrep -f "^llama-server \[llmgw" | head -1)
-agent=$(pgrep -f "llmgw agent" | head -1)
+agent=$(pgrep -f "llmgw(_cli)? agent" | head -1)
 key=$(cat .llmgw/dev-api-key)
 failed=0
 for i in $(seq 40); do

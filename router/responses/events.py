@@ -1,0 +1,603 @@
+"""An engine's chat-completion chunks as the Responses stream, and its final Response.
+
+:class:`ResponseEvents` is a pure state machine: it takes the chunks an
+engine streams (dicts: content deltas, tool-call deltas, ``finish_reason``,
+``usage``) and returns the events OpenAI's client parses, numbered from 0
+without a gap (research §1.4)::
+
+    response.created, response.in_progress,
+    per message:  output_item.added, content_part.added, output_text.delta...,
+                  output_text.done, content_part.done, output_item.done
+    per call:     output_item.added, function_call_arguments.delta...,
+                  function_call_arguments.done, output_item.done
+    response.completed | response.incomplete | response.failed
+
+Items are numbered (``output_index``) in the order they open. A message is
+closed when a tool call begins, and open tool calls when text comes again;
+everything still open closes at the end.
+
+**Resuming** (research §5.3): :meth:`ResponseEvents.resume` rebuilds the
+machine from the events already stored, so a retried generation continues
+the numbering and the open message (its text is the prefix the engine is
+asked to continue; the echo of it is stripped). A function call cannot be
+continued by an engine, so a log meant to be resumed is made with
+``hold_calls``: a call's events are emitted only once it is complete, and a
+log with a call left open is :class:`NotResumable`.
+
+The end: ``finish_reason`` ``length`` -> ``response.incomplete`` (reason
+``max_output_tokens``), ``content_filter`` -> incomplete too, any other ->
+``response.completed``; a stream that ends without a finish reason, or an
+error chunk, -> ``response.failed`` with ``server_error`` and a fixed message
+(an engine's text may carry what clients must not see: router/errors.py).
+"""
+
+import copy
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from llmgw.errors import LlmgwError
+from router.responses import ids
+from router.responses.request import ResponsesRequest, ToolChoiceFunction
+from router.responses.translate import PrefixStripper
+
+Event = dict[str, Any]
+Status = Literal["in_progress", "completed", "incomplete"]
+
+ENGINE_FAILED = "The engine failed while generating the response."
+STREAM_CUT = "The engine's stream ended before the response was complete."
+# Lifecycle events: each carries the whole Response.
+_LIFECYCLE = (
+    "response.created",
+    "response.queued",
+    "response.in_progress",
+    "response.completed",
+    "response.incomplete",
+    "response.failed",
+)
+_TERMINAL = frozenset({"response.completed", "response.incomplete", "response.failed"})
+_INCOMPLETE = {"length": "max_output_tokens", "content_filter": "content_filter"}
+
+
+class ResponseEventsError(LlmgwError):
+    """The state machine was used out of order (a bug in its caller)."""
+
+
+class NotResumable(ResponseEventsError):
+    """Stored events the machine cannot continue from (a gap in the numbering,
+    an item out of order, a function call left open)."""
+
+
+def initial_response(
+    request: ResponsesRequest, *, response_id: str, created_at: int
+) -> dict[str, Any]:
+    """The Response object before any output: every field the client reads,
+    explicit (``queued`` for a background response, else ``in_progress``)."""
+    choice = request.tool_choice
+    return {
+        "id": response_id,
+        "object": "response",
+        "created_at": created_at,
+        "status": "queued" if request.background else "in_progress",
+        "background": request.background,
+        "error": None,
+        "incomplete_details": None,
+        "instructions": request.instructions,
+        "max_output_tokens": request.max_output_tokens,
+        "metadata": request.metadata or {},
+        "model": request.model,
+        "output": [],
+        "parallel_tool_calls": request.parallel_tool_calls,
+        "previous_response_id": request.previous_response_id,
+        "store": request.store,
+        "temperature": request.temperature,
+        "top_p": request.top_p,
+        "text": {"format": request.text.format.model_dump(by_alias=True, exclude_none=True)},
+        "tool_choice": (
+            {"type": "function", "name": choice.name}
+            if isinstance(choice, ToolChoiceFunction)
+            else choice
+        ),
+        "tools": [t.model_dump() for t in request.tools],
+        "truncation": "disabled",
+        "usage": None,
+        "user": request.user,
+        "completed_at": None,
+    }
+
+
+def response_usage(chat_usage: dict[str, Any], carried_output_tokens: int = 0) -> dict[str, Any]:
+    """A chat ``usage`` as the Responses usage.
+
+    ``carried_output_tokens`` are output tokens of an earlier attempt that
+    this (continued) request took as part of its prompt: they move from
+    input to output, the total is unchanged.
+    """
+    prompt = int(chat_usage.get("prompt_tokens") or 0)
+    completion = int(chat_usage.get("completion_tokens") or 0)
+    carried = min(carried_output_tokens, prompt)
+    cached = int((chat_usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+    reasoning = (chat_usage.get("completion_tokens_details") or {}).get("reasoning_tokens")
+    return {
+        "input_tokens": prompt - carried,
+        "input_tokens_details": {
+            "cached_tokens": min(cached, prompt - carried),
+            # Engines report no cache writes; OpenAI's client requires the field.
+            "cache_write_tokens": 0,
+        },
+        "output_tokens": completion + carried,
+        "output_tokens_details": {"reasoning_tokens": int(reasoning or 0)},
+        "total_tokens": prompt + completion,
+    }
+
+
+@dataclass
+class _Item:
+    """One output item, as far as it has been generated."""
+
+    kind: Literal["message", "function_call"]
+    id: str
+    chunks: list[str] = field(default_factory=list)  # the text, or the arguments
+    call_id: str = ""
+    name: str = ""
+    status: Status = "in_progress"
+
+    @property
+    def text(self) -> str:
+        return "".join(self.chunks)
+
+    def part(self) -> dict[str, Any]:
+        return {"type": "output_text", "text": self.text, "annotations": [], "logprobs": []}
+
+    def dump(self, empty: bool = False) -> dict[str, Any]:
+        """As OpenAI shapes it (``empty``: as announced by ``output_item.added``)."""
+        if self.kind == "message":
+            return {
+                "id": self.id,
+                "type": "message",
+                "status": self.status,
+                "role": "assistant",
+                "content": [] if empty else [self.part()],
+            }
+        return {
+            "id": self.id,
+            "type": "function_call",
+            "status": self.status,
+            "call_id": self.call_id,
+            "name": self.name,
+            "arguments": "" if empty else self.text,
+        }
+
+
+class ResponseEvents:
+    """The Responses event stream of one response (see the module's docstring).
+
+    ``response`` is the Response object before output (:func:`initial_response`,
+    or the last one stored). Item ids and ``completed_at`` come from the
+    injected ``ids``-like callables and ``clock``.
+    """
+
+    def __init__(
+        self,
+        response: dict[str, Any],
+        *,
+        hold_calls: bool = False,
+        new_message_id: Callable[[], str] = ids.message_id,
+        new_call_item_id: Callable[[], str] = ids.function_call_id,
+        new_call_id: Callable[[], str] = ids.call_id,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._response = {**response, "output": []}
+        self._hold_calls = hold_calls
+        self._new_message_id = new_message_id
+        self._new_call_item_id = new_call_item_id
+        self._new_call_id = new_call_id
+        self._clock = clock
+        self._seq = 0
+        self._created = False
+        self._started = False
+        self._terminal = False
+        self._items: list[_Item] = []
+        # Open items, by output index: the message text streams into, and the
+        # calls of this attempt by the engine's tool-call index.
+        self._message: int | None = None
+        self._calls: dict[int, int] = {}
+        self._held: dict[int, _Item] = {}
+        self._finish_reason: str | None = None
+        self._usage: dict[str, Any] | None = None
+        self._stripper: PrefixStripper | None = None
+        self._carried = 0
+
+    # The state a caller reads.
+
+    @property
+    def next_sequence_number(self) -> int:
+        """The number the next event will carry."""
+        return self._seq
+
+    @property
+    def terminal(self) -> bool:
+        """Whether the terminal event (completed, incomplete, failed) was emitted."""
+        return self._terminal
+
+    @property
+    def partial_text(self) -> str:
+        """The text of the open message ("" when none is open): what a
+        continuation asks the engine to continue."""
+        return self._items[self._message].text if self._message is not None else ""
+
+    @property
+    def carried_output_tokens(self) -> int:
+        """Output tokens an earlier attempt generated (estimated on resume)."""
+        return self._carried
+
+    @property
+    def response(self) -> dict[str, Any]:
+        """The Response object now (its output as far as generated)."""
+        # A copy: events keep the snapshot they were sent with.
+        return copy.deepcopy({**self._response, "output": [item.dump() for item in self._items]})
+
+    # The lifecycle.
+
+    def created(self) -> list[Event]:
+        """``response.created`` (once), with the status the response has now."""
+        if self._created:
+            return []
+        self._created = True
+        return [self._event("response.created", response=self.response)]
+
+    def in_progress(self) -> list[Event]:
+        """``response.in_progress`` (once; ``response.created`` first if not sent)."""
+        events = self.created()
+        if not self._started:
+            self._started = True
+            self._response["status"] = "in_progress"
+            events.append(self._event("response.in_progress", response=self.response))
+        return events
+
+    def start(self) -> list[Event]:
+        """The events before any output: created and in_progress."""
+        return self.in_progress()
+
+    def feed(self, chunk: dict[str, Any]) -> list[Event]:
+        """The events one chat-completion chunk makes (maybe none)."""
+        self._open_check()
+        events = self.in_progress()
+        if chunk.get("error") is not None:
+            return events + self.fail(ENGINE_FAILED)
+        if chunk.get("usage"):
+            self._usage = chunk["usage"]
+        for choice in chunk.get("choices") or []:
+            if choice.get("index", 0) != 0:
+                continue  # Responses has one answer; n > 1 is never asked for.
+            delta = choice.get("delta") or {}
+            if delta.get("content"):
+                events += self._text(delta["content"])
+            for call in delta.get("tool_calls") or []:
+                events += self._call_fragment(call)
+            if choice.get("finish_reason"):
+                self._finish_reason = choice["finish_reason"]
+        return events
+
+    def finish(self) -> list[Event]:
+        """The end of the engine's stream: close what is open, then the terminal event."""
+        self._open_check()
+        events = self.in_progress()
+        if self._stripper is not None:
+            events += self._text_now(self._stripper.flush())
+        if self._finish_reason is None:
+            return events + self.fail(STREAM_CUT)
+        reason = _INCOMPLETE.get(self._finish_reason)
+        events += self._close_all("incomplete" if reason else "completed")
+        self._terminal = True
+        final: dict[str, Any] = {
+            "usage": self._usage_now(),
+            "status": "incomplete" if reason else "completed",
+        }
+        if reason:
+            final["incomplete_details"] = {"reason": reason}
+            self._response.update(final)
+            return [*events, self._event("response.incomplete", response=self.response)]
+        final["completed_at"] = int(self._clock())
+        self._response.update(final)
+        return [*events, self._event("response.completed", response=self.response)]
+
+    def fail(self, message: str, code: str = "server_error") -> list[Event]:
+        """``response.failed`` (open items closed as incomplete first)."""
+        self._open_check()
+        events = self.in_progress() + self._close_all("incomplete")
+        self._terminal = True
+        self._response.update(
+            status="failed", error={"code": code, "message": message}, usage=self._usage_now()
+        )
+        return [*events, self._event("response.failed", response=self.response)]
+
+    # Resuming.
+
+    @classmethod
+    def resume(
+        cls,
+        events: Sequence[Event],
+        *,
+        carried_output_tokens: int | None = None,
+        strip_echo: bool = True,
+        hold_calls: bool = True,
+        new_message_id: Callable[[], str] = ids.message_id,
+        new_call_item_id: Callable[[], str] = ids.function_call_id,
+        new_call_id: Callable[[], str] = ids.call_id,
+        clock: Callable[[], float] = time.time,
+    ) -> "ResponseEvents":
+        """The machine as it was after ``events`` (the stored log, in order from 0).
+
+        The open message continues: its text is :attr:`partial_text`, and
+        with ``strip_echo`` the engine's echo of it is dropped from the next
+        deltas. ``carried_output_tokens`` defaults to the number of deltas
+        stored (engines stream about one token a delta).
+        """
+        if not events or events[0].get("type") != "response.created":
+            raise NotResumable("a stored log starts with response.created")
+        machine = cls(
+            events[0]["response"],
+            hold_calls=hold_calls,
+            new_message_id=new_message_id,
+            new_call_item_id=new_call_item_id,
+            new_call_id=new_call_id,
+            clock=clock,
+        )
+        deltas = 0
+        for seq, event in enumerate(events):
+            if event.get("sequence_number") != seq:
+                raise NotResumable(
+                    f"event {seq} carries sequence_number {event.get('sequence_number')}"
+                )
+            deltas += event["type"].endswith(".delta")
+            machine._replay(event)
+        machine._seq = len(events)
+        open_calls = [
+            i for i in machine._items if i.kind == "function_call" and i.status == "in_progress"
+        ]
+        if open_calls:
+            raise NotResumable(f"function call {open_calls[0].id} was left open")
+        if machine._message is not None and strip_echo:
+            machine._stripper = PrefixStripper(machine.partial_text)
+        machine._carried = deltas if carried_output_tokens is None else carried_output_tokens
+        return machine
+
+    def _replay(self, event: Event) -> None:
+        kind = event["type"]
+        if kind in _LIFECYCLE:
+            self._response = {**event["response"], "output": []}
+            self._created = True
+            self._started = self._started or kind not in ("response.created", "response.queued")
+            self._terminal = kind in _TERMINAL
+        elif kind == "response.output_item.added":
+            self._replay_added(event)
+        elif kind in ("response.output_text.delta", "response.function_call_arguments.delta"):
+            self._items[self._index(event)].chunks.append(event["delta"])
+        elif kind == "response.output_item.done":
+            index, done = self._index(event), event["item"]
+            item = self._items[index]
+            item.status = done["status"]
+            if item.kind == "message":
+                item.chunks = [p.get("text", "") for p in done["content"]]
+            else:
+                item.chunks = [done["arguments"]]
+            if self._message == index:
+                self._message = None
+
+    def _replay_added(self, event: Event) -> None:
+        added = event["item"]
+        if event["output_index"] != len(self._items):
+            raise NotResumable(f"item {added.get('id')} added at {event['output_index']}")
+        if added["type"] == "message":
+            self._message = len(self._items)
+            self._items.append(_Item("message", added["id"]))
+        else:
+            self._items.append(
+                _Item("function_call", added["id"], call_id=added["call_id"], name=added["name"])
+            )
+
+    def _index(self, event: Event) -> int:
+        index = event["output_index"]
+        if not isinstance(index, int) or not 0 <= index < len(self._items):
+            raise NotResumable(f"output_index {index} was never added")
+        return index
+
+    # Output.
+
+    def _text(self, content: str) -> list[Event]:
+        if self._stripper is not None:
+            content = self._stripper.feed(content)
+        return self._text_now(content)
+
+    def _text_now(self, content: str) -> list[Event]:
+        if not content:
+            return []
+        events = self._close_calls("completed")
+        if self._message is None:
+            events += self._open_message()
+        assert self._message is not None
+        item = self._items[self._message]
+        item.chunks.append(content)
+        events.append(
+            self._event(
+                "response.output_text.delta",
+                **self._at(self._message),
+                content_index=0,
+                delta=content,
+                logprobs=[],
+            )
+        )
+        return events
+
+    def _open_message(self) -> list[Event]:
+        index = len(self._items)
+        item = _Item("message", self._new_message_id())
+        self._items.append(item)
+        self._message = index
+        return [
+            self._event(
+                "response.output_item.added", output_index=index, item=item.dump(empty=True)
+            ),
+            self._event(
+                "response.content_part.added",
+                **self._at(index),
+                content_index=0,
+                part={"type": "output_text", "text": "", "annotations": [], "logprobs": []},
+            ),
+        ]
+
+    def _call_fragment(self, call: dict[str, Any]) -> list[Event]:
+        events = self._close_message("completed")
+        chat_index = int(call.get("index", 0))
+        function = call.get("function") or {}
+        if self._hold_calls:
+            held = self._held.get(chat_index)
+            if held is None:
+                held = self._held[chat_index] = self._new_call(call)
+            held.name = held.name or function.get("name") or ""
+            held.chunks.append(function.get("arguments") or "")
+            return events
+        if chat_index not in self._calls:
+            item = self._new_call(call)
+            self._calls[chat_index] = len(self._items)
+            self._items.append(item)
+            events.append(
+                self._event(
+                    "response.output_item.added",
+                    output_index=self._calls[chat_index],
+                    item=item.dump(empty=True),
+                )
+            )
+        index = self._calls[chat_index]
+        item = self._items[index]
+        item.name = item.name or function.get("name") or ""
+        if function.get("arguments"):
+            item.chunks.append(function["arguments"])
+            events.append(
+                self._event(
+                    "response.function_call_arguments.delta",
+                    **self._at(index),
+                    delta=function["arguments"],
+                )
+            )
+        return events
+
+    def _new_call(self, call: dict[str, Any]) -> _Item:
+        function = call.get("function") or {}
+        return _Item(
+            "function_call",
+            self._new_call_item_id(),
+            call_id=call.get("id") or self._new_call_id(),
+            name=function.get("name") or "",
+        )
+
+    def _close_all(self, status: Status) -> list[Event]:
+        return self._close_message(status) + self._close_calls(status)
+
+    def _close_message(self, status: Status) -> list[Event]:
+        if self._message is None:
+            return []
+        index, self._message = self._message, None
+        item = self._items[index]
+        item.status = status
+        return [
+            self._event(
+                "response.output_text.done",
+                **self._at(index),
+                content_index=0,
+                text=item.text,
+                logprobs=[],
+            ),
+            self._event(
+                "response.content_part.done", **self._at(index), content_index=0, part=item.part()
+            ),
+            self._event("response.output_item.done", output_index=index, item=item.dump()),
+        ]
+
+    def _close_calls(self, status: Status) -> list[Event]:
+        events: list[Event] = []
+        for chat_index in sorted(self._held):
+            # A held call is announced whole, once it is complete.
+            item = self._held[chat_index]
+            index = len(self._items)
+            self._items.append(item)
+            events.append(
+                self._event(
+                    "response.output_item.added", output_index=index, item=item.dump(empty=True)
+                )
+            )
+            if item.text:
+                events.append(
+                    self._event(
+                        "response.function_call_arguments.delta", **self._at(index), delta=item.text
+                    )
+                )
+            self._calls[chat_index] = index
+        self._held.clear()
+        for index in sorted(self._calls.values()):
+            item = self._items[index]
+            item.status = status
+            events += [
+                self._event(
+                    "response.function_call_arguments.done", **self._at(index), arguments=item.text
+                ),
+                self._event("response.output_item.done", output_index=index, item=item.dump()),
+            ]
+        self._calls.clear()
+        return events
+
+    def _usage_now(self) -> dict[str, Any] | None:
+        return None if self._usage is None else response_usage(self._usage, self._carried)
+
+    def _at(self, index: int) -> dict[str, Any]:
+        return {"item_id": self._items[index].id, "output_index": index}
+
+    def _event(self, kind: str, **fields: Any) -> Event:
+        event = {"type": kind, "sequence_number": self._seq, **fields}
+        self._seq += 1
+        return event
+
+    def _open_check(self) -> None:
+        if self._terminal:
+            raise ResponseEventsError("the response has ended")
+
+
+def response_from_completion(
+    response: dict[str, Any],
+    completion: dict[str, Any],
+    *,
+    new_message_id: Callable[[], str] = ids.message_id,
+    new_call_item_id: Callable[[], str] = ids.function_call_id,
+    new_call_id: Callable[[], str] = ids.call_id,
+    clock: Callable[[], float] = time.time,
+) -> dict[str, Any]:
+    """The final Response for a non-streamed chat ``completion`` (the same
+    mapping as the stream's, through the same machine)."""
+    machine = ResponseEvents(
+        response,
+        new_message_id=new_message_id,
+        new_call_item_id=new_call_item_id,
+        new_call_id=new_call_id,
+        clock=clock,
+    )
+    choices = completion.get("choices") or [{}]
+    message = choices[0].get("message") or {}
+    calls = [{**call, "index": i} for i, call in enumerate(message.get("tool_calls") or [])]
+    chunk = {
+        "choices": [
+            {
+                "index": 0,
+                "delta": {"content": message.get("content"), "tool_calls": calls},
+                "finish_reason": choices[0].get("finish_reason"),
+            }
+        ],
+        "usage": completion.get("usage"),
+    }
+    if completion.get("error") is not None:
+        chunk = {"error": completion["error"]}
+    machine.feed(chunk)
+    if not machine.terminal:
+        machine.finish()
+    return machine.response

@@ -48,7 +48,7 @@ from worker_agent import procfs
 from worker_agent.installs.llamacpp import ensure_llama_cpp
 from worker_agent.shard_record import SpecFile
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[1]
 DEVSERVER = REPO_ROOT / "temporal-dev" / "devserver.py"
 
 Say = Callable[[str], None]

@@ -8,7 +8,7 @@ httpx MockTransport), so what llmgw accepts is what the client writes.
 import json
 from typing import Any
 
-import httpx
+import httpx2
 import pytest
 from openai import OpenAI
 from openai.types.responses import Response
@@ -43,15 +43,15 @@ def sent_by_client(**params: Any) -> dict[str, Any]:
     """The JSON body ``client.responses.create(**params)`` sends."""
     bodies: list[dict[str, Any]] = []
 
-    def handler(request: httpx.Request) -> httpx.Response:
+    def handler(request: httpx2.Request) -> httpx2.Response:
         bodies.append(json.loads(request.content))
-        return httpx.Response(400, json={"error": {"message": "captured", "type": "x"}})
+        return httpx2.Response(400, json={"error": {"message": "captured", "type": "x"}})
 
     client = OpenAI(
         api_key="k",
         base_url="http://llmgw.test/v1",
         max_retries=0,
-        http_client=httpx.Client(transport=httpx.MockTransport(handler)),
+        http_client=httpx2.Client(transport=httpx2.MockTransport(handler)),
     )
     with pytest.raises(Exception, match="captured"):
         client.responses.create(**params)

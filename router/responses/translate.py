@@ -62,6 +62,8 @@ def chat_body(
     (the input and output items of the responses before it, oldest first).
 
     ``stream`` overrides the request's own (a background run always streams).
+    Only this request's ``instructions`` apply: OpenAI does not carry them
+    over through ``previous_response_id``.
     """
     streaming = request.stream if stream is None else stream
     body: ChatBody = {

@@ -30,7 +30,10 @@ from sqlmodel import Field, Session, SQLModel, create_engine, select
 from llmgw.api_keys import hash_api_key, new_api_key
 from llmgw.engine_keys import new_secret
 from llmgw.errors import StoreError
-from llmgw.store import gateway_tables  # noqa: F401  (registers the gateway's tables)
+from llmgw.store import (
+    gateway_tables,  # noqa: F401  (registers the gateway's tables)
+    openai_tables,  # noqa: F401  (registers the Files, Batches and Responses tables)
+)
 from llmgw.types import EngineKind, ModelSpec
 
 LAYER = "store"  # this package's layer in the dependency rule: tests/test_layers.py

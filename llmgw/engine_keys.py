@@ -31,3 +31,17 @@ def engine_key(secret: str, replica_id: str) -> str:
         raise ValueError("empty engine-key secret")
     mac = hmac.new(secret.encode(), replica_id.encode(), hashlib.sha256)
     return "llmgw-engine-" + mac.hexdigest()
+
+
+EXEC_TOKEN_PREFIX = "llmgw-exec-"
+
+
+def exec_token(secret: str) -> str:
+    """The credential the control worker's job activities present to a router
+    (batch lines, background responses), derived like engine keys from the
+    store's secret: every router checks it without a table, and no client key
+    (stored hashed) is ever needed to act for the key that owns the job."""
+    if not secret:
+        raise ValueError("empty engine-key secret")
+    mac = hmac.new(secret.encode(), b"llmgw-exec", hashlib.sha256)
+    return EXEC_TOKEN_PREFIX + mac.hexdigest()

@@ -23,3 +23,19 @@ def deployment_workflow_id(model: str) -> str:
 def replica_workflow_id(replica_id: str) -> str:
     """The workflow id of a replica's lifecycle."""
     return f"replica/{replica_id}"
+
+
+EXEC_QUEUE = "exec"
+"""Durable OpenAI jobs (batches, background responses): their workflows and
+activities, served by the control worker. Apart from ``control`` so that a
+busy batch never delays a placement, and so jobs can get workers of their own."""
+
+
+def batch_workflow_id(batch_id: str) -> str:
+    """The workflow id of a batch (``/v1/batches``): one per batch, ever."""
+    return f"batch/{batch_id}"
+
+
+def response_workflow_id(response_id: str) -> str:
+    """The workflow id of a background response (``/v1/responses``)."""
+    return f"response/{response_id}"

@@ -43,6 +43,11 @@ module are named with where they live::
     ├── AdapterUnavailable        the router could not have a LoRA adapter loaded
     │                             (router/control_link/adapters.py; it reports the
     │                             wire AdapterError.AdapterLoadFailed among others)
+    ├── RequestInvalid            a /v1/responses body llmgw refuses, with the field at
+    │                             fault (router/responses/request.py)
+    ├── ResponseEventsError       the Responses event machine used out of order: a bug
+    │   │                         (router/responses/events.py)
+    │   └── NotResumable          stored events it cannot continue from (a gap, an open call)
     └── StaleAdapter              the engine no longer holds the LoRA adapter the router
                                   sent it to (router/forwarding/proxy.py)
 

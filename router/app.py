@@ -22,7 +22,7 @@ from llmgw.engine_keys import engine_key
 from llmgw.store import Store
 from llmgw.store.catalog_store import all_specs
 from router.admission.queue import Admission
-from router.api import admin, engine_metrics, openai, openapi_docs
+from router.api import admin, engine_metrics, openai, openapi_docs, responses
 from router.api.auth import KeyVerifier
 from router.api.deps import Deps
 from router.billing.accounting import Accountant
@@ -220,6 +220,8 @@ def create_app(
         app.router.routes.append(route)
         app.direct[route.path] = route.endpoint
     app.include_router(openai.router)
+    for responses_router in responses.routes():
+        app.include_router(responses_router)
     app.include_router(admin.router)
     app.include_router(engine_metrics.router)
 

@@ -310,6 +310,22 @@ class ErrorKind(Enum):
     TEMPORAL_UNAVAILABLE = ErrorSpec(
         503, "Temporal did not answer: {exc}", type=_UNAVAILABLE, code="temporal"
     )
+    # Responses (/v1/responses): OpenAI's own messages, so clients that match them work.
+    RESPONSE_NOT_FOUND = ErrorSpec(404, "Response with id '{response_id}' not found.")
+    PREVIOUS_RESPONSE_NOT_FOUND = ErrorSpec(
+        400,
+        "Previous response with id '{response_id}' not found.",
+        code="previous_response_not_found",
+        param="previous_response_id",
+    )
+    SYNCHRONOUS_RESPONSE = ErrorSpec(400, "Cannot cancel a synchronous response.")
+    RESPONSE_NOT_STREAMABLE = ErrorSpec(
+        400,
+        "Response with id '{response_id}' was not created with background=true: "
+        "only a background response's events are kept to stream again.",
+        param="stream",
+    )
+    EXEC_ONLY = ErrorSpec(401, "This endpoint serves llmgw's executor only.", code="invalid_api_key")
     # The framework's own (unknown path, wrong method), and a bug of ours
     # (the client gets no details; Starlette logs them).
     HTTP_ERROR = ErrorSpec(None, "{detail}")

@@ -1,0 +1,401 @@
+"""Responses in the store: the rows behind ``/v1/responses`` and its background runs.
+
+Every read and write names the key: another key's response is simply not
+found (a 404, never a 403 that would confirm the id exists). Synchronous
+(SQLModel sessions): async callers run these in a thread, bounded by the
+store wait (router/common/blocking.py).
+
+A response row keeps, in ``request``:
+
+- ``response``: the Response object as created (every field the client
+  reads; status, output, usage... are columns of their own);
+- ``chat``: the chat-completions body it was translated to, the
+  conversation of its ``previous_response_id`` chain included, so a
+  background run (on any router, after any restart) needs nothing else.
+"""
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import and_, insert, update
+from sqlalchemy.exc import IntegrityError
+from sqlmodel import col, select
+
+from llmgw.store import Store
+from llmgw.store.gateway_tables import UsageDaily
+from llmgw.store.openai_tables import ResponseEventChunk, ResponseInputItem, ResponseRecord
+from router.billing.usage import day_of
+from router.responses import ids
+from router.responses.request import (
+    ContentPart,
+    FunctionCallItem,
+    FunctionCallOutputItem,
+    InputImage,
+    InputText,
+    Item,
+    MessageItem,
+    OutputText,
+    Refusal,
+    parse_items,
+)
+
+TERMINAL = frozenset({"completed", "failed", "cancelled", "incomplete"})
+RUNNING = ("queued", "in_progress")
+# The longest previous_response_id chain followed (each link is one read).
+MAX_CHAIN = 256
+_TERMINAL_EVENTS = frozenset({"response.completed", "response.incomplete", "response.failed"})
+
+
+class PreviousNotFound(Exception):
+    """``previous_response_id`` names no stored response of this key."""
+
+
+def response_object(record: ResponseRecord) -> dict[str, Any]:
+    """The Response object a client gets for ``record``."""
+    base = dict(record.request.get("response") or {})
+    base.update(
+        id=record.id,
+        status=record.status,
+        output=record.output,
+        usage=record.usage,
+        error=record.error,
+        incomplete_details=record.incomplete_details,
+        completed_at=record.completed_at,
+    )
+    return base
+
+
+def _part(part: ContentPart, role: str) -> dict[str, Any]:
+    if isinstance(part, InputImage):
+        return {"type": "input_image", "image_url": part.image_url, "detail": part.detail or "auto"}
+    if isinstance(part, Refusal):
+        return {"type": "refusal", "refusal": part.refusal}
+    text = part.text if isinstance(part, InputText | OutputText) else ""
+    if role == "assistant":
+        return {"type": "output_text", "text": text, "annotations": []}
+    return {"type": "input_text", "text": text}
+
+
+def stored_item(item: Item) -> dict[str, Any]:
+    """An input item as ``input_items`` lists it: with an id (given one when
+    the client sent none) and a status, as OpenAI's item types require."""
+    if isinstance(item, MessageItem):
+        parts = (
+            [_part(InputText(type="input_text", text=item.content), item.role)]
+            if isinstance(item.content, str)
+            else [_part(p, item.role) for p in item.content]
+        )
+        return {
+            "id": item.id or ids.message_id(),
+            "type": "message",
+            "role": item.role,
+            "status": item.status or "completed",
+            "content": parts,
+        }
+    if isinstance(item, FunctionCallItem):
+        return {
+            "id": item.id or ids.function_call_id(),
+            "type": "function_call",
+            "call_id": item.call_id,
+            "name": item.name,
+            "arguments": item.arguments,
+            "status": item.status or "completed",
+        }
+    assert isinstance(item, FunctionCallOutputItem)
+    output = (
+        item.output
+        if isinstance(item.output, str)
+        else [_part(p, "user") for p in item.output if not isinstance(p, InputImage)]
+    )
+    return {
+        "id": item.id or ids.function_call_output_id(),
+        "type": "function_call_output",
+        "call_id": item.call_id,
+        "output": output,
+        "status": item.status or "completed",
+    }
+
+
+def history(store: Store, key_id: int, previous_id: str) -> list[Item]:
+    """The conversation before a request continuing ``previous_id``: every
+    response of the chain's input and output items, oldest first.
+
+    PreviousNotFound when any link is missing, deleted, another key's or
+    was not stored (OpenAI's 400 ``previous_response_not_found``).
+    """
+    turns: list[list[dict[str, Any]]] = []
+    with store.session() as session:
+        current: str | None = previous_id
+        for _ in range(MAX_CHAIN):
+            if current is None:
+                break
+            record = session.get(ResponseRecord, current)
+            if record is None or record.key_id != key_id or record.deleted_at is not None:
+                raise PreviousNotFound(current)
+            rows = session.exec(
+                select(ResponseInputItem)
+                .where(ResponseInputItem.response_id == current)
+                .order_by(col(ResponseInputItem.idx))
+            ).all()
+            turns.append([r.item for r in rows] + list(record.output))
+            current = record.previous_response_id
+    items: list[dict[str, Any]] = [i for turn in reversed(turns) for i in turn]
+    return parse_items(items)
+
+
+@dataclass
+class NewResponse:
+    """A response to store: its row and its input items (already given ids)."""
+
+    record: ResponseRecord
+    items: list[dict[str, Any]]
+    # A background response's first events (created, queued).
+    events: Sequence[dict[str, Any]] = ()
+
+
+def insert_response(store: Store, new: NewResponse) -> None:
+    """The row, its input items and first events, in one transaction."""
+    with store.session() as session:
+        session.add(new.record)
+        session.flush()
+        for idx, item in enumerate(new.items):
+            session.add(
+                ResponseInputItem(response_id=new.record.id, idx=idx, item_id=item["id"], item=item)
+            )
+        if new.events:
+            session.add(
+                ResponseEventChunk(
+                    response_id=new.record.id,
+                    first_seq=new.events[0]["sequence_number"],
+                    last_seq=new.events[-1]["sequence_number"],
+                    events=list(new.events),
+                )
+            )
+        session.commit()
+        session.refresh(new.record)
+        session.expunge(new.record)
+
+
+def get_response(store: Store, key_id: int, response_id: str) -> ResponseRecord | None:
+    """The key's response (None: missing, deleted or another key's)."""
+    with store.session() as session:
+        record = session.get(ResponseRecord, response_id)
+        if record is None or record.key_id != key_id or record.deleted_at is not None:
+            return None
+        session.expunge(record)
+        return record
+
+
+def list_input_items(
+    store: Store,
+    key_id: int,
+    response_id: str,
+    *,
+    after: str | None = None,
+    limit: int = 20,
+    order: str = "desc",
+) -> tuple[list[dict[str, Any]], bool] | None:
+    """A page of the response's input items and whether more follow (None:
+    no such response for this key). ``after`` is an item id of the page before."""
+    if get_response(store, key_id, response_id) is None:
+        return None
+    with store.session() as session:
+        rows = list(
+            session.exec(
+                select(ResponseInputItem)
+                .where(ResponseInputItem.response_id == response_id)
+                .order_by(col(ResponseInputItem.idx))
+            ).all()
+        )
+    if order == "desc":
+        rows.reverse()
+    if after is not None:
+        at = next((i for i, r in enumerate(rows) if r.item_id == after), None)
+        rows = rows[at + 1 :] if at is not None else []
+    return [r.item for r in rows[:limit]], len(rows) > limit
+
+
+def delete_response(store: Store, key_id: int, response_id: str, now: int) -> ResponseRecord | None:
+    """Mark the response deleted (a running one asked to cancel too); what it
+    was, or None when there is none for this key."""
+    with store.session() as session:
+        record = session.get(ResponseRecord, response_id)
+        if record is None or record.key_id != key_id or record.deleted_at is not None:
+            return None
+        record.deleted_at = now
+        if record.status in RUNNING:
+            record.cancel_requested_at = record.cancel_requested_at or now
+            record.status = "cancelled"
+        session.add(record)
+        session.commit()
+        session.refresh(record)
+        session.expunge(record)
+        return record
+
+
+def cancel_response(store: Store, key_id: int, response_id: str, now: int) -> ResponseRecord | None:
+    """Ask a running background response to stop: ``cancelled`` at once (the
+    run sees ``cancel_requested_at`` at its next flush and writes no more).
+    A finished one is left as it is. None when there is none for this key."""
+    with store.session() as session:
+        record = session.get(ResponseRecord, response_id)
+        if record is None or record.key_id != key_id or record.deleted_at is not None:
+            return None
+        if record.background and record.status in RUNNING:
+            record.cancel_requested_at = now
+            record.status = "cancelled"
+            session.add(record)
+            session.commit()
+            session.refresh(record)
+        session.expunge(record)
+        return record
+
+
+def save_final(store: Store, key_id: int, response: dict[str, Any]) -> None:
+    """A foreground response's end, written after its answer (write-behind)."""
+    with store.session() as session:
+        record = session.get(ResponseRecord, response["id"])
+        if record is None or record.key_id != key_id:
+            return
+        _final(record, response)
+        session.add(record)
+        session.commit()
+
+
+def _final(record: ResponseRecord, response: dict[str, Any]) -> None:
+    record.status = response["status"]
+    record.output = response.get("output") or []
+    record.usage = response.get("usage")
+    record.error = response.get("error")
+    record.incomplete_details = response.get("incomplete_details")
+    record.completed_at = response.get("completed_at")
+
+
+def events_after(store: Store, response_id: str, after: int) -> list[dict[str, Any]]:
+    """The stored events with a sequence number above ``after``, in order."""
+    with store.session() as session:
+        chunks = session.exec(
+            select(ResponseEventChunk)
+            .where(
+                ResponseEventChunk.response_id == response_id,
+                ResponseEventChunk.last_seq > after,
+            )
+            .order_by(col(ResponseEventChunk.first_seq))
+        ).all()
+    return [e for c in chunks for e in c.events if e["sequence_number"] > after]
+
+
+def is_terminal_event(event: dict[str, Any]) -> bool:
+    """Whether ``event`` ends a response's stream."""
+    return event.get("type") in _TERMINAL_EVENTS
+
+
+class RunLost(Exception):
+    """Another run of the same response wrote the events this one meant to
+    write (two runs at once: this one stops)."""
+
+
+def append_events(store: Store, response_id: str, events: Sequence[dict[str, Any]]) -> bool:
+    """Persist one flush of a background run's events, and mark the row
+    ``in_progress`` (while it is running). Whether the response was asked to
+    cancel meanwhile. RunLost when those sequence numbers are already stored."""
+    first, last = events[0]["sequence_number"], events[-1]["sequence_number"]
+    with store.session() as session:
+        try:
+            session.add(
+                ResponseEventChunk(
+                    response_id=response_id, first_seq=first, last_seq=last, events=list(events)
+                )
+            )
+            session.flush()
+        except IntegrityError:
+            session.rollback()
+            raise RunLost(response_id) from None
+        record = session.get(ResponseRecord, response_id)
+        assert record is not None
+        if record.last_seq >= first:
+            session.rollback()
+            raise RunLost(response_id)
+        record.last_seq = last
+        if record.status == "queued":
+            record.status = "in_progress"
+        cancelled = record.cancel_requested_at is not None
+        session.add(record)
+        session.commit()
+        return cancelled
+
+
+def finish_run(
+    store: Store, response_id: str, response: dict[str, Any], chat_usage: dict[str, Any] | None
+) -> bool:
+    """A background run's end: the final state (unless it was cancelled
+    meanwhile) and its usage billed, once: ``billed_at`` is set in the same
+    transaction as the usage row's increment, so a retried run bills nothing
+    more. Whether this call billed it."""
+    now = int(time.time())
+    with store.session() as session:
+        record = session.get(ResponseRecord, response_id)
+        if record is None:
+            return False
+        if record.status in RUNNING:
+            _final(record, response)
+            session.add(record)
+        billed = False
+        if record.billed_at is None:
+            record.billed_at = now
+            session.add(record)
+            usage = chat_usage or {}
+            _add_usage(
+                session.connection(),
+                record.key_id,
+                record.model,
+                day_of(now),
+                int(usage.get("prompt_tokens") or 0),
+                int(usage.get("completion_tokens") or 0),
+                error=record.status not in ("completed", "incomplete"),
+            )
+            billed = True
+        session.commit()
+        return billed
+
+
+_T = UsageDaily.__table__  # type: ignore[attr-defined]
+
+
+def _add_usage(
+    conn: Any, key_id: int, model: str, day: str, prompt: int, completion: int, error: bool
+) -> None:
+    """One request's usage added to the key's day row, in the caller's transaction."""
+    where = and_(_T.c.key_id == key_id, _T.c.model == model, _T.c.day == day)
+    add = (
+        update(_T)
+        .where(where)
+        .values(
+            requests=_T.c.requests + 1,
+            errors=_T.c.errors + int(error),
+            prompt_tokens=_T.c.prompt_tokens + prompt,
+            completion_tokens=_T.c.completion_tokens + completion,
+        )
+    )
+    if conn.execute(add).rowcount == 1:
+        return
+    conn.execute(
+        insert(_T).values(
+            key_id=key_id,
+            model=model,
+            day=day,
+            requests=1,
+            errors=int(error),
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+        )
+    )
+
+
+def mark_cancelled_if_asked(store: Store, response_id: str) -> bool:
+    """Whether the response was asked to cancel (its status is then cancelled)."""
+    with store.session() as session:
+        record = session.get(ResponseRecord, response_id)
+        return record is not None and record.cancel_requested_at is not None

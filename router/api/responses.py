@@ -418,7 +418,7 @@ async def delete_response(
     if was is None:
         raise ErrorKind.RESPONSE_NOT_FOUND.error(response_id=response_id)
     jobs = _jobs(request)
-    if was.background and was.cancel_requested_at == now and jobs is not None:
+    if was.background and was.status == "cancelled" and jobs is not None:
         jobs.cancel_response(response_id)
     return {"id": response_id, "object": "response", "deleted": True}
 
@@ -438,7 +438,7 @@ async def cancel_response(
     if after is None:
         raise ErrorKind.RESPONSE_NOT_FOUND.error(response_id=response_id)
     jobs = _jobs(request)
-    if after.cancel_requested_at == now and jobs is not None:
+    if record.status in rstore.RUNNING and jobs is not None:
         jobs.cancel_response(response_id)
     return rstore.response_object(after)
 

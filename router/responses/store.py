@@ -218,8 +218,8 @@ def list_input_items(
 
 
 def delete_response(store: Store, key_id: int, response_id: str, now: int) -> ResponseRecord | None:
-    """Mark the response deleted (a running one asked to cancel too); what it
-    was, or None when there is none for this key."""
+    """Mark the response deleted (a running one asked to cancel too: its
+    status is then ``cancelled``), or None when there is none for this key."""
     with store.session() as session:
         record = session.get(ResponseRecord, response_id)
         if record is None or record.key_id != key_id or record.deleted_at is not None:

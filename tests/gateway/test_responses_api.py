@@ -21,6 +21,8 @@ from fastapi import FastAPI
 
 from llmgw.engine_keys import exec_token
 from llmgw.store import Store
+from llmgw.store.openai_tables import ResponseRecord
+from router.api.auth import Caller, KeyVerifier
 from router.api.apikeys import create_key, list_keys
 from router.app import create_app
 from router.billing import usage
@@ -287,3 +289,130 @@ def exec_headers(r: Router, key_id: int) -> dict[str, str]:
         "Authorization": f"Bearer {exec_token(r.store.engine_key_secret())}",
         "X-Llmgw-Key-Id": str(key_id),
     }
+
+
+@dataclass(frozen=True)
+class ExecCaller(Caller):
+    """A caller as contract §1 makes the executor's (H10's exec auth)."""
+
+    exec: bool = True
+    priority_override: str | None = None
+    billed_by_caller: bool = True
+
+
+class ExecKeys:
+    """Stands in for the exec-token check until router/api/auth.py has it
+    (contract §1): the exec token is served as ``key_id``, other keys as before."""
+
+    def __init__(self, keys: KeyVerifier, token: str, key_id: int) -> None:
+        self._keys, self._token, self._key_id = keys, token, key_id
+
+    async def verify(self, authorization: str | None) -> Caller:
+        if authorization == f"Bearer {self._token}":
+            return ExecCaller(key_id=self._key_id, key_name="exec", policy=KeyPolicy())
+        return await self._keys.verify(authorization)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._keys, name)
+
+
+def with_exec(r: Router, key_id: int) -> dict[str, str]:
+    token = exec_token(r.store.engine_key_secret())
+    deps = r.app.state.deps
+    if not isinstance(deps.keys, ExecKeys):
+        deps.keys = ExecKeys(deps.keys, token, key_id)
+    return {"Authorization": f"Bearer {token}", "X-Llmgw-Key-Id": str(key_id)}
+
+
+async def sse_events(lines: AsyncIterator[str]) -> AsyncIterator[dict[str, Any]]:
+    async for line in lines:
+        if line.startswith("data:"):
+            yield json.loads(line[5:])
+
+
+def long_run(r: Router, key_id: int, response_id: str, tokens: int) -> None:
+    """The stored request made long: llama.cpp generates ``tokens`` whatever the
+    tiny model says (it never stops on its own)."""
+    with r.store.session() as session:
+        record = session.get(ResponseRecord, response_id)
+        assert record is not None and record.key_id == key_id
+        record.request = {
+            **record.request,
+            "chat": {**record.request["chat"], "ignore_eos": True, "max_tokens": tokens},
+        }
+        session.add(record)
+        session.commit()
+
+
+def stored_events(r: Router, response_id: str) -> list[dict[str, Any]]:
+    return rstore.events_after(r.store, response_id, -1)
+
+
+async def test_a_background_run_killed_midway_continues_from_its_stored_events(
+    engine: Engine,
+) -> None:
+    tokens = 400
+    async with router(engine) as r, router(engine, put_model=False) as second:
+        key, key_id = r.key()
+        headers = with_exec(r, key_id)
+        async with r.client(key) as client, httpx.AsyncClient(timeout=120) as http:
+            resp = await client.responses.create(
+                model=M, input="go on", background=True, max_output_tokens=tokens
+            )
+            long_run(r, key_id, resp.id, tokens)
+            run = f"{r.base}/internal/responses/{resp.id}/run"
+            # Not the executor: refused.
+            refused = await http.post(run, headers={"Authorization": f"Bearer {key}"})
+            assert refused.status_code == 401
+            # The first attempt: cut once some text is stored.
+            async with http.stream("POST", run, headers=headers) as first:
+                assert first.status_code == 200
+                async for event in sse_events(first.aiter_lines()):
+                    if event["type"] == "response.output_text.delta":
+                        break
+            await until(lambda: sum(x.inflight for x in r.app.state.deps.table.routes[M]) == 0)
+            cut = stored_events(r, resp.id)
+            assert cut[-1]["type"] != "response.incomplete"
+            partial = "".join(
+                e["delta"] for e in cut if e["type"] == "response.output_text.delta"
+            )
+            assert partial
+            got = await client.responses.retrieve(resp.id)
+            assert got.status == "in_progress"
+            # The second attempt continues.
+            answer = await http.post(run, headers=headers)
+            assert answer.status_code == 200
+            final = await client.responses.retrieve(resp.id)
+            events = stored_events(r, resp.id)
+            assert [e["sequence_number"] for e in events] == list(range(len(events)))
+            assert final.status == "incomplete"  # the tiny model stops only at max tokens
+            assert final.incomplete_details is not None
+            assert final.incomplete_details.reason == "max_output_tokens"
+            [message] = final.output
+            assert message.type == "message"
+            assert final.output_text.startswith(partial)
+            assert [e["type"] for e in events].count("response.output_item.added") == 1
+            assert events[-1]["type"] == "response.incomplete"
+            record = rstore.get_response(r.store, key_id, resp.id)
+            assert record is not None and record.billed_at is not None
+            # Run again: it has ended, nothing more is written or billed.
+            again = await http.post(run, headers=headers)
+            assert again.json() == {"id": resp.id, "status": "incomplete"}
+            assert stored_events(r, resp.id) == events
+            assert not rstore.finish_run(r.store, resp.id, final.model_dump(), None)
+            # Resumed from ANOTHER router, after event n: exactly the rest.
+            n = len(cut) - 1
+            async with second.client(key) as elsewhere:
+                stream = await elsewhere.responses.retrieve(
+                    resp.id, stream=True, starting_after=n
+                )
+                resumed = [e async for e in stream]
+            assert [e.sequence_number for e in resumed] == list(range(n + 1, len(events)))
+            assert [(e.type, getattr(e, "delta", None)) for e in resumed] == [
+                (e["type"], e.get("delta")) for e in events[n + 1 :]
+            ]
+            print(f"cut after {len(cut)} events, {len(events)} in all")
+            # The client's own helper replays from the start.
+            async with client.responses.stream(response_id=resp.id) as replay:
+                types = [e.type async for e in replay]
+            assert types == [e["type"] for e in events]

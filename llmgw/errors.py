@@ -9,6 +9,8 @@ module are named with where they live::
     │   └── LaunchValidationError a shard that must not start, with every reason
     │                             (worker_agent/engines/spec.py; also a ValueError)
     ├── StoreError                the store could not answer
+    ├── FileTooLarge              a file past its size bound: nothing of it kept
+    │                             (llmgw/store/files.py)
     ├── TemporalConnectError      no Temporal client: unreachable, or refused (TLS, API key)
     ├── InstanceRunningError      another live ``llmgw up`` holds the work dir (llmgw_cli/up.py)
     ├── EngineError               an engine shard misbehaved
@@ -48,6 +50,12 @@ module are named with where they live::
     ├── ResponseEventsError       the Responses event machine used out of order: a bug
     │   │                         (router/responses/events.py)
     │   └── NotResumable          stored events it cannot continue from (a gap, an open call)
+    ├── PreviousNotFound          a previous_response_id with no stored response of the key
+    │                             (router/responses/store.py)
+    ├── RunLost                   another run of a background response stored its events
+    │                             first (router/responses/store.py)
+    ├── RunInterrupted            a background run's engine stream broke off: the executor
+    │                             retries it (router/api/responses.py)
     └── StaleAdapter              the engine no longer holds the LoRA adapter the router
                                   sent it to (router/forwarding/proxy.py)
 
@@ -85,6 +93,17 @@ class ConfigError(LlmgwError):
 
 class StoreError(LlmgwError):
     """The store could not answer."""
+
+
+class FileTooLarge(LlmgwError):
+    """A file written to the store (an upload, a batch's results) went past its
+    size bound; what was written of it is removed again."""
+
+    retryable = False
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"the file is larger than {limit} bytes")
+        self.limit = limit
 
 
 class TemporalConnectError(LlmgwError):

@@ -99,6 +99,12 @@ def _elastic(
     return admission, reporter
 
 
+def _include_apis(app: FastAPI) -> None:
+    """The APIs served as FastAPI routes (OpenAI's, Responses, admin, engine metrics)."""
+    for api in (openai.router, responses.routes, admin.router, engine_metrics.router):
+        app.include_router(api)
+
+
 def create_app(
     store: Store,
     source: ReplicaSource,
@@ -219,11 +225,7 @@ def create_app(
     for route in openai.inference_routes():
         app.router.routes.append(route)
         app.direct[route.path] = route.endpoint
-    app.include_router(openai.router)
-    for responses_router in responses.routes():
-        app.include_router(responses_router)
-    app.include_router(admin.router)
-    app.include_router(engine_metrics.router)
+    _include_apis(app)
 
     @app.get("/healthz", include_in_schema=False)
     async def healthz() -> dict[str, object]:

@@ -33,12 +33,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.types import ASGIApp, Message
 
+from llmgw.errors import LlmgwError
 from llmgw.store.openai_tables import ResponseRecord
 from router.api.auth import Caller
 from router.api.deps import Deps, get_deps
 from router.api.openai import CallerDep
 from router.common.blocking import within
-from router.common.errors import ErrorKind, OpenAIError, invalid_fields
+from router.common.errors import ErrorKind, OpenAIError, invalid_fields, relayed_error
 from router.responses import ids
 from router.responses import store as rstore
 from router.responses.events import (
@@ -156,7 +157,7 @@ class ChatCall:
         self._task.add_done_callback(ended)
         await self._started.wait()
         if self.status != 200:
-            raise _error_of(self.status, await self._body())
+            raise relayed_error(self.status, await self._body())
 
     async def _body(self) -> bytes:
         parts = []
@@ -187,18 +188,6 @@ class ChatCall:
     def close(self) -> None:
         """The caller is gone: the endpoint ends the request as for a client that left."""
         self._gone.set()
-
-
-def _error_of(status: int, body: bytes) -> OpenAIError:
-    """The chat endpoint's error answer, as the same error for the response's client."""
-    try:
-        error = orjson.loads(body)["error"]
-        return OpenAIError(
-            status, error["message"], error.get("type") or "invalid_request_error",
-            error.get("code"), error.get("param"),
-        )  # fmt: skip
-    except (orjson.JSONDecodeError, KeyError, TypeError):
-        return ErrorKind.INTERNAL_ERROR.error()
 
 
 def _carried(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
@@ -484,6 +473,7 @@ class _Run:
         self._last_flush = time.monotonic()
         self._cancelled = False
         self._usage: dict[str, Any] | None = None
+        self._finished = False  # the engine gave a finish_reason
 
     async def _flush(self) -> list[dict[str, Any]]:
         if not self._pending:
@@ -513,50 +503,50 @@ class _Run:
     async def events(
         self, app: ASGIApp, headers: list[tuple[bytes, bytes]], chat: dict[str, Any]
     ) -> AsyncIterator[bytes]:
+        """The attempt, as the SSE of the events it persisted."""
         machine = self._machine
         async for out in self._step(machine.in_progress(), force=True):
             yield out
         if self._cancelled:
             return
         call = ChatCall(app, headers, chat)
-        finished = False
         try:
-            try:
-                await call.start()
-            except OpenAIError as exc:
-                if exc.status >= 500 or exc.status == 429:
-                    raise  # for the executor to retry
-                async for out in self._step(machine.fail(exc.message), force=True):
-                    yield out
-                await self._finish()
-                return
-            async for chunk in call.chunks():
-                if chunk.get("usage"):
-                    self._usage = chunk["usage"]
-                finished = finished or any(
-                    c.get("finish_reason") for c in chunk.get("choices") or []
-                )
-                async for out in self._step(machine.feed(chunk)):
-                    yield out
-                if self._cancelled or machine.terminal:
-                    break
+            async for out in self._generate(call):
+                yield out
         finally:
             call.close()
         if self._cancelled:
-            return
-        if not machine.terminal and not finished:
+            return  # the cancel wrote the status: nothing more is written
+        if not machine.terminal and not self._finished:
             # The engine's stream broke off: keep what was generated, and let
             # the executor retry (the next attempt continues from it).
             async for out in self._step([], force=True):
                 yield out
-            raise _Interrupted(self._id)
-        if not machine.terminal:
-            async for out in self._step(machine.finish(), force=True):
-                yield out
-        else:
-            async for out in self._step([], force=True):
-                yield out
+            raise RunInterrupted(self._id)
+        async for out in self._step([] if machine.terminal else machine.finish(), force=True):
+            yield out
         await self._finish()
+
+    async def _generate(self, call: ChatCall) -> AsyncIterator[bytes]:
+        machine = self._machine
+        try:
+            await call.start()
+        except OpenAIError as exc:
+            if exc.status >= 500 or exc.status == 429:
+                raise  # for the executor to retry (no replica, queue full...)
+            # Refused for good (the key may no longer use the model): it failed.
+            async for out in self._step(machine.fail(exc.message)):
+                yield out
+            return
+        async for chunk in call.chunks():
+            if chunk.get("usage"):
+                self._usage = chunk["usage"]
+            choices = chunk.get("choices") or []
+            self._finished = self._finished or any(c.get("finish_reason") for c in choices)
+            async for out in self._step(machine.feed(chunk)):
+                yield out
+            if self._cancelled or machine.terminal:
+                return
 
     async def _finish(self) -> None:
         machine = self._machine
@@ -565,10 +555,11 @@ class _Run:
         )
 
 
-class _Interrupted(Exception):
+class RunInterrupted(LlmgwError):
     """A background run's engine stream ended early (the executor retries)."""
 
 
-def routes() -> list[APIRouter]:
-    """This module's routers (public, then internal)."""
-    return [router, internal]
+# Both, for create_app to include.
+routes = APIRouter()
+routes.include_router(router)
+routes.include_router(internal)

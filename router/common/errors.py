@@ -325,7 +325,9 @@ class ErrorKind(Enum):
         "only a background response's events are kept to stream again.",
         param="stream",
     )
-    EXEC_ONLY = ErrorSpec(401, "This endpoint serves llmgw's executor only.", code="invalid_api_key")
+    EXEC_ONLY = ErrorSpec(
+        401, "This endpoint serves llmgw's executor only.", code="invalid_api_key"
+    )
     # The framework's own (unknown path, wrong method), and a bug of ours
     # (the client gets no details; Starlette logs them).
     HTTP_ERROR = ErrorSpec(None, "{detail}")
@@ -407,6 +409,22 @@ def sse_error(error: OpenAIError) -> bytes:
     """An error as an SSE event: a stream that already answered 200 ends with it
     (the openai client raises an APIError on an event carrying ``error``)."""
     return b"data: " + json.dumps(error.body(), separators=(",", ":")).encode() + b"\n\n"
+
+
+def relayed_error(status: int, body: bytes) -> OpenAIError:
+    """An error answer of the router's own endpoints, as the same error for a
+    request served through one (a response's chat request: router/api/responses.py)."""
+    try:
+        error = json.loads(body)["error"]
+        return OpenAIError(
+            status,
+            error["message"],
+            error.get("type") or "invalid_request_error",
+            error.get("code"),
+            error.get("param"),
+        )
+    except (ValueError, KeyError, TypeError):
+        return ErrorKind.INTERNAL_ERROR.error()
 
 
 def invalid_fields(problems: Sequence[str], param: str | None) -> OpenAIError:

@@ -23,6 +23,7 @@ from sqlalchemy import and_, insert, update
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import col, select
 
+from llmgw.errors import LlmgwError
 from llmgw.store import Store
 from llmgw.store.gateway_tables import UsageDaily
 from llmgw.store.openai_tables import ResponseEventChunk, ResponseInputItem, ResponseRecord
@@ -48,7 +49,7 @@ MAX_CHAIN = 256
 _TERMINAL_EVENTS = frozenset({"response.completed", "response.incomplete", "response.failed"})
 
 
-class PreviousNotFound(Exception):
+class PreviousNotFound(LlmgwError):
     """``previous_response_id`` names no stored response of this key."""
 
 
@@ -292,7 +293,7 @@ def is_terminal_event(event: dict[str, Any]) -> bool:
     return event.get("type") in _TERMINAL_EVENTS
 
 
-class RunLost(Exception):
+class RunLost(LlmgwError):
     """Another run of the same response wrote the events this one meant to
     write (two runs at once: this one stops)."""
 

@@ -22,13 +22,13 @@ from fastapi import FastAPI
 from llmgw.engine_keys import exec_token
 from llmgw.store import Store
 from llmgw.store.openai_tables import ResponseRecord
-from router.api.auth import Caller, KeyVerifier
 from router.api.apikeys import create_key, list_keys
+from router.api.auth import Caller, KeyVerifier
 from router.app import create_app
 from router.billing import usage
 from router.billing.key_policy import KeyPolicy
 from router.responses import store as rstore
-from tests.gateway.test_admission_llama import M, REPLICA, Engine, engine, model, until
+from tests.gateway.test_admission_llama import REPLICA, Engine, M, engine, model, until
 from tests.gateway_util import FakeSource, ready
 from tests.harness import free_port
 
@@ -126,10 +126,17 @@ async def test_items_instructions_and_the_typed_stream(engine: Engine) -> None:
             turns = [
                 {"role": "user", "content": "one"},
                 {"role": "assistant", "content": "two"},
-                {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "3"}]},
+                {
+                    "type": "message",
+                    "role": "user",
+                    "content": [{"type": "input_text", "text": "3"}],
+                },
             ]
             async with client.responses.stream(
-                model=M, input=turns, instructions="Count.", max_output_tokens=8  # type: ignore[arg-type]
+                model=M,
+                input=turns,
+                instructions="Count.",
+                max_output_tokens=8,  # type: ignore[arg-type]
             ) as stream:
                 events = [event async for event in stream]
             kinds = [e.type for e in events]
@@ -307,10 +314,10 @@ class ExecKeys:
     def __init__(self, keys: KeyVerifier, token: str, key_id: int) -> None:
         self._keys, self._token, self._key_id = keys, token, key_id
 
-    async def verify(self, authorization: str | None) -> Caller:
+    async def verify(self, authorization: str | None, *args: Any) -> Caller:
         if authorization == f"Bearer {self._token}":
             return ExecCaller(key_id=self._key_id, key_name="exec", policy=KeyPolicy())
-        return await self._keys.verify(authorization)
+        return await self._keys.verify(authorization, *args)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._keys, name)
@@ -373,9 +380,7 @@ async def test_a_background_run_killed_midway_continues_from_its_stored_events(
             await until(lambda: sum(x.inflight for x in r.app.state.deps.table.routes[M]) == 0)
             cut = stored_events(r, resp.id)
             assert cut[-1]["type"] != "response.incomplete"
-            partial = "".join(
-                e["delta"] for e in cut if e["type"] == "response.output_text.delta"
-            )
+            partial = "".join(e["delta"] for e in cut if e["type"] == "response.output_text.delta")
             assert partial
             got = await client.responses.retrieve(resp.id)
             assert got.status == "in_progress"
@@ -403,9 +408,7 @@ async def test_a_background_run_killed_midway_continues_from_its_stored_events(
             # Resumed from ANOTHER router, after event n: exactly the rest.
             n = len(cut) - 1
             async with second.client(key) as elsewhere:
-                stream = await elsewhere.responses.retrieve(
-                    resp.id, stream=True, starting_after=n
-                )
+                stream = await elsewhere.responses.retrieve(resp.id, stream=True, starting_after=n)
                 resumed = [e async for e in stream]
             assert [e.sequence_number for e in resumed] == list(range(n + 1, len(events)))
             assert [(e.type, getattr(e, "delta", None)) for e in resumed] == [

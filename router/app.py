@@ -22,7 +22,7 @@ from llmgw.engine_keys import engine_key
 from llmgw.store import Store
 from llmgw.store.catalog_store import all_specs
 from router.admission.queue import Admission
-from router.api import admin, engine_metrics, openai, openapi_docs, responses
+from router.api import admin, batches, engine_metrics, openai, openapi_docs, responses
 from router.api.auth import KeyVerifier
 from router.api.deps import Deps
 from router.billing.accounting import Accountant
@@ -100,8 +100,9 @@ def _elastic(
 
 
 def _include_apis(app: FastAPI) -> None:
-    """The APIs served as FastAPI routes (OpenAI's, Responses, admin, engine metrics)."""
-    for api in (openai.router, responses.routes, admin.router, engine_metrics.router):
+    """The APIs served as FastAPI routes (OpenAI's, Responses, Batches, admin, engine metrics)."""
+    apis = (openai.router, responses.routes, batches.routes, admin.router, engine_metrics.router)
+    for api in apis:
         app.include_router(api)
 
 

@@ -328,6 +328,18 @@ class ErrorKind(Enum):
     EXEC_ONLY = ErrorSpec(
         401, "This endpoint serves llmgw's executor only.", code="invalid_api_key"
     )
+    # Batches (/v1/batches): OpenAI's own messages where it has them.
+    BATCH_NOT_FOUND = ErrorSpec(404, "No batch found with id '{batch_id}'.")
+    BATCH_FILE_NOT_FOUND = ErrorSpec(
+        404, "No such File object: {file_id}", code="file_not_found", param="input_file_id"
+    )
+    BATCH_FILE_PURPOSE = ErrorSpec(
+        400,
+        "The file {file_id} has purpose '{purpose}'; a batch's input file needs purpose 'batch'.",
+        code="invalid_file_purpose",
+        param="input_file_id",
+    )
+    BATCH_NOT_CANCELLABLE = ErrorSpec(400, "Cannot cancel a batch with status '{batch_status}'.")
     # The framework's own (unknown path, wrong method), and a bug of ours
     # (the client gets no details; Starlette logs them).
     HTTP_ERROR = ErrorSpec(None, "{detail}")

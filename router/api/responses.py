@@ -88,7 +88,8 @@ def _jobs(request: Request) -> ResponseJobs | None:
 
 
 def _sse(event: dict[str, Any]) -> bytes:
-    return b"event: " + event["type"].encode() + b"\ndata: " + orjson.dumps(event) + b"\n\n"
+    kind = str(event["type"]).encode()
+    return b"event: " + kind + b"\ndata: " + orjson.dumps(event) + b"\n\n"
 
 
 class ChatCall:
@@ -252,7 +253,8 @@ async def create_response(request: Request, deps: DepsDep, caller: CallerDep) ->
     if not req.stream:
         completion = await call.json()
         final = response_from_completion(initial, completion)
-        return JSONResponse(final, background=_write_behind(deps, caller, req, new, final))
+        write = _write_behind(deps, caller, req, new)
+        return JSONResponse(final, background=BackgroundTask(write, final) if write else None)
     return StreamingResponse(
         _foreground_events(deps, caller, req, new, initial, call),
         media_type="text/event-stream",
@@ -260,24 +262,21 @@ async def create_response(request: Request, deps: DepsDep, caller: CallerDep) ->
 
 
 def _write_behind(
-    deps: Deps,
-    caller: Caller,
-    req: ResponsesRequest,
-    new: rstore.NewResponse,
-    final: dict[str, Any],
-) -> BackgroundTask | None:
-    """The stored response, written in a thread once the answer is out."""
+    deps: Deps, caller: Caller, req: ResponsesRequest, new: rstore.NewResponse
+) -> Callable[[dict[str, Any]], None] | None:
+    """What stores the response with its final state (None: ``store`` false);
+    run in a thread once the answer is out."""
     if not req.store:
         return None
 
-    def write() -> None:
+    def write(final: dict[str, Any]) -> None:
         try:
             rstore.insert_response(deps.store, new)
             rstore.save_final(deps.store, caller.key_id, final)
         except Exception:  # the answer is out: a lost write costs only the stored copy
             log.exception("could not store response %s", new.record.id)
 
-    return BackgroundTask(write)
+    return write
 
 
 async def _foreground_events(
@@ -302,9 +301,9 @@ async def _foreground_events(
                 yield _sse(event)
     finally:
         call.close()
-    task = _write_behind(deps, caller, req, new, machine.response)
-    if task is not None:
-        await asyncio.to_thread(task.func)
+    write = _write_behind(deps, caller, req, new)
+    if write is not None:
+        await asyncio.to_thread(write, machine.response)
 
 
 async def _background(
@@ -442,7 +441,7 @@ async def run_response(
     """Generate (or continue, from its stored events) a stored background
     response as its key, persisting its events; SSE of the events persisted,
     or a JSON status when it has already ended."""
-    if not getattr(caller, "exec", False):
+    if not caller.exec:
         raise ErrorKind.EXEC_ONLY.error()
     record = await _owned(deps, caller, response_id)
     if record.status in rstore.TERMINAL:
@@ -472,7 +471,6 @@ class _Run:
         self._pending: list[dict[str, Any]] = []
         self._last_flush = time.monotonic()
         self._cancelled = False
-        self._usage: dict[str, Any] | None = None
         self._finished = False  # the engine gave a finish_reason
 
     async def _flush(self) -> list[dict[str, Any]]:
@@ -539,8 +537,6 @@ class _Run:
                 yield out
             return
         async for chunk in call.chunks():
-            if chunk.get("usage"):
-                self._usage = chunk["usage"]
             choices = chunk.get("choices") or []
             self._finished = self._finished or any(c.get("finish_reason") for c in choices)
             async for out in self._step(machine.feed(chunk)):
@@ -550,9 +546,7 @@ class _Run:
 
     async def _finish(self) -> None:
         machine = self._machine
-        await asyncio.to_thread(
-            rstore.finish_run, self._deps.store, self._id, machine.response, self._usage
-        )
+        await asyncio.to_thread(rstore.finish_run, self._deps.store, self._id, machine.response)
 
 
 class RunInterrupted(LlmgwError):

@@ -328,13 +328,14 @@ def append_events(store: Store, response_id: str, events: Sequence[dict[str, Any
         return cancelled
 
 
-def finish_run(
-    store: Store, response_id: str, response: dict[str, Any], chat_usage: dict[str, Any] | None
-) -> bool:
+def finish_run(store: Store, response_id: str, response: dict[str, Any]) -> bool:
     """A background run's end: the final state (unless it was cancelled
     meanwhile) and its usage billed, once: ``billed_at`` is set in the same
     transaction as the usage row's increment, so a retried run bills nothing
-    more. Whether this call billed it."""
+    more. Whether this call billed it.
+
+    The Response's usage is billed: the output tokens of an attempt killed
+    before it, which the last attempt read as its prompt, as output."""
     now = int(time.time())
     with store.session() as session:
         record = session.get(ResponseRecord, response_id)
@@ -347,14 +348,14 @@ def finish_run(
         if record.billed_at is None:
             record.billed_at = now
             session.add(record)
-            usage = chat_usage or {}
+            usage = response.get("usage") or {}
             _add_usage(
                 session.connection(),
                 record.key_id,
                 record.model,
                 day_of(now),
-                int(usage.get("prompt_tokens") or 0),
-                int(usage.get("completion_tokens") or 0),
+                int(usage.get("input_tokens") or 0),
+                int(usage.get("output_tokens") or 0),
                 error=record.status not in ("completed", "incomplete"),
             )
             billed = True
@@ -393,10 +394,3 @@ def _add_usage(
             completion_tokens=completion,
         )
     )
-
-
-def mark_cancelled_if_asked(store: Store, response_id: str) -> bool:
-    """Whether the response was asked to cancel (its status is then cancelled)."""
-    with store.session() as session:
-        record = session.get(ResponseRecord, response_id)
-        return record is not None and record.cancel_requested_at is not None

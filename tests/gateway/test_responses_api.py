@@ -23,7 +23,6 @@ from llmgw.engine_keys import exec_token
 from llmgw.store import Store
 from llmgw.store.openai_tables import ResponseRecord
 from router.api.apikeys import create_key, list_keys
-from router.api.auth import Caller, KeyVerifier
 from router.app import create_app
 from router.billing import usage
 from router.billing.key_policy import KeyPolicy
@@ -116,14 +115,14 @@ async def test_create_string_input_retrieve_and_input_items(engine: Engine) -> N
             assert again.usage == resp.usage
             items = [i async for i in client.responses.input_items.list(resp.id)]
             assert [(i.type, i.role) for i in items] == [("message", "user")]  # type: ignore[union-attr]
-            assert items[0].content[0].text == "hello"  # type: ignore[union-attr]
+            assert items[0].content[0].text == "hello"  # type: ignore[union-attr,index]
 
 
 async def test_items_instructions_and_the_typed_stream(engine: Engine) -> None:
     async with router(engine) as r:
         key, _ = r.key()
         async with r.client(key) as client:
-            turns = [
+            turns: list[Any] = [
                 {"role": "user", "content": "one"},
                 {"role": "assistant", "content": "two"},
                 {
@@ -136,7 +135,7 @@ async def test_items_instructions_and_the_typed_stream(engine: Engine) -> None:
                 model=M,
                 input=turns,
                 instructions="Count.",
-                max_output_tokens=8,  # type: ignore[arg-type]
+                max_output_tokens=8,
             ) as stream:
                 events = [event async for event in stream]
             kinds = [e.type for e in events]
@@ -172,7 +171,8 @@ async def test_json_schema_output_is_constrained(engine: Engine) -> None:
             )  # fmt: skip
             assert resp.status == "completed"
             assert isinstance(json.loads(resp.output_text)["n"], int)
-            assert resp.text is not None and resp.text.format.type == "json_schema"
+            assert resp.text is not None and resp.text.format is not None
+            assert resp.text.format.type == "json_schema"
 
 
 async def test_previous_response_id_carries_the_conversation(engine: Engine) -> None:
@@ -199,7 +199,7 @@ async def test_previous_response_id_carries_the_conversation(engine: Engine) -> 
             assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
             # Only the second request's own input is its input items.
             items = [i async for i in client.responses.input_items.list(second.id)]
-            assert [i.content[0].text for i in items] == ["second turn"]  # type: ignore[union-attr]
+            assert [i.content[0].text for i in items] == ["second turn"]  # type: ignore[union-attr,index]
 
 
 async def test_deleted_foreign_and_unknown_ids(engine: Engine) -> None:
@@ -229,7 +229,7 @@ async def test_deleted_foreign_and_unknown_ids(engine: Engine) -> None:
                 await client.responses.cancel(resp.id)
             assert "synchronous" in sync.value.message
             # Deleted: gone for GET, and as a previous response.
-            assert await client.responses.delete(resp.id) is None
+            await client.responses.delete(resp.id)
             with pytest.raises(openai.NotFoundError):
                 await client.responses.retrieve(resp.id)
             with pytest.raises(openai.BadRequestError) as deleted:
@@ -239,7 +239,7 @@ async def test_deleted_foreign_and_unknown_ids(engine: Engine) -> None:
             assert deleted.value.code == "previous_response_not_found"
             assert deleted.value.param == "previous_response_id"
             with pytest.raises(openai.BadRequestError) as bad:
-                await client.responses.create(model=M, input="x", tools=[{"type": "web_search"}])  # type: ignore[list-item]
+                await client.responses.create(model=M, input="x", tools=[{"type": "web_search"}])
             assert bad.value.param == "tools[0]"
 
 
@@ -291,43 +291,9 @@ async def test_background_is_queued_at_once_and_cancellable(engine: Engine) -> N
             assert refused.value.param == "background"
 
 
-def exec_headers(r: Router, key_id: int) -> dict[str, str]:
-    return {
-        "Authorization": f"Bearer {exec_token(r.store.engine_key_secret())}",
-        "X-Llmgw-Key-Id": str(key_id),
-    }
-
-
-@dataclass(frozen=True)
-class ExecCaller(Caller):
-    """A caller as contract §1 makes the executor's (H10's exec auth)."""
-
-    exec: bool = True
-    priority_override: str | None = None
-    billed_by_caller: bool = True
-
-
-class ExecKeys:
-    """Stands in for the exec-token check until router/api/auth.py has it
-    (contract §1): the exec token is served as ``key_id``, other keys as before."""
-
-    def __init__(self, keys: KeyVerifier, token: str, key_id: int) -> None:
-        self._keys, self._token, self._key_id = keys, token, key_id
-
-    async def verify(self, authorization: str | None, *args: Any) -> Caller:
-        if authorization == f"Bearer {self._token}":
-            return ExecCaller(key_id=self._key_id, key_name="exec", policy=KeyPolicy())
-        return await self._keys.verify(authorization, *args)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._keys, name)
-
-
 def with_exec(r: Router, key_id: int) -> dict[str, str]:
+    """The headers the executor sends a router for the key (contract §1)."""
     token = exec_token(r.store.engine_key_secret())
-    deps = r.app.state.deps
-    if not isinstance(deps.keys, ExecKeys):
-        deps.keys = ExecKeys(deps.keys, token, key_id)
     return {"Authorization": f"Bearer {token}", "X-Llmgw-Key-Id": str(key_id)}
 
 
@@ -355,6 +321,28 @@ def stored_events(r: Router, response_id: str) -> list[dict[str, Any]]:
     return rstore.events_after(r.store, response_id, -1)
 
 
+async def cut_short(
+    r: Router, http: httpx.AsyncClient, run: str, headers: dict[str, str]
+) -> list[dict[str, Any]]:
+    """A first attempt, its connection closed once some text is stored (the
+    executor killed): the events stored by then."""
+    async with http.stream("POST", run, headers=headers) as first:
+        assert first.status_code == 200
+        async for event in sse_events(first.aiter_lines()):
+            if event["type"] == "response.output_text.delta":
+                break
+    # The router ends the engine's request as for any client that left.
+    await until(lambda: sum(x.inflight for x in r.app.state.deps.table.routes[M]) == 0)
+    return stored_events(r, run.split("/")[-2])
+
+
+async def resumed_from(r: Router, key: str, response_id: str, after: int) -> list[Any]:
+    """The events the openai client streams from ``r`` after event ``after``."""
+    async with r.client(key) as client:
+        stream = await client.responses.retrieve(response_id, stream=True, starting_after=after)
+        return [e async for e in stream]
+
+
 async def test_a_background_run_killed_midway_continues_from_its_stored_events(
     engine: Engine,
 ) -> None:
@@ -371,14 +359,7 @@ async def test_a_background_run_killed_midway_continues_from_its_stored_events(
             # Not the executor: refused.
             refused = await http.post(run, headers={"Authorization": f"Bearer {key}"})
             assert refused.status_code == 401
-            # The first attempt: cut once some text is stored.
-            async with http.stream("POST", run, headers=headers) as first:
-                assert first.status_code == 200
-                async for event in sse_events(first.aiter_lines()):
-                    if event["type"] == "response.output_text.delta":
-                        break
-            await until(lambda: sum(x.inflight for x in r.app.state.deps.table.routes[M]) == 0)
-            cut = stored_events(r, resp.id)
+            cut = await cut_short(r, http, run, headers)
             assert cut[-1]["type"] != "response.incomplete"
             partial = "".join(e["delta"] for e in cut if e["type"] == "response.output_text.delta")
             assert partial
@@ -404,12 +385,16 @@ async def test_a_background_run_killed_midway_continues_from_its_stored_events(
             again = await http.post(run, headers=headers)
             assert again.json() == {"id": resp.id, "status": "incomplete"}
             assert stored_events(r, resp.id) == events
-            assert not rstore.finish_run(r.store, resp.id, final.model_dump(), None)
+            assert not rstore.finish_run(r.store, resp.id, final.model_dump())
+            # Billed once, the whole response: no row for the attempt cut short.
+            [row] = usage.query(r.store, key_id=key_id)
+            assert final.usage is not None and final.usage.output_tokens == tokens
+            assert (row.requests, row.prompt_tokens, row.completion_tokens) == (
+                1, final.usage.input_tokens, final.usage.output_tokens,
+            )  # fmt: skip
             # Resumed from ANOTHER router, after event n: exactly the rest.
             n = len(cut) - 1
-            async with second.client(key) as elsewhere:
-                stream = await elsewhere.responses.retrieve(resp.id, stream=True, starting_after=n)
-                resumed = [e async for e in stream]
+            resumed = await resumed_from(second, key, resp.id, n)
             assert [e.sequence_number for e in resumed] == list(range(n + 1, len(events)))
             assert [(e.type, getattr(e, "delta", None)) for e in resumed] == [
                 (e["type"], e.get("delta")) for e in events[n + 1 :]

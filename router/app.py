@@ -199,7 +199,9 @@ def create_app(
     )
     app.state.deps = Deps(
         table=table,
-        keys=KeyVerifier(store, key_cache_ttl_s, admin_key, store_wait_s, key_stale_s),
+        keys=KeyVerifier(
+            store, key_cache_ttl_s, admin_key, store_wait_s, key_stale_s, exec_secret=secret
+        ),
         # One record of hidden reasons (router/common/errors.py), served by /admin/errors.
         proxy=Proxy(
             client,

@@ -68,6 +68,19 @@ class QueuePolicy(BaseModel):
         description="the share of max_waiting one API key may hold (at least one request;"
         " 1: no per-key bound), so a flooding key leaves room for the others",
     )
+    batch_headroom: int = Field(
+        default=1,
+        ge=0,
+        description="slots of the model kept free for interactive requests: a batch-class"
+        " request (a batch line) starts only when more are free, or when no interactive"
+        " request of the model waits or runs",
+    )
+    batch_max_wait_s: float = Field(
+        default=3600.0,
+        gt=0,
+        description="how long a batch-class request may wait (its caller retries past it);"
+        " batch requests are not bound by max_wait_s nor key_share",
+    )
 
 
 class ModelLoad(BaseModel):

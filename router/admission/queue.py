@@ -23,6 +23,16 @@ while waiting leaves the queue: answered 499, billed nothing, its quota
 reservation released (its bill fails with no tokens: router/billing/bill.py).
 
 ``queue.max_waiting: 0`` turns the queue off for a model: today's 503.
+
+Batch-class requests (``Priority.BATCH``: a batch's lines, sent by the
+control worker with ``X-Llmgw-Priority: batch``) never take a slot an
+interactive request could use: one starts only when more than
+``queue.batch_headroom`` slots of the model are free, or when no
+interactive request of the model waits or runs (``batch_may_go``). They
+wait up to ``queue.batch_max_wait_s`` rather than ``max_wait_s``, are not
+bound by ``key_share``, and count against ``max_waiting`` apart from the
+interactive ones (a batch's backlog never fills the interactive queue). A
+batch line for a model at zero wakes it like any request.
 """
 
 import asyncio
@@ -57,6 +67,14 @@ TICK_S = 0.5
 TABLE_LAG_S = 0.1
 
 
+def batch_may_go(free: int, headroom: int, interactive: int) -> bool:
+    """Whether a batch-class request may take one of ``free`` slots: past the
+    ``headroom`` kept for interactive requests, or any slot while no
+    interactive request of the model (``interactive``: waiting or running) is
+    there to want it."""
+    return free > 0 and (free > headroom or interactive == 0)
+
+
 def key_share(queue: QueuePolicy) -> int:
     """How many requests of one key may wait for a model: ``queue.key_share``
     of ``queue.max_waiting``, at least one."""
@@ -68,6 +86,8 @@ class _Model:
     fair: FairQueue[Ticket] = field(default_factory=FairQueue)
     # Dispatched, not yet forwarded: slots promised to them.
     pending: int = 0
+    # The model's queue policy as last seen (for the batch headroom at dispatch).
+    queue: QueuePolicy = field(default_factory=QueuePolicy)
 
 
 class Admission:
@@ -92,6 +112,8 @@ class Admission:
         self.waker = Waker(link, router_id, self._woken, metrics, clock)
         self._models: dict[str, _Model] = {}
         self._kicked: set[str] = set()
+        # Interactive (not batch-class) requests per model, waiting or running.
+        self._interactive: dict[str, int] = {}
         # Streams that wait this long get a 200 and SSE comments while they wait.
         self.stream_quiet_s = 2.0
         self.stream_comment_s = 5.0
@@ -128,25 +150,31 @@ class Admission:
         cost: int,
         forward: Forward,
         queueable: bool = True,
+        priority: Priority | None = None,
     ) -> ASGIApp:
-        """Forward ``call`` now, or once a replica can take it; raises OpenAIError."""
-        self._count(call)
-        queue = self._queue_for(call.model) if queueable else None
+        """Forward ``call`` now, or once a replica can take it; raises OpenAIError.
+
+        ``priority`` overrides the key's class (the exec token's batch lines)."""
+        priority = priority or Priority(policy.priority)
+        batch = priority is Priority.BATCH
+        self._count(call, batch)
+        queue = self._queue_for(call.model, batch) if queueable else None
         if queue is None:
             return await forward()
-        ticket = self._enqueue(call.model, key_id, policy, cost, queue)
-        deadline = ticket.enqueued + queue.max_wait_s
+        ticket = self._enqueue(call.model, key_id, policy, cost, queue, priority)
+        max_wait_s = queue.batch_max_wait_s if batch else queue.max_wait_s
+        deadline = ticket.enqueued + max_wait_s
         gone = asyncio.ensure_future(call.client_gone()) if call.client_gone else None
         try:
             if not call.stream:
                 if not await self.wait(ticket, deadline, gone):
-                    raise self.timed_out(ticket, queue.max_wait_s)
+                    raise self.timed_out(ticket, max_wait_s)
                 return await self.start(ticket, forward)
             quiet = min(deadline, ticket.enqueued + self.stream_quiet_s)
             if await self.wait(ticket, quiet, gone):
                 return await self.start(ticket, forward)
             if quiet >= deadline:
-                raise self.timed_out(ticket, queue.max_wait_s)
+                raise self.timed_out(ticket, max_wait_s)
         except BaseException:
             self.leave(ticket, "gone")
             raise
@@ -155,20 +183,28 @@ class Admission:
                 gone.cancel()
         # A stream waiting longer: 200 now, comments while it waits (proxies
         # time out a silent connection), then the engine's events.
-        return WaitingStream(self, ticket, deadline, queue.max_wait_s, call, forward)
+        return WaitingStream(self, ticket, deadline, max_wait_s, call, forward)
 
-    def _queue_for(self, model: str) -> QueuePolicy | None:
+    def _queue_for(self, model: str, batch: bool = False) -> QueuePolicy | None:
         """The queue a request for ``model`` waits in; None: forward it now (a
-        free slot and nobody ahead, or no replica and none to wake: 503)."""
+        free slot and nobody ahead, or no replica and none to wake: 503). A
+        batch-class request goes now only where ``batch_may_go``."""
         spec = self._table.specs.get(model)
+        queue = spec.queue if spec is not None else QueuePolicy()
+        if model in self._models:
+            self._models[model].queue = queue
         if self._table.has_replicas(model):
-            if not self.waiting(model) and self._free(model) > 0:
-                return None
+            if not self.waiting(model):
+                free = self._free(model)
+                if not batch and free > 0:
+                    return None
+                interactive = self._interactive.get(model, 0)
+                if batch and batch_may_go(free, queue.batch_headroom, interactive):
+                    return None
         elif spec is not None and spec.autoscale is not None:
             self.waker.wake(model)
         else:
             return None
-        queue = spec.queue if spec is not None else QueuePolicy()
         return queue if queue.max_waiting > 0 else None
 
     async def wait(self, ticket: Ticket, until: float, gone: "asyncio.Future[None] | None") -> bool:
@@ -266,6 +302,10 @@ class Admission:
             return
         free = self._free(model)
         while free > 0:
+            if m.fair.depth(Priority.BATCH) == len(m.fair) and not batch_may_go(
+                free, m.queue.batch_headroom, self._interactive.get(model, 0)
+            ):
+                break  # only batch waits: the headroom stays for interactive requests
             entry = m.fair.pop()
             if entry is None:
                 break
@@ -291,15 +331,26 @@ class Admission:
         return sum(max(0, r.cap - r.inflight) for r in routes) - promised
 
     def _enqueue(
-        self, model: str, key_id: int, policy: KeyPolicy, cost: int, queue: QueuePolicy
+        self,
+        model: str,
+        key_id: int,
+        policy: KeyPolicy,
+        cost: int,
+        queue: QueuePolicy,
+        priority: Priority,
     ) -> Ticket:
         m = self._models.setdefault(model, _Model())
-        if len(m.fair) >= queue.max_waiting:
+        m.queue = queue
+        batch = priority is Priority.BATCH
+        batches = m.fair.depth(Priority.BATCH)
+        # Batch and interactive requests fill max_waiting apart.
+        alike = batches if batch else len(m.fair) - batches
+        if alike >= queue.max_waiting:
             self._metrics.queue_rejections.labels(model, "full").inc()
             raise ErrorKind.QUEUE_FULL.error(model=model, max_waiting=queue.max_waiting)
         share = key_share(queue)
         mine = m.fair.waiting_of(key_id)
-        if mine >= share and len(m.fair) > mine:
+        if not batch and mine >= share and len(m.fair) > mine:
             # One key floods while another waits: the rest of the queue stays
             # for the others (and the waiting it adds to the load reports, for
             # autoscale, stays within its share too). Alone, a key has the
@@ -308,7 +359,7 @@ class Admission:
             raise ErrorKind.KEY_QUEUE_FULL.error(model=model, share=share)
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         ticket = Ticket(model, self.clock(), future)
-        ticket.entry = m.fair.push(ticket, key_id, cost, policy.weight, Priority(policy.priority))
+        ticket.entry = m.fair.push(ticket, key_id, cost, policy.weight, priority)
         # Capacity may have freed between the check and now (nothing awaited,
         # but a slot freed while others waited is theirs): dispatch in order.
         self.kick(model)
@@ -324,14 +375,23 @@ class Admission:
     def _observe(self, ticket: Ticket) -> None:
         self._metrics.queue_wait.labels(ticket.model).observe(self.clock() - ticket.enqueued)
 
-    def _count(self, call: Call) -> None:
+    def _count(self, call: Call, batch: bool = False) -> None:
         """Count the arrival, and on the request's end (once its bill is
-        settled) its tokens, and free its slot."""
+        settled) its tokens, and free its slot; an interactive request is
+        counted as present (for the batch headroom) until it ends."""
         model = call.model
         self.counter.arrived(model)
+        if not batch:
+            self._interactive[model] = self._interactive.get(model, 0) + 1
 
         def ended(outcome: RequestOutcome) -> None:
             self.counter.served(model, outcome.prompt_tokens + outcome.completion_tokens)
+            if not batch:
+                left = self._interactive[model] - 1
+                if left:
+                    self._interactive[model] = left
+                else:
+                    del self._interactive[model]
             if self.waiting(model):
                 self.kick(model)
 

@@ -25,9 +25,11 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from llmgw.api_keys import hash_api_key
+from llmgw.engine_keys import exec_token
 from llmgw.errors import StoreError
 from llmgw.store import Store
-from router.api.apikeys import KeyInfo, lookup
+from llmgw.types import Priority
+from router.api.apikeys import KeyInfo, get_key, lookup
 from router.billing.key_policy import KeyPolicy
 from router.common.blocking import STORE_WAIT_S, Warnings, within
 from router.common.errors import ErrorKind
@@ -44,6 +46,31 @@ class Caller:
     key_id: int
     key_name: str
     policy: KeyPolicy
+    # The control worker acting for the key (the exec token): the headers
+    # below are honoured only then.
+    exec: bool = False
+    # X-Llmgw-Priority: the admission class instead of the key's own.
+    priority_override: Priority | None = None
+    # X-Llmgw-Billed-By-Caller: quota as usual, no usage row (the caller bills).
+    billed_by_caller: bool = False
+
+    @property
+    def priority(self) -> Priority:
+        """The admission class this request waits in."""
+        return self.priority_override or Priority(self.policy.priority)
+
+
+# A request header by its lower-case name (None when absent).
+HeaderFn = Callable[[str], str | None]
+
+KEY_ID_HEADER = "x-llmgw-key-id"
+PRIORITY_HEADER = "x-llmgw-priority"
+BILLED_BY_CALLER_HEADER = "x-llmgw-billed-by-caller"
+
+
+def _read_key_by_id(store: Store, key_id: int) -> KeyInfo | None:
+    info = get_key(store, key_id)
+    return None if info is None or info.revoked else info
 
 
 def _bearer(authorization: str | None) -> str | None:
@@ -79,9 +106,16 @@ class KeyVerifier:
         stale_s: float = 3600.0,
         read_key: Callable[[Store, str], KeyInfo | None] = lookup,
         clock: Callable[[], float] = time.monotonic,
+        exec_secret: str = "",
+        read_key_by_id: Callable[[Store, int], KeyInfo | None] = _read_key_by_id,
     ) -> None:
         self._store = store
         self._read_key = read_key
+        self._read_key_by_id = read_key_by_id
+        # Only the digest of the exec token is kept (no secret: no exec access).
+        self._exec_digest = (
+            hashlib.sha256(exec_token(exec_secret).encode()).digest() if exec_secret else b""
+        )
         self._clock = clock
         self._ttl = ttl_s
         self._wait = store_wait_s
@@ -96,7 +130,13 @@ class KeyVerifier:
         self._admin_digest = hashlib.sha256(admin_key.encode()).digest() if admin_key else b""
 
     async def _info(self, key: str) -> KeyInfo | None:
-        digest = hash_api_key(key)
+        return await self._cached(hash_api_key(key), lambda: self._read_key(self._store, key))
+
+    async def _info_by_id(self, key_id: int) -> KeyInfo | None:
+        # Cached apart from presented keys' digests (hex): "id:" cannot collide.
+        return await self._cached(f"id:{key_id}", lambda: self._read_key_by_id(self._store, key_id))
+
+    async def _cached(self, digest: str, read: Callable[[], KeyInfo | None]) -> KeyInfo | None:
         now = self._clock()
         hit = self._cache.get(digest)
         if hit is not None and now - hit.read_at < self._ttl:
@@ -109,7 +149,7 @@ class KeyVerifier:
         # rather than each sending its own.
         pending = self._pending.get(digest)
         if pending is None:
-            pending = asyncio.ensure_future(self._lookup(key, digest))
+            pending = asyncio.ensure_future(self._lookup(read, digest))
             self._pending[digest] = pending
             pending.add_done_callback(lambda _: self._pending.pop(digest, None))
         try:
@@ -124,11 +164,11 @@ class KeyVerifier:
             raise ErrorKind.STORE_UNAVAILABLE.error()
         return answer.info
 
-    async def _lookup(self, key: str, digest: str) -> KeyInfo | None:
+    async def _lookup(self, read: Callable[[], KeyInfo | None], digest: str) -> KeyInfo | None:
         """The store's answer, cached; StoreError past ``store_wait_s`` (noted,
         so the key's requests of the next ``ttl_s`` do not wait)."""
         try:
-            info = await within(self._wait, lambda: self._read_key(self._store, key))
+            info = await within(self._wait, read)
         except StoreError as exc:
             now = self._clock()
             if len(self._failed) >= NEGATIVE_CACHE_MAX:
@@ -142,12 +182,50 @@ class KeyVerifier:
         self._cache[digest] = _Answer(info, self._clock())
         return info
 
-    async def verify(self, authorization: str | None) -> Caller:
-        """The caller behind an Authorization header, or a 401 OpenAIError."""
+    def is_exec(self, authorization: str | None) -> bool:
+        """Whether the header carries the exec token (constant-time compare)."""
+        key = _bearer(authorization)
+        if key is None or not self._exec_digest:
+            return False
+        return hmac.compare_digest(hashlib.sha256(key.encode()).digest(), self._exec_digest)
+
+    async def verify(self, authorization: str | None, headers: HeaderFn | None = None) -> Caller:
+        """The caller behind an Authorization header, or a 401 OpenAIError.
+
+        ``headers`` reads the request's other headers: with the exec token,
+        the key named by ``X-Llmgw-Key-Id`` (and the exec-only headers)."""
+        if headers is not None and self.is_exec(authorization):
+            return await self._exec_caller(headers)
         key = _bearer(authorization)
         if key is None:
             raise ErrorKind.INVALID_KEY.error()
         info = await self._info(key)
+        return self._caller(info)
+
+    async def verify_exec(self, authorization: str | None) -> None:
+        """Pass for the exec token (the internal endpoints), else 401."""
+        if not self.is_exec(authorization):
+            raise ErrorKind.INVALID_KEY.error()
+
+    async def _exec_caller(self, headers: HeaderFn) -> Caller:
+        raw = (headers(KEY_ID_HEADER) or "").strip()
+        if not raw.isdigit() or len(raw) > 18:
+            raise ErrorKind.INVALID_KEY.error()
+        info = await self._info_by_id(int(raw))
+        caller = self._caller(info)
+        priority = (headers(PRIORITY_HEADER) or "").strip().lower()
+        billed = (headers(BILLED_BY_CALLER_HEADER) or "").strip().lower()
+        return Caller(
+            key_id=caller.key_id,
+            key_name=caller.key_name,
+            policy=caller.policy,
+            exec=True,
+            priority_override=Priority.BATCH if priority == Priority.BATCH.value else None,
+            billed_by_caller=billed in ("1", "true", "yes"),
+        )
+
+    @staticmethod
+    def _caller(info: KeyInfo | None) -> Caller:
         if info is None or info.policy.admin:
             raise ErrorKind.INVALID_KEY.error()
         if info.expired(datetime.now(UTC)):
@@ -169,6 +247,6 @@ class KeyVerifier:
 
     def forget(self, key_id: int) -> None:
         """Drop a key's cached answer (it was just revoked here)."""
-        for digest, answer in list(self._cache.items()):
+        for digest, answer in list(self._cache.items()):  # by key and by id
             if answer.info is not None and answer.info.id == key_id:
                 del self._cache[digest]

@@ -65,7 +65,7 @@ AuthHeader = Annotated[str | None, Header(include_in_schema=False)]
 
 async def _caller(request: Request, deps: DepsDep, authorization: AuthHeader = None) -> Caller:
     try:
-        return await deps.keys.verify(authorization)
+        return await deps.keys.verify(authorization, request.headers.get)
     except OpenAIError as exc:
         _refused(deps, request.url.path, exc)
         raise
@@ -229,7 +229,7 @@ async def _serve(
 
     bill = RequestBill(
         deps.accountant, deps.metrics, caller.key_id, model, endpoint, reservation, span,
-        started, prompt_estimate, reserve,
+        started, prompt_estimate, reserve, bill_usage=not caller.billed_by_caller,
     )  # fmt: skip
     call = Call(
         model=model,
@@ -251,6 +251,7 @@ async def _serve(
             return await deps.admission.forward(
                 call, caller.key_id, caller.policy, queue_cost(body, prompt_estimate),
                 lambda: _forward(deps, target, call, bill), queueable=target is None,
+                priority=caller.priority_override,
             )  # fmt: skip
     except OpenAIError as exc:
         bill.failed(exc.status)  # releases the reservation
@@ -342,7 +343,9 @@ class InferenceEndpoint:
         deps: Deps = scope["app"].state.deps
         try:
             try:
-                caller = await deps.keys.verify(header(scope, b"authorization"))
+                caller = await deps.keys.verify(
+                    header(scope, b"authorization"), lambda name: header(scope, name.encode())
+                )
             except OpenAIError as exc:
                 _refused(deps, self.path, exc)
                 raise

@@ -92,9 +92,24 @@ class Accountant:
             raise ErrorKind.STORE_UNAVAILABLE.error() from exc
 
     def done(
-        self, key_id: int, model: str, reservation: QuotaReservation | None, outcome: RequestOutcome
+        self,
+        key_id: int,
+        model: str,
+        reservation: QuotaReservation | None,
+        outcome: RequestOutcome,
+        usage: bool = True,
     ) -> None:
-        """Queue a finished request's usage and its reservation's settlement (no I/O)."""
+        """Queue a finished request's usage and its reservation's settlement (no
+        I/O); ``usage`` False: the settlement only (the caller bills the usage:
+        a batch line, with its result, exactly once)."""
+        if usage:
+            self._add_usage(key_id, model, outcome)
+        if reservation is not None:
+            diff = outcome.prompt_tokens + outcome.completion_tokens - reservation.tokens
+            self._settle[(key_id, "minute", reservation.minute)] += diff
+            self._settle[(key_id, "period", reservation.period)] += diff
+
+    def _add_usage(self, key_id: int, model: str, outcome: RequestOutcome) -> None:
         self._usage.add(
             UsageKey(key_id, model, day_of(self._clock())),
             UsageDelta(
@@ -104,10 +119,6 @@ class Accountant:
                 completion_tokens=outcome.completion_tokens,
             ),
         )
-        if reservation is not None:
-            diff = outcome.prompt_tokens + outcome.completion_tokens - reservation.tokens
-            self._settle[(key_id, "minute", reservation.minute)] += diff
-            self._settle[(key_id, "period", reservation.period)] += diff
 
     async def flush(self) -> None:
         """Write what is queued: settlements and usage, each one batch at a

@@ -87,8 +87,12 @@ class RequestBill(Bill):
         started: float,
         prompt_estimate: int = 0,
         reserved: int = 0,
+        bill_usage: bool = True,
     ) -> None:
         super().__init__(prompt_estimate, reserved)
+        # False: the caller bills the usage (X-Llmgw-Billed-By-Caller); the
+        # quota reservation is settled all the same.
+        self._bill_usage = bill_usage
         self._accountant = accountant
         self._metrics = metrics
         self._key_id = key_id
@@ -104,7 +108,9 @@ class RequestBill(Bill):
         if self.release is not None:
             self.release()
         end_span(self._span, outcome)
-        self._accountant.done(self._key_id, self._model, self._reservation, outcome)
+        self._accountant.done(
+            self._key_id, self._model, self._reservation, outcome, usage=self._bill_usage
+        )
         self._metrics.request_done(
             self._endpoint,
             self._model,

@@ -2,8 +2,8 @@
 
 Routers add to the counters in batches (``router.billing.accounting``); the rows
 are shared by every router, so a batch adds (``UPDATE ... SET n = n + d``)
-rather than writes, and inserts a missing row, retrying as an update when
-another router inserted it first. Portable SQL: SQLite and PostgreSQL.
+rather than writes (llmgw/store/usage.py, shared with the control worker,
+which bills a batch line with its result). Portable SQL: SQLite and PostgreSQL.
 """
 
 from dataclasses import dataclass
@@ -11,11 +11,11 @@ from datetime import UTC, datetime
 from functools import lru_cache
 
 from pydantic import BaseModel, Field
-from sqlalchemy import Table, and_, insert, select, update
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy import Table, select
 
 from llmgw.store import Store
 from llmgw.store.gateway_tables import UsageDaily
+from llmgw.store.usage import add_usage
 
 _T: Table = UsageDaily.__table__  # type: ignore[attr-defined]
 
@@ -80,41 +80,19 @@ def record(store: Store, batch: dict[UsageKey, UsageDelta]) -> None:
     added again (a whole batch kept would bill its first rows twice).
     """
     for key, delta in list(batch.items()):
-        where = and_(_T.c.key_id == key.key_id, _T.c.model == key.model, _T.c.day == key.day)
-        add = (
-            update(_T)
-            .where(where)
-            .values(
-                requests=_T.c.requests + delta.requests,
-                errors=_T.c.errors + delta.errors,
-                prompt_tokens=_T.c.prompt_tokens + delta.prompt_tokens,
-                completion_tokens=_T.c.completion_tokens + delta.completion_tokens,
+        with store.session() as session:
+            add_usage(
+                session,
+                key.key_id,
+                key.model,
+                key.day,
+                requests=delta.requests,
+                errors=delta.errors,
+                prompt_tokens=delta.prompt_tokens,
+                completion_tokens=delta.completion_tokens,
             )
-        )
-        for _ in range(3):
-            with store.session() as session:
-                conn = session.connection()
-                if conn.execute(add).rowcount == 1:
-                    session.commit()
-                    del batch[key]
-                    break
-                try:
-                    conn.execute(
-                        insert(_T).values(
-                            key_id=key.key_id,
-                            model=key.model,
-                            day=key.day,
-                            requests=delta.requests,
-                            errors=delta.errors,
-                            prompt_tokens=delta.prompt_tokens,
-                            completion_tokens=delta.completion_tokens,
-                        )
-                    )
-                    session.commit()
-                    del batch[key]
-                    break
-                except IntegrityError:
-                    session.rollback()  # another router inserted it: add to theirs
+            session.commit()
+            del batch[key]
 
 
 def query(

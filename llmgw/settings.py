@@ -190,6 +190,11 @@ class RouterSettings(_Common):
     # leaves it there for the next router started with the same directory.
     usage_spool_dir: Path | None = None
     max_request_bytes: int = 8 * 1024 * 1024
+    # The largest file /v1/files takes (past it: 413 file_too_large, nothing
+    # stored). Uploads stream into the store a chunk at a time, so this bounds
+    # the store's use, not the router's memory; a large upload also needs
+    # body_timeout_s long enough for it to arrive.
+    max_file_bytes: int = Field(default=200 * 1024 * 1024, ge=1)
     # Names this router in its load reports to the deployments (elastic
     # serving): unique among the routers of one system.
     router_id: str = Field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")

@@ -25,6 +25,7 @@ from router.admission.queue import Admission
 from router.api import admin, batches, engine_metrics, openai, openapi_docs, responses
 from router.api.auth import KeyVerifier
 from router.api.deps import Deps
+from router.api.files import router as files_api
 from router.billing.accounting import Accountant
 from router.billing.usage_spool import UsageSpool
 from router.common.blocking import STORE_WAIT_S
@@ -130,6 +131,7 @@ def create_app(
     router_id: str = "",
     load_report_interval_s: float = REPORT_INTERVAL_S,
     max_replicas: int = DEFAULT_MAX_REPLICAS,
+    max_file_bytes: int = 200 * MiB,
 ) -> FastAPI:
     """The FastAPI app; the routing table refreshes and usage is flushed while it runs.
 
@@ -223,12 +225,14 @@ def create_app(
         tracer=tracer,
         store_wait_s=store_wait_s,
         max_replicas=max_replicas,
+        max_file_bytes=max_file_bytes,
     )
     install_handlers(app)
     for route in openai.inference_routes():
         app.router.routes.append(route)
         app.direct[route.path] = route.endpoint
     _include_apis(app)
+    app.include_router(files_api)
 
     @app.get("/healthz", include_in_schema=False)
     async def healthz() -> dict[str, object]:

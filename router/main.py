@@ -67,6 +67,7 @@ def build(
         tracer=tracer,
         router_id=settings.router_id,
         max_replicas=settings.max_replicas_per_model,
+        max_file_bytes=settings.max_file_bytes,
     )
     limits = fit_open_files(
         ListenerLimits(

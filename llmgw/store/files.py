@@ -89,10 +89,10 @@ class FileWriter:
         self._store = store
         self._key_id = key_id
         self._filename = filename
-        self._purpose = purpose
+        self.purpose = purpose
         self._max = max_bytes
         self.file_id = file_id or new_file_id()
-        self._expires_at = expires_at
+        self.expires_at = expires_at
         self._now = clock or (lambda: int(time.time()))
         self._staging = _STAGING_PREFIX + secrets.token_hex(12)
         self._buffer = bytearray()
@@ -115,7 +115,7 @@ class FileWriter:
                     id=self._staging,
                     key_id=self._key_id,
                     filename=self._filename,
-                    purpose=self._purpose,
+                    purpose=self.purpose,
                     status=UPLOADING,
                     created_at=self._now(),
                 )
@@ -185,17 +185,17 @@ class FileWriter:
                 id=self.file_id,
                 key_id=self._key_id,
                 filename=self._filename,
-                purpose=self._purpose,
+                purpose=self.purpose,
                 created_at=self._now(),
             )
         row.key_id = self._key_id
         row.filename = self._filename
-        row.purpose = self._purpose
+        row.purpose = self.purpose
         row.bytes = self._size
         row.sha256 = self._sha.hexdigest()
         row.status = PROCESSED
         row.deleted_at = None
-        row.expires_at = self._expires_at
+        row.expires_at = self.expires_at
         session.add(row)
         return row
 

@@ -43,6 +43,8 @@ class Deps:
     store_wait_s: float = STORE_WAIT_S
     # The most replicas a catalog entry or a scale call may ask of one model.
     max_replicas: int = DEFAULT_MAX_REPLICAS
+    # The largest file /v1/files takes (LLMGW_MAX_FILE_BYTES).
+    max_file_bytes: int = 200 * 1024 * 1024
 
 
 async def get_deps(request: Request) -> Deps:

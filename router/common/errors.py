@@ -325,6 +325,14 @@ class ErrorKind(Enum):
         "only a background response's events are kept to stream again.",
         param="stream",
     )
+    # Files (/v1/files): OpenAI's message for an unknown id (another key's too).
+    FILE_NOT_FOUND = ErrorSpec(404, "No such File object: {file_id}", param="id")
+    FILE_TOO_LARGE = ErrorSpec(
+        413,
+        "The file is larger than {limit} bytes (LLMGW_MAX_FILE_BYTES); nothing was stored.",
+        code="file_too_large",
+        param="file",
+    )
     EXEC_ONLY = ErrorSpec(
         401, "This endpoint serves llmgw's executor only.", code="invalid_api_key"
     )

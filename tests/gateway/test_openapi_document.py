@@ -74,6 +74,10 @@ def test_keyed_operations_document_401_and_path_parameters_404(spec: dict[str, A
         "POST /v1/chat/completions",
         "POST /v1/completions",
         "POST /v1/embeddings",
+        # And a file of another key, or none (router/api/files.py).
+        "GET /v1/files/{file_id}",
+        "GET /v1/files/{file_id}/content",
+        "DELETE /v1/files/{file_id}",
     }
 
 

@@ -13,6 +13,7 @@ from llmgw import replicas
 from llmgw.errors import LlmgwError
 from llmgw.settings import UpSettings
 from llmgw.types import DeploymentStatus, ReplicaMemo
+from llmgw_cli.batches import batches_app
 from llmgw_cli.bench_command import bench
 from llmgw_cli.common import CliSettings, catalog_spec, console, out, tracings
 from llmgw_cli.common import connect as _connect
@@ -48,6 +49,7 @@ app = typer.Typer(
 app.command()(bench)
 app.command()(scale)
 app.add_typer(keys_app, name="keys")
+app.add_typer(batches_app, name="batches")
 
 _JSON_HELP = "print JSON (docs: CLI JSON output)"
 

@@ -12,7 +12,7 @@ answers it, a format documented field by field in reference/catalog.md.
 """
 
 import sys
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, Field
@@ -21,6 +21,7 @@ from llmgw.catalog import CatalogModel
 from llmgw.types import DeploymentStatus, ReplicaMemo, ScaleDecision
 
 if TYPE_CHECKING:
+    from llmgw.store.openai_tables import BatchRecord
     from router.api.apikeys import KeyInfo
 
 
@@ -230,6 +231,97 @@ class ModelsOutput(BaseModel):
     """``llmgw model list --json``: the catalog."""
 
     models: list[CatalogModel] = Field(description="by name")
+
+
+def _when(epoch: int | None) -> datetime | None:
+    return None if epoch is None else datetime.fromtimestamp(epoch, UTC)
+
+
+class BatchRow(BaseModel):
+    """One batch (``/v1/batches``), any key's, as ``llmgw batches list`` lists it."""
+
+    id: str
+    key_id: int = Field(description="the client API key that made it")
+    endpoint: str = Field(description="where its lines go: /v1/chat/completions, ...")
+    status: str = Field(
+        description="validating, in_progress, finalizing, completed, failed, expired,"
+        " cancelling or cancelled"
+    )
+    total: int = Field(description="requests in its input file (0 until validated)")
+    completed: int = Field(description="lines answered 2xx")
+    failed: int = Field(description="lines answered with an error")
+    created_at: datetime
+
+    @classmethod
+    def of(cls, record: "BatchRecord") -> "BatchRow":
+        """The row of a stored batch."""
+        return cls(**_row_fields(record))
+
+
+def _row_fields(record: "BatchRecord") -> dict[str, object]:
+    return {
+        "id": record.id, "key_id": record.key_id, "endpoint": record.endpoint,
+        "status": record.status, "total": record.total, "completed": record.completed,
+        "failed": record.failed, "created_at": _when(record.created_at),
+    }  # fmt: skip
+
+
+class BatchesOutput(BaseModel):
+    """``llmgw batches list --json``."""
+
+    batches: list[BatchRow] = Field(description="newest first")
+    has_more: bool = Field(description="more batches than --limit")
+
+
+class BatchErrorRow(BaseModel):
+    """One problem validation found in a batch's input file."""
+
+    code: str | None
+    line: int | None = Field(description="1-based line of the input file")
+    message: str | None
+    param: str | None = Field(description="the field at fault")
+
+
+class BatchDetail(BatchRow):
+    """One batch in full, as ``llmgw batches show`` shows it."""
+
+    input_file_id: str
+    output_file_id: str | None = Field(description="the answered lines (JSONL)")
+    error_file_id: str | None = Field(description="the failed lines (JSONL)")
+    expires_at: datetime | None
+    in_progress_at: datetime | None
+    finalizing_at: datetime | None
+    completed_at: datetime | None
+    failed_at: datetime | None
+    expired_at: datetime | None
+    cancelling_at: datetime | None
+    cancelled_at: datetime | None
+    input_tokens: int
+    output_tokens: int
+    errors: list[BatchErrorRow] = Field(description="why validation failed it")
+    metadata: dict[str, str] | None
+
+    @classmethod
+    def of(cls, record: "BatchRecord") -> "BatchDetail":
+        """The detail of a stored batch."""
+        return cls(
+            **_row_fields(record),
+            input_file_id=record.input_file_id, output_file_id=record.output_file_id,
+            error_file_id=record.error_file_id, expires_at=_when(record.expires_at),
+            in_progress_at=_when(record.in_progress_at),
+            finalizing_at=_when(record.finalizing_at), completed_at=_when(record.completed_at),
+            failed_at=_when(record.failed_at), expired_at=_when(record.expired_at),
+            cancelling_at=_when(record.cancelling_at), cancelled_at=_when(record.cancelled_at),
+            input_tokens=record.input_tokens, output_tokens=record.output_tokens,
+            errors=[BatchErrorRow.model_validate(e) for e in record.errors or []],
+            metadata=record.meta,
+        )  # fmt: skip
+
+
+class BatchShowOutput(BaseModel):
+    """``llmgw batches show ID --json``."""
+
+    batch: BatchDetail
 
 
 def print_json(shape: BaseModel) -> None:

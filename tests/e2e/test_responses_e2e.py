@@ -88,7 +88,7 @@ async def test_a_conversation_is_read_back_from_another_router(
             events = [e async for e in stream]
         last = events[-1]
         assert last.type in ("response.completed", "response.incomplete")
-        second = last.response  # type: ignore[union-attr]
+        second = last.response
         assert second.previous_response_id == first.id
         assert second.usage is not None and first.usage is not None
         # The engine read the first turn too.

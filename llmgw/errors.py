@@ -56,6 +56,8 @@ module are named with where they live::
     │                             first (router/responses/store.py)
     ├── RunInterrupted            a background run's engine stream broke off: the executor
     │                             retries it (router/api/responses.py)
+    ├── BodyRefused               a batch line's body its endpoint would refuse, with the
+    │                             field at fault (router/batches/validate.py)
     └── StaleAdapter              the engine no longer holds the LoRA adapter the router
                                   sent it to (router/forwarding/proxy.py)
 

@@ -22,6 +22,7 @@ import orjson
 from sqlalchemy import delete, update
 from sqlmodel import col
 
+from llmgw.errors import LlmgwError
 from llmgw.store import Store
 from llmgw.store.openai_tables import BatchLine, BatchRecord
 
@@ -33,7 +34,7 @@ MAX_ERRORS = 1000
 WRITE_CHUNK = 1000
 
 
-class BodyRefused(Exception):
+class BodyRefused(LlmgwError):
     """The endpoint would refuse this body: why, and the field at fault."""
 
     def __init__(self, message: str, param: str | None) -> None:

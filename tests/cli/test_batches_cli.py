@@ -4,6 +4,7 @@ batches, newest first, in tables and ``--json``; and the documented shapes
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from pydantic import BaseModel
@@ -17,7 +18,7 @@ from tests.cli.test_cli_json import _cli, _documented, _fields
 T0 = 1_796_000_000  # 2026-11-30T...Z
 
 
-def _batch(i: int, key_id: int, **fields: object) -> BatchRecord:
+def _batch(i: int, key_id: int, **fields: Any) -> BatchRecord:
     return BatchRecord(
         id=f"batch_{i:032x}", key_id=key_id, endpoint="/v1/chat/completions",
         input_file_id=f"file-in{i}", created_at=T0 + i, expires_at=T0 + i + 86400,

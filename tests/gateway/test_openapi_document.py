@@ -78,6 +78,11 @@ def test_keyed_operations_document_401_and_path_parameters_404(spec: dict[str, A
         "GET /v1/files/{file_id}",
         "GET /v1/files/{file_id}/content",
         "DELETE /v1/files/{file_id}",
+        # A batch of another key, or none; a create naming such an input file
+        # (router/api/batches.py).
+        "POST /v1/batches",
+        "GET /v1/batches/{batch_id}",
+        "POST /v1/batches/{batch_id}/cancel",
     }
 
 

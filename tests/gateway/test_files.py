@@ -97,7 +97,7 @@ async def test_upload_list_retrieve_content_and_delete(store_url: str) -> None:
         for call in (client.files.retrieve, client.files.content, client.files.delete):
             with pytest.raises(openai.NotFoundError) as caught:
                 await call(made.id)
-            assert caught.value.body == {  # type: ignore[comparison-overlap]
+            assert caught.value.body == {
                 "message": f"No such File object: {made.id}",
                 "type": "invalid_request_error",
                 "param": "id",

@@ -22,6 +22,7 @@ pure state machine of router/responses/events.py.
 """
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -43,6 +44,8 @@ from router.common.errors import ErrorKind, OpenAIError, invalid_fields, relayed
 from router.responses import ids
 from router.responses import store as rstore
 from router.responses.events import (
+    STREAM_CUT,
+    NotResumable,
     ResponseEvents,
     initial_response,
     response_from_completion,
@@ -449,7 +452,16 @@ async def run_response(
     stored: list[dict[str, Any]] = await _store(
         deps, lambda: rstore.events_after(deps.store, response_id, -1)
     )
-    machine = ResponseEvents.resume(stored)
+    try:
+        machine = ResponseEvents.resume(stored)
+        if machine.response["output"] and not machine.partial_text:
+            # Only an open message's text can be continued: generating anew
+            # would repeat the items already streamed.
+            raise NotResumable("no open message to continue")
+    except NotResumable as exc:
+        log.warning("background response %s cannot be continued: %s", response_id, exc)
+        await asyncio.to_thread(_fail_unresumable, deps, response_id, stored)
+        return JSONResponse({"id": response_id, "status": "failed"})
     chat = dict(record.request["chat"])
     partial = machine.partial_text
     if partial:
@@ -459,6 +471,25 @@ async def run_response(
     headers = [*_carried(request.scope["headers"]), BILLED_BY_CALLER]
     run = _Run(deps, response_id, machine)
     return StreamingResponse(run.events(request.app, headers, chat), media_type="text/event-stream")
+
+
+def _fail_unresumable(deps: Deps, response_id: str, stored: list[dict[str, Any]]) -> None:
+    """End a run that cannot be continued as failed: a ``response.failed``
+    event after the stored ones (so streams end), the state, the bill."""
+    before = next((e["response"] for e in reversed(stored) if "response" in e), {})
+    response = {
+        **before,
+        "status": "failed",
+        "error": {"code": "server_error", "message": STREAM_CUT},
+    }
+    failed = {
+        "type": "response.failed",
+        "sequence_number": max((e["sequence_number"] for e in stored), default=-1) + 1,
+        "response": response,
+    }
+    with contextlib.suppress(rstore.RunLost):
+        rstore.append_events(deps.store, response_id, [failed])
+    rstore.finish_run(deps.store, response_id, response)
 
 
 class _Run:

@@ -404,3 +404,68 @@ async def test_a_background_run_killed_midway_continues_from_its_stored_events(
             async with client.responses.stream(response_id=resp.id) as replay:
                 types = [e.type async for e in replay]
             assert types == [e["type"] for e in events]
+
+
+async def test_a_background_stream_follows_the_run_and_a_cancel_stops_it(engine: Engine) -> None:
+    async with router(engine) as r:
+        key, key_id = r.key()
+        headers = with_exec(r, key_id)
+        async with r.client(key) as client, httpx.AsyncClient(timeout=120) as http:
+            # background + stream: the client follows the stored events as the run writes them.
+            stream = await client.responses.create(
+                model=M, input="hi", background=True, stream=True, max_output_tokens=16
+            )
+            [resp_id] = r.jobs.started
+            run = asyncio.create_task(
+                http.post(f"{r.base}/internal/responses/{resp_id}/run", headers=headers)
+            )
+            followed = [e async for e in stream]
+            assert (await run).status_code == 200
+            stored = stored_events(r, resp_id)
+            assert [e.sequence_number for e in followed] == list(range(len(stored)))
+            assert followed[1].type == "response.queued"
+            assert followed[-1].type == "response.incomplete"
+            # Cancelled while it runs: the run stops at its next flush.
+            resp = await client.responses.create(
+                model=M, input="go on", background=True, max_output_tokens=1500
+            )
+            long_run(r, key_id, resp.id, 1500)
+            url = f"{r.base}/internal/responses/{resp.id}/run"
+            async with http.stream("POST", url, headers=headers) as running:
+                lines = sse_events(running.aiter_lines())
+                async for event in lines:
+                    if event["type"] == "response.output_text.delta":
+                        assert (await client.responses.cancel(resp.id)).status == "cancelled"
+                        break
+                rest = [e async for e in lines]
+            # It stopped at a flush after the cancel, far from its 1500 tokens.
+            assert rest and len(stored_events(r, resp.id)) < 1500
+            assert r.jobs.cancelled == [resp.id]
+            await until(lambda: sum(x.inflight for x in r.app.state.deps.table.routes[M]) == 0)
+            final = await client.responses.retrieve(resp.id)
+            assert final.status == "cancelled"
+            assert stored_events(r, resp.id)[-1]["type"] == "response.output_text.delta"
+            # A stream of it ends (OpenAI has no cancelled event).
+            replay = await client.responses.retrieve(resp.id, stream=True)
+            assert [e async for e in replay][-1].type == "response.output_text.delta"
+            again = await http.post(url, headers=headers)
+            assert again.json() == {"id": resp.id, "status": "cancelled"}
+
+
+async def test_a_log_that_cannot_be_continued_fails_the_response(engine: Engine) -> None:
+    async with router(engine) as r:
+        key, key_id = r.key()
+        async with r.client(key) as client, httpx.AsyncClient(timeout=60) as http:
+            resp = await client.responses.create(
+                model=M, input="hi", background=True, max_output_tokens=8
+            )
+            # A gap in the stored numbering (3 is missing).
+            gap = {"type": "response.in_progress", "sequence_number": 4, "response": {}}
+            rstore.append_events(r.store, resp.id, [gap])
+            answer = await http.post(
+                f"{r.base}/internal/responses/{resp.id}/run", headers=with_exec(r, key_id)
+            )
+            assert answer.json() == {"id": resp.id, "status": "failed"}
+            final = await client.responses.retrieve(resp.id)
+            assert final.status == "failed" and final.error is not None
+            assert stored_events(r, resp.id)[-1]["type"] == "response.failed"

@@ -476,7 +476,7 @@ async def run_response(
 def _fail_unresumable(deps: Deps, response_id: str, stored: list[dict[str, Any]]) -> None:
     """End a run that cannot be continued as failed: a ``response.failed``
     event after the stored ones (so streams end), the state, the bill."""
-    before = next((e["response"] for e in reversed(stored) if "response" in e), {})
+    before: dict[str, Any] = next((e["response"] for e in reversed(stored) if "response" in e), {})
     response = {
         **before,
         "status": "failed",

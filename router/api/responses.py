@@ -306,7 +306,8 @@ async def _foreground_events(
         call.close()
     write = _write_behind(deps, caller, req, new)
     if write is not None:
-        await asyncio.to_thread(write, machine.response)
+        # Not awaited: the stream ends now, the write follows in a thread.
+        asyncio.get_running_loop().run_in_executor(None, write, machine.response)
 
 
 async def _background(

@@ -112,6 +112,9 @@ async def test_create_string_input_retrieve_and_input_items(engine: Engine) -> N
             assert resp.usage is not None and resp.usage.output_tokens > 0
             again = await stored(r, client, resp.id)
             assert again.output_text == resp.output_text
+            with pytest.raises(openai.BadRequestError) as no_events:
+                await client.responses.retrieve(resp.id, stream=True)
+            assert no_events.value.param == "stream"  # only background ones keep events
             assert again.usage == resp.usage
             items = [i async for i in client.responses.input_items.list(resp.id)]
             assert [(i.type, i.role) for i in items] == [("message", "user")]  # type: ignore[union-attr]

@@ -38,7 +38,7 @@ from llmgw.errors import LlmgwError
 from llmgw.store.openai_tables import ResponseRecord
 from router.api.auth import Caller
 from router.api.deps import Deps, get_deps
-from router.api.openai import CallerDep
+from router.api.openai import CallerDep, read_body
 from router.common.blocking import within
 from router.common.errors import ErrorKind, OpenAIError, invalid_fields, relayed_error
 from router.responses import ids
@@ -216,9 +216,8 @@ async def _owned(deps: Deps, caller: Caller, response_id: str) -> ResponseRecord
 async def create_response(request: Request, deps: DepsDep, caller: CallerDep) -> Response:
     """Create a response (OpenAI's Responses API): streamed as typed events or
     not, stored (the default) or not, in the background or not."""
-    raw = await request.body()
-    if len(raw) > deps.max_request_bytes:
-        raise ErrorKind.BODY_TOO_LARGE.error(limit=deps.max_request_bytes)
+    # Bounded as it is read (413 past the limit), as an inference request's.
+    raw = await read_body(request.scope, request.receive, deps.max_request_bytes)
     try:
         req = validate_request(raw)
     except RequestInvalid as exc:

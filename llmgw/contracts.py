@@ -33,6 +33,16 @@ from llmgw.types import (
     AdapterLoadInput,
     AdapterLoadResult,
     AdaptersChanged,
+    BatchId,
+    BatchMemo,
+    BatchRun,
+    BatchRunResult,
+    BatchState,
+    BatchStatusChange,
+    BatchValidation,
+    CancelJob,
+    ChunkRange,
+    ChunkResult,
     CordonInput,
     DeploymentInput,
     DeploymentStatus,
@@ -42,6 +52,8 @@ from llmgw.types import (
     DrainResult,
     FetchWeightsInput,
     FetchWeightsResult,
+    FinalizeBatch,
+    Finalized,
     FleetSnapshot,
     LaunchShardInput,
     LoadReport,
@@ -66,6 +78,8 @@ from llmgw.types import (
     ReplicaMemo,
     ReplicaReadyNotice,
     ReplicaStatus,
+    ResponseRun,
+    ResponseRunResult,
     RollingRestartInput,
     ScaleInput,
     SetAutoscaleInput,
@@ -306,9 +320,14 @@ RENDEZVOUS = WorkflowType("Rendezvous", RendezvousInput, RendezvousResult)
 DRAIN_NODE = WorkflowType("DrainNode", DrainNodeInput, DrainNodeResult)
 ADAPTER_LOAD = WorkflowType("AdapterLoad", AdapterLoadInput, AdapterLoadResult)
 SHARD_LOGS = WorkflowType("ShardLogs", ShardLogsInput, LogTail)
+# Durable OpenAI jobs, on the exec queue (ids: llmgw.queues.batch_workflow_id,
+# response_workflow_id).
+BATCH = WorkflowType("Batch", BatchRun, BatchRunResult)
+RESPONSE = WorkflowType("BackgroundResponse", ResponseRun, ResponseRunResult)
 
 WORKFLOWS: tuple[WorkflowType[Any, Any], ...] = (
     FLEET, REPLICA, DEPLOYMENT, RENDEZVOUS, DRAIN_NODE, ADAPTER_LOAD, SHARD_LOGS,
+    BATCH, RESPONSE,
 )  # fmt: skip
 
 # --- Fleet: signals from the agents, updates and queries from control and CLI
@@ -343,11 +362,16 @@ REPORT_LOAD = Signal(DEPLOYMENT.name, "report_load", LoadReport)
 WAKE = Update(DEPLOYMENT.name, "wake", WakeInput, WakeResult)
 SET_AUTOSCALE = Update(DEPLOYMENT.name, "set_autoscale", SetAutoscaleInput, DeploymentStatus)
 
+# --- Jobs: a cancel from the router (fire and forget; the sweeper re-sends).
+
+CANCEL_BATCH = Signal(BATCH.name, "cancel_batch", CancelJob)
+CANCEL_RESPONSE = Signal(RESPONSE.name, "cancel_response", CancelJob)
+
 MESSAGES: tuple[Signal[Any] | Update[Any, Any] | Query[Any, Any], ...] = (
     REGISTER_NODE, DEREGISTER_NODE, PLACE, PLACE_BATCH, RELEASE, CORDON, SNAPSHOT, NODES,
     STOP, REQUEST_STOP, ADAPTERS_CHANGED, REPLICA_STATUS,
     REPLICA_READY, REPLICA_ENDED, SCALE, SET_MODEL, ROLLING_RESTART, DEPLOYMENT_STATUS,
-    REPORT_LOAD, WAKE, SET_AUTOSCALE,
+    REPORT_LOAD, WAKE, SET_AUTOSCALE, CANCEL_BATCH, CANCEL_RESPONSE,
 )  # fmt: skip
 
 # --- Activities: control queue ------------------------------------------------
@@ -373,10 +397,19 @@ SHARD_RUNNING = Activity("shard_running", ShardRef, ShardRunning)
 LOAD_ADAPTER = Activity("load_adapter", AdapterCall, AdapterCallResult)
 UNLOAD_ADAPTER = Activity("unload_adapter", AdapterCall, AdapterCallResult)
 
+# --- Activities: exec queue (activities/control/jobs.py) ----------------------
+
+VALIDATE_BATCH = Activity("validate_batch", BatchId, BatchValidation)
+SET_BATCH_STATUS = Activity("set_batch_status", BatchStatusChange, BatchState)
+RUN_CHUNK = Activity("run_chunk", ChunkRange, ChunkResult)
+FINALIZE_BATCH = Activity("finalize_batch", FinalizeBatch, Finalized)
+RUN_RESPONSE = Activity("run_response", ResponseRun, ResponseRunResult)
+
 ACTIVITIES: tuple[Activity[Any, Any], ...] = (
     PLACE_REPLICA, RELEASE_REPLICA, VALIDATE_REPLICA, FLEET_CORDON, PROBE_ENGINE,
     FETCH_WEIGHTS, RESERVE_PORT, LAUNCH_SHARD, WAIT_SHARD_READY, WATCH_SHARD, STOP_SHARD,
     DRAIN_SHARD, SHARD_LOG_TAIL, SHARD_LOAD, SHARD_RUNNING, LOAD_ADAPTER, UNLOAD_ADAPTER,
+    VALIDATE_BATCH, SET_BATCH_STATUS, RUN_CHUNK, FINALIZE_BATCH, RUN_RESPONSE,
 )  # fmt: skip
 
 
@@ -392,3 +425,5 @@ class FleetNodes(RootModel[dict[str, str]]):
 REPLICA_MEMO = Memo("replica", ReplicaMemo)
 # The Fleet's registered nodes (a plain object: the RootModel adds no wrapper).
 FLEET_NODES_MEMO = Memo("nodes", FleetNodes)
+# A batch's progress, upserted per chunk (the Temporal UI shows it).
+BATCH_MEMO = Memo("batch", BatchMemo)

@@ -24,6 +24,10 @@ REPLICA_ENDPOINT = SearchAttributeKey.for_keyword("ReplicaEndpoint")
 # When the Replica last published its state (workflow time): the router lists
 # only the replicas changed since its last listing (router/control_link/replica_source.py).
 REPLICA_UPDATED_AT = SearchAttributeKey.for_datetime("ReplicaUpdatedAt")
+# Durable jobs' status (workflows/jobs_batch.py, jobs_response.py): the UI
+# filters batches and background responses by it; progress is in the memo.
+BATCH_STATUS = SearchAttributeKey.for_keyword("BatchStatus")
+RESPONSE_STATUS = SearchAttributeKey.for_keyword("ResponseStatus")
 
 ALL: tuple[SearchAttributeKey[str] | SearchAttributeKey[datetime], ...] = (
     REPLICA_MODEL,
@@ -31,6 +35,8 @@ ALL: tuple[SearchAttributeKey[str] | SearchAttributeKey[datetime], ...] = (
     REPLICA_STATE,
     REPLICA_ENDPOINT,
     REPLICA_UPDATED_AT,
+    BATCH_STATUS,
+    RESPONSE_STATUS,
 )
 
 # The names ``temporal server start-dev --search-attribute`` and

@@ -72,6 +72,22 @@ class ControlSettings(_Common):
     # host:port to serve Prometheus metrics on (the Temporal SDK's and
     # llmgw_scale_decisions); empty serves none.
     metrics_address: str = ""
+    # Durable jobs (batches, background responses) on the exec task queue:
+    # the routers their activities send lines to (comma-separated base URLs;
+    # the next one is tried on a connection error). `llmgw up` sets its own.
+    router_urls: str = "http://127.0.0.1:8000"
+    # Rows the routers inserted but whose workflow they could not start
+    # (Temporal down, router killed) are started by the sweeper after this
+    # long; 0 turns the sweeper off.
+    job_sweep_interval_s: float = 5.0
+    # Concurrency per batch: chunks running at once, and lines in flight per chunk.
+    batch_parallel_chunks: int = Field(default=4, ge=1)
+    batch_line_concurrency: int = Field(default=8, ge=1)
+    batch_chunk_lines: int = Field(default=100, ge=1)
+
+    def router_url_list(self) -> list[str]:
+        """``router_urls`` as a list, without trailing slashes."""
+        return [u.strip().rstrip("/") for u in self.router_urls.split(",") if u.strip()]
 
 
 class AgentSettings(_Common):

@@ -80,6 +80,8 @@ def child_env(settings: UpSettings) -> dict[str, str]:
             "LLMGW_WORK_DIR": str(settings.work_dir.resolve()),
             "LLMGW_STORE_URL": settings.resolved_store_url(),
             "LLMGW_PORT": str(settings.router_port),
+            # The control worker's job activities send batch lines here.
+            "LLMGW_ROUTER_URLS": f"http://127.0.0.1:{settings.router_port}",
             "LLMGW_PORT_RANGE_START": str(settings.port_range_start),
             "LLMGW_PORT_RANGE_END": str(settings.port_range_start + 999),
             "LLMGW_LOG_LEVEL": settings.log_level,

@@ -34,6 +34,7 @@ from router.common.metrics import Metrics
 from router.control_link.adapters import AdapterLoader, AdapterRouter, TemporalAdapterLoader
 from router.control_link.deployment_link import DeploymentLink, TemporalDeploymentLink
 from router.control_link.endpoint_proof import ProvenSource
+from router.control_link.jobs import JobLink, aclose_jobs, default_jobs
 from router.control_link.load_report import REPORT_INTERVAL_S, LoadReporter
 from router.control_link.routing import ReplicaSource, RoutingTable, refresh_forever
 from router.forwarding.health import EngineProbe, HttpProbe, probe_forever
@@ -132,6 +133,7 @@ def create_app(
     load_report_interval_s: float = REPORT_INTERVAL_S,
     max_replicas: int = DEFAULT_MAX_REPLICAS,
     max_file_bytes: int = 200 * MiB,
+    jobs: JobLink | None = None,
 ) -> FastAPI:
     """The FastAPI app; the routing table refreshes and usage is flushed while it runs.
 
@@ -185,7 +187,7 @@ def create_app(
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-            await admission.aclose()
+            await asyncio.gather(admission.aclose(), aclose_jobs(jobs))
             await accountant.flush()
             await accountant.close()
             await client.aclose()
@@ -199,6 +201,8 @@ def create_app(
         lifespan=lifespan,
         description="OpenAI-compatible gateway (`/v1`) and admin API (`/admin`).",
     )
+    # Starts and cancels of batches and background responses (fire and forget).
+    app.state.jobs = jobs = jobs or default_jobs(temporal, store)
     app.state.deps = Deps(
         table=table,
         keys=KeyVerifier(

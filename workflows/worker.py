@@ -1,4 +1,12 @@
-"""The control-plane worker: workflows and control activities on ``control``."""
+"""The control-plane worker: workflows and control activities on ``control``,
+and a second Worker on ``exec`` for the durable OpenAI jobs (batches,
+background responses) with their sweeper.
+
+The jobs run here rather than in the routers so that a router's event loop
+stays for interactive traffic and holds no Temporal wait; their lines still
+go through a router (``LLMGW_ROUTER_URLS``), whose admission queue is the
+only place that sees the interactive requests a batch must yield to.
+"""
 
 import asyncio
 import logging
@@ -9,22 +17,25 @@ from temporalio.client import Client
 from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.worker import Worker
 
+from activities.control.jobs import JobActivities, RouterClient, Sweeper
 from activities.control.replicas import ControlActivities
 from llmgw import contracts
 from llmgw import search_attributes as sa
 from llmgw.engine_keys import EngineKeySource, engine_key
 from llmgw.errors import ConfigError
 from llmgw.lifecycle import setup_logging, stop_event_on_signals
-from llmgw.queues import CONTROL_QUEUE, FLEET_WORKFLOW_ID
+from llmgw.queues import CONTROL_QUEUE, EXEC_QUEUE, FLEET_WORKFLOW_ID
 from llmgw.settings import ControlSettings
 from llmgw.store import Store
 from llmgw.temporal import connect_with, metrics_runtime
 from llmgw.tracing import setup_tracing
-from llmgw.types import FleetSnapshot
+from llmgw.types import BatchRun, FleetSnapshot
 from workflows.adapter_load import AdapterLoadWorkflow
 from workflows.deployment import DeploymentWorkflow
 from workflows.drain_node import DrainNodeWorkflow
 from workflows.fleet import FleetWorkflow
+from workflows.jobs_batch import BatchWorkflow
+from workflows.jobs_response import BackgroundResponseWorkflow
 from workflows.logs import ShardLogsWorkflow
 from workflows.reconcile import reconcile_forever
 from workflows.rendezvous import RendezvousWorkflow
@@ -102,6 +113,49 @@ def build_worker(
     )
 
 
+def batch_defaults(settings: ControlSettings) -> BatchRun:
+    """The knobs every batch's workflow starts with (id and expiry set per batch)."""
+    return BatchRun(
+        batch_id="",
+        expires_at=0,
+        chunk_lines=settings.batch_chunk_lines,
+        parallel_chunks=settings.batch_parallel_chunks,
+        line_concurrency=settings.batch_line_concurrency,
+    )
+
+
+def build_exec_worker(
+    client: Client, settings: ControlSettings, store: Store, task_queue: str = EXEC_QUEUE
+) -> tuple[Worker, RouterClient]:
+    """The jobs' worker (and its router client, to close after it)."""
+    secret: list[str] = []
+
+    async def read_secret() -> str:
+        if not secret:
+            secret.append(await asyncio.to_thread(store.engine_key_secret))
+        return secret[0]
+
+    router = RouterClient(settings.router_url_list(), read_secret)
+    jobs = JobActivities(store, router)
+    worker = Worker(
+        client,
+        task_queue=task_queue,
+        workflows=[BatchWorkflow, BackgroundResponseWorkflow],
+        activities=[
+            jobs.validate_batch,
+            jobs.set_batch_status,
+            jobs.run_chunk,
+            jobs.finalize_batch,
+            jobs.run_response,
+        ],
+        sticky_queue_schedule_to_start_timeout=timedelta(
+            seconds=settings.sticky_schedule_to_start_s
+        ),
+        graceful_shutdown_timeout=timedelta(seconds=settings.graceful_shutdown_s),
+    )
+    return worker, router
+
+
 async def run(settings: ControlSettings) -> None:
     """Serve until SIGTERM/SIGINT, then shut down gracefully."""
     tracing = setup_tracing(settings.tracing, "control")
@@ -112,6 +166,9 @@ async def run(settings: ControlSettings) -> None:
     worker = build_worker(client, settings)
     log.info("control worker on %s (Temporal %s)", CONTROL_QUEUE, settings.temporal_address)
     store = Store(settings.resolved_store_url()) if settings.reconcile_catalog else None
+    jobs_store = Store(settings.resolved_store_url())
+    exec_worker, router = build_exec_worker(client, settings, jobs_store)
+    sweeper = Sweeper(jobs_store, client, batch_defaults(settings))
     # Reconcile passes read through an untraced client (a trace every pass
     # would be noise); a pass that acts is a trace, its actions through
     # ``client`` part of it.
@@ -119,11 +176,18 @@ async def run(settings: ControlSettings) -> None:
     stop = stop_event_on_signals(settings.shutdown_timeout_s)
     loop = asyncio.get_running_loop()
     try:
-        async with asyncio.timeout(None) as stopping, worker, asyncio.TaskGroup() as tasks:
+        async with (
+            asyncio.timeout(None) as stopping,
+            worker,
+            exec_worker,
+            asyncio.TaskGroup() as tasks,
+        ):
             if settings.reconcile_interval_s > 0:
                 reconciling = tasks.create_task(
                     reconcile_forever(reads, client, store, settings.reconcile_interval_s)
                 )
+            if settings.job_sweep_interval_s > 0:
+                sweeping = tasks.create_task(sweeper.forever(settings.job_sweep_interval_s))
             await stop.wait()
             log.info("control worker shutting down")
             # The worker's stop waits on pollers that a frozen Temporal
@@ -131,10 +195,14 @@ async def run(settings: ControlSettings) -> None:
             stopping.reschedule(loop.time() + settings.graceful_shutdown_s + WORKER_STOP_MARGIN_S)
             if settings.reconcile_interval_s > 0:
                 reconciling.cancel()
+            if settings.job_sweep_interval_s > 0:
+                sweeping.cancel()
     except TimeoutError:
         if not stopping.expired():
             raise
         log.warning("control worker did not stop in time; exiting anyway")
+    await router.aclose()
+    jobs_store.close()
     if store is not None:
         store.close()
     tracing.shutdown()

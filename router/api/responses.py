@@ -438,15 +438,25 @@ async def cancel_response(
 
 
 @internal.post("/responses/{response_id}/run", response_model=None)
-async def run_response(
-    response_id: str, request: Request, deps: DepsDep, caller: CallerDep
-) -> Response:
+async def run_response(response_id: str, request: Request, deps: DepsDep) -> Response:
     """Generate (or continue, from its stored events) a stored background
     response as its key, persisting its events; SSE of the events persisted,
-    or a JSON status when it has already ended."""
-    if not caller.exec:
-        raise ErrorKind.EXEC_ONLY.error()
-    record = await _owned(deps, caller, response_id)
+    or a JSON status when it has already ended.
+
+    The exec token only. The key is the response's own (the executor may
+    name it in ``X-Llmgw-Key-Id``: another key's response is then not found).
+    """
+    authorization = request.headers.get("authorization")
+    try:
+        await deps.keys.verify_exec(authorization)
+    except OpenAIError:
+        raise ErrorKind.EXEC_ONLY.error() from None
+    record: ResponseRecord | None = await _store(
+        deps, lambda: rstore.get_response(deps.store, None, response_id)
+    )
+    named = request.headers.get("x-llmgw-key-id")
+    if record is None or (named is not None and named.strip() != str(record.key_id)):
+        raise ErrorKind.RESPONSE_NOT_FOUND.error(response_id=response_id)
     if record.status in rstore.TERMINAL:
         return JSONResponse({"id": response_id, "status": record.status})
     stored: list[dict[str, Any]] = await _store(
@@ -468,7 +478,12 @@ async def run_response(
         limit = chat.get("max_tokens")
         left = None if limit is None else max(1, limit - machine.carried_output_tokens)
         chat = continuation_body(chat, partial, left)
-    headers = [*_carried(request.scope["headers"]), BILLED_BY_CALLER]
+    # As the response's key, billed by the run (once, with the final usage).
+    headers = [
+        *((k, v) for k, v in _carried(request.scope["headers"]) if not k.startswith(_EXEC_PREFIX)),
+        (b"x-llmgw-key-id", str(record.key_id).encode()),
+        BILLED_BY_CALLER,
+    ]
     run = _Run(deps, response_id, machine)
     return StreamingResponse(run.events(request.app, headers, chat), media_type="text/event-stream")
 

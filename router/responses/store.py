@@ -179,11 +179,14 @@ def insert_response(store: Store, new: NewResponse) -> None:
         session.expunge(new.record)
 
 
-def get_response(store: Store, key_id: int, response_id: str) -> ResponseRecord | None:
-    """The key's response (None: missing, deleted or another key's)."""
+def get_response(store: Store, key_id: int | None, response_id: str) -> ResponseRecord | None:
+    """The key's response (None: missing, deleted or another key's); any
+    key's with ``key_id`` None (the executor's run, which acts as its key)."""
     with store.session() as session:
         record = session.get(ResponseRecord, response_id)
-        if record is None or record.key_id != key_id or record.deleted_at is not None:
+        if record is None or record.deleted_at is not None:
+            return None
+        if key_id is not None and record.key_id != key_id:
             return None
         session.expunge(record)
         return record

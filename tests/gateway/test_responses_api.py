@@ -47,6 +47,15 @@ class FakeJobs:
     def cancel_response(self, response_id: str) -> None:
         self.cancelled.append(response_id)
 
+    def start_batch(self, batch_id: str) -> None:
+        raise AssertionError("no batch here")
+
+    def cancel_batch(self, batch_id: str) -> None:
+        raise AssertionError("no batch here")
+
+    async def aclose(self) -> None:
+        pass
+
 
 @dataclass
 class Router:
@@ -69,12 +78,11 @@ async def router(engine: Engine, put_model: bool = True) -> AsyncIterator[Router
     if put_model:
         store.delete_model(M)
         store.put_model(model())
+    jobs = FakeJobs()
     app = create_app(
         store, FakeSource([ready(REPLICA, M, engine.endpoint)]),
-        refresh_interval_s=0.05, usage_flush_interval_s=0.05,
+        refresh_interval_s=0.05, usage_flush_interval_s=0.05, jobs=jobs,
     )  # fmt: skip
-    jobs = FakeJobs()
-    app.state.jobs = jobs
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     task = asyncio.create_task(server.serve())
@@ -368,8 +376,11 @@ async def test_a_background_run_killed_midway_continues_from_its_stored_events(
             assert partial
             got = await client.responses.retrieve(resp.id)
             assert got.status == "in_progress"
-            # The second attempt continues.
-            answer = await http.post(run, headers=headers)
+            # Another key's id: not found. The second attempt continues (the
+            # executor need not name the key: the response's own is used).
+            wrong = await http.post(run, headers={**headers, "X-Llmgw-Key-Id": str(key_id + 99)})
+            assert wrong.status_code == 404
+            answer = await http.post(run, headers={"Authorization": headers["Authorization"]})
             assert answer.status_code == 200
             final = await client.responses.retrieve(resp.id)
             events = stored_events(r, resp.id)

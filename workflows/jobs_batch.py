@@ -116,7 +116,7 @@ class BatchWorkflow:
                         next_line = last + 1
                 if not running:
                     break
-                await asyncio.wait([*running, timer, cancel], return_when=asyncio.FIRST_COMPLETED)
+                await workflow.wait([*running, timer, cancel], return_when=asyncio.FIRST_COMPLETED)
                 for task in [t for t in running if t.done()]:
                     del running[task]
                     self._count(task.result())
@@ -127,7 +127,7 @@ class BatchWorkflow:
                 # Cancelled or expired: the chunks finish their lines in flight.
                 for task in running:
                     task.cancel()
-                await asyncio.wait(list(running))
+                await workflow.wait(list(running))
                 for task in running:
                     if not task.cancelled() and task.exception() is None:
                         self._count(task.result())
@@ -199,4 +199,3 @@ class BatchWorkflow:
         )
         workflow.upsert_memo(contracts.BATCH_MEMO.encode(memo))
         workflow.upsert_search_attributes([sa.BATCH_STATUS.value_set(status.value)])
-

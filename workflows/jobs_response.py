@@ -59,14 +59,14 @@ class BackgroundResponseWorkflow:
         cancel: asyncio.Task[Any] = asyncio.create_task(
             workflow.wait_condition(lambda: self._cancel)
         )
-        await asyncio.wait([task, cancel], return_when=asyncio.FIRST_COMPLETED)
+        await workflow.wait([task, cancel], return_when=asyncio.FIRST_COMPLETED)
         cancel.cancel()
         if not task.done():
             try:
                 await workflow.wait_condition(task.done, timeout=CANCEL_GRACE)
             except TimeoutError:
                 task.cancel()
-                await asyncio.wait([task])
+                await workflow.wait([task])
         if task.done() and not task.cancelled() and task.exception() is None:
             result = task.result()
         else:

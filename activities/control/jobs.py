@@ -156,11 +156,17 @@ class JobActivities:
         router: RouterClient,
         clock: Callable[[], float] = time.time,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        cancel_grace_s: float = CANCEL_GRACE_S,
+        on_stopping: Callable[[ChunkRange, int], None] | None = None,
     ) -> None:
         self._store = store
         self._router = router
         self._clock = clock
         self._sleep = sleep
+        self._grace = cancel_grace_s
+        # Told when a cancelled chunk stops taking lines (its range, and how
+        # many are still in flight): logs, and tests that hold a line until then.
+        self._on_stopping = on_stopping
 
     # -- validate -------------------------------------------------------------
 
@@ -248,8 +254,14 @@ class JobActivities:
         except asyncio.CancelledError:
             stopping.set()
             running = [t for t in tasks if not t.done()]
+            log.info(
+                "batch %s lines %d-%d cancelled: %d in flight finish first",
+                arg.batch_id, arg.first_line, arg.last_line, len(running),
+            )  # fmt: skip
+            if self._on_stopping is not None:
+                self._on_stopping(arg, len(running))
             if running:
-                await asyncio.wait(running, timeout=CANCEL_GRACE_S)
+                await asyncio.wait(running, timeout=self._grace)
             for task in running:
                 task.cancel()
             raise

@@ -517,16 +517,26 @@ class _Run:
         self._pending: list[dict[str, Any]] = []
         self._last_flush = time.monotonic()
         self._cancelled = False
+        self._lost = False  # another run of it stored these events first
         self._finished = False  # the engine gave a finish_reason
+        self._deltas = 0  # text and arguments deltas this attempt stored
 
     async def _flush(self) -> list[dict[str, Any]]:
         if not self._pending:
             return []
         events, self._pending = self._pending, []
-        self._cancelled = await asyncio.to_thread(
-            rstore.append_events, self._deps.store, self._id, events
-        )
+        try:
+            self._cancelled = await asyncio.to_thread(
+                rstore.append_events, self._deps.store, self._id, events
+            )
+        except rstore.RunLost:
+            # Two runs at once (a retry while the first still ran): the
+            # other one goes on, this one stops without a word more.
+            log.warning("background response %s: another run is ahead, stopping", self._id)
+            self._lost = True
+            return []
         self._last_flush = time.monotonic()
+        self._deltas += sum(e["type"].endswith(".delta") for e in events)
         return events
 
     def _due(self, events: list[dict[str, Any]]) -> bool:
@@ -551,7 +561,7 @@ class _Run:
         machine = self._machine
         async for out in self._step(machine.in_progress(), force=True):
             yield out
-        if self._cancelled:
+        if self._cancelled or self._lost:
             return
         call = ChatCall(app, headers, chat)
         try:
@@ -559,8 +569,12 @@ class _Run:
                 yield out
         finally:
             call.close()
+        if self._lost:
+            return
         if self._cancelled:
-            return  # the cancel wrote the status: nothing more is written
+            # The cancel wrote the status; what was generated is billed.
+            await self._bill_cancelled()
+            return
         if not machine.terminal and not self._finished:
             # The engine's stream broke off: keep what was generated, and let
             # the executor retry (the next attempt continues from it).
@@ -587,12 +601,20 @@ class _Run:
             self._finished = self._finished or any(c.get("finish_reason") for c in choices)
             async for out in self._step(machine.feed(chunk)):
                 yield out
-            if self._cancelled or machine.terminal:
+            if self._cancelled or self._lost or machine.terminal:
                 return
 
     async def _finish(self) -> None:
         machine = self._machine
         await asyncio.to_thread(rstore.finish_run, self._deps.store, self._id, machine.response)
+
+    async def _bill_cancelled(self) -> None:
+        """A run cut by a cancel has no engine usage: its output is billed as
+        one token a stored delta (its prompt is not known, and not billed)."""
+        output = self._machine.carried_output_tokens + self._deltas
+        usage = {"input_tokens": 0, "output_tokens": output, "total_tokens": output}
+        response = {**self._machine.response, "usage": usage}
+        await asyncio.to_thread(rstore.finish_run, self._deps.store, self._id, response)
 
 
 class RunInterrupted(LlmgwError):

@@ -464,6 +464,13 @@ async def test_a_background_stream_follows_the_run_and_a_cancel_stops_it(engine:
             assert [e async for e in replay][-1].type == "response.output_text.delta"
             again = await http.post(url, headers=headers)
             assert again.json() == {"id": resp.id, "status": "cancelled"}
+            # Billed: the first in full, the cancelled one a token a stored delta.
+            first = await client.responses.retrieve(resp_id)
+            assert first.usage is not None
+            deltas = [e for e in stored_events(r, resp.id) if e["type"].endswith(".delta")]
+            [row] = usage.query(r.store, key_id=key_id)
+            assert (row.requests, row.errors) == (2, 1)
+            assert row.completion_tokens == first.usage.output_tokens + len(deltas)
 
 
 async def test_a_log_that_cannot_be_continued_fails_the_response(engine: Engine) -> None:

@@ -80,9 +80,11 @@ class ControlSettings(_Common):
     # (Temporal down, router killed) are started by the sweeper after this
     # long; 0 turns the sweeper off.
     job_sweep_interval_s: float = 5.0
-    # Concurrency per batch: chunks running at once, and lines in flight per chunk.
+    # Per batch: chunk activities running at once.
     batch_parallel_chunks: int = Field(default=4, ge=1)
+    # Per chunk: lines in flight at once.
     batch_line_concurrency: int = Field(default=8, ge=1)
+    # Lines per chunk activity.
     batch_chunk_lines: int = Field(default=100, ge=1)
 
     def router_url_list(self) -> list[str]:

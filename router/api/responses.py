@@ -255,7 +255,7 @@ async def create_response(request: Request, deps: DepsDep, caller: CallerDep) ->
     if not req.stream:
         completion = await call.json()
         final = response_from_completion(initial, completion)
-        write = _write_behind(deps, caller, req, new)
+        write = _write_behind(deps, req, new)
         return JSONResponse(final, background=BackgroundTask(write, final) if write else None)
     return StreamingResponse(
         _foreground_events(deps, caller, req, new, initial, call),
@@ -264,7 +264,7 @@ async def create_response(request: Request, deps: DepsDep, caller: CallerDep) ->
 
 
 def _write_behind(
-    deps: Deps, caller: Caller, req: ResponsesRequest, new: rstore.NewResponse
+    deps: Deps, req: ResponsesRequest, new: rstore.NewResponse
 ) -> Callable[[dict[str, Any]], None] | None:
     """What stores the response with its final state (None: ``store`` false);
     run in a thread once the answer is out."""
@@ -273,8 +273,7 @@ def _write_behind(
 
     def write(final: dict[str, Any]) -> None:
         try:
-            rstore.insert_response(deps.store, new)
-            rstore.save_final(deps.store, caller.key_id, final)
+            rstore.insert_response(deps.store, new, final)
         except Exception:  # the answer is out: a lost write costs only the stored copy
             log.exception("could not store response %s", new.record.id)
 
@@ -303,7 +302,7 @@ async def _foreground_events(
                 yield _sse(event)
     finally:
         call.close()
-    write = _write_behind(deps, caller, req, new)
+    write = _write_behind(deps, req, new)
     if write is not None:
         # Not awaited: the stream ends now, the write follows in a thread.
         asyncio.get_running_loop().run_in_executor(None, write, machine.response)

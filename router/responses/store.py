@@ -156,8 +156,12 @@ class NewResponse:
     events: Sequence[dict[str, Any]] = ()
 
 
-def insert_response(store: Store, new: NewResponse) -> None:
-    """The row, its input items and first events, in one transaction."""
+def insert_response(store: Store, new: NewResponse, final: dict[str, Any] | None = None) -> None:
+    """The row (in its ``final`` state, given one: a foreground response is
+    stored once it has ended), its input items and first events, in one
+    transaction: a reader never sees part of it."""
+    if final is not None:
+        _final(new.record, final)
     with store.session() as session:
         session.add(new.record)
         session.flush()
@@ -255,17 +259,6 @@ def cancel_response(store: Store, key_id: int, response_id: str, now: int) -> Re
             session.refresh(record)
         session.expunge(record)
         return record
-
-
-def save_final(store: Store, key_id: int, response: dict[str, Any]) -> None:
-    """A foreground response's end, written after its answer (write-behind)."""
-    with store.session() as session:
-        record = session.get(ResponseRecord, response["id"])
-        if record is None or record.key_id != key_id:
-            return
-        _final(record, response)
-        session.add(record)
-        session.commit()
 
 
 def _final(record: ResponseRecord, response: dict[str, Any]) -> None:

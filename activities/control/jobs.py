@@ -617,10 +617,12 @@ class Sweeper:
         run_defaults: BatchRun,
         clock: Callable[[], float] = time.time,
         min_age_s: float = SWEEP_MIN_AGE_S,
+        task_queue: str = EXEC_QUEUE,
     ) -> None:
         self._store = store
         self._client = client
         self._defaults = run_defaults
+        self._queue = task_queue
         self._clock = clock
         self._min_age = min_age_s
 
@@ -640,11 +642,11 @@ class Sweeper:
         )
         n = 0
         for batch_id, expires_at in batches:
-            await start_batch(self._client, batch_id, expires_at, self._defaults)
+            await start_batch(self._client, batch_id, expires_at, self._defaults, self._queue)
             await asyncio.to_thread(self._mark, BatchRecord, batch_id)
             n += 1
         for response_id in responses:
-            await start_response(self._client, response_id)
+            await start_response(self._client, response_id, self._queue)
             await asyncio.to_thread(self._mark, ResponseRecord, response_id)
             n += 1
         for batch_id in cancelling:
@@ -702,24 +704,26 @@ class Sweeper:
             session.commit()
 
 
-async def start_batch(client: Client, batch_id: str, expires_at: float, defaults: BatchRun) -> None:
+async def start_batch(
+    client: Client, batch_id: str, expires_at: float, defaults: BatchRun, task_queue: str
+) -> None:
     """Start a batch's workflow unless it runs or ran already."""
     run = defaults.model_copy(update={"batch_id": batch_id, "expires_at": float(expires_at)})
     with contextlib.suppress(WorkflowAlreadyStartedError):
         await contracts.BATCH.start(
-            client, run, id=batch_workflow_id(batch_id), task_queue=EXEC_QUEUE,
+            client, run, id=batch_workflow_id(batch_id), task_queue=task_queue,
             id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
             id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
             rpc_timeout=START_RPC_TIMEOUT,
         )  # fmt: skip
 
 
-async def start_response(client: Client, response_id: str) -> None:
+async def start_response(client: Client, response_id: str, task_queue: str) -> None:
     """Start a background response's workflow unless it runs or ran already."""
     with contextlib.suppress(WorkflowAlreadyStartedError):
         await contracts.RESPONSE.start(
             client, ResponseRun(response_id=response_id), id=response_workflow_id(response_id),
-            task_queue=EXEC_QUEUE, id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+            task_queue=task_queue, id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
             id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
             rpc_timeout=START_RPC_TIMEOUT,
         )  # fmt: skip

@@ -60,9 +60,12 @@ async def aclose_jobs(jobs: JobLink | None) -> None:
 class Jobs:
     """The router's link to the jobs' workflows (router/app.py builds one)."""
 
-    def __init__(self, client: Callable[[], Client | None], store: Store) -> None:
+    def __init__(
+        self, client: Callable[[], Client | None], store: Store, task_queue: str = EXEC_QUEUE
+    ) -> None:
         self._client = client
         self._store = store
+        self._queue = task_queue
         self._tasks: set[asyncio.Task[None]] = set()
 
     def start_batch(self, batch_id: str) -> None:
@@ -127,7 +130,7 @@ class Jobs:
         run = BatchRun(batch_id=batch_id, expires_at=float(expires_at))
         with contextlib.suppress(WorkflowAlreadyStartedError):
             await contracts.BATCH.start(
-                client, run, id=batch_workflow_id(batch_id), task_queue=EXEC_QUEUE,
+                client, run, id=batch_workflow_id(batch_id), task_queue=self._queue,
                 id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
                 id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
                 rpc_timeout=RPC_TIMEOUT,
@@ -138,7 +141,7 @@ class Jobs:
         with contextlib.suppress(WorkflowAlreadyStartedError):
             await contracts.RESPONSE.start(
                 client, ResponseRun(response_id=response_id),
-                id=response_workflow_id(response_id), task_queue=EXEC_QUEUE,
+                id=response_workflow_id(response_id), task_queue=self._queue,
                 id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
                 id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
                 rpc_timeout=RPC_TIMEOUT,

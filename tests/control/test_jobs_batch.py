@@ -17,7 +17,7 @@ import uvicorn
 from sqlmodel import select
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from temporalio.client import Client, WorkflowHandle
 from temporalio.testing import ActivityEnvironment
@@ -54,12 +54,17 @@ class FakeRouter:
     seen: list[str] = field(default_factory=list)
     refused: int = 0
     arrived: dict[str, asyncio.Event] = field(default_factory=dict)
+    # Background responses: 503 to the first ``run_busy`` runs; a run whose
+    # id is in ``hold`` streams one event and waits there.
+    run_busy: int = 0
+    runs: list[str] = field(default_factory=list)
 
     def app(self) -> Starlette:
         return Starlette(
             routes=[
                 Route("/internal/batches/{batch_id}/validate", self.validate, methods=["POST"]),
                 Route("/v1/chat/completions", self.chat, methods=["POST"]),
+                Route("/internal/responses/{response_id}/run", self.run, methods=["POST"]),
             ]
         )
 
@@ -82,6 +87,24 @@ class FakeRouter:
             session.add(batch)
             session.commit()
         return JSONResponse({"total": len(self.lines), "errors": []})
+
+    async def run(self, request: Request) -> Response:
+        if not self._authorised(request):
+            return JSONResponse({"error": {"code": "invalid_api_key"}}, 401)
+        response_id = request.path_params["response_id"]
+        self.runs.append(response_id)
+        if len(self.runs) <= self.run_busy:
+            return JSONResponse({"error": {"code": "engine_error"}}, 502)
+        gate = self.hold.get(response_id)
+
+        async def events() -> AsyncIterator[bytes]:
+            yield _sse({"type": "response.in_progress", "sequence_number": 1})
+            if gate is not None:
+                await gate.wait()
+            done = {"id": response_id, "status": "completed"}
+            yield _sse({"type": "response.completed", "sequence_number": 2, "response": done})
+
+        return StreamingResponse(events(), media_type="text/event-stream")
 
     async def chat(self, request: Request) -> JSONResponse:
         headers = request.headers
@@ -110,6 +133,10 @@ class FakeRouter:
                 "usage": {"prompt_tokens": PROMPT, "completion_tokens": COMPLETION},
             }
         )
+
+
+def _sse(event: dict[str, Any]) -> bytes:
+    return f"event: {event['type']}\ndata: {json.dumps(event)}\n\n".encode()
 
 
 @contextlib.asynccontextmanager

@@ -12,8 +12,9 @@ import httpx
 import pytest
 
 from llmgw.engine_keys import exec_token
-from llmgw.types import QueuePolicy
+from llmgw.types import AutoscalePolicy, QueuePolicy, WakeResult
 from router.admission.queue import batch_may_go
+from tests.gateway.test_admission import FakeLink
 from tests.gateway_util import Gateway, MockEngine, auth, gateway, ready, spec
 
 M = "m1"
@@ -162,3 +163,24 @@ async def test_batch_lines_are_bound_neither_by_key_share_nor_max_wait_s(tmp_pat
         for tag in ("i0", "b0", "b1", "b2"):
             engine.open(tag)
         assert [(await t).status_code for t in (first, *lines)] == [200] * 4
+
+
+async def test_a_batch_line_wakes_a_model_at_zero(tmp_path: Path) -> None:
+    link = FakeLink()
+    at_zero = [
+        spec(M, 1).model_copy(
+            update={"autoscale": AutoscalePolicy(min_replicas=0), "queue": QueuePolicy()}
+        )
+    ]
+    engine = TaggedEngine()
+    async with gateway(tmp_path / "s.db", [], at_zero, engine, deployment_link=link) as gw:
+        key_id, _ = gw.key()
+        lines = [send(gw, f"b{i}", batch_headers(gw, key_id)) for i in range(2)]
+        await until(lambda: waiting(gw) == 2 and link.answer is not None)
+        assert [m for m, _ in link.wakes] == [M]
+        assert gw.source is not None and link.answer is not None
+        gw.source.items = [ready("r1", M, "http://e1:1")]
+        link.answer.set_result(WakeResult(ready=True, desired=1))
+        for i in range(2):
+            engine.open(f"b{i}")
+        assert [(await t).status_code for t in lines] == [200, 200]

@@ -248,7 +248,7 @@ async def create_response(request: Request, deps: DepsDep, caller: CallerDep) ->
         items=[rstore.stored_item(item) for item in req.items()],
     )  # fmt: skip
     if req.background:
-        return await _background(request, deps, caller, req, new)
+        return await _background(request, deps, req, new)
     headers = _carried(request.scope["headers"])
     call = ChatCall(request.app, headers, chat)
     await call.start()
@@ -258,7 +258,7 @@ async def create_response(request: Request, deps: DepsDep, caller: CallerDep) ->
         write = _write_behind(deps, req, new)
         return JSONResponse(final, background=BackgroundTask(write, final) if write else None)
     return StreamingResponse(
-        _foreground_events(deps, caller, req, new, initial, call),
+        _foreground_events(deps, req, new, initial, call),
         media_type="text/event-stream",
     )
 
@@ -282,7 +282,6 @@ def _write_behind(
 
 async def _foreground_events(
     deps: Deps,
-    caller: Caller,
     req: ResponsesRequest,
     new: rstore.NewResponse,
     initial: dict[str, Any],
@@ -309,7 +308,7 @@ async def _foreground_events(
 
 
 async def _background(
-    request: Request, deps: Deps, caller: Caller, req: ResponsesRequest, new: rstore.NewResponse
+    request: Request, deps: Deps, req: ResponsesRequest, new: rstore.NewResponse
 ) -> Response:
     machine = ResponseEvents(new.record.request["response"])
     events = machine.created()

@@ -19,14 +19,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import and_, insert, update
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import col, select
 
 from llmgw.errors import LlmgwError
 from llmgw.store import Store
-from llmgw.store.gateway_tables import UsageDaily
 from llmgw.store.openai_tables import ResponseEventChunk, ResponseInputItem, ResponseRecord
+from llmgw.store.usage import add_usage
 from router.billing.usage import day_of
 from router.responses import ids
 from router.responses.request import (
@@ -345,48 +344,15 @@ def finish_run(store: Store, response_id: str, response: dict[str, Any]) -> bool
             record.billed_at = now
             session.add(record)
             usage = response.get("usage") or {}
-            _add_usage(
-                session.connection(),
+            add_usage(
+                session,
                 record.key_id,
                 record.model,
                 day_of(now),
-                int(usage.get("input_tokens") or 0),
-                int(usage.get("output_tokens") or 0),
-                error=record.status not in ("completed", "incomplete"),
+                errors=int(record.status not in ("completed", "incomplete")),
+                prompt_tokens=int(usage.get("input_tokens") or 0),
+                completion_tokens=int(usage.get("output_tokens") or 0),
             )
             billed = True
         session.commit()
         return billed
-
-
-_T = UsageDaily.__table__  # type: ignore[attr-defined]
-
-
-def _add_usage(
-    conn: Any, key_id: int, model: str, day: str, prompt: int, completion: int, error: bool
-) -> None:
-    """One request's usage added to the key's day row, in the caller's transaction."""
-    where = and_(_T.c.key_id == key_id, _T.c.model == model, _T.c.day == day)
-    add = (
-        update(_T)
-        .where(where)
-        .values(
-            requests=_T.c.requests + 1,
-            errors=_T.c.errors + int(error),
-            prompt_tokens=_T.c.prompt_tokens + prompt,
-            completion_tokens=_T.c.completion_tokens + completion,
-        )
-    )
-    if conn.execute(add).rowcount == 1:
-        return
-    conn.execute(
-        insert(_T).values(
-            key_id=key_id,
-            model=model,
-            day=day,
-            requests=1,
-            errors=int(error),
-            prompt_tokens=prompt,
-            completion_tokens=completion,
-        )
-    )

@@ -172,8 +172,14 @@ class JobActivities:
 
     @activity.defn(name=contracts.VALIDATE_BATCH.name)
     async def validate_batch(self, arg: BatchId) -> BatchValidation:
-        """The router validates the input file and writes the batch's lines."""
-        headers = await self._router.headers()
+        """The router validates the input file and writes the batch's lines,
+        as the batch's key (its allow-list decides ``model_not_allowed``)."""
+        key_id = await asyncio.to_thread(self._key_of, arg.batch_id)
+        if key_id is None:
+            return BatchValidation(
+                errors=[BatchLineError(code="batch_not_found", message="The batch is gone.")]
+            )
+        headers = await self._router.headers(key_id)
         try:
             answer = await self._router.post(
                 f"/internal/batches/{arg.batch_id}/validate", {}, headers
@@ -188,6 +194,11 @@ class JobActivities:
                 errors=[BatchLineError(code="batch_not_found", message=answer.text[:500])]
             )
         return BatchValidation.model_validate(answer.json())
+
+    def _key_of(self, batch_id: str) -> int | None:
+        with self._store.session() as session:
+            row = session.get(BatchRecord, batch_id)
+            return row.key_id if row is not None else None
 
     # -- status -----------------------------------------------------------------
 

@@ -72,7 +72,7 @@ class FakeRouter:
         return request.headers.get("authorization") == f"Bearer {self.token}"
 
     async def validate(self, request: Request) -> JSONResponse:
-        if not self._authorised(request):
+        if not self._authorised(request) or request.headers.get("x-llmgw-key-id") != str(KEY_ID):
             return JSONResponse({"error": {"code": "invalid_api_key"}}, 401)
         batch_id = request.path_params["batch_id"]
         with self.store.session() as session:

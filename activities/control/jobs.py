@@ -43,6 +43,7 @@ from llmgw.store.files import write_file
 from llmgw.store.openai_tables import BatchLine, BatchRecord, BatchResult, ResponseRecord
 from llmgw.store.usage import add_usage
 from llmgw.types import (
+    TERMINAL_BATCH,
     BatchId,
     BatchLineError,
     BatchRun,
@@ -672,7 +673,9 @@ class Sweeper:
         with self._store.session() as session:
             batches = session.exec(
                 select(BatchRecord.id, BatchRecord.expires_at).where(
-                    col(BatchRecord.started_at).is_(None), col(BatchRecord.created_at) <= before
+                    col(BatchRecord.started_at).is_(None),
+                    col(BatchRecord.created_at) <= before,
+                    col(BatchRecord.status).not_in([s.value for s in TERMINAL_BATCH]),
                 )
             ).all()
             responses = session.exec(

@@ -40,11 +40,18 @@ async def test_the_sweeper_starts_a_batch_no_router_started(client: Client, tmp_
     async with rig(client, tmp_path, ["r1", "r2", "r3"]) as r:
         young = unstarted_batch(r, age_s=0)
         old = unstarted_batch(r, age_s=60)
+        ended = unstarted_batch(r, age_s=60)
+        with r.store.session() as session:
+            row = session.get(BatchRecord, ended)
+            assert row is not None
+            row.status = BatchStatus.CANCELLED.value  # cancelled before any workflow
+            session.add(row)
+            session.commit()
         defaults = BatchRun(batch_id="", expires_at=0)
         sweeper = Sweeper(r.store, client, defaults, min_age_s=30, task_queue=r.queue)
         assert await sweeper.once() == 1
         assert await sweeper.once() == 0  # marked: not started twice
-        assert started_at(r, young) is None
+        assert started_at(r, young) is None and started_at(r, ended) is None
         await until(lambda: r.batch(old).status == BatchStatus.COMPLETED.value)
         assert r.batch(old).completed == 3
 

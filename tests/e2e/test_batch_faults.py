@@ -221,8 +221,8 @@ async def test_a_200_line_batch_survives_its_control_worker_and_router(
     # Billed exactly once per line: the key's usage grew by the output's usage.
     prompt = sum(line["response"]["body"]["usage"]["prompt_tokens"] for line in out)
     completion = sum(line["response"]["body"]["usage"]["completion_tokens"] for line in out)
-    now = billed(store, key_id)
-    grown = tuple(n - b for n, b in zip(now, before, strict=True))
+    after = billed(store, key_id)
+    grown = tuple(n - b for n, b in zip(after, before, strict=True))
     assert grown == (LINES, prompt, completion)
 
 

@@ -111,18 +111,26 @@ async def capacity(bench: Bench, http: httpx.AsyncClient, clients: int, seconds:
 
 @dataclass
 class Interactive:
-    """One open-loop run's results."""
+    """One open-loop run's results: per answered request (its scheduled
+    arrival, how late the load generator sent it, its latency), seconds."""
 
-    latencies: list[float]
+    samples: list[tuple[float, float, float]]
     errors: int
     seconds: float
 
     @property
     def rate(self) -> float:
-        return (len(self.latencies) + self.errors) / self.seconds
+        return (len(self.samples) + self.errors) / self.seconds
 
-    def p(self, q: int) -> float:
-        return percentile_ms(self.latencies, q) if len(self.latencies) > 1 else float("nan")
+    def p(self, q: int, until: float | None = None) -> float:
+        """Latency percentile (ms), of the arrivals before ``until`` if given."""
+        values = [lat for at, _, lat in self.samples if until is None or at < until]
+        return percentile_ms(values, q) if len(values) > 1 else float("nan")
+
+    def late(self, q: int) -> float:
+        """How late the load generator sent requests (ms): its own lag."""
+        values = [lag for _, lag, _ in self.samples]
+        return percentile_ms(values, q) if len(values) > 1 else float("nan")
 
 
 async def open_loop(
@@ -132,11 +140,12 @@ async def open_loop(
     until: Callable[[float], bool],
 ) -> Interactive:
     """Poisson arrivals at ``rate``/s until ``until(elapsed)``; every request awaited."""
-    latencies: list[float] = []
+    samples: list[tuple[float, float, float]] = []
     errors = 0
 
     async def one(i: int, scheduled: float) -> None:
         nonlocal errors
+        lag = time.perf_counter() - scheduled
         try:
             r = await http.post("/chat/completions", json=bench.body(i))
             if r.status_code != 200:
@@ -145,7 +154,7 @@ async def open_loop(
         except httpx.HTTPError:
             errors += 1
             return
-        latencies.append(time.perf_counter() - scheduled)
+        samples.append((scheduled, lag, time.perf_counter() - scheduled))
 
     tasks = []
     began = time.perf_counter()
@@ -160,7 +169,33 @@ async def open_loop(
         i += 1
     seconds = time.perf_counter() - began
     await asyncio.gather(*tasks)
-    return Interactive(latencies, errors, seconds)
+    return Interactive(samples, errors, seconds)
+
+
+ADMIN = "llmgw-bench-batch-admin"
+WATCHED = ("llmgw_queue_wait_seconds", "llmgw_request_duration_seconds")
+
+
+async def router_view(http: httpx.AsyncClient) -> dict[str, float]:
+    """The router's own sums and counts of queue wait and request duration
+    (both classes together), from its /metrics."""
+    r = await http.get("/metrics", headers={"Authorization": f"Bearer {ADMIN}"})
+    r.raise_for_status()
+    totals: dict[str, float] = {}
+    for line in r.text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name.endswith(("_sum", "_count")) and name.rsplit("_", 1)[0] in WATCHED:
+            totals[name] = totals.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return totals
+
+
+def print_router_view(before: dict[str, float], after: dict[str, float]) -> None:
+    parts = []
+    for what in WATCHED:
+        n = after.get(f"{what}_count", 0) - before.get(f"{what}_count", 0)
+        total = after.get(f"{what}_sum", 0) - before.get(f"{what}_sum", 0)
+        parts.append(f"{what} mean {total / n * 1e3:.0f} ms" if n else f"{what}: none")
+    print("  the router's view (both classes): " + ", ".join(parts))
 
 
 def results(store: Store, batch_id: str) -> int:
@@ -288,6 +323,7 @@ class BatchBeside:
     output: int
     unique: int
     errors: int
+    ended_at: float  # perf_counter() of its last line (or of the load's end)
 
     @property
     def rate(self) -> float:
@@ -310,7 +346,8 @@ async def with_batch(
     async def sample() -> None:
         nonlocal ended
         while not ended:
-            counts.append((time.perf_counter(), results(bench.store, batch_id)))
+            n = await asyncio.to_thread(results, bench.store, batch_id)
+            counts.append((time.perf_counter(), n))
             status = (await oai.batches.retrieve(batch_id)).status
             ended = counts[-1][1] >= args.lines or status in TERMINAL
             await asyncio.sleep(0.5)
@@ -330,7 +367,7 @@ async def with_batch(
     await sampler
     status = await wait_batch(oai, batch_id, 3600)
     out, unique, errs = await unique_lines(oai, batch_id)
-    return beside, BatchBeside(last_n, done_at - created, first, status, out, unique, errs)
+    return beside, BatchBeside(last_n, done_at - created, first, status, out, unique, errs, done_at)
 
 
 def print_table(
@@ -395,17 +432,30 @@ async def measure(
         cap = await capacity(bench, http, clients, args.capacity_seconds)
         print(f"A capacity (closed loop, {clients} clients): {cap:.1f} requests/s")
 
+        root = httpx.AsyncClient(base_url=bench.base.removesuffix("/v1"))
+        seen = await router_view(root)
         alone = await open_loop(bench, http, args.load * cap, lambda t: t >= args.seconds)
         print(
             f"B interactive alone: {alone.rate:.1f}/s offered for {alone.seconds:.0f} s,"
-            f" p50 {alone.p(50):.0f} ms, p95 {alone.p(95):.0f} ms, errors {alone.errors}"
+            f" p50 {alone.p(50):.0f} ms, p95 {alone.p(95):.0f} ms, errors {alone.errors};"
+            f" load generator's own lag p95 {alone.late(95):.0f} ms"
         )
+        after = await router_view(root)
+        print_router_view(seen, after)
+        seen = after
 
         beside, batch = await with_batch(bench, http, oai, args.load * cap, args)
         print(
             f"C interactive with the batch: {beside.rate:.1f}/s for {beside.seconds:.0f} s,"
-            f" p50 {beside.p(50):.0f} ms, p95 {beside.p(95):.0f} ms, errors {beside.errors}"
+            f" p50 {beside.p(50):.0f} ms, p95 {beside.p(95):.0f} ms, errors {beside.errors};"
+            f" load generator's own lag p95 {beside.late(95):.0f} ms"
         )
+        print(
+            "  of the requests that arrived while the batch ran:"
+            f" p50 {beside.p(50, batch.ended_at):.0f} ms, p95 {beside.p(95, batch.ended_at):.0f} ms"
+        )
+        print_router_view(seen, await router_view(root))
+        await root.aclose()
         print(
             f"  batch of {args.lines}: {batch.lines} lines recorded while the load ran, over"
             f" {batch.seconds:.1f} s from create"
@@ -436,6 +486,8 @@ async def run(args: argparse.Namespace, root: Path) -> None:
             # The executor sends the lines to the one router of the bench.
             "LLMGW_ROUTER_URLS": f"http://127.0.0.1:{router_port}",
             "LLMGW_JOB_SWEEP_INTERVAL_S": "1",
+            # For the router's /metrics (its own view of queue waits).
+            "LLMGW_ADMIN_KEY": ADMIN,
         },
     )
     system.work_dir.mkdir()

@@ -62,6 +62,9 @@ from llmgw.types import (
 
 log = logging.getLogger(__name__)
 
+# Validate calls a router refuses with 401 before the batch fails on it.
+VALIDATE_AUTH_TRIES = 5
+
 # A line in flight when its chunk is cancelled gets this long to finish.
 CANCEL_GRACE_S = 60.0
 # Heartbeats at least this often, whatever the lines do (cancellation
@@ -189,6 +192,11 @@ class JobActivities:
             raise ApplicationError(f"no router answered: {exc}") from exc
         if answer.status_code >= 500 or answer.status_code == 429:
             raise ApplicationError(f"router answered {answer.status_code} to validate")
+        if answer.status_code == 401 and activity.info().attempt < VALIDATE_AUTH_TRIES:
+            # The exec token or the key refused: a router that has not read a
+            # key made a moment ago, or routers and worker on other secrets
+            # for a while. Tried again before the batch fails on it.
+            raise ApplicationError("router refused the exec token or the batch's key (401)")
         if answer.status_code >= 400:
             # The batch is gone or another key's: nothing will ever validate it.
             return BatchValidation(

@@ -134,7 +134,13 @@ class KeyVerifier:
 
     async def _info_by_id(self, key_id: int) -> KeyInfo | None:
         # Cached apart from presented keys' digests (hex): "id:" cannot collide.
-        return await self._cached(f"id:{key_id}", lambda: self._read_key_by_id(self._store, key_id))
+        # Ids are sequential, unlike keys: an id asked for before its key was
+        # made would be refused for ttl_s from the negative cache, so an absent
+        # id is not remembered (only the exec token's holder asks by id).
+        info = await self._cached(f"id:{key_id}", lambda: self._read_key_by_id(self._store, key_id))
+        if info is None:
+            self._cache.pop(f"id:{key_id}", None)
+        return info
 
     async def _cached(self, digest: str, read: Callable[[], KeyInfo | None]) -> KeyInfo | None:
         now = self._clock()

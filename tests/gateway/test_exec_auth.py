@@ -94,3 +94,17 @@ async def test_the_exec_headers_are_ignored_with_a_client_key(tmp_path: Path) ->
         assert answer.status_code == 200, answer.text
         assert await billed(gw, key_id, 1) == 1  # billed, and to the key that sent it
         assert usage.query(gw.store, key_id=other_id) == []
+
+
+async def test_a_key_id_asked_for_before_its_key_exists_is_not_remembered(tmp_path: Path) -> None:
+    """Ids are sequential: the id the next key will get, asked for first, must
+    not be refused from the negative cache once that key is made (a batch
+    created right after its key failed validation on such a 401)."""
+    async with gateway(tmp_path / "s.db", [ready("r1", M, "http://e:1")], [spec(M)]) as gw:
+        first, _ = gw.key(models=[M])
+        early = await gw.http.post(CHAT, json=BODY, headers=exec_headers(gw, first + 1))
+        assert early.status_code == 401, early.text
+        made, _ = gw.key(models=[M])
+        assert made == first + 1
+        answer = await gw.http.post(CHAT, json=BODY, headers=exec_headers(gw, made))
+        assert answer.status_code == 200, answer.text

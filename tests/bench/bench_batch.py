@@ -117,6 +117,7 @@ class Interactive:
     samples: list[tuple[float, float, float]]
     errors: int
     seconds: float
+    kinds: dict[str, int] = field(default_factory=dict)  # errors by status or exception
 
     @property
     def rate(self) -> float:
@@ -142,17 +143,22 @@ async def open_loop(
     """Poisson arrivals at ``rate``/s until ``until(elapsed)``; every request awaited."""
     samples: list[tuple[float, float, float]] = []
     errors = 0
+    kinds: dict[str, int] = {}
+
+    def failed(kind: str) -> None:
+        nonlocal errors
+        errors += 1
+        kinds[kind] = kinds.get(kind, 0) + 1
 
     async def one(i: int, scheduled: float) -> None:
-        nonlocal errors
         lag = time.perf_counter() - scheduled
         try:
             r = await http.post("/chat/completions", json=bench.body(i))
             if r.status_code != 200:
-                errors += 1
+                failed(str(r.status_code))
                 return
-        except httpx.HTTPError:
-            errors += 1
+        except httpx.HTTPError as exc:
+            failed(type(exc).__name__)
             return
         samples.append((scheduled, lag, time.perf_counter() - scheduled))
 
@@ -169,7 +175,7 @@ async def open_loop(
         i += 1
     seconds = time.perf_counter() - began
     await asyncio.gather(*tasks)
-    return Interactive(samples, errors, seconds)
+    return Interactive(samples, errors, seconds, kinds)
 
 
 ADMIN = "llmgw-bench-batch-admin"
@@ -449,7 +455,9 @@ async def measure(
         beside, batch = await with_batch(bench, http, oai, args.load * cap, args)
         print(
             f"C interactive with the batch: {beside.rate:.1f}/s for {beside.seconds:.0f} s,"
-            f" p50 {beside.p(50):.0f} ms, p95 {beside.p(95):.0f} ms, errors {beside.errors};"
+            f" p50 {beside.p(50):.0f} ms, p95 {beside.p(95):.0f} ms, errors {beside.errors}"
+            + (f" {beside.kinds}" if beside.kinds else "")
+            + ";"
             f" load generator's own lag p95 {beside.late(95):.0f} ms"
         )
         print(

@@ -174,38 +174,48 @@ async def run(settings: ControlSettings) -> None:
     # ``client`` part of it.
     reads = await connect_with(settings)
     stop = stop_event_on_signals(settings.shutdown_timeout_s)
-    loop = asyncio.get_running_loop()
+    # The two workers run as tasks rather than nested ``async with`` blocks:
+    # leaving those stops them one after the other, and once the bound below
+    # cancels the first exit the second waits on a frozen server unbounded.
+    runs = [asyncio.ensure_future(worker.run()), asyncio.ensure_future(exec_worker.run())]
+    background: list[asyncio.Task[None]] = []
+    if settings.reconcile_interval_s > 0:
+        background.append(
+            asyncio.ensure_future(
+                reconcile_forever(reads, client, store, settings.reconcile_interval_s)
+            )
+        )
+    if settings.job_sweep_interval_s > 0:
+        background.append(asyncio.ensure_future(sweeper.forever(settings.job_sweep_interval_s)))
+    stopped = asyncio.ensure_future(stop.wait())
     try:
-        async with (
-            asyncio.timeout(None) as stopping,
-            worker,
-            exec_worker,
-            asyncio.TaskGroup() as tasks,
-        ):
-            if settings.reconcile_interval_s > 0:
-                reconciling = tasks.create_task(
-                    reconcile_forever(reads, client, store, settings.reconcile_interval_s)
-                )
-            if settings.job_sweep_interval_s > 0:
-                sweeping = tasks.create_task(sweeper.forever(settings.job_sweep_interval_s))
-            await stop.wait()
-            log.info("control worker shutting down")
-            # The worker's stop waits on pollers that a frozen Temporal
-            # server never answers: bounded.
-            stopping.reschedule(loop.time() + settings.graceful_shutdown_s + WORKER_STOP_MARGIN_S)
-            if settings.reconcile_interval_s > 0:
-                reconciling.cancel()
-            if settings.job_sweep_interval_s > 0:
-                sweeping.cancel()
-    except TimeoutError:
-        if not stopping.expired():
-            raise
-        log.warning("control worker did not stop in time; exiting anyway")
+        await asyncio.wait([stopped, *runs, *background], return_when=asyncio.FIRST_COMPLETED)
+        log.info("control worker shutting down")
+        for task in background:
+            task.cancel()
+        try:
+            # The workers' stop waits on pollers that a frozen Temporal
+            # server never answers: bounded, both at once.
+            async with asyncio.timeout(settings.graceful_shutdown_s + WORKER_STOP_MARGIN_S):
+                await asyncio.gather(worker.shutdown(), exec_worker.shutdown())
+        except TimeoutError:
+            log.warning("control worker did not stop in time; exiting anyway")
+    finally:
+        stopped.cancel()
+        for task in [*runs, *background]:
+            task.cancel()
+        await asyncio.wait([stopped, *runs, *background], timeout=WORKER_STOP_MARGIN_S)
+    # A worker or a loop that ended on its own (not by the stop) ends the
+    # process with its error, after the cleanup below.
+    ended = [t for t in [*runs, *background] if t.done() and not t.cancelled()]
+    failed = next((e for e in (t.exception() for t in ended) if e is not None), None)
     await router.aclose()
     jobs_store.close()
     if store is not None:
         store.close()
     tracing.shutdown()
+    if failed is not None:
+        raise failed
 
 
 def main() -> None:

@@ -39,7 +39,9 @@ from llmgw.store.openai_tables import ResponseRecord
 from router.api.auth import Caller
 from router.api.deps import Deps, get_deps
 from router.api.openai import CallerDep, read_body
+from router.api.openapi_docs import error_responses
 from router.common.blocking import within
+from router.common.disconnect import disconnect_message
 from router.common.errors import ErrorKind, OpenAIError, invalid_fields, relayed_error
 from router.responses import ids
 from router.responses import store as rstore
@@ -125,7 +127,7 @@ class ChatCall:
             self._sent_body = True
             return {"type": "http.request", "body": self._raw, "more_body": False}
         await self._gone.wait()
-        return {"type": "http.disconnect"}
+        return disconnect_message()
 
     async def _send(self, message: Message) -> None:
         if message["type"] == "http.response.start":
@@ -348,7 +350,11 @@ def _status_of(deps: Deps, response_id: str) -> str | None:
         return None if record is None or record.deleted_at is not None else record.status
 
 
-@router.get("/responses/{response_id}", response_model=None)
+@router.get(
+    "/responses/{response_id}",
+    response_model=None,
+    responses=error_responses({404: "No such response (or it is another key's)"}),
+)
 async def retrieve_response(
     response_id: str,
     deps: DepsDep,
@@ -367,7 +373,10 @@ async def retrieve_response(
     return StreamingResponse(_tail(deps, response_id, after), media_type="text/event-stream")
 
 
-@router.get("/responses/{response_id}/input_items")
+@router.get(
+    "/responses/{response_id}/input_items",
+    responses=error_responses({404: "No such response (or it is another key's)"}),
+)
 async def list_input_items(
     response_id: str,
     deps: DepsDep,
@@ -395,7 +404,10 @@ async def list_input_items(
     }
 
 
-@router.delete("/responses/{response_id}")
+@router.delete(
+    "/responses/{response_id}",
+    responses=error_responses({404: "No such response (or it is another key's)"}),
+)
 async def delete_response(
     response_id: str, request: Request, deps: DepsDep, caller: CallerDep
 ) -> dict[str, Any]:
@@ -412,7 +424,10 @@ async def delete_response(
     return {"id": response_id, "object": "response", "deleted": True}
 
 
-@router.post("/responses/{response_id}/cancel")
+@router.post(
+    "/responses/{response_id}/cancel",
+    responses=error_responses({404: "No such response (or it is another key's)"}),
+)
 async def cancel_response(
     response_id: str, request: Request, deps: DepsDep, caller: CallerDep
 ) -> dict[str, Any]:

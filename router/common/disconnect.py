@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-from starlette.types import Receive
+from starlette.types import Message, Receive
 
 
 async def disconnected(receive: Receive) -> None:
@@ -75,3 +75,9 @@ async def cancelled_if_gone(
     finally:
         active = False
         watcher.cancel()
+
+
+def disconnect_message() -> Message:
+    """The message an ASGI app reads when its client has gone: what an
+    in-process caller hands an endpoint it drives once it stops listening."""
+    return {"type": "http.disconnect"}

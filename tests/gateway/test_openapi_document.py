@@ -83,6 +83,10 @@ def test_keyed_operations_document_401_and_path_parameters_404(spec: dict[str, A
         "POST /v1/batches",
         "GET /v1/batches/{batch_id}",
         "POST /v1/batches/{batch_id}/cancel",
+        "GET /v1/responses/{response_id}",
+        "GET /v1/responses/{response_id}/input_items",
+        "DELETE /v1/responses/{response_id}",
+        "POST /v1/responses/{response_id}/cancel",
     }
 
 

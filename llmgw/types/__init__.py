@@ -84,6 +84,8 @@ from llmgw.types.model import (
     EngineProfile,
     ModelSpec,
     Rendezvous,
+    RoutingPolicy,
+    RoutingPolicyKind,
 )
 from llmgw.types.node import (
     EngineCapability,
@@ -232,6 +234,8 @@ __all__ = [
     "ResponseRunResult",
     "RestartPolicy",
     "RollingRestartInput",
+    "RoutingPolicy",
+    "RoutingPolicyKind",
     "ScaleDecision",
     "ScaleInput",
     "SetAutoscaleInput",

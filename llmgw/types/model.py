@@ -68,6 +68,55 @@ class Rendezvous(BaseModel):
     timeout_s: float = Field(default=600.0, gt=0, description="bound on every wait_for")
 
 
+class RoutingPolicyKind(StrEnum):
+    """How a router picks among a model's replicas (catalog ``routing.policy``)."""
+
+    PREFIX = "prefix"
+    LEAST_LOADED = "least_loaded"
+    SESSION = "session"
+    ROUND_ROBIN = "round_robin"
+
+
+class RoutingPolicy(BaseModel):
+    """Where a model's requests go once admitted (catalog ``routing``): cache
+    affinity among the replicas the queue allows (docs/guides/routing.md).
+    The defaults live here only."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    policy: RoutingPolicyKind = Field(
+        default=RoutingPolicyKind.PREFIX,
+        description="prefix: the replica holding the longest cached prefix of the prompt,"
+        " within balance_slack; least_loaded: fewest requests in flight; session: a hash of"
+        " the conversation (its first turn or sticky key); round_robin: in turn",
+    )
+    chunk_tokens: int = Field(
+        default=256,
+        ge=16,
+        description="prompt chunk inside long messages, in estimated tokens (4 characters"
+        " each); smaller finds longer partial matches at more index entries per prompt",
+    )
+    cache_tokens: int = Field(
+        default=0,
+        ge=0,
+        description="tokens of prompt cache the router assumes per replica (its index's"
+        " bound); 0: estimated from the engine (llama.cpp: context_length, its whole KV"
+        " cache whatever its slots; vLLM, SGLang: context_length x 8)",
+    )
+    balance_slack: int = Field(
+        default=2,
+        ge=0,
+        description="requests in flight a replica holding the prefix may have beyond the"
+        " least loaded one and still be chosen; past it the request goes for balance",
+    )
+    min_match_tokens: int = Field(
+        default=64,
+        ge=0,
+        description="a cached prefix shorter than this (estimated tokens) does not count:"
+        " the request goes where the conversation's hash puts it",
+    )
+
+
 class ModelSpec(BaseModel):
     """What a replica serves and how: the part of the catalog a start needs."""
 
@@ -101,6 +150,10 @@ class ModelSpec(BaseModel):
     queue: QueuePolicy = Field(
         default_factory=QueuePolicy, description="the routers' admission queue for this model"
     )
+    routing: RoutingPolicy = Field(
+        default_factory=RoutingPolicy,
+        description="which replica serves an admitted request: cache affinity or balance",
+    )
     remote_media: bool = Field(
         default=False,
         description="pass media URLs other than data: (image_url, audio, files) to the engine,"
@@ -119,4 +172,4 @@ class ModelSpec(BaseModel):
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-_NOT_ENGINE = {"autoscale", "queue", "remote_media"}
+_NOT_ENGINE = {"autoscale", "queue", "remote_media", "routing"}

@@ -1,0 +1,178 @@
+"""The router's cache affinity: one prefix index per model, sticky keys,
+and the engine's own reports folded back in (docs/guides/routing.md).
+
+One :class:`Affinity` per router process, held by the proxy: ``choose``
+orders a request's candidates, ``served`` records what the replica actually
+used now holds (and corrects the index when the engine reported fewer
+cached tokens than predicted), ``forget`` drops a replica that drained,
+stopped, restarted or scaled to zero. Routers share nothing: they agree on
+new conversations through rendezvous hashing (router/affinity/policy.py).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from llmgw.types import EngineKind, ModelSpec, RoutingPolicy
+from router.affinity.chunks import PromptKey
+from router.affinity.index import PrefixIndex
+from router.affinity.policy import Choice, choose
+from router.control_link.routing import Route
+
+# Sticky keys remembered per router (LRU): each is a replica id and a digest.
+MAX_STICKY = 8192
+# A sticky key unused this long is forgotten: its replica's cache has moved on.
+STICKY_TTL_S = 3600.0
+# vLLM and SGLang size their KV pool from memory, not from the context: the
+# index assumes this many full contexts (set ``routing.cache_tokens`` from
+# the engine's "KV cache size" log line to be exact).
+POOL_CONTEXTS = 8
+# The engine's count may fall short of a prediction by this share (the
+# router's token counts are estimates) before the index is corrected.
+MISS_TOLERANCE = 8  # 1/8
+# Without a catalog entry (a replica of a model the catalog no longer lists).
+FALLBACK_CAPACITY = 4096
+_CTX_FLAGS = frozenset({"-c", "--ctx-size"})
+
+
+def capacity_tokens(spec: ModelSpec) -> int:
+    """The prompt-cache tokens assumed per replica of ``spec``.
+
+    ``routing.cache_tokens`` when set. Otherwise llama.cpp's ``-c`` is its
+    whole KV cache whatever its slots (``-np``: split among them, or one
+    unified cache, the portable server's default of four slots), so the
+    context length (or a ``-c`` in its engine args, the last one given, as the
+    engine reads them); vLLM and SGLang: ``POOL_CONTEXTS`` contexts.
+    """
+    if spec.routing.cache_tokens > 0:
+        return spec.routing.cache_tokens
+    if spec.engine is not EngineKind.LLAMA_CPP:
+        return spec.context_length * POOL_CONTEXTS
+    context = spec.context_length
+    args = [*spec.engine_args, *spec.profile.engine_args]
+    for flag, value in itertools.pairwise(args):
+        if flag in _CTX_FLAGS and value.isdigit() and int(value) > 0:
+            context = int(value)
+    return context
+
+
+@dataclass(slots=True)
+class _Sticky:
+    replica_id: str
+    last_digest: int  # the last chunk of the prompt it served last
+    at: float
+
+
+class Affinity:
+    """Per-model prefix indexes and sticky keys of one router."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._indexes: dict[str, PrefixIndex] = {}
+        self._policies: dict[str, RoutingPolicy] = {}
+        self._sticky: OrderedDict[tuple[str, str], _Sticky] = OrderedDict()
+        self._turns: dict[str, itertools.count[int]] = {}
+
+    def choose(
+        self, spec: ModelSpec | None, candidates: list[Route], key: PromptKey | None
+    ) -> Choice:
+        """Order ``candidates`` (admitted, unsaturated) for a request of ``spec``."""
+        if not candidates:
+            return choose(RoutingPolicy(), [], key, PrefixIndex(1), None, 0)
+        model = spec.name if spec is not None else candidates[0].model
+        policy = spec.routing if spec is not None else RoutingPolicy()
+        self._policies[model] = policy
+        index = self._index(model, spec)
+        turn = next(self._turns.setdefault(model, itertools.count()))
+        sticky_replica, sticky_tokens = None, 0
+        if key is not None and key.sticky is not None:
+            sticky = self._sticky_of(model, key.sticky)
+            if sticky is not None:
+                sticky_replica = sticky.replica_id
+                sticky_tokens = _through(key, sticky.last_digest)
+        return choose(
+            policy, candidates, key, index, sticky_replica, turn, sticky_tokens=sticky_tokens
+        )
+
+    def served(
+        self,
+        model: str,
+        replica_id: str,
+        key: PromptKey | None,
+        choice: Choice,
+        prompt_tokens: int | None,
+        cached_tokens: int | None,
+    ) -> None:
+        """``replica_id`` served the prompt of ``key``: it holds it now. When
+        the engine reported ``cached_tokens`` (of ``prompt_tokens``, its own
+        count), the index is first reconciled with it (PrefixIndex.correct).
+        ``choice`` is what was predicted when it was ordered (kept for callers'
+        records; the index's belief now is what is corrected)."""
+        if key is None or not key.chunks:
+            return
+        index = self._index(model, None)
+        if cached_tokens is not None:
+            predicted = index.match(replica_id, key)
+            reported = _estimated(cached_tokens, prompt_tokens, key)
+            if predicted > 0:
+                if reported >= predicted - predicted // MISS_TOLERANCE:
+                    reported = max(reported, predicted)
+                index.correct(replica_id, key, predicted, reported)
+        index.record(replica_id, key)
+        if key.sticky is not None:
+            entry = (model, key.sticky)
+            self._sticky[entry] = _Sticky(replica_id, key.chunks[-1].digest, self._clock())
+            self._sticky.move_to_end(entry)
+            while len(self._sticky) > MAX_STICKY:
+                self._sticky.popitem(last=False)
+
+    def forget(self, replica_id: str) -> None:
+        """The replica's cache is gone (drained, stopped, restarted, scaled
+        to zero): its index entries in every model and the sticky keys on it."""
+        for index in self._indexes.values():
+            index.forget(replica_id)
+        for entry in [e for e, s in self._sticky.items() if s.replica_id == replica_id]:
+            del self._sticky[entry]
+
+    def held_tokens(self, model: str, replica_id: str) -> int:
+        """Tokens the replica of ``model`` is believed to hold."""
+        index = self._indexes.get(model)
+        return index.held_tokens(replica_id) if index is not None else 0
+
+    def _index(self, model: str, spec: ModelSpec | None) -> PrefixIndex:
+        capacity = capacity_tokens(spec) if spec is not None else None
+        index = self._indexes.get(model)
+        if index is None:
+            index = self._indexes[model] = PrefixIndex(capacity or FALLBACK_CAPACITY)
+        elif capacity is not None and capacity != index.capacity_tokens:
+            index.set_capacity(capacity)
+        return index
+
+    def _sticky_of(self, model: str, sticky: str) -> _Sticky | None:
+        entry = self._sticky.get((model, sticky))
+        if entry is not None and self._clock() - entry.at > STICKY_TTL_S:
+            del self._sticky[(model, sticky)]
+            return None
+        return entry
+
+
+def _through(key: PromptKey, digest: int) -> int:
+    """Tokens of ``key`` through the chunk digested ``digest`` (0: absent):
+    the previous prompt, when this one extends it."""
+    total = 0
+    for chunk in key.chunks:
+        total += chunk.tokens
+        if chunk.digest == digest:
+            return total
+    return 0
+
+
+def _estimated(cached: int, prompt: int | None, key: PromptKey) -> int:
+    """The engine's cached count in the router's estimated tokens."""
+    if not prompt or prompt <= 0:
+        return cached
+    return cached * key.prompt_tokens // prompt

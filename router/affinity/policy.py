@@ -1,0 +1,130 @@
+"""The routing rule: which admitted candidate serves a request, best first.
+
+Admission has already chosen who goes next and left out saturated and
+ejected replicas; this only orders the candidates it was given, never drops
+one (the proxy fails over down the list). The rule (docs/guides/routing.md):
+
+- ``least_loaded``, or a request without a prompt key: the candidates'
+  own order, fewest in flight first.
+- ``round_robin``: that order rotated by the request's turn.
+- ``session``: rendezvous hash of the conversation's lead among the
+  replicas within ``balance_slack`` of the least loaded.
+- ``prefix``: among the replicas within the slack, the one holding the
+  longest cached prefix (at least ``min_match_tokens``); ties and no match
+  by rendezvous of the lead, so routers that never talked send a new
+  conversation to the same replica. When the best-cached replica overall
+  was outside the slack, the reason is BALANCE.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+
+from llmgw.types import RoutingPolicy, RoutingPolicyKind
+from router.affinity.chunks import PromptKey
+from router.affinity.index import PrefixIndex
+from router.control_link.routing import Route
+
+
+class Reason(StrEnum):
+    """Why a replica was chosen: metric label and span attribute values."""
+
+    PREFIX = "prefix"  # chosen for the cached prefix it holds
+    STICKY = "sticky"  # the sticky key's last replica (same scoring, not a pin)
+    RENDEZVOUS = "rendezvous"  # nothing held anywhere: rendezvous hash of the lead
+    BALANCE = "balance"  # the best-cached replica was passed over for load
+    LEAST_LOADED = "least_loaded"
+    ROUND_ROBIN = "round_robin"
+    SESSION = "session"  # policy session: rendezvous on lead/sticky only
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """The candidates in the order to try them, and why the first."""
+
+    order: list[Route]  # candidates, best first (the proxy tries them in order)
+    reason: Reason
+    predicted: int  # predicted cached tokens on order[0]
+
+
+def rendezvous(lead: int, replica_ids: Sequence[str]) -> list[str]:
+    """``replica_ids`` in highest-random-weight order for ``lead``: the same
+    in every process, and removing one replica moves only the keys it had."""
+    seed = lead.to_bytes(8, "big")
+
+    def weight(replica_id: str) -> tuple[bytes, str]:
+        h = hashlib.blake2b(seed, digest_size=8)
+        h.update(replica_id.encode())
+        return h.digest(), replica_id
+
+    return sorted(replica_ids, key=weight, reverse=True)
+
+
+def choose(
+    policy: RoutingPolicy,
+    candidates: Sequence[Route],
+    key: PromptKey | None,
+    index: PrefixIndex,
+    sticky_replica: str | None,
+    turn: int,
+    *,
+    sticky_tokens: int = 0,
+) -> Choice:
+    """Order ``candidates`` (healthy, unsaturated, least in flight first)
+    for a request; ``sticky_replica`` scores as holding ``sticky_tokens``
+    of this prompt (the previous prompt of its sticky key, see Affinity)."""
+    routes = list(candidates)
+    if not routes:
+        return Choice([], Reason.LEAST_LOADED, 0)
+    kind = policy.policy
+    if key is None or kind is RoutingPolicyKind.LEAST_LOADED:
+        return _choice(routes, routes[0], Reason.LEAST_LOADED, key, index)
+    if kind is RoutingPolicyKind.ROUND_ROBIN:
+        shift = turn % len(routes)
+        rotated = routes[shift:] + routes[:shift]
+        return _choice(rotated, rotated[0], Reason.ROUND_ROBIN, key, index)
+    least = min(r.inflight for r in routes)
+    within = [r for r in routes if r.inflight <= least + policy.balance_slack]
+    if kind is RoutingPolicyKind.SESSION:
+        return _choice(routes, _hashed(key.lead, within), Reason.SESSION, key, index)
+    scores = {r.replica_id: index.match(r.replica_id, key) for r in routes}
+    if sticky_replica in scores and sticky_tokens > scores[sticky_replica]:
+        scores[sticky_replica] = sticky_tokens
+    floor = policy.min_match_tokens
+    best_anywhere = max(scores.values())
+    best_within = max(scores[r.replica_id] for r in within)
+    if best_within > 0 and best_within >= floor:
+        tied = [r for r in within if scores[r.replica_id] == best_within]
+        chosen = _hashed(key.lead, tied)
+        reason = Reason.PREFIX
+        if (
+            chosen.replica_id == sticky_replica
+            and index.match(chosen.replica_id, key) < best_within
+        ):
+            reason = Reason.STICKY
+    else:
+        chosen, reason = _hashed(key.lead, within), Reason.RENDEZVOUS
+    if best_anywhere > best_within and best_anywhere >= floor:
+        reason = Reason.BALANCE
+    return Choice(_first(routes, chosen), reason, scores[chosen.replica_id])
+
+
+def _hashed(lead: int, routes: list[Route]) -> Route:
+    """The route rendezvous hashing of ``lead`` puts first."""
+    by_id = {r.replica_id: r for r in routes}
+    return by_id[rendezvous(lead, list(by_id))[0]]
+
+
+def _first(routes: list[Route], chosen: Route) -> list[Route]:
+    """``chosen`` then the others in their order (fewest in flight first)."""
+    return [chosen, *(r for r in routes if r is not chosen)]
+
+
+def _choice(
+    routes: list[Route], chosen: Route, reason: Reason, key: PromptKey | None, index: PrefixIndex
+) -> Choice:
+    predicted = index.match(chosen.replica_id, key) if key is not None else 0
+    return Choice(_first(routes, chosen), reason, predicted)

@@ -29,7 +29,7 @@ from router.api.files import router as files_api
 from router.billing.accounting import Accountant
 from router.billing.usage_spool import UsageSpool
 from router.common.blocking import STORE_WAIT_S
-from router.common.errors import install_handlers
+from router.common.error_handlers import install_handlers
 from router.common.metrics import Metrics
 from router.control_link.adapters import AdapterLoader, AdapterRouter, TemporalAdapterLoader
 from router.control_link.deployment_link import DeploymentLink, TemporalDeploymentLink

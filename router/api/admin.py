@@ -40,7 +40,8 @@ from router.billing import usage
 from router.billing.key_policy import KeyPolicy
 from router.billing.usage import UsageRow
 from router.common.blocking import within
-from router.common.errors import ErrorKind, Incident, invalid_fields
+from router.common.errors import ErrorKind, invalid_fields
+from router.common.incidents import Incident
 
 DepsDep = Annotated[Deps, Depends(get_deps)]
 P = ParamSpec("P")

@@ -6,92 +6,34 @@ an error id (in the message and the ``x-request-id`` header, which the
 openai client shows as ``request_id``): never a node name, a path, an
 exception's text or an engine's log, which may carry secrets. The full
 reason goes to the router's log, on one line with the id, and to
-:class:`Incidents`, which the admin API serves by id (``/admin/errors``).
+:class:`Incidents` (router/common/incidents.py), which the admin API serves
+by id (``/admin/errors``).
 
 Every error is a row of :class:`ErrorKind` (status, type, code, message
 template, Retry-After, whether its reason is hidden) built by one method:
 ``raise ErrorKind.MODEL_NOT_FOUND.error(model=name)``. A status, param or
 Retry-After that depends on the case (an engine's status, the field at
 fault) is the builder's argument; the few helpers below compute one.
+The app's exception handlers that answer with these are in
+router/common/error_handlers.py.
 """
 
 import json
-import logging
-import secrets
-import time
-from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum, unique
 from functools import cache
 from string import Formatter
 
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.routing import Match
+from pydantic import BaseModel, Field, ValidationError
 
 from llmgw.errors import LlmgwError
 
-log = logging.getLogger(__name__)
+# Named here too (an explicit re-export): importers take every error name from here.
+from router.common.incidents import Incidents as Incidents  # noqa: PLC0414
 
 # The header carrying an error's id (the openai client reads it as request_id).
 ERROR_ID_HEADER = "x-request-id"
-# Reasons kept for the admin API; the log keeps every one.
-KEEP_INCIDENTS = 1000
-# A reason is cut past this (an engine's answer may be long).
-MAX_REASON_CHARS = 4000
-
-
-class Incident(BaseModel):
-    """Why a client got a fixed message: the full reason, for admins only
-    (``/admin/errors``; a model so the API reference documents its fields)."""
-
-    model_config = ConfigDict(frozen=True)
-
-    error_id: str = Field(description="The id the client was given (its x-request-id).")
-    at: float = Field(description="When, in epoch seconds.")
-    status: int = Field(description="The HTTP status the client got.")
-    code: str = Field(description="The error code the client got.")
-    model: str = Field(description="The model the request named.")
-    reason: str = Field(description="The full reason (node names, paths, engine output).")
-
-
-class Incidents:
-    """The full reasons behind the errors clients got without them, by error id:
-    logged as they happen (one line with the id), the last ``keep`` kept."""
-
-    def __init__(self, keep: int = KEEP_INCIDENTS, clock: Callable[[], float] = time.time):
-        self._keep = keep
-        self._clock = clock
-        self._by_id: OrderedDict[str, Incident] = OrderedDict()
-
-    def record(self, status: int, code: str, model: str, reason: str) -> str:
-        """Log and keep ``reason``; the id the client is given."""
-        error_id = f"err_{secrets.token_hex(8)}"
-        reason = reason[:MAX_REASON_CHARS]
-        log.warning("%d %s for `%s` (error id %s): %s", status, code, model, error_id, reason)
-        self._by_id[error_id] = Incident(
-            error_id=error_id,
-            at=self._clock(),
-            status=status,
-            code=code,
-            model=model,
-            reason=reason,
-        )
-        while len(self._by_id) > self._keep:
-            self._by_id.popitem(last=False)
-        return error_id
-
-    def get(self, error_id: str) -> Incident | None:
-        """The incident behind ``error_id``, while it is kept."""
-        return self._by_id.get(error_id)
-
-    def recent(self, limit: int = 100) -> list[Incident]:
-        """The latest incidents, newest first."""
-        return list(reversed(self._by_id.values()))[:limit]
 
 
 class OpenAIError(LlmgwError):
@@ -465,58 +407,3 @@ def invalid_body(exc: ValidationError) -> OpenAIError:
         problems.append(f"{loc}: {e['msg']}" if loc else e["msg"])
     first = ".".join(str(p) for p in errors[0]["loc"]) if errors else ""
     return invalid_fields(problems, first or None)
-
-
-_METHODS = ("DELETE", "GET", "HEAD", "OPTIONS", "PATCH", "POST", "PUT")
-
-
-def _allowed(request: Request) -> str:
-    """RFC 9110's Allow for a 405: every method some route takes at this path
-    (Starlette's own names only the first route it matched, FastAPI's none)."""
-    routes = request.app.router.routes
-    return ", ".join(
-        method
-        for method in _METHODS
-        if any(r.matches({**request.scope, "method": method})[0] is Match.FULL for r in routes)
-    )
-
-
-def install_handlers(app: FastAPI) -> None:
-    """Map every error, ours and the framework's, to the OpenAI shape."""
-
-    async def on_openai(_: Request, exc: Exception) -> JSONResponse:
-        assert isinstance(exc, OpenAIError)
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
-
-    async def on_validation(_: Request, exc: Exception) -> JSONResponse:
-        assert isinstance(exc, RequestValidationError)
-        # Every problem in the message, each naming its field; the first in param.
-        where = [
-            ".".join(str(p) for p in e.get("loc", ()) if p not in ("body", "path", "query"))
-            for e in exc.errors()
-        ]
-        problems = [
-            f"{w or 'body'}: {e.get('msg', 'invalid')}"
-            for w, e in zip(where, exc.errors(), strict=True)
-        ]
-        first = where[0] if where else ""
-        err = invalid_fields(problems or ["invalid request"], first or None)
-        return JSONResponse(err.body(), status_code=400)
-
-    async def on_http(request: Request, exc: Exception) -> JSONResponse:
-        assert isinstance(exc, StarletteHTTPException)
-        err = ErrorKind.HTTP_ERROR.error(status=exc.status_code, detail=str(exc.detail))
-        headers = dict(exc.headers or {})
-        if exc.status_code == 405:
-            headers["Allow"] = _allowed(request)
-        return JSONResponse(err.body(), status_code=exc.status_code, headers=headers)
-
-    async def on_bug(_: Request, exc: Exception) -> JSONResponse:
-        # Starlette logs the exception; the client gets the OpenAI shape, no details.
-        err = ErrorKind.INTERNAL_ERROR.error()
-        return JSONResponse(err.body(), status_code=500)
-
-    app.add_exception_handler(OpenAIError, on_openai)
-    app.add_exception_handler(Exception, on_bug)
-    app.add_exception_handler(RequestValidationError, on_validation)
-    app.add_exception_handler(StarletteHTTPException, on_http)

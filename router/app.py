@@ -22,6 +22,7 @@ from llmgw.engine_keys import engine_key
 from llmgw.store import Store
 from llmgw.store.catalog_store import all_specs
 from router.admission.queue import Admission
+from router.affinity.affinity import Affinity
 from router.api import admin, batches, engine_metrics, openai, openapi_docs, responses
 from router.api.auth import KeyVerifier
 from router.api.deps import Deps
@@ -101,10 +102,18 @@ def _elastic(
     return admission, reporter
 
 
+def _affinity(table: RoutingTable, affinity: Affinity | None) -> Affinity:
+    """The router's cache affinity (one per process), told of every replica
+    that leaves the table or changes its endpoint: it held nothing we knew."""
+    affinity = affinity if affinity is not None else Affinity()
+    table.on_forget.append(affinity.forget)
+    return affinity
+
+
 def _include_apis(app: FastAPI) -> None:
     """The APIs served as FastAPI routes (OpenAI's, Responses, Batches, admin, engine metrics)."""
     apis = (openai.router, responses.routes, batches.routes, admin.router, engine_metrics.router)
-    for api in apis:
+    for api in (*apis, files_api):
         app.include_router(api)
 
 
@@ -134,6 +143,7 @@ def create_app(
     max_replicas: int = DEFAULT_MAX_REPLICAS,
     max_file_bytes: int = 200 * MiB,
     jobs: JobLink | None = None,
+    affinity: Affinity | None = None,
 ) -> FastAPI:
     """The FastAPI app; the routing table refreshes and usage is flushed while it runs.
 
@@ -142,6 +152,8 @@ def create_app(
     ``deployment_link`` carries load reports and wakes to the deployments
     (default: through ``temporal``; without either, a model scaled to zero
     cannot be woken and no load is reported).
+    ``affinity`` is where this router remembers which replica holds which
+    prompt prefix (default: a new one; one per router process).
     """
     if adapter_loader is None and temporal is not None:
         adapter_loader = TemporalAdapterLoader(temporal)
@@ -163,6 +175,7 @@ def create_app(
     admission, reporter = _elastic(
         table, metrics, temporal, deployment_link, router_id, load_report_interval_s
     )
+    affinity = _affinity(table, affinity)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -217,6 +230,7 @@ def create_app(
             pacer,
             incidents=admission.incidents,
             on_unreachable=proofs.distrust if proofs else None,
+            affinity=affinity,
         ),
         accountant=accountant,
         metrics=metrics,
@@ -225,6 +239,7 @@ def create_app(
         max_request_bytes=max_request_bytes,
         adapters=AdapterRouter(table, adapter_loader),
         admission=admission,
+        affinity=affinity,
         temporal=temporal,
         tracer=tracer,
         store_wait_s=store_wait_s,
@@ -236,7 +251,6 @@ def create_app(
         app.router.routes.append(route)
         app.direct[route.path] = route.endpoint
     _include_apis(app)
-    app.include_router(files_api)
 
     @app.get("/healthz", include_in_schema=False)
     async def healthz() -> dict[str, object]:

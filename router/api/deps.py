@@ -10,6 +10,7 @@ from llmgw.catalog import DEFAULT_MAX_REPLICAS
 from llmgw.engine_keys import EngineKeyFn
 from llmgw.store import Store
 from router.admission.queue import Admission
+from router.affinity.affinity import Affinity
 from router.api.auth import KeyVerifier
 from router.billing.accounting import Accountant
 from router.common.blocking import STORE_WAIT_S
@@ -34,6 +35,8 @@ class Deps:
     adapters: AdapterRouter
     # Requests that wait for a replica (saturated, or scaled to zero).
     admission: Admission
+    # Which replica holds which prompt prefix (router/affinity/): one per router.
+    affinity: Affinity | None = None
     # Admin calls that ask Temporal (nodes, log tails); None in tests without one.
     temporal: Client | None = None
     # A span per request; None (tracing off): no span, no trace context

@@ -23,7 +23,8 @@ from starlette.datastructures import Headers
 from starlette.routing import Route as HttpRoute
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from llmgw.types import AdapterSpec, EngineKind, ModelSpec
+from llmgw.types import AdapterSpec, EngineKind, ModelSpec, RoutingPolicy, RoutingPolicyKind
+from router.affinity.chunks import PromptKey, prompt_key
 from router.api.auth import Caller
 from router.api.deps import Deps, get_deps
 from router.api.media import check_media
@@ -58,6 +59,15 @@ CHAT_BASE_TOKENS = 64
 # When the client sets no max_tokens and the model is not in the catalog.
 DEFAULT_COMPLETION_RESERVE = 4096
 
+
+# A client's conversation id (any string): its requests share a sticky key for
+# cache-aware routing (docs/guides/routing.md), scoped to the calling key. The
+# Responses API sends ``resp:<first response of the chain>`` in it.
+SESSION_HEADER = "x-llmgw-session"
+# The longest session value kept (the rest is cut: it is only a key).
+MAX_SESSION_CHARS = 256
+
+_DEFAULT_ROUTING = RoutingPolicy()
 
 # The Authorization header is read by hand (not declared as an API parameter).
 AuthHeader = Annotated[str | None, Header(include_in_schema=False)]
@@ -196,6 +206,36 @@ async def _adapter_routes(
     return routes, None
 
 
+def _prompt_key(
+    spec: ModelSpec | None, scope: Scope, raw: bytes, body: Body, key_id: int
+) -> PromptKey | None:
+    """The prompt's chunk chain and sticky key for cache-aware routing; None
+    where it has no use (embeddings, a least-loaded model) or the body is not
+    a JSON object orjson reads."""
+    if isinstance(body, EmbeddingRequest):
+        return None
+    # A model outside the catalog (deployed by hand) routes by the defaults.
+    routing = spec.routing if spec is not None else _DEFAULT_ROUTING
+    if routing.policy is RoutingPolicyKind.LEAST_LOADED:
+        return None
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(data, dict):
+        return None
+    # Namespaced by the key: one tenant's session or user names never meet
+    # another's in the router's memory.
+    sticky = None
+    session = header(scope, SESSION_HEADER.encode())
+    user = data.get("user")
+    if session:
+        sticky = f"session:{key_id}:{session[:MAX_SESSION_CHARS]}"
+    elif isinstance(user, str) and user:
+        sticky = f"user:{key_id}:{user[:MAX_SESSION_CHARS]}"
+    return prompt_key(data, routing.chunk_tokens, sticky)
+
+
 async def _serve(
     deps: Deps, scope: Scope, receive: Receive, caller: Caller, kind: type[Body], path: str
 ) -> ASGIApp:
@@ -242,6 +282,8 @@ async def _serve(
         finishes_when_gone=_generates_on(spec, stream),
         client_gone=lambda: disconnected(receive),
         traced=deps.tracer is not None,
+        # A model's request only: an adapter's go where it is held.
+        prompt_key=_prompt_key(spec, scope, raw, body, caller.key_id) if target is None else None,
     )
     try:
         # An on-demand adapter's load is part of the request (and its span);

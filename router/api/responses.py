@@ -38,7 +38,7 @@ from llmgw.errors import LlmgwError
 from llmgw.store.openai_tables import ResponseRecord
 from router.api.auth import Caller
 from router.api.deps import Deps, get_deps
-from router.api.openai import CallerDep, read_body
+from router.api.openai import SESSION_HEADER, CallerDep, read_body
 from router.api.openapi_docs import error_responses
 from router.common.blocking import within
 from router.common.disconnect import disconnect_message
@@ -200,6 +200,14 @@ def _carried(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
     return [(k, v) for k, v in headers if k in _CARRIED or k.startswith(_EXEC_PREFIX)]
 
 
+def _in_session(headers: list[tuple[bytes, bytes]], root: str) -> list[tuple[bytes, bytes]]:
+    """The chat request's headers with the conversation's session: every turn
+    of a previous_response_id chain shares one sticky key (its first response's
+    id), so cache-aware routing sends it where the history is cached."""
+    name = SESSION_HEADER.encode()
+    return [*((k, v) for k, v in headers if k != name), (name, f"resp:{root}".encode())]
+
+
 async def _store(deps: Deps, fn: Callable[[], Any]) -> Any:
     """A store call on a request's path, bounded as every such call is."""
     return await within(deps.store_wait_s, fn)
@@ -228,12 +236,12 @@ async def create_response(request: Request, deps: DepsDep, caller: CallerDep) ->
         raise ErrorKind.MODEL_NOT_ALLOWED.error(model=req.model)
     if not await deps.table.knows(req.model):
         raise ErrorKind.MODEL_NOT_FOUND.error(model=req.model)
-    history = []
+    history, root = [], None
     if req.previous_response_id is not None:
         previous = req.previous_response_id
         try:
-            history = await _store(
-                deps, lambda: rstore.history(deps.store, caller.key_id, previous)
+            history, root = await _store(
+                deps, lambda: rstore.chain(deps.store, caller.key_id, previous)
             )
         except rstore.PreviousNotFound:
             raise ErrorKind.PREVIOUS_RESPONSE_NOT_FOUND.error(response_id=previous) from None
@@ -245,13 +253,14 @@ async def create_response(request: Request, deps: DepsDep, caller: CallerDep) ->
             id=response_id, key_id=caller.key_id, model=req.model, status=initial["status"],
             background=req.background, store=req.store,
             previous_response_id=req.previous_response_id,
-            request={"response": initial, "chat": chat}, created_at=now,
+            request={"response": initial, "chat": chat, "root": root or response_id},
+            created_at=now,
         ),
         items=[rstore.stored_item(item) for item in req.items()],
     )  # fmt: skip
     if req.background:
         return await _background(request, deps, req, new)
-    headers = _carried(request.scope["headers"])
+    headers = _in_session(_carried(request.scope["headers"]), root or response_id)
     call = ChatCall(request.app, headers, chat)
     await call.start()
     if not req.stream:
@@ -496,6 +505,7 @@ async def run_response(response_id: str, request: Request, deps: DepsDep) -> Res
         *((k, v) for k, v in _carried(request.scope["headers"]) if not k.startswith(_EXEC_PREFIX)),
         (b"x-llmgw-key-id", str(record.key_id).encode()),
         BILLED_BY_CALLER,
+        (SESSION_HEADER.encode(), f"resp:{record.request.get('root') or record.id}".encode()),
     ]
     run = _Run(deps, response_id, machine)
     return StreamingResponse(run.events(request.app, headers, chat), media_type="text/event-stream")

@@ -40,6 +40,9 @@ class RequestOutcome:
     completion_tokens: int = 0
     error: bool = False
     status: int = 200
+    # Of the prompt, the tokens the engine took from its cache
+    # (usage.prompt_tokens_details.cached_tokens); None: it did not say.
+    cached_tokens: int | None = None
 
 
 class Accountant:

@@ -126,6 +126,8 @@ def end_span(span: Span, outcome: RequestOutcome) -> None:
     span.set_attribute("http.response.status_code", outcome.status)
     span.set_attribute("llmgw.prompt_tokens", outcome.prompt_tokens)
     span.set_attribute("llmgw.completion_tokens", outcome.completion_tokens)
+    if outcome.cached_tokens is not None:  # engine-reported (cache-aware routing)
+        span.set_attribute("llmgw.route.cached_tokens", outcome.cached_tokens)
     if outcome.error:
         span.set_status(StatusCode.ERROR)
     span.end()

@@ -117,6 +117,35 @@ class Metrics:
         self.wakes = Counter(
             "llmgw_wakes", "wakes of a model scaled to zero", ["model", "result"], registry=r
         )
+        # Cache-aware routing (router/affinity/): what the engines reported of
+        # the requests' prompts, and why each replica was chosen. The hit
+        # ratio is cached over prompt tokens.
+        self.route_prompt_tokens = Counter(
+            "llmgw_router_prompt_tokens",
+            "prompt tokens of answered requests, per replica (engine-reported)",
+            ["model", "replica"],
+            registry=r,
+        )
+        self.route_cached_tokens = Counter(
+            "llmgw_router_cached_tokens",
+            "of those prompt tokens, the ones the engine took from its cache "
+            "(usage.prompt_tokens_details.cached_tokens); hit ratio = cached / prompt",
+            ["model", "replica"],
+            registry=r,
+        )
+        self.route_predicted_tokens = Counter(
+            "llmgw_router_prefix_predicted_tokens",
+            "cached prompt tokens the router predicted for the replica it chose",
+            ["model", "replica"],
+            registry=r,
+        )
+        self.route_choices = Counter(
+            "llmgw_router_route_choices",
+            "replica choices by reason: prefix, sticky, rendezvous (cache affinity), "
+            "balance (the best-cached replica was too busy), least_loaded, round_robin, session",
+            ["model", "reason"],
+            registry=r,
+        )
 
         # Labelled children by their labels: ``labels()`` validates and locks
         # on every call, a cost on each request; a child, once made, is the
@@ -148,6 +177,28 @@ class Metrics:
             self._child(("t", model, "c"), lambda: self.tokens.labels(model, "completion")).inc(
                 completion
             )
+
+    def route_chosen(self, model: str, reason: str) -> None:
+        """Count a replica choice made for ``reason``."""
+        self._child(("rc", model, reason), lambda: self.route_choices.labels(model, reason)).inc()
+
+    def route_served(
+        self, model: str, replica: str, prompt: int, cached: int | None, predicted: int
+    ) -> None:
+        """Count what a replica's engine reported of a prompt (``cached`` None: it
+        did not say) and what the router predicted it held."""
+        if prompt:
+            self._child(
+                ("rp", model, replica), lambda: self.route_prompt_tokens.labels(model, replica)
+            ).inc(prompt)
+        if cached:
+            self._child(
+                ("rk", model, replica), lambda: self.route_cached_tokens.labels(model, replica)
+            ).inc(cached)
+        if predicted:
+            self._child(
+                ("rf", model, replica), lambda: self.route_predicted_tokens.labels(model, replica)
+            ).inc(predicted)
 
     def watch_queues(self, depths: Callable[[], dict[str, int]]) -> None:
         """Export the admission queue's depth per model, read at scrape time."""

@@ -143,6 +143,11 @@ class RoutingTable:
     _turn: itertools.count[int] = field(default_factory=itertools.count)
     # Called after each rebuild (the admission queue dispatches to new replicas).
     on_update: list[Callable[[], None]] = field(default_factory=list)
+    # Told the id of each replica whose engine's cache is no longer the one
+    # routed to: it left the routes (drained, stopped, failed, scaled to
+    # zero) or its endpoint changed (a new engine). Cache-aware routing
+    # forgets what it held (router/affinity/; injected: this layer is below it).
+    on_forget: list[Callable[[str], None]] = field(default_factory=list)
     # Set: refresh now rather than at the next interval (a wake answered ready).
     _wanted: asyncio.Event = field(default_factory=asyncio.Event)
     # An unknown model name re-reads the catalog at most this often (``knows``).
@@ -235,6 +240,11 @@ class RoutingTable:
                 route.answering = True  # its agent vouches for it again
             fresh.setdefault(memo.model, []).append(route)
         self.routes = fresh
+        if self.on_forget:
+            kept = {id(r) for rs in fresh.values() for r in rs}
+            for gone in (r.replica_id for r in old.values() if id(r) not in kept):
+                for forget in self.on_forget:
+                    forget(gone)
         self.specs = catalog
         self.replicas = replicas
         self.adapter_base = {a.name: s.name for s in catalog.values() for a in s.adapters}

@@ -21,6 +21,14 @@ response closes the connection, which llama.cpp and vLLM take as a
 cancellation. What was relayed until then is billed: one token per streamed
 chunk with content (exact for llama.cpp, which sends a chunk per token), or
 the engine's own usage when the stream got that far.
+
+Where a model's request goes among its replicas is cache-aware
+(router/affinity/): the ``Affinity`` orders the candidates the routing table
+gives (ready, unsaturated, least loaded first) by the prompt prefix each is
+believed to hold, and learns from each answer what the engine served and took
+from its cache (``usage.prompt_tokens_details.cached_tokens``). An adapter's
+requests go where the adapter is held, as before. Admission is not its
+business: the queue decided that this request goes now, affinity only where.
 """
 
 import errno
@@ -30,6 +38,7 @@ import re
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import aiohttp
@@ -40,6 +49,9 @@ from starlette.types import Send
 
 from llmgw.engine_keys import EngineKeyFn
 from llmgw.errors import LlmgwError, UpstreamConnectError, UpstreamError
+from router.affinity.affinity import Affinity
+from router.affinity.chunks import PromptKey
+from router.affinity.policy import Choice
 from router.billing.accounting import RequestOutcome
 from router.billing.bill import Bill
 from router.common.disconnect import cancelled_if_gone
@@ -88,6 +100,9 @@ class Call:
     # False with tracing off: no span to name the replica on, no trace
     # context to hand the engine (saves the propagators' work per request).
     traced: bool = True
+    # The prompt's chunk chain and sticky key, for cache-aware routing
+    # (router/affinity/); None: no affinity (embeddings, token-id prompts).
+    prompt_key: PromptKey | None = None
 
 
 class StaleAdapter(LlmgwError):
@@ -111,8 +126,12 @@ class Proxy:
         pacer: Pacer | None = None,
         incidents: Incidents | None = None,
         on_unreachable: Callable[[str, str], None] | None = None,
+        affinity: Affinity | None = None,
     ) -> None:
         self._http = http
+        # Orders a model's replicas by the prompt prefix they hold (None: the
+        # table's least-loaded order, as before).
+        self._affinity = affinity
         # Told (replica id, endpoint) of a connection that failed or was
         # reset: its endpoint proof is dropped (router/control_link/endpoint_proof.py).
         self._on_unreachable = on_unreachable
@@ -138,19 +157,24 @@ class Proxy:
         return headers
 
     async def forward(self, call: Call, routes: list[Route] | None = None) -> Reply | StreamReply:
-        """Send the call to the least busy ready replica of its model (or of ``routes``,
-        chosen by the caller: an adapter's holders)."""
+        """Send the call to the ready replica of its model that the routing
+        policy puts first (least busy, or holding the prompt's prefix), or to
+        one of ``routes``, chosen by the caller: an adapter's holders."""
         candidates = self._table.candidates(call.model) if routes is None else routes
         if not candidates:
             if self._table.has_replicas(call.model):
                 raise ErrorKind.REPLICAS_SATURATED.error(model=call.model)
             raise ErrorKind.NO_READY_REPLICA.error(model=call.model)
+        choice = None
+        if routes is None and self._affinity is not None:
+            choice = self._choose(call, candidates)
+            candidates = choice.order
         last_error = ""
         for route in candidates:
             if route.saturated():  # filled up while we tried another
                 continue
             try:
-                return await self._try(route, call)
+                return await self._try(route, call, choice)
             except UpstreamConnectError as exc:
                 # Nothing reached the engine nor the client: another replica may answer.
                 route.eject(PASSIVE_EJECT_S)
@@ -177,11 +201,51 @@ class Proxy:
             model=call.model, reason=reason, incidents=self.incidents
         )
 
+    def _choose(self, call: Call, candidates: list[Route]) -> Choice:
+        """The affinity's order of ``candidates``, counted and on the span."""
+        assert self._affinity is not None
+        spec = self._table.specs.get(call.model)
+        choice = self._affinity.choose(spec, candidates, call.prompt_key)
+        self._metrics.route_chosen(call.model, choice.reason.value)
+        if call.traced:
+            span = trace.get_current_span()
+            span.set_attribute("llmgw.route.reason", choice.reason.value)
+            span.set_attribute("llmgw.route.predicted_cached_tokens", choice.predicted)
+        return choice
+
+    def _served(
+        self, route: Route, call: Call, choice: Choice | None, usage: "_Usage | None"
+    ) -> None:
+        """Tell the affinity (once per request) what the engine it was sent to
+        served: the replica, and the prompt and cached tokens it reported
+        (None: no usage came, a stream cut short)."""
+        if choice is None or self._affinity is None:
+            return
+        predicted = choice.predicted if choice.order and choice.order[0] is route else 0
+        prompt = usage.prompt_tokens if usage is not None else None
+        cached = usage.cached_tokens if usage is not None else None
+        self._affinity.served(call.model, route.replica_id, call.prompt_key, choice, prompt, cached)
+        self._metrics.route_served(call.model, route.replica_id, prompt or 0, cached, predicted)
+
+    def _answered(
+        self,
+        route: Route,
+        call: Call,
+        choice: Choice | None,
+        outcome: RequestOutcome,
+        client_left: bool,
+    ) -> None:
+        """A whole (non-streamed) answer came: billed (a client gone while the
+        engine finished: what it generated, as gone) and, a 200, served."""
+        call.bill.answered(outcome, client_left=client_left)
+        if outcome.status == 200:
+            self._served(route, call, choice, _Usage.of(outcome))
+
     def _unreachable(self, route: Route) -> None:
         if self._on_unreachable is not None:
             self._on_unreachable(route.replica_id, route.endpoint)
 
-    async def _try(self, route: Route, call: Call) -> Reply | StreamReply:
+    async def _try(self, route: Route, call: Call, choice: Choice | None) -> Reply | StreamReply:
         headers = self._engine_headers(route.replica_id)
         if call.traced:
             # The request's span continues in the engine (traceparent).
@@ -221,7 +285,8 @@ class Proxy:
                 media = upstream.content_type
                 if call.stream and upstream.status == 200:
                     relayed = True  # the relay releases the replica
-                    relay = _Relay(upstream, route, call, self._metrics, self._pacer)
+                    served = partial(self._served, route, call, choice)
+                    relay = _Relay(upstream, route, call, self._metrics, self._pacer, served)
                     return StreamReply(relay, media, route.replica_id)
                 try:
                     content = await upstream.read()
@@ -243,7 +308,7 @@ class Proxy:
             if not relayed:
                 route.inflight -= 1
         # A client gone while the engine finished: billed what it generated, as gone.
-        call.bill.answered(_outcome_of(upstream.status, content), client_left=watch.left)
+        self._answered(route, call, choice, _outcome_of(upstream.status, content), watch.left)
         if upstream.status >= 500:
             # An engine's (or its pass-through's) own failure: its text may
             # name paths, exceptions or what its log said; admins see it.
@@ -296,7 +361,33 @@ def _outcome_of(status: int, content: bytes) -> RequestOutcome:
     return RequestOutcome(
         prompt_tokens=_count(usage.get("prompt_tokens")),
         completion_tokens=_count(usage.get("completion_tokens")),
+        cached_tokens=_cached(usage),
     )
+
+
+@dataclass(frozen=True, slots=True)
+class _Usage:
+    """What an engine reported of a prompt (cache-aware routing learns it)."""
+
+    prompt_tokens: int | None
+    cached_tokens: int | None
+
+    @classmethod
+    def of(cls, outcome: RequestOutcome) -> "_Usage | None":
+        """From an answer's outcome; None when it carried no usage."""
+        if not outcome.prompt_tokens and outcome.cached_tokens is None:
+            return None
+        return cls(outcome.prompt_tokens or None, outcome.cached_tokens)
+
+
+def _cached(usage: dict[str, Any]) -> int | None:
+    """``usage.prompt_tokens_details.cached_tokens`` (llama.cpp, vLLM), or None
+    when the engine does not say."""
+    details = usage.get("prompt_tokens_details")
+    if not isinstance(details, dict):
+        return None
+    cached = details.get("cached_tokens")
+    return cached if isinstance(cached, int) and cached >= 0 else None
 
 
 # A choice's delta (or text) with something in it: one token, as engines stream.
@@ -334,6 +425,7 @@ class _Relay:
         call: Call,
         metrics: Metrics,
         pacer: Pacer | None = None,
+        served: "Callable[[_Usage | None], None] | None" = None,
     ):
         self._upstream = upstream
         self._route = route
@@ -345,6 +437,8 @@ class _Relay:
         self._finished = False
         self._buf = b""  # an event not complete yet
         self._first = True
+        # Told the engine's usage when the relay ends (cache-aware routing learns it).
+        self.served = served
 
     def _scan(self, events: bytes) -> bytes:
         """The events to pass on, event by event; counts content chunks and notes usage.
@@ -446,6 +540,13 @@ class _Relay:
         self._route.inflight -= 1
         self._call.bill.settle(self._outcome(error))
         self._upstream.close()
+        if self.served is not None:
+            usage = self._usage
+            self.served(
+                None
+                if usage is None
+                else _Usage(_count(usage.get("prompt_tokens")) or None, _cached(usage))
+            )
 
     def _started(self) -> bool:
         """Whether the client has had a token (a role-only first event is none)."""
@@ -457,6 +558,7 @@ class _Relay:
                 prompt_tokens=_count(self._usage.get("prompt_tokens")),
                 completion_tokens=_count(self._usage.get("completion_tokens")),
                 error=error,
+                cached_tokens=_cached(self._usage),
             )
         return RequestOutcome(
             prompt_tokens=self._call.bill.prompt_estimate,

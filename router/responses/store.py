@@ -125,15 +125,28 @@ def history(store: Store, key_id: int, previous_id: str) -> list[Item]:
     PreviousNotFound when any link is missing, deleted, another key's or
     was not stored (OpenAI's 400 ``previous_response_not_found``).
     """
+    return chain(store, key_id, previous_id)[0]
+
+
+def chain(store: Store, key_id: int, previous_id: str) -> tuple[list[Item], str]:
+    """``history``, and the chain's root: the id of its first response (every
+    turn of a conversation routes by it: router/api/responses.py). A response
+    records its root (``request["root"]``): the previous one's is taken as
+    it is, so a chain longer than MAX_CHAIN keeps one root."""
     turns: list[list[dict[str, Any]]] = []
+    root: str | None = None
+    recorded: object = None
     with store.session() as session:
         current: str | None = previous_id
         for _ in range(MAX_CHAIN):
             if current is None:
                 break
+            root = current
             record = session.get(ResponseRecord, current)
             if record is None or record.key_id != key_id or record.deleted_at is not None:
                 raise PreviousNotFound(current)
+            if current == previous_id:
+                recorded = record.request.get("root")
             rows = session.exec(
                 select(ResponseInputItem)
                 .where(ResponseInputItem.response_id == current)
@@ -142,7 +155,7 @@ def history(store: Store, key_id: int, previous_id: str) -> list[Item]:
             turns.append([r.item for r in rows] + list(record.output))
             current = record.previous_response_id
     items: list[dict[str, Any]] = [i for turn in reversed(turns) for i in turn]
-    return parse_items(items)
+    return parse_items(items), recorded if isinstance(recorded, str) else (root or previous_id)
 
 
 @dataclass

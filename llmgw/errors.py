@@ -48,7 +48,7 @@ module are named with where they live::
     ├── RequestInvalid            a /v1/responses body llmgw refuses, with the field at
     │                             fault (router/responses/request.py)
     ├── ResponseEventsError       the Responses event machine used out of order: a bug
-    │   │                         (router/responses/events.py)
+    │   │                         (router/responses/replay.py)
     │   └── NotResumable          stored events it cannot continue from (a gap, an open call)
     ├── PreviousNotFound          a previous_response_id with no stored response of the key
     │                             (router/responses/store.py)

@@ -14,7 +14,8 @@ without a gap (research §1.4)::
 
 Items are numbered (``output_index``) in the order they open. A message is
 closed when a tool call begins, and open tool calls when text comes again;
-everything still open closes at the end.
+everything still open closes at the end. The shapes the machine fills in
+(the Response before output, usage, an item) are in router/responses/shapes.py.
 
 **Resuming** (research §5.3): :meth:`ResponseEvents.resume` rebuilds the
 machine from the events already stored, so a retried generation continues
@@ -22,7 +23,8 @@ the numbering and the open message (its text is the prefix the engine is
 asked to continue; the echo of it is stripped). A function call cannot be
 continued by an engine, so a log meant to be resumed is made with
 ``hold_calls``: a call's events are emitted only once it is complete, and a
-log with a call left open is :class:`NotResumable`.
+log with a call left open is :class:`NotResumable`. The replay of one stored
+event is router/responses/replay.py.
 
 The end: ``finish_reason`` ``length`` -> ``response.incomplete`` (reason
 ``max_output_tokens``), ``content_filter`` -> incomplete too, any other ->
@@ -34,140 +36,36 @@ error chunk, -> ``response.failed`` with ``server_error`` and a fixed message
 import copy
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
-from llmgw.errors import LlmgwError
 from router.responses import ids
-from router.responses.request import ResponsesRequest, ToolChoiceFunction
+from router.responses.replay import NotResumable, ResponseEventsError, replay
+from router.responses.shapes import (
+    Event,
+    OutputItem,
+    Status,
+    initial_response,
+    response_usage,
+)
 from router.responses.translate import PrefixStripper
 
-Event = dict[str, Any]
-Status = Literal["in_progress", "completed", "incomplete"]
+# Named here too (explicit re-exports): importers take them from the machine's module.
+__all__ = [
+    "ENGINE_FAILED",
+    "STREAM_CUT",
+    "Event",
+    "NotResumable",
+    "ResponseEvents",
+    "ResponseEventsError",
+    "Status",
+    "initial_response",
+    "response_from_completion",
+    "response_usage",
+]
 
 ENGINE_FAILED = "The engine failed while generating the response."
 STREAM_CUT = "The engine's stream ended before the response was complete."
-# Lifecycle events: each carries the whole Response.
-_LIFECYCLE = (
-    "response.created",
-    "response.queued",
-    "response.in_progress",
-    "response.completed",
-    "response.incomplete",
-    "response.failed",
-)
-_TERMINAL = frozenset({"response.completed", "response.incomplete", "response.failed"})
 _INCOMPLETE = {"length": "max_output_tokens", "content_filter": "content_filter"}
-
-
-class ResponseEventsError(LlmgwError):
-    """The state machine was used out of order (a bug in its caller)."""
-
-
-class NotResumable(ResponseEventsError):
-    """Stored events the machine cannot continue from (a gap in the numbering,
-    an item out of order, a function call left open)."""
-
-
-def initial_response(
-    request: ResponsesRequest, *, response_id: str, created_at: int
-) -> dict[str, Any]:
-    """The Response object before any output: every field the client reads,
-    explicit (``queued`` for a background response, else ``in_progress``)."""
-    choice = request.tool_choice
-    return {
-        "id": response_id,
-        "object": "response",
-        "created_at": created_at,
-        "status": "queued" if request.background else "in_progress",
-        "background": request.background,
-        "error": None,
-        "incomplete_details": None,
-        "instructions": request.instructions,
-        "max_output_tokens": request.max_output_tokens,
-        "metadata": request.metadata or {},
-        "model": request.model,
-        "output": [],
-        "parallel_tool_calls": request.parallel_tool_calls,
-        "previous_response_id": request.previous_response_id,
-        "store": request.store,
-        "temperature": request.temperature,
-        "top_p": request.top_p,
-        "text": {"format": request.text.format.model_dump(by_alias=True, exclude_none=True)},
-        "tool_choice": (
-            {"type": "function", "name": choice.name}
-            if isinstance(choice, ToolChoiceFunction)
-            else choice
-        ),
-        "tools": [t.model_dump() for t in request.tools],
-        "truncation": "disabled",
-        "usage": None,
-        "user": request.user,
-        "completed_at": None,
-    }
-
-
-def response_usage(chat_usage: dict[str, Any], carried_output_tokens: int = 0) -> dict[str, Any]:
-    """A chat ``usage`` as the Responses usage.
-
-    ``carried_output_tokens`` are output tokens of an earlier attempt that
-    this (continued) request took as part of its prompt: they move from
-    input to output, the total is unchanged.
-    """
-    prompt = int(chat_usage.get("prompt_tokens") or 0)
-    completion = int(chat_usage.get("completion_tokens") or 0)
-    carried = min(carried_output_tokens, prompt)
-    cached = int((chat_usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
-    reasoning = (chat_usage.get("completion_tokens_details") or {}).get("reasoning_tokens")
-    return {
-        "input_tokens": prompt - carried,
-        "input_tokens_details": {
-            "cached_tokens": min(cached, prompt - carried),
-            # Engines report no cache writes; OpenAI's client requires the field.
-            "cache_write_tokens": 0,
-        },
-        "output_tokens": completion + carried,
-        "output_tokens_details": {"reasoning_tokens": int(reasoning or 0)},
-        "total_tokens": prompt + completion,
-    }
-
-
-@dataclass
-class _Item:
-    """One output item, as far as it has been generated."""
-
-    kind: Literal["message", "function_call"]
-    id: str
-    chunks: list[str] = field(default_factory=list)  # the text, or the arguments
-    call_id: str = ""
-    name: str = ""
-    status: Status = "in_progress"
-
-    @property
-    def text(self) -> str:
-        return "".join(self.chunks)
-
-    def part(self) -> dict[str, Any]:
-        return {"type": "output_text", "text": self.text, "annotations": [], "logprobs": []}
-
-    def dump(self, empty: bool = False) -> dict[str, Any]:
-        """As OpenAI shapes it (``empty``: as announced by ``output_item.added``)."""
-        if self.kind == "message":
-            return {
-                "id": self.id,
-                "type": "message",
-                "status": self.status,
-                "role": "assistant",
-                "content": [] if empty else [self.part()],
-            }
-        return {
-            "id": self.id,
-            "type": "function_call",
-            "status": self.status,
-            "call_id": self.call_id,
-            "name": self.name,
-            "arguments": "" if empty else self.text,
-        }
 
 
 class ResponseEvents:
@@ -198,12 +96,12 @@ class ResponseEvents:
         self._created = False
         self._started = False
         self._terminal = False
-        self._items: list[_Item] = []
+        self._items: list[OutputItem] = []
         # Open items, by output index: the message text streams into, and the
         # calls of this attempt by the engine's tool-call index.
         self._message: int | None = None
         self._calls: dict[int, int] = {}
-        self._held: dict[int, _Item] = {}
+        self._held: dict[int, OutputItem] = {}
         self._finish_reason: str | None = None
         self._usage: dict[str, Any] | None = None
         self._stripper: PrefixStripper | None = None
@@ -352,7 +250,7 @@ class ResponseEvents:
                     f"event {seq} carries sequence_number {event.get('sequence_number')}"
                 )
             deltas += event["type"].endswith(".delta")
-            machine._replay(event)
+            replay(machine, event)
         machine._seq = len(events)
         open_calls = [
             i for i in machine._items if i.kind == "function_call" and i.status == "in_progress"
@@ -363,46 +261,6 @@ class ResponseEvents:
             machine._stripper = PrefixStripper(machine.partial_text)
         machine._carried = deltas if carried_output_tokens is None else carried_output_tokens
         return machine
-
-    def _replay(self, event: Event) -> None:
-        kind = event["type"]
-        if kind in _LIFECYCLE:
-            self._response = {**event["response"], "output": []}
-            self._created = True
-            self._started = self._started or kind not in ("response.created", "response.queued")
-            self._terminal = kind in _TERMINAL
-        elif kind == "response.output_item.added":
-            self._replay_added(event)
-        elif kind in ("response.output_text.delta", "response.function_call_arguments.delta"):
-            self._items[self._index(event)].chunks.append(event["delta"])
-        elif kind == "response.output_item.done":
-            index, done = self._index(event), event["item"]
-            item = self._items[index]
-            item.status = done["status"]
-            if item.kind == "message":
-                item.chunks = [p.get("text", "") for p in done["content"]]
-            else:
-                item.chunks = [done["arguments"]]
-            if self._message == index:
-                self._message = None
-
-    def _replay_added(self, event: Event) -> None:
-        added = event["item"]
-        if event["output_index"] != len(self._items):
-            raise NotResumable(f"item {added.get('id')} added at {event['output_index']}")
-        if added["type"] == "message":
-            self._message = len(self._items)
-            self._items.append(_Item("message", added["id"]))
-        else:
-            self._items.append(
-                _Item("function_call", added["id"], call_id=added["call_id"], name=added["name"])
-            )
-
-    def _index(self, event: Event) -> int:
-        index = event["output_index"]
-        if not isinstance(index, int) or not 0 <= index < len(self._items):
-            raise NotResumable(f"output_index {index} was never added")
-        return index
 
     # Output.
 
@@ -433,7 +291,7 @@ class ResponseEvents:
 
     def _open_message(self) -> list[Event]:
         index = len(self._items)
-        item = _Item("message", self._new_message_id())
+        item = OutputItem("message", self._new_message_id())
         self._items.append(item)
         self._message = index
         return [
@@ -484,9 +342,9 @@ class ResponseEvents:
             )
         return events
 
-    def _new_call(self, call: dict[str, Any]) -> _Item:
+    def _new_call(self, call: dict[str, Any]) -> OutputItem:
         function = call.get("function") or {}
-        return _Item(
+        return OutputItem(
             "function_call",
             self._new_call_item_id(),
             call_id=call.get("id") or self._new_call_id(),

@@ -22,6 +22,12 @@ Only whole-word pieces ("▁the" -> " the") survive, so greedy output is printab
 and generation always runs to ``max_tokens``.
 
 Run ``python -m llmgw_cli.dev.tinymodel OUT_DIR`` to write the files and print their paths.
+
+The same recipe with larger dimensions (:data:`BENCH`, ``--size bench``) writes a
+bigger random-weight model for benchmarks whose point is the prompt's prefill (the
+prefix-cache routing bench): the tiny model's prefill is so cheap that a cached
+prompt saves nothing measurable. Its figures, with one llama.cpp thread, are in
+:data:`BENCH`'s comment. The tiny model's bytes do not depend on it.
 """
 
 from __future__ import annotations
@@ -98,6 +104,57 @@ _SPACE = "\u2581"  # SentencePiece's visible space
 
 
 @dataclass(frozen=True)
+class Dims:
+    """A model's shape, and what makes its weights: the seed and its name."""
+
+    name: str
+    file: str
+    seed: int
+    n_layer: int
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    n_ff: int
+    n_ctx: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+
+TINY = Dims(
+    name="llmgw tiny test model",
+    file=MODEL_FILE,
+    seed=_MODEL_SEED,
+    n_layer=N_LAYER,
+    n_embd=N_EMBD,
+    n_head=N_HEAD,
+    n_head_kv=N_HEAD_KV,
+    n_ff=N_FF,
+    n_ctx=N_CTX,
+)
+# For tests/bench/bench_prefix.py: 4 layers, hidden 256, 8 query / 4 KV heads, FFN 768,
+# F32 (13.7 MB). On the 2-core AVX-512 dev VM, one thread, the wheel's llama-server:
+# a ~1,030-token prompt's prefill took 199-278 ms (timings.prompt_ms) and one decoded
+# token 5.6 ms (predicted_per_token_ms), 36-50x; 2x128 and 4x128 were as lopsided but
+# their prefill (40-120 ms) too close to a loaded router's own milliseconds, 6x384
+# too slow for four replicas on two cores. Its KV cache is 2 KiB per token (F16), so
+# llama.cpp's default 8 GiB host prompt cache (--cache-ram) holds ~4M of its tokens.
+BENCH = Dims(
+    name="llmgw prefill bench model",
+    file="bench-llama.gguf",
+    seed=20261206,
+    n_layer=4,
+    n_embd=256,
+    n_head=8,
+    n_head_kv=4,
+    n_ff=768,
+    n_ctx=16384,  # four slots of W2's ~2,100-token prompts, and room
+)
+SIZES = {"tiny": TINY, "bench": BENCH}
+
+
+@dataclass(frozen=True)
 class TinyModel:
     model_path: Path
     adapters: dict[str, Path]
@@ -134,20 +191,20 @@ def _normal(rng: np.random.Generator, shape: tuple[int, ...], scale: float) -> F
     return (rng.standard_normal(shape) * scale).astype(np.float32)
 
 
-def _layer_tensors(rng: np.random.Generator, i: int) -> dict[str, F32]:
+def _layer_tensors(rng: np.random.Generator, i: int, d: Dims = TINY) -> dict[str, F32]:
     """One transformer block; numpy shapes are (n_out, n_in), GGUF stores them reversed."""
-    kv = N_HEAD_KV * HEAD_DIM
-    inv = 1.0 / np.sqrt(N_EMBD)
+    kv = d.n_head_kv * d.head_dim
+    inv = 1.0 / np.sqrt(d.n_embd)
     t = {
-        "attn_norm": np.ones(N_EMBD, dtype=np.float32),
-        "attn_q": _normal(rng, (N_HEAD * HEAD_DIM, N_EMBD), 2.0 * inv),
-        "attn_k": _normal(rng, (kv, N_EMBD), 2.0 * inv),
-        "attn_v": _normal(rng, (kv, N_EMBD), inv),
-        "attn_output": _normal(rng, (N_EMBD, N_HEAD * HEAD_DIM), inv),
-        "ffn_norm": np.ones(N_EMBD, dtype=np.float32),
-        "ffn_gate": _normal(rng, (N_FF, N_EMBD), inv),
-        "ffn_up": _normal(rng, (N_FF, N_EMBD), inv),
-        "ffn_down": _normal(rng, (N_EMBD, N_FF), 1.0 / np.sqrt(N_FF)),
+        "attn_norm": np.ones(d.n_embd, dtype=np.float32),
+        "attn_q": _normal(rng, (d.n_head * d.head_dim, d.n_embd), 2.0 * inv),
+        "attn_k": _normal(rng, (kv, d.n_embd), 2.0 * inv),
+        "attn_v": _normal(rng, (kv, d.n_embd), inv),
+        "attn_output": _normal(rng, (d.n_embd, d.n_head * d.head_dim), inv),
+        "ffn_norm": np.ones(d.n_embd, dtype=np.float32),
+        "ffn_gate": _normal(rng, (d.n_ff, d.n_embd), inv),
+        "ffn_up": _normal(rng, (d.n_ff, d.n_embd), inv),
+        "ffn_down": _normal(rng, (d.n_embd, d.n_ff), 1.0 / np.sqrt(d.n_ff)),
     }
     # Blocks add their outputs to the residual; keeping these rows zero keeps the
     # suppression dimension at exactly _BIAS_VALUE.
@@ -156,17 +213,17 @@ def _layer_tensors(rng: np.random.Generator, i: int) -> dict[str, F32]:
     return {f"blk.{i}.{name}.weight": w for name, w in t.items()}
 
 
-def _model_tensors(vocab: _Vocab) -> dict[str, F32]:
-    rng = np.random.default_rng(_MODEL_SEED)
+def _model_tensors(vocab: _Vocab, d: Dims = TINY) -> dict[str, F32]:
+    rng = np.random.default_rng(d.seed)
     n_vocab = len(vocab.tokens)
-    embd = _normal(rng, (n_vocab, N_EMBD), 1.0)
+    embd = _normal(rng, (n_vocab, d.n_embd), 1.0)
     embd[:, _BIAS_DIM] = _BIAS_VALUE
-    out = _normal(rng, (n_vocab, N_EMBD), 1.0 / np.sqrt(N_EMBD))
+    out = _normal(rng, (n_vocab, d.n_embd), 1.0 / np.sqrt(d.n_embd))
     out[:, _BIAS_DIM] = np.where(vocab.emittable, 0.0, _SUPPRESS)
     tensors = {"token_embd.weight": embd}
-    for i in range(N_LAYER):
-        tensors.update(_layer_tensors(rng, i))
-    tensors["output_norm.weight"] = np.ones(N_EMBD, dtype=np.float32)
+    for i in range(d.n_layer):
+        tensors.update(_layer_tensors(rng, i, d))
+    tensors["output_norm.weight"] = np.ones(d.n_embd, dtype=np.float32)
     tensors["output.weight"] = out
     return tensors
 
@@ -187,17 +244,17 @@ def _adapter_tensors(seed: int) -> dict[str, F32]:
     return tensors
 
 
-def _model_metadata(w: gguf.GGUFWriter, vocab: _Vocab) -> None:
-    w.add_name("llmgw tiny test model")
+def _model_metadata(w: gguf.GGUFWriter, vocab: _Vocab, d: Dims = TINY) -> None:
+    w.add_name(d.name)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
     w.add_vocab_size(len(vocab.tokens))
-    w.add_context_length(N_CTX)
-    w.add_embedding_length(N_EMBD)
-    w.add_block_count(N_LAYER)
-    w.add_feed_forward_length(N_FF)
-    w.add_head_count(N_HEAD)
-    w.add_head_count_kv(N_HEAD_KV)
-    w.add_rope_dimension_count(HEAD_DIM)
+    w.add_context_length(d.n_ctx)
+    w.add_embedding_length(d.n_embd)
+    w.add_block_count(d.n_layer)
+    w.add_feed_forward_length(d.n_ff)
+    w.add_head_count(d.n_head)
+    w.add_head_count_kv(d.n_head_kv)
+    w.add_rope_dimension_count(d.head_dim)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_tokenizer_model("llama")
     w.add_token_list(vocab.tokens)
@@ -268,11 +325,31 @@ def generate_tiny_model(out_dir: Path) -> TinyModel:
     return TinyModel(model_path=model_path, adapters=adapters)
 
 
+def generate_model(out_dir: Path, dims: Dims) -> Path:
+    """Write (as generate_tiny_model does: idempotent, atomic) the base model of
+    ``dims`` alone, no adapters, into out_dir; its path."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    vocab = _build_vocab()
+    path = out_dir / dims.file
+    _write_gguf(path, partial(_model_metadata, vocab=vocab, d=dims), _model_tensors(vocab, dims))
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
+    size = "tiny"
+    if len(args) == 3 and args[0] == "--size" and args[1] in SIZES:
+        size, args = args[1], args[2:]
     if len(args) != 1:
-        print("usage: python -m llmgw_cli.dev.tinymodel OUT_DIR", file=sys.stderr)
+        print(
+            f"usage: python -m llmgw_cli.dev.tinymodel [--size {'|'.join(SIZES)}] OUT_DIR",
+            file=sys.stderr,
+        )
         return 2
+    if size != "tiny":
+        print(f"model {generate_model(Path(args[0]), SIZES[size])}")
+        return 0
     tiny = generate_tiny_model(Path(args[0]))
     print(f"model {tiny.model_path}")
     for name, path in tiny.adapters.items():

@@ -18,6 +18,7 @@ and the workflow-side :meth:`Signal.send` only call the deterministic
 ``temporalio.workflow`` API.
 """
 
+import contextlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -26,6 +27,8 @@ from typing import Any, Generic, TypeVar
 from pydantic import BaseModel, RootModel
 from temporalio import workflow
 from temporalio.client import Client, WorkflowHandle, WorkflowUpdateHandle, WorkflowUpdateStage
+from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
+from temporalio.exceptions import WorkflowAlreadyStartedError
 
 from llmgw.types import (
     AdapterCall,
@@ -132,6 +135,21 @@ class WorkflowType(Generic[I, R]):
             self.name, arg, id=id, task_queue=task_queue, result_type=self.result, **options
         )
         return handle
+
+    async def start_once(
+        self, client: Client, arg: I, *, id: str, task_queue: str, rpc_timeout: timedelta
+    ) -> None:
+        """Start it unless a workflow with ``id`` runs or ran already: one that
+        runs is joined (USE_EXISTING), a finished one's id is refused and the
+        refusal is no error. Safe to repeat: the jobs' starts (the router's,
+        and the sweeper's for the rows no router started) go through here."""
+        with contextlib.suppress(WorkflowAlreadyStartedError):
+            await self.start(
+                client, arg, id=id, task_queue=task_queue,
+                id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+                id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
+                rpc_timeout=rpc_timeout,
+            )  # fmt: skip
 
     async def execute(
         self, client: Client, arg: I, *, id: str, task_queue: str, **options: Any

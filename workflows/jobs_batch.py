@@ -49,7 +49,7 @@ with workflow.unsafe.imports_passed_through():
 # Store and router calls: retried until they work (a router or the store
 # down for a while only delays the batch).
 RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=30))
-# A chunk's lines heartbeat at least every 2 s (activities/control/jobs.py).
+# A chunk's lines heartbeat at least every 2 s (activities/control/jobs_chunks.py).
 CHUNK_HEARTBEAT = timedelta(seconds=10)
 CHUNK_TIMEOUT = timedelta(hours=6)
 SHORT = timedelta(seconds=30)

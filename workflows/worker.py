@@ -17,8 +17,10 @@ from temporalio.client import Client
 from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.worker import Worker
 
-from activities.control.jobs import JobActivities, RouterClient, Sweeper
+from activities.control.jobs import JobActivities
+from activities.control.jobs_sweeper import Sweeper
 from activities.control.replicas import ControlActivities
+from activities.control.router_client import RouterClient
 from llmgw import contracts
 from llmgw import search_attributes as sa
 from llmgw.engine_keys import EngineKeySource, engine_key

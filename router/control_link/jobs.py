@@ -3,10 +3,11 @@ from the router: fire and forget, never on the request's path.
 
 ``POST /v1/batches`` and a background ``POST /v1/responses`` insert their row,
 answer, and call ``start_batch``/``start_response``: a background task starts
-the workflow (USE_EXISTING, and a duplicate of a finished one refused: a
-start is idempotent) within a short RPC timeout and marks the row started.
+the workflow (``WorkflowType.start_once``: USE_EXISTING, and a duplicate of a
+finished one refused: a start is idempotent) within a short RPC timeout and
+marks the row started (``llmgw.store.job_rows.mark_started``).
 A start that fails (Temporal down, this router killed meanwhile) is only
-logged: the control worker's sweeper (activities/control/jobs.py) starts
+logged: the control worker's sweeper (activities/control/jobs_sweeper.py) starts
 rows left unstarted after a few seconds, and re-sends cancels for batches
 still ``cancelling``, so nothing here needs to succeed for the job to run.
 """
@@ -19,14 +20,12 @@ from collections.abc import Awaitable, Callable
 from datetime import timedelta
 from typing import Protocol
 
-from sqlalchemy import update
 from temporalio.client import Client
-from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
-from temporalio.exceptions import WorkflowAlreadyStartedError
 
 from llmgw import contracts
 from llmgw.queues import EXEC_QUEUE, batch_workflow_id, response_workflow_id
 from llmgw.store import Store
+from llmgw.store.job_rows import mark_started
 from llmgw.store.openai_tables import BatchRecord, ResponseRecord
 from llmgw.types import BatchRun, CancelJob, ResponseRun
 
@@ -128,24 +127,18 @@ class Jobs:
         if expires_at is None:
             return
         run = BatchRun(batch_id=batch_id, expires_at=float(expires_at))
-        with contextlib.suppress(WorkflowAlreadyStartedError):
-            await contracts.BATCH.start(
-                client, run, id=batch_workflow_id(batch_id), task_queue=self._queue,
-                id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
-                id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
-                rpc_timeout=RPC_TIMEOUT,
-            )  # fmt: skip
+        await contracts.BATCH.start_once(
+            client, run, id=batch_workflow_id(batch_id), task_queue=self._queue,
+            rpc_timeout=RPC_TIMEOUT,
+        )  # fmt: skip
         await asyncio.to_thread(self._mark, BatchRecord, batch_id)
 
     async def _start_response(self, client: Client, response_id: str) -> None:
-        with contextlib.suppress(WorkflowAlreadyStartedError):
-            await contracts.RESPONSE.start(
-                client, ResponseRun(response_id=response_id),
-                id=response_workflow_id(response_id), task_queue=self._queue,
-                id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
-                id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
-                rpc_timeout=RPC_TIMEOUT,
-            )  # fmt: skip
+        await contracts.RESPONSE.start_once(
+            client, ResponseRun(response_id=response_id),
+            id=response_workflow_id(response_id), task_queue=self._queue,
+            rpc_timeout=RPC_TIMEOUT,
+        )  # fmt: skip
         await asyncio.to_thread(self._mark, ResponseRecord, response_id)
 
     def _expires_at(self, batch_id: str) -> int | None:
@@ -154,14 +147,7 @@ class Jobs:
             return row.expires_at if row is not None else None
 
     def _mark(self, table: type[BatchRecord | ResponseRecord], row_id: str) -> None:
-        t = table.__table__  # type: ignore[union-attr]
-        with self._store.session() as session:
-            session.connection().execute(
-                update(t)
-                .where(t.c.id == row_id, t.c.started_at.is_(None))
-                .values(started_at=int(time.time()))
-            )
-            session.commit()
+        mark_started(self._store, table, row_id, int(time.time()))
 
 
 class FakeJobs:

@@ -23,7 +23,8 @@ from temporalio.client import Client, WorkflowHandle
 from temporalio.testing import ActivityEnvironment
 from temporalio.worker import Worker
 
-from activities.control.jobs import JobActivities, RouterClient
+from activities.control.jobs import JobActivities
+from activities.control.router_client import RouterClient
 from llmgw import contracts
 from llmgw.engine_keys import exec_token
 from llmgw.queues import batch_workflow_id

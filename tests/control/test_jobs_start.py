@@ -11,7 +11,7 @@ from pathlib import Path
 from temporalio.client import Client
 from temporalio.common import WorkflowIDReusePolicy
 
-from activities.control.jobs import Sweeper
+from activities.control.jobs_sweeper import Sweeper
 from llmgw import contracts
 from llmgw.queues import response_workflow_id
 from llmgw.store import Store

@@ -49,6 +49,7 @@ from starlette.types import Send
 
 from llmgw.engine_keys import EngineKeyFn
 from llmgw.errors import LlmgwError, UpstreamConnectError, UpstreamError
+from llmgw.types import RoutingPolicy
 from router.affinity.affinity import Affinity
 from router.affinity.chunks import PromptKey
 from router.affinity.policy import Choice
@@ -67,6 +68,8 @@ log = logging.getLogger(__name__)
 # Passive health: how long an engine that refused a connection is passed
 # over while another replica can serve (router.forwarding.health probes the lost ones).
 PASSIVE_EJECT_S = 5.0
+# A model outside the catalog (deployed by hand) routes by the defaults.
+_DEFAULT_ROUTING = RoutingPolicy()
 # Engine headers kept per replica id (cleared past this: replicas come and go).
 MAX_CACHED_REPLICAS = 10_000
 
@@ -205,7 +208,13 @@ class Proxy:
         """The affinity's order of ``candidates``, counted and on the span."""
         assert self._affinity is not None
         spec = self._table.specs.get(call.model)
-        choice = self._affinity.choose(spec, candidates, call.prompt_key)
+        key = call.prompt_key
+        floor = (spec.routing if spec is not None else _DEFAULT_ROUTING).min_match_tokens
+        # A prompt too short for its cached prefix to be worth anything goes
+        # where the load says, as before ("hi" to every replica in turn);
+        # its chain is still recorded once served.
+        asked = key if key is not None and key.prompt_tokens >= floor else None
+        choice = self._affinity.choose(spec, candidates, asked)
         self._metrics.route_chosen(call.model, choice.reason.value)
         if call.traced:
             span = trace.get_current_span()

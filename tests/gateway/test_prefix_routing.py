@@ -186,8 +186,9 @@ async def ask(
     key: str,
     messages: list[dict[str, str]],
     stream: bool = False,
+    *,
     headers: dict[str, str] | None = None,
-    **extra: Any,
+    **extra: str,
 ) -> httpx.Response:
     body = {"model": M, "messages": messages, "max_tokens": 2, "stream": stream, **extra}
     r = await gw.http.post("/v1/chat/completions", json=body, headers=auth(key) | (headers or {}))
@@ -210,7 +211,7 @@ async def test_a_follow_up_turn_goes_where_its_history_is_cached(
             again = await ask(r.gw, key, turns("c1", n), stream)
             assert again.headers["x-llmgw-replica"] == first
         spans = exporter.get_finished_spans()
-        attrs = [dict(s.attributes or {}) for s in spans]
+        attrs: list[dict[str, Any]] = [dict(s.attributes or {}) for s in spans]
         # Nothing held anywhere: the rendezvous choice; then the cached prefix.
         assert attrs[0]["llmgw.route.reason"] == "rendezvous"
         assert attrs[0]["llmgw.route.predicted_cached_tokens"] == 0
@@ -230,7 +231,7 @@ async def test_a_follow_up_turn_goes_where_its_history_is_cached(
         prompt = TOKENS_PER_MESSAGE * (2 + 4 + 6 + 8)
         assert f"llmgw_router_prompt_tokens_total{labels} {float(prompt)}" in text
         assert f"llmgw_router_cached_tokens_total{labels} {float(cached)}" in text
-        predicted = sum(a["llmgw.route.predicted_cached_tokens"] for a in attrs)  # type: ignore[misc]
+        predicted = sum(a["llmgw.route.predicted_cached_tokens"] for a in attrs)
         line = f"llmgw_router_prefix_predicted_tokens_total{labels} {float(predicted)}"
         assert line in text
 
@@ -359,3 +360,16 @@ async def until(cond: Callable[[], bool], timeout_s: float = 10) -> None:
     async with asyncio.timeout(timeout_s):
         while not cond():
             await asyncio.sleep(0.01)
+
+
+async def test_a_prompt_too_short_to_cache_goes_where_the_load_says(tmp_path: Path) -> None:
+    async with routed(tmp_path) as r:
+        _, key = r.gw.key()
+        short = [{"role": "user", "content": "hi"}]  # far below min_match_tokens
+        where = [(await ask(r.gw, key, short)).headers["x-llmgw-replica"] for _ in range(3)]
+        assert sorted(where) == ["r1", "r2", "r3"]  # taking turns, as before
+        text = await metrics(r.gw)
+        assert f'llmgw_router_route_choices_total{{model="{M}",reason="least_loaded"}} 3.0' in text
+        # Each was still recorded where it was served.
+        assert len(r.affinity.served_calls) == 3
+        assert all(s.key is not None for s in r.affinity.served_calls)

@@ -188,9 +188,9 @@ async def ask(
     stream: bool = False,
     *,
     headers: dict[str, str] | None = None,
-    **extra: str,
+    extra: dict[str, str] | None = None,
 ) -> httpx.Response:
-    body = {"model": M, "messages": messages, "max_tokens": 2, "stream": stream, **extra}
+    body = {"model": M, "messages": messages, "max_tokens": 2, "stream": stream, **(extra or {})}
     r = await gw.http.post("/v1/chat/completions", json=body, headers=auth(key) | (headers or {}))
     assert r.status_code == 200, r.text
     return r
@@ -318,7 +318,7 @@ async def test_sticky_keys_from_the_session_header_or_user(
 ) -> None:
     async with routed(tmp_path) as r:
         key_id, key = r.gw.key()
-        await ask(r.gw, key, turns("c7", 1), headers=headers, **extra)
+        await ask(r.gw, key, turns("c7", 1), headers=headers, extra=extra)
         [made] = r.affinity.keys
         assert made is not None
         assert made.sticky == (sticky.format(key_id=key_id) if sticky else None)

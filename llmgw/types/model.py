@@ -112,8 +112,9 @@ class RoutingPolicy(BaseModel):
     min_match_tokens: int = Field(
         default=64,
         ge=0,
-        description="a cached prefix shorter than this (estimated tokens) does not count:"
-        " the request goes where the conversation's hash puts it",
+        description="prefix: the request goes to the replica the conversation's hash"
+        " picks unless another holds at least this many more tokens (estimated) of its"
+        " prompt cached; lower follows shorter shared prefixes, higher spreads more",
     )
 
 

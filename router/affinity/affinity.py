@@ -70,10 +70,12 @@ class _Sticky:
 class Affinity:
     """Per-model prefix indexes and sticky keys of one router."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, clock: Callable[[], float] = time.monotonic, max_sticky: int = MAX_STICKY
+    ) -> None:
         self._clock = clock
+        self._max_sticky = max_sticky
         self._indexes: dict[str, PrefixIndex] = {}
-        self._policies: dict[str, RoutingPolicy] = {}
         self._sticky: OrderedDict[tuple[str, str], _Sticky] = OrderedDict()
         self._turns: dict[str, itertools.count[int]] = {}
 
@@ -85,7 +87,6 @@ class Affinity:
             return choose(RoutingPolicy(), [], key, PrefixIndex(1), None, 0)
         model = spec.name if spec is not None else candidates[0].model
         policy = spec.routing if spec is not None else RoutingPolicy()
-        self._policies[model] = policy
         index = self._index(model, spec)
         turn = next(self._turns.setdefault(model, itertools.count()))
         sticky_replica, sticky_tokens = None, 0
@@ -127,7 +128,7 @@ class Affinity:
             entry = (model, key.sticky)
             self._sticky[entry] = _Sticky(replica_id, key.chunks[-1].digest, self._clock())
             self._sticky.move_to_end(entry)
-            while len(self._sticky) > MAX_STICKY:
+            while len(self._sticky) > self._max_sticky:
                 self._sticky.popitem(last=False)
 
     def forget(self, replica_id: str) -> None:

@@ -7,6 +7,11 @@ are chained, ``d_i = H(d_{i-1}, content_i)``: equal digests mean equal
 prompts up to there, which is what an engine's prefix cache needs, so a
 changed earlier message changes every later digest.
 
+The lead, through the first chunk of the first message past the system
+prompt, is what routers hash to agree on a replica for a conversation none
+of them has seen: distinct conversations spread, and questions that open
+with the same document (longer than a chunk) meet on one replica.
+
 Digests are blake2b, never Python's ``hash()``: that is salted per process,
 and routers that never talked must compute the same digests.
 """
@@ -21,7 +26,9 @@ from dataclasses import dataclass
 # Estimated characters per token: prompts are not tokenized in the router.
 CHARS_PER_TOKEN = 4
 # Roles an engine renders before the conversation proper: the conversation's
-# lead (its rendezvous key) runs through the first message of another role.
+# lead (its rendezvous key) runs through the first chunk of another role's
+# first message, so what differs between conversations is in it, and what
+# they share (a system prompt, tools) is before it.
 SYSTEM_ROLES = frozenset({"system", "developer"})
 _SEED = 0x6C6C6D6777  # the chain's start ("llmgw"): an empty prefix
 
@@ -40,10 +47,15 @@ class PromptKey:
 
     chunks: tuple[Chunk, ...]
     # Rendezvous key of the conversation: the chained digest through the first
-    # non-system message, or of ``sticky`` when given.
+    # chunk of the first non-system message (the whole message when shorter
+    # than a chunk), or of ``sticky`` when given.
     lead: int
     sticky: str | None  # "session:<v>" | "user:<v>" | None (namespaced by the caller)
     prompt_tokens: int  # estimate: the sum of the chunks' tokens
+    # Tokens before that chunk (whatever ``sticky``): the head conversations
+    # share (system prompt, tools), which the routing rule assumes every
+    # replica holds or soon will.
+    head_tokens: int = 0
 
 
 def digest(previous: int, content: bytes) -> int:
@@ -73,7 +85,7 @@ def prompt_key(
         chunks = tuple(_chain(_SEED, [prompt], chunk_tokens))
         if not chunks:
             return None
-        return _key(chunks, chunks[0].digest, sticky)
+        return _key(chunks, 1, sticky)
     return None
 
 
@@ -96,20 +108,25 @@ def _chat_key(
     if not texts:
         return None
     chunks: list[Chunk] = []
-    lead = _SEED
-    previous = _SEED
+    lead = 0
     for i, text in enumerate(texts):
-        chunks.extend(_chain(previous, [text], chunk_tokens))
-        previous = chunks[-1].digest
-        if i == lead_at or (lead_at < 0 and i == len(texts) - 1):
-            lead = previous
-    return _key(tuple(chunks), lead, sticky)
+        if i == lead_at:
+            lead = len(chunks) + 1  # the first chunk of that message
+        chunks.extend(_chain(chunks[-1].digest if chunks else _SEED, [text], chunk_tokens))
+    return _key(tuple(chunks), lead or len(chunks), sticky)
 
 
 def _key(chunks: tuple[Chunk, ...], lead: int, sticky: str | None) -> PromptKey:
-    if sticky is not None:
-        lead = digest(_SEED, b"sticky\0" + sticky.encode())
-    return PromptKey(chunks, lead, sticky, sum(c.tokens for c in chunks))
+    """The key of ``chunks`` whose lead is the chunk numbered ``lead`` (from one)."""
+    head = chunks[:lead]
+    sticky_lead = digest(_SEED, b"sticky\0" + sticky.encode()) if sticky is not None else None
+    return PromptKey(
+        chunks,
+        head[-1].digest if sticky_lead is None else sticky_lead,
+        sticky,
+        sum(c.tokens for c in chunks),
+        sum(c.tokens for c in head[:-1]),
+    )
 
 
 def _chain(previous: int, texts: list[str], chunk_tokens: int) -> Iterator[Chunk]:

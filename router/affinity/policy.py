@@ -9,11 +9,14 @@ one (the proxy fails over down the list). The rule (docs/guides/routing.md):
 - ``round_robin``: that order rotated by the request's turn.
 - ``session``: rendezvous hash of the conversation's lead among the
   replicas within ``balance_slack`` of the least loaded.
-- ``prefix``: among the replicas within the slack, the one holding the
-  longest cached prefix (at least ``min_match_tokens``); ties and no match
-  by rendezvous of the lead, so routers that never talked send a new
-  conversation to the same replica. When the best-cached replica overall
-  was outside the slack, the reason is BALANCE.
+- ``prefix``: among the replicas within the slack, the conversation's own
+  replica (rendezvous hash of its lead), unless another holds at least
+  ``min_match_tokens`` more of the prompt than it (the favourite counting
+  as holding the prompt's head, what precedes the lead): then the one holding
+  most (ties by rendezvous). Routers that never talked thus send a new
+  conversation, and the turns of one they did not see, to the same
+  replica; a shared system prompt pulls nowhere. When a replica past the
+  slack held that much more than the chosen one, the reason is BALANCE.
 """
 
 from __future__ import annotations
@@ -93,22 +96,23 @@ def choose(
     scores = {r.replica_id: index.match(r.replica_id, key) for r in routes}
     if sticky_replica in scores and sticky_tokens > scores[sticky_replica]:
         scores[sticky_replica] = sticky_tokens
-    floor = policy.min_match_tokens
-    best_anywhere = max(scores.values())
+    gain = max(1, policy.min_match_tokens)
+    favourite = _hashed(key.lead, within)
     best_within = max(scores[r.replica_id] for r in within)
-    if best_within > 0 and best_within >= floor:
-        tied = [r for r in within if scores[r.replica_id] == best_within]
-        chosen = _hashed(key.lead, tied)
-        reason = Reason.PREFIX
-        if (
-            chosen.replica_id == sticky_replica
-            and index.match(chosen.replica_id, key) < best_within
-        ):
-            reason = Reason.STICKY
-    else:
-        chosen, reason = _hashed(key.lead, within), Reason.RENDEZVOUS
-    if best_anywhere > best_within and best_anywhere >= floor:
-        reason = Reason.BALANCE
+    chosen = favourite
+    # The head (system prompt, tools: what precedes the lead) is assumed held
+    # by the favourite too: every replica holds it once it served
+    # it, and following it would pile new conversations onto whichever replica
+    # served it first, differently in each router.
+    credited = max(scores[favourite.replica_id], min(best_within, key.head_tokens))
+    if best_within - credited >= gain:
+        chosen = _hashed(key.lead, [r for r in within if scores[r.replica_id] == best_within])
+    score = scores[chosen.replica_id]
+    reason = Reason.PREFIX if score >= gain else Reason.RENDEZVOUS
+    if chosen.replica_id == sticky_replica and index.match(chosen.replica_id, key) < score:
+        reason = Reason.STICKY
+    if max(scores.values()) - score >= gain:
+        reason = Reason.BALANCE  # a replica past the slack held significantly more
     return Choice(_first(routes, chosen), reason, scores[chosen.replica_id])
 
 

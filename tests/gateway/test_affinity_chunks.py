@@ -4,13 +4,14 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Mapping
 
 from router.affinity.chunks import CHARS_PER_TOKEN, PromptKey, prompt_key
 
 SYSTEM = {"role": "system", "content": "You are terse. " * 40}
 
 
-def _chat(*messages: dict[str, object], **extra: object) -> dict[str, object]:
+def _chat(*messages: Mapping[str, object], **extra: object) -> dict[str, object]:
     return {"model": "m", "messages": list(messages), **extra}
 
 

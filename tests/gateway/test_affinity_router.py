@@ -14,7 +14,8 @@ from router.affinity.policy import Choice, Reason, rendezvous
 from router.control_link.routing import Route
 
 IDS = ["r0", "r1", "r2", "r3"]
-SYSTEM = {"role": "system", "content": "Answer in one word. " * 200}  # ~1000 tokens
+# ~1000 tokens of system prompt, shared by every conversation.
+SYSTEM: dict[str, object] = {"role": "system", "content": "Answer in one word. " * 200}
 
 
 def _spec(name: str = "m", context: int = 100_000, **routing: object) -> ModelSpec:

@@ -28,7 +28,7 @@ from tests.conftest import EngineWatch, source_build_wanted
 from tests.harness import engine_cache, free_port, port_open
 from worker_agent.engines import Launchers, LlamaCppPlanner, LoraAdapter, NodeFacts, ShardRequest
 from worker_agent.installs import llamacpp as engine_install
-from worker_agent.installs import portable_server
+from worker_agent.installs import llamacpp_build, portable_server, relocate
 from worker_agent.installs.llamacpp import (
     LlamaCppInstall,
     cache_key,
@@ -147,7 +147,7 @@ def test_wheel_only_for_x86_with_the_avx512_extensions() -> None:
 def test_cache_key_is_stable() -> None:
     key = cache_key("x86_64", SPR)
     assert key == cache_key("x86_64", frozenset(sorted(SPR, reverse=True)))
-    assert key.startswith(f"x86_64-{engine_install.SOURCE_VERSION}-")
+    assert key.startswith(f"x86_64-{llamacpp_build.SOURCE_VERSION}-")
     assert "/" not in key and len(key) < 64  # usable as one directory name
 
 
@@ -233,8 +233,8 @@ def test_the_portable_server_names_the_title_variable_the_supervisor_sets() -> N
 
 def test_the_portable_launcher_runs_an_interpreter_every_user_can_run() -> None:
     """Engines may run as another user: pyenv's Python under a 0700 /root is not one."""
-    python = engine_install._engine_python()
-    assert engine_install._world_reachable(Path(python).resolve()), python
+    python = relocate.engine_python()
+    assert relocate.world_reachable(Path(python).resolve()), python
     run = subprocess.run(
         [python, "-c", "import sys; print(sys.version_info >= (3, 10))"],
         capture_output=True, text=True, timeout=60, check=False,
@@ -353,7 +353,7 @@ def _stage_build(cache: Path, *, marker: bool = True) -> Path:
     key = cache_key(platform.machine(), engine_install._read_cpu_flags())
     target = cache.resolve() / "llama.cpp" / key
     (target / "bin").mkdir(parents=True)
-    for name in engine_install.TARGETS:
+    for name in llamacpp_build.TARGETS:
         script = target / "bin" / name
         script.write_text("#!/bin/sh\necho fake\n")
         script.chmod(0o755)
@@ -420,11 +420,11 @@ def test_source_tree_is_the_llama_cpp_project(tmp_path: Path) -> None:
             info = tarfile.TarInfo(name)
             info.size = len(text.encode())
             tar.addfile(info, io.BytesIO(text.encode()))
-    src = engine_install._source_tree(archive, tmp_path / "x")
+    src = llamacpp_build._source_tree(archive, tmp_path / "x")
     assert src == tmp_path / "x" / "pkg-1.0" / "llama.cpp"
-    assert "-DLLAMA_CURL=OFF" not in engine_install._configure_command(src, tmp_path / "b")
+    assert "-DLLAMA_CURL=OFF" not in llamacpp_build._configure_command(src, tmp_path / "b")
     (src / "CMakeLists.txt").write_text('project("llama.cpp")\noption(LLAMA_CURL "curl" ON)\n')
-    assert "-DLLAMA_CURL=OFF" in engine_install._configure_command(src, tmp_path / "b")
+    assert "-DLLAMA_CURL=OFF" in llamacpp_build._configure_command(src, tmp_path / "b")
 
 
 def test_failed_step_reports_log_path_and_tail(tmp_path: Path) -> None:
@@ -561,7 +561,7 @@ def test_copies_are_readable_by_all_and_links_only_where_the_original_is(
     (source / "sub").chmod(0o700)
     old = os.umask(0o077)
     try:
-        engine_install._place_copy(source, tmp_path / "cache" / "pkg", None)
+        relocate.place_copy(source, tmp_path / "cache" / "pkg", None)
     finally:
         os.umask(old)
     copy = tmp_path / "cache" / "pkg"

@@ -15,12 +15,11 @@ from llmgw.types import EngineInstallInfo, EngineKind
 from worker_agent.engines import EnginePlanner, Launchers, VllmPlanner, default_planners
 from worker_agent.installs.llamacpp import (
     PORTABLE_PACKAGE,
-    SOURCE_PACKAGE,
-    SOURCE_VERSION,
     WHEEL_PACKAGE,
     LlamaCppInstall,
     find_llama_cpp,
 )
+from worker_agent.installs.llamacpp_build import SOURCE_PACKAGE, SOURCE_VERSION
 from worker_agent.installs.vllm import (
     CPU_PACKAGE,
     GPU_PACKAGE,

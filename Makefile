@@ -34,7 +34,7 @@ docs: $(STAMP)
 
 ## Also this clone's directories in the system dir (LLMGW_SYSTEM_DIR, default
 ## /var/lib/llmgw), which an agent run as root makes for a work dir its engine
-## user cannot reach (worker_agent/users.py system_place): each is found by its
+## user cannot reach (worker_agent/system_dir.py system_place): each is found by its
 ## work-dir note naming a work dir in this clone; other clones' are left alone.
 clean:
 	rm -rf $(VENV) .llmgw .llmgw-test .mypy_cache .ruff_cache

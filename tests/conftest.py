@@ -143,7 +143,7 @@ def no_system_place_outlives_the_run(tmp_path_factory: pytest.TempPathFactory) -
 
     An agent running as root whose engine user cannot reach its work dir (all
     of pytest's are under a 0700 dir) makes ``<system dir>/<digest>/`` for it,
-    which outlives the work dir (worker_agent/users.py ``system_place``). Only
+    which outlives the work dir (worker_agent/system_dir.py ``system_place``). Only
     places naming a work dir under this run's base temp dir, or under the
     temp dir and gone, are removed: another clone's are not the tests'.
     """

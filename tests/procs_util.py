@@ -57,7 +57,7 @@ def agent_places(work: Path) -> list[Path]:
 
     The work dir itself, and the place an agent running as root makes for a
     work dir its engine user cannot reach: ``<system dir>/<digest>/``, named
-    by the ``work-dir`` note in it (worker_agent/users.py ``system_place``).
+    by the ``work-dir`` note in it (worker_agent/system_dir.py ``system_place``).
     """
     work = work.resolve()
     places = [work]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from worker_agent.users import system_place
+from worker_agent.system_dir import system_place
 
 REPO = Path(__file__).resolve().parents[1]
 

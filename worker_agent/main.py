@@ -62,14 +62,14 @@ from worker_agent.launch import Launcher
 from worker_agent.shard_record import ShardRecord
 from worker_agent.shard_service import ShardService
 from worker_agent.supervisor import RunningShard, Supervisor
+from worker_agent.system_dir import system_base
+from worker_agent.system_users import SystemUsers
 from worker_agent.terminal import detach_terminal
 from worker_agent.users import (
     EngineIdentity,
-    SystemUsers,
     engine_identity,
     reachable,
     require_reach,
-    system_base,
 )
 from worker_agent.weights import WeightsCache
 

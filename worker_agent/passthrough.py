@@ -56,7 +56,7 @@ from yarl import URL
 from llmgw import endpoint_proof
 from llmgw.errors import EngineLaunchError
 from llmgw.listener import ListenerLimits, fit_open_files, limited_protocol
-from worker_agent.users import drop_privileges_on_startup, not_dumpable
+from worker_agent.privileges import drop_privileges_on_startup, not_dumpable
 
 log = logging.getLogger(__name__)
 

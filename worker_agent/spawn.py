@@ -27,7 +27,8 @@ from pathlib import Path
 
 from llmgw.errors import EngineLaunchError, EngineUserError
 from worker_agent import procfs
-from worker_agent.users import ALLOW_ROOT_HINT, DROP_TO_ENV, RunAs, reachable
+from worker_agent.privileges import DROP_TO_ENV
+from worker_agent.users import ALLOW_ROOT_HINT, RunAs, reachable
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +77,7 @@ def user_for(
     ``python -m`` there would import that user's ``argparse.py`` as root.
     Isolated, nothing outside the interpreter's own paths is imported; it
     starts in the root-owned shard directory and enters the home only after
-    it dropped to the user (users.drop_privileges). Anything else is refused.
+    it dropped to the user (privileges.drop_privileges). Anything else is refused.
 
     It drops to ``proxy`` where there is one (the pass-through user, not the
     engine user): an engine could otherwise signal or ptrace another

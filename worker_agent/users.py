@@ -31,25 +31,25 @@ The work directory holds the store (the engine-key secret) and is private:
 0700, or 0710 with the engine user's group where engines run as that user,
 so it can pass through to its home, the engine binaries and the weights but
 list and read nothing it was not given.
+
+Looking up and creating the users is worker_agent/system_users.py; the
+system directory, worker_agent/system_dir.py; the drop a pass-through
+started as root makes to its user, worker_agent/privileges.py.
 """
 
 import contextlib
-import ctypes
 import errno
-import grp
-import hashlib
-import importlib
 import logging
 import os
 import pwd
 import stat
-import subprocess
-from collections.abc import Awaitable, Callable, Iterable, MutableMapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
 
-from llmgw.errors import EngineLaunchError, EngineUserError
+from llmgw.errors import EngineUserError
+from worker_agent.system_dir import system_place
+from worker_agent.system_users import SystemUsers, UserAdmin
 
 log = logging.getLogger(__name__)
 
@@ -58,11 +58,6 @@ DEFAULT_ENGINE_USER = "llmgw-engine"
 # can signal or ptrace a replica's pass-through (kill it and bind its port).
 # No GPU groups, no home (it works in "/").
 PROXY_USER = "llmgw-proxy"
-# "uid:gid:g1,g2:home": set by the supervisor for a pass-through it has to
-# start as root (the engine user cannot read the agent's interpreter), which
-# becomes that user itself, and only then enters its home, before it listens.
-DROP_TO_ENV = "LLMGW_DROP_TO"
-GPU_GROUPS = ("video", "render")
 ALLOW_ROOT_HINT = "set LLMGW_ALLOW_ROOT_ENGINES=true to run engines as root anyway"
 
 
@@ -86,7 +81,8 @@ class RunAs:
         }
 
     def drop_to(self) -> str:
-        """This identity as ``DROP_TO_ENV`` carries it: ``uid:gid:g1,g2:home``."""
+        """This identity as ``DROP_TO_ENV`` carries it (worker_agent/privileges.py):
+        ``uid:gid:g1,g2:home``."""
         return f"{self.uid}:{self.gid}:{','.join(str(g) for g in self.groups)}:{self.home}"
 
 
@@ -107,80 +103,6 @@ class EngineIdentity:
     engine_dir: Path | None = None
     # Whom the pass-throughs become (PROXY_USER), with run_as only.
     proxy: RunAs | None = None
-
-
-class UserAdmin(Protocol):
-    """Looks up and creates system users (a fake in tests injects failures)."""
-
-    def exists(self, user: str) -> bool:
-        """Whether ``user`` is a user of this system."""
-        ...
-
-    def create(self, user: str) -> list[str]:
-        """Create ``user`` in the GPU groups; what was done. Raises EngineUserError."""
-        ...
-
-    def create_plain(self, user: str) -> list[str]:
-        """Create ``user`` in no group but its own; what was done. Raises EngineUserError."""
-        ...
-
-
-class SystemUsers:
-    """The real thing: ``pwd`` to look up, ``groupadd``/``useradd`` to create."""
-
-    def exists(self, user: str) -> bool:
-        """Whether ``user`` is in the passwd database."""
-        try:
-            pwd.getpwnam(user)
-        except KeyError:
-            return False
-        return True
-
-    def create(self, user: str) -> list[str]:
-        """A system user with its own group, no login shell, in the GPU groups."""
-        done = self._ensure_gpu_groups()
-        _run(
-            ["useradd", "--system", "--user-group", "--no-create-home",
-             "--shell", "/usr/sbin/nologin", "--groups", ",".join(GPU_GROUPS), user],
-        )  # fmt: skip
-        done.append(f"created user {user} in groups {', '.join(GPU_GROUPS)}")
-        return done
-
-    def create_plain(self, user: str) -> list[str]:
-        """A system user with its own group only, no login shell, no home."""
-        _run(
-            ["useradd", "--system", "--user-group", "--no-create-home",
-             "--home-dir", "/", "--shell", "/usr/sbin/nologin", user],
-        )  # fmt: skip
-        return [f"created user {user}"]
-
-    def ensure_groups(self, user: str) -> list[str]:
-        """Add an existing ``user`` to the GPU groups."""
-        done = self._ensure_gpu_groups()
-        _run(["usermod", "--append", "--groups", ",".join(GPU_GROUPS), user])
-        done.append(f"user {user} exists; ensured groups {', '.join(GPU_GROUPS)}")
-        return done
-
-    @staticmethod
-    def _ensure_gpu_groups() -> list[str]:
-        done: list[str] = []
-        for group in GPU_GROUPS:
-            try:
-                grp.getgrnam(group)
-            except KeyError:
-                _run(["groupadd", "--system", group])
-                done.append(f"created group {group}")
-        return done
-
-
-def _run(argv: list[str]) -> None:
-    try:
-        result = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
-    except (OSError, subprocess.SubprocessError) as exc:
-        raise EngineUserError(f"{argv[0]} failed: {exc}") from exc
-    if result.returncode != 0:
-        detail = (result.stderr or result.stdout).strip() or f"exit {result.returncode}"
-        raise EngineUserError(f"{argv[0]} failed: {detail}")
 
 
 def reachable(path: Path, uid: int, gids: Iterable[int]) -> bool:
@@ -362,86 +284,6 @@ def _engine_user(
     return run_as
 
 
-def system_base(system_dir: Path, work_dir: Path) -> Path:
-    """This work dir's directory in ``system_dir``: one per work dir (a digest of
-    its resolved path), so two clones on one host never share a home or cache."""
-    digest = hashlib.sha256(str(work_dir.resolve()).encode()).hexdigest()[:16]
-    return system_dir / digest
-
-
-def system_place(system_dir: Path, work_dir: Path, node: str, group: int) -> Path:
-    """``<system_dir>/<digest of the work dir>/agent/<node>``, made by root for the
-    engine user's ``group`` to pass: for a work dir that user cannot reach.
-
-    ``system_dir`` (default /var/lib/llmgw) is root's and 0711 when the agent
-    makes it: anyone may pass, nobody may list it or write to it. One that
-    exists is the operator's (``LLMGW_SYSTEM_DIR=/srv``): it is used as it is
-    if root's alone (not a link, not writable by group or others), never
-    changed. Below it all is 0710, root's with the engine group, as the work
-    dir itself would be: the group passes to what it was given (its home,
-    the weights cache, the engine cache) and lists nothing. A ``work-dir``
-    file says which work dir a digest belongs to. Raises EngineUserError
-    where a link could be planted: ``system_dir`` or a directory above it
-    not root's alone (checked before anything is made).
-    """
-    _check_parents(system_dir)
-    system_dir.parent.mkdir(parents=True, exist_ok=True)
-    _owned_dir(system_dir, 0o711, None, keep_existing=True)
-    base = system_base(system_dir, work_dir)
-    place = base / "agent" / node
-    for path in (base, base / "agent", place):
-        _owned_dir(path, 0o710, group)
-    # Two agents of one work dir may start together: the first note stands.
-    with contextlib.suppress(FileExistsError):
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
-        with os.fdopen(os.open(base / "work-dir", flags, 0o600), "w") as fh:
-            fh.write(f"{work_dir.resolve()}\n")
-    return place
-
-
-def _check_parents(path: Path) -> None:
-    """Refuse ``path`` when a directory above it that exists is another user's,
-    or writable by others without the sticky bit: one could swap ``path``."""
-    for parent in path.parents:
-        try:
-            st = parent.stat()
-        except FileNotFoundError:
-            continue  # made below, by the agent
-        if st.st_uid not in (0, os.geteuid()) or (
-            st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX
-        ):
-            raise EngineUserError(f"{parent}, above {path}, is writable by others")
-
-
-def _owned_dir(path: Path, mode: int, group: int | None, *, keep_existing: bool = False) -> None:
-    """Make ``path`` a real directory (not a link) of root's with ``mode`` and ``group``.
-
-    ``keep_existing``: one that exists already is not changed, only checked
-    (root's, not writable by group or others); ``mode`` is for a new one.
-    """
-    created = True
-    try:
-        os.mkdir(path, 0o700)
-    except FileExistsError:
-        created = False
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-    try:
-        st = os.fstat(fd)
-        if st.st_uid != os.geteuid():
-            raise EngineUserError(f"{path} belongs to uid {st.st_uid}, not the agent's")
-        if keep_existing and not created:
-            if st.st_mode & 0o022:
-                raise EngineUserError(
-                    f"{path} is writable by {'group' if st.st_mode & 0o020 else 'others'}"
-                    f" (mode {stat.S_IMODE(st.st_mode):o}): not changed, not used"
-                )
-            return
-        os.fchown(fd, -1, group if group is not None else st.st_gid)
-        os.fchmod(fd, mode)
-    finally:
-        os.close(fd)
-
-
 def prepare_home(run_as: RunAs) -> None:
     """Create the engine user's home and its ``.cache``: 0700, owned by the user.
 
@@ -500,85 +342,3 @@ def setup_node(user: str = DEFAULT_ENGINE_USER, admin: SystemUsers | None = None
     if not users.exists(PROXY_USER):
         done += users.create_plain(PROXY_USER)
     return done
-
-
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-Asgi = Callable[[Scope, Receive, Send], Awaitable[None]]
-
-
-# Modules the standard library imports lazily while serving (getaddrinfo
-# encodes host names with idna): loaded before the drop, because the engine
-# user may not be able to read the interpreter's library afterwards.
-_PRELOAD = ("encodings.idna", "encodings.ascii", "encodings.latin_1", "stringprep")
-
-
-# prctl(2) option: whether this process's /proc files (environ, fds, memory)
-# may be read, and the process ptraced, by other processes of its uid.
-PR_SET_DUMPABLE = 4
-
-
-def not_dumpable() -> None:
-    """Make this process non-dumpable (``PR_SET_DUMPABLE`` 0) until it execs.
-
-    Every engine runs as the same user: without this, any of them could read
-    this process's ``/proc/<pid>/environ``, open its descriptors through
-    ``/proc/<pid>/fd`` and, where ptrace is allowed, its memory, and so learn
-    the key it holds. Non-dumpable, those files belong to root. A change of
-    uid resets the flag from ``fs.suid_dumpable``: call it again after one.
-    """
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
-        err = ctypes.get_errno()
-        raise EngineLaunchError(f"prctl(PR_SET_DUMPABLE, 0) failed: {os.strerror(err)}")
-
-
-def drop_privileges(drop_to: str) -> None:
-    """Become ``uid:gid:groups:home`` for good (groups first: they need root), then
-    enter the home; fail loudly.
-
-    The process was started as root in a root-owned directory with an
-    isolated interpreter (``-I``: no script directory, working directory or
-    user site on ``sys.path``); it enters the engine user's home only now, as
-    that user, so nothing the engine user put there runs as root.
-    """
-    for module in _PRELOAD:
-        importlib.import_module(module)
-    uid, gid, groups, home = [*drop_to.split(":", 3), ""][:4]
-    os.setgroups([int(g) for g in groups.split(",") if g])
-    os.setgid(int(gid))
-    os.setuid(int(uid))
-    if 0 in (os.getuid(), os.geteuid()) or 0 in os.getresuid():
-        raise EngineUserError(f"still root after dropping to {drop_to}")
-    not_dumpable()
-    if home:
-        os.chdir(home)
-
-
-def drop_privileges_on_startup(app: Asgi, environ: MutableMapping[str, str]) -> Asgi:
-    """``app``, becoming the user in ``environ[DROP_TO_ENV]`` at lifespan startup.
-
-    Late enough that the server's modules are all loaded (from an interpreter
-    the engine user may not read), early enough that the socket is not open
-    yet: uvicorn binds after lifespan startup. A no-op without the variable.
-    """
-    drop_to = environ.pop(DROP_TO_ENV, "")
-    if not drop_to:
-        return app
-
-    async def wrapped(scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "lifespan":
-            await app(scope, receive, send)
-            return
-
-        async def receive_and_drop() -> Message:
-            message = await receive()
-            if message["type"] == "lifespan.startup":
-                drop_privileges(drop_to)
-            return message
-
-        await app(scope, receive_and_drop, send)
-
-    return wrapped

@@ -35,7 +35,7 @@ def test_still_root_after_the_drop_is_an_engine_user_error() -> None:
     SystemExit (which no except LlmgwError sees). In a child: it changes groups."""
     script = (
         "from llmgw.errors import EngineUserError\n"
-        "from worker_agent.users import drop_privileges\n"
+        "from worker_agent.privileges import drop_privileges\n"
         "try:\n"
         "    drop_privileges('0:0::')\n"
         "except EngineUserError as e:\n"

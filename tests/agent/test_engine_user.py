@@ -31,13 +31,13 @@ from worker_agent.launch import engine_env
 from worker_agent.shard_record import ShardRecord
 from worker_agent.spawn import Command
 from worker_agent.supervisor import Supervisor
+from worker_agent.system_dir import system_place
+from worker_agent.system_users import SystemUsers
 from worker_agent.users import (
     DEFAULT_ENGINE_USER,
     EngineIdentity,
-    SystemUsers,
     engine_identity,
     make_private,
-    system_place,
 )
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="dropping to another user needs root")

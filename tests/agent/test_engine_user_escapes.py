@@ -24,10 +24,12 @@ from tests.harness import free_port, readable_model, ready_shard
 from tests.procs_util import uids
 from worker_agent import passthrough, procfs
 from worker_agent.installs.llamacpp import LlamaCppInstall
+from worker_agent.privileges import DROP_TO_ENV
 from worker_agent.shard_record import ShardRecord
 from worker_agent.spawn import Command, user_for
 from worker_agent.supervisor import Supervisor
-from worker_agent.users import DROP_TO_ENV, PROXY_USER, RunAs, SystemUsers, engine_identity
+from worker_agent.system_users import SystemUsers
+from worker_agent.users import PROXY_USER, RunAs, engine_identity
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="dropping to another user needs root")
 

@@ -1,0 +1,725 @@
+"""Cache-aware routing (a script that prints figures, not a test).
+
+    .venv/bin/python -m tests.bench.bench_prefix [--workloads W1,W2,W3]
+        [--policies least_loaded,round_robin,session,prefix] [--users 16] [--rounds 6]
+        [--docs 8] [--questions 20] [--w3-requests 64] [--load 0.7] [--concurrency 4]
+        [--two-routers] [--cache-ram MIB]
+    .venv/bin/python -m tests.bench.bench_prefix --probe   # llama.cpp's own cache, no router
+
+Issue 26. The real processes: a Temporal dev server, the control worker, one
+agent, four llama.cpp replicas (``--replicas``) of the generated bench model
+(:data:`llmgw_cli.dev.tinymodel.BENCH`: big enough that a prompt's prefill is
+most of its time to first token), each with llama.cpp's default four slots and
+one thread, and one router (two with ``--two-routers``). The catalog entry's
+``routing.policy`` is set before each run (the router reads the catalog every
+0.2 s; a ping through each router shows the new policy's reason in its
+``llmgw_router_route_choices_total`` before the run starts).
+
+Workloads (every request streamed; its time to the first content token):
+
+- **W1, multi-turn chat**: ``--users`` users x ``--rounds`` rounds; one system
+  prompt of ~1,000 tokens shared by all, a growing history (the model's own
+  answers, ``--max-tokens`` each), a ~45-token question per turn. Turns arrive
+  as one Poisson process at ``--load`` x the capacity that least-loaded
+  routing measured (a closed loop of the users, first): each arrival goes to
+  a user whose previous turn has been answered.
+- **W2, shared documents**: ``--docs`` documents of ~2,000 tokens (the system
+  message), ``--questions`` questions each (the user message), interleaved
+  (question 1 of every document, then question 2, ...), ``--concurrency``
+  clients in a closed loop.
+- **W3, no reuse**: ``--w3-requests`` distinct ~1,000-token prompts, the same
+  closed loop (the control: nothing to gain).
+
+Every run's text starts with its own salt, so no run finds the previous
+runs' prompts in the engines' caches (which stay warm with them, as a
+busy server's would).
+
+Per workload and policy: TTFT p50/p95 (from the request's send); the share of
+prompt tokens the engines served from cache (their
+``usage.prompt_tokens_details.cached_tokens`` over ``prompt_tokens``); the
+prefill tokens computed (prompt - cached); requests per replica, max/min
+(``x-llmgw-replica``); the router's choices by reason.
+
+``--two-routers`` adds a run of the prefix policy per workload through two
+routers that share nothing: W1's turns alternate between them (turn 1 on
+router A, turn 2 on B, ...), W2/W3's requests too. Issue 26's agreement goal:
+a cached share close to one router's.
+
+``--probe`` settles llama.cpp's specifics on single servers, both builds this
+project installs (``LLMGW_LLAMA_CPP=auto``: the AVX-512 wheel here; and
+``portable``), no router: prefill against decode of the bench model; whether
+a prompt sent again is served from cache after 0, 1, 2, 4, 8 other prompts,
+with llama.cpp's defaults, ``-np 1``, ``--cache-ram 0`` and a tiny cache-ram;
+``id_slot``; ``cache_prompt``; what ``/slots`` and ``/metrics`` show.
+
+On a small machine the load generator, the router(s), the control plane and
+the four engines share the same cores: the figures say how they share them.
+"""
+
+import argparse
+import asyncio
+import itertools
+import json
+import os
+import random
+import re
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+from temporalio.client import Client
+
+from llmgw import replicas
+from llmgw.store import Store
+from llmgw.temporal import connect
+from llmgw.types import EngineKind, EngineProfile, ModelSpec
+from llmgw.types.model import RoutingPolicy, RoutingPolicyKind
+from llmgw_cli.dev.tinymodel import _WORDS, BENCH, generate_model
+from llmgw_cli.procs import Child
+from tests.bench.bench_batch import machine
+from tests.bench.timing import percentile_ms
+from tests.harness import System, engine_cache, free_port, start_devserver, wait_routable
+
+MODEL = "bench-prefix"
+ADMIN = "llmgw-bench-prefix-admin"
+POLICIES = ("least_loaded", "round_robin", "session", "prefix")
+WORKLOADS = ("W1", "W2", "W3")
+TWO = "prefix, 2 routers"
+# The reasons a policy's choices carry (router/affinity/policy.py Reason).
+REASONS = {
+    "least_loaded": {"least_loaded"},
+    "round_robin": {"round_robin"},
+    "session": {"session"},
+    "prefix": {"prefix", "sticky", "rendezvous", "balance"},
+}
+# This model's vocabulary splits a word into ~3.1 tokens (it has few merges).
+SYSTEM_WORDS = 320  # ~1,000 tokens
+DOC_WORDS = 640  # ~2,000 tokens
+QUESTION_WORDS = 15  # ~45 tokens
+CONTEXT = 16384  # four slots of W2's prompts in llama.cpp's one unified KV cache
+
+
+def text(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choice(_WORDS) for _ in range(words))
+
+
+@dataclass
+class Sample:
+    """One streamed request: when it was sent (perf_counter), its TTFT and
+    total (s), what the engine said of its prompt, which replica served it."""
+
+    sent: float
+    ttft: float
+    total: float
+    prompt: int
+    cached: int
+    replica: str
+    answer: str
+
+
+@dataclass
+class Run:
+    """One workload under one policy."""
+
+    workload: str
+    policy: str
+    samples: list[Sample] = field(default_factory=list)
+    errors: Counter[str] = field(default_factory=Counter)
+    seconds: float = 0.0
+    reasons: dict[str, float] = field(default_factory=dict)
+    rate: float = 0.0  # W1's offered turns/s
+
+    def p(self, q: int) -> float:
+        values = [s.ttft for s in self.samples]
+        return percentile_ms(values, q) if len(values) > 1 else float("nan")
+
+    @property
+    def prompt(self) -> int:
+        return sum(s.prompt for s in self.samples)
+
+    @property
+    def cached(self) -> int:
+        return sum(s.cached for s in self.samples)
+
+    @property
+    def computed(self) -> int:
+        return self.prompt - self.cached
+
+    @property
+    def share(self) -> float:
+        return self.cached / self.prompt if self.prompt else float("nan")
+
+    def per_replica(self, replica_ids: Sequence[str]) -> list[int]:
+        counts = Counter(s.replica for s in self.samples)
+        return sorted((counts.get(r, 0) for r in replica_ids), reverse=True)
+
+    def spread(self, replica_ids: Sequence[str]) -> float:
+        counts = self.per_replica(replica_ids)
+        return counts[0] / counts[-1] if counts[-1] else float("inf")
+
+
+class Failed(Exception):
+    """A request that did not stream an answer (its kind: a status or exception)."""
+
+
+async def chat(http: httpx.AsyncClient, messages: list[dict[str, str]], max_tokens: int) -> Sample:
+    """Stream one chat completion; time to its first content token."""
+    body = {
+        "model": MODEL,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    sent = time.perf_counter()
+    ttft: float | None = None
+    parts: list[str] = []
+    usage: dict[str, object] = {}
+    try:
+        async with http.stream("POST", "/v1/chat/completions", json=body) as r:
+            if r.status_code != 200:
+                await r.aread()
+                raise Failed(str(r.status_code))
+            replica = r.headers.get("x-llmgw-replica", "?")
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                for choice in chunk.get("choices") or ():
+                    content = (choice.get("delta") or {}).get("content")
+                    if content:
+                        ttft = ttft if ttft is not None else time.perf_counter() - sent
+                        parts.append(content)
+                usage = chunk.get("usage") or usage
+    except httpx.HTTPError as exc:
+        raise Failed(type(exc).__name__) from exc
+    if ttft is None or not usage:
+        raise Failed("no content" if ttft is None else "no usage")
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens", 0) if isinstance(details, dict) else 0
+    prompt = usage.get("prompt_tokens", 0)
+    assert isinstance(prompt, int) and isinstance(cached, int)
+    return Sample(
+        sent, ttft, time.perf_counter() - sent, prompt, cached, replica, "".join(parts).strip()
+    )
+
+
+async def record(run: Run, call: Awaitable[Sample]) -> Sample | None:
+    try:
+        sample = await call
+    except Failed as exc:
+        run.errors[str(exc)] += 1
+        return None
+    run.samples.append(sample)
+    return sample
+
+
+@dataclass
+class Conversation:
+    messages: list[dict[str, str]]
+    rng: random.Random
+    turns: int = 0
+
+
+async def w1(
+    run: Run,
+    routers: Sequence[httpx.AsyncClient],
+    args: argparse.Namespace,
+    salt: str,
+    rate: float | None,
+) -> None:
+    """W1: ``rate`` None is the closed loop (every user's next turn as soon as
+    its answer is in); else Poisson turns at ``rate``/s, each to a waiting user."""
+    rng = random.Random(salt)
+    system = f"[{salt}] " + text(rng, SYSTEM_WORDS)
+    users = [
+        Conversation([{"role": "system", "content": system}], random.Random(f"{salt}/{u}"))
+        for u in range(args.users)
+    ]
+
+    async def turn(user: Conversation) -> None:
+        question = f"user {users.index(user)} asks: " + text(user.rng, QUESTION_WORDS)
+        user.messages.append({"role": "user", "content": question})
+        client = routers[user.turns % len(routers)]
+        user.turns += 1
+        sample = await record(run, chat(client, list(user.messages), args.max_tokens))
+        user.messages.append({"role": "assistant", "content": sample.answer if sample else ""})
+
+    began = time.perf_counter()
+    if rate is None:
+
+        async def closed(user: Conversation) -> None:
+            for _ in range(args.rounds):
+                await turn(user)
+
+        await asyncio.gather(*(closed(u) for u in users))
+    else:
+        waiting: asyncio.Queue[Conversation] = asyncio.Queue()
+        for user in rng.sample(users, len(users)):
+            waiting.put_nowait(user)
+
+        async def then_wait(user: Conversation) -> None:
+            await turn(user)
+            if user.turns < args.rounds:
+                waiting.put_nowait(user)
+
+        tasks = []
+        at = time.perf_counter()
+        for _ in range(args.users * args.rounds):
+            at += rng.expovariate(rate)
+            await asyncio.sleep(max(0.0, at - time.perf_counter()))
+            tasks.append(asyncio.create_task(then_wait(await waiting.get())))
+        await asyncio.gather(*tasks)
+    run.seconds = time.perf_counter() - began
+
+
+async def closed_loop(
+    run: Run,
+    routers: Sequence[httpx.AsyncClient],
+    requests: list[list[dict[str, str]]],
+    args: argparse.Namespace,
+) -> None:
+    """``args.concurrency`` clients take the requests in order; request i
+    goes through router i mod the routers."""
+    todo = iter(enumerate(requests))
+
+    async def client() -> None:
+        for i, messages in todo:
+            await record(run, chat(routers[i % len(routers)], messages, args.max_tokens))
+
+    began = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(args.concurrency)))
+    run.seconds = time.perf_counter() - began
+
+
+def w2_requests(args: argparse.Namespace, salt: str) -> list[list[dict[str, str]]]:
+    rng = random.Random(salt)
+    docs = [f"[{salt}] document {d}: " + text(rng, DOC_WORDS) for d in range(args.docs)]
+    return [
+        [
+            {"role": "system", "content": doc},
+            {"role": "user", "content": f"question {q}: " + text(rng, QUESTION_WORDS)},
+        ]
+        for q in range(args.questions)
+        for doc in docs
+    ]
+
+
+def w3_requests(args: argparse.Namespace, salt: str) -> list[list[dict[str, str]]]:
+    rng = random.Random(salt)
+    return [
+        [{"role": "user", "content": f"[{salt}/{i}] " + text(rng, SYSTEM_WORDS)}]
+        for i in range(args.w3_requests)
+    ]
+
+
+CHOICE = re.compile(r"^llmgw_router_route_choices_total\{([^}]*)\} (\S+)$", re.MULTILINE)
+
+
+async def choices(root: httpx.AsyncClient) -> dict[str, float]:
+    """The router's route choices of the bench model so far, by reason."""
+    r = await root.get("/metrics", headers={"Authorization": f"Bearer {ADMIN}"})
+    r.raise_for_status()
+    out: dict[str, float] = {}
+    for labels, value in CHOICE.findall(r.text):
+        found = dict(re.findall(r'(\w+)="([^"]*)"', labels))
+        if found.get("model") == MODEL:
+            out[found["reason"]] = out.get(found["reason"], 0.0) + float(value)
+    return out
+
+
+def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {k: v - before.get(k, 0.0) for k, v in after.items() if v > before.get(k, 0.0)}
+
+
+@dataclass
+class Bench:
+    """The system under test: the catalog entry, the routers, the replicas."""
+
+    store: Store
+    spec: ModelSpec
+    routers: list[httpx.AsyncClient]
+    roots: list[httpx.AsyncClient]
+    replica_ids: list[str]
+
+    async def policy(self, policy: str) -> None:
+        """Put ``policy`` in the catalog; return once every router routes by it."""
+        routing = RoutingPolicy(policy=RoutingPolicyKind(policy))
+        await asyncio.to_thread(
+            self.store.put_model, self.spec.model_copy(update={"routing": routing})
+        )
+        # Long enough for the router to key it (min_match_tokens): a shorter
+        # prompt goes by load whatever the policy.
+        words = text(random.Random(policy), 100)
+        ping = [{"role": "user", "content": f"ping {policy} {time.time()} {words}"}]
+        async with asyncio.timeout(60):
+            for client, root in zip(self.routers, self.roots, strict=True):
+                while True:
+                    before = await choices(root)
+                    await chat(client, ping, 1)
+                    if set(delta(await choices(root), before)) <= REASONS[policy]:
+                        break
+                    await asyncio.sleep(0.2)
+
+
+async def one_run(
+    bench: Bench,
+    workload: str,
+    policy: str,
+    args: argparse.Namespace,
+    rate: float | None,
+) -> Run:
+    """One workload under one policy (``TWO``: prefix through both routers)."""
+    two = policy == TWO
+    await bench.policy("prefix" if two else policy)
+    routers = bench.routers if two else bench.routers[:1]
+    salt = f"{workload}/{policy}/{args.seed}/{time.time_ns()}"
+    run = Run(workload, policy, rate=rate or 0.0)
+    before = [await choices(root) for root in bench.roots]
+    if workload == "W1":
+        await w1(run, routers, args, salt, rate)
+    elif workload == "W2":
+        await closed_loop(run, routers, w2_requests(args, salt), args)
+    else:
+        await closed_loop(run, routers, w3_requests(args, salt), args)
+    for root, was in zip(bench.roots, before, strict=True):
+        for reason, n in delta(await choices(root), was).items():
+            run.reasons[reason] = run.reasons.get(reason, 0.0) + n
+    return run
+
+
+def row(run: Run, replica_ids: Sequence[str]) -> str:
+    counts = run.per_replica(replica_ids)
+    reasons = ", ".join(f"{k} {v:.0f}" for k, v in sorted(run.reasons.items()))
+    errors = sum(run.errors.values())
+    return (
+        f"| {run.policy} | {len(run.samples)}"
+        + (f" (+{errors} failed: {dict(run.errors)})" if errors else "")
+        + f" | {run.p(50):.0f} | {run.p(95):.0f} | {run.share:.1%} | {run.computed:,}"
+        f" of {run.prompt:,} | {'/'.join(map(str, counts))} = {run.spread(replica_ids):.2f}"
+        f" | {run.seconds:.0f} s | {reasons} |"
+    )
+
+
+def goals(workload: str, runs: dict[str, Run], replica_ids: Sequence[str]) -> list[str]:
+    """The issue's goals for the prefix policy against least-loaded."""
+    base, new = runs.get("least_loaded"), runs.get("prefix")
+    if base is None or new is None or not new.samples or not base.samples:
+        return []
+    ttft = base.p(50) / new.p(50)
+    prefill = base.computed / new.computed if new.computed else float("inf")
+    spread = new.spread(replica_ids)
+
+    def verdict(ok: bool) -> str:
+        return "met" if ok else "NOT met"
+
+    if workload == "W1":
+        return [
+            f"p50 TTFT {ttft:.2f}x lower (goal >= 2x: {verdict(ttft >= 2)})",
+            f"prefill computed {prefill:.2f}x fewer (goal >= 3x: {verdict(prefill >= 3)})",
+            f"max/min requests per replica {spread:.2f} (goal <= 1.5: {verdict(spread <= 1.5)})",
+        ]
+    if workload == "W2":
+        return [
+            f"p50 TTFT {ttft:.2f}x lower, prefill {prefill:.2f}x fewer (goal: better on"
+            f" both: {verdict(ttft > 1 and prefill > 1)})"
+        ]
+    change = new.p(50) / base.p(50) - 1
+    return [f"p50 TTFT {change:+.1%} (goal within +-5 %: {verdict(abs(change) <= 0.05)})"]
+
+
+def report(workload: str, runs: dict[str, Run], replica_ids: Sequence[str]) -> None:
+    print(
+        f"\n{workload}\n\n| policy | requests | TTFT p50 ms | TTFT p95 ms | cached share"
+        " | prefill tokens computed | requests per replica, max/min | took | router's"
+        " choices |\n|---|---|---|---|---|---|---|---|---|"
+    )
+    for run in runs.values():
+        print(row(run, replica_ids))
+    mean_prompt = statistics.mean(s.prompt for r in runs.values() for s in r.samples)
+    print(f"\n  mean prompt {mean_prompt:.0f} tokens (engine-reported)")
+    for line in goals(workload, runs, replica_ids):
+        print(f"  prefix vs least_loaded: {line}")
+
+
+async def measure(args: argparse.Namespace, bench: Bench) -> None:
+    policies = [p for p in args.policies.split(",") if p]
+    workloads = [w for w in args.workloads.split(",") if w]
+    if args.two_routers:
+        policies.append(TWO)
+    rate: float | None = None
+    if "W1" in workloads:
+        cap = await one_run(bench, "W1", "least_loaded", args, None)
+        capacity = len(cap.samples) / cap.seconds
+        rate = args.load * capacity
+        print(
+            f"W1 capacity, least_loaded, closed loop of {args.users} users: {capacity:.2f}"
+            f" turns/s (TTFT p50 {cap.p(50):.0f} ms); offered {rate:.2f} turns/s"
+            f" ({args.load:.0%}), Poisson"
+        )
+    for workload in workloads:
+        runs: dict[str, Run] = {}
+        for policy in policies:
+            run = await one_run(bench, workload, policy, args, rate if workload == "W1" else None)
+            runs[policy] = run
+            print(f"  {workload} {row(run, bench.replica_ids)}", flush=True)
+        report(workload, runs, bench.replica_ids)
+
+
+@asynccontextmanager
+async def clients(ports: list[int], key: str) -> AsyncIterator[tuple[list[httpx.AsyncClient], ...]]:
+    limits = httpx.Limits(max_connections=200, max_keepalive_connections=100)
+    made = [
+        httpx.AsyncClient(
+            base_url=f"http://127.0.0.1:{port}",
+            headers={"Authorization": f"Bearer {key}"},
+            limits=limits,
+            timeout=600,
+        )
+        for port in ports
+    ]
+    roots = [httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") for port in ports]
+    try:
+        yield made, roots
+    finally:
+        for c in made + roots:
+            await c.aclose()
+
+
+async def run(args: argparse.Namespace, root: Path) -> None:
+    """Start the system, measure, stop everything started."""
+    began = time.perf_counter()
+    port = free_port()
+    server = start_devserver(root / "temporal.db", port, root / "temporal.log")
+    system = System(f"127.0.0.1:{port}", root / "llmgw", free_port(), {"LLMGW_ADMIN_KEY": ADMIN})
+    system.work_dir.mkdir()
+    rids: list[str] = []
+    client: Client | None = None
+    try:
+        client = await connect(f"127.0.0.1:{port}")
+        model = generate_model(root / "model", BENCH)
+        cache_ram = ["--cache-ram", str(args.cache_ram)] if args.cache_ram is not None else []
+        spec = ModelSpec(
+            name=MODEL,
+            engine=EngineKind.LLAMA_CPP,
+            source=str(model),
+            context_length=CONTEXT,
+            engine_args=cache_ram,
+            # llama.cpp's default: four slots; the router's queue holds the rest.
+            profile=EngineProfile(max_inflight=4),
+        )
+        key = system.catalog(spec)
+        system.spawn("control")
+        system.spawn("agent", {"LLMGW_NODE_ID": "bench-node"})
+        await replicas.wait_node_registered(client, "bench-node", 120)
+        rids = [await replicas.start_replica(client, spec) for _ in range(args.replicas)]
+        for rid in rids:
+            await replicas.wait_ready(client, rid, 300)
+        ports = [free_port() for _ in range(2 if args.two_routers else 1)]
+        for p in ports:
+            system.start_router(p)
+        store = Store(system.store_url)
+        try:
+            for p in ports:
+                await wait_routable(f"http://127.0.0.1:{p}/v1", key, MODEL, 120)
+            print(f"machine: {machine()}; up in {time.perf_counter() - began:.0f} s")
+            async with clients(ports, key) as (routers, roots):
+                await measure(args, Bench(store, spec, routers, roots, rids))
+        finally:
+            store.close()
+    finally:
+        if client is not None:
+            for rid in rids:
+                try:
+                    await replicas.stop_replica(client, rid, "bench over", 30)
+                except Exception as e:  # the teardown goes on
+                    print(f"stop {rid}: {e}")
+        system.stop()
+        server.stop()
+        if args.keep_logs:
+            shutil.copytree(system.work_dir / "logs", args.keep_logs, dirs_exist_ok=True)
+    print(f"whole run: {time.perf_counter() - began:.0f} s")
+
+
+# --probe: llama.cpp alone.
+
+
+@dataclass
+class Engine:
+    """One llama-server of the bench model on a free port."""
+
+    child: Child
+    port: int
+    label: str
+
+    async def chat(self, content: str, **extra: object) -> tuple[int, int]:
+        """(prompt tokens, cached tokens) of a 4-token answer."""
+        body = {"messages": [{"role": "user", "content": content}], "max_tokens": 4, **extra}
+        async with httpx.AsyncClient(timeout=600) as http:
+            r = await http.post(f"http://127.0.0.1:{self.port}/v1/chat/completions", json=body)
+        r.raise_for_status()
+        usage = r.json()["usage"]
+        return usage["prompt_tokens"], (usage.get("prompt_tokens_details") or {}).get(
+            "cached_tokens", 0
+        )
+
+    async def get(self, path: str) -> str:
+        async with httpx.AsyncClient(timeout=60) as http:
+            r = await http.get(f"http://127.0.0.1:{self.port}{path}")
+        r.raise_for_status()
+        return r.text
+
+
+@asynccontextmanager
+async def engine(build: str, extra: list[str], root: Path) -> AsyncIterator[Engine]:
+    """The bench model on ``build`` (LLMGW_LLAMA_CPP: auto or portable), one thread."""
+    from worker_agent.installs.llamacpp import CHOICE_ENV, ensure_llama_cpp  # noqa: PLC0415
+
+    os.environ[CHOICE_ENV] = build
+    install = ensure_llama_cpp(engine_cache())
+    port = free_port()
+    argv = [str(install.server), "-m", str(generate_model(root, BENCH)), "--port", str(port)]
+    argv += ["-t", "1", "-c", str(CONTEXT), "--no-webui", "--metrics", *extra]
+    log = root / f"engine-{port}.log"
+    child = Child("llama-server", argv, install.environment(os.environ), log)
+    label = f"{install.source} {' '.join(extra) or '(defaults)'}"
+    try:
+        async with asyncio.timeout(120):
+            while True:
+                try:
+                    async with httpx.AsyncClient(timeout=2) as http:
+                        if (await http.get(f"http://127.0.0.1:{port}/health")).status_code == 200:
+                            break
+                except httpx.HTTPError:
+                    pass
+                if not child.alive():
+                    raise RuntimeError(f"{label}: exited\n{child.log_tail()}")
+                await asyncio.sleep(0.1)
+        yield Engine(child, port, label)
+    finally:
+        child.stop(grace_s=5)
+
+
+def probe_prompt(tag: str) -> str:
+    """~1,000 tokens no other tag shares beyond its first characters."""
+    return f"{tag}: " + text(random.Random(tag), SYSTEM_WORDS)
+
+
+async def probe_sizing(root: Path) -> None:
+    async with engine("auto", ["-np", "1"], root) as e, httpx.AsyncClient(timeout=600) as http:
+        for i in range(3):
+            body = {
+                "prompt": probe_prompt(f"size{i}"),
+                "n_predict": 32,
+                "cache_prompt": False,
+                "ignore_eos": True,
+            }
+            r = await http.post(f"http://127.0.0.1:{e.port}/completion", json=body)
+            t = r.json()["timings"]
+            prefill, decode = t["prompt_ms"], t["predicted_per_token_ms"]
+            print(
+                f"  prefill {t['prompt_n']} tokens {prefill:.0f} ms; one decoded token"
+                f" {decode:.2f} ms: {prefill / decode:.0f}x"
+            )
+
+
+async def probe_between(build: str, extra: list[str], root: Path) -> None:
+    """A prompt A, k other prompts, A again: A's cached tokens the second time."""
+    async with engine(build, extra, root) as e:
+        out = []
+        for k in (0, 1, 2, 4, 8):
+            a = probe_prompt(f"A{k}")
+            await e.chat(a)
+            for j in range(k):
+                await e.chat(probe_prompt(f"B{k}.{j}"))
+            prompt, cached = await e.chat(a)
+            out.append(f"{k}: {cached}/{prompt}")
+        print(f"  [{e.label}] A again after k others, cached/prompt: " + ", ".join(out))
+
+
+async def probe_slots(build: str, root: Path) -> None:
+    async with engine(build, [], root) as e:
+        a = probe_prompt("slotA")
+        first = await e.chat(a, id_slot=0)
+        again = await e.chat(a, id_slot=0)
+        for j in range(4):
+            await e.chat(probe_prompt(f"slotB{j}"), id_slot=1)
+        after = await e.chat(a, id_slot=0)
+        unpinned = await e.chat(a)
+        print(
+            f"  [{e.label}] id_slot 0: A {first}, A again {again}; after 4 others on slot 1,"
+            f" A on slot 0 {after}, A with no id_slot {unpinned}  (prompt, cached)"
+        )
+        c = probe_prompt("nocache")
+        runs = [await e.chat(c, cache_prompt=flag) for flag in (False, False, True)]
+        print(f"  [{e.label}] cache_prompt false, false, true: {runs}")
+        slots = json.loads(await e.get("/slots"))
+        print(f"  /slots: {len(slots)} slots, keys {sorted(slots[0])}")
+        metrics = sorted(
+            {
+                line.split()[2]
+                for line in (await e.get("/metrics")).splitlines()
+                if line.startswith("# TYPE")
+            }
+        )
+        print(f"  /metrics: {', '.join(metrics)}")
+
+
+async def probe(root: Path) -> None:
+    print(f"machine: {machine()}")
+    print("bench model, one thread, the wheel's llama-server -np 1, cache_prompt false:")
+    await probe_sizing(root)
+    for build, extra in itertools.product(
+        ("auto", "portable"), ([], ["-np", "1"], ["--cache-ram", "0"], ["--cache-ram", "1"])
+    ):
+        if build == "portable" and extra and extra[0] == "--cache-ram":
+            continue  # the portable server refuses the option (its default is 8 GiB)
+        await probe_between(build, extra, root)
+    await probe_between("auto", ["-np", "1", "--cache-ram", "0"], root)
+    for build in ("auto", "portable"):
+        await probe_slots(build, root)
+
+
+def parse() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--policies", default=",".join(POLICIES))
+    parser.add_argument("--replicas", type=int, default=4)
+    parser.add_argument("--users", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--docs", type=int, default=8)
+    parser.add_argument("--questions", type=int, default=20)
+    parser.add_argument("--w3-requests", type=int, default=64)
+    parser.add_argument("--load", type=float, default=0.7, help="W1: share of its capacity")
+    parser.add_argument("--concurrency", type=int, default=4, help="W2, W3: clients")
+    parser.add_argument("--max-tokens", type=int, default=12, help="answers")
+    parser.add_argument("--two-routers", action="store_true")
+    parser.add_argument("--cache-ram", type=int, help="llama.cpp --cache-ram MiB (wheel only)")
+    parser.add_argument("--seed", type=int, default=26)
+    parser.add_argument("--probe", action="store_true", help="llama.cpp alone: its caches")
+    parser.add_argument("--keep-logs", type=Path, help="copy the processes' logs here")
+    args = parser.parse_args()
+    bad = {p for p in args.policies.split(",") if p} - set(POLICIES)
+    bad |= {w for w in args.workloads.split(",") if w} - set(WORKLOADS)
+    if bad:
+        parser.error(f"unknown: {sorted(bad)}")
+    return args
+
+
+async def main() -> None:
+    args = parse()
+    print("command: .venv/bin/python -m tests.bench.bench_prefix " + " ".join(sys.argv[1:]))
+    with tempfile.TemporaryDirectory(prefix="llmgw-bench-prefix-") as tmp:
+        await (probe(Path(tmp)) if args.probe else run(args, Path(tmp)))
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

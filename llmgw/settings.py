@@ -119,7 +119,7 @@ class AgentSettings(_Common):
     # When that user cannot reach the work dir (a clone under root's 0700
     # home), its home, the weights cache and the engine cache go to
     # <system_dir>/<digest of the work dir>/, made and owned by the agent
-    # (worker_agent/users.py system_place); the agent logs where. Empty: no
+    # (worker_agent/system_dir.py system_place); the agent logs where. Empty: no
     # such directory, and such a work dir is refused (or root engines run).
     system_dir: Path | None = Path("/var/lib/llmgw")
     # Discovery sources; tests and demos point them at recorded snapshots.

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Annotated, Any, Literal, Protocol
 
 from fastapi import APIRouter, Depends, Query, Request
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from llmgw.store import files
 from llmgw.store.openai_tables import BatchRecord
@@ -31,13 +31,8 @@ from router.batches.validate import BodyCheck, BodyRefused, Rules, validate_batc
 from router.billing.key_policy import KeyPolicy
 from router.common.blocking import within
 from router.common.errors import ErrorKind, invalid_body
-from router.responses.request import (
-    METADATA_KEY_CHARS,
-    METADATA_PAIRS,
-    METADATA_VALUE_CHARS,
-    RequestInvalid,
-    validate_request,
-)
+from router.common.metadata import METADATA_PAIRS, Metadata
+from router.responses.request import RequestInvalid, validate_request
 
 router = APIRouter(prefix="/v1", tags=["batches"])
 internal = APIRouter(prefix="/internal", include_in_schema=False)
@@ -70,25 +65,9 @@ class BatchCreate(BaseModel):
     input_file_id: str = Field(min_length=1, description="an uploaded file with purpose batch")
     endpoint: Endpoint = Field(description="where every line of the file goes")
     completion_window: Literal["24h"] = Field(description="only 24h")
-    metadata: dict[str, str] | None = Field(
-        default=None, description=f"at most {METADATA_PAIRS} pairs"
-    )
+    metadata: Metadata | None = Field(default=None, description=f"at most {METADATA_PAIRS} pairs")
     # Accepted for the client's sake; output files follow the files' own expiry.
     output_expires_after: dict[str, Any] | None = None
-
-    @field_validator("metadata")
-    @classmethod
-    def _bounded_metadata(cls, value: dict[str, str] | None) -> dict[str, str] | None:
-        if value is None:
-            return value
-        if len(value) > METADATA_PAIRS:
-            raise ValueError(f"at most {METADATA_PAIRS} pairs")
-        for key, item in value.items():
-            if len(key) > METADATA_KEY_CHARS:
-                raise ValueError(f"key {key[:20]!r}... is longer than {METADATA_KEY_CHARS}")
-            if len(item) > METADATA_VALUE_CHARS:
-                raise ValueError(f"the value of {key!r} is longer than {METADATA_VALUE_CHARS}")
-        return value
 
 
 async def _store(deps: Deps, fn: Callable[[], Any]) -> Any:

@@ -41,11 +41,8 @@ from pydantic import (
 from pydantic_core import ErrorDetails
 
 from llmgw.errors import LlmgwError
+from router.common.metadata import Metadata
 
-# OpenAI's bounds on metadata (16 pairs, keys up to 64 chars, values up to 512).
-METADATA_PAIRS = 16
-METADATA_KEY_CHARS = 64
-METADATA_VALUE_CHARS = 512
 # Function and schema names, as OpenAI constrains them.
 NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
 
@@ -275,7 +272,7 @@ class ResponsesRequest(BaseModel):
     max_output_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, ge=0, le=1)
-    metadata: dict[str, str] | None = None
+    metadata: Metadata | None = None
     tools: list[FunctionTool] = Field(default_factory=list)
     tool_choice: Literal["none", "auto", "required"] | ToolChoiceFunction = "auto"
     parallel_tool_calls: bool = True
@@ -316,20 +313,6 @@ class ResponsesRequest(BaseModel):
                         f"[{i}]: tool type {kind!r} is not supported; llmgw serves "
                         "function tools only"
                     )
-        return value
-
-    @field_validator("metadata")
-    @classmethod
-    def _bounded_metadata(cls, value: dict[str, str] | None) -> dict[str, str] | None:
-        if value is None:
-            return value
-        if len(value) > METADATA_PAIRS:
-            raise ValueError(f"at most {METADATA_PAIRS} pairs")
-        for key, item in value.items():
-            if len(key) > METADATA_KEY_CHARS:
-                raise ValueError(f"key {key[:20]!r}... is longer than {METADATA_KEY_CHARS}")
-            if len(item) > METADATA_VALUE_CHARS:
-                raise ValueError(f"the value of {key!r} is longer than {METADATA_VALUE_CHARS}")
         return value
 
     @field_validator("tool_choice", mode="before")

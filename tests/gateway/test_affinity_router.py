@@ -99,13 +99,16 @@ def test_an_engine_reporting_fewer_cached_tokens_corrects_the_index() -> None:
 def test_reported_counts_are_scaled_to_the_routers_estimates() -> None:
     """The engine counts real tokens, the router estimates: a report equal to
     the engine's own prompt count is a full hit, however the counts differ."""
-    affinity = Affinity()
-    key = _turns(1, 1)
-    affinity.served("m", "r0", key, Choice([], Reason.PREFIX, 0), None, None)
+    affinity, spec = Affinity(), _spec(context=1300)
+    old, new = _turns(1, 1), _turns(2, 1)
+    affinity.choose(spec, _routes(), old)
+    for key in (old, new):
+        affinity.served("m", "r0", key, Choice([], Reason.PREFIX, 0), None, None)
     held = affinity.held_tokens("m", "r0")
-    engine_prompt = key.prompt_tokens * 3  # a tokenizer three times as fine
-    affinity.served("m", "r0", key, Choice([], Reason.PREFIX, 0), engine_prompt, engine_prompt - 1)
-    assert affinity.held_tokens("m", "r0") == held
+    for engine_prompt in (new.prompt_tokens * 3, new.prompt_tokens // 2):  # finer, coarser
+        choice = Choice([], Reason.PREFIX, new.prompt_tokens)
+        affinity.served("m", "r0", new, choice, engine_prompt, engine_prompt - 1)
+        assert affinity.held_tokens("m", "r0") == held  # no correction: nothing evicted
 
 
 def test_forget_drops_a_replica_in_every_model_and_its_sticky_keys() -> None:

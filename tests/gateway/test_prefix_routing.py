@@ -24,6 +24,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from llmgw.engine_keys import exec_token
 from llmgw.types import ModelSpec, QueuePolicy, RoutingPolicy, RoutingPolicyKind
 from router.affinity.affinity import Affinity
 from router.affinity.chunks import PromptKey
@@ -373,3 +374,35 @@ async def test_a_prompt_too_short_to_cache_goes_where_the_load_says(tmp_path: Pa
         # Each was still recorded where it was served.
         assert len(r.affinity.served_calls) == 3
         assert all(s.key is not None for s in r.affinity.served_calls)
+
+
+async def test_a_background_turn_run_by_the_executor_shares_its_chains_session(
+    tmp_path: Path,
+) -> None:
+    async with routed(tmp_path) as r:
+        key_id, key = r.gw.key()
+        first = await r.gw.http.post(
+            "/v1/responses", json={"model": M, "input": "turn one " + SYSTEM}, headers=auth(key)
+        )
+        assert first.status_code == 200, first.text
+        root = first.json()["id"]
+        async with asyncio.timeout(10):  # stored behind the answer
+            while (
+                await r.gw.http.get(f"/v1/responses/{root}", headers=auth(key))
+            ).status_code != 200:
+                await asyncio.sleep(0.01)
+        body = {"model": M, "input": "turn two", "previous_response_id": root, "background": True}
+        queued = await r.gw.http.post("/v1/responses", json=body, headers=auth(key))
+        assert queued.status_code == 200, queued.text
+        # The executor runs it as the key (its token; the client's session header, if it
+        # had sent one, is not the executor's to carry).
+        token = exec_token(r.gw.store.engine_key_secret())
+        headers = {"Authorization": f"Bearer {token}", "X-Llmgw-Key-Id": str(key_id)}
+        run = await r.gw.http.post(
+            f"/internal/responses/{queued.json()['id']}/run", headers=headers
+        )
+        assert run.status_code == 200, run.text
+        assert "response.completed" in run.text
+        stickies = [k.sticky if k else None for k in r.affinity.keys]
+        assert stickies == [f"session:{key_id}:resp:{root}"] * 2
+        assert len({s.replica_id for s in r.affinity.served_calls}) == 1

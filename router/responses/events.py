@@ -14,8 +14,9 @@ without a gap (research §1.4)::
 
 Items are numbered (``output_index``) in the order they open. A message is
 closed when a tool call begins, and open tool calls when text comes again;
-everything still open closes at the end. The shapes the machine fills in
-(the Response before output, usage, an item) are in router/responses/shapes.py.
+everything still open closes at the end. The items and the events that open,
+grow and close them are router/responses/output.py; the shapes the machine
+fills in (the Response before output, usage, an item), router/responses/shapes.py.
 
 **Resuming** (research §5.3): :meth:`ResponseEvents.resume` rebuilds the
 machine from the events already stored, so a retried generation continues
@@ -39,10 +40,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from router.responses import ids
+from router.responses.output import Output
 from router.responses.replay import NotResumable, ResponseEventsError, replay
 from router.responses.shapes import (
     Event,
-    OutputItem,
     Status,
     initial_response,
     response_usage,
@@ -87,21 +88,18 @@ class ResponseEvents:
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._response = {**response, "output": []}
-        self._hold_calls = hold_calls
-        self._new_message_id = new_message_id
-        self._new_call_item_id = new_call_item_id
-        self._new_call_id = new_call_id
+        self._out = Output(
+            self._event,
+            hold_calls=hold_calls,
+            new_message_id=new_message_id,
+            new_call_item_id=new_call_item_id,
+            new_call_id=new_call_id,
+        )
         self._clock = clock
         self._seq = 0
         self._created = False
         self._started = False
         self._terminal = False
-        self._items: list[OutputItem] = []
-        # Open items, by output index: the message text streams into, and the
-        # calls of this attempt by the engine's tool-call index.
-        self._message: int | None = None
-        self._calls: dict[int, int] = {}
-        self._held: dict[int, OutputItem] = {}
         self._finish_reason: str | None = None
         self._usage: dict[str, Any] | None = None
         self._stripper: PrefixStripper | None = None
@@ -123,7 +121,7 @@ class ResponseEvents:
     def partial_text(self) -> str:
         """The text of the open message ("" when none is open): what a
         continuation asks the engine to continue."""
-        return self._items[self._message].text if self._message is not None else ""
+        return self._out.partial_text
 
     @property
     def carried_output_tokens(self) -> int:
@@ -134,7 +132,9 @@ class ResponseEvents:
     def response(self) -> dict[str, Any]:
         """The Response object now (its output as far as generated)."""
         # A copy: events keep the snapshot they were sent with.
-        return copy.deepcopy({**self._response, "output": [item.dump() for item in self._items]})
+        return copy.deepcopy(
+            {**self._response, "output": [item.dump() for item in self._out.items]}
+        )
 
     # The lifecycle.
 
@@ -173,7 +173,7 @@ class ResponseEvents:
             if delta.get("content"):
                 events += self._text(delta["content"])
             for call in delta.get("tool_calls") or []:
-                events += self._call_fragment(call)
+                events += self._out.call_fragment(call)
             if choice.get("finish_reason"):
                 self._finish_reason = choice["finish_reason"]
         return events
@@ -183,11 +183,11 @@ class ResponseEvents:
         self._open_check()
         events = self.in_progress()
         if self._stripper is not None:
-            events += self._text_now(self._stripper.flush())
+            events += self._out.text(self._stripper.flush())
         if self._finish_reason is None:
             return events + self.fail(STREAM_CUT)
         reason = _INCOMPLETE.get(self._finish_reason)
-        events += self._close_all("incomplete" if reason else "completed")
+        events += self._out.close_all("incomplete" if reason else "completed")
         self._terminal = True
         final: dict[str, Any] = {
             "usage": self._usage_now(),
@@ -204,7 +204,7 @@ class ResponseEvents:
     def fail(self, message: str, code: str = "server_error") -> list[Event]:
         """``response.failed`` (open items closed as incomplete first)."""
         self._open_check()
-        events = self.in_progress() + self._close_all("incomplete")
+        events = self.in_progress() + self._out.close_all("incomplete")
         self._terminal = True
         self._response.update(
             status="failed", error={"code": code, "message": message}, usage=self._usage_now()
@@ -252,165 +252,21 @@ class ResponseEvents:
             deltas += event["type"].endswith(".delta")
             replay(machine, event)
         machine._seq = len(events)
-        open_calls = [
-            i for i in machine._items if i.kind == "function_call" and i.status == "in_progress"
-        ]
+        open_calls = machine._out.open_calls()
         if open_calls:
             raise NotResumable(f"function call {open_calls[0].id} was left open")
-        if machine._message is not None and strip_echo:
+        if machine._out.message is not None and strip_echo:
             machine._stripper = PrefixStripper(machine.partial_text)
         machine._carried = deltas if carried_output_tokens is None else carried_output_tokens
         return machine
 
-    # Output.
-
     def _text(self, content: str) -> list[Event]:
         if self._stripper is not None:
             content = self._stripper.feed(content)
-        return self._text_now(content)
-
-    def _text_now(self, content: str) -> list[Event]:
-        if not content:
-            return []
-        events = self._close_calls("completed")
-        if self._message is None:
-            events += self._open_message()
-        assert self._message is not None
-        item = self._items[self._message]
-        item.chunks.append(content)
-        events.append(
-            self._event(
-                "response.output_text.delta",
-                **self._at(self._message),
-                content_index=0,
-                delta=content,
-                logprobs=[],
-            )
-        )
-        return events
-
-    def _open_message(self) -> list[Event]:
-        index = len(self._items)
-        item = OutputItem("message", self._new_message_id())
-        self._items.append(item)
-        self._message = index
-        return [
-            self._event(
-                "response.output_item.added", output_index=index, item=item.dump(empty=True)
-            ),
-            self._event(
-                "response.content_part.added",
-                **self._at(index),
-                content_index=0,
-                part={"type": "output_text", "text": "", "annotations": [], "logprobs": []},
-            ),
-        ]
-
-    def _call_fragment(self, call: dict[str, Any]) -> list[Event]:
-        events = self._close_message("completed")
-        chat_index = int(call.get("index", 0))
-        function = call.get("function") or {}
-        if self._hold_calls:
-            held = self._held.get(chat_index)
-            if held is None:
-                held = self._held[chat_index] = self._new_call(call)
-            held.name = held.name or function.get("name") or ""
-            held.chunks.append(function.get("arguments") or "")
-            return events
-        if chat_index not in self._calls:
-            item = self._new_call(call)
-            self._calls[chat_index] = len(self._items)
-            self._items.append(item)
-            events.append(
-                self._event(
-                    "response.output_item.added",
-                    output_index=self._calls[chat_index],
-                    item=item.dump(empty=True),
-                )
-            )
-        index = self._calls[chat_index]
-        item = self._items[index]
-        item.name = item.name or function.get("name") or ""
-        if function.get("arguments"):
-            item.chunks.append(function["arguments"])
-            events.append(
-                self._event(
-                    "response.function_call_arguments.delta",
-                    **self._at(index),
-                    delta=function["arguments"],
-                )
-            )
-        return events
-
-    def _new_call(self, call: dict[str, Any]) -> OutputItem:
-        function = call.get("function") or {}
-        return OutputItem(
-            "function_call",
-            self._new_call_item_id(),
-            call_id=call.get("id") or self._new_call_id(),
-            name=function.get("name") or "",
-        )
-
-    def _close_all(self, status: Status) -> list[Event]:
-        return self._close_message(status) + self._close_calls(status)
-
-    def _close_message(self, status: Status) -> list[Event]:
-        if self._message is None:
-            return []
-        index, self._message = self._message, None
-        item = self._items[index]
-        item.status = status
-        return [
-            self._event(
-                "response.output_text.done",
-                **self._at(index),
-                content_index=0,
-                text=item.text,
-                logprobs=[],
-            ),
-            self._event(
-                "response.content_part.done", **self._at(index), content_index=0, part=item.part()
-            ),
-            self._event("response.output_item.done", output_index=index, item=item.dump()),
-        ]
-
-    def _close_calls(self, status: Status) -> list[Event]:
-        events: list[Event] = []
-        for chat_index in sorted(self._held):
-            # A held call is announced whole, once it is complete.
-            item = self._held[chat_index]
-            index = len(self._items)
-            self._items.append(item)
-            events.append(
-                self._event(
-                    "response.output_item.added", output_index=index, item=item.dump(empty=True)
-                )
-            )
-            if item.text:
-                events.append(
-                    self._event(
-                        "response.function_call_arguments.delta", **self._at(index), delta=item.text
-                    )
-                )
-            self._calls[chat_index] = index
-        self._held.clear()
-        for index in sorted(self._calls.values()):
-            item = self._items[index]
-            item.status = status
-            events += [
-                self._event(
-                    "response.function_call_arguments.done", **self._at(index), arguments=item.text
-                ),
-                self._event("response.output_item.done", output_index=index, item=item.dump()),
-            ]
-        self._calls.clear()
-        return events
+        return self._out.text(content)
 
     def _usage_now(self) -> dict[str, Any] | None:
         return None if self._usage is None else response_usage(self._usage, self._carried)
-
-    def _at(self, index: int) -> dict[str, Any]:
-        return {"item_id": self._items[index].id, "output_index": index}
 
     def _event(self, kind: str, **fields: Any) -> Event:
         event = {"type": kind, "sequence_number": self._seq, **fields}

@@ -11,6 +11,7 @@ machine's private state on purpose: a replay is the machine, run backwards.
 from typing import Any, Protocol
 
 from llmgw.errors import LlmgwError
+from router.responses.output import Output
 from router.responses.shapes import Event, OutputItem
 
 # Lifecycle events: each carries the whole Response.
@@ -33,8 +34,7 @@ class Replayable(Protocol):
     _created: bool
     _started: bool
     _terminal: bool
-    _items: list[OutputItem]
-    _message: int | None
+    _out: Output
 
 
 class ResponseEventsError(LlmgwError):
@@ -57,34 +57,34 @@ def replay(self: Replayable, event: Event) -> None:
     elif kind == "response.output_item.added":
         _replay_added(self, event)
     elif kind in ("response.output_text.delta", "response.function_call_arguments.delta"):
-        self._items[_index(self, event)].chunks.append(event["delta"])
+        self._out.items[_index(self, event)].chunks.append(event["delta"])
     elif kind == "response.output_item.done":
         index, done = _index(self, event), event["item"]
-        item = self._items[index]
+        item = self._out.items[index]
         item.status = done["status"]
         if item.kind == "message":
             item.chunks = [p.get("text", "") for p in done["content"]]
         else:
             item.chunks = [done["arguments"]]
-        if self._message == index:
-            self._message = None
+        if self._out.message == index:
+            self._out.message = None
 
 
 def _replay_added(self: Replayable, event: Event) -> None:
     added = event["item"]
-    if event["output_index"] != len(self._items):
+    if event["output_index"] != len(self._out.items):
         raise NotResumable(f"item {added.get('id')} added at {event['output_index']}")
     if added["type"] == "message":
-        self._message = len(self._items)
-        self._items.append(OutputItem("message", added["id"]))
+        self._out.message = len(self._out.items)
+        self._out.items.append(OutputItem("message", added["id"]))
     else:
-        self._items.append(
+        self._out.items.append(
             OutputItem("function_call", added["id"], call_id=added["call_id"], name=added["name"])
         )
 
 
 def _index(self: Replayable, event: Event) -> int:
     index = event["output_index"]
-    if not isinstance(index, int) or not 0 <= index < len(self._items):
+    if not isinstance(index, int) or not 0 <= index < len(self._out.items):
         raise NotResumable(f"output_index {index} was never added")
     return index

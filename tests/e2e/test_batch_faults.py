@@ -7,6 +7,11 @@ openai client.
   executor goes on through the next of ``LLMGW_ROUTER_URLS``): it ends
   ``completed`` with exactly one output line per ``custom_id``, in OpenAI's
   shape, each billed exactly once.
+- A 60-line batch of longer lines, in chunks the kills land in the middle
+  of, survives the same two SIGKILLs (a new control worker starts with the
+  first router URL again, which is the one killed): ``completed``, one
+  output line per ``custom_id``, billed once (tests/e2e/test_jobs_batch_e2e.py
+  before it was folded in here).
 - Bad input loses nothing: a malformed line fails the batch with the line's
   number in ``errors`` and runs no line; a finished batch's cancel is a 400;
   another key gets 404 for the batch and its files. (An oversized upload's
@@ -86,7 +91,13 @@ async def served(system: System, client: Client, tiny: TinyModel) -> AsyncIterat
     probe = store.create_api_key("probe")
     for root in roots:
         await wait_routable(f"{root}/v1", probe, M)
-    yield {"a": started.root, "router_b": router_b, "store": store}
+    yield {
+        "a": started.root,
+        "router_b": router_b,
+        "port_b": port_b,
+        "probe": probe,
+        "store": store,
+    }
     store.close()
     await replicas.stop_replica(client, rid, "test over", 30)
 
@@ -137,6 +148,13 @@ def results(store: Store, batch_id: str) -> int:
                 .where(BatchResult.batch_id == batch_id)
             ).one()
         )
+
+
+async def until_results(store: Store, batch_id: str, n: int) -> None:
+    """Wait until ``n`` of the batch's lines have their result stored."""
+    async with asyncio.timeout(240):
+        while results(store, batch_id) < n:
+            await asyncio.sleep(0.1)
 
 
 async def until(
@@ -224,6 +242,52 @@ async def test_a_200_line_batch_survives_its_control_worker_and_router(
     after = billed(store, key_id)
     grown = tuple(n - b for n, b in zip(after, before, strict=True))
     assert grown == (LINES, prompt, completion)
+
+
+@pytest.mark.timeout(900)
+async def test_a_batch_survives_its_control_worker_and_router(
+    system: System, served: dict[str, Any]
+) -> None:
+    """60 lines of 24 tokens each; the control worker dies once 5 results are
+    stored, router B (the executor's first) once 25 are."""
+    store: Store = served["store"]
+    if not served["router_b"].alive():  # the 200-line test killed it
+        served["router_b"] = system.start_router(served["port_b"])
+        await wait_routable(f"http://127.0.0.1:{served['port_b']}/v1", served["probe"], M)
+    lines = 60
+    key, key_id = new_key(store, "batch-60")
+    body = [
+        {**line, "body": {**line["body"], "max_tokens": 24, "ignore_eos": True}}
+        for line in map(chat_line, range(lines))
+    ]
+    async with oai(served["a"], key) as client:
+        made = await client.files.create(
+            file=("in.jsonl", io.BytesIO(jsonl(list(body)))), purpose="batch"
+        )
+        batch = await client.batches.create(
+            input_file_id=made.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        await until_results(store, batch.id, 5)
+        await killed(control_worker(system))  # the worker running the chunks dies
+        system.spawn("control")  # another takes over (Temporal retries the chunks)
+        await until_results(store, batch.id, 25)
+        await killed(served["router_b"])  # the router the lines go through dies
+        batch = await until(client, batch.id, lambda b: b.status in TERMINAL, 300)
+        assert batch.status == "completed", batch
+        assert batch.request_counts is not None
+        assert (batch.request_counts.completed, batch.request_counts.failed) == (lines, 0)
+        assert batch.output_file_id is not None and batch.error_file_id is None
+        text = (await client.files.content(batch.output_file_id)).text
+    out = [json.loads(line) for line in text.splitlines()]
+    assert sorted(line["custom_id"] for line in out) == sorted(f"line-{i}" for i in range(lines))
+    assert all(line["response"]["status_code"] == 200 for line in out)
+    # Billed exactly once per line: the key's usage rows equal the output's usage.
+    prompt = sum(line["response"]["body"]["usage"]["prompt_tokens"] for line in out)
+    completion = sum(line["response"]["body"]["usage"]["completion_tokens"] for line in out)
+    async with asyncio.timeout(30):
+        while billed(store, key_id)[0] < lines:
+            await asyncio.sleep(0.1)
+    assert billed(store, key_id) == (lines, prompt, completion)
 
 
 async def test_bad_input_fails_the_batch_and_loses_nothing(served: dict[str, Any]) -> None:

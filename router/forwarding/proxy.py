@@ -233,7 +233,12 @@ class Proxy:
         predicted = choice.predicted if choice.order and choice.order[0] is route else 0
         prompt = usage.prompt_tokens if usage is not None else None
         cached = usage.cached_tokens if usage is not None else None
-        self._affinity.served(call.model, route.replica_id, call.prompt_key, choice, prompt, cached)
+        # A replica that left the table (or moved) while this request ran was
+        # forgotten: what it served must not bring its entries back.
+        if any(r is route for r in self._table.routes.get(call.model, ())):
+            self._affinity.served(
+                call.model, route.replica_id, call.prompt_key, choice, prompt, cached
+            )
         self._metrics.route_served(call.model, route.replica_id, prompt or 0, cached, predicted)
 
     def _answered(

@@ -406,3 +406,21 @@ async def test_a_background_turn_run_by_the_executor_shares_its_chains_session(
         stickies = [k.sticky if k else None for k in r.affinity.keys]
         assert stickies == [f"session:{key_id}:resp:{root}"] * 2
         assert len({s.replica_id for s in r.affinity.served_calls}) == 1
+
+
+async def test_a_request_ending_after_its_replica_left_does_not_bring_it_back(
+    tmp_path: Path,
+) -> None:
+    async with routed(tmp_path) as r:
+        _, key = r.gw.key()
+        at = (await ask(r.gw, key, turns("c8", 1))).headers["x-llmgw-replica"]
+        r.engine.holds[at.replace("r", "e")] = asyncio.Event()
+        running = asyncio.create_task(ask(r.gw, key, turns("c8", 2)))
+        await until(lambda: any(x.inflight for x in r.table.routes[M] if x.replica_id == at))
+        assert r.gw.source is not None
+        r.gw.source.items = [m for m in REPLICAS if m.replica_id != at]  # drained meanwhile
+        await until(lambda: at in r.affinity.forgotten)
+        r.engine.holds[at.replace("r", "e")].set()
+        assert (await running).headers["x-llmgw-replica"] == at  # answered all the same
+        assert r.affinity.held_tokens(M, at) == 0
+        assert [s.replica_id for s in r.affinity.served_calls] == [at]  # the first turn only

@@ -49,7 +49,7 @@ from starlette.types import Send
 
 from llmgw.engine_keys import EngineKeyFn
 from llmgw.errors import LlmgwError, UpstreamConnectError, UpstreamError
-from llmgw.types import RoutingPolicy
+from llmgw.types import RoutingPolicy, RoutingPolicyKind
 from router.affinity.affinity import Affinity
 from router.affinity.chunks import PromptKey
 from router.affinity.policy import Choice
@@ -209,11 +209,12 @@ class Proxy:
         assert self._affinity is not None
         spec = self._table.specs.get(call.model)
         key = call.prompt_key
-        floor = (spec.routing if spec is not None else _DEFAULT_ROUTING).min_match_tokens
-        # A prompt too short for its cached prefix to be worth anything goes
-        # where the load says, as before ("hi" to every replica in turn);
-        # its chain is still recorded once served.
-        asked = key if key is not None and key.prompt_tokens >= floor else None
+        routing = spec.routing if spec is not None else _DEFAULT_ROUTING
+        # Under the prefix policy, a prompt too short for its cached prefix to
+        # be worth anything goes where the load says, as before ("hi" to
+        # every replica in turn); its chain is still recorded once served.
+        short = key is not None and key.prompt_tokens < routing.min_match_tokens
+        asked = None if short and routing.policy is RoutingPolicyKind.PREFIX else key
         choice = self._affinity.choose(spec, candidates, asked)
         self._metrics.route_chosen(call.model, choice.reason.value)
         if call.traced:

@@ -424,3 +424,24 @@ async def test_a_request_ending_after_its_replica_left_does_not_bring_it_back(
         assert (await running).headers["x-llmgw-replica"] == at  # answered all the same
         assert r.affinity.held_tokens(M, at) == 0
         assert [s.replica_id for s in r.affinity.served_calls] == [at]  # the first turn only
+
+
+@pytest.mark.parametrize(
+    ("policy", "reason"),
+    [(RoutingPolicyKind.SESSION, "session"), (RoutingPolicyKind.ROUND_ROBIN, "round_robin")],
+)
+async def test_the_catalogs_other_policies_apply_to_short_prompts_too(
+    tmp_path: Path, policy: RoutingPolicyKind, reason: str
+) -> None:
+    async with routed(tmp_path, spec_=model(policy)) as r:
+        _, key = r.gw.key()
+        short = [{"role": "user", "content": "hi"}]
+        where = {
+            (await ask(r.gw, key, short, headers={"X-Llmgw-Session": "s"})).headers[
+                "x-llmgw-replica"
+            ]
+            for _ in range(3)
+        }
+        assert len(where) == (1 if policy is RoutingPolicyKind.SESSION else 3)
+        text = await metrics(r.gw)
+        assert f'llmgw_router_route_choices_total{{model="{M}",reason="{reason}"}} 3.0' in text

@@ -86,8 +86,12 @@ def choose(
     if key is None or kind is RoutingPolicyKind.LEAST_LOADED:
         return _choice(routes, routes[0], Reason.LEAST_LOADED, key, index)
     if kind is RoutingPolicyKind.ROUND_ROBIN:
-        shift = turn % len(routes)
-        rotated = routes[shift:] + routes[:shift]
+        # A stable order (by id) turned: the candidates arrive already rotated
+        # by the table's own counter, and rotating that again by a counter
+        # that moves in step skips every other replica.
+        stable = sorted(routes, key=lambda r: r.replica_id)
+        shift = turn % len(stable)
+        rotated = stable[shift:] + stable[:shift]
         return _choice(rotated, rotated[0], Reason.ROUND_ROBIN, key, index)
     least = min(r.inflight for r in routes)
     within = [r for r in routes if r.inflight <= least + policy.balance_slack]

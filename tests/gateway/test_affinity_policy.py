@@ -60,6 +60,18 @@ def test_round_robin_rotates_by_turn() -> None:
         _check_complete(choice, routes)
 
 
+def test_round_robin_covers_candidates_the_table_already_rotated() -> None:
+    # RoutingTable.candidates turns its list by a counter of its own that
+    # moves in step with the policy's turn: every replica must still get a turn.
+    routes = _routes(0, 0, 0, 0)
+    rr = RoutingPolicy(policy=RoutingPolicyKind.ROUND_ROBIN)
+    firsts = []
+    for t in range(8):
+        rotated = routes[t % 4 :] + routes[: t % 4]
+        firsts.append(_ids(choose(rr, rotated, _key(1, (1, 9)), PrefixIndex(100), None, t))[0])
+    assert sorted(firsts) == ["r0", "r0", "r1", "r1", "r2", "r2", "r3", "r3"]
+
+
 def test_session_is_rendezvous_of_the_lead_within_the_slack() -> None:
     routes = _routes(0, 0, 0, 0)
     session = RoutingPolicy(policy=RoutingPolicyKind.SESSION)

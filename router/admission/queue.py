@@ -55,7 +55,7 @@ from router.common.metrics import Metrics
 from router.control_link.deployment_link import DeploymentLink
 from router.control_link.load_report import LoadCounter
 from router.control_link.routing import RoutingTable
-from router.forwarding.proxy import Call
+from router.forwarding.call import Call
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from router.admission.ticket import Forward, Ticket
 from router.common.disconnect import disconnected
 from router.common.errors import ErrorKind, OpenAIError, engine_refused, sse_error
-from router.forwarding.proxy import Call
+from router.forwarding.call import Call
 
 log = logging.getLogger(__name__)
 

@@ -43,7 +43,8 @@ from router.common.disconnect import disconnected
 from router.common.errors import QUOTA_EXCEEDED, ErrorKind, OpenAIError, invalid_body
 from router.control_link.adapters import base_body
 from router.control_link.routing import Route
-from router.forwarding.proxy import Call, StaleAdapter
+from router.forwarding.call import Call
+from router.forwarding.proxy import StaleAdapter
 from router.forwarding.relay import Reply, StreamReply
 
 # Reusable: entering and leaving it does nothing.

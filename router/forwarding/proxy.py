@@ -32,36 +32,31 @@ business: the queue decided that this request goes now, affinity only where.
 """
 
 import errno
-import json
 import logging
-import re
-import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import Callable
 from functools import partial
-from typing import Any
 
 import aiohttp
-import orjson
 from opentelemetry import trace
 from opentelemetry.propagate import inject
-from starlette.types import Send
 
 from llmgw.engine_keys import EngineKeyFn
 from llmgw.errors import LlmgwError, UpstreamConnectError, UpstreamError
 from llmgw.types import RoutingPolicy, RoutingPolicyKind
 from router.affinity.affinity import Affinity
-from router.affinity.chunks import PromptKey
 from router.affinity.policy import Choice
 from router.billing.accounting import RequestOutcome
-from router.billing.bill import Bill
 from router.common.disconnect import cancelled_if_gone
 from router.common.errors import ErrorKind, Incidents, engine_failed
 from router.common.metrics import Metrics
 from router.control_link.routing import Route, RoutingTable
+from router.forwarding.call import Call
+from router.forwarding.engine_stream import Relay, Usage, outcome_of
 from router.forwarding.pacing import Pacer
-from router.forwarding.relay import Pour, Reply, StreamReply, media_header
-from router.forwarding.upstream import Upstream, UpstreamResponse, divertible
+from router.forwarding.relay import Reply, StreamReply, media_header
+from router.forwarding.upstream import Upstream
+
+__all__ = ["Call", "Proxy", "StaleAdapter"]
 
 log = logging.getLogger(__name__)
 
@@ -72,40 +67,6 @@ PASSIVE_EJECT_S = 5.0
 _DEFAULT_ROUTING = RoutingPolicy()
 # Engine headers kept per replica id (cleared past this: replicas come and go).
 MAX_CACHED_REPLICAS = 10_000
-
-
-@dataclass
-class Call:
-    """One request to forward."""
-
-    model: str
-    path: str
-    body: bytes
-    stream: bool
-    # True when the router added include_usage and the client must not see it.
-    strip_usage: bool
-    # Settled once when the request is over (also after a client disconnect);
-    # holds the prompt estimate and the reservation billed when the engine's
-    # usage cannot be known (router/billing/bill.py).
-    bill: Bill
-    started: float
-    # The engine generates on after the client leaves (llama.cpp finishes a
-    # non-streamed request regardless): its answer is awaited anyway, to bill
-    # what it generated, and the replica counts as busy until then.
-    finishes_when_gone: bool = False
-    # Returns when the client has disconnected (None: never watched).
-    client_gone: Callable[[], Awaitable[None]] | None = None
-    # The body for a given replica (a llama.cpp adapter's id is the replica's own).
-    body_for: Callable[[Route], bytes] | None = None
-    # An on-demand adapter the router believes the replica holds: a 404 means
-    # its view is stale (another router unloaded it), raised as StaleAdapter.
-    stale_on_404: bool = False
-    # False with tracing off: no span to name the replica on, no trace
-    # context to hand the engine (saves the propagators' work per request).
-    traced: bool = True
-    # The prompt's chunk chain and sticky key, for cache-aware routing
-    # (router/affinity/); None: no affinity (embeddings, token-id prompts).
-    prompt_key: PromptKey | None = None
 
 
 class StaleAdapter(LlmgwError):
@@ -224,7 +185,7 @@ class Proxy:
         return choice
 
     def _served(
-        self, route: Route, call: Call, choice: Choice | None, usage: "_Usage | None"
+        self, route: Route, call: Call, choice: Choice | None, usage: "Usage | None"
     ) -> None:
         """Tell the affinity (once per request) what the engine it was sent to
         served: the replica, and the prompt and cached tokens it reported
@@ -254,7 +215,7 @@ class Proxy:
         engine finished: what it generated, as gone) and, a 200, served."""
         call.bill.answered(outcome, client_left=client_left)
         if outcome.status == 200:
-            self._served(route, call, choice, _Usage.of(outcome))
+            self._served(route, call, choice, Usage.of(outcome))
 
     def _unreachable(self, route: Route) -> None:
         if self._on_unreachable is not None:
@@ -301,7 +262,7 @@ class Proxy:
                 if call.stream and upstream.status == 200:
                     relayed = True  # the relay releases the replica
                     served = partial(self._served, route, call, choice)
-                    relay = _Relay(upstream, route, call, self._metrics, self._pacer, served)
+                    relay = Relay(upstream, route, call, self._metrics, self._pacer, served)
                     return StreamReply(relay, media, route.replica_id)
                 try:
                     content = await upstream.read()
@@ -323,7 +284,7 @@ class Proxy:
             if not relayed:
                 route.inflight -= 1
         # A client gone while the engine finished: billed what it generated, as gone.
-        self._answered(route, call, choice, _outcome_of(upstream.status, content), watch.left)
+        self._answered(route, call, choice, outcome_of(upstream.status, content), watch.left)
         if upstream.status >= 500:
             # An engine's (or its pass-through's) own failure: its text may
             # name paths, exceptions or what its log said; admins see it.
@@ -348,235 +309,3 @@ def _was_reset(exc: BaseException) -> bool:
     return isinstance(cause, ConnectionResetError | aiohttp.ServerDisconnectedError) or (
         isinstance(cause, aiohttp.ClientOSError) and cause.errno == errno.ECONNRESET
     )
-
-
-def _count(value: object) -> int:
-    """A token count from an engine's usage; anything odd counts 0."""
-    return value if isinstance(value, int) and value > 0 else 0
-
-
-def _parse(content: bytes) -> Any:
-    try:
-        return orjson.loads(content)
-    except orjson.JSONDecodeError:
-        # What orjson refuses and the standard library reads (NaN, integers
-        # past 64 bits, UTF-16): as before.
-        return json.loads(content)
-
-
-def _outcome_of(status: int, content: bytes) -> RequestOutcome:
-    if status != 200:
-        return RequestOutcome(error=True, status=status)
-    try:
-        usage = _parse(content).get("usage")
-    except (ValueError, AttributeError):
-        return RequestOutcome()
-    if not isinstance(usage, dict):
-        return RequestOutcome()
-    return RequestOutcome(
-        prompt_tokens=_count(usage.get("prompt_tokens")),
-        completion_tokens=_count(usage.get("completion_tokens")),
-        cached_tokens=_cached(usage),
-    )
-
-
-@dataclass(frozen=True, slots=True)
-class _Usage:
-    """What an engine reported of a prompt (cache-aware routing learns it)."""
-
-    prompt_tokens: int | None
-    cached_tokens: int | None
-
-    @classmethod
-    def of(cls, outcome: RequestOutcome) -> "_Usage | None":
-        """From an answer's outcome; None when it carried no usage."""
-        if not outcome.prompt_tokens and outcome.cached_tokens is None:
-            return None
-        return cls(outcome.prompt_tokens or None, outcome.cached_tokens)
-
-
-def _cached(usage: dict[str, Any]) -> int | None:
-    """``usage.prompt_tokens_details.cached_tokens`` (llama.cpp, vLLM), or None
-    when the engine does not say."""
-    details = usage.get("prompt_tokens_details")
-    if not isinstance(details, dict):
-        return None
-    cached = details.get("cached_tokens")
-    return cached if isinstance(cached, int) and cached >= 0 else None
-
-
-# A choice's delta (or text) with something in it: one token, as engines stream.
-_CONTENT = re.compile(rb'"(?:content|text|reasoning_content)":"(?!")|"tool_calls":\[')
-
-
-def _json_event(event: bytes) -> dict[str, Any] | None:
-    if not event.startswith(b"data: {"):
-        return None
-    try:
-        obj = json.loads(event[6:])
-    except ValueError:
-        return None
-    return obj if isinstance(obj, dict) else None
-
-
-def _has_content(choice: Any) -> bool:
-    if not isinstance(choice, dict):
-        return False
-    delta = choice.get("delta")
-    part = delta if isinstance(delta, dict) else choice
-    return bool(
-        part.get("content") or part.get("text") or part.get("reasoning_content")
-        or part.get("tool_calls")
-    )  # fmt: skip
-
-
-class _Relay:
-    """Relays one SSE stream, counting content chunks and (maybe) stripping usage."""
-
-    def __init__(
-        self,
-        upstream: UpstreamResponse,
-        route: Route,
-        call: Call,
-        metrics: Metrics,
-        pacer: Pacer | None = None,
-        served: "Callable[[_Usage | None], None] | None" = None,
-    ):
-        self._upstream = upstream
-        self._route = route
-        self._call = call
-        self._metrics = metrics
-        self._pacer = pacer
-        self._counted = 0
-        self._usage: dict[str, Any] | None = None
-        self._finished = False
-        self._buf = b""  # an event not complete yet
-        self._first = True
-        # Told the engine's usage when the relay ends (cache-aware routing learns it).
-        self.served = served
-
-    def _scan(self, events: bytes) -> bytes:
-        """The events to pass on, event by event; counts content chunks and notes usage.
-
-        Only an event that mentions usage is parsed (the last one, normally);
-        the others are counted by a byte pattern, a fraction of a JSON parse.
-        """
-        out: list[bytes] = []
-        for event in events.split(b"\n\n"):
-            if not event:
-                continue
-            if b'"usage"' not in event:
-                self._counted += len(_CONTENT.findall(event))
-                out.append(event + b"\n\n")
-                continue
-            keep = event
-            obj = _json_event(event)
-            if obj is not None:
-                choices = obj.get("choices")
-                if isinstance(choices, list):
-                    self._counted += sum(1 for c in choices if _has_content(c))
-                usage = obj.get("usage")
-                if isinstance(usage, dict):
-                    self._usage = usage
-                    if self._call.strip_usage:
-                        if not choices:
-                            continue  # the usage-only chunk: the client did not ask
-                        del obj["usage"]
-                        keep = b"data: " + json.dumps(obj, separators=(",", ":")).encode()
-            out.append(keep + b"\n\n")
-        return b"".join(out)
-
-    def _pass(self, events: bytes) -> bytes:
-        """What ``_scan`` gives, without splitting when it would give ``events`` back:
-        no usage (or only ``"usage":null``, which engines in OpenAI's manner put
-        in every chunk), no empty event (four newlines, or one ending the last read)."""
-        if (
-            (b'"usage"' in events and events.count(b'"usage"') != events.count(b'"usage":null'))
-            or b"\n\n\n\n" in events
-            or events.startswith(b"\n\n")
-        ):
-            return self._scan(events)
-        # The pattern holds no newline: counting the whole read counts each event.
-        self._counted += len(_CONTENT.findall(events))
-        return events
-
-    def _events(self, chunk: bytes) -> bytes:
-        """The complete events up to this chunk, counted (``_pass``); an
-        incomplete last one waits for the next chunk."""
-        data = self._buf + chunk if self._buf else chunk
-        cut = data.rfind(b"\n\n") + 2
-        if cut < 2:
-            self._buf = data
-            return b""
-        if cut == len(data):
-            self._buf = b""
-        else:
-            data, self._buf = data[:cut], data[cut:]
-        out = self._pass(data)
-        if out and self._first:
-            self._first = False
-            self._metrics.ttft.labels(self._call.model).observe(
-                time.monotonic() - self._call.started
-            )
-        return out
-
-    async def pump(self, send: Send, headers: list[tuple[bytes, bytes]]) -> None:
-        """Answer with ``headers`` and relay the stream until it ends (or this task
-        is cancelled: the client left, even before it took the answer's head)."""
-        await send({"type": "http.response.start", "status": 200, "headers": headers})
-        error = False
-        try:
-            diverted = divertible(self._upstream)
-            if diverted is not None:
-                await Pour(self._events, diverted, send, self._pacer, self._started).over
-            else:
-                async for chunk in self._upstream.chunks():
-                    out = self._events(chunk)
-                    if out:
-                        await send({"type": "http.response.body", "body": out, "more_body": True})
-            if self._buf:
-                await send({"type": "http.response.body", "body": self._buf, "more_body": True})
-        except UpstreamError as exc:
-            error = True
-            self._metrics.upstream_errors.labels(
-                self._call.model, self._route.replica_id, "stream"
-            ).inc()
-            log.warning("stream from %s broke: %s", self._route.replica_id, exc)
-        await self.finish(error)
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-    async def finish(self, error: bool = False) -> None:
-        """Account and release, once: after the stream, or when it never started."""
-        if self._finished:
-            return
-        self._finished = True
-        # Accounting, then the close (synchronous: a cancellation cannot cut
-        # it short), so the engine sees the connection close.
-        self._route.inflight -= 1
-        self._call.bill.settle(self._outcome(error))
-        self._upstream.close()
-        if self.served is not None:
-            usage = self._usage
-            self.served(
-                None
-                if usage is None
-                else _Usage(_count(usage.get("prompt_tokens")) or None, _cached(usage))
-            )
-
-    def _started(self) -> bool:
-        """Whether the client has had a token (a role-only first event is none)."""
-        return self._counted > 0
-
-    def _outcome(self, error: bool) -> RequestOutcome:
-        if self._usage is not None:
-            return RequestOutcome(
-                prompt_tokens=_count(self._usage.get("prompt_tokens")),
-                completion_tokens=_count(self._usage.get("completion_tokens")),
-                error=error,
-                cached_tokens=_cached(self._usage),
-            )
-        return RequestOutcome(
-            prompt_tokens=self._call.bill.prompt_estimate,
-            completion_tokens=self._counted,
-            error=error,
-        )

@@ -31,8 +31,9 @@ from router.billing.bill import Bill
 from router.billing.key_policy import KeyPolicy
 from router.common.metrics import Metrics
 from router.control_link.routing import Route, RoutingTable
+from router.forwarding.call import Call
+from router.forwarding.engine_stream import Relay as _Relay
 from router.forwarding.pacing import Pacer
-from router.forwarding.proxy import Call, _Relay
 from router.forwarding.upstream import Divertible, Sink
 from router.forwarding.upstream_raw import RawUpstream
 from tests.bench.fasthttp import MODEL, request_bytes

@@ -20,7 +20,9 @@ _METER = {"create_counter": "counter", "create_gauge": "gauge", "create_histogra
 
 def _literal_list(node: ast.AST | None) -> list[str]:
     if isinstance(node, ast.List | ast.Tuple):
-        return [e.value for e in node.elts if isinstance(e, ast.Constant)]
+        return [
+            e.value for e in node.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)
+        ]
     return []
 
 

@@ -46,6 +46,7 @@ def _all_settings() -> list[type]:
         importlib.import_module(module)
     out: list[type] = []
     todo: list[type] = [BaseSettings]
+    sub: type
     while todo:
         for sub in todo.pop().__subclasses__():
             todo.append(sub)

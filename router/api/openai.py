@@ -227,10 +227,15 @@ def _prompt_key(
         return None
     # Namespaced by the key: one tenant's session or user names never meet
     # another's in the router's memory.
+    # OpenAI's own prompt_cache_key first (the client named what shares a
+    # prefix), then our session header, then the end user.
     sticky = None
+    cache_key = data.get("prompt_cache_key")
     session = header(scope, SESSION_HEADER.encode())
     user = data.get("user")
-    if session:
+    if isinstance(cache_key, str) and cache_key:
+        sticky = f"cache:{key_id}:{cache_key[:MAX_SESSION_CHARS]}"
+    elif session:
         sticky = f"session:{key_id}:{session[:MAX_SESSION_CHARS]}"
     elif isinstance(user, str) and user:
         sticky = f"user:{key_id}:{user[:MAX_SESSION_CHARS]}"

@@ -12,10 +12,12 @@ What is accepted, refused and ignored:
   previous response's output as input, and those items carry fields this
   version does not read (``annotations``, ``logprobs``, ``phase``...).
 - **Accepted and ignored**, because honouring them changes nothing a client
-  can see from a self-hosted engine: ``include``, ``prompt_cache_key``,
+  can see from a self-hosted engine: ``include``,
   ``prompt_cache_retention``, ``safety_identifier``, ``service_tier``,
   ``stream_options``, ``reasoning``, ``max_tool_calls``, ``text.verbosity``
   and ``truncation: "disabled"`` (the default).
+- ``prompt_cache_key`` is passed on: the router's cache-aware routing
+  keeps the requests that share it together (docs/guides/routing.md).
 - **Refused with a clear error**: tools other than ``function``, input items
   other than messages, ``function_call`` and ``function_call_output`` (an
   ``item_reference`` too: resolving one needs the store), ``input_file``

@@ -75,7 +75,8 @@ def chat_body(
         body["stream_options"] = {"include_usage": True}
     if request.max_output_tokens is not None:
         body["max_tokens"] = request.max_output_tokens
-    for name in ("temperature", "top_p", "user"):
+    # prompt_cache_key steers the router's cache-aware routing (docs/guides/routing.md).
+    for name in ("temperature", "top_p", "user", "prompt_cache_key"):
         value = getattr(request, name)
         if value is not None:
             body[name] = value

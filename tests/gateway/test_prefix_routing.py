@@ -309,6 +309,11 @@ async def test_a_full_replica_is_passed_over_for_the_next_best(tmp_path: Path) -
 @pytest.mark.parametrize(
     ("headers", "extra", "sticky"),
     [
+        (
+            {"X-Llmgw-Session": "s-1"},
+            {"user": "u-1", "prompt_cache_key": "k-1"},
+            "cache:{key_id}:k-1",
+        ),
         ({"X-Llmgw-Session": "s-1"}, {"user": "u-1"}, "session:{key_id}:s-1"),
         ({}, {"user": "u-1"}, "user:{key_id}:u-1"),
         ({}, {}, None),
@@ -355,6 +360,12 @@ async def test_every_turn_of_a_responses_chain_shares_its_first_responses_id(
         assert last is not None and last.sticky == f"session:{key_id}:resp:{ids[0]}"
         # Every turn went where the conversation is cached.
         assert len({s.replica_id for s in r.affinity.served_calls}) == 1
+        # OpenAI's prompt_cache_key is the client's own word on what shares a prefix.
+        body = {"model": M, "input": "keyed " + SYSTEM, "prompt_cache_key": "k-9"}
+        keyed = await r.gw.http.post("/v1/responses", json=body, headers=auth(key))
+        assert keyed.status_code == 200, keyed.text
+        last = r.affinity.keys[-1]
+        assert last is not None and last.sticky == f"cache:{key_id}:k-9"
 
 
 async def until(cond: Callable[[], bool], timeout_s: float = 10) -> None:

@@ -93,6 +93,7 @@ def test_vllm_single_node() -> None:
         "vllm", "serve", "/models/llama-70b",
         "--tensor-parallel-size", "2", "--pipeline-parallel-size", "2", "--dtype", "bfloat16",
         "--served-model-name", "llama-70b", "--host", "10.0.0.1", "--port", "8001",
+        "--enable-prompt-tokens-details",
     )  # fmt: skip
     assert cmd.wait_for == ()
     assert plan.env["VLLM_API_KEY"] == KEY and plan.secret_env == ("VLLM_API_KEY",)
@@ -264,7 +265,7 @@ def test_sglang_key_goes_by_environment_through_the_shim() -> None:
     assert cmd.argv == (
         "python", "-c", KEY_SHIM, "sglang.launch_server", "--model-path", "/models/llama-70b",
         "--tp-size", "2", "--quantization", "fp8", "--host", "10.0.0.1", "--port", "8001",
-        "--served-model-name", "llama-70b",
+        "--served-model-name", "llama-70b", "--enable-cache-report",
     )  # fmt: skip
     assert KEY not in " ".join(cmd.argv) and cmd.secret_argv_indices == ()
     assert plan.env[SGLANG_KEY_ENV] == KEY and plan.secret_env == (SGLANG_KEY_ENV,)

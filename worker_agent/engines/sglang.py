@@ -96,6 +96,9 @@ class SglangPlanner:
         secret_env: tuple[str, ...] = ()
         if request.leader:
             argv += ["--served-model-name", request.model.name]
+            # usage.prompt_tokens_details.cached_tokens in every answer: the
+            # router's cache-aware routing corrects itself from it (off by default).
+            argv += ["--enable-cache-report"]
         argv += [*request.model.engine_args, *profile.engine_args]
         if request.leader and key:
             module = _module_launcher(self._launch.sglang)

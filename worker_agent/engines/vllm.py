@@ -192,6 +192,9 @@ class VllmPlanner:
             node = request.node
             argv += ["--served-model-name", request.model.name]
             argv += ["--host", node.http_bind, "--port", str(node.http_port)]
+            # usage.prompt_tokens_details.cached_tokens in every answer: the
+            # router's cache-aware routing corrects itself from it (off by default).
+            argv += ["--enable-prompt-tokens-details"]
             if request.loras:
                 argv += ["--lora-modules", *(f"{a.name}={a.path}" for a in request.loras)]
         # The operator's engine_args last, so they can override llmgw's defaults.

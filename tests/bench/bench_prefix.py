@@ -105,6 +105,7 @@ SYSTEM_WORDS = 320  # ~1,000 tokens
 DOC_WORDS = 640  # ~2,000 tokens
 QUESTION_WORDS = 15  # ~45 tokens
 CONTEXT = 16384  # four slots of W2's prompts in llama.cpp's one unified KV cache
+VERBOSE = False  # --verbose: every request's replica and cached tokens
 
 
 def text(rng: random.Random, words: int) -> str:
@@ -219,6 +220,11 @@ async def record(run: Run, call: Awaitable[Sample]) -> Sample | None:
         run.errors[str(exc)] += 1
         return None
     run.samples.append(sample)
+    if VERBOSE:
+        print(
+            f"    {run.workload} {run.policy}: {sample.replica} cached {sample.cached}"
+            f" of {sample.prompt}, TTFT {sample.ttft * 1e3:.0f} ms"
+        )
     return sample
 
 
@@ -301,16 +307,27 @@ async def closed_loop(
 
 
 def w2_requests(args: argparse.Namespace, salt: str) -> list[list[dict[str, str]]]:
+    """``--w2-doc user``: a short system prompt, then the document and the
+    question in one user message (the usual retrieval prompt); ``system``:
+    the document is the system message, the question the user's."""
     rng = random.Random(salt)
     docs = [f"[{salt}] document {d}: " + text(rng, DOC_WORDS) for d in range(args.docs)]
-    return [
-        [
-            {"role": "system", "content": doc},
-            {"role": "user", "content": f"question {q}: " + text(rng, QUESTION_WORDS)},
-        ]
-        for q in range(args.questions)
-        for doc in docs
-    ]
+    out = []
+    for q in range(args.questions):
+        for doc in docs:
+            question = f"question {q}: " + text(rng, QUESTION_WORDS)
+            if args.w2_doc == "system":
+                out.append(
+                    [{"role": "system", "content": doc}, {"role": "user", "content": question}]
+                )
+            else:
+                out.append(
+                    [
+                        {"role": "system", "content": f"[{salt}] Answer from the document."},
+                        {"role": "user", "content": f"{doc}\n\n{question}"},
+                    ]
+                )
+    return out
 
 
 def w3_requests(args: argparse.Namespace, salt: str) -> list[list[dict[str, str]]]:
@@ -512,7 +529,7 @@ async def run(args: argparse.Namespace, root: Path) -> None:
             engine=EngineKind.LLAMA_CPP,
             source=str(model),
             context_length=CONTEXT,
-            engine_args=cache_ram,
+            engine_args=[*cache_ram, *args.engine_args.split()],
             # llama.cpp's default: four slots; the router's queue holds the rest.
             profile=EngineProfile(max_inflight=4),
         )
@@ -546,6 +563,8 @@ async def run(args: argparse.Namespace, root: Path) -> None:
         server.stop()
         if args.keep_logs:
             shutil.copytree(system.work_dir / "logs", args.keep_logs, dirs_exist_ok=True)
+            for log in (system.work_dir / "agent").glob("*/shards/*/engine.log"):
+                shutil.copy(log, args.keep_logs / f"engine-{log.parent.name}.log")
     print(f"whole run: {time.perf_counter() - began:.0f} s")
 
 
@@ -703,8 +722,13 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=12, help="answers")
     parser.add_argument("--two-routers", action="store_true")
     parser.add_argument("--cache-ram", type=int, help="llama.cpp --cache-ram MiB (wheel only)")
+    parser.add_argument(
+        "--engine-args", default="", help='more llama-server options, e.g. "-sps 0" (wheel only)'
+    )
+    parser.add_argument("--w2-doc", choices=["user", "system"], default="user")
     parser.add_argument("--seed", type=int, default=26)
     parser.add_argument("--probe", action="store_true", help="llama.cpp alone: its caches")
+    parser.add_argument("--verbose", action="store_true", help="print every request")
     parser.add_argument("--keep-logs", type=Path, help="copy the processes' logs here")
     args = parser.parse_args()
     bad = {p for p in args.policies.split(",") if p} - set(POLICIES)
@@ -715,7 +739,9 @@ def parse() -> argparse.Namespace:
 
 
 async def main() -> None:
+    global VERBOSE  # noqa: PLW0603 - a print switch, set once
     args = parse()
+    VERBOSE = args.verbose
     print("command: .venv/bin/python -m tests.bench.bench_prefix " + " ".join(sys.argv[1:]))
     with tempfile.TemporaryDirectory(prefix="llmgw-bench-prefix-") as tmp:
         await (probe(Path(tmp)) if args.probe else run(args, Path(tmp)))

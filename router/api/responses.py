@@ -530,6 +530,11 @@ def _fail_unresumable(deps: Deps, response_id: str, stored: list[dict[str, Any]]
     rstore.finish_run(deps.store, response_id, response)
 
 
+# What a continuation that no longer fits the context ends as: output cut at
+# its limit (response.incomplete, reason max_output_tokens).
+_OUT_OF_ROOM: dict[str, Any] = {"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]}
+
+
 class _Run:
     """One attempt at a background response: its events persisted in flushes."""
 
@@ -615,6 +620,15 @@ class _Run:
         except OpenAIError as exc:
             if exc.status >= 500 or exc.status == 429:
                 raise  # for the executor to retry (no replica, queue full...)
+            if machine.partial_text and exc.status == 400 and "context" in exc.message.lower():
+                # The text so far, tokenized anew in the continuation, leaves
+                # no room in the engine's context (it may take more tokens
+                # than it was generated as): the output ends here, as at its
+                # token limit, with everything generated kept.
+                self._finished = True
+                async for out in self._step(machine.feed(_OUT_OF_ROOM)):
+                    yield out
+                return
             # Refused for good (the key may no longer use the model): it failed.
             async for out in self._step(machine.fail(exc.message)):
                 yield out

@@ -473,6 +473,36 @@ async def test_a_background_stream_follows_the_run_and_a_cancel_stops_it(engine:
             assert row.completion_tokens == first.usage.output_tokens + len(deltas)
 
 
+async def test_a_continuation_with_no_room_left_ends_incomplete_keeping_its_text(
+    engine: Engine,
+) -> None:
+    # The partial text, tokenized anew in the continuation's prompt, can take
+    # more of the context than it was generated as: seen with 926 stored
+    # deltas in a 2,048-token slot. The output then ends as at its limit.
+    async with router(engine) as r:
+        key, key_id = r.key()
+        headers = with_exec(r, key_id)
+        async with r.client(key) as client, httpx.AsyncClient(timeout=120) as http:
+            resp = await client.responses.create(
+                model=M, input="go on", background=True, max_output_tokens=400
+            )
+            long_run(r, key_id, resp.id, 400)
+            run = f"{r.base}/internal/responses/{resp.id}/run"
+            cut = await cut_short(r, http, run, headers)
+            last = next(e for e in reversed(cut) if e["type"] == "response.output_text.delta")
+            filler = " word" * 3000  # past the engine's 2,048-token context
+            grown = {**last, "sequence_number": cut[-1]["sequence_number"] + 1, "delta": filler}
+            rstore.append_events(r.store, resp.id, [grown])
+            answer = await http.post(run, headers=headers)
+            assert answer.status_code == 200
+            final = await client.responses.retrieve(resp.id)
+            assert final.status == "incomplete", final.error
+            assert final.incomplete_details is not None
+            assert final.incomplete_details.reason == "max_output_tokens"
+            assert final.output_text.endswith(filler)
+            assert stored_events(r, resp.id)[-1]["type"] == "response.incomplete"
+
+
 async def test_a_log_that_cannot_be_continued_fails_the_response(engine: Engine) -> None:
     async with router(engine) as r:
         key, key_id = r.key()

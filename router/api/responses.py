@@ -530,9 +530,13 @@ def _fail_unresumable(deps: Deps, response_id: str, stored: list[dict[str, Any]]
     rstore.finish_run(deps.store, response_id, response)
 
 
-# What a continuation that no longer fits the context ends as: output cut at
-# its limit (response.incomplete, reason max_output_tokens).
-_OUT_OF_ROOM: dict[str, Any] = {"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]}
+def _out_of_room(carried: int) -> dict[str, Any]:
+    """What a continuation that no longer fits the context ends as: output
+    cut at its limit (response.incomplete, reason max_output_tokens), billed
+    the ``carried`` output tokens stored (its prompt is not known: the engine
+    refused it, as for a cancel it is not billed)."""
+    usage = {"prompt_tokens": carried, "completion_tokens": 0, "total_tokens": carried}
+    return {"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}], "usage": usage}
 
 
 class _Run:
@@ -626,7 +630,9 @@ class _Run:
                 # than it was generated as): the output ends here, as at its
                 # token limit, with everything generated kept.
                 self._finished = True
-                async for out in self._step(machine.feed(_OUT_OF_ROOM)):
+                async for out in self._step(
+                    machine.feed(_out_of_room(machine.carried_output_tokens))
+                ):
                     yield out
                 return
             # Refused for good (the key may no longer use the model): it failed.

@@ -501,6 +501,11 @@ async def test_a_continuation_with_no_room_left_ends_incomplete_keeping_its_text
             assert final.incomplete_details.reason == "max_output_tokens"
             assert final.output_text.endswith(filler)
             assert stored_events(r, resp.id)[-1]["type"] == "response.incomplete"
+            # Billed once: a token a stored delta (its prompt is not known).
+            deltas = [e for e in stored_events(r, resp.id) if e["type"].endswith(".delta")]
+            assert final.usage is not None and final.usage.output_tokens == len(deltas)
+            [row] = usage.query(r.store, key_id=key_id)
+            assert (row.requests, row.completion_tokens) == (1, len(deltas))
 
 
 async def test_a_log_that_cannot_be_continued_fails_the_response(engine: Engine) -> None:

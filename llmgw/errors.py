@@ -10,7 +10,8 @@ module are named with where they live::
     │                             (worker_agent/engines/spec.py; also a ValueError)
     ├── StoreError                the store could not answer
     ├── FileTooLarge              a file past its size bound: nothing of it kept
-    │                             (llmgw/store/files.py)
+    │   │                         (llmgw/store/files.py)
+    │   └── KeyStorageFull        ...past what its key's files may hold in all
     ├── TemporalConnectError      no Temporal client: unreachable, or refused (TLS, API key)
     ├── InstanceRunningError      another live ``llmgw up`` holds the work dir (llmgw_cli/up.py)
     ├── EngineError               an engine shard misbehaved
@@ -106,6 +107,16 @@ class FileTooLarge(LlmgwError):
     def __init__(self, limit: int) -> None:
         super().__init__(f"the file is larger than {limit} bytes")
         self.limit = limit
+
+
+class KeyStorageFull(FileTooLarge):
+    """An upload would take its key's files past their total bound
+    (``LLMGW_MAX_KEY_FILE_BYTES``); what was written of it is removed again."""
+
+    def __init__(self, limit: int, used: int) -> None:
+        super().__init__(limit)
+        self.args = (f"the key's files would hold more than {limit} bytes ({used} in use)",)
+        self.used = used
 
 
 class TemporalConnectError(LlmgwError):

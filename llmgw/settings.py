@@ -213,6 +213,10 @@ class RouterSettings(_Common):
     # the store's use, not the router's memory; a large upload also needs
     # body_timeout_s long enough for it to arrive.
     max_file_bytes: int = Field(default=200 * 1024 * 1024, ge=1)
+    # What one key's files may hold in all, its batches' results included
+    # (past it an upload gets 413 file_storage_full, nothing stored; a
+    # batch's results are always written). Expired files stop counting.
+    max_key_file_bytes: int = Field(default=10 * 1024**3, ge=1)
     # Names this router in its load reports to the deployments (elastic
     # serving): unique among the routers of one system.
     router_id: str = Field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")

@@ -142,6 +142,7 @@ def create_app(
     load_report_interval_s: float = REPORT_INTERVAL_S,
     max_replicas: int = DEFAULT_MAX_REPLICAS,
     max_file_bytes: int = 200 * MiB,
+    max_key_file_bytes: int = 10 * 1024 * MiB,
     jobs: JobLink | None = None,
     affinity: Affinity | None = None,
 ) -> FastAPI:
@@ -245,6 +246,7 @@ def create_app(
         store_wait_s=store_wait_s,
         max_replicas=max_replicas,
         max_file_bytes=max_file_bytes,
+        max_key_file_bytes=max_key_file_bytes,
     )
     install_handlers(app)
     for route in openai.inference_routes():

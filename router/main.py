@@ -68,6 +68,7 @@ def build(
         router_id=settings.router_id,
         max_replicas=settings.max_replicas_per_model,
         max_file_bytes=settings.max_file_bytes,
+        max_key_file_bytes=settings.max_key_file_bytes,
     )
     limits = fit_open_files(
         ListenerLimits(

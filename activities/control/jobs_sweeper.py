@@ -1,4 +1,6 @@
-"""The jobs' sweeper: it starts what no router started, and re-sends cancels.
+"""The jobs' sweeper: it starts what no router started, re-sends cancels, and
+removes file content nobody can read any more (expired files, uploads a
+killed router left half-written: llmgw/store/file_upkeep.py).
 
 Split from activities/control/jobs.py (the exec queue's activities): the
 sweeper runs in the control worker beside them, on its own timer. A router
@@ -22,7 +24,7 @@ from temporalio.service import RPCError
 
 from llmgw import contracts
 from llmgw.queues import EXEC_QUEUE, batch_workflow_id, response_workflow_id
-from llmgw.store import Store
+from llmgw.store import Store, file_upkeep
 from llmgw.store.job_rows import mark_started
 from llmgw.store.openai_tables import BatchRecord, ResponseRecord
 from llmgw.types import TERMINAL_BATCH, BatchRun, BatchStatus, CancelJob, ResponseRun
@@ -33,6 +35,11 @@ log = logging.getLogger("activities.control.jobs")
 # A row this young may still be started by the router that inserted it.
 SWEEP_MIN_AGE_S = 3.0
 START_RPC_TIMEOUT = timedelta(seconds=5)
+# Files are tidied this often: a scan of the file rows, not of every job.
+FILES_INTERVAL_S = 60.0
+# A staging row this old is a writer killed mid-way: no live upload of a
+# bounded file (LLMGW_MAX_FILE_BYTES) takes six hours to arrive.
+ABANDONED_AFTER_S = 6 * 3600.0
 
 
 class Sweeper:
@@ -50,6 +57,8 @@ class Sweeper:
         clock: Callable[[], float] = time.time,
         min_age_s: float = SWEEP_MIN_AGE_S,
         task_queue: str = EXEC_QUEUE,
+        files_interval_s: float = FILES_INTERVAL_S,
+        abandoned_after_s: float = ABANDONED_AFTER_S,
     ) -> None:
         self._store = store
         self._client = client
@@ -57,14 +66,39 @@ class Sweeper:
         self._queue = task_queue
         self._clock = clock
         self._min_age = min_age_s
+        self._files_interval = files_interval_s
+        self._abandoned_after = abandoned_after_s
 
     async def forever(self, interval_s: float) -> None:
+        files_due = self._clock()
         while True:
             try:
                 await self.once()
             except Exception:  # a sweep that fails is the next one's to do
                 log.exception("job sweep failed")
+            if self._clock() >= files_due:
+                files_due = self._clock() + self._files_interval
+                try:
+                    await self.tidy_files()
+                except Exception:  # the next tidy retries
+                    log.exception("file sweep failed")
             await asyncio.sleep(interval_s)
+
+    async def tidy_files(self) -> tuple[int, int]:
+        """Delete the content of expired files and what killed writers left;
+        (expired, abandoned) files removed."""
+        now = int(self._clock())
+        expired = 0
+        while True:  # a page at a time: short transactions
+            page = await asyncio.to_thread(file_upkeep.purge_expired, self._store, now)
+            expired += page
+            if page < file_upkeep.PURGE_PAGE:
+                break
+        before = int(now - self._abandoned_after)
+        abandoned = await asyncio.to_thread(file_upkeep.purge_abandoned, self._store, before)
+        if expired or abandoned:
+            log.info("files tidied: %d expired, %d abandoned uploads removed", expired, abandoned)
+        return expired, abandoned
 
     async def once(self) -> int:
         """One pass; how many workflows it started or signalled."""

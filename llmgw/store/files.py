@@ -14,7 +14,7 @@ writer that fails, removes its staging rows and leaves nothing; and writing
 the same ``file_id`` again (a retried batch finalize, whose ids are
 deterministic) replaces its content idempotently. A writer killed mid-way
 leaves a staging row (status ``uploading``, never listed or served) and its
-chunks: ``purge_abandoned`` removes them.
+chunks: ``purge_abandoned`` (llmgw/store/file_upkeep.py) removes them.
 
 Every read of a file's metadata names the key: another key's file is simply
 not found. Synchronous (SQLModel sessions): async callers run these in a
@@ -31,7 +31,7 @@ from typing import Literal
 from sqlalchemy import ColumnElement, delete, or_, update
 from sqlmodel import Session, col, select
 
-from llmgw.errors import FileTooLarge
+from llmgw.errors import FileTooLarge, KeyStorageFull
 from llmgw.store import Store
 from llmgw.store.openai_tables import FILE_CHUNK_BYTES, FileChunk, StoredFile
 
@@ -43,7 +43,6 @@ __all__ = [
     "iter_lines",
     "list_files",
     "new_file_id",
-    "purge_abandoned",
     "read_chunks",
     "write_file",
 ]
@@ -85,12 +84,18 @@ class FileWriter:
         file_id: str | None = None,
         expires_at: int | None = None,
         clock: Callable[[], int] | None = None,
+        key_total: int | None = None,
+        key_used: int = 0,
     ) -> None:
         self._store = store
         self._key_id = key_id
         self._filename = filename
         self.purpose = purpose
         self._max = max_bytes
+        # The key's bound on all its files (None: none, a batch's results),
+        # and what they held when this file began.
+        self._key_total = key_total
+        self._key_used = key_used
         self.file_id = file_id or new_file_id()
         self.expires_at = expires_at
         self._now = clock or (lambda: int(time.time()))
@@ -131,6 +136,9 @@ class FileWriter:
         if self._size > self._max:
             self.abort()
             raise FileTooLarge(self._max)
+        if self._key_total is not None and self._key_used + self._size > self._key_total:
+            self.abort()
+            raise KeyStorageFull(self._key_total, self._key_used)
         self._sha.update(data)
         self._buffer += data
         while len(self._buffer) >= FILE_CHUNK_BYTES:
@@ -358,21 +366,3 @@ def delete_file(store: Store, key_id: int, file_id: str) -> bool:
         session.add(row)
         session.commit()
         return True
-
-
-def purge_abandoned(store: Store, older_than: int) -> int:
-    """Remove what writers killed mid-way left (staging rows created before
-    ``older_than``, epoch seconds, and their chunks); how many files."""
-    with store.session() as session:
-        ids = list(
-            session.exec(
-                select(StoredFile.id).where(
-                    StoredFile.status == UPLOADING, StoredFile.created_at < older_than
-                )
-            ).all()
-        )
-        for file_id in ids:
-            session.execute(delete(FileChunk).where(col(FileChunk.file_id) == file_id))
-            session.execute(delete(StoredFile).where(col(StoredFile.id) == file_id))
-        session.commit()
-    return len(ids)

@@ -48,6 +48,8 @@ class Deps:
     max_replicas: int = DEFAULT_MAX_REPLICAS
     # The largest file /v1/files takes (LLMGW_MAX_FILE_BYTES).
     max_file_bytes: int = 200 * 1024 * 1024
+    # What one key's files may hold in all (LLMGW_MAX_KEY_FILE_BYTES).
+    max_key_file_bytes: int = 10 * 1024**3
 
 
 async def get_deps(request: Request) -> Deps:

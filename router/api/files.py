@@ -3,8 +3,9 @@
 An upload is parsed as it arrives (python-multipart's push parser over
 ``request.stream()``) and written to the store a chunk at a time
 (llmgw/store/files.py): the router holds at most about two chunks of a file,
-never the whole body. Past ``LLMGW_MAX_FILE_BYTES`` the upload is refused
-with a 413 and what was written of it is removed. Content is streamed back a
+never the whole body. Past ``LLMGW_MAX_FILE_BYTES``, or past what the key's
+files may hold in all (``LLMGW_MAX_KEY_FILE_BYTES``, llmgw/store/file_upkeep.py),
+the upload is refused with a 413 and what was written of it is removed. Content is streamed back a
 chunk row at a time. Files live in the store, so every router and the
 control worker reach them; a file is its key's: another key's id is a 404,
 the same as an unknown one.
@@ -24,7 +25,8 @@ from python_multipart.exceptions import MultipartParseError
 from python_multipart.multipart import MultipartParser, parse_options_header
 from starlette.requests import ClientDisconnect
 
-from llmgw.errors import FileTooLarge, StoreError
+from llmgw.errors import FileTooLarge, KeyStorageFull, StoreError
+from llmgw.store import file_upkeep
 from llmgw.store import files as fs
 from llmgw.store.openai_tables import FILE_CHUNK_BYTES, StoredFile
 from router.api.deps import Deps, get_deps
@@ -251,7 +253,9 @@ _UPLOAD_BODY = {
     responses=error_responses(
         {
             400: "Not a multipart body with `purpose` (batch) and `file`",
-            413: "The file is larger than LLMGW_MAX_FILE_BYTES (`file_too_large`); nothing stored",
+            413: "The file is larger than LLMGW_MAX_FILE_BYTES (`file_too_large`), or the key's"
+            " files would hold more than LLMGW_MAX_KEY_FILE_BYTES (`file_storage_full`);"
+            " nothing stored",
         }
     ),
 )
@@ -273,7 +277,7 @@ async def create_file(request: Request, deps: DepsDep, caller: CallerDep) -> Fil
                 raise invalid_fields([upload.problem], upload.problem.split(":")[0])
             if upload.pending >= FILE_CHUNK_BYTES:
                 if writer is None:
-                    writer = _writer(deps, caller.key_id, upload)
+                    writer = await _writer(deps, caller.key_id, upload)
                 await _write(writer, upload.take())
         parser.finalize()
         if not upload.ended:
@@ -284,7 +288,7 @@ async def create_file(request: Request, deps: DepsDep, caller: CallerDep) -> Fil
         now = int(time.time())
         expires_at = _expires_at(upload, now)
         if writer is None:
-            writer = _writer(deps, caller.key_id, upload)
+            writer = await _writer(deps, caller.key_id, upload)
         await _write(writer, upload.take())
         writer.purpose = purpose
         writer.expires_at = expires_at
@@ -298,23 +302,29 @@ async def create_file(request: Request, deps: DepsDep, caller: CallerDep) -> Fil
     return file_object(row)
 
 
-def _writer(deps: Deps, key_id: int, upload: _Upload) -> fs.FileWriter:
+async def _writer(deps: Deps, key_id: int, upload: _Upload) -> fs.FileWriter:
     # A purpose that came before the file is checked before anything is written.
     if "purpose" in upload.fields:
         _purpose(upload)
     raw = upload.fields.get("purpose", b"")
+    now = int(time.time())
+    used = await _store(deps, lambda: file_upkeep.key_bytes(deps.store, key_id, now))
     return fs.FileWriter(
         deps.store,
         key_id,
         upload.filename or "upload",
         raw.decode("utf-8", "replace"),
         max_bytes=deps.max_file_bytes,
+        key_total=deps.max_key_file_bytes,
+        key_used=used,
     )
 
 
 async def _write(writer: fs.FileWriter, data: bytes) -> None:
     try:
         await asyncio.to_thread(writer.write, data)
+    except KeyStorageFull as exc:
+        raise ErrorKind.KEY_STORAGE_FULL.error(limit=exc.limit, used=exc.used) from None
     except FileTooLarge as exc:
         raise ErrorKind.FILE_TOO_LARGE.error(limit=exc.limit) from None
     except StoreError as exc:

@@ -275,6 +275,13 @@ class ErrorKind(Enum):
         code="file_too_large",
         param="file",
     )
+    KEY_STORAGE_FULL = ErrorSpec(
+        413,
+        "This key's files would hold more than {limit} bytes ({used} in use, "
+        "LLMGW_MAX_KEY_FILE_BYTES); delete files it no longer needs. Nothing was stored.",
+        code="file_storage_full",
+        param="file",
+    )
     EXEC_ONLY = ErrorSpec(
         401, "This endpoint serves llmgw's executor only.", code="invalid_api_key"
     )

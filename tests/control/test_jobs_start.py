@@ -8,6 +8,7 @@ import time
 import uuid
 from pathlib import Path
 
+from sqlmodel import select
 from temporalio.client import Client
 from temporalio.common import WorkflowIDReusePolicy
 
@@ -15,7 +16,8 @@ from activities.control.jobs_sweeper import Sweeper
 from llmgw import contracts
 from llmgw.queues import response_workflow_id
 from llmgw.store import Store
-from llmgw.store.openai_tables import BatchRecord
+from llmgw.store import files as fs
+from llmgw.store.openai_tables import FILE_CHUNK_BYTES, BatchRecord, FileChunk, StoredFile
 from llmgw.types import BatchRun, BatchStatus, CancelJob, ResponseRun
 from router.control_link.jobs import Jobs
 from tests.control.test_jobs_batch import Rig, rig, until
@@ -107,3 +109,42 @@ async def test_a_background_response_is_cancelled_by_its_signal(
         # The router never ends it: past the grace, the activity is cancelled.
         result = await asyncio.wait_for(handle.result(), 120)
         assert result.status == "cancelled"
+
+
+async def test_the_sweeper_tidies_expired_and_abandoned_files(
+    client: Client, tmp_path: Path
+) -> None:
+    store = Store(f"sqlite:///{tmp_path / 'files.db'}")
+    store.migrate()
+    try:
+        now = int(time.time())
+        expired = fs.write_file(store, 1, "old", "batch", [b"x"], max_bytes=10, expires_at=now)
+        kept = fs.write_file(store, 1, "kept", "batch", [b"y"], max_bytes=10)
+        # A router killed mid-upload: its staging row and chunk, written long ago.
+        writer = fs.FileWriter(store, 1, "half", "batch", max_bytes=10 * FILE_CHUNK_BYTES)
+        writer.write(b"z" * FILE_CHUNK_BYTES)
+        with store.session() as session:
+            [staging] = session.exec(select(StoredFile).where(StoredFile.status == "uploading"))
+            staging.created_at = now - 7 * 3600
+            staging_id = staging.id
+            session.add(staging)
+            session.commit()
+        defaults = BatchRun(batch_id="", expires_at=0)
+        sweeper = Sweeper(store, client, defaults, files_interval_s=0)
+
+        def chunks() -> set[str]:
+            with store.session() as session:
+                return set(session.exec(select(FileChunk.file_id)).all())
+
+        running = asyncio.create_task(sweeper.forever(0.05))
+        try:
+            await until(lambda: chunks() == {kept.id})
+        finally:
+            running.cancel()
+        with store.session() as session:
+            row = session.get(StoredFile, expired.id)
+            assert row is not None and row.deleted_at is not None
+            assert session.get(StoredFile, staging_id) is None
+        assert b"".join(fs.read_chunks(store, kept.id)) == b"y"
+    finally:
+        store.close()

@@ -130,6 +130,26 @@ async def test_a_file_past_the_bound_is_refused_and_nothing_is_stored(store_url:
         assert ok.bytes == K + K // 2
 
 
+async def test_a_keys_files_are_bounded_in_all(store_url: str) -> None:
+    total = 2 * K
+    async with router(store_url, max_key_file_bytes=total) as r:
+        mine, theirs = r.key(), r.key()
+        async with r.client(mine) as client, r.client(theirs) as other:
+            first = await client.files.create(file=("a.jsonl", b"x" * K), purpose="batch")
+            before = r.rows()
+            with pytest.raises(openai.APIStatusError) as caught:
+                await client.files.create(file=("b.jsonl", b"x" * (K + 1)), purpose="batch")
+            assert caught.value.status_code == 413
+            assert caught.value.code == "file_storage_full" and caught.value.param == "file"
+            assert str(total) in caught.value.message and str(K) in caught.value.message
+            assert r.rows() == before  # nothing of it kept
+            # Another key has its own room; deleting makes room again.
+            await other.files.create(file=("c.jsonl", b"x" * (K + 1)), purpose="batch")
+            await client.files.delete(first.id)
+            again = await client.files.create(file=("b.jsonl", b"x" * (K + 1)), purpose="batch")
+            assert again.bytes == K + 1
+
+
 async def test_another_keys_file_is_not_found(store_url: str) -> None:
     async with router(store_url) as r, r.client(r.key()) as mine, r.client(r.key()) as theirs:
         made = await mine.files.create(file=("a.jsonl", b"{}\n"), purpose="batch")

@@ -8,8 +8,8 @@ from collections.abc import Iterator
 import pytest
 from sqlmodel import col, func, select
 
-from llmgw.errors import FileTooLarge
-from llmgw.store import Store
+from llmgw.errors import FileTooLarge, KeyStorageFull
+from llmgw.store import Store, file_upkeep
 from llmgw.store import files as fs
 from llmgw.store.openai_tables import FILE_CHUNK_BYTES, FileChunk, StoredFile
 
@@ -110,7 +110,7 @@ def test_an_abandoned_write_is_never_served_and_is_purged(store: Store) -> None:
     assert fs.get_file(store, 1, writer.file_id) is None
     assert fs.list_files(store, 1) == ([], False)
     assert _rows(store) == (1, 1)
-    assert fs.purge_abandoned(store, older_than=2**31 - 1) == 1
+    assert file_upkeep.purge_abandoned(store, older_than=2**31 - 1) == 1
     assert _rows(store) == (0, 0)
 
 
@@ -145,3 +145,43 @@ def test_pages_ownership_and_delete(store: Store) -> None:
     assert not fs.delete_file(store, 1, gone)
     assert list(fs.read_chunks(store, gone)) == []
     assert gone not in {f.id for f in fs.list_files(store, 1, limit=100)[0]}
+
+
+def test_a_keys_files_count_until_deleted_or_expired(store: Store) -> None:
+    now = 1_000_000
+    fs.write_file(store, 1, "a", "batch", [b"x" * 100], max_bytes=1000)
+    fs.write_file(store, 1, "b", "batch", [b"x" * 50], max_bytes=1000, expires_at=now + 10)
+    gone = fs.write_file(store, 1, "c", "batch", [b"x" * 30], max_bytes=1000)
+    fs.write_file(store, 2, "theirs", "batch", [b"x" * 70], max_bytes=1000)
+    assert fs.delete_file(store, 1, gone.id)
+    assert file_upkeep.key_bytes(store, 1, now) == 150
+    assert file_upkeep.key_bytes(store, 1, now + 10) == 100  # b expired
+    assert file_upkeep.key_bytes(store, 3, now) == 0
+
+
+def test_past_the_keys_total_an_upload_leaves_nothing(store: Store) -> None:
+    writer = fs.FileWriter(
+        store, 1, "big", "batch", max_bytes=10 * K, key_total=2 * K, key_used=K
+    )  # fmt: skip
+    writer.write(b"x" * K)  # exactly the room left: taken
+    with pytest.raises(KeyStorageFull) as refused:
+        writer.write(b"x")
+    assert (refused.value.limit, refused.value.used) == (2 * K, K)
+    assert isinstance(refused.value, FileTooLarge)  # a client sees the same 413 family
+    assert _rows(store) == (0, 0)
+
+
+def test_expired_files_lose_their_content_and_keep_their_row(store: Store) -> None:
+    now = 1_000_000
+    old = fs.write_file(store, 1, "old", "batch", [b"y" * (K + 1)], max_bytes=2 * K, expires_at=now)
+    kept = fs.write_file(store, 1, "kept", "batch", [b"z"], max_bytes=10, expires_at=now + 1)
+    forever = fs.write_file(store, 1, "forever", "batch", [b"w"], max_bytes=10)
+    assert file_upkeep.purge_expired(store, now) == 1
+    assert file_upkeep.purge_expired(store, now) == 0  # done once
+    assert list(fs.read_chunks(store, old.id)) == []
+    with store.session() as session:
+        row = session.get(StoredFile, old.id)
+        assert row is not None and row.deleted_at == now and row.bytes == 0
+    assert b"".join(fs.read_chunks(store, kept.id)) == b"z"
+    assert b"".join(fs.read_chunks(store, forever.id)) == b"w"
+    assert not fs.delete_file(store, 1, old.id)  # gone for its key too

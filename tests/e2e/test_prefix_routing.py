@@ -14,9 +14,6 @@ table is fed by the test (a replica drains when the test says so).
 
 import asyncio
 import itertools
-import os
-import subprocess
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -28,7 +25,6 @@ import pytest
 import uvicorn
 from openai.types.chat import ChatCompletionMessageParam
 
-from llmgw.engine_keys import engine_key
 from llmgw.store import Store
 from llmgw.types import EngineProfile, ModelSpec, QueuePolicy, ReplicaMemo, ReplicaPhase
 from llmgw_cli.dev.tinymodel import TinyModel
@@ -40,6 +36,7 @@ from router.billing.key_policy import KeyPolicy
 from router.control_link.routing import Route, RoutingTable
 from tests.gateway_util import FakeSource
 from tests.harness import free_port
+from tests.llama_servers import llama_servers
 
 if TYPE_CHECKING:
     from worker_agent.installs.llamacpp import LlamaCppInstall
@@ -73,40 +70,8 @@ def engines(
     store.migrate()
     secret = store.engine_key_secret()
     store.close()
-    procs: list[subprocess.Popen[bytes]] = []
-    endpoints: dict[str, str] = {}
-    try:
-        for replica in REPLICAS:
-            port = free_port()
-            env = llama.environment(os.environ) | {"LLAMA_API_KEY": engine_key(secret, replica)}
-            argv = [
-                str(llama.server), "--model", str(tiny.model_path), "--alias", M,
-                "--host", "127.0.0.1", "--port", str(port), "--ctx-size", str(CONTEXT),
-                "--parallel", "1", "--threads", "1", "--no-webui",
-            ]  # fmt: skip
-            log = root / f"{replica}.log"
-            with log.open("wb") as out:
-                procs.append(subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT))
-            endpoints[replica] = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        for proc, (replica, endpoint) in zip(procs, endpoints.items(), strict=True):
-            while not _healthy(endpoint):
-                assert proc.poll() is None, (root / f"{replica}.log").read_text()
-                assert time.monotonic() < deadline, f"llama.cpp {replica} did not start"
-                time.sleep(0.1)
+    with llama_servers(llama, tiny, root, secret, M, REPLICAS, CONTEXT) as endpoints:
         yield Engines(endpoints, store_url)
-    finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            proc.wait(10)
-
-
-def _healthy(endpoint: str) -> bool:
-    try:
-        return httpx.get(f"{endpoint}/health", timeout=1).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def _memo(replica: str, endpoint: str, phase: ReplicaPhase = ReplicaPhase.READY) -> ReplicaMemo:

@@ -4,8 +4,6 @@ table fed by the test (a replica appears when the test says so), the
 deployment played by an injected link."""
 
 import asyncio
-import os
-import subprocess
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
@@ -17,7 +15,6 @@ import openai
 import pytest
 import uvicorn
 
-from llmgw.engine_keys import engine_key
 from llmgw.store import Store
 from llmgw.types import AutoscalePolicy, EngineProfile, ModelSpec, QueuePolicy, WakeResult
 from llmgw_cli.dev.tinymodel import TinyModel
@@ -29,6 +26,7 @@ from router.control_link.routing import RoutingTable
 from tests.gateway.test_admission import FakeLink
 from tests.gateway_util import FakeSource, ready
 from tests.harness import free_port
+from tests.llama_servers import llama_servers
 
 if TYPE_CHECKING:
     from worker_agent.installs.llamacpp import LlamaCppInstall
@@ -60,30 +58,8 @@ def engine(
     store.migrate()
     secret = store.engine_key_secret()
     store.close()
-    port = free_port()
-    env = llama.environment(os.environ) | {"LLAMA_API_KEY": engine_key(secret, REPLICA)}
-    argv = [
-        str(llama.server), "--model", str(tiny.model_path), "--alias", M,
-        "--host", "127.0.0.1", "--port", str(port), "--ctx-size", "2048",
-        "--parallel", "1", "--threads", "1", "--no-webui",
-    ]  # fmt: skip
-    log = (root / "llama.log").open("wb")
-    proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
-    endpoint = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        assert proc.poll() is None, (root / "llama.log").read_text()
-        try:
-            if httpx.get(f"{endpoint}/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, "llama.cpp did not start"
-        time.sleep(0.1)
-    yield Engine(endpoint, secret, store_url)
-    proc.terminate()
-    proc.wait(10)
-    log.close()
+    with llama_servers(llama, tiny, root, secret, M, [REPLICA], 2048) as endpoints:
+        yield Engine(endpoints[REPLICA], secret, store_url)
 
 
 def model(max_inflight: int = 1, autoscale: bool = False, **queue: Any) -> ModelSpec:

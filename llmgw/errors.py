@@ -56,7 +56,7 @@ module are named with where they live::
     ├── RunLost                   another run of a background response stored its events
     │                             first (router/responses/store.py)
     ├── RunInterrupted            a background run's engine stream broke off: the executor
-    │                             retries it (router/api/responses.py)
+    │                             retries it (router/api/response_run.py)
     ├── BodyRefused               a batch line's body its endpoint would refuse, with the
     │                             field at fault (router/batches/validate.py)
     └── StaleAdapter              the engine no longer holds the LoRA adapter the router

@@ -382,7 +382,7 @@ def sse_error(error: OpenAIError) -> bytes:
 
 def relayed_error(status: int, body: bytes) -> OpenAIError:
     """An error answer of the router's own endpoints, as the same error for a
-    request served through one (a response's chat request: router/api/responses.py)."""
+    request served through one (a response's chat request: router/api/response_chat.py)."""
     try:
         error = json.loads(body)["error"]
         return OpenAIError(

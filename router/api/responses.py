@@ -178,10 +178,15 @@ async def _foreground_events(
                 yield sse(event)
     finally:
         call.close()
-    write = _write_behind(deps, req, new)
-    if write is not None:
-        # Not awaited: the stream ends now, the write follows in a thread.
-        asyncio.get_running_loop().run_in_executor(None, write, machine.response)
+        write = _write_behind(deps, req, new)
+        if write is not None:
+            final = machine.response
+            if not machine.terminal:
+                # The client left mid-stream (its id was in response.created):
+                # kept as cancelled, with the output it was sent.
+                final = {**final, "status": "cancelled"}
+            # Not awaited: the stream ends now, the write follows in a thread.
+            asyncio.get_running_loop().run_in_executor(None, write, final)
 
 
 async def _background(

@@ -166,6 +166,31 @@ async def test_items_instructions_and_the_typed_stream(engine: Engine) -> None:
             assert len({i.id for i in items}) == 3
 
 
+async def test_a_stream_its_client_left_is_kept_cancelled_with_what_it_was_sent(
+    engine: Engine,
+) -> None:
+    async with router(engine) as r:
+        key, _ = r.key()
+        async with r.client(key) as client:
+            stream = await client.responses.create(
+                model=M, input="go on", stream=True, max_output_tokens=1500
+            )
+            text, response_id = "", ""
+            async for event in stream:
+                if event.type == "response.created":
+                    response_id = event.response.id
+                if event.type == "response.output_text.delta":
+                    text += event.delta
+                    if len(text) > 20:
+                        break
+            await stream.close()  # the client leaves mid-stream
+            kept = await stored(r, client, response_id)
+            assert kept.status == "cancelled"
+            assert kept.output_text.startswith(text)
+            # The engine was let go: nothing in flight once it was stored.
+            await until(lambda: sum(x.inflight for x in r.app.state.deps.table.routes[M]) == 0)
+
+
 async def test_json_schema_output_is_constrained(engine: Engine) -> None:
     schema = {
         "type": "object",

@@ -63,6 +63,7 @@ import json
 import os
 import random
 import re
+import shlex
 import shutil
 import statistics
 import sys
@@ -622,7 +623,8 @@ async def engine(build: str, extra: list[str], root: Path) -> AsyncIterator[Engi
                 if not child.alive():
                     raise RuntimeError(f"{label}: exited\n{child.log_tail()}")
                 await asyncio.sleep(0.1)
-        yield Engine(child, port, label)
+        slots = re.search(r"n_slots = .*", log.read_text(errors="replace"))
+        yield Engine(child, port, label + (f" [{slots[0]}]" if slots else ""))
     finally:
         child.stop(grace_s=5)
 
@@ -650,11 +652,13 @@ async def probe_sizing(root: Path) -> None:
             )
 
 
-async def probe_between(build: str, extra: list[str], root: Path) -> None:
+async def probe_between(
+    build: str, extra: list[str], root: Path, ks: Sequence[int] = (0, 1, 2, 4, 8)
+) -> None:
     """A prompt A, k other prompts, A again: A's cached tokens the second time."""
     async with engine(build, extra, root) as e:
         out = []
-        for k in (0, 1, 2, 4, 8):
+        for k in ks:
             a = probe_prompt(f"A{k}")
             await e.chat(a)
             for j in range(k):
@@ -662,6 +666,34 @@ async def probe_between(build: str, extra: list[str], root: Path) -> None:
             prompt, cached = await e.chat(a)
             out.append(f"{k}: {cached}/{prompt}")
         print(f"  [{e.label}] A again after k others, cached/prompt: " + ", ".join(out))
+
+
+async def probe_shared(build: str, extra: list[str], root: Path, users: int = 2) -> None:
+    """Conversations sharing a ~1,000-token system prompt, their turns in
+    rotation on one server: what each turn found cached (of its prompt)."""
+    async with engine(build, extra, root) as e, httpx.AsyncClient(timeout=600) as http:
+        rng = random.Random("shared")
+        system = "shared system prompt: " + text(rng, SYSTEM_WORDS)
+        talks = [[{"role": "system", "content": system}] for _ in range(users)]
+        rows = []
+        for turn in range(4):
+            row = []
+            for u, messages in enumerate(talks):
+                messages.append(
+                    {"role": "user", "content": f"user {u} turn {turn}: " + text(rng, 15)}
+                )
+                body = {"messages": messages, "max_tokens": 12}
+                r = await http.post(f"http://127.0.0.1:{e.port}/v1/chat/completions", json=body)
+                r.raise_for_status()
+                answer = r.json()
+                messages.append(
+                    {"role": "assistant", "content": answer["choices"][0]["message"]["content"]}
+                )
+                usage = answer["usage"]
+                cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+                row.append(f"{cached}/{usage['prompt_tokens']}")
+            rows.append(f"turn {turn}: {' '.join(row)}")
+        print(f"  [{e.label}] {users} conversations, cached/prompt: " + "; ".join(rows))
 
 
 async def probe_slots(build: str, root: Path) -> None:
@@ -703,6 +735,20 @@ async def probe(root: Path) -> None:
             continue  # the portable server refuses the option (its default is 8 GiB)
         await probe_between(build, extra, root)
     await probe_between("auto", ["-np", "1", "--cache-ram", "0"], root)
+    # How many ~1,000-token prompts the host-RAM cache keeps (-c 16384).
+    await probe_between("auto", [], root, (16, 32, 64))
+    print("two conversations sharing a system prompt, turns alternating:")
+    for build, extra in (
+        ("auto", []),
+        ("auto", ["--cache-ram", "0"]),
+        ("auto", ["--no-cache-idle-slots"]),
+        ("auto", ["-sps", "0"]),
+        ("auto", ["-sps", "0", "--cache-ram", "0"]),
+        ("portable", []),
+    ):
+        await probe_shared(build, extra, root)
+    await probe_shared("auto", ["-sps", "0"], root, users=4)
+    await probe_shared("auto", [], root, users=4)
     for build in ("auto", "portable"):
         await probe_slots(build, root)
 
@@ -742,7 +788,7 @@ async def main() -> None:
     global VERBOSE  # noqa: PLW0603 - a print switch, set once
     args = parse()
     VERBOSE = args.verbose
-    print("command: .venv/bin/python -m tests.bench.bench_prefix " + " ".join(sys.argv[1:]))
+    print("command: .venv/bin/python -m tests.bench.bench_prefix " + shlex.join(sys.argv[1:]))
     with tempfile.TemporaryDirectory(prefix="llmgw-bench-prefix-") as tmp:
         await (probe(Path(tmp)) if args.probe else run(args, Path(tmp)))
 

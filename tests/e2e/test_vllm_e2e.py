@@ -11,6 +11,7 @@ import os
 import signal
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlparse
 
 import httpx
@@ -121,6 +122,21 @@ async def test_chat_completion(oai: openai.AsyncOpenAI) -> None:
     )
     assert resp.choices[0].message.content
     assert resp.usage is not None and resp.usage.completion_tokens == 8
+
+
+async def test_a_repeated_prompt_is_reported_cached(oai: openai.AsyncOpenAI) -> None:
+    # vLLM's automatic prefix caching, reported through
+    # --enable-prompt-tokens-details (the agent's command adds it): what the
+    # router's cache-aware routing corrects itself from.
+    messages: list[Any] = [{"role": "user", "content": "the river runs " * 30}]
+    cached = []
+    for _ in range(2):
+        resp = await oai.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=2, temperature=0
+        )
+        assert resp.usage is not None and resp.usage.prompt_tokens_details is not None
+        cached.append(resp.usage.prompt_tokens_details.cached_tokens or 0)
+    assert cached[1] >= 16 and cached[1] > cached[0], cached
 
 
 async def test_streamed_chat_with_usage(oai: openai.AsyncOpenAI) -> None:

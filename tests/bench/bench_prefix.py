@@ -668,32 +668,48 @@ async def probe_between(
         print(f"  [{e.label}] A again after k others, cached/prompt: " + ", ".join(out))
 
 
-async def probe_shared(build: str, extra: list[str], root: Path, users: int = 2) -> None:
-    """Conversations sharing a ~1,000-token system prompt, their turns in
-    rotation on one server: what each turn found cached (of its prompt)."""
+async def probe_shared(
+    build: str, extra: list[str], root: Path, users: int = 2, together: bool = False
+) -> None:
+    """Conversations sharing a ~1,000-token system prompt on one server, 4
+    turns each: in rotation (one request at a time), or ``together`` (each
+    conversation its own client, turns back to back): what each turn found
+    cached, of its prompt."""
     async with engine(build, extra, root) as e, httpx.AsyncClient(timeout=600) as http:
         rng = random.Random("shared")
         system = "shared system prompt: " + text(rng, SYSTEM_WORDS)
         talks = [[{"role": "system", "content": system}] for _ in range(users)]
-        rows = []
-        for turn in range(4):
-            row = []
-            for u, messages in enumerate(talks):
-                messages.append(
-                    {"role": "user", "content": f"user {u} turn {turn}: " + text(rng, 15)}
-                )
-                body = {"messages": messages, "max_tokens": 12}
-                r = await http.post(f"http://127.0.0.1:{e.port}/v1/chat/completions", json=body)
-                r.raise_for_status()
-                answer = r.json()
-                messages.append(
-                    {"role": "assistant", "content": answer["choices"][0]["message"]["content"]}
-                )
-                usage = answer["usage"]
-                cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-                row.append(f"{cached}/{usage['prompt_tokens']}")
-            rows.append(f"turn {turn}: {' '.join(row)}")
-        print(f"  [{e.label}] {users} conversations, cached/prompt: " + "; ".join(rows))
+        seen: list[list[str]] = [[] for _ in range(users)]
+
+        async def turn(u: int, n: int) -> None:
+            messages = talks[u]
+            messages.append({"role": "user", "content": f"user {u} turn {n}: " + text(rng, 15)})
+            body = {"messages": messages, "max_tokens": 12}
+            r = await http.post(f"http://127.0.0.1:{e.port}/v1/chat/completions", json=body)
+            r.raise_for_status()
+            answer = r.json()
+            messages.append(
+                {"role": "assistant", "content": answer["choices"][0]["message"]["content"]}
+            )
+            usage = answer["usage"]
+            cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+            seen[u].append(f"{cached}/{usage['prompt_tokens']}")
+
+        async def talk(u: int) -> None:
+            for n in range(4):
+                await turn(u, n)
+
+        if together:
+            await asyncio.gather(*(talk(u) for u in range(users)))
+        else:
+            for n in range(4):
+                for u in range(users):
+                    await turn(u, n)
+        how = "concurrently" if together else "in rotation"
+        print(
+            f"  [{e.label}] {users} conversations {how}, cached/prompt per turn: "
+            + "; ".join(f"user {u}: {' '.join(row)}" for u, row in enumerate(seen))
+        )
 
 
 async def probe_slots(build: str, root: Path) -> None:
@@ -747,8 +763,9 @@ async def probe(root: Path) -> None:
         ("portable", []),
     ):
         await probe_shared(build, extra, root)
-    await probe_shared("auto", ["-sps", "0"], root, users=4)
-    await probe_shared("auto", [], root, users=4)
+    print("four conversations sharing a system prompt, concurrently:")
+    for extra in ([], ["-sps", "0"], ["-sps", "0.5"], ["-sps", "0.8"], ["--cache-ram", "0"]):
+        await probe_shared("auto", extra, root, users=4, together=True)
     for build in ("auto", "portable"):
         await probe_slots(build, root)
 

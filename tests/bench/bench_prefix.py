@@ -3,7 +3,8 @@
     .venv/bin/python -m tests.bench.bench_prefix [--workloads W1,W2,W3]
         [--policies least_loaded,round_robin,session,prefix] [--users 16] [--rounds 6]
         [--docs 8] [--questions 20] [--w3-requests 64] [--load 0.7] [--concurrency 4]
-        [--two-routers] [--cache-ram MIB]
+        [--two-routers] [--cache-ram MIB] [--engine-args "-sps 0"]
+        [--w1-system shared|own] [--w2-doc user|system] [--verbose]
     .venv/bin/python -m tests.bench.bench_prefix --probe   # llama.cpp's own cache, no router
 
 Issue 26. The real processes: a Temporal dev server, the control worker, one
@@ -19,12 +20,15 @@ Workloads (every request streamed; its time to the first content token):
 
 - **W1, multi-turn chat**: ``--users`` users x ``--rounds`` rounds; one system
   prompt of ~1,000 tokens shared by all, a growing history (the model's own
-  answers, ``--max-tokens`` each), a ~45-token question per turn. Turns arrive
+  answers, ``--max-tokens`` each), a ~45-token question per turn
+  (``--w1-system own``: each user its own system prompt). Turns arrive
   as one Poisson process at ``--load`` x the capacity that least-loaded
   routing measured (a closed loop of the users, first): each arrival goes to
   a user whose previous turn has been answered.
-- **W2, shared documents**: ``--docs`` documents of ~2,000 tokens (the system
-  message), ``--questions`` questions each (the user message), interleaved
+- **W2, shared documents**: ``--docs`` documents of ~2,000 tokens,
+  ``--questions`` questions each, a question and its document in one user
+  message after a short system
+  prompt (``--w2-doc system``: the document is the system message), interleaved
   (question 1 of every document, then question 2, ...), ``--concurrency``
   clients in a closed loop.
 - **W3, no reuse**: ``--w3-requests`` distinct ~1,000-token prompts, the same
@@ -247,8 +251,13 @@ async def w1(
     its answer is in); else Poisson turns at ``rate``/s, each to a waiting user."""
     rng = random.Random(salt)
     system = f"[{salt}] " + text(rng, SYSTEM_WORDS)
+
+    def opening(u: int) -> str:
+        # --w1-system own: each user's own system prompt (nothing shared).
+        return system if args.w1_system == "shared" else f"[{salt}/{u}] " + text(rng, SYSTEM_WORDS)
+
     users = [
-        Conversation([{"role": "system", "content": system}], random.Random(f"{salt}/{u}"))
+        Conversation([{"role": "system", "content": opening(u)}], random.Random(f"{salt}/{u}"))
         for u in range(args.users)
     ]
 
@@ -789,6 +798,7 @@ def parse() -> argparse.Namespace:
         "--engine-args", default="", help='more llama-server options, e.g. "-sps 0" (wheel only)'
     )
     parser.add_argument("--w2-doc", choices=["user", "system"], default="user")
+    parser.add_argument("--w1-system", choices=["shared", "own"], default="shared")
     parser.add_argument("--seed", type=int, default=26)
     parser.add_argument("--probe", action="store_true", help="llama.cpp alone: its caches")
     parser.add_argument("--verbose", action="store_true", help="print every request")

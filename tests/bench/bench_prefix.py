@@ -27,9 +27,9 @@ Workloads (every request streamed; its time to the first content token):
   a user whose previous turn has been answered.
 - **W2, shared documents**: ``--docs`` documents of ~2,000 tokens,
   ``--questions`` questions each, a question and its document in one user
-  message after a short system
-  prompt (``--w2-doc system``: the document is the system message), interleaved
-  (question 1 of every document, then question 2, ...), ``--concurrency``
+  message after a short system prompt (``--w2-doc system``: the document is
+  the system message), interleaved (question 1 of every document, then
+  question 2, ...), ``--concurrency``
   clients in a closed loop.
 - **W3, no reuse**: ``--w3-requests`` distinct ~1,000-token prompts, the same
   closed loop (the control: nothing to gain).

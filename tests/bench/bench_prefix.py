@@ -28,9 +28,8 @@ Workloads (every request streamed; its time to the first content token):
 - **W2, shared documents**: ``--docs`` documents of ~2,000 tokens,
   ``--questions`` questions each, a question and its document in one user
   message after a short system prompt (``--w2-doc system``: the document is
-  the system message), interleaved (question 1 of every document, then
-  question 2, ...), ``--concurrency``
-  clients in a closed loop.
+  the system message), interleaved at random (seeded),
+  ``--concurrency`` clients in a closed loop.
 - **W3, no reuse**: ``--w3-requests`` distinct ~1,000-token prompts, the same
   closed loop (the control: nothing to gain).
 
@@ -337,6 +336,10 @@ def w2_requests(args: argparse.Namespace, salt: str) -> list[list[dict[str, str]
                         {"role": "user", "content": f"{doc}\n\n{question}"},
                     ]
                 )
+    # Interleaved at random: in document order (d0, d1, ... d7, d0, ...),
+    # round-robin over four replicas would send every question of a
+    # document to one replica, an affinity by accident of the period.
+    rng.shuffle(out)
     return out
 
 

@@ -724,20 +724,24 @@ async def probe_shared(
         )
 
 
-async def probe_concurrent(build: str, root: Path, together: int) -> None:
-    """One ~2,000-token document, questions about it ``together`` at a time,
-    four rounds: what each question found cached."""
+async def probe_concurrent(build: str, root: Path, together: int, docs: int = 1) -> None:
+    """``docs`` ~2,000-token documents, questions about them ``together`` at
+    a time (the documents in turn), four rounds: what each found cached."""
     async with engine(build, [], root) as e:
         rng = random.Random("concurrent")
-        doc = "the document: " + text(rng, DOC_WORDS)
+        texts = [f"document {d}: " + text(rng, DOC_WORDS) for d in range(docs)]
         rounds = []
         for n in range(4):
             asked = [
-                f"{doc}\n\nquestion {n}.{i}: " + text(rng, QUESTION_WORDS) for i in range(together)
+                f"{texts[i % docs]}\n\nquestion {n}.{i}: " + text(rng, QUESTION_WORDS)
+                for i in range(together)
             ]
             answers = await asyncio.gather(*(e.chat(q) for q in asked))
             rounds.append(" ".join(f"{c}/{p}" for p, c in answers))
-        print(f"  [{e.label}] {together} at a time, cached/prompt: " + "; ".join(rounds))
+        print(
+            f"  [{e.label}] {docs} document(s), {together} questions at a time,"
+            " cached/prompt: " + "; ".join(rounds)
+        )
 
 
 async def probe_slots(build: str, root: Path) -> None:
@@ -791,9 +795,11 @@ async def probe(root: Path) -> None:
         ("portable", []),
     ):
         await probe_shared(build, extra, root)
-    print("one document, its questions sent together:")
+    print("documents, their questions sent together:")
     for together in (1, 2, 4):
         await probe_concurrent("auto", root, together)
+    await probe_concurrent("auto", root, 4, docs=2)
+    await probe_concurrent("auto", root, 4, docs=4)
     print("four conversations sharing a system prompt, concurrently:")
     for extra in ([], ["-sps", "0"], ["-sps", "0.5"], ["-sps", "0.8"], ["--cache-ram", "0"]):
         await probe_shared("auto", extra, root, users=4, together=True)

@@ -379,10 +379,12 @@ class Bench:
     routers: list[httpx.AsyncClient]
     roots: list[httpx.AsyncClient]
     replica_ids: list[str]
+    # The catalog's routing.balance_slack for every run (--balance-slack).
+    balance_slack: int = RoutingPolicy().balance_slack
 
     async def policy(self, policy: str) -> None:
         """Put ``policy`` in the catalog; return once every router routes by it."""
-        routing = RoutingPolicy(policy=RoutingPolicyKind(policy))
+        routing = RoutingPolicy(policy=RoutingPolicyKind(policy), balance_slack=self.balance_slack)
         await asyncio.to_thread(
             self.store.put_model, self.spec.model_copy(update={"routing": routing})
         )
@@ -562,7 +564,8 @@ async def run(args: argparse.Namespace, root: Path) -> None:
                 await wait_routable(f"http://127.0.0.1:{p}/v1", key, MODEL, 120)
             print(f"machine: {machine()}; up in {time.perf_counter() - began:.0f} s")
             async with clients(ports, key) as (routers, roots):
-                await measure(args, Bench(store, spec, routers, roots, rids))
+                bench = Bench(store, spec, routers, roots, rids, args.balance_slack)
+                await measure(args, bench)
         finally:
             store.close()
     finally:
@@ -828,6 +831,12 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--w2-doc", choices=["user", "system"], default="user")
     parser.add_argument("--w1-system", choices=["shared", "own"], default="shared")
     parser.add_argument("--seed", type=int, default=26)
+    parser.add_argument(
+        "--balance-slack",
+        type=int,
+        default=RoutingPolicy().balance_slack,
+        help="the catalog's routing.balance_slack",
+    )
     parser.add_argument("--probe", action="store_true", help="llama.cpp alone: its caches")
     parser.add_argument("--verbose", action="store_true", help="print every request")
     parser.add_argument("--keep-logs", type=Path, help="copy the processes' logs here")

@@ -62,6 +62,7 @@ from llmgw.temporal import connect
 from llmgw.types import EngineKind, EngineProfile, ModelSpec
 from llmgw_cli.dev.tinymodel import generate_tiny_model
 from llmgw_cli.procs import Child
+from tests.bench.procs import stop_replicas
 from tests.bench.timing import percentile_ms
 from tests.harness import System, free_port, start_devserver, wait_routable
 
@@ -533,12 +534,7 @@ async def run(args: argparse.Namespace, root: Path) -> None:
         finally:
             store.close()
     finally:
-        if client is not None:
-            for rid in rids:
-                try:
-                    await replicas.stop_replica(client, rid, "bench over", 30)
-                except Exception as e:  # the teardown goes on
-                    print(f"stop {rid}: {e}")
+        await stop_replicas(client, rids)
         system.stop()
         server.stop()
         if args.keep_logs:

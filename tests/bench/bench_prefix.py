@@ -89,6 +89,7 @@ from llmgw.types.model import RoutingPolicy, RoutingPolicyKind
 from llmgw_cli.dev.tinymodel import _WORDS, BENCH, generate_model
 from llmgw_cli.procs import Child
 from tests.bench.bench_batch import machine
+from tests.bench.procs import stop_replicas
 from tests.bench.timing import percentile_ms
 from tests.harness import System, engine_cache, free_port, start_devserver, wait_routable
 
@@ -569,12 +570,7 @@ async def run(args: argparse.Namespace, root: Path) -> None:
         finally:
             store.close()
     finally:
-        if client is not None:
-            for rid in rids:
-                try:
-                    await replicas.stop_replica(client, rid, "bench over", 30)
-                except Exception as e:  # the teardown goes on
-                    print(f"stop {rid}: {e}")
+        await stop_replicas(client, rids)
         system.stop()
         server.stop()
         if args.keep_logs:

@@ -6,6 +6,12 @@ import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from llmgw import replicas
+
+if TYPE_CHECKING:
+    from temporalio.client import Client
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -53,3 +59,15 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+async def stop_replicas(client: "Client | None", replica_ids: list[str]) -> None:
+    """A bench's teardown: stop its replicas through the control plane, each
+    failure printed and the rest stopped anyway (None: it never connected)."""
+    if client is None:
+        return
+    for rid in replica_ids:
+        try:
+            await replicas.stop_replica(client, rid, "bench over", 30)
+        except Exception as e:  # the teardown goes on
+            print(f"stop {rid}: {e}")

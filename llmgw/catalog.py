@@ -121,12 +121,34 @@ def catalog_problems(
                     f"{where}: {adapter.name!r} is already an adapter of {seen[adapter.name]}"
                 )
             seen.setdefault(adapter.name, model.name)
+        problems += slot_problems(model, label(i))
         if model.profile.runtime_lora and model.engine is not EngineKind.VLLM:
             problems.append(
                 f"{label(i)}profile.runtime_lora: only vLLM loads adapters at runtime "
                 f"({model.engine.value} loads them at start)"
             )
     return problems
+
+
+# llama.cpp flags that routing.slots sets (docs/guides/routing.md, "llama.cpp slots").
+SLOT_FLAGS = frozenset(
+    {"-np", "--parallel", "-kvu", "--kv-unified", "-no-kvu", "--no-kv-unified"}
+    | {"--cache-idle-slots", "--no-cache-idle-slots"}
+)
+
+
+def slot_problems(model: CatalogModel, prefix: str) -> list[str]:
+    """Why ``routing.slots`` cannot be honoured for ``model``: pinning is a
+    llama.cpp request field, and the engine's slot flags are then llmgw's."""
+    if not model.routing.slots:
+        return []
+    if model.engine is not EngineKind.LLAMA_CPP:
+        return [
+            f"{prefix}routing.slots: only llama.cpp has slots to pin ({model.engine.value} "
+            "shares one prefix cache among its requests): leave it 0"
+        ]
+    given = [a for a in (*model.engine_args, *model.profile.engine_args) if a in SLOT_FLAGS]
+    return [f"{prefix}engine_args: {flag} is set by routing.slots: remove it" for flag in given]
 
 
 def problems_with(

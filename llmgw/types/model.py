@@ -77,6 +77,11 @@ class RoutingPolicyKind(StrEnum):
     ROUND_ROBIN = "round_robin"
 
 
+# routing.slots: llama.cpp keeps every slot's cells in one unified cache; more
+# slots than this is more conversations than one server serves well.
+MAX_PINNED_SLOTS = 64
+
+
 class RoutingPolicy(BaseModel):
     """Where a model's requests go once admitted (catalog ``routing``): cache
     affinity among the replicas the queue allows (docs/guides/routing.md).
@@ -115,6 +120,15 @@ class RoutingPolicy(BaseModel):
         description="prefix: the request goes to the replica the conversation's hash"
         " picks unless another holds at least this many more tokens (estimated) of its"
         " prompt cached; lower follows shorter shared prefixes, higher spreads more",
+    )
+    slots: int = Field(
+        default=0,
+        ge=0,
+        le=MAX_PINNED_SLOTS,
+        description="llama.cpp: engine slots per replica, each conversation pinned to its"
+        " own (id_slot); the engine runs --parallel N --kv-unified --no-cache-idle-slots"
+        " and changing it restarts the replicas; 0: the engine picks slots itself, and"
+        " conversations sharing a system prompt overwrite one another's history",
     )
 
 
@@ -170,6 +184,9 @@ class ModelSpec(BaseModel):
         runs: changing them must not restart one.
         """
         text = self.model_dump_json(exclude_defaults=True, exclude=_NOT_ENGINE)
+        if self.routing.slots:
+            # The one routing field the engine runs by (its --parallel).
+            text += f"|slots={self.routing.slots}"
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

@@ -41,6 +41,15 @@ API_KEY_ENV = "LLAMA_API_KEY"
 ALL_LAYERS = "999"
 
 
+def pinned_slot_flags(slots: int) -> list[str]:
+    """The server for a router that pins conversations to slots (catalog
+    ``routing.slots``, router/affinity/slots.py): that many slots in one KV
+    cache of ``--ctx-size`` cells, and an idle slot's prompt kept in it (by
+    default a new task clears every idle slot into the host-RAM cache, and a
+    pinned request is never given a prompt from there)."""
+    return ["--parallel", str(slots), "--kv-unified", "--no-cache-idle-slots"]
+
+
 class LlamaCppPlanner:
     """Plans llama.cpp shards: ``llama-server`` (rank 0) and ``ggml-rpc-server`` workers."""
 
@@ -88,6 +97,8 @@ class LlamaCppPlanner:
         ]
         if node.threads > 0:
             argv += ["--threads", str(node.threads)]
+        if model.routing.slots:
+            argv += pinned_slot_flags(model.routing.slots)
         workers = self._workers(request)
         if node.gpu_indices or workers:
             argv += ["--n-gpu-layers", ALL_LAYERS]

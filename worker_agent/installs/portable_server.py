@@ -43,6 +43,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("-c", "--ctx-size", type=int, default=0)
     p.add_argument("-t", "--threads", type=int, default=-1)
     p.add_argument("-np", "--parallel", type=int, default=-1)
+    p.add_argument("-kvu", "--kv-unified", action="store_true")
+    p.add_argument("--cache-idle-slots", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("-sps", "--slot-prompt-similarity", type=float, default=None)
+    p.add_argument("-cram", "--cache-ram", type=int, default=None)
     p.add_argument("-ngl", "--n-gpu-layers", "--gpu-layers", default="")  # CPU build: no layers
     p.add_argument("--lora-scaled", default="", help="PATH:SCALE,...")
     p.add_argument("--api-key", default="")
@@ -69,9 +73,17 @@ def params(args: argparse.Namespace, env: dict[str, str]) -> Any:
         p.cpuparams.n_threads = args.threads
         p.cpuparams_batch.n_threads = args.threads
     if args.parallel > 0:
-        p.n_parallel = args.parallel
+        p.n_parallel, p.kv_unified = args.parallel, args.kv_unified
     else:
         p.n_parallel, p.kv_unified = AUTO_PARALLEL, True
+    # Slot and prompt-cache behaviour (docs/guides/routing.md): llama-server's
+    # defaults unless given.
+    if args.cache_idle_slots is not None:
+        p.cache_idle_slots = args.cache_idle_slots
+    if args.slot_prompt_similarity is not None:
+        p.slot_prompt_similarity = args.slot_prompt_similarity
+    if args.cache_ram is not None:
+        p.cache_ram_mib = args.cache_ram
     adapters = []
     for item in filter(None, args.lora_scaled.split(",")):
         path, _, scale = item.rpartition(":")

@@ -1,0 +1,103 @@
+"""llama.cpp slot pinning (router/affinity/slots.py), pure: a conversation
+keeps its slot, a new one takes a free slot or the least recently used idle
+one, a busy slot is never given to another request, and the catalog refuses
+slots it cannot honour."""
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from llmgw.catalog import CatalogModel, catalog_problems
+from llmgw.types import EngineKind, RoutingPolicy
+from router.affinity.slots import Slots, SlotTable
+
+
+def test_a_conversation_returns_to_its_own_slot_while_others_come_and_go() -> None:
+    table = SlotTable(4)
+    mine = table.pin(101)
+    assert mine is not None
+    table.release(mine)
+    others = []
+    for conversation in (202, 303, 404):
+        slot = table.pin(conversation)
+        assert slot is not None
+        others.append(slot)
+        table.release(slot)
+    assert mine not in others and len(set(others)) == 3  # free slots first
+    assert table.pin(101) == mine
+
+
+def test_with_no_free_slot_the_least_recently_used_idle_one_is_taken() -> None:
+    table = SlotTable(2)
+    first, second = table.pin(1), table.pin(2)
+    assert first is not None and second is not None
+    table.release(first)
+    table.release(second)
+    assert table.pin(2) == second  # 2 used again: 1's slot is now the oldest
+    table.release(second)
+    assert table.pin(3) == first
+    table.release(first)
+    assert table.owner(first) == 3
+    # 1 lost its slot: it starts over like a new conversation (the oldest, 2's).
+    assert table.pin(1) == second
+
+
+def test_a_busy_slot_is_never_shared_and_a_full_table_pins_nothing() -> None:
+    table = SlotTable(2)
+    a = table.pin(1)
+    again = table.pin(1)  # the same conversation twice at once (questions on one document)
+    assert a is not None and again is not None and again != a
+    assert table.pin(2) is None  # both busy: unpinned, the engine queues it
+    table.release(a)
+    assert table.pin(2) == a
+
+
+def test_new_conversations_spread_over_free_slots_by_their_own_hash() -> None:
+    # Two routers that never talked, each with empty tables, put a new
+    # conversation in the same free slot.
+    for conversation in range(50):
+        assert SlotTable(8).pin(conversation) == SlotTable(8).pin(conversation)
+    assert len({SlotTable(8).pin(c) for c in range(50)}) > 4
+
+
+def test_slots_per_replica_resize_and_forget() -> None:
+    slots = Slots()
+    assert slots.pin("r1", 0, 1) is None  # slots off
+    first = slots.pin("r1", 4, 1)
+    assert first is not None
+    slots.release("r1", first)
+    assert slots.pin("r1", 4, 1) == first
+    slots.release("r1", first)
+    slots.forget("r1")  # restarted: empty slots, any may be chosen again
+    assert slots.pin("r1", 4, 2) is not None
+    slots.release("r1", 99)  # a slot of an older size: ignored
+    assert slots.pin("r1", 2, 1) in (0, 1)  # resized with its engine
+
+
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, 6)), max_size=80))
+def test_busy_counts_never_exceed_what_was_pinned(ops: list[tuple[bool, int]]) -> None:
+    table = SlotTable(3)
+    held: list[int] = []
+    for pin, conversation in ops:
+        if pin:
+            slot = table.pin(conversation)
+            if slot is None:
+                assert len(held) >= 3  # only when every slot is busy
+            else:
+                assert slot not in held  # never a busy slot
+                held.append(slot)
+        elif held:
+            table.release(held.pop(conversation % len(held)))
+
+
+def test_the_catalog_refuses_slots_it_cannot_honour() -> None:
+    def problems(**fields: object) -> list[str]:
+        model = CatalogModel.model_validate({"name": "m", "source": "/w/m.gguf", **fields})
+        return catalog_problems([model])
+
+    assert problems(routing={"slots": 8}) == []
+    vllm = problems(engine=EngineKind.VLLM.value, routing={"slots": 8})
+    assert len(vllm) == 1 and "routing.slots" in vllm[0]
+    clash = problems(routing={"slots": 8}, engine_args=["-np", "2", "--no-cache-idle-slots"])
+    assert len(clash) == 2 and all("set by routing.slots" in p for p in clash)
+    assert problems(engine_args=["-np", "2"]) == []  # without slots the flag is the user's
+    assert RoutingPolicy().slots == 0

@@ -17,10 +17,10 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from llmgw.types import EngineKind, ModelSpec, RoutingPolicy
+from llmgw.types import EngineKind, ModelSpec
 from router.affinity.chunks import PromptKey
 from router.affinity.index import PrefixIndex
-from router.affinity.policy import Choice, choose
+from router.affinity.policy import DEFAULT_ROUTING, Choice, choose
 from router.control_link.routing import Route
 
 # Sticky keys remembered per router (LRU): each is a replica id and a digest.
@@ -84,9 +84,9 @@ class Affinity:
     ) -> Choice:
         """Order ``candidates`` (admitted, unsaturated) for a request of ``spec``."""
         if not candidates:
-            return choose(RoutingPolicy(), [], key, PrefixIndex(1), None, 0)
+            return choose(DEFAULT_ROUTING, [], key, PrefixIndex(1), None, 0)
         model = spec.name if spec is not None else candidates[0].model
-        policy = spec.routing if spec is not None else RoutingPolicy()
+        policy = spec.routing if spec is not None else DEFAULT_ROUTING
         index = self._index(model, spec)
         turn = next(self._turns.setdefault(model, itertools.count()))
         sticky_replica, sticky_tokens = None, 0

@@ -4,8 +4,10 @@ Admission has already chosen who goes next and left out saturated and
 ejected replicas; this only orders the candidates it was given, never drops
 one (the proxy fails over down the list). The rule (docs/guides/routing.md):
 
-- ``least_loaded``, or a request without a prompt key: the candidates'
-  own order, fewest in flight first.
+- ``least_loaded``, a request without a prompt key, or under ``prefix`` a
+  prompt shorter than ``min_match_tokens`` (its cached prefix is worth
+  nothing: "hi" goes to every replica in turn): the candidates' own order,
+  fewest in flight first.
 - ``round_robin``: that order rotated by the request's turn.
 - ``session``: rendezvous hash of the conversation's lead among the
   replicas within ``balance_slack`` of the least loaded.
@@ -30,6 +32,9 @@ from llmgw.types import RoutingPolicy, RoutingPolicyKind
 from router.affinity.chunks import PromptKey
 from router.affinity.index import PrefixIndex
 from router.control_link.routing import Route
+
+# The routing of a model outside the catalog (deployed by hand): the defaults.
+DEFAULT_ROUTING = RoutingPolicy()
 
 
 class Reason(StrEnum):
@@ -83,7 +88,11 @@ def choose(
     if not routes:
         return Choice([], Reason.LEAST_LOADED, 0)
     kind = policy.policy
-    if key is None or kind is RoutingPolicyKind.LEAST_LOADED:
+    if (
+        key is None
+        or kind is RoutingPolicyKind.LEAST_LOADED
+        or (kind is RoutingPolicyKind.PREFIX and key.prompt_tokens < policy.min_match_tokens)
+    ):
         return _choice(routes, routes[0], Reason.LEAST_LOADED, key, index)
     if kind is RoutingPolicyKind.ROUND_ROBIN:
         # A stable order (by id) turned: the candidates arrive already rotated

@@ -23,8 +23,9 @@ from starlette.datastructures import Headers
 from starlette.routing import Route as HttpRoute
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from llmgw.types import AdapterSpec, EngineKind, ModelSpec, RoutingPolicy, RoutingPolicyKind
+from llmgw.types import AdapterSpec, EngineKind, ModelSpec, RoutingPolicyKind
 from router.affinity.chunks import PromptKey, prompt_key
+from router.affinity.policy import DEFAULT_ROUTING
 from router.api.auth import Caller
 from router.api.deps import Deps, get_deps
 from router.api.media import check_media
@@ -67,8 +68,6 @@ DEFAULT_COMPLETION_RESERVE = 4096
 SESSION_HEADER = "x-llmgw-session"
 # The longest session value kept (the rest is cut: it is only a key).
 MAX_SESSION_CHARS = 256
-
-_DEFAULT_ROUTING = RoutingPolicy()
 
 # The Authorization header is read by hand (not declared as an API parameter).
 AuthHeader = Annotated[str | None, Header(include_in_schema=False)]
@@ -178,8 +177,10 @@ async def _admit(
     return raw, body
 
 
-def _with_usage(raw: bytes) -> bytes:
-    """The body asking the engine for a stream's usage (the client did not)."""
+def _with_usage(raw: bytes) -> tuple[bytes, dict[str, Any] | None]:
+    """The body asking the engine for a stream's usage (the client did not),
+    and that body as orjson reads it (what it wrote, parsed once for the
+    prompt key too); None where orjson refuses it."""
     try:
         data = orjson.loads(raw)
     except orjson.JSONDecodeError:
@@ -187,9 +188,9 @@ def _with_usage(raw: bytes) -> bytes:
         # past 64 bits): the standard library's parser takes it.
         data = json.loads(raw)
         data["stream_options"] = {**(data.get("stream_options") or {}), "include_usage": True}
-        return json.dumps(data, separators=(",", ":")).encode()
+        return json.dumps(data, separators=(",", ":")).encode(), None
     data["stream_options"] = {**(data.get("stream_options") or {}), "include_usage": True}
-    return orjson.dumps(data)
+    return orjson.dumps(data), data
 
 
 async def _adapter_routes(
@@ -208,21 +209,29 @@ async def _adapter_routes(
 
 
 def _prompt_key(
-    spec: ModelSpec | None, scope: Scope, raw: bytes, body: Body, key_id: int
+    spec: ModelSpec | None,
+    scope: Scope,
+    raw: bytes,
+    body: Body,
+    key_id: int,
+    parsed: dict[str, Any] | None = None,
 ) -> PromptKey | None:
     """The prompt's chunk chain and sticky key for cache-aware routing; None
     where it has no use (embeddings, a least-loaded model) or the body is not
-    a JSON object orjson reads."""
+    a JSON object orjson reads. ``parsed``: ``raw`` as orjson read it, when
+    the caller already did (None: read here)."""
     if isinstance(body, EmbeddingRequest):
         return None
     # A model outside the catalog (deployed by hand) routes by the defaults.
-    routing = spec.routing if spec is not None else _DEFAULT_ROUTING
+    routing = spec.routing if spec is not None else DEFAULT_ROUTING
     if routing.policy is RoutingPolicyKind.LEAST_LOADED:
         return None
-    try:
-        data = orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        return None
+    data = parsed
+    if data is None:
+        try:
+            data = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            return None
     if not isinstance(data, dict):
         return None
     # Namespaced by the key: one tenant's session or user names never meet
@@ -250,6 +259,7 @@ async def _serve(
     model = body.model
     prompt_estimate = _estimate(body)
     stream, strip_usage = False, False
+    parsed: dict[str, Any] | None = None  # the final raw as orjson read it, where it was
     target = deps.adapters.base_of(model)
     spec = target[0] if target else deps.table.specs.get(model)
     if target is None and spec is not None and spec.adapters:
@@ -260,7 +270,7 @@ async def _serve(
         if stream and not body.wants_usage():
             # Ask the engine for usage anyway, to bill the stream; hidden from the client.
             strip_usage = True
-            raw = _with_usage(raw)
+            raw, parsed = _with_usage(raw)
 
     endpoint = path.removeprefix("/v1/")
     span = _start_span(deps, scope, path, model, caller.key_id, stream)
@@ -289,7 +299,10 @@ async def _serve(
         client_gone=lambda: disconnected(receive),
         traced=deps.tracer is not None,
         # A model's request only: an adapter's go where it is held.
-        prompt_key=_prompt_key(spec, scope, raw, body, caller.key_id) if target is None else None,
+        prompt_key=(
+            _prompt_key(spec, scope, raw, body, caller.key_id, parsed) if target is None else None
+        ),
+        spec=spec,
     )
     try:
         # An on-demand adapter's load is part of the request (and its span);

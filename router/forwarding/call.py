@@ -5,6 +5,7 @@ it; router/admission/ decides when)."""
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+from llmgw.types import ModelSpec
 from router.affinity.chunks import PromptKey
 from router.billing.bill import Bill
 from router.control_link.routing import Route
@@ -42,3 +43,7 @@ class Call:
     # The prompt's chunk chain and sticky key, for cache-aware routing
     # (router/affinity/); None: no affinity (embeddings, token-id prompts).
     prompt_key: PromptKey | None = None
+    # The catalog entry it was admitted under (an adapter's: its base model's;
+    # None: a model outside the catalog, routed by the defaults): the proxy
+    # orders the replicas by its routing without looking it up again.
+    spec: ModelSpec | None = None

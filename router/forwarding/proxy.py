@@ -42,7 +42,6 @@ from opentelemetry.propagate import inject
 
 from llmgw.engine_keys import EngineKeyFn
 from llmgw.errors import LlmgwError, UpstreamConnectError, UpstreamError
-from llmgw.types import RoutingPolicy, RoutingPolicyKind
 from router.affinity.affinity import Affinity
 from router.affinity.policy import Choice
 from router.billing.accounting import RequestOutcome
@@ -63,8 +62,6 @@ log = logging.getLogger(__name__)
 # Passive health: how long an engine that refused a connection is passed
 # over while another replica can serve (router.forwarding.health probes the lost ones).
 PASSIVE_EJECT_S = 5.0
-# A model outside the catalog (deployed by hand) routes by the defaults.
-_DEFAULT_ROUTING = RoutingPolicy()
 # Engine headers kept per replica id (cleared past this: replicas come and go).
 MAX_CACHED_REPLICAS = 10_000
 
@@ -168,15 +165,7 @@ class Proxy:
     def _choose(self, call: Call, candidates: list[Route]) -> Choice:
         """The affinity's order of ``candidates``, counted and on the span."""
         assert self._affinity is not None
-        spec = self._table.specs.get(call.model)
-        key = call.prompt_key
-        routing = spec.routing if spec is not None else _DEFAULT_ROUTING
-        # Under the prefix policy, a prompt too short for its cached prefix to
-        # be worth anything goes where the load says, as before ("hi" to
-        # every replica in turn); its chain is still recorded once served.
-        short = key is not None and key.prompt_tokens < routing.min_match_tokens
-        asked = None if short and routing.policy is RoutingPolicyKind.PREFIX else key
-        choice = self._affinity.choose(spec, candidates, asked)
+        choice = self._affinity.choose(call.spec, candidates, call.prompt_key)
         self._metrics.route_chosen(call.model, choice.reason.value)
         if call.traced:
             span = trace.get_current_span()

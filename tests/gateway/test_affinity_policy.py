@@ -150,13 +150,36 @@ def test_a_short_gain_does_not_leave_the_conversations_replica() -> None:
     lead = 11
     other = rendezvous(lead, ids)[1]  # not the conversation's own replica
     index = PrefixIndex(10_000)
-    key = _key(lead, (1, 20), (2, 20))
+    # Long enough to pass the floor (min_match_tokens): only the gain is short.
+    key = _key(lead, (1, 20), (2, 20), (3, 100))
     index.record(other, _key(lead, (1, 20)))
     routes = _routes(0, 0, 0)
     choice = choose(RoutingPolicy(min_match_tokens=64), routes, key, index, None, 0)
     assert choice.reason is Reason.RENDEZVOUS
     assert _ids(choice)[0] == rendezvous(lead, ids)[0]
     assert _ids(choose(RoutingPolicy(min_match_tokens=16), routes, key, index, None, 0))[0] == other
+
+
+def test_a_prompt_shorter_than_min_match_tokens_goes_least_loaded() -> None:
+    """Under prefix, a prompt whose whole cached prefix would be worth less
+    than min_match_tokens is not followed: "hi" goes to every replica in
+    turn, even where another replica holds it whole."""
+    index = PrefixIndex(10_000)
+    short = _key(5, (1, 10), (2, 20))  # 30 tokens < 64
+    holder = next(r for r in rendezvous(5, ["r0", "r1", "r2"]) if r != "r0")
+    index.record(holder, short)
+    routes = _routes(0, 1, 1)
+    choice = choose(PREFIX, routes, short, index, holder, 0, sticky_tokens=30)
+    assert _ids(choice) == ["r0", "r1", "r2"]  # the candidates' own order
+    assert choice.reason is Reason.LEAST_LOADED and choice.predicted == 0
+    # As long as the floor, it is followed.
+    floor = RoutingPolicy(min_match_tokens=30)
+    choice = choose(floor, routes, short, index, None, 0)
+    assert _ids(choice)[0] == holder and choice.reason is Reason.PREFIX
+    assert choice.predicted == 30
+    # The floor is prefix's: the other policies order a short prompt as ever.
+    session = RoutingPolicy(policy=RoutingPolicyKind.SESSION)
+    assert choose(session, routes, short, index, None, 0).reason is Reason.SESSION
 
 
 def test_two_routers_serving_alternate_turns_agree() -> None:

@@ -189,7 +189,7 @@ async def ask(
     stream: bool = False,
     *,
     headers: dict[str, str] | None = None,
-    extra: dict[str, str] | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> httpx.Response:
     body = {"model": M, "messages": messages, "max_tokens": 2, "stream": stream, **(extra or {})}
     r = await gw.http.post("/v1/chat/completions", json=body, headers=auth(key) | (headers or {}))
@@ -328,6 +328,29 @@ async def test_sticky_keys_from_the_session_header_or_user(
         [made] = r.affinity.keys
         assert made is not None
         assert made.sticky == (sticky.format(key_id=key_id) if sticky else None)
+
+
+async def test_a_streams_prompt_key_is_the_requests_own(tmp_path: Path) -> None:
+    """A stream whose usage the router asks for has its body rewritten, and
+    its prompt key read from that same parse: the key (sticky key included)
+    is the one the request gets unstreamed or asking for usage itself. A
+    body orjson refuses (NaN) gets none, streamed or not."""
+    async with routed(tmp_path) as r:
+        _, key = r.gw.key()
+        messages, user = turns("c9", 2), {"user": "u-9"}
+        usage = user | {"stream_options": {"include_usage": True}}
+        for stream, extra in ((False, user), (True, user), (True, usage)):
+            await ask(r.gw, key, messages, stream, extra=extra)
+        first = r.affinity.keys[0]
+        assert first is not None and first.sticky is not None
+        assert r.affinity.keys == [first] * 3
+        for stream in (False, True):
+            body = {"model": M, "messages": messages, "max_tokens": 2, "stream": stream}
+            raw = json.dumps(body | {"odd": float("nan")}).encode()  # NaN: not JSON to orjson
+            headers = auth(key) | {"content-type": "application/json"}
+            answer = await r.gw.http.post("/v1/chat/completions", content=raw, headers=headers)
+            assert answer.status_code == 200, answer.text
+        assert r.affinity.keys[3:] == [None, None]
 
 
 async def test_every_turn_of_a_responses_chain_shares_its_first_responses_id(

@@ -38,9 +38,11 @@ def llama_servers(
     model: str,
     replicas: Sequence[str],
     ctx_size: int,
+    extra_args: Sequence[str] = (),
 ) -> Iterator[dict[str, str]]:
-    """One server per replica id, one slot and one thread each: replica id ->
-    endpoint, once every one answers its health check (logs: ``root/<id>.log``)."""
+    """One server per replica id, one slot and one thread each (``extra_args``
+    come last: llama.cpp takes the last value of a repeated option): replica id
+    -> endpoint, once every one answers its health check (logs: ``root/<id>.log``)."""
     procs: list[subprocess.Popen[bytes]] = []
     endpoints: dict[str, str] = {}
     try:
@@ -50,7 +52,7 @@ def llama_servers(
             argv = [
                 str(llama.server), "--model", str(tiny.model_path), "--alias", model,
                 "--host", "127.0.0.1", "--port", str(port), "--ctx-size", str(ctx_size),
-                "--parallel", "1", "--threads", "1", "--no-webui",
+                "--parallel", "1", "--threads", "1", "--no-webui", *extra_args,
             ]  # fmt: skip
             with (root / f"{replica}.log").open("wb") as out:
                 procs.append(subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT))

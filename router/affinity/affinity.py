@@ -21,6 +21,7 @@ from llmgw.types import EngineKind, ModelSpec
 from router.affinity.chunks import PromptKey
 from router.affinity.index import PrefixIndex
 from router.affinity.policy import DEFAULT_ROUTING, Choice, choose
+from router.affinity.slots import Slots
 from router.control_link.routing import Route
 
 # Sticky keys remembered per router (LRU): each is a replica id and a digest.
@@ -78,6 +79,8 @@ class Affinity:
         self._indexes: dict[str, PrefixIndex] = {}
         self._sticky: OrderedDict[tuple[str, str], _Sticky] = OrderedDict()
         self._turns: dict[str, itertools.count[int]] = {}
+        # llama.cpp slots pinned per replica (catalog routing.slots).
+        self._slots = Slots()
 
     def choose(
         self, spec: ModelSpec | None, candidates: list[Route], key: PromptKey | None
@@ -131,9 +134,30 @@ class Affinity:
             while len(self._sticky) > self._max_sticky:
                 self._sticky.popitem(last=False)
 
+    def pin(self, spec: ModelSpec | None, replica_id: str, key: PromptKey | None) -> int | None:
+        """The llama.cpp slot (``id_slot``) of ``replica_id`` for this request's
+        conversation, held until :meth:`release`; None: not pinned (slots off,
+        another engine, no prompt key, or every slot busy with this router's
+        requests: the engine queues it for whichever frees first)."""
+        if (
+            spec is None
+            or key is None
+            or not spec.routing.slots
+            or spec.engine is not EngineKind.LLAMA_CPP
+        ):
+            return None
+        return self._slots.pin(replica_id, spec.routing.slots, key.lead)
+
+    def release(self, replica_id: str, slot: int | None) -> None:
+        """A request pinned to ``slot`` (None: unpinned) of ``replica_id`` ended."""
+        if slot is not None:
+            self._slots.release(replica_id, slot)
+
     def forget(self, replica_id: str) -> None:
         """The replica's cache is gone (drained, stopped, restarted, scaled
-        to zero): its index entries in every model and the sticky keys on it."""
+        to zero): its index entries in every model, the sticky keys and
+        the slots pinned on it."""
+        self._slots.forget(replica_id)
         for index in self._indexes.values():
             index.forget(replica_id)
         for entry in [e for e, s in self._sticky.items() if s.replica_id == replica_id]:

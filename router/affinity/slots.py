@@ -115,3 +115,15 @@ class Slots:
     def forget(self, replica_id: str) -> None:
         """The replica's engine is gone or restarted: its slots are empty."""
         self._tables.pop(replica_id, None)
+
+
+def with_slot(body: bytes, slot: int) -> bytes:
+    """``body`` (a JSON object) asking llama.cpp for ``slot``: ``id_slot``
+    appended last, so it is the value the engine reads (it keeps the last of
+    repeated keys: a client's own ``id_slot`` never steers another's slot)."""
+    end = body.rstrip()
+    if not end.endswith(b"}"):
+        return body
+    inner = end[:-1].rstrip()
+    comma = b"" if inner.endswith(b"{") else b","
+    return b'%s%s"id_slot":%d}' % (inner, comma, slot)

@@ -224,7 +224,8 @@ def _prompt_key(
         return None
     # A model outside the catalog (deployed by hand) routes by the defaults.
     routing = spec.routing if spec is not None else DEFAULT_ROUTING
-    if routing.policy is RoutingPolicyKind.LEAST_LOADED:
+    # Least-loaded needs no key, unless the router pins llama.cpp slots by it.
+    if routing.policy is RoutingPolicyKind.LEAST_LOADED and not routing.slots:
         return None
     data = parsed
     if data is None:

@@ -44,6 +44,7 @@ from llmgw.engine_keys import EngineKeyFn
 from llmgw.errors import LlmgwError, UpstreamConnectError, UpstreamError
 from router.affinity.affinity import Affinity
 from router.affinity.policy import Choice
+from router.affinity.slots import with_slot
 from router.billing.accounting import RequestOutcome
 from router.common.disconnect import cancelled_if_gone
 from router.common.errors import ErrorKind, Incidents, engine_failed
@@ -192,6 +193,36 @@ class Proxy:
             )
         self._metrics.route_served(call.model, route.replica_id, prompt or 0, cached, predicted)
 
+    def _body(self, route: Route, call: Call) -> tuple[bytes, int | None]:
+        """The body for ``route``, and the llama.cpp slot it is pinned to there
+        (catalog ``routing.slots``; router/affinity/slots.py; on the span),
+        held until released; None: unpinned."""
+        body = call.body if call.body_for is None else call.body_for(route)
+        if self._affinity is None:
+            return body, None
+        slot = self._affinity.pin(call.spec, route.replica_id, call.prompt_key)
+        if slot is None:
+            return body, None
+        if call.traced:
+            trace.get_current_span().set_attribute("llmgw.route.slot", slot)
+        return with_slot(body, slot), slot
+
+    def _release(self, route: Route, slot: int | None) -> None:
+        if self._affinity is not None:
+            self._affinity.release(route.replica_id, slot)
+
+    def _stream_served(
+        self,
+        route: Route,
+        call: Call,
+        choice: Choice | None,
+        slot: int | None,
+        usage: "Usage | None",
+    ) -> None:
+        """A relayed stream ended: its slot is free, and what it served is learnt."""
+        self._release(route, slot)
+        self._served(route, call, choice, usage)
+
     def _answered(
         self,
         route: Route,
@@ -217,7 +248,7 @@ class Proxy:
             headers = dict(headers)
             inject(headers)
             trace.get_current_span().set_attribute("llmgw.replica", route.replica_id)
-        body = call.body if call.body_for is None else call.body_for(route)
+        body, slot = self._body(route, call)
         route.inflight += 1
         relayed = False
         try:
@@ -249,8 +280,8 @@ class Proxy:
                     raise StaleAdapter(route)
                 media = upstream.content_type
                 if call.stream and upstream.status == 200:
-                    relayed = True  # the relay releases the replica
-                    served = partial(self._served, route, call, choice)
+                    relayed = True  # the relay releases the replica (and its slot)
+                    served = partial(self._stream_served, route, call, choice, slot)
                     relay = Relay(upstream, route, call, self._metrics, self._pacer, served)
                     return StreamReply(relay, media, route.replica_id)
                 try:
@@ -272,6 +303,7 @@ class Proxy:
         finally:
             if not relayed:
                 route.inflight -= 1
+                self._release(route, slot)
         # A client gone while the engine finished: billed what it generated, as gone.
         self._answered(route, call, choice, outcome_of(upstream.status, content), watch.left)
         if upstream.status >= 500:

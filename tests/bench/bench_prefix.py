@@ -382,10 +382,15 @@ class Bench:
     replica_ids: list[str]
     # The catalog's routing.balance_slack for every run (--balance-slack).
     balance_slack: int = RoutingPolicy().balance_slack
+    # The catalog's routing.slots (--slots): kept in every policy's entry, as
+    # changing it would restart the replicas.
+    slots: int = 0
 
     async def policy(self, policy: str) -> None:
         """Put ``policy`` in the catalog; return once every router routes by it."""
-        routing = RoutingPolicy(policy=RoutingPolicyKind(policy), balance_slack=self.balance_slack)
+        routing = RoutingPolicy(
+            policy=RoutingPolicyKind(policy), balance_slack=self.balance_slack, slots=self.slots
+        )
         await asyncio.to_thread(
             self.store.put_model, self.spec.model_copy(update={"routing": routing})
         )
@@ -548,6 +553,7 @@ async def run(args: argparse.Namespace, root: Path) -> None:
             engine_args=[*cache_ram, *args.engine_args.split()],
             # llama.cpp's default: four slots; the router's queue holds the rest.
             profile=EngineProfile(max_inflight=4),
+            routing=RoutingPolicy(slots=args.slots),
         )
         key = system.catalog(spec)
         system.spawn("control")
@@ -565,7 +571,7 @@ async def run(args: argparse.Namespace, root: Path) -> None:
                 await wait_routable(f"http://127.0.0.1:{p}/v1", key, MODEL, 120)
             print(f"machine: {machine()}; up in {time.perf_counter() - began:.0f} s")
             async with clients(ports, key) as (routers, roots):
-                bench = Bench(store, spec, routers, roots, rids, args.balance_slack)
+                bench = Bench(store, spec, routers, roots, rids, args.balance_slack, args.slots)
                 await measure(args, bench)
         finally:
             store.close()
@@ -827,6 +833,12 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--w2-doc", choices=["user", "system"], default="user")
     parser.add_argument("--w1-system", choices=["shared", "own"], default="shared")
     parser.add_argument("--seed", type=int, default=26)
+    parser.add_argument(
+        "--slots",
+        type=int,
+        default=0,
+        help="the catalog's routing.slots: llama.cpp slots per replica, conversations pinned",
+    )
     parser.add_argument(
         "--balance-slack",
         type=int,

@@ -26,7 +26,14 @@ import uvicorn
 from openai.types.chat import ChatCompletionMessageParam
 
 from llmgw.store import Store
-from llmgw.types import EngineProfile, ModelSpec, QueuePolicy, ReplicaMemo, ReplicaPhase
+from llmgw.types import (
+    EngineProfile,
+    ModelSpec,
+    QueuePolicy,
+    ReplicaMemo,
+    ReplicaPhase,
+    RoutingPolicy,
+)
 from llmgw_cli.dev.tinymodel import TinyModel
 from router.admission.queue import Admission
 from router.affinity.affinity import Affinity
@@ -107,15 +114,18 @@ class Router:
 
 
 @asynccontextmanager
-async def routers(engines: Engines, n: int = 2) -> AsyncIterator[tuple[list[Router], str]]:
+async def routers(
+    engines: Engines, n: int = 2, routing: RoutingPolicy | None = None, max_inflight: int = 1
+) -> AsyncIterator[tuple[list[Router], str]]:
     """``n`` routers over one store (each its own table and affinity), and a key."""
     store = Store(engines.store_url)
     store.delete_model(M)
     store.put_model(
         ModelSpec(
             name=M, source="/unused.gguf", context_length=CONTEXT,
-            profile=EngineProfile(max_inflight=1),
+            profile=EngineProfile(max_inflight=max_inflight),
             queue=QueuePolicy(max_waiting=16, max_wait_s=240),
+            routing=routing or RoutingPolicy(),
         )
     )  # fmt: skip
     key = create_key(store, "k", KeyPolicy())[1]

@@ -1,0 +1,110 @@
+"""llama.cpp slot pinning wired into the router (catalog ``routing.slots``):
+each conversation's requests carry its own ``id_slot``, appended last so a
+client's own never wins; a slot is held until its request (streamed or not)
+ends; the slot is on the span; other engines and models without slots get
+no ``id_slot``. The slot table's rule: tests/gateway/test_affinity_slots.py;
+real llama.cpp behind the router: tests/e2e/test_slot_pinning.py."""
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from llmgw.types import EngineKind, ModelSpec, RoutingPolicy, RoutingPolicyKind
+from router.affinity.slots import with_slot
+from tests.gateway.test_prefix_routing import REPLICAS, ask, exporter, model, routed, turns
+
+__all__ = ["exporter"]  # the fixture, imported for these tests
+
+
+def slots_model(slots: int = 3, policy: RoutingPolicyKind = RoutingPolicyKind.PREFIX) -> ModelSpec:
+    return model().model_copy(update={"routing": RoutingPolicy(policy=policy, slots=slots)})
+
+
+def sent_slot(content: bytes) -> int | None:
+    value = json.loads(content).get("id_slot")
+    return value if isinstance(value, int) else None
+
+
+def test_with_slot_appends_the_field_last() -> None:
+    assert json.loads(with_slot(b'{"a":1}', 2)) == {"a": 1, "id_slot": 2}
+    assert with_slot(b"{}", 0) == b'{"id_slot":0}'
+    assert with_slot(b'{"id_slot":7, "a":1}\n', 1).endswith(b'"id_slot":1}')
+    assert with_slot(b"[1]", 1) == b"[1]"  # not an object: left alone
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_each_conversation_keeps_its_own_slot_and_the_routers_id_slot_wins(
+    tmp_path: Path, exporter: InMemorySpanExporter, stream: bool
+) -> None:
+    async with routed(tmp_path, exporter, slots_model(), REPLICAS[:1]) as r:
+        _, key = r.gw.key()
+        slots: dict[str, list[int | None]] = {"a": [], "b": [], "c": []}
+        for n in (1, 2, 3):
+            for name, sent in slots.items():
+                # A client asking for slot 0 itself is overruled: the router's
+                # id_slot comes last, the value llama.cpp reads.
+                await ask(r.gw, key, turns(name, n), stream, extra={"id_slot": 0})
+                sent.append(sent_slot(r.engine.seen[-1].content))
+        owned = [set(s) for s in slots.values()]
+        assert all(len(s) == 1 and None not in s for s in owned), slots
+        assert len(set.union(*owned)) == 3  # three conversations, three slots
+        attrs = [dict(s.attributes or {}) for s in exporter.get_finished_spans()]
+        assert [a["llmgw.route.slot"] for a in attrs] == [
+            slots[name][n] for n in range(3) for name in slots
+        ]
+
+
+async def test_a_slot_is_held_until_its_request_ends(tmp_path: Path) -> None:
+    """Two requests of one conversation at once get two slots; with every
+    slot busy a request goes unpinned; once they end the slot is free again."""
+    async with routed(tmp_path, None, slots_model(slots=2), REPLICAS[:1]) as r:
+        _, key = r.gw.key()
+        host = "e1"
+        r.engine.holds[host] = asyncio.Event()
+        first = asyncio.create_task(ask(r.gw, key, turns("a", 2), True))
+        second = asyncio.create_task(ask(r.gw, key, turns("a", 2), False))
+        async with asyncio.timeout(30):
+            while len(r.engine.seen) < 2:
+                await asyncio.sleep(0.01)
+        held = {sent_slot(q.content) for q in r.engine.seen}
+        assert held == {0, 1}
+        third = asyncio.create_task(ask(r.gw, key, turns("b", 1), False))
+        async with asyncio.timeout(30):
+            while len(r.engine.seen) < 3:
+                await asyncio.sleep(0.01)
+        assert sent_slot(r.engine.seen[2].content) is None  # both busy: unpinned
+        r.engine.holds[host].set()
+        await asyncio.gather(first, second, third)
+        await ask(r.gw, key, turns("b", 2), False)
+        assert sent_slot(r.engine.seen[-1].content) in (0, 1)
+
+
+@pytest.mark.parametrize(
+    "routing",
+    [
+        RoutingPolicy(),  # slots off
+        RoutingPolicy(policy=RoutingPolicyKind.LEAST_LOADED),
+    ],
+)
+async def test_no_id_slot_without_slots(tmp_path: Path, routing: RoutingPolicy) -> None:
+    spec = model().model_copy(update={"routing": routing})
+    async with routed(tmp_path, None, spec) as r:
+        _, key = r.gw.key()
+        await ask(r.gw, key, turns("a", 1))
+        assert "id_slot" not in json.loads(r.engine.seen[-1].content)
+
+
+async def test_least_loaded_pins_too_and_other_engines_never(tmp_path: Path) -> None:
+    async with routed(tmp_path, None, slots_model(policy=RoutingPolicyKind.LEAST_LOADED)) as r:
+        _, key = r.gw.key()
+        await ask(r.gw, key, turns("a", 1))
+        assert sent_slot(r.engine.seen[-1].content) is not None
+    vllm = slots_model().model_copy(update={"engine": EngineKind.VLLM})
+    (tmp_path / "v").mkdir()
+    async with routed(tmp_path / "v", None, vllm) as r:
+        _, key = r.gw.key()
+        await ask(r.gw, key, turns("a", 1))
+        assert "id_slot" not in json.loads(r.engine.seen[-1].content)

@@ -106,6 +106,7 @@ class FileWriter:
         self._sha = hashlib.sha256()
         self._open = False
         self._done = False
+        self._published = False
 
     @property
     def size(self) -> int:
@@ -177,6 +178,7 @@ class FileWriter:
             self.abort()
             raise
         self._done = True
+        self._published = True
         return row
 
     def _publish(self, session: Session) -> StoredFile:
@@ -218,6 +220,19 @@ class FileWriter:
             session.execute(delete(StoredFile).where(col(StoredFile.id) == self._staging))
             session.commit()
         self._open = False
+
+    def discard(self) -> None:
+        """Leave nothing of this writer: ``abort`` before ``finish``; after it,
+        the file it made removed whole, row and content (an upload answered
+        with an error after all: its id never reached anyone). Only for a
+        writer of a new id: a replaced file's old content is gone already."""
+        if not self._published:
+            self.abort()
+            return
+        with self._store.session() as session:
+            session.execute(delete(FileChunk).where(col(FileChunk.file_id) == self.file_id))
+            session.execute(delete(StoredFile).where(col(StoredFile.id) == self.file_id))
+            session.commit()
 
 
 def write_file(

@@ -5,7 +5,10 @@ An upload is parsed as it arrives (python-multipart's push parser over
 (llmgw/store/files.py): the router holds at most about two chunks of a file,
 never the whole body. Past ``LLMGW_MAX_FILE_BYTES``, or past what the key's
 files may hold in all (``LLMGW_MAX_KEY_FILE_BYTES``, llmgw/store/file_upkeep.py),
-the upload is refused with a 413 and what was written of it is removed. Content is streamed back a
+the upload is refused with a 413 and what was written of it is removed. Every
+store call of an upload is bounded (``LLMGW_STORE_WAIT_S``): a store that
+does not answer in time gets a 503, and what the upload wrote is removed once
+the store answers again (``_Writing``). Content is streamed back a
 chunk row at a time. Files live in the store, so every router and the
 control worker reach them; a file is its key's: another key's id is a 404,
 the same as an unknown one.
@@ -14,9 +17,11 @@ Only ``purpose=batch`` is taken: files are here to feed ``/v1/batches``.
 """
 
 import asyncio
+import contextlib
+import logging
 import time
 from collections.abc import Callable
-from typing import Annotated, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import StreamingResponse
@@ -36,6 +41,8 @@ from router.common.blocking import within
 from router.common.errors import ErrorKind, invalid_fields
 
 T = TypeVar("T")
+
+log = logging.getLogger(__name__)
 
 router = APIRouter(prefix="/v1", tags=["files"])
 DepsDep = Annotated[Deps, Depends(get_deps)]
@@ -264,7 +271,7 @@ async def create_file(request: Request, deps: DepsDep, caller: CallerDep) -> Fil
     the store as it arrives."""
     upload = _Upload()
     parser = MultipartParser(_boundary(request), upload.callbacks())  # type: ignore[arg-type]
-    writer: fs.FileWriter | None = None
+    writing: _Writing | None = None
     try:
         async for data in request.stream():
             try:
@@ -276,9 +283,9 @@ async def create_file(request: Request, deps: DepsDep, caller: CallerDep) -> Fil
             if upload.problem:
                 raise invalid_fields([upload.problem], upload.problem.split(":")[0])
             if upload.pending >= FILE_CHUNK_BYTES:
-                if writer is None:
-                    writer = await _writer(deps, caller.key_id, upload)
-                await _write(writer, upload.take())
+                if writing is None:
+                    writing = _Writing(deps, await _writer(deps, caller.key_id, upload))
+                await writing.write(upload.take())
         parser.finalize()
         if not upload.ended:
             raise invalid_fields(["file: the multipart body ended early"], "file")
@@ -287,18 +294,18 @@ async def create_file(request: Request, deps: DepsDep, caller: CallerDep) -> Fil
         purpose = _purpose(upload)
         now = int(time.time())
         expires_at = _expires_at(upload, now)
-        if writer is None:
-            writer = await _writer(deps, caller.key_id, upload)
-        await _write(writer, upload.take())
-        writer.purpose = purpose
-        writer.expires_at = expires_at
-        row = await asyncio.to_thread(writer.finish)
-        writer = None
+        if writing is None:
+            writing = _Writing(deps, await _writer(deps, caller.key_id, upload))
+        await writing.write(upload.take())
+        writing.writer.purpose = purpose
+        writing.writer.expires_at = expires_at
+        row = await writing.finish()
+        writing = None
     except ClientDisconnect:
         raise ErrorKind.CLIENT_GONE.error() from None
     finally:
-        if writer is not None:
-            await asyncio.to_thread(writer.abort)
+        if writing is not None:
+            await writing.discard()
     return file_object(row)
 
 
@@ -320,15 +327,59 @@ async def _writer(deps: Deps, key_id: int, upload: _Upload) -> fs.FileWriter:
     )
 
 
-async def _write(writer: fs.FileWriter, data: bytes) -> None:
-    try:
-        await asyncio.to_thread(writer.write, data)
-    except KeyStorageFull as exc:
-        raise ErrorKind.KEY_STORAGE_FULL.error(limit=exc.limit, used=exc.used) from None
-    except FileTooLarge as exc:
-        raise ErrorKind.FILE_TOO_LARGE.error(limit=exc.limit) from None
-    except StoreError as exc:
-        raise ErrorKind.STORE_UNAVAILABLE.error() from exc
+class _Writing:
+    """An upload's writer, each of its store calls in a thread and bounded as
+    every store call on a request's path is. A call past the bound answers
+    503 and keeps its thread (a frozen store holds it until it answers): the
+    writer, not thread-safe, is discarded once that call has ended, so an
+    upload answered with an error keeps nothing, not even a file its late
+    ``finish`` made (tests/gateway/test_files_store_frozen.py)."""
+
+    def __init__(self, deps: Deps, writer: fs.FileWriter) -> None:
+        self.writer = writer
+        self._wait = deps.store_wait_s
+        self._stuck = False
+
+    async def write(self, data: bytes) -> None:
+        try:
+            await self._call(lambda: self.writer.write(data))
+        except KeyStorageFull as exc:
+            raise ErrorKind.KEY_STORAGE_FULL.error(limit=exc.limit, used=exc.used) from None
+        except FileTooLarge as exc:
+            raise ErrorKind.FILE_TOO_LARGE.error(limit=exc.limit) from None
+
+    async def finish(self) -> StoredFile:
+        return await self._call(self.writer.finish)
+
+    async def discard(self) -> None:
+        """Remove what was written: now, or (a call still stuck) once it ends."""
+        if not self._stuck:
+            # Past the bound its thread goes on; failing, purge_abandoned's to do.
+            with contextlib.suppress(StoreError):
+                await within(self._wait, self.writer.discard)
+
+    async def _call(self, fn: Callable[[], T]) -> T:
+        work = asyncio.ensure_future(asyncio.to_thread(fn))
+        try:
+            async with asyncio.timeout(self._wait):
+                return await asyncio.shield(work)
+        except TimeoutError:
+            self._stuck = True
+            work.add_done_callback(self._discard_late)
+            raise ErrorKind.STORE_UNAVAILABLE.error() from None
+        except StoreError as exc:
+            raise ErrorKind.STORE_UNAVAILABLE.error() from exc
+
+    def _discard_late(self, work: "asyncio.Future[Any]") -> None:
+        if not work.cancelled():
+            work.exception()  # the late call's own failure: nobody's to raise now
+        late = asyncio.get_running_loop().run_in_executor(None, self.writer.discard)
+        late.add_done_callback(_late_discard_done)
+
+
+def _late_discard_done(late: "asyncio.Future[None]") -> None:
+    if not late.cancelled() and (exc := late.exception()) is not None:
+        log.warning("an upload answered 503 could not be removed yet: %s", exc)
 
 
 @router.get("/files", response_model=FileList, responses=error_responses({}))

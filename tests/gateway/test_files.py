@@ -57,6 +57,9 @@ async def until(check: Callable[[], bool], timeout_s: float = 30) -> None:
 async def router(store_url: str, **app_args: Any) -> AsyncIterator[Router]:
     store = Store(store_url)
     store.migrate()
+    # An upload's every chunk write is bounded too: 10 s, as tests/gateway_util.py
+    # gives, for a loaded machine (the bound is tested in test_files_store_frozen.py).
+    app_args.setdefault("store_wait_s", 10.0)
     app = create_app(store, FakeSource([]), refresh_interval_s=0.05, **app_args)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))

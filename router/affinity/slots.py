@@ -45,7 +45,6 @@ class SlotTable:
 
     def __init__(self, slots: int) -> None:
         self._slots = [_Slot() for _ in range(slots)]
-        self._owned: dict[int, int] = {}  # conversation -> its slot
         self._tick = 0
         self._names = [str(i) for i in range(slots)]
 
@@ -55,19 +54,21 @@ class SlotTable:
 
     def pin(self, conversation: int) -> int | None:
         """The slot for a request of ``conversation`` (counted busy until
-        :meth:`release`), or None: every slot is busy with this router's requests."""
-        own = self._owned.get(conversation)
-        if own is not None and self._slots[own].busy == 0:
-            return self._take(own, conversation)
+        :meth:`release`), or None: every slot is busy with this router's requests.
+
+        A slot is the conversation's when its last request was (questions on
+        one document sent at once fill several): the idle one used last.
+        """
         idle = [i for i, s in enumerate(self._slots) if s.busy == 0]
         if not idle:
             return None
+        own = [i for i in idle if self._slots[i].owner == conversation]
+        if own:
+            return self._take(max(own, key=lambda i: self._slots[i].used), conversation)
         free = [self._names[i] for i in idle if self._slots[i].owner is None]
         if free:
-            chosen = int(rendezvous(conversation, free)[0])
-        else:
-            chosen = min(idle, key=lambda i: self._slots[i].used)
-        return self._take(chosen, conversation)
+            return self._take(int(rendezvous(conversation, free)[0]), conversation)
+        return self._take(min(idle, key=lambda i: self._slots[i].used), conversation)
 
     def release(self, slot: int) -> None:
         """A request pinned to ``slot`` ended."""
@@ -80,13 +81,9 @@ class SlotTable:
 
     def _take(self, slot: int, conversation: int) -> int:
         entry = self._slots[slot]
-        previous = entry.owner
-        if previous is not None and previous != conversation and self._owned.get(previous) == slot:
-            del self._owned[previous]  # its history is about to be overwritten
         self._tick += 1
         entry.owner, entry.used = conversation, self._tick
         entry.busy += 1
-        self._owned[conversation] = slot
         return slot
 
 

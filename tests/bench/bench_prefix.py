@@ -142,6 +142,10 @@ class Run:
     seconds: float = 0.0
     reasons: dict[str, float] = field(default_factory=dict)
     rate: float = 0.0  # W1's offered turns/s
+    # W1: prefill if every conversation's history stayed cached where it was
+    # served (its first turn whole, then what each turn adds), and first turns.
+    floor: int = 0
+    first_turns: int = 0
 
     def p(self, q: int) -> float:
         values = [s.ttft for s in self.samples]
@@ -238,6 +242,7 @@ class Conversation:
     messages: list[dict[str, str]]
     rng: random.Random
     turns: int = 0
+    last_prompt: int = 0  # the engine's count for its previous turn
 
 
 async def w1(
@@ -267,6 +272,12 @@ async def w1(
         client = routers[user.turns % len(routers)]
         user.turns += 1
         sample = await record(run, chat(client, list(user.messages), args.max_tokens))
+        if sample is not None:
+            # What this turn adds to its conversation's previous prompt: all a
+            # replica must compute when the history stayed cached where it was.
+            run.floor += sample.prompt - user.last_prompt
+            run.first_turns += user.last_prompt == 0
+            user.last_prompt = sample.prompt
         user.messages.append({"role": "assistant", "content": sample.answer if sample else ""})
 
     began = time.perf_counter()
@@ -484,6 +495,13 @@ def report(workload: str, runs: dict[str, Run], replica_ids: Sequence[str]) -> N
         print(row(run, replica_ids))
     mean_prompt = statistics.mean(s.prompt for r in runs.values() for s in r.samples)
     print(f"\n  mean prompt {mean_prompt:.0f} tokens (engine-reported)")
+    for run in runs.values():
+        if run.floor:
+            print(
+                f"  {run.policy}: {run.computed:,} prefill tokens computed against a floor of"
+                f" {run.floor:,} (every history kept, each of its {run.first_turns} first"
+                " turns computed whole)"
+            )
     for line in goals(workload, runs, replica_ids):
         print(f"  prefix vs least_loaded: {line}")
 
@@ -493,8 +511,8 @@ async def measure(args: argparse.Namespace, bench: Bench) -> None:
     workloads = [w for w in args.workloads.split(",") if w]
     if args.two_routers:
         policies.append(TWO)
-    rate: float | None = None
-    if "W1" in workloads:
+    rate: float | None = args.w1_rate
+    if "W1" in workloads and rate is None:
         cap = await one_run(bench, "W1", "least_loaded", args, None)
         capacity = len(cap.samples) / cap.seconds
         rate = args.load * capacity
@@ -823,6 +841,12 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--questions", type=int, default=20)
     parser.add_argument("--w3-requests", type=int, default=64)
     parser.add_argument("--load", type=float, default=0.7, help="W1: share of its capacity")
+    parser.add_argument(
+        "--w1-rate",
+        type=float,
+        help="W1's offered turns/s, instead of --load of the capacity measured first (to"
+        " compare runs of two deployments, e.g. with and without --slots, at one rate)",
+    )
     parser.add_argument("--concurrency", type=int, default=4, help="W2, W3: clients")
     parser.add_argument("--max-tokens", type=int, default=12, help="answers")
     parser.add_argument("--two-routers", action="store_true")

@@ -101,3 +101,18 @@ def test_the_catalog_refuses_slots_it_cannot_honour() -> None:
     assert len(clash) == 2 and all("set by routing.slots" in p for p in clash)
     assert problems(engine_args=["-np", "2"]) == []  # without slots the flag is the user's
     assert RoutingPolicy().slots == 0
+
+
+def test_a_conversation_on_several_slots_goes_back_to_any_of_them() -> None:
+    """Questions on one document sent together fill several slots; each of
+    those slots holds the document, so the next question takes one of them
+    rather than a slot of another conversation."""
+    table = SlotTable(4)
+    a, b = table.pin(1), table.pin(1)
+    other = table.pin(2)
+    assert a is not None and b is not None and other is not None
+    for slot in (a, b, other):
+        table.release(slot)
+    assert table.pin(1) == b  # the one used last
+    assert table.pin(1) == a  # b busy: a, which holds it too
+    assert table.pin(1) not in (a, b, other)  # both busy: a free one

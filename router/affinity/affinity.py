@@ -168,6 +168,10 @@ class Affinity:
         index = self._indexes.get(model)
         return index.held_tokens(replica_id) if index is not None else 0
 
+    def pinned_slots(self, replica_id: str) -> int:
+        """Slots of the replica this router has pinned a conversation to."""
+        return self._slots.pinned(replica_id)
+
     def _index(self, model: str, spec: ModelSpec | None) -> PrefixIndex:
         capacity = capacity_tokens(spec) if spec is not None else None
         index = self._indexes.get(model)

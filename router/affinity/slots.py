@@ -79,6 +79,10 @@ class SlotTable:
         """The conversation ``slot`` last served (None: none yet)."""
         return self._slots[slot].owner
 
+    def pinned(self) -> int:
+        """Slots a conversation has been pinned to."""
+        return sum(s.owner is not None for s in self._slots)
+
     def _take(self, slot: int, conversation: int) -> int:
         entry = self._slots[slot]
         self._tick += 1
@@ -108,6 +112,10 @@ class Slots:
         table = self._tables.get(replica_id)
         if table is not None:
             table.release(slot)
+
+    def pinned(self, replica_id: str) -> int:
+        table = self._tables.get(replica_id)
+        return table.pinned() if table is not None else 0
 
     def forget(self, replica_id: str) -> None:
         """The replica's engine is gone or restarted: its slots are empty."""

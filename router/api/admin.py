@@ -195,14 +195,30 @@ class ReplicaView(ReplicaMemo):
     """A replica as the router sees it."""
 
     inflight: int = 0
+    held_tokens: int = Field(
+        default=0,
+        description="prompt tokens this router believes the replica's prefix cache holds"
+        " (its index, docs/guides/routing.md; estimated tokens, another router's differ)",
+    )
+    pinned_slots: int = Field(
+        default=0,
+        description="llama.cpp slots of the replica this router has pinned a conversation"
+        " to (catalog routing.slots)",
+    )
 
 
 @router.get("/replicas")
 async def admin_replicas(deps: DepsDep) -> list[ReplicaView]:
     """Every running replica and its state (as of the last routing refresh)."""
     inflight = {r.replica_id: r.inflight for rs in deps.table.routes.values() for r in rs}
+    affinity = deps.affinity
     return [
-        ReplicaView(**m.model_dump(), inflight=inflight.get(m.replica_id, 0))
+        ReplicaView(
+            **m.model_dump(),
+            inflight=inflight.get(m.replica_id, 0),
+            held_tokens=affinity.held_tokens(m.model, m.replica_id) if affinity else 0,
+            pinned_slots=affinity.pinned_slots(m.replica_id) if affinity else 0,
+        )
         for m in deps.table.replicas
     ]
 

@@ -15,6 +15,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from llmgw.types import EngineKind, ModelSpec, RoutingPolicy, RoutingPolicyKind
 from router.affinity.slots import with_slot
 from tests.gateway.test_prefix_routing import REPLICAS, ask, exporter, model, routed, turns
+from tests.gateway_util import ADMIN_KEY, auth
 
 __all__ = ["exporter"]  # the fixture, imported for these tests
 
@@ -108,3 +109,20 @@ async def test_least_loaded_pins_too_and_other_engines_never(tmp_path: Path) -> 
         _, key = r.gw.key()
         await ask(r.gw, key, turns("a", 1))
         assert "id_slot" not in json.loads(r.engine.seen[-1].content)
+
+
+async def test_the_admin_view_shows_what_this_router_believes_each_replica_holds(
+    tmp_path: Path,
+) -> None:
+    async with routed(tmp_path, None, slots_model(), REPLICAS[:2]) as r:
+        _, key = r.gw.key()
+        served = (await ask(r.gw, key, turns("a", 2))).headers["x-llmgw-replica"]
+        await ask(r.gw, key, turns("b", 1))
+        views = (await r.gw.http.get("/admin/replicas", headers=auth(ADMIN_KEY))).json()
+        by_id = {v["replica_id"]: v for v in views}
+        assert by_id[served]["held_tokens"] > 0 and by_id[served]["pinned_slots"] >= 1
+        assert sum(v["pinned_slots"] for v in views) == 2  # two conversations
+        r.affinity.forget(served)
+        views = (await r.gw.http.get("/admin/replicas", headers=auth(ADMIN_KEY))).json()
+        gone = next(v for v in views if v["replica_id"] == served)
+        assert gone["held_tokens"] == 0 and gone["pinned_slots"] == 0

@@ -7,6 +7,7 @@ takes about 2 minutes), so everything vLLM shares one module and one agent.
 """
 
 import asyncio
+import itertools
 import os
 import signal
 from collections.abc import AsyncIterator
@@ -137,6 +138,36 @@ async def test_a_repeated_prompt_is_reported_cached(oai: openai.AsyncOpenAI) -> 
         assert resp.usage is not None and resp.usage.prompt_tokens_details is not None
         cached.append(resp.usage.prompt_tokens_details.cached_tokens or 0)
     assert cached[1] >= 16 and cached[1] > cached[0], cached
+
+
+async def test_conversations_sharing_a_system_prompt_share_it_and_keep_their_histories(
+    oai: openai.AsyncOpenAI,
+) -> None:
+    """Unlike llama.cpp's slots (docs/guides/routing.md), vLLM's one prefix
+    cache shares a system prompt between conversations and keeps each
+    history: a second conversation's first turn finds the system prompt
+    cached, every later turn its previous prompt (in whole blocks: 128
+    tokens on the CPU backend)."""
+    system = "You answer in small words. " + "open the river light and close the tree " * 12
+    talks: list[list[Any]] = [[{"role": "system", "content": system}] for _ in range(2)]
+    seen: list[list[tuple[int, int]]] = [[], []]
+    for n in range(3):
+        for who, messages in enumerate(talks):
+            messages.append({"role": "user", "content": f"talk {who} question {n}: the blue sky"})
+            resp = await oai.chat.completions.create(
+                model=MODEL, messages=messages, max_tokens=4, temperature=0
+            )
+            usage = resp.usage
+            assert usage is not None and usage.prompt_tokens_details is not None
+            seen[who].append((usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens or 0))
+            messages.append({"role": "assistant", "content": resp.choices[0].message.content})
+    block = 128  # vLLM's CPU backend caches whole blocks of 128 tokens
+    # The second conversation's first turn: the shared system prompt (~150
+    # tokens), cached in whole blocks.
+    assert seen[1][0][1] >= block, seen
+    for turns in seen:
+        for (before, _), (prompt, cached) in itertools.pairwise(turns):
+            assert prompt > before and cached >= before // block * block, seen
 
 
 async def test_streamed_chat_with_usage(oai: openai.AsyncOpenAI) -> None:

@@ -14,9 +14,10 @@ table is fed by the test (a replica drains when the test says so).
 
 import asyncio
 import itertools
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -66,19 +67,33 @@ class Engines:
     store_url: str
 
 
-@pytest.fixture(scope="module")
-def engines(
-    llama: "LlamaCppInstall", tiny: TinyModel, tmp_path_factory: pytest.TempPathFactory
+@contextmanager
+def serving(
+    llama: "LlamaCppInstall",
+    tiny: TinyModel,
+    root: Path,
+    replicas: Sequence[str] = REPLICAS,
+    context: int = CONTEXT,
+    extra_args: Sequence[str] = (),
 ) -> Iterator[Engines]:
-    """Three llama.cpp servers of the tiny model, one slot each."""
-    root = tmp_path_factory.mktemp("prefix")
+    """llama.cpp servers of the tiny model for ``replicas`` (one slot each
+    unless ``extra_args`` say otherwise), keyed by a new store's secret."""
     store_url = f"sqlite:///{root / 'store.db'}"
     store = Store(store_url)
     store.migrate()
     secret = store.engine_key_secret()
     store.close()
-    with llama_servers(llama, tiny, root, secret, M, REPLICAS, CONTEXT) as endpoints:
+    with llama_servers(llama, tiny, root, secret, M, replicas, context, extra_args) as endpoints:
         yield Engines(endpoints, store_url)
+
+
+@pytest.fixture(scope="module")
+def engines(
+    llama: "LlamaCppInstall", tiny: TinyModel, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Engines]:
+    """Three llama.cpp servers of the tiny model, one slot each."""
+    with serving(llama, tiny, tmp_path_factory.mktemp("prefix")) as engines:
+        yield engines
 
 
 def _memo(replica: str, endpoint: str, phase: ReplicaPhase = ReplicaPhase.READY) -> ReplicaMemo:

@@ -11,11 +11,9 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from llmgw.store import Store
 from llmgw.types import RoutingPolicy
 from llmgw_cli.dev.tinymodel import TinyModel
-from tests.e2e.test_prefix_routing import Engines, M, Turn, ask, conversation, routers, turn
-from tests.llama_servers import llama_servers
+from tests.e2e.test_prefix_routing import Engines, Turn, ask, conversation, routers, serving, turn
 from worker_agent.engines.llamacpp import pinned_slot_flags
 
 if TYPE_CHECKING:
@@ -31,14 +29,8 @@ def pinned_engine(
 ) -> Iterator[Engines]:
     """One llama.cpp server of the tiny model run as ``routing.slots: 3`` runs it."""
     root = tmp_path_factory.mktemp("slots")
-    store_url = f"sqlite:///{root / 'store.db'}"
-    store = Store(store_url)
-    store.migrate()
-    secret = store.engine_key_secret()
-    store.close()
-    flags = pinned_slot_flags(SLOTS)
-    with llama_servers(llama, tiny, root, secret, M, ("s1",), CONTEXT, flags) as endpoints:
-        yield Engines(endpoints, store_url)
+    with serving(llama, tiny, root, ("s1",), CONTEXT, pinned_slot_flags(SLOTS)) as engines:
+        yield engines
 
 
 @pytest.mark.timeout(600)

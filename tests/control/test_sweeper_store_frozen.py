@@ -10,7 +10,9 @@ pass); once the store resumes (SIGCONT) the expired and abandoned files are
 tidied with no help, and a kept file's content is untouched.
 
 Real processes: a PostgreSQL server of the test's own (tests/pg.py), frozen,
-and the session's Temporal dev server (the sweeper's job starts talk to it).
+and the session's Temporal dev server (the sweeper's job starts talk to it);
+the sweeper in the test's process with a short bound, then in the control
+worker (``llmgw control``) as shipped (30 s bound, files tidied every 60 s).
 """
 
 import asyncio
@@ -20,6 +22,7 @@ import os
 import signal
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import psycopg
 import pytest
@@ -31,7 +34,9 @@ from llmgw.store import Store
 from llmgw.store import files as fs
 from llmgw.store.openai_tables import FILE_CHUNK_BYTES, FileChunk, StoredFile
 from llmgw.types import BatchRun
+from llmgw_cli.procs import wait_for
 from tests.control.test_jobs_batch import until
+from tests.harness import System, free_port
 from tests.pg import PgCluster, own_cluster
 
 # The sweeper's bound on a store call, short for the test (shipped: 30 s).
@@ -138,5 +143,44 @@ async def test_a_frozen_store_mid_tidy_is_retried_and_tidied_once_it_resumes(
             running.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await running
+        locker.close()
+        store.close()
+
+
+@pytest.mark.timeout(600)
+def test_the_control_worker_tidies_files_once_its_store_frozen_mid_tidy_resumes(
+    temporal_address: str, tmp_path: Path, own_pg: PgCluster
+) -> None:
+    system = System(temporal_address, tmp_path / "llmgw", free_port())
+    system.work_dir.mkdir()
+    system.store_url = own_pg.create_database()
+    system.env["LLMGW_STORE_URL"] = system.store_url
+    store = Store(system.store_url)
+    store.migrate()
+    locker = psycopg.connect(system.store_url)
+    try:
+        expired, kept, staging = files_to_tidy(store)
+
+        def chunks() -> set[str]:
+            with store.session() as session:
+                return set(session.exec(select(FileChunk.file_id)).all())
+
+        # Its first tidy (at its start) held on the files table, then frozen.
+        locker.execute("LOCK TABLE openai_files IN ACCESS EXCLUSIVE MODE")
+        control = system.spawn("control")
+        assert wait_for(lambda: waiting_on_files(system.store_url), 120), control.log_tail()
+        with frozen(own_pg, then=locker):
+            said = "file sweep failed: the store did not answer within 30 s"
+            assert wait_for(lambda: said in control.log_path.read_text(), 120), control.log_tail()
+            assert control.alive()
+        # Resumed: the next tidy (60 s after the first) removes the rest.
+        assert wait_for(lambda: chunks() == {kept}, 180), control.log_tail()
+        with store.session() as session:
+            row = session.get(StoredFile, expired)
+            assert row is not None and row.deleted_at is not None
+            assert session.get(StoredFile, staging) is None
+        assert control.alive()
+    finally:
+        system.stop()
         locker.close()
         store.close()

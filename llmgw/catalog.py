@@ -148,7 +148,7 @@ def slot_problems(model: CatalogModel, prefix: str) -> list[str]:
             "shares one prefix cache among its requests): leave it 0"
         ]
     given = [a for a in (*model.engine_args, *model.profile.engine_args) if a in SLOT_FLAGS]
-    return [f"{prefix}engine_args: {flag} is set by routing.slots: remove it" for flag in given]
+    return [f"{prefix}engine_args: {flag} is decided by routing.slots: remove it" for flag in given]
 
 
 def problems_with(

@@ -126,7 +126,8 @@ class RoutingPolicy(BaseModel):
         ge=0,
         le=MAX_PINNED_SLOTS,
         description="llama.cpp: engine slots per replica, each conversation pinned to its"
-        " own (id_slot); the engine runs --parallel N --kv-unified --no-cache-idle-slots"
+        " own (id_slot); the engine runs --parallel N --no-cache-idle-slots with"
+        " --ctx-size context_length x N (each slot its own cache of the whole context),"
         " and changing it restarts the replicas; 0: the engine picks slots itself, and"
         " conversations sharing a system prompt overwrite one another's history",
     )

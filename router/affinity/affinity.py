@@ -46,14 +46,16 @@ def capacity_tokens(spec: ModelSpec) -> int:
     ``routing.cache_tokens`` when set. Otherwise llama.cpp's ``-c`` is its
     whole KV cache whatever its slots (``-np``: split among them, or one
     unified cache, the portable server's default of four slots), so the
-    context length (or a ``-c`` in its engine args, the last one given, as the
-    engine reads them); vLLM and SGLang: ``POOL_CONTEXTS`` contexts.
+    context length (times ``routing.slots``, which the agent's ``-c`` is), or
+    a ``-c`` in its engine args (the last one given, as the engine reads
+    them); vLLM and SGLang: ``POOL_CONTEXTS`` contexts.
     """
     if spec.routing.cache_tokens > 0:
         return spec.routing.cache_tokens
     if spec.engine is not EngineKind.LLAMA_CPP:
         return spec.context_length * POOL_CONTEXTS
-    context = spec.context_length
+    # routing.slots: the agent gives each pinned slot the whole context.
+    context = spec.context_length * max(1, spec.routing.slots)
     args = [*spec.engine_args, *spec.profile.engine_args]
     for flag, value in itertools.pairwise(args):
         if flag in _CTX_FLAGS and value.isdigit() and int(value) > 0:

@@ -42,13 +42,12 @@ def test_slots_set_the_servers_slot_flags_and_nothing_without() -> None:
     pinned = argv(RoutingPolicy(slots=6))
     flags = pinned_slot_flags(6)
     at = pinned.index(flags[0])
-    assert pinned[at : at + len(flags)] == [
-        "--parallel",
-        "6",
-        "--kv-unified",
-        "--no-cache-idle-slots",
-    ]
-    assert not {"--parallel", "--kv-unified", "--no-cache-idle-slots"} & set(argv(RoutingPolicy()))
+    assert pinned[at : at + len(flags)] == ["--parallel", "6", "--no-cache-idle-slots"]
+    # Each slot its own cache of the model's whole context (512 by default).
+    assert pinned[pinned.index("--ctx-size") + 1] == str(512 * 6)
+    plain = argv(RoutingPolicy())
+    assert not {"--parallel", "--no-cache-idle-slots"} & set(plain)
+    assert plain[plain.index("--ctx-size") + 1] == "512"
 
 
 def test_slots_are_part_of_how_the_engine_runs_the_rest_of_routing_is_not() -> None:

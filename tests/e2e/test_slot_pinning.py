@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from worker_agent.installs.llamacpp import LlamaCppInstall
 
 SLOTS = 3
-CONTEXT = 8192  # one unified KV cache for the three slots' conversations
+CONTEXT = 8192  # split among the three slots
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from llmgw.catalog import CatalogModel, catalog_problems
-from llmgw.types import EngineKind, RoutingPolicy
+from llmgw.types import EngineKind, ModelSpec, RoutingPolicy
+from router.affinity.affinity import capacity_tokens
 from router.affinity.slots import Slots, SlotTable
 
 
@@ -98,7 +99,7 @@ def test_the_catalog_refuses_slots_it_cannot_honour() -> None:
     vllm = problems(engine=EngineKind.VLLM.value, routing={"slots": 8})
     assert len(vllm) == 1 and "routing.slots" in vllm[0]
     clash = problems(routing={"slots": 8}, engine_args=["-np", "2", "--no-cache-idle-slots"])
-    assert len(clash) == 2 and all("set by routing.slots" in p for p in clash)
+    assert len(clash) == 2 and all("decided by routing.slots" in p for p in clash)
     assert problems(engine_args=["-np", "2"]) == []  # without slots the flag is the user's
     assert RoutingPolicy().slots == 0
 
@@ -116,3 +117,12 @@ def test_a_conversation_on_several_slots_goes_back_to_any_of_them() -> None:
     assert table.pin(1) == b  # the one used last
     assert table.pin(1) == a  # b busy: a, which holds it too
     assert table.pin(1) not in (a, b, other)  # both busy: a free one
+
+
+def test_a_pinned_replicas_cache_is_a_context_per_slot() -> None:
+    spec = ModelSpec(name="m", source="/m.gguf", context_length=1000)
+    assert capacity_tokens(spec) == 1000
+    pinned = spec.model_copy(update={"routing": RoutingPolicy(slots=4)})
+    assert capacity_tokens(pinned) == 4000
+    # A -c of the entry's own is the whole cache, whatever the slots.
+    assert capacity_tokens(pinned.model_copy(update={"engine_args": ["-c", "9000"]})) == 9000

@@ -11,11 +11,13 @@ import contextlib
 import os
 import re
 import shutil
+import signal
 import subprocess
 import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Protocol
 
 import psycopg
 import pytest
@@ -157,3 +159,25 @@ def own_cluster() -> Iterator[PgCluster]:
         yield cluster
     finally:
         cluster.stop()
+
+
+class _Rollback(Protocol):
+    def rollback(self) -> None: ...
+
+
+@contextlib.contextmanager
+def frozen(cluster: PgCluster, then: _Rollback) -> Iterator[None]:
+    """Every PostgreSQL process of ``cluster`` stopped (SIGSTOP) for the
+    block; resumed after, then ``then``'s transaction (the lock that held
+    the store call the test freezes in) rolled back."""
+    pids = cluster.pids()
+    try:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):  # a backend just gone
+                os.kill(pid, signal.SIGSTOP)
+        yield
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        then.rollback()

@@ -17,10 +17,11 @@ from llmgw import contracts
 from llmgw.queues import response_workflow_id
 from llmgw.store import Store
 from llmgw.store import files as fs
-from llmgw.store.openai_tables import FILE_CHUNK_BYTES, BatchRecord, FileChunk, StoredFile
+from llmgw.store.openai_tables import BatchRecord, FileChunk, StoredFile
 from llmgw.types import BatchRun, BatchStatus, CancelJob, ResponseRun
 from router.control_link.jobs import Jobs
 from tests.control.test_jobs_batch import Rig, rig, until
+from tests.control.test_sweeper_store_frozen import files_to_tidy
 
 
 def unstarted_batch(r: Rig, age_s: float) -> str:
@@ -117,18 +118,8 @@ async def test_the_sweeper_tidies_expired_and_abandoned_files(
     store = Store(f"sqlite:///{tmp_path / 'files.db'}")
     store.migrate()
     try:
-        now = int(time.time())
-        expired = fs.write_file(store, 1, "old", "batch", [b"x"], max_bytes=10, expires_at=now)
-        kept = fs.write_file(store, 1, "kept", "batch", [b"y"], max_bytes=10)
-        # A router killed mid-upload: its staging row and chunk, written long ago.
-        writer = fs.FileWriter(store, 1, "half", "batch", max_bytes=10 * FILE_CHUNK_BYTES)
-        writer.write(b"z" * FILE_CHUNK_BYTES)
-        with store.session() as session:
-            [staging] = session.exec(select(StoredFile).where(StoredFile.status == "uploading"))
-            staging.created_at = now - 7 * 3600
-            staging_id = staging.id
-            session.add(staging)
-            session.commit()
+        # An expired file, a kept one, and a router killed mid-upload long ago.
+        expired, kept, staging_id = files_to_tidy(store)
         defaults = BatchRun(batch_id="", expires_at=0)
         sweeper = Sweeper(store, client, defaults, files_interval_s=0)
 
@@ -138,13 +129,13 @@ async def test_the_sweeper_tidies_expired_and_abandoned_files(
 
         running = asyncio.create_task(sweeper.forever(0.05))
         try:
-            await until(lambda: chunks() == {kept.id})
+            await until(lambda: chunks() == {kept})
         finally:
             running.cancel()
         with store.session() as session:
-            row = session.get(StoredFile, expired.id)
+            row = session.get(StoredFile, expired)
             assert row is not None and row.deleted_at is not None
             assert session.get(StoredFile, staging_id) is None
-        assert b"".join(fs.read_chunks(store, kept.id)) == b"y"
+        assert b"".join(fs.read_chunks(store, kept)) == b"y"
     finally:
         store.close()

@@ -18,8 +18,6 @@ worker (``llmgw control``) as shipped (30 s bound, files tidied every 60 s).
 import asyncio
 import contextlib
 import logging
-import os
-import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -37,7 +35,7 @@ from llmgw.types import BatchRun
 from llmgw_cli.procs import wait_for
 from tests.control.test_jobs_batch import until
 from tests.harness import System, free_port
-from tests.pg import PgCluster, own_cluster
+from tests.pg import PgCluster, frozen, own_cluster
 
 # The sweeper's bound on a store call, short for the test (shipped: 30 s).
 WAIT_S = 1.0
@@ -76,23 +74,6 @@ def waiting_on_files(store_url: str) -> bool:
             " AND query LIKE '%openai_files%' AND pid <> pg_backend_pid()"
         ).fetchone()
     return row is not None and int(str(row[0])) > 0
-
-
-@contextlib.contextmanager
-def frozen(cluster: PgCluster, then: psycopg.Connection[tuple[object, ...]]) -> Iterator[None]:
-    """Every PostgreSQL process stopped for the block; resumed after, then
-    ``then``'s transaction (the lock that held the tidy) rolled back."""
-    pids = cluster.pids()
-    try:
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):  # a backend just gone
-                os.kill(pid, signal.SIGSTOP)
-        yield
-    finally:
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGCONT)
-        then.rollback()
 
 
 async def test_a_frozen_store_mid_tidy_is_retried_and_tidied_once_it_resumes(

@@ -112,13 +112,14 @@ def oai(root: str, key: str) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=f"{root}/v1", api_key=key, max_retries=2)
 
 
-def chat_line(i: int) -> dict[str, Any]:
+def chat_line(i: int, model: str = M) -> dict[str, Any]:
+    """Batch input line ``i``: a short chat completion of ``model``."""
     return {
         "custom_id": f"line-{i}",
         "method": "POST",
         "url": "/v1/chat/completions",
         "body": {
-            "model": M,
+            "model": model,
             "messages": [{"role": "user", "content": f"say {i}"}],
             "max_tokens": 6,
         },

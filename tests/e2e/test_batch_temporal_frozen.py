@@ -23,7 +23,6 @@ import json
 import signal
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import openai
 import pytest
@@ -35,7 +34,7 @@ from llmgw.temporal import connect
 from llmgw.types import EngineKind, ModelSpec
 from llmgw_cli.dev.tinymodel import TinyModel
 from llmgw_cli.procs import Child, wait_for
-from tests.e2e.test_batch_faults import TERMINAL, completed, jsonl, until
+from tests.e2e.test_batch_faults import TERMINAL, chat_line, completed, jsonl, until
 from tests.harness import System, free_port, start_devserver, wait_routable
 
 M = "tiny-frozen"
@@ -54,19 +53,6 @@ async def own_temporal(root: Path) -> AsyncIterator[tuple[Child, Client]]:
     finally:
         server.signal(signal.SIGCONT)  # never left frozen
         server.stop()
-
-
-def chat_line(i: int) -> dict[str, Any]:
-    return {
-        "custom_id": f"line-{i}",
-        "method": "POST",
-        "url": "/v1/chat/completions",
-        "body": {
-            "model": M,
-            "messages": [{"role": "user", "content": f"say {i}"}],
-            "max_tokens": 6,
-        },
-    }
 
 
 async def runs_of(client: Client, workflow_id: str) -> int:
@@ -103,7 +89,7 @@ async def test_a_batch_created_while_temporal_is_frozen_runs_once_it_resumes(
             )
             async with client:
                 made = await client.files.create(
-                    file=("in.jsonl", io.BytesIO(jsonl([chat_line(i) for i in range(LINES)]))),
+                    file=("in.jsonl", io.BytesIO(jsonl([chat_line(i, M) for i in range(LINES)]))),
                     purpose="batch",
                 )
                 server.signal(signal.SIGSTOP)

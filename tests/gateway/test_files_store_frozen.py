@@ -17,8 +17,6 @@ the router app served by uvicorn, called with the official openai client.
 
 import asyncio
 import contextlib
-import os
-import signal
 from collections.abc import Iterator
 
 import openai
@@ -27,7 +25,7 @@ import pytest
 
 from llmgw.store.openai_tables import FILE_CHUNK_BYTES
 from tests.gateway.test_files import jsonl, router, until
-from tests.pg import PgCluster, own_cluster
+from tests.pg import PgCluster, frozen, own_cluster
 
 Connection = psycopg.Connection[tuple[object, ...]]
 
@@ -60,23 +58,6 @@ async def until_waiting(store_url: str, query: str, upload: "asyncio.Task[object
         while not await asyncio.to_thread(waiting, store_url, query):
             assert not upload.done(), upload
             await asyncio.sleep(0.05)
-
-
-@contextlib.contextmanager
-def frozen(cluster: PgCluster, then: Connection) -> Iterator[None]:
-    """Every PostgreSQL process stopped for the block; resumed after, then
-    ``then``'s transaction (the lock that held the upload) rolled back."""
-    pids = cluster.pids()
-    try:
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):  # a backend just gone
-                os.kill(pid, signal.SIGSTOP)
-        yield
-    finally:
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGCONT)
-        then.rollback()
 
 
 async def held_in(stage: str, store_url: str, upload: "asyncio.Task[object]") -> Connection:

@@ -68,6 +68,7 @@ import random
 import re
 import shlex
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -885,6 +886,11 @@ async def main() -> None:
     args = parse()
     VERBOSE = args.verbose
     print("command: .venv/bin/python -m tests.bench.bench_prefix " + shlex.join(sys.argv[1:]))
+    # SIGTERM (``timeout``, a CI step's end) cancels the run like Ctrl-C, so
+    # its teardown stops the engines, agent and dev server it started.
+    task = asyncio.current_task()
+    assert task is not None
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
     with tempfile.TemporaryDirectory(prefix="llmgw-bench-prefix-") as tmp:
         await (probe(Path(tmp)) if args.probe else run(args, Path(tmp)))
 

@@ -21,7 +21,7 @@ from collections.abc import Callable
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from llmgw.engine_flags import owned_flag_problems
+from llmgw.engine_flags import LLAMA_SLOT_FLAGS, owned_flag_problems
 from llmgw.errors import ConfigError
 from llmgw.types import EngineKind, ModelSpec
 
@@ -131,12 +131,6 @@ def catalog_problems(
 
 
 # llama.cpp flags that routing.slots sets (docs/guides/routing.md, "llama.cpp slots").
-SLOT_FLAGS = frozenset(
-    {"-np", "--parallel", "-kvu", "--kv-unified", "-no-kvu", "--no-kv-unified"}
-    | {"--cache-idle-slots", "--no-cache-idle-slots"}
-)
-
-
 def slot_problems(model: CatalogModel, prefix: str) -> list[str]:
     """Why ``routing.slots`` cannot be honoured for ``model``: pinning is a
     llama.cpp request field, and the engine's slot flags are then llmgw's."""
@@ -147,7 +141,7 @@ def slot_problems(model: CatalogModel, prefix: str) -> list[str]:
             f"{prefix}routing.slots: only llama.cpp has slots to pin ({model.engine.value} "
             "shares one prefix cache among its requests): leave it 0"
         ]
-    given = [a for a in (*model.engine_args, *model.profile.engine_args) if a in SLOT_FLAGS]
+    given = [a for a in (*model.engine_args, *model.profile.engine_args) if a in LLAMA_SLOT_FLAGS]
     return [f"{prefix}engine_args: {flag} is decided by routing.slots: remove it" for flag in given]
 
 

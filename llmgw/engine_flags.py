@@ -178,6 +178,16 @@ VLLM_VALUE_FLAGS = frozenset(
     ]
 )  # fmt: skip
 
+# llama.cpp's slot flags. With ``routing.slots`` on they are llmgw's: the agent
+# starts the server with the two below (worker_agent/engines/llamacpp.py) and
+# the catalog refuses any of the set beside it (llmgw/catalog.py).
+LLAMA_PARALLEL = "--parallel"
+LLAMA_NO_CACHE_IDLE_SLOTS = "--no-cache-idle-slots"
+LLAMA_SLOT_FLAGS = frozenset(
+    {"-np", LLAMA_PARALLEL, "-kvu", "--kv-unified", "-no-kvu", "--no-kv-unified"}
+    | {"--cache-idle-slots", LLAMA_NO_CACHE_IDLE_SLOTS}
+)
+
 RULES: Mapping[EngineKind, FlagRules] = {
     EngineKind.LLAMA_CPP: FlagRules(LLAMA_CPP),
     EngineKind.VLLM: FlagRules(

@@ -176,6 +176,14 @@ class ModelSpec(BaseModel):
         " which fetches them from the node's network; off: the router refuses them (400)",
     )
 
+    def kv_tokens(self) -> int:
+        """The KV cache a llama.cpp replica is started with (its ``--ctx-size``),
+        in tokens: the context, once per pinned slot (``routing.slots``: each
+        slot gets the whole context, llama.cpp splitting a non-unified cache
+        evenly among them). The agent's command and the router's cache
+        estimate both read it here, so they cannot disagree."""
+        return self.context_length * max(1, self.routing.slots)
+
     def digest(self) -> str:
         """Identifies this exact entry: an engine started from another differs.
 

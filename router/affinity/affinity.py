@@ -55,7 +55,7 @@ def capacity_tokens(spec: ModelSpec) -> int:
     if spec.engine is not EngineKind.LLAMA_CPP:
         return spec.context_length * POOL_CONTEXTS
     # routing.slots: the agent gives each pinned slot the whole context.
-    context = spec.context_length * max(1, spec.routing.slots)
+    context = spec.kv_tokens()
     args = [*spec.engine_args, *spec.profile.engine_args]
     for flag, value in itertools.pairwise(args):
         if flag in _CTX_FLAGS and value.isdigit() and int(value) > 0:

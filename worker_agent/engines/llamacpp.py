@@ -19,7 +19,7 @@ is passed even when the leader itself has no GPU.
 
 from collections.abc import Mapping
 
-from llmgw.types import ModelSpec
+from llmgw.engine_flags import LLAMA_NO_CACHE_IDLE_SLOTS, LLAMA_PARALLEL
 from worker_agent.engines.base import (
     EnvHook,
     scratch_env,
@@ -45,7 +45,7 @@ ALL_LAYERS = "999"
 def pinned_slot_flags(slots: int) -> list[str]:
     """The server for a router that pins conversations to slots (catalog
     ``routing.slots``, router/affinity/slots.py): that many slots, each its
-    own KV cache (``--ctx-size`` is split among them: see ``context_size``),
+    own KV cache (``--ctx-size`` is split among them: ``ModelSpec.kv_tokens``),
     and an idle slot's prompt kept in it (by default a new task clears every
     idle slot into the host-RAM cache, and a pinned request is never given a
     prompt from there).
@@ -53,13 +53,7 @@ def pinned_slot_flags(slots: int) -> list[str]:
     Not one unified cache: its attention spans every slot's cells, so the
     kept conversations would slow every request (measured: bench_prefix W1,
     8 slots, p50 TTFT 625 ms unified against 95 ms split)."""
-    return ["--parallel", str(slots), "--no-cache-idle-slots"]
-
-
-def context_size(model: ModelSpec) -> int:
-    """``--ctx-size``: the model's context, for each slot when the router pins
-    slots (llama.cpp splits a non-unified cache evenly among them)."""
-    return model.context_length * max(1, model.routing.slots)
+    return [LLAMA_PARALLEL, str(slots), LLAMA_NO_CACHE_IDLE_SLOTS]
 
 
 class LlamaCppPlanner:
@@ -101,7 +95,7 @@ class LlamaCppPlanner:
             "--port",
             str(node.http_port),
             "--ctx-size",
-            str(context_size(model)),
+            str(model.kv_tokens()),
             "--no-webui",
             # Prometheus metrics, behind the engine key like every path; the
             # admin API relays them labelled by replica.

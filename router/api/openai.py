@@ -214,18 +214,29 @@ def _prompt_key(
     raw: bytes,
     body: Body,
     key_id: int,
+    routes: int,
     parsed: dict[str, Any] | None = None,
 ) -> PromptKey | None:
     """The prompt's chunk chain and sticky key for cache-aware routing; None
-    where it has no use (embeddings, a least-loaded model) or the body is not
-    a JSON object orjson reads. ``parsed``: ``raw`` as orjson read it, when
-    the caller already did (None: read here)."""
+    where it has no use (embeddings, a least-loaded model, a model with
+    ``routes`` <= 1 replicas and no pinned slots) or the body is not a JSON
+    object orjson reads. ``parsed``: ``raw`` as orjson read it, when the
+    caller already did (None: read here)."""
     if isinstance(body, EmbeddingRequest):
         return None
     # A model outside the catalog (deployed by hand) routes by the defaults.
     routing = spec.routing if spec is not None else DEFAULT_ROUTING
-    # Least-loaded needs no key, unless the router pins llama.cpp slots by it.
-    if routing.policy is RoutingPolicyKind.LEAST_LOADED and not routing.slots:
+    # The key orders replicas and pins llama.cpp slots. Without slots to pin,
+    # least-loaded needs none, nor does a model with one replica (or none
+    # yet: scaled to zero): there is nothing to choose, and its reads and
+    # hashes were most of what cache-aware routing cost such a model.
+    # Nothing is recorded meanwhile, so when a second replica comes, the
+    # model's index starts empty: conversations go by the rendezvous hash of
+    # their lead, as on a freshly started router or for turns another router
+    # served; about half move to the new replica and pay one full prefill
+    # there, once (load that scaling up wanted moved anyway), and the index
+    # learns from their next answers.
+    if not routing.slots and (routing.policy is RoutingPolicyKind.LEAST_LOADED or routes <= 1):
         return None
     data = parsed
     if data is None:
@@ -288,6 +299,11 @@ async def _serve(
         deps.accountant, deps.metrics, caller.key_id, model, endpoint, reservation, span,
         started, prompt_estimate, reserve, bill_usage=not caller.billed_by_caller,
     )  # fmt: skip
+    key = None
+    if target is None:  # a model's request only: an adapter's go where it is held
+        # Its replicas as the table holds them now (in memory, never waited for).
+        routes = len(deps.table.routes.get(model, ()))
+        key = _prompt_key(spec, scope, raw, body, caller.key_id, routes, parsed)
     call = Call(
         model=model,
         path=path,
@@ -299,10 +315,7 @@ async def _serve(
         finishes_when_gone=_generates_on(spec, stream),
         client_gone=lambda: disconnected(receive),
         traced=deps.tracer is not None,
-        # A model's request only: an adapter's go where it is held.
-        prompt_key=(
-            _prompt_key(spec, scope, raw, body, caller.key_id, parsed) if target is None else None
-        ),
+        prompt_key=key,
         spec=spec,
     )
     try:

@@ -43,7 +43,7 @@ from opentelemetry.propagate import inject
 from llmgw.engine_keys import EngineKeyFn
 from llmgw.errors import LlmgwError, UpstreamConnectError, UpstreamError
 from router.affinity.affinity import Affinity
-from router.affinity.policy import Choice
+from router.affinity.policy import Choice, Reason
 from router.affinity.slots import with_slot
 from router.billing.accounting import RequestOutcome
 from router.common.disconnect import cancelled_if_gone
@@ -166,7 +166,12 @@ class Proxy:
     def _choose(self, call: Call, candidates: list[Route]) -> Choice:
         """The affinity's order of ``candidates``, counted and on the span."""
         assert self._affinity is not None
-        choice = self._affinity.choose(call.spec, candidates, call.prompt_key)
+        if call.prompt_key is None and len(candidates) <= 1:
+            # No key (the model has one replica: router/api/openai.py) and
+            # nothing to order: what the affinity would answer, without it.
+            choice = Choice(candidates, Reason.LEAST_LOADED, 0)
+        else:
+            choice = self._affinity.choose(call.spec, candidates, call.prompt_key)
         self._metrics.route_chosen(call.model, choice.reason.value)
         if call.traced:
             span = trace.get_current_span()
@@ -186,8 +191,11 @@ class Proxy:
         prompt = usage.prompt_tokens if usage is not None else None
         cached = usage.cached_tokens if usage is not None else None
         # A replica that left the table (or moved) while this request ran was
-        # forgotten: what it served must not bring its entries back.
-        if any(r is route for r in self._table.routes.get(call.model, ())):
+        # forgotten: what it served must not bring its entries back. Without
+        # a key there is nothing to learn; the metrics below count it still.
+        if call.prompt_key is not None and any(
+            r is route for r in self._table.routes.get(call.model, ())
+        ):
             self._affinity.served(
                 call.model, route.replica_id, call.prompt_key, choice, prompt, cached
             )

@@ -121,6 +121,16 @@ class RoutingPolicy(BaseModel):
         " picks unless another holds at least this many more tokens (estimated) of its"
         " prompt cached; lower follows shorter shared prefixes, higher spreads more",
     )
+    balance_factor: float = Field(
+        default=1.0,
+        ge=0,
+        le=16,
+        description="prefix: a new conversation goes to the first replica in its hash's"
+        " order with fewer live conversations (a turn in the last 5 minutes, as this router"
+        " placed them) than this times the mean; 1: as even as whole conversations allow;"
+        " higher keeps more to the hash; 0: the hash alone (routers that never talked agree"
+        " on every conversation)",
+    )
     slots: int = Field(
         default=0,
         ge=0,

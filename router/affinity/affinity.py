@@ -17,10 +17,11 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from llmgw.types import EngineKind, ModelSpec
+from llmgw.types import EngineKind, ModelSpec, RoutingPolicyKind
 from router.affinity.chunks import PromptKey
+from router.affinity.homes import Homes
 from router.affinity.index import PrefixIndex
-from router.affinity.policy import DEFAULT_ROUTING, Choice, choose
+from router.affinity.policy import DEFAULT_ROUTING, Choice, Reason, choose
 from router.affinity.slots import Slots
 from router.control_link.routing import Route
 
@@ -81,6 +82,8 @@ class Affinity:
         self._indexes: dict[str, PrefixIndex] = {}
         self._sticky: OrderedDict[tuple[str, str], _Sticky] = OrderedDict()
         self._turns: dict[str, itertools.count[int]] = {}
+        # Live conversations per model and where each lives (prefix policy).
+        self._homes: dict[str, Homes] = {}
         # llama.cpp slots pinned per replica (catalog routing.slots).
         self._slots = Slots()
 
@@ -100,9 +103,25 @@ class Affinity:
             if sticky is not None:
                 sticky_replica = sticky.replica_id
                 sticky_tokens = _through(key, sticky.last_digest)
-        return choose(
-            policy, candidates, key, index, sticky_replica, turn, sticky_tokens=sticky_tokens
+        if key is None or policy.policy is not RoutingPolicyKind.PREFIX:
+            return choose(
+                policy, candidates, key, index, sticky_replica, turn, sticky_tokens=sticky_tokens
+            )
+        homes = self._homes_of(model)
+        choice = choose(
+            policy,
+            candidates,
+            key,
+            index,
+            sticky_replica,
+            turn,
+            sticky_tokens=sticky_tokens,
+            homes=homes.counts(),
+            placed=homes.home(key.lead),
         )
+        if choice.order and choice.reason is not Reason.LEAST_LOADED:
+            homes.place(key.lead, choice.order[0].replica_id)
+        return choice
 
     def served(
         self,
@@ -129,6 +148,9 @@ class Affinity:
                     reported = max(reported, predicted)
                 index.correct(replica_id, key, predicted, reported)
         index.record(replica_id, key)
+        homes = self._homes.get(model)
+        if homes is not None and homes.home(key.lead) is not None:
+            homes.place(key.lead, replica_id)  # where it was served (a failover moves it)
         if key.sticky is not None:
             entry = (model, key.sticky)
             self._sticky[entry] = _Sticky(replica_id, key.chunks[-1].digest, self._clock())
@@ -157,11 +179,13 @@ class Affinity:
 
     def forget(self, replica_id: str) -> None:
         """The replica's cache is gone (drained, stopped, restarted, scaled
-        to zero): its index entries in every model, the sticky keys and
-        the slots pinned on it."""
+        to zero): its index entries in every model, the sticky keys, the
+        conversations placed on it and the slots pinned on it."""
         self._slots.forget(replica_id)
         for index in self._indexes.values():
             index.forget(replica_id)
+        for homes in self._homes.values():
+            homes.forget(replica_id)
         for entry in [e for e, s in self._sticky.items() if s.replica_id == replica_id]:
             del self._sticky[entry]
 
@@ -182,6 +206,12 @@ class Affinity:
         elif capacity is not None and capacity != index.capacity_tokens:
             index.set_capacity(capacity)
         return index
+
+    def _homes_of(self, model: str) -> Homes:
+        homes = self._homes.get(model)
+        if homes is None:
+            homes = self._homes[model] = Homes(self._clock)
+        return homes
 
     def _sticky_of(self, model: str, sticky: str) -> _Sticky | None:
         entry = self._sticky.get((model, sticky))

@@ -19,12 +19,23 @@ one (the proxy fails over down the list). The rule (docs/guides/routing.md):
   conversation, and the turns of one they did not see, to the same
   replica; a shared system prompt pulls nowhere. When a replica past the
   slack held that much more than the chosen one, the reason is BALANCE.
+
+  Hashing a few dozen conversations onto a few replicas is uneven, so under
+  ``prefix`` the conversation's own replica is where this router placed it
+  while it is live (router/affinity/homes.py), and a new one goes to the
+  first replica in its rendezvous order with fewer live conversations than
+  ``balance_factor`` times the mean, counting itself (``ceil``): with 1, as
+  even as whole conversations allow, and still the hash's choice whenever
+  the counts are even. Placed off its hash's choice, the reason is BALANCE.
+  0 turns this off: the hash alone, on which routers that never talked
+  agree for every conversation.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -43,7 +54,9 @@ class Reason(StrEnum):
     PREFIX = "prefix"  # chosen for the cached prefix it holds
     STICKY = "sticky"  # the sticky key's last replica (same scoring, not a pin)
     RENDEZVOUS = "rendezvous"  # nothing held anywhere: rendezvous hash of the lead
-    BALANCE = "balance"  # the best-cached replica was passed over for load
+    # Passed over for load: the best-cached replica was past the slack, or a
+    # new conversation's hashed replica had more than its share of them.
+    BALANCE = "balance"
     LEAST_LOADED = "least_loaded"
     ROUND_ROBIN = "round_robin"
     SESSION = "session"  # policy session: rendezvous on lead/sticky only
@@ -80,10 +93,14 @@ def choose(
     turn: int,
     *,
     sticky_tokens: int = 0,
+    homes: Mapping[str, int] | None = None,
+    placed: str | None = None,
 ) -> Choice:
     """Order ``candidates`` (healthy, unsaturated, least in flight first)
     for a request; ``sticky_replica`` scores as holding ``sticky_tokens``
-    of this prompt (the previous prompt of its sticky key, see Affinity)."""
+    of this prompt (the previous prompt of its sticky key, see Affinity).
+    ``homes``: live conversations per replica; ``placed``: where this
+    request's conversation lives (None: new to this router)."""
     routes = list(candidates)
     if not routes:
         return Choice([], Reason.LEAST_LOADED, 0)
@@ -110,7 +127,8 @@ def choose(
     if sticky_replica in scores and sticky_tokens > scores[sticky_replica]:
         scores[sticky_replica] = sticky_tokens
     gain = max(1, policy.min_match_tokens)
-    favourite = _hashed(key.lead, within)
+    hashed = _hashed(key.lead, within)
+    favourite = _home(policy, key.lead, within, len(routes), homes or {}, placed)
     best_within = max(scores[r.replica_id] for r in within)
     chosen = favourite
     # The head (system prompt, tools: what precedes the lead) is assumed held
@@ -126,7 +144,34 @@ def choose(
         reason = Reason.STICKY
     if max(scores.values()) - score >= gain:
         reason = Reason.BALANCE  # a replica past the slack held significantly more
+    elif chosen is favourite is not hashed and favourite.replica_id != placed:
+        reason = Reason.BALANCE  # a new conversation placed off its hash for its share
     return Choice(_first(routes, chosen), reason, scores[chosen.replica_id])
+
+
+def _home(
+    policy: RoutingPolicy,
+    lead: int,
+    within: list[Route],
+    replicas: int,
+    homes: Mapping[str, int],
+    placed: str | None,
+) -> Route:
+    """The conversation's own replica among ``within``: where it lives, else
+    the first in its rendezvous order under its share of live conversations
+    (``ceil(balance_factor x (live + 1) / replicas)``), else the fewest."""
+    by_id = {r.replica_id: r for r in within}
+    if placed is not None and placed in by_id:
+        return by_id[placed]
+    order = rendezvous(lead, list(by_id))
+    if policy.balance_factor <= 0:
+        return by_id[order[0]]
+    live = sum(homes.values())
+    share = math.ceil(policy.balance_factor * (live + 1) / max(1, replicas))
+    for replica_id in order:
+        if homes.get(replica_id, 0) < share:
+            return by_id[replica_id]
+    return by_id[min(order, key=lambda r: homes.get(r, 0))]
 
 
 def _hashed(lead: int, routes: list[Route]) -> Route:

@@ -1,0 +1,164 @@
+"""Live conversations per replica (router/affinity/homes.py) and the share
+rule that places a new conversation (router/affinity/policy.py, balance_factor)."""
+
+from collections import Counter
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from llmgw.types import ModelSpec, RoutingPolicy
+from router.affinity.affinity import Affinity
+from router.affinity.chunks import Chunk, PromptKey
+from router.affinity.homes import Homes
+from router.affinity.index import PrefixIndex
+from router.affinity.policy import Reason, choose, rendezvous
+from router.control_link.routing import Route
+
+REPLICAS = [f"r{i}" for i in range(4)]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _routes() -> list[Route]:
+    return [Route(r, "m", f"http://{r}:1") for r in REPLICAS]
+
+
+def _first_turn(lead: int) -> PromptKey:
+    """A conversation's first turn: a shared 1,000-token system prompt (the
+    head), then its own first message."""
+    chunks = (Chunk(7, 1000), Chunk(lead, 40))
+    return PromptKey(chunks, lead, None, 1040, head_tokens=1000)
+
+
+def _uneven_leads(n: int) -> list[int]:
+    """``n`` leads that rendezvous hashing alone deals unevenly onto REPLICAS
+    (found by search, deterministic: blake2b is the same everywhere)."""
+    for start in range(0, 10_000, n):
+        leads = list(range(start, start + n))
+        dealt = Counter(rendezvous(lead, REPLICAS)[0] for lead in leads)
+        if max(dealt.values()) - min(dealt.get(r, 0) for r in REPLICAS) >= 3:
+            return leads
+    raise AssertionError("no uneven set found")
+
+
+def _place(policy: RoutingPolicy, leads: list[int]) -> Counter[str]:
+    """Each lead's first turn through one Affinity: where each went."""
+    spec = ModelSpec(name="m", source="/m.gguf", routing=policy)
+    affinity = Affinity(clock=Clock())
+    placed: Counter[str] = Counter()
+    for lead in leads:
+        key = _first_turn(lead)
+        choice = affinity.choose(spec, _routes(), key)
+        replica = choice.order[0].replica_id
+        affinity.served("m", replica, key, choice, None, None)
+        placed[replica] += 1
+    return placed
+
+
+def test_hashing_alone_is_uneven_and_the_share_rule_evens_it() -> None:
+    leads = _uneven_leads(16)
+    alone = _place(RoutingPolicy(balance_factor=0), leads)
+    assert max(alone.values()) - min(alone.get(r, 0) for r in REPLICAS) >= 3
+    even = _place(RoutingPolicy(), leads)
+    assert [even[r] for r in REPLICAS] == [4, 4, 4, 4]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 2**63), min_size=1, max_size=40, unique=True))
+def test_factor_one_keeps_every_replica_within_one_conversation(leads: list[int]) -> None:
+    placed = _place(RoutingPolicy(), leads)
+    assert max(placed.values()) - min(placed.get(r, 0) for r in REPLICAS) <= 1
+    assert sum(placed.values()) == len(leads)
+
+
+def test_even_counts_leave_the_choice_to_the_hash() -> None:
+    # What routers that never talked agree on: with every replica at its
+    # share, a new conversation goes where the hash puts it.
+    index = PrefixIndex(100_000)
+    homes = {r: 3 for r in REPLICAS}
+    for lead in range(50):
+        choice = choose(RoutingPolicy(), _routes(), _first_turn(lead), index, None, 0, homes=homes)
+        assert choice.order[0].replica_id == rendezvous(lead, REPLICAS)[0]
+        assert choice.reason is Reason.RENDEZVOUS
+
+
+def test_a_new_conversation_skips_a_replica_over_its_share_with_reason_balance() -> None:
+    lead = 11
+    hashed = rendezvous(lead, REPLICAS)
+    homes = {hashed[0]: 3, hashed[1]: 1, hashed[2]: 0, hashed[3]: 1}
+    choice = choose(RoutingPolicy(), _routes(), _first_turn(lead), PrefixIndex(10_000), None, 0,
+                    homes=homes)  # fmt: skip
+    # Share: ceil(1 x (5 + 1) / 4) = 2: the first in hash order under it.
+    assert choice.order[0].replica_id == hashed[1]
+    assert choice.reason is Reason.BALANCE
+    # A larger factor leaves more to the hash: ceil(2 x 6 / 4) = 3 still
+    # excludes the first, and 4 admits it.
+    loose = RoutingPolicy(balance_factor=2.5)
+    choice = choose(loose, _routes(), _first_turn(lead), PrefixIndex(10_000), None, 0, homes=homes)
+    assert choice.order[0].replica_id == hashed[0]
+    assert choice.reason is Reason.RENDEZVOUS
+
+
+def test_a_live_conversation_stays_home_whatever_the_counts() -> None:
+    lead = 11
+    hashed = rendezvous(lead, REPLICAS)
+    homes = {hashed[0]: 0, hashed[1]: 9, hashed[2]: 0, hashed[3]: 0}
+    choice = choose(RoutingPolicy(), _routes(), _first_turn(lead), PrefixIndex(10_000), None, 0,
+                    homes=homes, placed=hashed[1])  # fmt: skip
+    assert choice.order[0].replica_id == hashed[1]
+    assert choice.reason is Reason.RENDEZVOUS
+
+
+def test_a_replica_holding_more_still_wins_over_the_home() -> None:
+    index = PrefixIndex(100_000)
+    first = _first_turn(5)
+    later = PromptKey((*first.chunks, Chunk(99, 600)), 5, None, 1640, head_tokens=1000)
+    index.record("r2", later)
+    choice = choose(RoutingPolicy(), _routes(), later, index, None, 0,
+                    homes={"r0": 0, "r1": 0, "r2": 9, "r3": 0}, placed="r0")  # fmt: skip
+    assert choice.order[0].replica_id == "r2"
+    assert choice.reason is Reason.PREFIX
+
+
+def test_homes_count_live_conversations_and_follow_them() -> None:
+    clock = Clock()
+    homes = Homes(clock, live_s=60, max_homes=3)
+    homes.place(1, "a")
+    homes.place(2, "a")
+    homes.place(3, "b")
+    assert dict(homes.counts()) == {"a": 2, "b": 1}
+    homes.place(2, "b")  # served elsewhere: it moves
+    assert dict(homes.counts()) == {"a": 1, "b": 2} and homes.home(2) == "b"
+    homes.place(4, "c")  # past max_homes: the least recently active (1) goes
+    assert homes.home(1) is None and dict(homes.counts()) == {"b": 2, "c": 1}
+    clock.now += 30
+    homes.place(3, "b")  # a turn keeps it live
+    clock.now += 31
+    assert dict(homes.counts()) == {"b": 1} and homes.home(3) == "b"
+    assert homes.home(2) is None and homes.home(4) is None
+    homes.forget("b")
+    assert dict(homes.counts()) == {} and homes.home(3) is None
+
+
+def test_forgetting_a_replica_frees_its_share() -> None:
+    spec = ModelSpec(name="m", source="/m.gguf")
+    affinity = Affinity(clock=Clock())
+    leads = _uneven_leads(8)
+    for lead in leads:
+        key = _first_turn(lead)
+        choice = affinity.choose(spec, _routes(), key)
+        affinity.served("m", choice.order[0].replica_id, key, choice, None, None)
+    affinity.forget("r0")
+    # r0 came back empty: the next new conversations fill it first, whatever
+    # their hash says (the others have two each).
+    firsts = []
+    for lead in range(1000, 1002):
+        choice = affinity.choose(spec, _routes(), _first_turn(lead))
+        firsts.append(choice.order[0].replica_id)
+    assert firsts == ["r0", "r0"]

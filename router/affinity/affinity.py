@@ -85,7 +85,7 @@ class Affinity:
         # Live conversations per model and where each lives (prefix policy).
         self._homes: dict[str, Homes] = {}
         # llama.cpp slots pinned per replica (catalog routing.slots).
-        self._slots = Slots()
+        self._slots = Slots(clock)
 
     def choose(
         self, spec: ModelSpec | None, candidates: list[Route], key: PromptKey | None
@@ -172,10 +172,12 @@ class Affinity:
             return None
         return self._slots.pin(replica_id, spec.routing.slots, key.lead)
 
-    def release(self, replica_id: str, slot: int | None) -> None:
-        """A request pinned to ``slot`` (None: unpinned) of ``replica_id`` ended."""
+    def release(self, replica_id: str, slot: int | None, answered: bool) -> None:
+        """A request pinned to ``slot`` (None: unpinned) of ``replica_id``
+        ended; ``answered``: the engine had sent its first byte (one that
+        waited long for none leaves its slot out for a while: slots.STUCK_S)."""
         if slot is not None:
-            self._slots.release(replica_id, slot)
+            self._slots.release(replica_id, slot, answered)
 
     def forget(self, replica_id: str) -> None:
         """The replica's cache is gone (drained, stopped, restarted, scaled

@@ -21,16 +21,43 @@ and the engine queues it for whichever slot frees first.
 A router knows only its own requests: two routers may pin different
 conversations to one slot. Each such clash costs one history, as the
 engine's own choice would.
+
+Nor does it see a request that holds a slot and never finishes (another
+router's, or one the engine itself never completes): llama.cpp queues a
+request for a busy slot however long that slot stays busy. So a pinned
+request that waited ``STUCK_S`` and ended without a byte from the engine
+(its client gave up, or the connection broke) leaves its slot out of this
+router's choices for ``BLOCK_S`` (logged): the conversation moves to
+another slot (one prefill of its history) instead of queueing behind the
+same request turn after turn. This router's own
+request on a slot, however long it runs, keeps the slot busy, so out of its
+choices, until it ends.
 """
 
 from __future__ import annotations
 
+import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from router.affinity.policy import rendezvous
 
+log = logging.getLogger(__name__)
+
 # Replicas' slot tables kept per router (cleared past this: replicas come and go).
 MAX_TABLES = 10_000
+# A pinned request that waited this long without the engine's first byte
+# (llama.cpp sends a stream's headers with its first token, a whole answer
+# at its end) and then ended without one was queued behind a request this
+# router does not know: far past a turn's prefill on CPU, or a wait behind
+# another router's turn on the same slot; a client that gave up sooner
+# proves nothing.
+STUCK_S = 30.0
+# How long such a slot is left out of this router's choices: the request
+# behind it may never finish (one held its slot for 20 minutes in a
+# benchmark); after this, one request tries it again.
+BLOCK_S = 300.0
 
 
 @dataclass(slots=True)
@@ -38,15 +65,26 @@ class _Slot:
     owner: int | None = None  # the conversation (PromptKey.lead) it last served
     used: int = -1  # when it was last pinned (a tick; -1: never)
     busy: int = 0  # this router's requests on it now
+    since: float = 0.0  # when its last request was pinned (the clock's time)
+    blocked_until: float = float("-inf")  # left out of the choices until then
 
 
 class SlotTable:
     """One replica's engine slots as this router has pinned them."""
 
-    def __init__(self, slots: int) -> None:
+    def __init__(
+        self,
+        slots: int,
+        clock: Callable[[], float] = time.monotonic,
+        stuck_s: float = STUCK_S,
+        block_s: float = BLOCK_S,
+    ) -> None:
         self._slots = [_Slot() for _ in range(slots)]
         self._tick = 0
         self._names = [str(i) for i in range(slots)]
+        self._clock = clock
+        self._stuck_s = stuck_s
+        self._block_s = block_s
 
     @property
     def size(self) -> int:
@@ -54,12 +92,14 @@ class SlotTable:
 
     def pin(self, conversation: int) -> int | None:
         """The slot for a request of ``conversation`` (counted busy until
-        :meth:`release`), or None: every slot is busy with this router's requests.
+        :meth:`release`), or None: every slot is busy with this router's
+        requests or blocked (STUCK_S).
 
         A slot is the conversation's when its last request was (questions on
         one document sent at once fill several): the idle one used last.
         """
-        idle = [i for i, s in enumerate(self._slots) if s.busy == 0]
+        now = self._clock()
+        idle = [i for i, s in enumerate(self._slots) if s.busy == 0 and s.blocked_until <= now]
         if not idle:
             return None
         own = [i for i in idle if self._slots[i].owner == conversation]
@@ -70,10 +110,21 @@ class SlotTable:
             return self._take(int(rendezvous(conversation, free)[0]), conversation)
         return self._take(min(idle, key=lambda i: self._slots[i].used), conversation)
 
-    def release(self, slot: int) -> None:
-        """A request pinned to ``slot`` ended."""
-        if 0 <= slot < len(self._slots) and self._slots[slot].busy > 0:
-            self._slots[slot].busy -= 1
+    def release(self, slot: int, answered: bool) -> float:
+        """A request pinned to ``slot`` ended; ``answered``: the engine sent
+        its first byte. One that waited ``stuck_s`` and got none leaves the
+        slot out for ``block_s``: how long it waited then (0: not blocked)."""
+        if not 0 <= slot < len(self._slots):
+            return 0.0
+        entry = self._slots[slot]
+        if entry.busy > 0:
+            entry.busy -= 1
+        now = self._clock()
+        waited = now - entry.since
+        if answered or waited < self._stuck_s:
+            return 0.0
+        entry.blocked_until = now + self._block_s
+        return waited
 
     def owner(self, slot: int) -> int | None:
         """The conversation ``slot`` last served (None: none yet)."""
@@ -88,14 +139,24 @@ class SlotTable:
         self._tick += 1
         entry.owner, entry.used = conversation, self._tick
         entry.busy += 1
+        entry.since = self._clock()
         return slot
 
 
 class Slots:
-    """Every replica's :class:`SlotTable` in one router."""
+    """Every replica's :class:`SlotTable` in one router (``clock``,
+    ``stuck_s`` and ``block_s``: each table's)."""
 
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        clock: Callable[[], float] = time.monotonic,
+        stuck_s: float = STUCK_S,
+        block_s: float = BLOCK_S,
+    ) -> None:
         self._tables: dict[str, SlotTable] = {}
+        self._clock = clock
+        self._stuck_s = stuck_s
+        self._block_s = block_s
 
     def pin(self, replica_id: str, slots: int, conversation: int) -> int | None:
         """A slot of ``replica_id`` (running ``slots`` slots) for ``conversation``."""
@@ -105,13 +166,23 @@ class Slots:
         if table is None or table.size != slots:
             if len(self._tables) >= MAX_TABLES:
                 self._tables.clear()
-            table = self._tables[replica_id] = SlotTable(slots)
+            table = self._tables[replica_id] = SlotTable(
+                slots, self._clock, self._stuck_s, self._block_s
+            )
         return table.pin(conversation)
 
-    def release(self, replica_id: str, slot: int) -> None:
+    def release(self, replica_id: str, slot: int, answered: bool) -> None:
+        """A request pinned to ``slot`` of ``replica_id`` ended (SlotTable.release)."""
         table = self._tables.get(replica_id)
-        if table is not None:
-            table.release(slot)
+        if table is None:
+            return
+        waited = table.release(slot, answered)
+        if waited:
+            log.warning(
+                "slot %d of replica %s: a request waited %.0f s there and ended unanswered;"
+                " left out of this router's choices for %.0f s",
+                slot, replica_id, waited, self._block_s,
+            )  # fmt: skip
 
     def pinned(self, replica_id: str) -> int:
         table = self._tables.get(replica_id)

@@ -215,9 +215,11 @@ class Proxy:
             trace.get_current_span().set_attribute("llmgw.route.slot", slot)
         return with_slot(body, slot), slot
 
-    def _release(self, route: Route, slot: int | None) -> None:
+    def _release(self, route: Route, slot: int | None, answered: bool) -> None:
+        """The request's slot is free; ``answered``: the engine sent its
+        first byte (headers: llama.cpp sends a stream's with its first token)."""
         if self._affinity is not None:
-            self._affinity.release(route.replica_id, slot)
+            self._affinity.release(route.replica_id, slot, answered)
 
     def _stream_served(
         self,
@@ -228,7 +230,7 @@ class Proxy:
         usage: "Usage | None",
     ) -> None:
         """A relayed stream ended: its slot is free, and what it served is learnt."""
-        self._release(route, slot)
+        self._release(route, slot, answered=True)
         self._served(route, call, choice, usage)
 
     def _answered(
@@ -258,7 +260,7 @@ class Proxy:
             trace.get_current_span().set_attribute("llmgw.replica", route.replica_id)
         body, slot = self._body(route, call)
         route.inflight += 1
-        relayed = False
+        relayed = answered = False
         try:
             # Engines answer a non-streamed request only once it is generated:
             # a client that leaves meanwhile cancels it (closing the engine
@@ -271,6 +273,7 @@ class Proxy:
                 call.client_gone, cancel=not call.finishes_when_gone
             ) as watch:
                 upstream = await self._http.post(f"{route.endpoint}{call.path}", body, headers)
+                answered = True
                 if upstream.status == 401:
                     upstream.close()
                     self._metrics.upstream_errors.labels(
@@ -311,7 +314,7 @@ class Proxy:
         finally:
             if not relayed:
                 route.inflight -= 1
-                self._release(route, slot)
+                self._release(route, slot, answered)
         # A client gone while the engine finished: billed what it generated, as gone.
         self._answered(route, call, choice, outcome_of(upstream.status, content), watch.left)
         if upstream.status >= 500:

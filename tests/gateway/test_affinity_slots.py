@@ -1,28 +1,42 @@
 """llama.cpp slot pinning (router/affinity/slots.py), pure: a conversation
 keeps its slot, a new one takes a free slot or the least recently used idle
-one, a busy slot is never given to another request, and the catalog refuses
-slots it cannot honour."""
+one, a busy slot is never given to another request, a slot whose request
+waited long and ended unanswered is left out for a while, and the catalog
+refuses slots it cannot honour."""
 
+import logging
+
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from llmgw.catalog import CatalogModel, catalog_problems
 from llmgw.types import EngineKind, ModelSpec, RoutingPolicy
 from router.affinity.affinity import capacity_tokens
-from router.affinity.slots import Slots, SlotTable
+from router.affinity.slots import BLOCK_S, STUCK_S, Slots, SlotTable
+
+
+class Clock:
+    """A clock the test moves."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
 
 
 def test_a_conversation_returns_to_its_own_slot_while_others_come_and_go() -> None:
     table = SlotTable(4)
     mine = table.pin(101)
     assert mine is not None
-    table.release(mine)
+    table.release(mine, answered=True)
     others = []
     for conversation in (202, 303, 404):
         slot = table.pin(conversation)
         assert slot is not None
         others.append(slot)
-        table.release(slot)
+        table.release(slot, answered=True)
     assert mine not in others and len(set(others)) == 3  # free slots first
     assert table.pin(101) == mine
 
@@ -31,12 +45,12 @@ def test_with_no_free_slot_the_least_recently_used_idle_one_is_taken() -> None:
     table = SlotTable(2)
     first, second = table.pin(1), table.pin(2)
     assert first is not None and second is not None
-    table.release(first)
-    table.release(second)
+    table.release(first, answered=True)
+    table.release(second, answered=True)
     assert table.pin(2) == second  # 2 used again: 1's slot is now the oldest
-    table.release(second)
+    table.release(second, answered=True)
     assert table.pin(3) == first
-    table.release(first)
+    table.release(first, answered=True)
     assert table.owner(first) == 3
     # 1 lost its slot: it starts over like a new conversation (the oldest, 2's).
     assert table.pin(1) == second
@@ -48,7 +62,7 @@ def test_a_busy_slot_is_never_shared_and_a_full_table_pins_nothing() -> None:
     again = table.pin(1)  # the same conversation twice at once (questions on one document)
     assert a is not None and again is not None and again != a
     assert table.pin(2) is None  # both busy: unpinned, the engine queues it
-    table.release(a)
+    table.release(a, answered=True)
     assert table.pin(2) == a
 
 
@@ -65,12 +79,12 @@ def test_slots_per_replica_resize_and_forget() -> None:
     assert slots.pin("r1", 0, 1) is None  # slots off
     first = slots.pin("r1", 4, 1)
     assert first is not None
-    slots.release("r1", first)
+    slots.release("r1", first, answered=True)
     assert slots.pin("r1", 4, 1) == first
-    slots.release("r1", first)
+    slots.release("r1", first, answered=True)
     slots.forget("r1")  # restarted: empty slots, any may be chosen again
     assert slots.pin("r1", 4, 2) is not None
-    slots.release("r1", 99)  # a slot of an older size: ignored
+    slots.release("r1", 99, answered=True)  # a slot of an older size: ignored
     assert slots.pin("r1", 2, 1) in (0, 1)  # resized with its engine
 
 
@@ -87,7 +101,7 @@ def test_busy_counts_never_exceed_what_was_pinned(ops: list[tuple[bool, int]]) -
                 assert slot not in held  # never a busy slot
                 held.append(slot)
         elif held:
-            table.release(held.pop(conversation % len(held)))
+            table.release(held.pop(conversation % len(held)), answered=True)
 
 
 def test_the_catalog_refuses_slots_it_cannot_honour() -> None:
@@ -113,7 +127,7 @@ def test_a_conversation_on_several_slots_goes_back_to_any_of_them() -> None:
     other = table.pin(2)
     assert a is not None and b is not None and other is not None
     for slot in (a, b, other):
-        table.release(slot)
+        table.release(slot, answered=True)
     assert table.pin(1) == b  # the one used last
     assert table.pin(1) == a  # b busy: a, which holds it too
     assert table.pin(1) not in (a, b, other)  # both busy: a free one
@@ -126,3 +140,59 @@ def test_a_pinned_replicas_cache_is_a_context_per_slot() -> None:
     assert capacity_tokens(pinned) == 4000
     # A -c of the entry's own is the whole cache, whatever the slots.
     assert capacity_tokens(pinned.model_copy(update={"engine_args": ["-c", "9000"]})) == 9000
+
+
+def test_a_slot_whose_request_waited_and_ended_unanswered_is_left_out_for_a_while() -> None:
+    """The stall seen with two routers: a slot held by a request this router
+    does not know (another router's, or one that never finishes); its own
+    request pinned there waits, unanswered, until its client gives up. The
+    conversation's next request goes to another slot, not behind it again."""
+    clock = Clock()
+    table = SlotTable(3, clock, stuck_s=STUCK_S, block_s=BLOCK_S)
+    stuck = table.pin(1)
+    assert stuck is not None
+    clock.now += STUCK_S
+    assert table.release(stuck, answered=False) == STUCK_S  # blocked: how long it waited
+    moved = table.pin(1)
+    assert moved not in (None, stuck)  # a free slot, as a new conversation's
+    table.release(moved, answered=True)
+    assert table.pin(1) == moved  # its slot now
+    # Nobody else is given the stuck slot either: with it left out, the
+    # other two busy, a request goes unpinned (the engine picks an idle slot).
+    other = table.pin(2)
+    assert other not in (None, stuck, moved)
+    assert table.pin(3) is None
+    # The block ends: the slot is chosen again.
+    clock.now += BLOCK_S
+    assert table.pin(3) == stuck
+
+
+def test_a_short_wait_or_an_answer_leaves_the_slot_in() -> None:
+    clock = Clock()
+    table = SlotTable(2, clock)
+    slot = table.pin(1)
+    assert slot is not None
+    clock.now += STUCK_S - 1  # its client gave up sooner: proves nothing
+    assert table.release(slot, answered=False) == 0
+    assert table.pin(1) == slot
+    clock.now += 10 * STUCK_S  # a long wait that ended with an answer (a long prefill)
+    assert table.release(slot, answered=True) == 0
+    assert table.pin(1) == slot
+
+
+def test_slots_pass_their_bounds_to_every_table_and_log_a_block(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    clock = Clock()
+    slots = Slots(clock, stuck_s=1.0, block_s=5.0)
+    stuck = slots.pin("r1", 2, 1)
+    assert stuck is not None
+    clock.now += 1.0
+    with caplog.at_level(logging.WARNING, logger="router.affinity.slots"):
+        slots.release("r1", stuck, answered=False)
+    assert any(f"slot {stuck} of replica r1" in r.getMessage() for r in caplog.records)
+    assert slots.pin("r1", 2, 1) not in (None, stuck)
+    clock.now += 5.0
+    assert slots.pin("r1", 2, 9) == stuck
+    slots.forget("r1")  # restarted: nothing left out
+    assert slots.pin("r1", 2, 1) is not None and slots.pin("r1", 2, 2) is not None

@@ -2,7 +2,8 @@
 each conversation's requests carry its own ``id_slot``, appended last so a
 client's own never wins; a slot is held until its request (streamed or not)
 ends; the slot is on the span; other engines and models without slots get
-no ``id_slot``. The slot table's rule: tests/gateway/test_affinity_slots.py;
+no ``id_slot``; a slot whose request waited long and ended unanswered is
+left out for a while. The slot table's rule: tests/gateway/test_affinity_slots.py;
 real llama.cpp behind the router: tests/e2e/test_slot_pinning.py."""
 
 import asyncio
@@ -13,9 +14,18 @@ import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from llmgw.types import EngineKind, ModelSpec, RoutingPolicy, RoutingPolicyKind
-from router.affinity.slots import with_slot
-from tests.gateway.test_prefix_routing import REPLICAS, ask, exporter, model, routed, turns
-from tests.gateway_util import ADMIN_KEY, auth
+from router.affinity.affinity import Affinity
+from router.affinity.slots import BLOCK_S, STUCK_S, with_slot
+from tests.gateway.test_prefix_routing import (
+    REPLICAS,
+    CachingEngine,
+    ask,
+    exporter,
+    model,
+    routed,
+    turns,
+)
+from tests.gateway_util import ADMIN_KEY, auth, gateway
 
 __all__ = ["exporter"]  # the fixture, imported for these tests
 
@@ -126,3 +136,75 @@ async def test_the_admin_view_shows_what_this_router_believes_each_replica_holds
         views = (await r.gw.http.get("/admin/replicas", headers=auth(ADMIN_KEY))).json()
         gone = next(v for v in views if v["replica_id"] == served)
         assert gone["held_tokens"] == 0 and gone["pinned_slots"] == 0
+
+
+class Clock:
+    """The affinity's clock, moved by the test."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def _seen(engine: CachingEngine, n: int) -> None:
+    async with asyncio.timeout(30):
+        while len(engine.seen) < n:
+            await asyncio.sleep(0.01)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_slot_whose_request_waited_unanswered_is_left_out_for_a_while(
+    tmp_path: Path, stream: bool
+) -> None:
+    """The slot a conversation is pinned to answers nothing (held by a
+    request this router does not know); its request waits there past
+    STUCK_S and its client gives up. Its next request goes to another slot
+    instead of queueing behind the same one again, until BLOCK_S has passed."""
+    clock, engine = Clock(), CachingEngine()
+    async with gateway(
+        tmp_path / "s.db", REPLICAS[:1], [slots_model(slots=2)], engine,
+        affinity=Affinity(clock=clock),
+    ) as gw:  # fmt: skip
+        _, key = gw.key()
+        await ask(gw, key, turns("a", 1), stream)
+        stuck = sent_slot(engine.seen[-1].content)
+        engine.holds["e1"] = asyncio.Event()  # the engine sends nothing now
+        waiting = asyncio.create_task(ask(gw, key, turns("a", 2), stream))
+        await _seen(engine, 2)
+        assert sent_slot(engine.seen[-1].content) == stuck
+        clock.now += STUCK_S
+        waiting.cancel()  # the client gives up
+        await asyncio.gather(waiting, return_exceptions=True)
+        del engine.holds["e1"]
+        await ask(gw, key, turns("a", 2), stream)
+        moved = sent_slot(engine.seen[-1].content)
+        assert moved not in (None, stuck)
+        await ask(gw, key, turns("a", 3), stream)
+        assert sent_slot(engine.seen[-1].content) == moved  # its slot now
+        clock.now += BLOCK_S
+        await ask(gw, key, turns("b", 1), stream)
+        assert sent_slot(engine.seen[-1].content) == stuck  # back in the choices
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_long_wait_that_ends_in_an_answer_keeps_the_slot(
+    tmp_path: Path, stream: bool
+) -> None:
+    clock, engine = Clock(), CachingEngine()
+    async with gateway(
+        tmp_path / "s.db", REPLICAS[:1], [slots_model(slots=2)], engine,
+        affinity=Affinity(clock=clock),
+    ) as gw:  # fmt: skip
+        _, key = gw.key()
+        await ask(gw, key, turns("a", 1))
+        slot = sent_slot(engine.seen[-1].content)
+        engine.holds["e1"] = asyncio.Event()
+        slow = asyncio.create_task(ask(gw, key, turns("a", 2), stream))
+        await _seen(engine, 2)
+        clock.now += 10 * STUCK_S  # a long prefill, or a wait behind another router's turn
+        engine.holds["e1"].set()
+        await slow
+        await ask(gw, key, turns("a", 3))
+        assert sent_slot(engine.seen[-1].content) == slot

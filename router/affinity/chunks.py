@@ -13,14 +13,16 @@ of them has seen: distinct conversations spread, and questions that open
 with the same document (longer than a chunk) meet on one replica.
 
 Digests are blake2b, never Python's ``hash()``: that is salted per process,
-and routers that never talked must compute the same digests.
+and routers that never talked must compute the same digests; routers of two
+versions too, during an upgrade (tests/gateway/test_affinity_chunk_values.py
+holds the values): make it faster, not different.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 # Estimated characters per token: prompts are not tokenized in the router.
@@ -31,6 +33,7 @@ CHARS_PER_TOKEN = 4
 # they share (a system prompt, tools) is before it.
 SYSTEM_ROLES = frozenset({"system", "developer"})
 _SEED = 0x6C6C6D6777  # the chain's start ("llmgw"): an empty prefix
+_blake2b = hashlib.blake2b
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,8 +63,8 @@ class PromptKey:
 
 def digest(previous: int, content: bytes) -> int:
     """The chained digest of ``content`` after a prefix digested as ``previous``."""
-    h = hashlib.blake2b(previous.to_bytes(8, "big"), digest_size=8)
-    h.update(content)
+    # One call on the joined bytes: the digest of update(a); update(b), cheaper.
+    h = _blake2b(previous.to_bytes(8, "big") + content, digest_size=8)
     return int.from_bytes(h.digest(), "big")
 
 
@@ -82,10 +85,9 @@ def prompt_key(
     if isinstance(prompt, list) and len(prompt) == 1:
         prompt = prompt[0]
     if isinstance(prompt, str) and "input" not in body:
-        chunks = tuple(_chain(_SEED, [prompt], chunk_tokens))
-        if not chunks:
-            return None
-        return _key(chunks, 1, sticky)
+        chunks: list[Chunk] = []
+        _chain(_SEED, prompt, max(1, chunk_tokens) * CHARS_PER_TOKEN, chunks)
+        return _key(tuple(chunks), 1, sticky)
     return None
 
 
@@ -109,35 +111,46 @@ def _chat_key(
         return None
     chunks: list[Chunk] = []
     lead = 0
+    previous = _SEED
+    size = max(1, chunk_tokens) * CHARS_PER_TOKEN
     for i, text in enumerate(texts):
         if i == lead_at:
             lead = len(chunks) + 1  # the first chunk of that message
-        chunks.extend(_chain(chunks[-1].digest if chunks else _SEED, [text], chunk_tokens))
+        previous = _chain(previous, text, size, chunks)
     return _key(tuple(chunks), lead or len(chunks), sticky)
 
 
 def _key(chunks: tuple[Chunk, ...], lead: int, sticky: str | None) -> PromptKey:
     """The key of ``chunks`` whose lead is the chunk numbered ``lead`` (from one)."""
-    head = chunks[:lead]
-    sticky_lead = digest(_SEED, b"sticky\0" + sticky.encode()) if sticky is not None else None
-    return PromptKey(
-        chunks,
-        head[-1].digest if sticky_lead is None else sticky_lead,
-        sticky,
-        sum(c.tokens for c in chunks),
-        sum(c.tokens for c in head[:-1]),
-    )
+    if sticky is None:
+        lead_digest = chunks[lead - 1].digest
+    else:
+        lead_digest = digest(_SEED, b"sticky\0" + sticky.encode())
+    total = head = 0
+    for i, chunk in enumerate(chunks):
+        if i == lead - 1:
+            head = total
+        total += chunk.tokens
+    return PromptKey(chunks, lead_digest, sticky, total, head)
 
 
-def _chain(previous: int, texts: list[str], chunk_tokens: int) -> Iterator[Chunk]:
-    """Chunks of each text, chained after ``previous``: one per text, or
-    fixed pieces of ``chunk_tokens`` when it is longer."""
-    size = max(1, chunk_tokens) * CHARS_PER_TOKEN
-    for text in texts:
-        for start in range(0, max(1, len(text)), size):
-            piece = text[start : start + size]
-            previous = digest(previous, piece.encode())
-            yield Chunk(previous, estimate_tokens(piece))
+def _chain(previous: int, text: str, size: int, out: list[Chunk]) -> int:
+    """Append to ``out`` the chunks of ``text`` chained after ``previous``:
+    one, or fixed pieces of ``size`` characters when it is longer; the last
+    digest. Text is encoded once (the pieces of ASCII text are its bytes')."""
+    data = text.encode()
+    length = len(text)
+    if length <= size:  # the common case: one chunk
+        previous = digest(previous, data)
+        out.append(Chunk(previous, max(1, -(-length // CHARS_PER_TOKEN))))
+        return previous
+    ascii_ = len(data) == length  # UTF-8: one byte a character only then
+    for start in range(0, length, size):
+        end = min(start + size, length)
+        piece = data[start:end] if ascii_ else text[start:end].encode()
+        previous = digest(previous, piece)
+        out.append(Chunk(previous, max(1, -(-(end - start) // CHARS_PER_TOKEN))))
+    return previous
 
 
 def _message_text(role: str, message: Mapping[object, object]) -> str:
@@ -159,8 +172,10 @@ def _message_text(role: str, message: Mapping[object, object]) -> str:
         text = ""
     else:
         text = str(content)
+    if len(message) == ("role" in message) + ("content" in message):
+        return f"{role}\0{text}"  # the common case: nothing else in it
     rest = {k: v for k, v in message.items() if k not in ("role", "content")}
-    return f"{role}\0{text}" + (f"\0{_canonical(rest)}" if rest else "")
+    return f"{role}\0{text}\0{_canonical(rest)}"
 
 
 def _canonical(value: object) -> str:

@@ -66,6 +66,7 @@ DEFAULT_COMPLETION_RESERVE = 4096
 # cache-aware routing (docs/guides/routing.md), scoped to the calling key. The
 # Responses API sends ``resp:<first response of the chain>`` in it.
 SESSION_HEADER = "x-llmgw-session"
+_SESSION_NAME = SESSION_HEADER.encode()  # as ASGI gives header names
 # The longest session value kept (the rest is cut: it is only a key).
 MAX_SESSION_CHARS = 256
 
@@ -252,13 +253,11 @@ def _prompt_key(
     # prefix), then our session header, then the end user.
     sticky = None
     cache_key = data.get("prompt_cache_key")
-    session = header(scope, SESSION_HEADER.encode())
-    user = data.get("user")
     if isinstance(cache_key, str) and cache_key:
         sticky = f"cache:{key_id}:{cache_key[:MAX_SESSION_CHARS]}"
-    elif session:
+    elif session := header(scope, _SESSION_NAME):
         sticky = f"session:{key_id}:{session[:MAX_SESSION_CHARS]}"
-    elif isinstance(user, str) and user:
+    elif isinstance(user := data.get("user"), str) and user:
         sticky = f"user:{key_id}:{user[:MAX_SESSION_CHARS]}"
     return prompt_key(data, routing.chunk_tokens, sticky)
 

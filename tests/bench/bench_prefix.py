@@ -89,6 +89,7 @@ from llmgw.types import EngineKind, EngineProfile, ModelSpec
 from llmgw.types.model import RoutingPolicy, RoutingPolicyKind
 from llmgw_cli.dev.tinymodel import _WORDS, BENCH, generate_model
 from llmgw_cli.procs import Child
+from router.affinity.policy import DEFAULT_ROUTING
 from tests.bench.bench_batch import machine
 from tests.bench.procs import stop_replicas
 from tests.bench.timing import percentile_ms
@@ -392,17 +393,14 @@ class Bench:
     routers: list[httpx.AsyncClient]
     roots: list[httpx.AsyncClient]
     replica_ids: list[str]
-    # The catalog's routing.balance_slack for every run (--balance-slack).
-    balance_slack: int = RoutingPolicy().balance_slack
-    # The catalog's routing.slots (--slots): kept in every policy's entry, as
-    # changing it would restart the replicas.
-    slots: int = 0
+    # The catalog's routing for every run but its policy (--balance-slack,
+    # --balance-factor, --slots: kept in every policy's entry, as changing
+    # slots would restart the replicas).
+    routing: RoutingPolicy = DEFAULT_ROUTING
 
     async def policy(self, policy: str) -> None:
         """Put ``policy`` in the catalog; return once every router routes by it."""
-        routing = RoutingPolicy(
-            policy=RoutingPolicyKind(policy), balance_slack=self.balance_slack, slots=self.slots
-        )
+        routing = self.routing.model_copy(update={"policy": RoutingPolicyKind(policy)})
         await asyncio.to_thread(
             self.store.put_model, self.spec.model_copy(update={"routing": routing})
         )
@@ -590,7 +588,12 @@ async def run(args: argparse.Namespace, root: Path) -> None:
                 await wait_routable(f"http://127.0.0.1:{p}/v1", key, MODEL, 120)
             print(f"machine: {machine()}; up in {time.perf_counter() - began:.0f} s")
             async with clients(ports, key) as (routers, roots):
-                bench = Bench(store, spec, routers, roots, rids, args.balance_slack, args.slots)
+                routing = RoutingPolicy(
+                    balance_slack=args.balance_slack,
+                    balance_factor=args.balance_factor,
+                    slots=args.slots,
+                )
+                bench = Bench(store, spec, routers, roots, rids, routing)
                 await measure(args, bench)
         finally:
             store.close()
@@ -869,6 +872,12 @@ def parse() -> argparse.Namespace:
         type=int,
         default=RoutingPolicy().balance_slack,
         help="the catalog's routing.balance_slack",
+    )
+    parser.add_argument(
+        "--balance-factor",
+        type=float,
+        default=RoutingPolicy().balance_factor,
+        help="the catalog's routing.balance_factor (0: the hash alone)",
     )
     parser.add_argument("--probe", action="store_true", help="llama.cpp alone: its caches")
     parser.add_argument("--verbose", action="store_true", help="print every request")

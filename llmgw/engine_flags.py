@@ -183,6 +183,9 @@ VLLM_VALUE_FLAGS = frozenset(
 # the catalog refuses any of the set beside it (llmgw/catalog.py).
 LLAMA_PARALLEL = "--parallel"
 LLAMA_NO_CACHE_IDLE_SLOTS = "--no-cache-idle-slots"
+# Where the server saves and restores slots (the router primes a slot from
+# another: router/forwarding/slot_priming.py); a FILES flag, refused above.
+LLAMA_SLOT_SAVE_PATH = "--slot-save-path"
 LLAMA_SLOT_FLAGS = frozenset(
     {"-np", LLAMA_PARALLEL, "-kvu", "--kv-unified", "-no-kvu", "--no-kv-unified"}
     | {"--cache-idle-slots", LLAMA_NO_CACHE_IDLE_SLOTS}

@@ -36,7 +36,7 @@ from pathlib import Path
 from llmgw.errors import EngineLaunchError, EngineUserError
 from llmgw.types import ShardRef
 from worker_agent import procfs
-from worker_agent.engines.spec import redacted
+from worker_agent.engines.spec import SLOTS_SUBDIR, redacted
 from worker_agent.shard_record import RecordedFingerprint, ShardRecord, SpecFile
 from worker_agent.spawn import Command, signal_group, spawn, user_for, wait_group_gone
 from worker_agent.users import RunAs, own_dir_at
@@ -231,7 +231,7 @@ class Supervisor:
         uid, gid = (self.run_as.uid, self.run_as.gid) if self.run_as else (-1, -1)
         fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
         try:
-            for name in ("tmp", "cache"):
+            for name in ("tmp", "cache", SLOTS_SUBDIR):
                 os.close(own_dir_at(fd, name, uid, gid))
             os.fchown(fd, uid, gid)
         finally:

@@ -23,6 +23,7 @@ from tests.conftest import EngineWatch
 from tests.harness import free_port, readable_model, ready_shard
 from tests.procs_util import uids
 from worker_agent import passthrough, procfs
+from worker_agent.engines.spec import SLOTS_SUBDIR
 from worker_agent.installs.llamacpp import LlamaCppInstall
 from worker_agent.privileges import DROP_TO_ENV
 from worker_agent.shard_record import ShardRecord
@@ -112,7 +113,7 @@ def test_relaunch_does_not_follow_a_link_in_the_scratch_dir(user_name: str, open
     ref = ShardRef(replica_id="scratch")
     first = sup.scratch_dir(ref)
     assert _owner_and_mode(first) == (run_as.uid, run_as.gid, 0o700)
-    for name in ("tmp", "cache"):
+    for name in ("tmp", "cache", SLOTS_SUBDIR):
         assert _owner_and_mode(first / name) == (run_as.uid, run_as.gid, 0o700)
     in_tmp, instead = _root_target(open_dir, "etc1"), _root_target(open_dir, "etc2")
     before = [_owner_and_mode(p) for p in (in_tmp, instead)]

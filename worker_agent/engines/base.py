@@ -5,6 +5,7 @@ from typing import Protocol
 
 from worker_agent.engines.nccl import OWNED_ENV
 from worker_agent.engines.spec import (
+    SLOTS_SUBDIR,
     Endpoint,
     LaunchValidationError,
     NodeFacts,
@@ -82,6 +83,12 @@ def scratch_env(node: NodeFacts) -> dict[str, str]:
         "TMPDIR": f"{node.scratch_dir}/tmp",
         "VLLM_CACHE_ROOT": f"{node.scratch_dir}/cache/vllm",
     }
+
+
+def slot_save_dir(node: NodeFacts) -> str:
+    """The shard's private directory for llama.cpp slot saves (made with its
+    scratch dir by the supervisor); empty: none."""
+    return f"{node.scratch_dir}/{SLOTS_SUBDIR}" if node.scratch_dir else ""
 
 
 def require_rendezvous(request: ShardRequest) -> Rendezvous:

@@ -19,11 +19,12 @@ is passed even when the leader itself has no GPU.
 
 from collections.abc import Mapping
 
-from llmgw.engine_flags import LLAMA_NO_CACHE_IDLE_SLOTS, LLAMA_PARALLEL
+from llmgw.engine_flags import LLAMA_NO_CACHE_IDLE_SLOTS, LLAMA_PARALLEL, LLAMA_SLOT_SAVE_PATH
 from worker_agent.engines.base import (
     EnvHook,
     scratch_env,
     side_address,
+    slot_save_dir,
     split_host_port,
     start_env,
 )
@@ -42,18 +43,25 @@ API_KEY_ENV = "LLAMA_API_KEY"
 ALL_LAYERS = "999"
 
 
-def pinned_slot_flags(slots: int) -> list[str]:
+def pinned_slot_flags(slots: int, save_dir: str = "") -> list[str]:
     """The server for a router that pins conversations to slots (catalog
     ``routing.slots``, router/affinity/slots.py): that many slots, each its
     own KV cache (``--ctx-size`` is split among them: ``ModelSpec.kv_tokens``),
     and an idle slot's prompt kept in it (by default a new task clears every
     idle slot into the host-RAM cache, and a pinned request is never given a
-    prompt from there).
+    prompt from there). With ``save_dir`` (the shard's scratch ``slots``
+    directory, private to it), slots can be saved and restored there: the
+    router copies a slot holding a shared system prompt into one a new
+    conversation gets, since slots share no prefix
+    (router/forwarding/slot_priming.py).
 
     Not one unified cache: its attention spans every slot's cells, so the
     kept conversations would slow every request (measured: bench_prefix W1,
     8 slots, p50 TTFT 625 ms unified against 95 ms split)."""
-    return [LLAMA_PARALLEL, str(slots), LLAMA_NO_CACHE_IDLE_SLOTS]
+    flags = [LLAMA_PARALLEL, str(slots), LLAMA_NO_CACHE_IDLE_SLOTS]
+    if save_dir:
+        flags += [LLAMA_SLOT_SAVE_PATH, save_dir]
+    return flags
 
 
 class LlamaCppPlanner:
@@ -104,7 +112,7 @@ class LlamaCppPlanner:
         if node.threads > 0:
             argv += ["--threads", str(node.threads)]
         if model.routing.slots:
-            argv += pinned_slot_flags(model.routing.slots)
+            argv += pinned_slot_flags(model.routing.slots, slot_save_dir(node))
         workers = self._workers(request)
         if node.gpu_indices or workers:
             argv += ["--n-gpu-layers", ALL_LAYERS]

@@ -54,6 +54,11 @@ class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
+# The subdirectory of a shard's scratch dir where llama.cpp saves slots
+# (``--slot-save-path``: router/forwarding/slot_priming.py).
+SLOTS_SUBDIR = "slots"
+
+
 class NodeFacts(_Frozen):
     """What a shard's plan needs to know about the node it runs on."""
 

@@ -47,6 +47,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-idle-slots", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("-sps", "--slot-prompt-similarity", type=float, default=None)
     p.add_argument("-cram", "--cache-ram", type=int, default=None)
+    p.add_argument("--slot-save-path", default="")
     p.add_argument("-ngl", "--n-gpu-layers", "--gpu-layers", default="")  # CPU build: no layers
     p.add_argument("--lora-scaled", default="", help="PATH:SCALE,...")
     p.add_argument("--api-key", default="")
@@ -84,6 +85,12 @@ def params(args: argparse.Namespace, env: dict[str, str]) -> Any:
         p.slot_prompt_similarity = args.slot_prompt_similarity
     if args.cache_ram is not None:
         p.cache_ram_mib = args.cache_ram
+    if args.slot_save_path:
+        # llama-server's check: it must be a directory; the server adds the
+        # separator before file names.
+        if not os.path.isdir(args.slot_save_path):
+            raise SystemExit(f"--slot-save-path: not a directory: {args.slot_save_path}")
+        p.slot_save_path = os.path.join(args.slot_save_path, "")
     adapters = []
     for item in filter(None, args.lora_scaled.split(",")):
         path, _, scale = item.rpartition(":")

@@ -29,9 +29,11 @@ request that waited ``STUCK_S`` and ended without a byte from the engine
 (its client gave up, or the connection broke) leaves its slot out of this
 router's choices for ``BLOCK_S`` (logged): the conversation moves to
 another slot (one prefill of its history) instead of queueing behind the
-same request turn after turn. This router's own
-request on a slot, however long it runs, keeps the slot busy, so out of its
-choices, until it ends.
+same request turn after turn. The request that waited is not moved: it
+waits until its client gives up (or the engine answers it). This router's
+own request on a slot, however long it runs, keeps the slot busy, so out of
+its choices, until it ends (a whole answer is awaited even when its client
+has gone: router/api/openai.py ``_generates_on``).
 """
 
 from __future__ import annotations
@@ -54,10 +56,14 @@ MAX_TABLES = 10_000
 # another router's turn on the same slot; a client that gave up sooner
 # proves nothing.
 STUCK_S = 30.0
-# How long such a slot is left out of this router's choices: the request
-# behind it may never finish (one held its slot for 20 minutes in a
-# benchmark); after this, one request tries it again.
-BLOCK_S = 300.0
+# How long such a slot is left out of this router's choices. Long: the
+# request holding it may never finish (one held its slot 20 minutes in a
+# benchmark, until its run was stopped), and each try after the block
+# costs a request its whole wait until its client gives up (the bench's
+# clients: 600 s). A slot left out wrongly costs less: this router pins
+# its conversations to the others (the engine may still give it an unpinned
+# request), and a replica forgotten (drained, stopped, restarted) starts afresh.
+BLOCK_S = 1800.0
 
 
 @dataclass(slots=True)

@@ -1,5 +1,5 @@
 """llama.cpp slot pinning (catalog ``routing.slots``) when an engine misbehaves,
-in front of a real llama-server of the tiny model, through the openai client:
+in front of a real llama-server, through the openai client:
 
 - a slot held by a request the router does not know (another router's, or
   one that never finishes; here a long generation sent straight to the
@@ -20,7 +20,7 @@ import re
 import signal
 import subprocess
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -41,7 +41,7 @@ from llmgw.types import (
     ReplicaPhase,
     RoutingPolicy,
 )
-from llmgw_cli.dev.tinymodel import TinyModel
+from llmgw_cli.dev.tinymodel import BENCH, generate_model
 from router.affinity.affinity import Affinity
 from router.affinity.slots import STUCK_S
 from router.api.apikeys import create_key
@@ -59,22 +59,27 @@ if TYPE_CHECKING:
 SLOTS = 3
 REPLICA = "f1"
 ADMIN = "faults-admin"
-# The engine's whole cache, split among its slots (the tiny model caps each at 2,048).
-KV_TOKENS = 8192
-# A generation that holds its slot until the test lets it go: with
-# --context-shift the tiny model generates past its context (about a
-# thousand tokens a second here: many minutes).
-HOLD_TOKENS = 1_000_000
+# The bench's model, not the tiny one: a slot of its 16,384-token context
+# takes a generation to its end minutes at ~5 ms a token on one thread
+# (the tiny model, ~1 ms, caps a slot at 2,048; the portable server has no
+# --context-shift to go past it).
+KV_TOKENS = SLOTS * BENCH.n_ctx
+# A generation that holds its slot until the test lets it go (or its
+# context is full).
+HOLD_TOKENS = BENCH.n_ctx
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return generate_model(tmp_path_factory.mktemp("bench-model"), BENCH)
 
 
 class Engine:
-    """One llama-server of the tiny model as ``routing.slots`` runs it, keyed
-    as a router keys it, that the test may SIGKILL and start again on the
-    same port (log: ``root/engine.log``, appended across restarts)."""
+    """One llama-server of ``model`` as ``routing.slots`` runs it, keyed as a
+    router keys it, that the test may SIGKILL and start again on the same
+    port (log: ``root/engine.log``, appended across restarts)."""
 
-    def __init__(
-        self, llama: "LlamaCppInstall", tiny: TinyModel, root: Path, extra: Sequence[str] = ()
-    ) -> None:
+    def __init__(self, llama: "LlamaCppInstall", model: Path, root: Path) -> None:
         store_url = f"sqlite:///{root / 'store.db'}"
         store = Store(store_url)
         store.migrate()
@@ -86,9 +91,9 @@ class Engine:
         self.endpoint = f"http://127.0.0.1:{port}"
         self._env = llama.environment(os.environ) | {"LLAMA_API_KEY": self.key}
         self._argv = [
-            str(llama.server), "--model", str(tiny.model_path), "--alias", M,
+            str(llama.server), "--model", str(model), "--alias", M,
             "--host", "127.0.0.1", "--port", str(port), "--ctx-size", str(KV_TOKENS),
-            "--threads", "1", "--no-webui", *pinned_slot_flags(SLOTS), *extra,
+            "--threads", "1", "--no-webui", *pinned_slot_flags(SLOTS),
         ]  # fmt: skip
         self._proc: subprocess.Popen[bytes] | None = None
 
@@ -132,10 +137,8 @@ class Engine:
 
 
 @contextmanager
-def engine(
-    llama: "LlamaCppInstall", tiny: TinyModel, root: Path, extra: Sequence[str] = ()
-) -> Iterator[Engine]:
-    e = Engine(llama, tiny, root, extra)
+def engine(llama: "LlamaCppInstall", model: Path, root: Path) -> Iterator[Engine]:
+    e = Engine(llama, model, root)
     try:
         e.start()
         yield e
@@ -243,10 +246,10 @@ class Skewed:
 
 @pytest.mark.timeout(600)
 async def test_a_slot_held_by_a_request_the_router_does_not_know_is_left_for_another(
-    llama: "LlamaCppInstall", tiny: TinyModel, tmp_path: Path
+    llama: "LlamaCppInstall", model: Path, tmp_path: Path
 ) -> None:
     clock = Skewed()
-    with engine(llama, tiny, tmp_path, ["--context-shift"]) as e:
+    with engine(llama, model, tmp_path) as e:
         async with router(e, Affinity(clock=clock)) as (r, key):
             client = r.client(key)
             talk = conversation()
@@ -296,9 +299,9 @@ async def _stream(
 
 @pytest.mark.timeout(600)
 async def test_an_engine_killed_and_restarted_in_place_serves_the_conversation_from_its_slot(
-    llama: "LlamaCppInstall", tiny: TinyModel, tmp_path: Path
+    llama: "LlamaCppInstall", model: Path, tmp_path: Path
 ) -> None:
-    with engine(llama, tiny, tmp_path, ["--context-shift"]) as e:
+    with engine(llama, model, tmp_path) as e:
         async with router(e, Affinity()) as (r, key):
             client = r.client(key)
             talk = conversation()

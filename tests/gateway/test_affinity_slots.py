@@ -7,7 +7,7 @@ refuses slots it cannot honour."""
 import logging
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from llmgw.catalog import CatalogModel, catalog_problems
@@ -196,3 +196,39 @@ def test_slots_pass_their_bounds_to_every_table_and_log_a_block(
     assert slots.pin("r1", 2, 9) == stuck
     slots.forget("r1")  # restarted: nothing left out
     assert slots.pin("r1", 2, 1) is not None and slots.pin("r1", 2, 2) is not None
+
+
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["pin", "answered", "unanswered", "wait"]), st.integers(0, 6)),
+        max_size=80,
+    )
+)
+@example([("pin", 1), ("wait", 2), ("unanswered", 0), ("pin", 1)])  # the stall's loop
+def test_a_pinned_slot_is_never_busy_nor_left_out(ops: list[tuple[str, int]]) -> None:
+    """Whatever the order of pins, releases and waits: a request gets an idle
+    slot not left out when there is one, else none; a slot is left out
+    exactly when its request waited ``stuck_s`` and ended unanswered."""
+    clock = Clock()
+    table = SlotTable(3, clock, stuck_s=10.0, block_s=100.0)
+    held: dict[int, float] = {}  # slot -> when it was pinned
+    out: dict[int, float] = {}  # slot -> until when it is left out
+    for op, n in ops:
+        if op == "wait":
+            clock.now += 5.0 * n
+        elif op == "pin":
+            slot = table.pin(n)
+            open_ = [i for i in range(3) if i not in held and out.get(i, 0.0) <= clock.now]
+            if slot is None:
+                assert not open_
+            else:
+                assert slot in open_
+                held[slot] = clock.now
+        elif held:
+            slot = list(held)[n % len(held)]
+            waited = clock.now - held.pop(slot)
+            left_out = table.release(slot, answered=op == "answered")
+            expected = op == "unanswered" and waited >= 10.0
+            assert (left_out > 0) == expected and (not expected or left_out == waited)
+            if expected:
+                out[slot] = clock.now + 100.0

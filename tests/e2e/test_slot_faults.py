@@ -271,7 +271,8 @@ async def test_a_slot_held_by_a_request_the_router_does_not_know_is_left_for_ano
                 await stop(waiting)
                 await until(lambda: r.route(REPLICA).inflight == 0, 120)
                 # The same turn again, and the next: served beside the held
-                # slot (before the bound: queued behind it again).
+                # slot (without the block, pinned to it again: queued behind
+                # it, and this times out).
                 async with asyncio.timeout(180):
                     again, moved = await where(e, client, talk)
                     ask(talk, "talk one, question three")

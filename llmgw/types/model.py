@@ -141,6 +141,16 @@ class RoutingPolicy(BaseModel):
         " and changing it restarts the replicas; 0: the engine picks slots itself, and"
         " conversations sharing a system prompt overwrite one another's history",
     )
+    prime_tokens: int = Field(
+        default=256,
+        ge=0,
+        description="slots: before a conversation's request goes to a slot that does not"
+        " hold its system prompt (or tools), the router copies an idle slot of the replica"
+        " that does (llama.cpp slot save and restore) when that head is at least this many"
+        " tokens (estimated); 0: never. A copy moves the donor's whole KV cache through"
+        " the engine's scratch dir: cheaper than recomputing the head on CPU; measure first"
+        " on a GPU with a large KV cache per token",
+    )
 
 
 class ModelSpec(BaseModel):

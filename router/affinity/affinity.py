@@ -172,6 +172,17 @@ class Affinity:
             return None
         return self._slots.pin(replica_id, spec.routing.slots, key.lead)
 
+    def primer(
+        self, spec: ModelSpec | None, replica_id: str, slot: int, key: PromptKey | None
+    ) -> int | None:
+        """The slot of ``replica_id`` to copy into ``slot`` (just pinned) before
+        the request goes, so that its head (system prompt, tools) is found
+        cached there (``routing.prime_tokens``); None: nothing to copy."""
+        if spec is None or key is None or not 0 < spec.routing.prime_tokens <= key.head_tokens:
+            return None
+        head = _head(key)
+        return self._slots.primer_for(replica_id, slot, head) if head is not None else None
+
     def release(self, replica_id: str, slot: int | None, answered: bool) -> None:
         """A request pinned to ``slot`` (None: unpinned) of ``replica_id``
         ended; ``answered``: the engine had sent its first byte (one that
@@ -232,6 +243,16 @@ def _through(key: PromptKey, digest: int) -> int:
         if chunk.digest == digest:
             return total
     return 0
+
+
+def _head(key: PromptKey) -> int | None:
+    """The digest through the head of ``key``'s prompt (None: it ends inside a chunk)."""
+    total = 0
+    for chunk in key.chunks:
+        total += chunk.tokens
+        if total >= key.head_tokens:
+            return chunk.digest if total == key.head_tokens else None
+    return None
 
 
 def _estimated(cached: int, prompt: int | None, key: PromptKey) -> int:

@@ -72,6 +72,7 @@ class _Slot:
     used: int = -1  # when it was last pinned (a tick; -1: never)
     busy: int = 0  # this router's requests on it now
     since: float = 0.0  # when its last request was pinned (the clock's time)
+    head: int | None = None  # the head (system prompt) its last prompt opened with
     blocked_until: float = float("-inf")  # left out of the choices until then
 
 
@@ -132,6 +133,23 @@ class SlotTable:
         entry.blocked_until = now + self._block_s
         return waited
 
+    def primer_for(self, slot: int, head: int) -> int | None:
+        """The slot to copy into ``slot`` before its request, whose prompt
+        opens with the head digested ``head`` (router/forwarding/slot_priming.py):
+        the idle slot holding that head used last; None when ``slot`` holds it
+        already or no idle slot does. ``slot`` holds it from now on."""
+        entry = self._slots[slot]
+        if entry.head == head:
+            return None
+        entry.head = head
+        now = self._clock()
+        donors = [
+            i
+            for i, s in enumerate(self._slots)
+            if i != slot and s.head == head and s.busy == 0 and s.blocked_until <= now
+        ]
+        return max(donors, key=lambda i: self._slots[i].used) if donors else None
+
     def owner(self, slot: int) -> int | None:
         """The conversation ``slot`` last served (None: none yet)."""
         return self._slots[slot].owner
@@ -189,6 +207,11 @@ class Slots:
                 " left out of this router's choices for %.0f s",
                 slot, replica_id, waited, self._block_s,
             )  # fmt: skip
+
+    def primer_for(self, replica_id: str, slot: int, head: int) -> int | None:
+        """SlotTable.primer_for of the replica's table (None: no table)."""
+        table = self._tables.get(replica_id)
+        return table.primer_for(slot, head) if table is not None else None
 
     def pinned(self, replica_id: str) -> int:
         table = self._tables.get(replica_id)

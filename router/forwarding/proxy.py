@@ -54,6 +54,7 @@ from router.forwarding.call import Call
 from router.forwarding.engine_stream import Relay, Usage, outcome_of
 from router.forwarding.pacing import Pacer
 from router.forwarding.relay import Reply, StreamReply, media_header
+from router.forwarding.slot_priming import SlotPrimer
 from router.forwarding.upstream import Upstream
 
 __all__ = ["Call", "Proxy", "StaleAdapter"]
@@ -89,8 +90,11 @@ class Proxy:
         incidents: Incidents | None = None,
         on_unreachable: Callable[[str, str], None] | None = None,
         affinity: Affinity | None = None,
+        primer: SlotPrimer | None = None,
     ) -> None:
         self._http = http
+        # Copies a pinned llama.cpp slot's system prompt into another (slots).
+        self._primer = primer or SlotPrimer(http)
         # Orders a model's replicas by the prompt prefix they hold (None: the
         # table's least-loaded order, as before).
         self._affinity = affinity
@@ -201,19 +205,33 @@ class Proxy:
             )
         self._metrics.route_served(call.model, route.replica_id, prompt or 0, cached, predicted)
 
-    def _body(self, route: Route, call: Call) -> tuple[bytes, int | None]:
-        """The body for ``route``, and the llama.cpp slot it is pinned to there
+    def _body(self, route: Route, call: Call) -> tuple[bytes, int | None, int | None]:
+        """The body for ``route``, the llama.cpp slot it is pinned to there
         (catalog ``routing.slots``; router/affinity/slots.py; on the span),
-        held until released; None: unpinned."""
+        held until released (None: unpinned), and the slot to copy into it
+        first (None: none; router/forwarding/slot_priming.py)."""
         body = call.body if call.body_for is None else call.body_for(route)
         if self._affinity is None:
-            return body, None
+            return body, None, None
         slot = self._affinity.pin(call.spec, route.replica_id, call.prompt_key)
         if slot is None:
-            return body, None
+            return body, None, None
+        donor = self._affinity.primer(call.spec, route.replica_id, slot, call.prompt_key)
         if call.traced:
-            trace.get_current_span().set_attribute("llmgw.route.slot", slot)
-        return with_slot(body, slot), slot
+            span = trace.get_current_span()
+            span.set_attribute("llmgw.route.slot", slot)
+            if donor is not None:
+                span.set_attribute("llmgw.route.primed_from", donor)
+        return with_slot(body, slot), slot, donor
+
+    async def _prime(self, route: Route, call: Call, donor: int | None, slot: int | None) -> None:
+        """Copy ``donor`` into ``slot``, if both (bounded; unprimed, the request goes anyway)."""
+        if donor is None or slot is None:
+            return
+        headers = self._engine_headers(route.replica_id)
+        primed = await self._primer.prime(route.replica_id, route.endpoint, headers, donor, slot)
+        if call.traced:
+            trace.get_current_span().set_attribute("llmgw.route.primed", primed)
 
     def _release(self, route: Route, slot: int | None, answered: bool) -> None:
         """The request's slot is free; ``answered``: the engine sent its
@@ -247,6 +265,15 @@ class Proxy:
         if outcome.status == 200:
             self._served(route, call, choice, Usage.of(outcome))
 
+    def _key_refused(self, route: Route, call: Call) -> LlmgwError:
+        """The engine refused our key: a router/agent secret mismatch."""
+        self._metrics.upstream_errors.labels(call.model, route.replica_id, "engine_key").inc()
+        log.error("replica %s rejected the engine key", route.replica_id)
+        reason = f"replica {route.replica_id} refused the router's engine key"
+        return ErrorKind.UPSTREAM_FAILED.error(
+            model=call.model, reason=reason, incidents=self.incidents
+        )
+
     def _unreachable(self, route: Route) -> None:
         if self._on_unreachable is not None:
             self._on_unreachable(route.replica_id, route.endpoint)
@@ -258,7 +285,7 @@ class Proxy:
             headers = dict(headers)
             inject(headers)
             trace.get_current_span().set_attribute("llmgw.replica", route.replica_id)
-        body, slot = self._body(route, call)
+        body, slot, donor = self._body(route, call)
         route.inflight += 1
         relayed = answered = False
         try:
@@ -272,19 +299,12 @@ class Proxy:
             async with cancelled_if_gone(
                 call.client_gone, cancel=not call.finishes_when_gone
             ) as watch:
+                await self._prime(route, call, donor, slot)
                 upstream = await self._http.post(f"{route.endpoint}{call.path}", body, headers)
                 answered = True
                 if upstream.status == 401:
                     upstream.close()
-                    self._metrics.upstream_errors.labels(
-                        call.model, route.replica_id, "engine_key"
-                    ).inc()
-                    # The engine refused our key: a router/agent secret mismatch.
-                    log.error("replica %s rejected the engine key", route.replica_id)
-                    reason = f"replica {route.replica_id} refused the router's engine key"
-                    raise ErrorKind.UPSTREAM_FAILED.error(
-                        model=call.model, reason=reason, incidents=self.incidents
-                    )
+                    raise self._key_refused(route, call)
                 if upstream.status == 404 and call.stale_on_404:
                     upstream.close()
                     log.info("replica %s does not hold %s", route.replica_id, call.model)

@@ -52,3 +52,51 @@ async def test_interleaved_conversations_sharing_a_system_prompt_keep_their_hist
             # The whole previous prompt, from the conversation's own slot
             # (llama.cpp evaluates the last prompt token again at most).
             assert after.cached_tokens >= before.prompt_tokens - 1, seen
+
+
+@pytest.fixture
+def saving_engine(
+    llama: "LlamaCppInstall", tiny: TinyModel, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Engines]:
+    """The same server as the agent starts it with the shard's slot
+    directory, its slots empty (one per test)."""
+    root = tmp_path_factory.mktemp("saving")
+    saves = root / "slots"
+    saves.mkdir()
+    flags = pinned_slot_flags(SLOTS, str(saves))
+    with serving(llama, tiny, root, ("s2",), CONTEXT, flags) as engines:
+        yield engines
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("primed", [True, False], ids=["primed", "prime_tokens_0"])
+async def test_a_new_conversations_slot_is_primed_with_the_shared_system_prompt(
+    saving_engine: Engines, primed: bool
+) -> None:
+    # The system prompt is ~130 estimated tokens: primed from 64 on.
+    routing = RoutingPolicy(slots=SLOTS, prime_tokens=64 if primed else 0)
+    async with routers(saving_engine, 1, routing, max_inflight=SLOTS) as ([r], key):
+        client = r.client(key)
+        firsts: list[Turn] = []
+        talks = [conversation() for _ in range(SLOTS)]
+        for who, messages in enumerate(talks):
+            ask(messages, f"talk {who} opens: {'the green model ' * (who + 1)}and the blue sky")
+            firsts.append(await turn(client, messages))
+        seconds = []
+        for who, messages in enumerate(talks):
+            ask(messages, f"talk {who} goes on: the river light")
+            seconds.append(await turn(client, messages))
+        await client.close()
+    # Each conversation's first turn went to an empty slot of its own:
+    # primed (all but the first), the system prompt came from the slot copied
+    # in (361 of the tiny model's tokens, the question the rest); unprimed,
+    # nothing did. Either way each second turn found its whole first prompt
+    # in its slot.
+    assert firsts[0].cached_tokens == 0
+    for first in firsts[1:]:
+        if primed:
+            assert first.prompt_tokens > first.cached_tokens > first.prompt_tokens // 2, firsts
+        else:
+            assert first.cached_tokens == 0, firsts
+    for first, second in zip(firsts, seconds, strict=True):
+        assert second.cached_tokens >= first.prompt_tokens - 1, (firsts, seconds)

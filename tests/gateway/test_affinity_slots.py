@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 from llmgw.catalog import CatalogModel, catalog_problems
 from llmgw.types import EngineKind, ModelSpec, RoutingPolicy
-from router.affinity.affinity import capacity_tokens
+from router.affinity.affinity import Affinity, capacity_tokens
+from router.affinity.chunks import Chunk, PromptKey
 from router.affinity.slots import BLOCK_S, STUCK_S, Slots, SlotTable
 
 
@@ -232,3 +233,43 @@ def test_a_pinned_slot_is_never_busy_nor_left_out(ops: list[tuple[str, int]]) ->
             assert (left_out > 0) == expected and (not expected or left_out == waited)
             if expected:
                 out[slot] = clock.now + 100.0
+
+
+def test_a_slot_is_primed_from_an_idle_one_holding_its_head() -> None:
+    table = SlotTable(4)
+    a = table.pin(1)
+    assert a is not None and table.primer_for(a, head=7) is None  # no slot holds it yet
+    b = table.pin(2)
+    assert b is not None and table.primer_for(b, head=7) is None  # a is busy
+    table.release(a, answered=True)
+    table.release(b, answered=True)
+    c = table.pin(3)
+    assert c is not None and table.primer_for(c, head=7) == b  # the idle one used last
+    table.release(c, answered=True)
+    again = table.pin(3)
+    assert again == c and table.primer_for(c, head=7) is None  # it holds the head now
+    table.release(c, answered=True)
+    d = table.pin(4)
+    assert d is not None and table.primer_for(d, head=8) is None  # no slot holds that head
+
+
+def test_the_affinity_primes_only_heads_of_prime_tokens_or_more() -> None:
+    spec = ModelSpec(name="m", source="/m.gguf", routing=RoutingPolicy(slots=4, prime_tokens=300))
+    affinity = Affinity()
+    head = (Chunk(11, 256), Chunk(12, 100))  # the system prompt: two chunks, 356 tokens
+    keys = [
+        PromptKey((*head, Chunk(100 + n, 20)), 100 + n, None, 376, head_tokens=356)
+        for n in range(3)
+    ]
+    first = affinity.pin(spec, "r1", keys[0])
+    assert first is not None and affinity.primer(spec, "r1", first, keys[0]) is None
+    affinity.release("r1", first, answered=True)
+    second = affinity.pin(spec, "r1", keys[1])
+    assert second is not None and affinity.primer(spec, "r1", second, keys[1]) == first
+    short = spec.model_copy(update={"routing": RoutingPolicy(slots=4, prime_tokens=400)})
+    off = spec.model_copy(update={"routing": RoutingPolicy(slots=4, prime_tokens=0)})
+    third = affinity.pin(spec, "r1", keys[2])
+    assert third is not None
+    assert affinity.primer(short, "r1", third, keys[2]) is None  # a head under 400 tokens
+    assert affinity.primer(off, "r1", third, keys[2]) is None
+    assert affinity.primer(spec, "r1", third, None) is None

@@ -46,9 +46,15 @@ class CachingEngine(MockEngine):
 
     served: dict[str, set[tuple[str, ...]]] = field(default_factory=dict)
     holds: dict[str, asyncio.Event] = field(default_factory=dict)
+    # llama.cpp slot saves and restores asked of it: (host, slot, action).
+    slot_actions: list[tuple[str, int, str]] = field(default_factory=list)
 
     async def handle(self, request: httpx.Request) -> httpx.Response:
         host = request.url.host
+        if request.url.path.startswith("/slots/"):
+            slot = int(request.url.path.rsplit("/", 1)[1])
+            self.slot_actions.append((host, slot, request.url.params["action"]))
+            return httpx.Response(200, json={"id_slot": slot})
         self.seen.append(request)
         hold = self.holds.get(host)
         if hold is not None:

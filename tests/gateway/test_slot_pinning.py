@@ -66,6 +66,16 @@ async def test_each_conversation_keeps_its_own_slot_and_the_routers_id_slot_wins
         assert [a["llmgw.route.slot"] for a in attrs] == [
             slots[name][n] for n in range(3) for name in slots
         ]
+        # They share a system prompt of ~290 estimated tokens (prime_tokens:
+        # 256): b's and c's first turns went to slots primed first from the
+        # idle slot holding it that was used last; no turn after.
+        a, b, c = (slots[name][0] for name in slots)
+        assert [(slot, action) for _, slot, action in r.engine.slot_actions] == [
+            (a, "save"), (b, "restore"), (b, "save"), (c, "restore")
+        ]  # fmt: skip
+        assert [x.get("llmgw.route.primed_from") for x in attrs[:3]] == [None, a, b]
+        assert [x.get("llmgw.route.primed") for x in attrs[:3]] == [None, True, True]
+        assert not any("llmgw.route.primed" in x for x in attrs[3:])
 
 
 async def test_a_slot_is_held_until_its_request_ends(tmp_path: Path) -> None:

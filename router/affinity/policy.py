@@ -128,7 +128,12 @@ def choose(
         scores[sticky_replica] = sticky_tokens
     gain = max(1, policy.min_match_tokens)
     hashed = _hashed(key.lead, within)
-    favourite = _home(policy, key.lead, within, len(routes), homes or {}, placed)
+    counts = homes or {}
+    # The mean over every replica with conversations, not only the candidates:
+    # one at max_inflight is left out of them for now, and its conversations
+    # must not loosen the others' share.
+    replicas = len(counts.keys() | {r.replica_id for r in routes})
+    favourite = _home(policy, key.lead, within, replicas, counts, placed)
     best_within = max(scores[r.replica_id] for r in within)
     chosen = favourite
     # The head (system prompt, tools: what precedes the lead) is assumed held

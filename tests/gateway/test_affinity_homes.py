@@ -211,3 +211,16 @@ def test_two_routers_cache_about_as_much_as_one_and_stay_balanced() -> None:
         assert max(two_turns.values()) <= 1.7 * min(two_turns[r] for r in REPLICAS), two_turns
     uneven = [_chat(1, 0.0, seed)[1] for seed in range(20)]
     assert any(max(t.values()) > 1.5 * min(t[r] for r in REPLICAS) for t in uneven)
+
+
+def test_a_saturated_replica_still_counts_in_the_share() -> None:
+    # r3 is at max_inflight: not a candidate now, but its 4 conversations
+    # count. Share: ceil(1 x (4 + 4 + 3 + 4 + 1) / 4) = 4, so a new
+    # conversation goes to r2 whatever its hash (over the three candidates
+    # alone, the share would be ceil(16 / 3) = 6).
+    homes = {"r0": 4, "r1": 4, "r2": 3, "r3": 4}
+    candidates = _routes()[:3]
+    for lead in range(20):
+        choice = choose(RoutingPolicy(), candidates, _first_turn(lead), PrefixIndex(10_000), None,
+                        0, homes=homes)  # fmt: skip
+        assert choice.order[0].replica_id == "r2"

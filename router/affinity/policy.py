@@ -133,7 +133,7 @@ def choose(
     # one at max_inflight is left out of them for now, and its conversations
     # must not loosen the others' share.
     replicas = len(counts.keys() | {r.replica_id for r in routes})
-    favourite = _home(policy, key.lead, within, replicas, counts, placed)
+    favourite = _home(policy, key.lead, within, routes, replicas, counts, placed)
     best_within = max(scores[r.replica_id] for r in within)
     chosen = favourite
     # The head (system prompt, tools: what precedes the lead) is assumed held
@@ -158,13 +158,22 @@ def _home(
     policy: RoutingPolicy,
     lead: int,
     within: list[Route],
+    routes: list[Route],
     replicas: int,
     homes: Mapping[str, int],
     placed: str | None,
 ) -> Route:
-    """The conversation's own replica among ``within``: where it lives, else
-    the first in its rendezvous order under its share of live conversations
-    (``ceil(balance_factor x (live + 1) / replicas)``), else the fewest."""
+    """The conversation's own replica: where it lives, if within the slack;
+    else the first in its rendezvous order under its share of live
+    conversations (``ceil(balance_factor x (live + 1) / replicas)``) within
+    the slack, then, for a new conversation, among every candidate; else the
+    fewest within the slack.
+
+    A new conversation goes past the slack for its share: it stays for all
+    its turns, and a replica the moment's load kept out of new conversations
+    would end with fewer for good (bench W1: 5/3 where 4/4 was due). Its
+    first turn computes its prompt anyway; max_inflight still bounds the
+    queue it joins (a saturated replica is no candidate)."""
     by_id = {r.replica_id: r for r in within}
     if placed is not None and placed in by_id:
         return by_id[placed]
@@ -176,6 +185,11 @@ def _home(
     for replica_id in order:
         if homes.get(replica_id, 0) < share:
             return by_id[replica_id]
+    if placed is None:
+        everyone = {r.replica_id: r for r in routes}
+        for replica_id in rendezvous(lead, list(everyone)):
+            if homes.get(replica_id, 0) < share:
+                return everyone[replica_id]
     return by_id[min(order, key=lambda r: homes.get(r, 0))]
 
 

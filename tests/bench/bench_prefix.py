@@ -224,7 +224,7 @@ async def chat(http: httpx.AsyncClient, messages: list[dict[str, str]], max_toke
     )
 
 
-async def record(run: Run, call: Awaitable[Sample]) -> Sample | None:
+async def record(run: Run, call: Awaitable[Sample], label: str = "") -> Sample | None:
     try:
         sample = await call
     except Failed as exc:
@@ -233,7 +233,7 @@ async def record(run: Run, call: Awaitable[Sample]) -> Sample | None:
     run.samples.append(sample)
     if VERBOSE:
         print(
-            f"    {run.workload} {run.policy}: {sample.replica} cached {sample.cached}"
+            f"    {run.workload} {run.policy}: {label}{sample.replica} cached {sample.cached}"
             f" of {sample.prompt}, TTFT {sample.ttft * 1e3:.0f} ms"
         )
     return sample
@@ -273,7 +273,8 @@ async def w1(
         user.messages.append({"role": "user", "content": question})
         client = routers[user.turns % len(routers)]
         user.turns += 1
-        sample = await record(run, chat(client, list(user.messages), args.max_tokens))
+        label = f"user {users.index(user)} turn {user.turns}: "
+        sample = await record(run, chat(client, list(user.messages), args.max_tokens), label)
         if sample is not None:
             # What this turn adds to its conversation's previous prompt: all a
             # replica must compute when the history stayed cached where it was.

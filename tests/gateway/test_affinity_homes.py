@@ -224,3 +224,19 @@ def test_a_saturated_replica_still_counts_in_the_share() -> None:
         choice = choose(RoutingPolicy(), candidates, _first_turn(lead), PrefixIndex(10_000), None,
                         0, homes=homes)  # fmt: skip
         assert choice.order[0].replica_id == "r2"
+
+
+def test_a_new_conversation_goes_past_the_slack_for_its_share_a_live_one_does_not() -> None:
+    # r2 has the fewest conversations but is busy (3 in flight, the slack is
+    # 2): a new conversation still goes there, as it stays for all its turns;
+    # a live one whose home is past the slack moves within it.
+    routes = _routes()
+    routes[2].inflight = 3
+    homes = {"r0": 4, "r1": 4, "r2": 3, "r3": 4}
+    index = PrefixIndex(10_000)
+    for lead in range(20):
+        new = choose(RoutingPolicy(), routes, _first_turn(lead), index, None, 0, homes=homes)
+        assert new.order[0].replica_id == "r2"
+        moved = choose(RoutingPolicy(), routes, _first_turn(lead), index, None, 0, homes=homes,
+                       placed="r2")  # fmt: skip
+        assert moved.order[0].replica_id != "r2"

@@ -133,7 +133,7 @@ def choose(
     # one at max_inflight is left out of them for now, and its conversations
     # must not loosen the others' share.
     replicas = len(counts.keys() | {r.replica_id for r in routes})
-    favourite = _home(policy, key.lead, within, routes, replicas, counts, placed)
+    favourite, moved = _home(policy, key.lead, within, routes, replicas, counts, placed)
     best_within = max(scores[r.replica_id] for r in within)
     chosen = favourite
     # The head (system prompt, tools: what precedes the lead) is assumed held
@@ -141,7 +141,7 @@ def choose(
     # it, and following it would pile new conversations onto whichever replica
     # served it first, differently in each router.
     credited = max(scores[favourite.replica_id], min(best_within, key.head_tokens))
-    if best_within - credited >= gain:
+    if best_within - credited >= gain and not moved:
         chosen = _hashed(key.lead, [r for r in within if scores[r.replica_id] == best_within])
     score = scores[chosen.replica_id]
     reason = Reason.PREFIX if score >= gain else Reason.RENDEZVOUS
@@ -149,8 +149,8 @@ def choose(
         reason = Reason.STICKY
     if max(scores.values()) - score >= gain:
         reason = Reason.BALANCE  # a replica past the slack held significantly more
-    elif chosen is favourite is not hashed and favourite.replica_id != placed:
-        reason = Reason.BALANCE  # a new conversation placed off its hash for its share
+    elif moved or (chosen is favourite is not hashed and placed is None):
+        reason = Reason.BALANCE  # placed off its hash, or moved, for its share
     return Choice(_first(routes, chosen), reason, scores[chosen.replica_id])
 
 
@@ -162,8 +162,9 @@ def _home(
     replicas: int,
     homes: Mapping[str, int],
     placed: str | None,
-) -> Route:
-    """The conversation's own replica: where it lives, if within the slack;
+) -> tuple[Route, bool]:
+    """The conversation's own replica, and whether it leaves its home for
+    balance: where it lives, if within the slack (unless over its share);
     else the first in its rendezvous order under its share of live
     conversations (``ceil(balance_factor x (live + 1) / replicas)``) within
     the slack, then, for a new conversation, among every candidate; else the
@@ -175,22 +176,32 @@ def _home(
     first turn computes its prompt anyway; max_inflight still bounds the
     queue it joins (a saturated replica is no candidate)."""
     by_id = {r.replica_id: r for r in within}
-    if placed is not None and placed in by_id:
-        return by_id[placed]
     order = rendezvous(lead, list(by_id))
-    if policy.balance_factor <= 0:
-        return by_id[order[0]]
     live = sum(homes.values())
+    if placed is not None and placed in by_id:
+        # Over its share (a conversation was placed there while the others
+        # were saturated, or moved there for load): this one moves to a
+        # replica under it, once. Its head is found there (every replica
+        # holds it, or its slot is primed with it); only its own turns are
+        # computed again.
+        fair = math.ceil(policy.balance_factor * live / max(1, replicas))
+        if policy.balance_factor > 0 and homes.get(placed, 0) > fair:
+            for replica_id in order:
+                if homes.get(replica_id, 0) < fair:
+                    return by_id[replica_id], True
+        return by_id[placed], False
+    if policy.balance_factor <= 0:
+        return by_id[order[0]], False
     share = math.ceil(policy.balance_factor * (live + 1) / max(1, replicas))
     for replica_id in order:
         if homes.get(replica_id, 0) < share:
-            return by_id[replica_id]
+            return by_id[replica_id], False
     if placed is None:
         everyone = {r.replica_id: r for r in routes}
         for replica_id in rendezvous(lead, list(everyone)):
             if homes.get(replica_id, 0) < share:
-                return everyone[replica_id]
-    return by_id[min(order, key=lambda r: homes.get(r, 0))]
+                return everyone[replica_id], False
+    return by_id[min(order, key=lambda r: homes.get(r, 0))], False
 
 
 def _hashed(lead: int, routes: list[Route]) -> Route:

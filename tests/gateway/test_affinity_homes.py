@@ -106,14 +106,38 @@ def test_a_new_conversation_skips_a_replica_over_its_share_with_reason_balance()
     assert choice.reason is Reason.RENDEZVOUS
 
 
-def test_a_live_conversation_stays_home_whatever_the_counts() -> None:
+def test_a_live_conversation_stays_home_within_its_share() -> None:
     lead = 11
     hashed = rendezvous(lead, REPLICAS)
-    homes = {hashed[0]: 0, hashed[1]: 9, hashed[2]: 0, hashed[3]: 0}
+    # Its home has 3 of 9: the share is ceil(9 / 4) = 3, not exceeded.
+    homes = {hashed[0]: 2, hashed[1]: 3, hashed[2]: 2, hashed[3]: 2}
     choice = choose(RoutingPolicy(), _routes(), _first_turn(lead), PrefixIndex(10_000), None, 0,
                     homes=homes, placed=hashed[1])  # fmt: skip
     assert choice.order[0].replica_id == hashed[1]
     assert choice.reason is Reason.RENDEZVOUS
+
+
+def test_a_live_conversation_over_its_homes_share_moves_once_whatever_it_holds() -> None:
+    # 5/4/4/3: its home is over the share (ceil(16 / 4) = 4), so it moves to
+    # the replica under it, though its history is cached at home (the head
+    # is found anywhere; only its own turns are computed again).
+    index = PrefixIndex(100_000)
+    first = _first_turn(5)
+    later = PromptKey((*first.chunks, Chunk(99, 600)), 5, None, 1640, head_tokens=1000)
+    index.record("r1", later)
+    homes = {"r0": 4, "r1": 5, "r2": 4, "r3": 3}
+    moved = choose(RoutingPolicy(), _routes(), later, index, None, 0, homes=homes, placed="r1")
+    assert moved.order[0].replica_id == "r3" and moved.reason is Reason.BALANCE
+    # Once moved (4/4/4/4) it stays: nothing is over the share.
+    homes = {"r0": 4, "r1": 4, "r2": 4, "r3": 4}
+    index.record("r3", later)
+    stays = choose(RoutingPolicy(), _routes(), later, index, None, 0, homes=homes, placed="r3")
+    assert stays.order[0].replica_id == "r3"
+    # The hash alone (balance_factor 0) never moves one.
+    off = RoutingPolicy(balance_factor=0)
+    homes = {"r0": 4, "r1": 5, "r2": 4, "r3": 3}
+    kept = choose(off, _routes(), later, index, None, 0, homes=homes, placed="r1")
+    assert kept.order[0].replica_id == "r1"
 
 
 def test_a_replica_holding_more_still_wins_over_the_home() -> None:

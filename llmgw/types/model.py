@@ -4,7 +4,7 @@ import hashlib
 from enum import StrEnum
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from llmgw.types.adapter import AdapterSpec
 from llmgw.types.elastic import AutoscalePolicy, QueuePolicy
@@ -127,9 +127,9 @@ class RoutingPolicy(BaseModel):
         le=16,
         description="prefix: a new conversation goes to the first replica in its hash's"
         " order with fewer live conversations (a turn in the last 5 minutes, as this router"
-        " placed them) than this times the mean; 1: as even as whole conversations allow;"
-        " higher keeps more to the hash; 0: the hash alone (routers that never talked agree"
-        " on every conversation)",
+        " placed them) than this times the mean, and a live one on a replica over that moves;"
+        " 1: as even as whole conversations allow; higher keeps more to the hash; 0: the hash"
+        " alone (routers that never talked agree on every conversation); 0 or at least 1",
     )
     slots: int = Field(
         default=0,
@@ -151,6 +151,15 @@ class RoutingPolicy(BaseModel):
         " the engine's scratch dir: cheaper than recomputing the head on CPU; measure first"
         " on a GPU with a large KV cache per token",
     )
+
+    @field_validator("balance_factor")
+    @classmethod
+    def _factor_off_or_at_least_one(cls, value: float) -> float:
+        # Under 1 no replica is ever under its share: new conversations would
+        # ignore the hash for the fewest, and nothing would ever move.
+        if 0 < value < 1:
+            raise ValueError("balance_factor is 0 (the hash alone) or at least 1")
+        return value
 
 
 class ModelSpec(BaseModel):

@@ -163,12 +163,7 @@ class Affinity:
         conversation, held until :meth:`release`; None: not pinned (slots off,
         another engine, no prompt key, or every slot busy with this router's
         requests: the engine queues it for whichever frees first)."""
-        if (
-            spec is None
-            or key is None
-            or not spec.routing.slots
-            or spec.engine is not EngineKind.LLAMA_CPP
-        ):
+        if key is None or spec is None or not self.pins(spec):
             return None
         return self._slots.pin(replica_id, spec.routing.slots, key.lead)
 
@@ -177,11 +172,20 @@ class Affinity:
     ) -> int | None:
         """The slot of ``replica_id`` to copy into ``slot`` (just pinned) before
         the request goes, so that its head (system prompt, tools) is found
-        cached there (``routing.prime_tokens``); None: nothing to copy."""
-        if spec is None or key is None or not 0 < spec.routing.prime_tokens <= key.head_tokens:
+        cached there (``routing.prime_tokens``); None: nothing to copy. Call
+        it for every pinned request: the slot table learns what ``slot``
+        holds from it, primed or not."""
+        if spec is None or key is None:
             return None
-        head = _head(key)
-        return self._slots.primer_for(replica_id, slot, head) if head is not None else None
+        head = _head(key) if key.head_tokens > 0 else None
+        donor = self._slots.primer_for(replica_id, slot, head, key.prompt_tokens)
+        prime = 0 < spec.routing.prime_tokens <= key.head_tokens
+        return donor if prime else None
+
+    def pins(self, spec: ModelSpec | None) -> bool:
+        """Whether the router chooses the llama.cpp slot of ``spec``'s requests
+        (``routing.slots``): then no client's ``id_slot`` reaches the engine."""
+        return spec is not None and spec.routing.slots > 0 and spec.engine is EngineKind.LLAMA_CPP
 
     def release(self, replica_id: str, slot: int | None, answered: bool) -> None:
         """A request pinned to ``slot`` (None: unpinned) of ``replica_id``

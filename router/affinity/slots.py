@@ -73,6 +73,7 @@ class _Slot:
     busy: int = 0  # this router's requests on it now
     since: float = 0.0  # when its last request was pinned (the clock's time)
     head: int | None = None  # the head (system prompt) its last prompt opened with
+    tokens: int = 0  # its last prompt's estimated tokens (what a copy of it moves)
     blocked_until: float = float("-inf")  # left out of the choices until then
 
 
@@ -133,22 +134,24 @@ class SlotTable:
         entry.blocked_until = now + self._block_s
         return waited
 
-    def primer_for(self, slot: int, head: int) -> int | None:
-        """The slot to copy into ``slot`` before its request, whose prompt
-        opens with the head digested ``head`` (router/forwarding/slot_priming.py):
-        the idle slot holding that head used last; None when ``slot`` holds it
-        already or no idle slot does. ``slot`` holds it from now on."""
+    def primer_for(self, slot: int, head: int | None, tokens: int) -> int | None:
+        """The slot to copy into ``slot`` before its request, a prompt of
+        ``tokens`` opening with the head digested ``head`` (None: no head)
+        (router/forwarding/slot_priming.py): of the idle slots holding that
+        head, the one with the shortest prompt (a copy moves its whole cache);
+        None when ``slot`` holds the head already or no idle slot does.
+        Called for every pinned request: ``slot`` holds its prompt from now on."""
         entry = self._slots[slot]
-        if entry.head == head:
+        held, entry.head, entry.tokens = entry.head, head, tokens
+        if head is None or held == head:
             return None
-        entry.head = head
         now = self._clock()
         donors = [
             i
             for i, s in enumerate(self._slots)
             if i != slot and s.head == head and s.busy == 0 and s.blocked_until <= now
         ]
-        return max(donors, key=lambda i: self._slots[i].used) if donors else None
+        return min(donors, key=lambda i: self._slots[i].tokens) if donors else None
 
     def owner(self, slot: int) -> int | None:
         """The conversation ``slot`` last served (None: none yet)."""
@@ -208,10 +211,10 @@ class Slots:
                 slot, replica_id, waited, self._block_s,
             )  # fmt: skip
 
-    def primer_for(self, replica_id: str, slot: int, head: int) -> int | None:
+    def primer_for(self, replica_id: str, slot: int, head: int | None, tokens: int) -> int | None:
         """SlotTable.primer_for of the replica's table (None: no table)."""
         table = self._tables.get(replica_id)
-        return table.primer_for(slot, head) if table is not None else None
+        return table.primer_for(slot, head, tokens) if table is not None else None
 
     def pinned(self, replica_id: str) -> int:
         table = self._tables.get(replica_id)
@@ -220,6 +223,10 @@ class Slots:
     def forget(self, replica_id: str) -> None:
         """The replica's engine is gone or restarted: its slots are empty."""
         self._tables.pop(replica_id, None)
+
+
+# llama.cpp's id_slot for "any idle slot, the server's choice".
+ANY_SLOT = -1
 
 
 def with_slot(body: bytes, slot: int) -> bytes:

@@ -41,7 +41,8 @@ class Call:
     # context to hand the engine (saves the propagators' work per request).
     traced: bool = True
     # The prompt's chunk chain and sticky key, for cache-aware routing
-    # (router/affinity/); None: no affinity (embeddings, token-id prompts).
+    # (router/affinity/); None: no affinity (embeddings, token-id prompts, a
+    # least-loaded model, or one with a single route and no pinned slots).
     prompt_key: PromptKey | None = None
     # The catalog entry it was admitted under (an adapter's: its base model's;
     # None: a model outside the catalog, routed by the defaults): the proxy

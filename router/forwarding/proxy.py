@@ -44,7 +44,7 @@ from llmgw.engine_keys import EngineKeyFn
 from llmgw.errors import LlmgwError, UpstreamConnectError, UpstreamError
 from router.affinity.affinity import Affinity
 from router.affinity.policy import Choice, Reason
-from router.affinity.slots import with_slot
+from router.affinity.slots import ANY_SLOT, with_slot
 from router.billing.accounting import RequestOutcome
 from router.common.disconnect import cancelled_if_gone
 from router.common.errors import ErrorKind, Incidents, engine_failed
@@ -215,6 +215,11 @@ class Proxy:
             return body, None, None
         slot = self._affinity.pin(call.spec, route.replica_id, call.prompt_key)
         if slot is None:
+            if self._affinity.pins(call.spec):
+                # Unpinned on a model whose slots the router pins: the engine
+                # picks (-1), never the client (a tenant holding a slot would
+                # queue other conversations behind it).
+                return with_slot(body, ANY_SLOT), None, None
             return body, None, None
         donor = self._affinity.primer(call.spec, route.replica_id, slot, call.prompt_key)
         if call.traced:

@@ -17,16 +17,22 @@ on it: the engine compares tokens, so a wrong or stale copy is a miss.
 
 Priming is bounded (``PRIME_TIMEOUT_S``): a donor or target slot busy with
 another router's request makes the engine defer the action, and the request
-then goes as it would have, unprimed. One file per replica (overwritten:
-disk holds at most one slot's cache), and one priming at a time per replica
-in a router, so two never interleave their save and restore.
+then goes as it would have, unprimed (a deferred save still runs later: it
+only rewrites the file; a restore is sent only after its save answered).
+One file per replica, overwritten: disk holds at most one slot's cache. One
+priming at a time per replica in a router, so its own never interleave;
+another router's may, between a save and its restore: the restore then
+brings that router's donor, a miss at worst. An engine that cannot save
+slots (started without ``--slot-save-path``: by an older agent, or by hand)
+answers 501; it is not asked again for ``UNSUPPORTED_S``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 
 from llmgw.errors import UpstreamError
 from router.forwarding.upstream import Upstream
@@ -40,22 +46,37 @@ PRIME_FILE = "llmgw-prime.bin"
 PRIME_TIMEOUT_S = 0.5
 # Replicas' locks kept (cleared past this: replicas come and go).
 MAX_LOCKS = 10_000
+# How long an engine that cannot save slots is left unasked: a restarted
+# replica (a newer agent's flags) keeps its id.
+UNSUPPORTED_S = 600.0
+# llama-server's answer to a slot action without --slot-save-path.
+_NOT_IMPLEMENTED = 501
 _BODY = b'{"filename":"%s"}' % PRIME_FILE.encode()
 
 
 class SlotPrimer:
     """Copies one llama.cpp slot into another of the same server."""
 
-    def __init__(self, http: Upstream, timeout_s: float = PRIME_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        http: Upstream,
+        timeout_s: float = PRIME_TIMEOUT_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._http = http
         self._timeout_s = timeout_s
+        self._clock = clock
         self._locks: dict[str, asyncio.Lock] = {}
+        # Replicas whose engine cannot save slots, until when it is not asked.
+        self._unsupported: dict[str, float] = {}
 
     async def prime(
         self, replica_id: str, endpoint: str, headers: Mapping[str, str], donor: int, target: int
     ) -> bool:
         """Copy slot ``donor`` of the engine at ``endpoint`` into slot
         ``target``; whether it was done within the bound."""
+        if self._unsupported.get(replica_id, float("-inf")) > self._clock():
+            return False
         lock = self._locks.get(replica_id)
         if lock is None:
             if len(self._locks) >= MAX_LOCKS:
@@ -70,6 +91,15 @@ class SlotPrimer:
                         await response.read()
                     finally:
                         response.close()
+                    if response.status == _NOT_IMPLEMENTED:
+                        if len(self._unsupported) >= MAX_LOCKS:
+                            self._unsupported.clear()
+                        self._unsupported[replica_id] = self._clock() + UNSUPPORTED_S
+                        log.info(
+                            "replica %s cannot save slots: not primed for %.0f s",
+                            replica_id, UNSUPPORTED_S,
+                        )  # fmt: skip
+                        return False
                     if response.status != 200:
                         log.info(
                             "replica %s: slot %s %s answered %s: not primed",

@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import itertools
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,7 @@ from llmgw.types import ModelSpec, RoutingPolicy
 from llmgw_cli.dev.tinymodel import TinyModel
 from llmgw_cli.procs import Child
 from router.forwarding.slot_priming import PRIME_FILE, SlotPrimer
-from router.forwarding.upstream import AiohttpUpstream
+from router.forwarding.upstream import AiohttpUpstream, UpstreamResponse
 from tests.conftest import LlamaPath
 from tests.harness import free_port
 from worker_agent.engines import Launchers, LlamaCppPlanner, NodeFacts, ShardRequest
@@ -183,3 +183,36 @@ async def test_a_slot_primed_from_another_finds_the_shared_system_prompt(
         # but the question) came from the cache; the unprimed slot had nothing.
         assert cold_cached == 0
         assert prompt * 9 // 10 <= cached < head_and_question, (prompt, cached)
+
+
+class _Counting:
+    """An Upstream that counts what it sends."""
+
+    def __init__(self, inner: AiohttpUpstream) -> None:
+        self.inner = inner
+        self.posts: list[str] = []
+
+    async def post(self, url: str, body: bytes, headers: Mapping[str, str]) -> UpstreamResponse:
+        self.posts.append(url)
+        return await self.inner.post(url, body, headers)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+async def test_an_engine_that_cannot_save_slots_is_not_asked_again(
+    llama_path: LlamaPath, tiny: TinyModel, tmp_path: Path
+) -> None:
+    # No scratch dir: the plan gives no --slot-save-path; the engine answers
+    # a slot action 501, and the primer leaves that replica alone for a while.
+    async with _engine(llama_path, tiny, tmp_path, slots=2) as http:
+        upstream = _Counting(AiohttpUpstream(5, 30, 4))
+        try:
+            primer = SlotPrimer(upstream, timeout_s=30)
+            headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+            base = str(http.base_url).rstrip("/")
+            assert not await primer.prime("r1", base, headers, 0, 1)
+            assert not await primer.prime("r1", base, headers, 0, 1)
+        finally:
+            await upstream.aclose()
+        assert upstream.posts == [f"{base}/slots/0?action=save"]

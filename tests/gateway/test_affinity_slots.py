@@ -235,22 +235,40 @@ def test_a_pinned_slot_is_never_busy_nor_left_out(ops: list[tuple[str, int]]) ->
                 out[slot] = clock.now + 100.0
 
 
-def test_a_slot_is_primed_from_an_idle_one_holding_its_head() -> None:
-    table = SlotTable(4)
+def test_a_slot_is_primed_from_the_idle_one_holding_its_head_with_the_shortest_prompt() -> None:
+    table = SlotTable(5)
     a = table.pin(1)
-    assert a is not None and table.primer_for(a, head=7) is None  # no slot holds it yet
+    assert a is not None and table.primer_for(a, 7, 3000) is None  # no slot holds it yet
     b = table.pin(2)
-    assert b is not None and table.primer_for(b, head=7) is None  # a is busy
+    assert b is not None and table.primer_for(b, 7, 1200) is None  # a is busy
     table.release(a, answered=True)
     table.release(b, answered=True)
     c = table.pin(3)
-    assert c is not None and table.primer_for(c, head=7) == b  # the idle one used last
+    # Both hold head 7: b's prompt is the shorter copy.
+    assert c is not None and table.primer_for(c, 7, 1100) == b
     table.release(c, answered=True)
     again = table.pin(3)
-    assert again == c and table.primer_for(c, head=7) is None  # it holds the head now
+    assert again == c and table.primer_for(c, 7, 1300) is None  # it holds the head now
     table.release(c, answered=True)
     d = table.pin(4)
-    assert d is not None and table.primer_for(d, head=8) is None  # no slot holds that head
+    assert d is not None and table.primer_for(d, 8, 900) is None  # no slot holds that head
+
+
+def test_a_slot_reused_without_a_head_is_known_not_to_hold_one() -> None:
+    # Every pinned request tells the table what its slot now holds: a slot
+    # whose last prompt had no head (or another) is primed again.
+    table = SlotTable(2)
+    a = table.pin(1)
+    assert a is not None and table.primer_for(a, 7, 1000) is None
+    table.release(a, answered=True)
+    b = table.pin(2)
+    assert b is not None and table.primer_for(b, 7, 1000) == a
+    table.release(b, answered=True)
+    reused = table.pin(3)  # the least recently used: a, now a prompt without a head
+    assert reused == a and table.primer_for(a, None, 50) is None
+    table.release(a, answered=True)
+    back = table.pin(3)  # the same conversation, now with head 7 (a system prompt)
+    assert back == a and table.primer_for(a, 7, 1100) == b
 
 
 def test_the_affinity_primes_only_heads_of_prime_tokens_or_more() -> None:
@@ -273,3 +291,32 @@ def test_the_affinity_primes_only_heads_of_prime_tokens_or_more() -> None:
     assert affinity.primer(short, "r1", third, keys[2]) is None  # a head under 400 tokens
     assert affinity.primer(off, "r1", third, keys[2]) is None
     assert affinity.primer(spec, "r1", third, None) is None
+
+
+def test_the_affinity_records_every_pinned_prompts_head_primed_or_not() -> None:
+    # Two slots: conversation 1 (head H) in one, 2 (head H) in the other;
+    # then 3, without a system prompt, takes 1's slot. When 1 comes back to
+    # that slot, it no longer holds H: primed from 2's.
+    spec = ModelSpec(name="m", source="/m.gguf", routing=RoutingPolicy(slots=2, prime_tokens=64))
+    head = (Chunk(11, 256),)
+
+    def key(conversation: int, with_head: bool = True) -> PromptKey:
+        chunks = (*head, Chunk(conversation, 20)) if with_head else (Chunk(conversation, 20),)
+        tokens = sum(c.tokens for c in chunks)
+        return PromptKey(chunks, conversation, None, tokens, 256 if with_head else 0)
+
+    affinity = Affinity()
+    slots = []
+    for conversation in (1, 2):
+        slot = affinity.pin(spec, "r1", key(conversation))
+        assert slot is not None
+        affinity.primer(spec, "r1", slot, key(conversation))
+        affinity.release("r1", slot, answered=True)
+        slots.append(slot)
+    taken = affinity.pin(spec, "r1", key(3, with_head=False))
+    assert taken == slots[0]  # the least recently used
+    assert affinity.primer(spec, "r1", taken, key(3, with_head=False)) is None
+    affinity.release("r1", taken, answered=True)
+    # Conversation 3 again, now with the system prompt: its slot lost H.
+    back = affinity.pin(spec, "r1", key(3))
+    assert back == slots[0] and affinity.primer(spec, "r1", back, key(3)) == slots[1]

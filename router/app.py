@@ -23,6 +23,7 @@ from llmgw.store import Store
 from llmgw.store.catalog_store import all_specs
 from router.admission.queue import Admission
 from router.affinity.affinity import Affinity
+from router.affinity.slots import STUCK_S
 from router.api import admin, batches, engine_metrics, openai, openapi_docs, responses
 from router.api.auth import KeyVerifier
 from router.api.deps import Deps
@@ -145,6 +146,7 @@ def create_app(
     max_key_file_bytes: int = 10 * 1024 * MiB,
     jobs: JobLink | None = None,
     affinity: Affinity | None = None,
+    slot_stuck_s: float = STUCK_S,
 ) -> FastAPI:
     """The FastAPI app; the routing table refreshes and usage is flushed while it runs.
 
@@ -155,6 +157,8 @@ def create_app(
     cannot be woken and no load is reported).
     ``affinity`` is where this router remembers which replica holds which
     prompt prefix (default: a new one; one per router process).
+    ``slot_stuck_s`` bounds a stream pinned to a llama.cpp slot until its
+    first byte (router.forwarding.proxy.SlotStuck).
     """
     if adapter_loader is None and temporal is not None:
         adapter_loader = TemporalAdapterLoader(temporal)
@@ -232,6 +236,7 @@ def create_app(
             incidents=admission.incidents,
             on_unreachable=proofs.distrust if proofs else None,
             affinity=affinity,
+            stuck_s=slot_stuck_s,
         ),
         accountant=accountant,
         metrics=metrics,

@@ -134,6 +134,12 @@ class SlotTable:
         entry.blocked_until = now + self._block_s
         return waited
 
+    def block(self, slot: int) -> None:
+        """Leave ``slot`` out for ``block_s`` now: a request pinned there got
+        no first byte in ``stuck_s`` and was cancelled (router.forwarding.proxy)."""
+        if 0 <= slot < len(self._slots):
+            self._slots[slot].blocked_until = self._clock() + self._block_s
+
     def primer_for(self, slot: int, head: int | None, tokens: int) -> int | None:
         """The slot to copy into ``slot`` before its request, a prompt of
         ``tokens`` opening with the head digested ``head`` (None: no head)
@@ -215,6 +221,17 @@ class Slots:
         """SlotTable.primer_for of the replica's table (None: no table)."""
         table = self._tables.get(replica_id)
         return table.primer_for(slot, head, tokens) if table is not None else None
+
+    def block(self, replica_id: str, slot: int) -> None:
+        """SlotTable.block of the replica's table, with a warning in the log."""
+        table = self._tables.get(replica_id)
+        if table is not None:
+            table.block(slot)
+            log.warning(
+                "slot %d of replica %s: a stream pinned there had no first byte in %.0f s;"
+                " left out of this router's choices for %.0f s",
+                slot, replica_id, self._stuck_s, self._block_s,
+            )  # fmt: skip
 
     def pinned(self, replica_id: str) -> int:
         table = self._tables.get(replica_id)

@@ -31,6 +31,7 @@ requests go where the adapter is held, as before. Admission is not its
 business: the queue decided that this request goes now, affinity only where.
 """
 
+import asyncio
 import errno
 import logging
 from collections.abc import Callable
@@ -44,7 +45,7 @@ from llmgw.engine_keys import EngineKeyFn
 from llmgw.errors import LlmgwError, UpstreamConnectError, UpstreamError
 from router.affinity.affinity import Affinity
 from router.affinity.policy import Choice, Reason
-from router.affinity.slots import ANY_SLOT, with_slot
+from router.affinity.slots import ANY_SLOT, STUCK_S, with_slot
 from router.billing.accounting import RequestOutcome
 from router.common.disconnect import cancelled_if_gone
 from router.common.errors import ErrorKind, Incidents, engine_failed
@@ -55,9 +56,9 @@ from router.forwarding.engine_stream import Relay, Usage, outcome_of
 from router.forwarding.pacing import Pacer
 from router.forwarding.relay import Reply, StreamReply, media_header
 from router.forwarding.slot_priming import SlotPrimer
-from router.forwarding.upstream import Upstream
+from router.forwarding.upstream import Upstream, UpstreamResponse
 
-__all__ = ["Call", "Proxy", "StaleAdapter"]
+__all__ = ["Call", "Proxy", "SlotStuck", "StaleAdapter"]
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +67,19 @@ log = logging.getLogger(__name__)
 PASSIVE_EJECT_S = 5.0
 # Engine headers kept per replica id (cleared past this: replicas come and go).
 MAX_CACHED_REPLICAS = 10_000
+
+
+class SlotStuck(LlmgwError):
+    """A streamed request pinned to a llama.cpp slot had no first byte after
+    ``stuck_s``: the slot serves something else that does not end (another
+    router's request, or a task the engine never finishes: seen twice in
+    bench_prefix with two routers). Nothing was relayed or billed; the
+    request was cancelled (the engine drops it with the connection) and goes
+    once more, its slot now left out (router/affinity/slots.py)."""
+
+    def __init__(self, route: Route, slot: int) -> None:
+        super().__init__(f"{route.replica_id} slot {slot}")
+        self.route = route
 
 
 class StaleAdapter(LlmgwError):
@@ -91,8 +105,11 @@ class Proxy:
         on_unreachable: Callable[[str, str], None] | None = None,
         affinity: Affinity | None = None,
         primer: SlotPrimer | None = None,
+        stuck_s: float = STUCK_S,
     ) -> None:
         self._http = http
+        # How long a pinned stream waits for its first byte (SlotStuck).
+        self._stuck_s = stuck_s
         # Copies a pinned llama.cpp slot's system prompt into another (slots).
         self._primer = primer or SlotPrimer(http)
         # Orders a model's replicas by the prompt prefix they hold (None: the
@@ -140,7 +157,7 @@ class Proxy:
             if route.saturated():  # filled up while we tried another
                 continue
             try:
-                return await self._try(route, call, choice)
+                return await self._try_unstuck(route, call, choice)
             except UpstreamConnectError as exc:
                 # Nothing reached the engine nor the client: another replica may answer.
                 route.eject(PASSIVE_EJECT_S)
@@ -166,6 +183,24 @@ class Proxy:
         raise ErrorKind.UPSTREAM_FAILED.error(
             model=call.model, reason=reason, incidents=self.incidents
         )
+
+    async def _try_unstuck(
+        self, route: Route, call: Call, choice: Choice | None
+    ) -> Reply | StreamReply:
+        """``_try``, once more on the same replica when its pinned slot was
+        stuck (SlotStuck: that slot is now left out, so another or the
+        engine's choice)."""
+        try:
+            return await self._try(route, call, choice)
+        except SlotStuck:
+            self._metrics.upstream_errors.labels(call.model, route.replica_id, "slot_stuck").inc()
+        try:
+            return await self._try(route, call, choice)
+        except SlotStuck as exc:
+            reason = f"replica {exc}: no first byte from two slots"
+            raise ErrorKind.UPSTREAM_FAILED.error(
+                model=call.model, reason=reason, incidents=self.incidents
+            ) from exc
 
     def _choose(self, call: Call, candidates: list[Route]) -> Choice:
         """The affinity's order of ``candidates``, counted and on the span."""
@@ -270,6 +305,28 @@ class Proxy:
         if outcome.status == 200:
             self._served(route, call, choice, Usage.of(outcome))
 
+    async def _post(
+        self,
+        route: Route,
+        call: Call,
+        body: bytes,
+        headers: dict[str, str],
+        slot: int | None,
+    ) -> UpstreamResponse:
+        """Send to the engine; a pinned stream's first byte bounded by
+        ``stuck_s`` (a non-streamed answer's headers come with its end, so
+        only a stream can tell waiting from generating)."""
+        url = f"{route.endpoint}{call.path}"
+        if slot is None or not call.stream:
+            return await self._http.post(url, body, headers)
+        try:
+            async with asyncio.timeout(self._stuck_s):
+                return await self._http.post(url, body, headers)
+        except TimeoutError:
+            if self._affinity is not None:
+                self._affinity.block(route.replica_id, slot)
+            raise SlotStuck(route, slot) from None
+
     def _key_refused(self, route: Route, call: Call) -> LlmgwError:
         """The engine refused our key: a router/agent secret mismatch."""
         self._metrics.upstream_errors.labels(call.model, route.replica_id, "engine_key").inc()
@@ -305,7 +362,7 @@ class Proxy:
                 call.client_gone, cancel=not call.finishes_when_gone
             ) as watch:
                 await self._prime(route, call, donor, slot)
-                upstream = await self._http.post(f"{route.endpoint}{call.path}", body, headers)
+                upstream = await self._post(route, call, body, headers, slot)
                 answered = True
                 if upstream.status == 401:
                     upstream.close()

@@ -8,8 +8,10 @@ real llama.cpp behind the router: tests/e2e/test_slot_pinning.py."""
 
 import asyncio
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
@@ -222,3 +224,43 @@ async def test_a_long_wait_that_ends_in_an_answer_keeps_the_slot(
         await slow
         await ask(gw, key, turns("a", 3))
         assert sent_slot(engine.seen[-1].content) == slot
+
+
+async def test_a_pinned_stream_without_a_first_byte_is_sent_again_elsewhere(
+    tmp_path: Path,
+) -> None:
+    """The conversation's slot answers nothing (a task the engine never
+    finishes: seen with two routers). Past slot_stuck_s without a first
+    byte, the router cancels the stream and sends it once more on the same
+    replica, to another slot; the client gets its answer, and the slot is
+    left out of the next choices. A non-streamed request is not cut: its
+    headers come only with the whole answer."""
+    engine = StuckSlotEngine()
+    async with gateway(
+        tmp_path / "s.db", REPLICAS[:1], [slots_model(slots=2)], engine, slot_stuck_s=0.3,
+    ) as gw:  # fmt: skip
+        _, key = gw.key()
+        await ask(gw, key, turns("a", 1), True)
+        stuck = sent_slot(engine.seen[-1].content)
+        assert stuck is not None
+        engine.stuck = stuck  # from now on that slot never answers
+        await ask(gw, key, turns("a", 2), True)  # answered, from the other slot
+        tried = [sent_slot(q.content) for q in engine.seen[1:]]
+        assert tried == [stuck, 1 - stuck], tried
+        await ask(gw, key, turns("a", 3), True)
+        assert sent_slot(engine.seen[-1].content) == 1 - stuck  # the stuck one left out
+        metrics = (await gw.http.get("/metrics", headers=auth(ADMIN_KEY))).text
+        assert 'kind="slot_stuck"' in metrics
+
+
+@dataclass
+class StuckSlotEngine(CachingEngine):
+    """A CachingEngine whose slot ``stuck`` never answers (None: all do)."""
+
+    stuck: int | None = None
+
+    async def handle(self, request: httpx.Request) -> httpx.Response:
+        if self.stuck is not None and sent_slot(request.content) == self.stuck:
+            self.seen.append(request)
+            await asyncio.Event().wait()  # until the router cancels it
+        return await super().handle(request)

@@ -120,7 +120,7 @@ class Affinity:
             placed=homes.home(key.lead),
         )
         if choice.order and choice.reason is not Reason.LEAST_LOADED:
-            homes.place(key.lead, choice.order[0].replica_id)
+            homes.turn(key.lead, choice.order[0].replica_id)
         return choice
 
     def served(
@@ -149,8 +149,8 @@ class Affinity:
                 index.correct(replica_id, key, predicted, reported)
         index.record(replica_id, key)
         homes = self._homes.get(model)
-        if homes is not None and homes.home(key.lead) is not None:
-            homes.place(key.lead, replica_id)  # where it was served (a failover moves it)
+        if homes is not None:
+            homes.served(key.lead, replica_id)  # a failover moves it
         if key.sticky is not None:
             entry = (model, key.sticky)
             self._sticky[entry] = _Sticky(replica_id, key.chunks[-1].digest, self._clock())

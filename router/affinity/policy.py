@@ -175,8 +175,8 @@ def _home(
     their ids in the lead's hash order.
 
     A live conversation: where it lives, if within the slack, unless that
-    replica is over the share (``ceil(balance_factor x live / replicas)``):
-    then the first within under it. A new one: the first within under its
+    replica has more than ``balance_factor x (the fewest + 1)``: then the
+    first within with at least two fewer. A new one: the first within under its
     share counting itself (``ceil(balance_factor x (live + 1) / replicas)``),
     then the first of every candidate under it, then the fewest within.
 
@@ -187,14 +187,18 @@ def _home(
     queue it joins (a saturated replica is no candidate)."""
     live = sum(homes.values())
     if placed is not None and placed in within:
-        # Over its share (placed there while the others were saturated, or
-        # moved there for load): it moves to a replica under it. Its head is
-        # found there (every replica holds it, or its slot is primed with
-        # it); only its own turns are computed again.
-        fair = math.ceil(policy.balance_factor * live / max(1, replicas))
-        if policy.balance_factor > 0 and homes.get(placed, 0) > fair:
+        # Its replica has more than balance_factor x (the fewest + 1) (placed
+        # there while the others were saturated, moved there for load, or
+        # others' conversations ended): it moves to one with at least two
+        # fewer. Its head is found there (every replica holds it, or its
+        # slot is primed with it); only its own turns are computed again.
+        # Against the fewest, not the mean: 5/4/4/3 is within every mean's
+        # ceiling, and 1.67 apart in load.
+        here = homes.get(placed, 0)
+        fewest = min(homes.get(r.replica_id, 0) for r in routes)
+        if policy.balance_factor > 0 and here > policy.balance_factor * (fewest + 1):
             for replica_id in order:
-                if homes.get(replica_id, 0) < fair:
+                if homes.get(replica_id, 0) <= here - 2:
                     return within[replica_id], True
         return within[placed], False
     if policy.balance_factor <= 0:

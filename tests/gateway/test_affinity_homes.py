@@ -153,22 +153,41 @@ def test_a_replica_holding_more_still_wins_over_the_home() -> None:
 
 def test_homes_count_live_conversations_and_follow_them() -> None:
     clock = Clock()
-    homes = Homes(clock, live_s=60, max_homes=3)
-    homes.place(1, "a")
-    homes.place(2, "a")
-    homes.place(3, "b")
+    homes = Homes(clock, live_s=60, max_homes=3, first_turn_s=60)
+    homes.turn(1, "a")
+    homes.turn(2, "a")
+    homes.turn(3, "b")
     assert dict(homes.counts()) == {"a": 2, "b": 1}
-    homes.place(2, "b")  # served elsewhere: it moves
+    homes.served(2, "b")  # served elsewhere (a failover): it moves
     assert dict(homes.counts()) == {"a": 1, "b": 2} and homes.home(2) == "b"
-    homes.place(4, "c")  # past max_homes: the least recently active (1) goes
+    homes.turn(4, "c")  # past max_homes: the least recently active (1) goes
     assert homes.home(1) is None and dict(homes.counts()) == {"b": 2, "c": 1}
     clock.now += 30
-    homes.place(3, "b")  # a turn keeps it live
+    homes.turn(3, "b")  # a turn keeps it live
     clock.now += 31
     assert dict(homes.counts()) == {"b": 1} and homes.home(3) == "b"
     assert homes.home(2) is None and homes.home(4) is None
     homes.forget("b")
     assert dict(homes.counts()) == {} and homes.home(3) is None
+
+
+def test_a_conversation_of_one_turn_counts_only_a_while() -> None:
+    # A one-off request (or the bench's policy ping) is not counted against
+    # its replica past first_turn_s; a second turn counts it again.
+    clock = Clock()
+    homes = Homes(clock, live_s=300, first_turn_s=10)
+    homes.turn(1, "a")
+    homes.turn(2, "a")
+    homes.turn(2, "a")  # conversation 2 goes on
+    clock.now += 11
+    assert dict(homes.counts()) == {"a": 1}  # 1 no longer counted, still at home
+    assert homes.home(1) == "a"
+    homes.served(1, "b")  # a move of an uncounted one counts nowhere
+    assert dict(homes.counts()) == {"a": 1}
+    homes.turn(1, "b")  # its second turn
+    assert dict(homes.counts()) == {"a": 1, "b": 1}
+    clock.now += 11
+    assert dict(homes.counts()) == {"a": 1, "b": 1}  # past one turn: live for live_s
 
 
 def test_forgetting_a_replica_frees_its_share() -> None:

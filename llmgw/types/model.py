@@ -127,7 +127,8 @@ class RoutingPolicy(BaseModel):
         le=16,
         description="prefix: a new conversation goes to the first replica in its hash's"
         " order with fewer live conversations (a turn in the last 5 minutes, as this router"
-        " placed them) than this times the mean, and a live one on a replica over that moves;"
+        " placed them) than this times the mean, and a live one moves off a replica with more"
+        " than this times (the fewest + 1);"
         " 1: as even as whole conversations allow; higher keeps more to the hash; 0: the hash"
         " alone (routers that never talked agree on every conversation); 0 or at least 1",
     )

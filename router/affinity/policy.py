@@ -139,7 +139,14 @@ def choose(
     # at max_inflight is no candidate for now, and its conversations must not
     # loosen the others' share.
     replicas = len(counts.keys() | {r.replica_id for r in routes})
-    favourite, moved = _home(policy, key.lead, by_id, order, routes, replicas, counts, placed)
+    # A move recomputes the conversation's own tokens (its head is found
+    # anywhere): worth it while they are no more than the head (a chat's
+    # early turns), not for a 2,000-token document behind a short system
+    # prompt (bench W2 computed more with such moves than without).
+    movable = key.prompt_tokens - key.head_tokens <= key.head_tokens
+    favourite, moved = _home(
+        policy, key.lead, by_id, order, routes, replicas, counts, placed, movable
+    )
     best_within = max(scores[r.replica_id] for r in within)
     chosen = favourite
     # The head (system prompt, tools: what precedes the lead) is assumed held
@@ -169,16 +176,18 @@ def _home(
     replicas: int,
     homes: Mapping[str, int],
     placed: str | None,
+    movable: bool = True,
 ) -> tuple[Route, bool]:
     """The conversation's own replica, and whether it leaves its home for
     balance. ``within``: the candidates within the slack, by id, ``order``
     their ids in the lead's hash order.
 
     A live conversation: where it lives, if within the slack, unless that
-    replica has more than ``balance_factor x (the fewest + 1)``: then the
-    first within with at least two fewer. A new one: the first within under its
-    share counting itself (``ceil(balance_factor x (live + 1) / replicas)``),
-    then the first of every candidate under it, then the fewest within.
+    replica has more than ``balance_factor x (the fewest + 1)`` and it is
+    ``movable``: then the first within with at least two fewer. A new one:
+    the first within under its share counting itself
+    (``ceil(balance_factor x (live + 1) / replicas)``), then the first of
+    every candidate under it, then the fewest within.
 
     A new conversation goes past the slack for its share: it stays for all
     its turns, and a replica the moment's load kept out of new conversations
@@ -196,7 +205,7 @@ def _home(
         # ceiling, and 1.67 apart in load.
         here = homes.get(placed, 0)
         fewest = min(homes.get(r.replica_id, 0) for r in routes)
-        if policy.balance_factor > 0 and here > policy.balance_factor * (fewest + 1):
+        if movable and policy.balance_factor > 0 and here > policy.balance_factor * (fewest + 1):
             for replica_id in order:
                 if homes.get(replica_id, 0) <= here - 2:
                     return within[replica_id], True

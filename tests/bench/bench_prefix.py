@@ -498,9 +498,10 @@ def report(workload: str, runs: dict[str, Run], replica_ids: Sequence[str]) -> N
     for run in runs.values():
         if run.floor:
             print(
-                f"  {run.policy}: {run.computed:,} prefill tokens computed against a floor of"
-                f" {run.floor:,} (every history kept, each of its {run.first_turns} first"
-                " turns computed whole)"
+                f"  {run.policy}: {run.computed:,} prefill tokens computed against"
+                f" {run.floor:,} if every history were kept and each of its {run.first_turns}"
+                " first turns computed whole (slot priming goes below: it copies the"
+                " system prompt into a new slot)"
             )
     for line in goals(workload, runs, replica_ids):
         print(f"  prefix vs least_loaded: {line}")

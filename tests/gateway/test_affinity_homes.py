@@ -283,3 +283,14 @@ def test_a_new_conversation_goes_past_the_slack_for_its_share_a_live_one_does_no
         moved = choose(RoutingPolicy(), routes, _first_turn(lead), index, None, 0, homes=homes,
                        placed="r2")  # fmt: skip
         assert moved.order[0].replica_id != "r2"
+
+
+def test_a_document_behind_a_short_system_prompt_is_not_moved() -> None:
+    # A move would compute its whole 2,000-token document again (its head,
+    # a short system prompt, is all it finds elsewhere): it stays.
+    index = PrefixIndex(100_000)
+    doc = PromptKey((Chunk(7, 8), Chunk(5, 2000)), 5, None, 2008, head_tokens=8)
+    index.record("r1", doc)
+    homes = {"r0": 4, "r1": 5, "r2": 4, "r3": 3}
+    kept = choose(RoutingPolicy(), _routes(), doc, index, None, 0, homes=homes, placed="r1")
+    assert kept.order[0].replica_id == "r1"

@@ -8,6 +8,7 @@ real llama.cpp behind the router: tests/e2e/test_slot_pinning.py."""
 
 import asyncio
 import json
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,7 +28,7 @@ from tests.gateway.test_prefix_routing import (
     routed,
     turns,
 )
-from tests.gateway_util import ADMIN_KEY, auth, gateway
+from tests.gateway_util import ADMIN_KEY, Gateway, auth, gateway
 
 __all__ = ["exporter"]  # the fixture, imported for these tests
 
@@ -164,6 +165,17 @@ class Clock:
         return self.now
 
 
+def two_slots(
+    tmp_path: Path, clock: Clock, engine: CachingEngine
+) -> "AbstractAsyncContextManager[Gateway]":
+    """A router on one replica of a model with two pinned slots, its
+    affinity on ``clock``."""
+    return gateway(
+        tmp_path / "s.db", REPLICAS[:1], [slots_model(slots=2)], engine,
+        affinity=Affinity(clock=clock),
+    )  # fmt: skip
+
+
 async def _seen(engine: CachingEngine, n: int) -> None:
     async with asyncio.timeout(30):
         while len(engine.seen) < n:
@@ -179,10 +191,7 @@ async def test_a_slot_whose_request_waited_unanswered_is_left_out_for_a_while(
     STUCK_S and its client gives up. Its next request goes to another slot
     instead of queueing behind the same one again, until BLOCK_S has passed."""
     clock, engine = Clock(), CachingEngine()
-    async with gateway(
-        tmp_path / "s.db", REPLICAS[:1], [slots_model(slots=2)], engine,
-        affinity=Affinity(clock=clock),
-    ) as gw:  # fmt: skip
+    async with two_slots(tmp_path, clock, engine) as gw:
         _, key = gw.key()
         await ask(gw, key, turns("a", 1), stream)
         stuck = sent_slot(engine.seen[-1].content)
@@ -209,10 +218,7 @@ async def test_a_long_wait_that_ends_in_an_answer_keeps_the_slot(
     tmp_path: Path, stream: bool
 ) -> None:
     clock, engine = Clock(), CachingEngine()
-    async with gateway(
-        tmp_path / "s.db", REPLICAS[:1], [slots_model(slots=2)], engine,
-        affinity=Affinity(clock=clock),
-    ) as gw:  # fmt: skip
+    async with two_slots(tmp_path, clock, engine) as gw:
         _, key = gw.key()
         await ask(gw, key, turns("a", 1))
         slot = sent_slot(engine.seen[-1].content)

@@ -59,8 +59,11 @@ module are named with where they live::
     │                             retries it (router/api/response_run.py)
     ├── BodyRefused               a batch line's body its endpoint would refuse, with the
     │                             field at fault (router/batches/validate.py)
-    └── StaleAdapter              the engine no longer holds the LoRA adapter the router
-                                  sent it to (router/forwarding/proxy.py)
+    ├── StaleAdapter              the engine no longer holds the LoRA adapter the router
+    │                             sent it to (router/forwarding/proxy.py)
+    └── SlotStuck                 a stream pinned to a llama.cpp slot had no first byte in
+                                  time: sent once more, the slot left out
+                                  (router/forwarding/proxy.py)
 
 The replica workflow's private ``_StopRequested`` and ``NoAgent``
 (workflows/node_loss.py) derive from the root too; they never leave the

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import itertools
 import os
+import signal
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -89,8 +90,8 @@ async def _turn(
 @contextlib.asynccontextmanager
 async def _engine(
     llama_path: LlamaPath, tiny: TinyModel, tmp_path: Path, slots: int, scratch: str = ""
-) -> AsyncIterator[httpx.AsyncClient]:
-    """The engine plan's llama-server for ``slots`` pinned slots, ready."""
+) -> AsyncIterator[tuple[httpx.AsyncClient, Child]]:
+    """The engine plan's llama-server for ``slots`` pinned slots, ready, and its process."""
     install = llama_path.install
     port = free_port()
     request = ShardRequest(
@@ -128,7 +129,7 @@ async def _engine(
                         pass
                     await asyncio.sleep(0.2)
             assert len((await http.get("/slots")).json()) == slots
-            yield http
+            yield http, engine
     finally:
         engine.stop(grace_s=5)
 
@@ -136,7 +137,7 @@ async def _engine(
 async def test_pinned_conversations_sharing_a_system_prompt_keep_their_histories(
     llama_path: LlamaPath, tiny: TinyModel, tmp_path: Path
 ) -> None:
-    async with _engine(llama_path, tiny, tmp_path, slots=3) as http:
+    async with _engine(llama_path, tiny, tmp_path, slots=3) as (http, _):
         talks: list[list[dict[str, str]]] = [
             [{"role": "system", "content": SYSTEM}] for _ in range(2)
         ]
@@ -159,7 +160,7 @@ async def test_a_slot_primed_from_another_finds_the_shared_system_prompt(
     # The agent's scratch dir and its slots subdirectory (the supervisor makes them).
     scratch = tmp_path / "scratch"
     (scratch / SLOTS_SUBDIR).mkdir(parents=True)
-    async with _engine(llama_path, tiny, tmp_path, slots=3, scratch=str(scratch)) as http:
+    async with _engine(llama_path, tiny, tmp_path, slots=3, scratch=str(scratch)) as (http, _):
         first = [{"role": "system", "content": SYSTEM}]
         (head_and_question, _) = await _turn(http, first, 0, "Conversation 0: what is rule 1?")
         upstream = AiohttpUpstream(5, 30, 4)
@@ -205,7 +206,7 @@ async def test_an_engine_that_cannot_save_slots_is_not_asked_again(
 ) -> None:
     # No scratch dir: the plan gives no --slot-save-path; the engine answers
     # a slot action 501, and the primer leaves that replica alone for a while.
-    async with _engine(llama_path, tiny, tmp_path, slots=2) as http:
+    async with _engine(llama_path, tiny, tmp_path, slots=2) as (http, _):
         upstream = _Counting(AiohttpUpstream(5, 30, 4))
         try:
             primer = SlotPrimer(upstream, timeout_s=30)
@@ -216,3 +217,36 @@ async def test_an_engine_that_cannot_save_slots_is_not_asked_again(
         finally:
             await upstream.aclose()
         assert upstream.posts == [f"{base}/slots/0?action=save"]
+
+
+async def test_a_frozen_engine_leaves_its_requests_unprimed_not_waiting(
+    llama_path: LlamaPath, tiny: TinyModel, tmp_path: Path
+) -> None:
+    # The engine SIGSTOPped between a conversation's turn and the next
+    # one's priming: the copy gives up at its bound (the request then goes
+    # unprimed), and once the engine runs again a copy works.
+    scratch = tmp_path / "scratch"
+    (scratch / SLOTS_SUBDIR).mkdir(parents=True)
+    async with _engine(llama_path, tiny, tmp_path, slots=3, scratch=str(scratch)) as (
+        http,
+        engine,
+    ):
+        await _turn(http, [{"role": "system", "content": SYSTEM}], 0, "Conversation 0: rule 1?")
+        upstream = AiohttpUpstream(5, 30, 4)
+        headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+        base = str(http.base_url).rstrip("/")
+        try:
+            primer = SlotPrimer(upstream, timeout_s=0.5)
+            engine.signal(signal.SIGSTOP)
+            try:
+                async with asyncio.timeout(30):  # the bound, not the engine, ends it
+                    assert not await primer.prime("r1", base, headers, 0, 1)
+            finally:
+                engine.signal(signal.SIGCONT)
+            patient = SlotPrimer(upstream, timeout_s=30)
+            assert await patient.prime("r1", base, headers, 0, 1)
+        finally:
+            await upstream.aclose()
+        talk = [{"role": "system", "content": SYSTEM}]
+        prompt, cached = await _turn(http, talk, 1, "Conversation 1: and rule 2?")
+        assert cached > prompt // 2, (prompt, cached)

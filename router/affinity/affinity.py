@@ -187,10 +187,10 @@ class Affinity:
         (``routing.slots``): then no client's ``id_slot`` reaches the engine."""
         return spec is not None and spec.routing.slots > 0 and spec.engine is EngineKind.LLAMA_CPP
 
-    def block(self, replica_id: str, slot: int) -> None:
-        """A stream pinned to ``slot`` had no first byte in time and was
-        cancelled: the slot is left out for a while (slots.BLOCK_S)."""
-        self._slots.block(replica_id, slot)
+    def block(self, replica_id: str, slot: int, waited_s: float) -> None:
+        """A stream pinned to ``slot`` had no first byte in ``waited_s`` and
+        was cancelled: the slot is left out for a while (slots.BLOCK_S)."""
+        self._slots.block(replica_id, slot, waited_s)
 
     def release(self, replica_id: str, slot: int | None, answered: bool) -> None:
         """A request pinned to ``slot`` (None: unpinned) of ``replica_id``

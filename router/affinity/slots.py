@@ -222,15 +222,16 @@ class Slots:
         table = self._tables.get(replica_id)
         return table.primer_for(slot, head, tokens) if table is not None else None
 
-    def block(self, replica_id: str, slot: int) -> None:
-        """SlotTable.block of the replica's table, with a warning in the log."""
+    def block(self, replica_id: str, slot: int, waited_s: float) -> None:
+        """SlotTable.block of the replica's table (a stream pinned there had
+        no first byte in ``waited_s``), with a warning in the log."""
         table = self._tables.get(replica_id)
         if table is not None:
             table.block(slot)
             log.warning(
                 "slot %d of replica %s: a stream pinned there had no first byte in %.0f s;"
                 " left out of this router's choices for %.0f s",
-                slot, replica_id, self._stuck_s, self._block_s,
+                slot, replica_id, waited_s, self._block_s,
             )  # fmt: skip
 
     def pinned(self, replica_id: str) -> int:

@@ -324,7 +324,7 @@ class Proxy:
                 return await self._http.post(url, body, headers)
         except TimeoutError:
             if self._affinity is not None:
-                self._affinity.block(route.replica_id, slot)
+                self._affinity.block(route.replica_id, slot, self._stuck_s)
             raise SlotStuck(route, slot) from None
 
     def _key_refused(self, route: Route, call: Call) -> LlmgwError:

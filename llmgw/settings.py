@@ -10,7 +10,7 @@ import socket
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from llmgw.tracing import TracingSettings
@@ -220,10 +220,27 @@ class RouterSettings(_Common):
     # Names this router in its load reports to the deployments (elastic
     # serving): unique among the routers of one system.
     router_id: str = Field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
+    # Several routers in front of one llama.cpp model with routing.slots:
+    # router slot_share (0 .. slot_shares-1) pins only the slots s with
+    # s % slot_shares == slot_share, so no two routers pin one slot (llama.cpp
+    # queues a request for a busy slot behind whatever holds it). One router: 0 of 1.
+    # Keep each share at least the model's max_inflight: past its share a
+    # router's requests go unpinned, to the engine's choice of slot.
+    slot_share: int = Field(default=0, ge=0)
+    slot_shares: int = Field(default=1, ge=1)
     # uvicorn's line per request (LLMGW_ACCESS_LOG=true). Off by default: the
     # request span and /metrics say more, and the line costs a tenth of the
     # router's CPU per request.
     access_log: bool = False
+
+    @model_validator(mode="after")
+    def _share_in_shares(self) -> "RouterSettings":
+        if self.slot_share >= self.slot_shares:
+            raise ValueError(
+                f"slot_share {self.slot_share} of slot_shares {self.slot_shares}:"
+                " needs 0 <= slot_share < slot_shares"
+            )
+        return self
 
     def resolved_usage_spool_dir(self) -> Path:
         """Where this router's usage spool lives, absolute."""

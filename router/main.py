@@ -17,6 +17,8 @@ from llmgw.settings import RouterSettings
 from llmgw.store import Store
 from llmgw.temporal import connect_with
 from llmgw.tracing import setup_tracing
+from router.affinity.affinity import Affinity
+from router.affinity.slots import SlotShare
 from router.app import create_app, make_upstream
 from router.billing.usage_spool import UsageSpool, spool_dir
 from router.control_link.endpoint_proof import HttpProver, ProvenSource
@@ -69,6 +71,7 @@ def build(
         max_replicas=settings.max_replicas_per_model,
         max_file_bytes=settings.max_file_bytes,
         max_key_file_bytes=settings.max_key_file_bytes,
+        affinity=Affinity(slot_share=SlotShare(settings.slot_share, settings.slot_shares)),
     )
     limits = fit_open_files(
         ListenerLimits(

@@ -22,7 +22,7 @@ from router.affinity.chunks import PromptKey
 from router.affinity.homes import Homes
 from router.affinity.index import PrefixIndex
 from router.affinity.policy import DEFAULT_ROUTING, Choice, Reason, choose
-from router.affinity.slots import Slots
+from router.affinity.slots import EVERY_SLOT, Slots, SlotShare
 from router.control_link.routing import Route
 
 # Sticky keys remembered per router (LRU): each is a replica id and a digest.
@@ -75,7 +75,10 @@ class Affinity:
     """Per-model prefix indexes and sticky keys of one router."""
 
     def __init__(
-        self, clock: Callable[[], float] = time.monotonic, max_sticky: int = MAX_STICKY
+        self,
+        clock: Callable[[], float] = time.monotonic,
+        max_sticky: int = MAX_STICKY,
+        slot_share: SlotShare = EVERY_SLOT,
     ) -> None:
         self._clock = clock
         self._max_sticky = max_sticky
@@ -85,7 +88,8 @@ class Affinity:
         # Live conversations per model and where each lives (prefix policy).
         self._homes: dict[str, Homes] = {}
         # llama.cpp slots pinned per replica (catalog routing.slots).
-        self._slots = Slots(clock)
+        # (this router's share of them: several routers never pin one slot).
+        self._slots = Slots(clock, share=slot_share)
 
     def choose(
         self, spec: ModelSpec | None, candidates: list[Route], key: PromptKey | None

@@ -19,8 +19,16 @@ every slot is busy with this router's requests the request goes unpinned
 and the engine queues it for whichever slot frees first.
 
 A router knows only its own requests: two routers may pin different
-conversations to one slot. Each such clash costs one history, as the
-engine's own choice would.
+conversations to one slot, and a request pinned to a slot another
+router's request holds is queued by llama.cpp behind it (its deferred-by-id
+path, which has left requests unfinished and the engine spinning in our
+benchmark). So several routers in front of one slots model each take a
+share of the slots (``LLMGW_SLOT_SHARE`` of ``LLMGW_SLOT_SHARES``, router
+settings; :class:`SlotShare`): router ``i`` of ``n`` pins only slots
+``s`` with ``s % n == i``, so no two routers ever pin the same slot. A
+conversation whose turns alternate between routers then keeps one slot per
+router, each a turn behind: its turns compute two turns' new tokens, not
+one.
 
 Nor does it see a request that holds a slot and never finishes (another
 router's, or one the engine itself never completes): llama.cpp queues a
@@ -66,6 +74,27 @@ STUCK_S = 30.0
 BLOCK_S = 1800.0
 
 
+@dataclass(frozen=True, slots=True)
+class SlotShare:
+    """The slots this router pins: slot ``s`` is its own when ``s % count ==
+    index`` (router settings ``slot_share`` of ``slot_shares``). One router:
+    every slot."""
+
+    index: int = 0
+    count: int = 1
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.index < self.count:
+            raise ValueError(f"slot share {self.index} of {self.count}: needs 0 <= share < shares")
+
+    def of(self, slots: int) -> list[int]:
+        """This router's slots of a replica running ``slots``."""
+        return list(range(self.index, slots, self.count))
+
+
+EVERY_SLOT = SlotShare()
+
+
 @dataclass(slots=True)
 class _Slot:
     owner: int | None = None  # the conversation (PromptKey.lead) it last served
@@ -86,8 +115,11 @@ class SlotTable:
         clock: Callable[[], float] = time.monotonic,
         stuck_s: float = STUCK_S,
         block_s: float = BLOCK_S,
+        share: SlotShare = EVERY_SLOT,
     ) -> None:
         self._slots = [_Slot() for _ in range(slots)]
+        # The slots this router may pin (the others are other routers').
+        self._mine = share.of(slots)
         self._tick = 0
         self._names = [str(i) for i in range(slots)]
         self._clock = clock
@@ -100,14 +132,14 @@ class SlotTable:
 
     def pin(self, conversation: int) -> int | None:
         """The slot for a request of ``conversation`` (counted busy until
-        :meth:`release`), or None: every slot is busy with this router's
-        requests or blocked (STUCK_S).
+        :meth:`release`), or None: every slot of this router's share is busy
+        with its requests or blocked (STUCK_S), or its share is empty.
 
         A slot is the conversation's when its last request was (questions on
         one document sent at once fill several): the idle one used last.
         """
         now = self._clock()
-        idle = [i for i, s in enumerate(self._slots) if s.busy == 0 and s.blocked_until <= now]
+        idle = [i for i in self._mine if self._free(i, now)]
         if not idle:
             return None
         own = [i for i in idle if self._slots[i].owner == conversation]
@@ -154,8 +186,8 @@ class SlotTable:
         now = self._clock()
         donors = [
             i
-            for i, s in enumerate(self._slots)
-            if i != slot and s.head == head and s.busy == 0 and s.blocked_until <= now
+            for i in self._mine
+            if i != slot and self._slots[i].head == head and self._free(i, now)
         ]
         return min(donors, key=lambda i: self._slots[i].tokens) if donors else None
 
@@ -166,6 +198,11 @@ class SlotTable:
     def pinned(self) -> int:
         """Slots a conversation has been pinned to."""
         return sum(s.owner is not None for s in self._slots)
+
+    def _free(self, slot: int, now: float) -> bool:
+        """Not busy with this router's requests, nor blocked."""
+        entry = self._slots[slot]
+        return entry.busy == 0 and entry.blocked_until <= now
 
     def _take(self, slot: int, conversation: int) -> int:
         entry = self._slots[slot]
@@ -178,18 +215,20 @@ class SlotTable:
 
 class Slots:
     """Every replica's :class:`SlotTable` in one router (``clock``,
-    ``stuck_s`` and ``block_s``: each table's)."""
+    ``stuck_s``, ``block_s`` and ``share``: each table's)."""
 
     def __init__(
         self,
         clock: Callable[[], float] = time.monotonic,
         stuck_s: float = STUCK_S,
         block_s: float = BLOCK_S,
+        share: SlotShare = EVERY_SLOT,
     ) -> None:
         self._tables: dict[str, SlotTable] = {}
         self._clock = clock
         self._stuck_s = stuck_s
         self._block_s = block_s
+        self._share = share
 
     def pin(self, replica_id: str, slots: int, conversation: int) -> int | None:
         """A slot of ``replica_id`` (running ``slots`` slots) for ``conversation``."""
@@ -200,8 +239,14 @@ class Slots:
             if len(self._tables) >= MAX_TABLES:
                 self._tables.clear()
             table = self._tables[replica_id] = SlotTable(
-                slots, self._clock, self._stuck_s, self._block_s
+                slots, self._clock, self._stuck_s, self._block_s, self._share
             )
+            if not self._share.of(slots):
+                log.warning(
+                    "replica %s runs %d slots: none is this router's (slot share %d of %d);"
+                    " its requests go unpinned",
+                    replica_id, slots, self._share.index, self._share.count,
+                )  # fmt: skip
         return table.pin(conversation)
 
     def release(self, replica_id: str, slot: int, answered: bool) -> None:

@@ -38,6 +38,7 @@ from llmgw.types import (
 from llmgw_cli.dev.tinymodel import TinyModel
 from router.admission.queue import Admission
 from router.affinity.affinity import Affinity
+from router.affinity.slots import EVERY_SLOT, SlotShare
 from router.api.apikeys import create_key
 from router.app import create_app
 from router.billing.key_policy import KeyPolicy
@@ -130,9 +131,14 @@ class Router:
 
 @asynccontextmanager
 async def routers(
-    engines: Engines, n: int = 2, routing: RoutingPolicy | None = None, max_inflight: int = 1
+    engines: Engines,
+    n: int = 2,
+    routing: RoutingPolicy | None = None,
+    max_inflight: int = 1,
+    slot_shares: bool = False,
 ) -> AsyncIterator[tuple[list[Router], str]]:
-    """``n`` routers over one store (each its own table and affinity), and a key."""
+    """``n`` routers over one store (each its own table and affinity), and a
+    key; ``slot_shares``: router ``i`` pins slot share ``i`` of ``n``."""
     store = Store(engines.store_url)
     store.delete_model(M)
     store.put_model(
@@ -147,11 +153,12 @@ async def routers(
     made: list[Router] = []
     servers: list[tuple[uvicorn.Server, asyncio.Task[None]]] = []
     try:
-        for _ in range(n):
+        for i in range(n):
             source = FakeSource([_memo(rid, ep) for rid, ep in engines.endpoints.items()])
+            share = SlotShare(i, n) if slot_shares else EVERY_SLOT
             app = create_app(
                 store, source, refresh_interval_s=0.05, usage_flush_interval_s=0.05,
-                admin_key=ADMIN,
+                admin_key=ADMIN, affinity=Affinity(slot_share=share),
             )  # fmt: skip
             port = free_port()
             config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")

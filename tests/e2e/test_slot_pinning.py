@@ -5,6 +5,7 @@ their whole previous prompt cached. Left to the engine (the same server
 flags, no ``id_slot``), a new turn takes the slot of another conversation
 that shares the system prompt and overwrites its history."""
 
+import asyncio
 import itertools
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
@@ -13,7 +14,17 @@ import pytest
 
 from llmgw.types import RoutingPolicy
 from llmgw_cli.dev.tinymodel import TinyModel
-from tests.e2e.test_prefix_routing import Engines, Turn, ask, conversation, routers, serving, turn
+from tests.e2e.test_prefix_routing import (
+    HOLD_TOKENS,
+    Engines,
+    M,
+    Turn,
+    ask,
+    conversation,
+    routers,
+    serving,
+    turn,
+)
 from worker_agent.engines.llamacpp import pinned_slot_flags
 
 if TYPE_CHECKING:
@@ -100,3 +111,55 @@ async def test_a_new_conversations_slot_is_primed_with_the_shared_system_prompt(
             assert first.cached_tokens == 0, firsts
     for first, second in zip(firsts, seconds, strict=True):
         assert second.cached_tokens >= first.prompt_tokens - 1, (firsts, seconds)
+
+
+@pytest.fixture
+def two_slot_engine(
+    llama: "LlamaCppInstall", tiny: TinyModel, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Engines]:
+    """One server of the tiny model with two pinned slots, empty (one per test)."""
+    root = tmp_path_factory.mktemp("shares")
+    with serving(llama, tiny, root, ("s3",), CONTEXT, pinned_slot_flags(2)) as engines:
+        yield engines
+
+
+@pytest.mark.timeout(600)
+async def test_two_routers_with_their_own_slot_shares_never_queue_behind_each_other(
+    two_slot_engine: Engines,
+) -> None:
+    # One conversation asked through both routers at once (two questions on
+    # one document). Without shares both routers, their tables empty, put
+    # it in the same slot (its rendezvous choice, so routers agree), and
+    # llama.cpp queues the second request behind the first for as long as
+    # the first generates. With shares (router 0 pins slot 0, router 1 slot
+    # 1) the second runs beside the first and is answered while it still streams.
+    routing = RoutingPolicy(slots=2)
+    async with routers(two_slot_engine, 2, routing, max_inflight=2, slot_shares=True) as (
+        [a, b],
+        key,
+    ):
+        long_client, short_client = a.client(key), b.client(key)
+        messages = conversation()
+        ask(messages, "one document: the green model and the blue sky")
+        stream = await long_client.chat.completions.create(
+            model=M, messages=messages, max_tokens=HOLD_TOKENS, stream=True
+        )
+        streamed, started = 0, asyncio.Event()
+
+        async def read_long() -> None:
+            nonlocal streamed
+            async for chunk in stream:
+                if chunk.choices and chunk.choices[0].delta.content:
+                    streamed += 1
+                    started.set()
+
+        reading = asyncio.create_task(read_long())
+        await started.wait()  # generating on its slot now
+        short = await short_client.chat.completions.create(model=M, messages=messages, max_tokens=4)
+        assert short.choices[0].message.content
+        # The short answer came while the long one was still being generated:
+        # it did not wait for it (queued, it comes after all HOLD_TOKENS).
+        assert streamed < HOLD_TOKENS // 2, streamed
+        await reading
+        assert streamed == HOLD_TOKENS
+        await asyncio.gather(long_client.close(), short_client.close())

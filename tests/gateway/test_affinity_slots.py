@@ -14,7 +14,8 @@ from llmgw.catalog import CatalogModel, catalog_problems
 from llmgw.types import EngineKind, ModelSpec, RoutingPolicy
 from router.affinity.affinity import Affinity, capacity_tokens
 from router.affinity.chunks import Chunk, PromptKey
-from router.affinity.slots import BLOCK_S, STUCK_S, Slots, SlotTable
+from llmgw.settings import RouterSettings
+from router.affinity.slots import BLOCK_S, STUCK_S, Slots, SlotShare, SlotTable
 
 
 class Clock:
@@ -87,6 +88,64 @@ def test_slots_per_replica_resize_and_forget() -> None:
     assert slots.pin("r1", 4, 2) is not None
     slots.release("r1", 99, answered=True)  # a slot of an older size: ignored
     assert slots.pin("r1", 2, 1) in (0, 1)  # resized with its engine
+
+
+@given(
+    st.integers(1, 4),
+    st.integers(1, 12),
+    st.lists(st.tuples(st.integers(0, 3), st.booleans(), st.integers(0, 9)), max_size=120),
+)
+def test_routers_with_their_own_shares_never_pin_one_slot(
+    routers: int, size: int, ops: list[tuple[int, bool, int]]
+) -> None:
+    # Each router pins only its share (s % routers == its index); together
+    # they can use every slot, and no slot is ever held by two routers'
+    # requests at once (llama.cpp would queue one behind the other).
+    tables = [SlotTable(size, share=SlotShare(i, routers)) for i in range(routers)]
+    held: dict[int, int] = {}  # slot -> the router whose request holds it
+    for router, pin, conversation in ops:
+        router %= routers
+        table = tables[router]
+        if pin:
+            slot = table.pin(conversation)
+            mine = [s for s in range(size) if s % routers == router]
+            if slot is None:
+                assert all(held.get(s) == router for s in mine)  # its whole share busy
+            else:
+                assert slot in mine and slot not in held
+                held[slot] = router
+        else:
+            slots = sorted(s for s, r in held.items() if r == router)
+            if slots:
+                slot = slots[conversation % len(slots)]
+                table.release(slot, answered=True)
+                del held[slot]
+
+
+def test_a_share_beyond_the_replicas_slots_pins_nothing_and_primes_within_itself(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    slots = Slots(share=SlotShare(2, 3))
+    with caplog.at_level(logging.WARNING):
+        assert slots.pin("r1", 2, 1) is None  # slots 0 and 1 are routers 0's and 1's
+    assert "none is this router's (slot share 2 of 3)" in caplog.text
+    # Router 0 of 2 holds slots 0 and 2 of 4: a donor is one of its own.
+    table = SlotTable(4, share=SlotShare(0, 2))
+    first = table.pin(1)
+    assert first is not None
+    table.primer_for(first, head=7, tokens=1000)
+    table.release(first, answered=True)
+    second = table.pin(2)
+    assert second is not None and {first, second} == {0, 2}
+    assert table.primer_for(second, head=7, tokens=1100) == first
+
+
+def test_the_router_settings_refuse_a_share_outside_the_shares() -> None:
+    assert RouterSettings(slot_share=1, slot_shares=2).slot_shares == 2
+    with pytest.raises(ValueError, match="needs 0 <= slot_share < slot_shares"):
+        RouterSettings(slot_share=2, slot_shares=2)
+    with pytest.raises(ValueError, match="needs 0 <= share < shares"):
+        SlotShare(1, 1)
 
 
 @given(st.lists(st.tuples(st.booleans(), st.integers(0, 6)), max_size=80))

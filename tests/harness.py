@@ -241,9 +241,9 @@ class System:
             },
         )
 
-    def start_router(self, port: int) -> Child:
-        """The router on ``port``, once it accepts connections."""
-        child = self.spawn("router", {"LLMGW_PORT": str(port)})
+    def start_router(self, port: int, env: dict[str, str] | None = None) -> Child:
+        """The router on ``port`` (``env``: more of its settings), once it accepts connections."""
+        child = self.spawn("router", {"LLMGW_PORT": str(port), **(env or {})})
         if not wait_for(lambda: port_open(port) or not child.alive(), 60):
             raise RuntimeError(f"router did not start:\n{child.log_tail()}")
         if not child.alive():

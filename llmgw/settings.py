@@ -130,6 +130,17 @@ class AgentSettings(_Common):
     # os.pathsep-separated. Empty: <work_dir>/models (where `llmgw up` puts
     # its model).
     weights_roots: Annotated[list[Path], NoDecode] = Field(default_factory=list)
+    # Engine liveness (worker_agent/liveness.py; docs/guides/recovery.md): a
+    # running engine is asked every interval (0: never) through its work loop,
+    # each ask bounded by the timeout. It is hung, stopped and replaced, when
+    # that many asks in a row (0: rule off) spanning at least unanswered_s
+    # went unanswered, or when it has requests in flight and its progress
+    # counter stood still for stall_s (0: rule off).
+    liveness_interval_s: float = Field(default=10.0, ge=0)
+    liveness_timeout_s: float = Field(default=10.0, gt=0)
+    liveness_unanswered_rounds: int = Field(default=6, ge=0)
+    liveness_unanswered_s: float = Field(default=60.0, ge=0)
+    liveness_stall_s: float = Field(default=600.0, ge=0)
 
     @field_validator("system_dir", mode="before")
     @classmethod

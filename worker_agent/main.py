@@ -59,6 +59,7 @@ from worker_agent.inventory import (
     weights_report,
 )
 from worker_agent.launch import Launcher
+from worker_agent.liveness import LivenessRules
 from worker_agent.shard_record import ShardRecord
 from worker_agent.shard_service import ShardService
 from worker_agent.supervisor import RunningShard, Supervisor
@@ -131,7 +132,14 @@ def build_shards(
                 settings.resolved_weights_roots(),
                 group=_engine_group(supervisor),
             ),
-        )
+        ),
+        liveness=LivenessRules(
+            interval_s=settings.liveness_interval_s,
+            timeout_s=settings.liveness_timeout_s,
+            rounds=settings.liveness_unanswered_rounds,
+            unanswered_s=settings.liveness_unanswered_s,
+            stall_s=settings.liveness_stall_s,
+        ),
     )
 
 

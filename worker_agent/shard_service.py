@@ -51,7 +51,14 @@ from llmgw.types import (
 )
 from worker_agent.engines import ReadyProbe
 from worker_agent.launch import LOOPBACK_KEY_PREFIX, Launcher
-from worker_agent.probes import engine_busy, engine_load, probe_ready
+from worker_agent.liveness import Hung, Liveness, LivenessRules, Observation, Suspect
+from worker_agent.probes import (
+    engine_busy,
+    engine_load,
+    liveness_probe,
+    probe_liveness,
+    probe_ready,
+)
 from worker_agent.shard_record import ShardRecord
 from worker_agent.supervisor import RunningShard, StopOutcome
 
@@ -130,13 +137,17 @@ class RunningShards:
         processes: EngineProcesses,
         engine_key: EngineKeyFn,
         http: httpx.AsyncClient | None = None,
+        liveness: LivenessRules | None = None,
     ) -> None:
         """``processes``: the node's supervisor; ``engine_key``: a replica's key,
         for asking its engine and for redacting it; ``http``: the client
-        readiness and load checks use (closed by ``aclose``)."""
+        readiness, load and liveness checks use (closed by ``aclose``);
+        ``liveness``: how a watch probes its engine (worker_agent/liveness.py;
+        the defaults when None)."""
         self._sup = processes
         self._engine_key = engine_key
         self._http = http or httpx.AsyncClient(timeout=httpx.Timeout(5.0))
+        self._liveness = liveness or LivenessRules()
 
     async def aclose(self) -> None:
         """Close the HTTP client used for readiness checks."""
@@ -184,7 +195,14 @@ class RunningShards:
         heartbeat: Heartbeat,
         leaving: Callable[[], bool] = _staying,
     ) -> ShardExit:
-        """Return when the shard's engine exits; heartbeat while it runs.
+        """Return when the shard's engine exits, or once it is hung (then
+        stopped); heartbeat while it runs.
+
+        A serving shard is probed every ``liveness.interval_s`` beside the
+        process checks (``_LivenessWatch``); one found hung
+        (worker_agent/liveness.py) is stopped, SIGKILL if need be, and
+        reported with a reason starting with ``ENGINE_HUNG``, so the
+        replica is replaced as when its engine exits.
 
         Raises:
             AgentShutdown: ``leaving()`` said the agent is stopping (asked
@@ -192,19 +210,35 @@ class RunningShards:
         """
         ref = request.shard
         sidecar: tuple[str, int] | None = None
-        while self._sup.find_running(ref) is not None:
-            if leaving():
-                # The engine outlives the agent; a retry on the next agent
-                # process resumes watching it.
-                raise AgentShutdown("agent shutting down")
-            sidecar = self._sup.dead_sidecar(ref)
-            if sidecar is not None:
-                # An engine nobody can reach (its pass-through is gone) is down.
-                await asyncio.to_thread(self._sup.stop, ref, 5.0)
-                break
-            heartbeat("running")
-            self._sup.trim_log(ref)
-            await asyncio.sleep(request.poll_interval_s)
+        hung: Hung | None = None
+        probing = self._liveness_watch(ref)
+        try:
+            while (running := self._sup.find_running(ref)) is not None:
+                if leaving():
+                    # The engine outlives the agent; a retry on the next agent
+                    # process resumes watching it.
+                    raise AgentShutdown("agent shutting down")
+                sidecar = self._sup.dead_sidecar(ref)
+                if sidecar is not None:
+                    # An engine nobody can reach (its pass-through is gone) is down.
+                    await asyncio.to_thread(self._sup.stop, ref, 5.0)
+                    break
+                detail = "running"
+                if probing is not None:
+                    verdict = probing.step(running.endpoint)
+                    if isinstance(verdict, Hung):
+                        hung = verdict
+                        break
+                    if isinstance(verdict, Suspect):
+                        detail = f"running; {verdict.detail}"
+                heartbeat(detail)
+                self._sup.trim_log(ref)
+                await asyncio.sleep(request.poll_interval_s)
+        finally:
+            if probing is not None:
+                probing.cancel()
+        if hung is not None:
+            return await self._stop_hung(ref, hung)
         code = self._sup.exit_code(ref)
         if sidecar is None:
             # Whatever killed the leader, its children (vLLM's EngineCore and
@@ -220,6 +254,32 @@ class RunningShards:
             return ShardExit(exit_code=code, reason="stopped on request", log_tail=tail)
         log.warning("replica %s rank %d engine exited (code %s)", ref.replica_id, ref.rank, code)
         return ShardExit(exit_code=code, reason=f"engine exited with code {code}", log_tail=tail)
+
+    def _liveness_watch(self, ref: ShardRef) -> "_LivenessWatch | None":
+        """The liveness probing of ``ref``'s engine as its record describes it
+        (adopted engines too); None for a worker rank, which serves no HTTP,
+        or with probing off."""
+        rules = self._liveness
+        if rules.interval_s <= 0:
+            return None
+        plan = self._sup.plan_of(ref)
+        if not plan.serves_http:
+            return None
+        key = self._engine_key(ref.replica_id)
+        probe = liveness_probe(plan.engine)
+
+        async def ask(endpoint: str) -> Observation:
+            return await probe_liveness(self._http, endpoint, key, probe, rules.timeout_s)
+
+        return _LivenessWatch(rules, ask)
+
+    async def _stop_hung(self, ref: ShardRef, hung: Hung) -> ShardExit:
+        """Stop a hung engine (a stopped or wedged process ignores SIGTERM:
+        the supervisor's SIGKILL ends it) and report why."""
+        log.warning("replica %s rank %d: %s; stopping it", ref.replica_id, ref.rank, hung.reason)
+        outcome = await asyncio.to_thread(self._sup.stop, ref, 5.0)
+        tail = self._log_tail(ref, 30)
+        return ShardExit(exit_code=outcome.exit_code, reason=hung.reason, log_tail=tail)
 
     async def drain(self, request: DrainInput, heartbeat: Heartbeat) -> DrainResult:
         """Wait, bounded, until the engine has no request in flight."""
@@ -290,14 +350,60 @@ class RunningShards:
         return running
 
 
+class _LivenessWatch:
+    """A watch's liveness probing: at most one probe round in flight, run as
+    its own task so that a probe waiting on a frozen engine never holds up
+    the watch's process checks and heartbeats; each round's answer goes to
+    the verdict (worker_agent/liveness.py) when the watch next looks."""
+
+    def __init__(self, rules: LivenessRules, ask: Callable[[str], Awaitable[Observation]]) -> None:
+        self._rules = rules
+        self._ask = ask
+        self._state = Liveness(rules)
+        self._loop = asyncio.get_running_loop()
+        # The engine was just found ready (or adopted): first round after an interval.
+        self._next = self._loop.time() + rules.interval_s
+        # A round in flight: when it was asked, and its answer.
+        self._round: asyncio.Task[tuple[float, Observation]] | None = None
+        self._verdict: Suspect | Hung | None = None
+
+    def step(self, endpoint: str) -> Suspect | Hung | None:
+        """Take a finished round's answer and start the next when due; the
+        verdict so far (None: alive)."""
+        now = self._loop.time()
+        if self._round is not None and self._round.done():
+            asked, seen = self._round.result()
+            self._round = None
+            verdict = self._state.observe(seen, now, asked)
+            self._verdict = verdict if isinstance(verdict, Suspect | Hung) else None
+        if self._round is None and now >= self._next:
+            self._round = asyncio.ensure_future(self._timed(endpoint, now))
+            self._next = now + self._rules.interval_s
+        return self._verdict
+
+    async def _timed(self, endpoint: str, started: float) -> tuple[float, Observation]:
+        return started, await self._ask(endpoint)
+
+    def cancel(self) -> None:
+        """Drop a round in flight (the watch ended)."""
+        if self._round is not None:
+            self._round.cancel()
+
+
 class ShardService(RunningShards):
     """The node's shards, launching included; dependencies come through the constructor."""
 
-    def __init__(self, launcher: Launcher, http: httpx.AsyncClient | None = None) -> None:
+    def __init__(
+        self,
+        launcher: Launcher,
+        http: httpx.AsyncClient | None = None,
+        liveness: LivenessRules | None = None,
+    ) -> None:
         """``launcher``: the node's supervisor, engine installs (the one table
         of engine planners), weights cache and engine keys, and what
-        launches decide; ``http``: the client readiness and load checks use."""
-        super().__init__(launcher.supervisor, launcher.engine_key, http)
+        launches decide; ``http``: the client readiness, load and liveness
+        checks use; ``liveness``: how watches probe engines."""
+        super().__init__(launcher.supervisor, launcher.engine_key, http, liveness)
         self._launcher = launcher
         self._installs = launcher.installs
         self._weights = launcher.weights

@@ -165,6 +165,7 @@ class Sample:
     cached: int
     replica: str
     answer: str
+    chars: int = 0  # the messages' characters (the router estimates 4 a token)
 
 
 @dataclass
@@ -182,6 +183,9 @@ class Run:
     # served (its first turn whole, then what each turn adds), and first turns.
     floor: int = 0
     first_turns: int = 0
+    # The router's predictions of cached tokens for the replicas it chose
+    # (llmgw_router_prefix_predicted_tokens: estimated tokens, 4 characters each).
+    predicted: float = 0.0
 
     def p(self, q: int) -> float:
         values = [s.ttft for s in self.samples]
@@ -253,8 +257,16 @@ async def chat(http: httpx.AsyncClient, messages: list[dict[str, str]], max_toke
     cached = details.get("cached_tokens", 0) if isinstance(details, dict) else 0
     prompt = usage.get("prompt_tokens", 0)
     assert isinstance(prompt, int) and isinstance(cached, int)
+    chars = sum(len(m["content"]) for m in messages)
     return Sample(
-        sent, ttft, time.perf_counter() - sent, prompt, cached, replica, "".join(parts).strip()
+        sent,
+        ttft,
+        time.perf_counter() - sent,
+        prompt,
+        cached,
+        replica,
+        "".join(parts).strip(),
+        chars,
     )
 
 
@@ -417,6 +429,22 @@ async def choices(root: httpx.AsyncClient) -> dict[str, float]:
     return out
 
 
+PREDICTED = re.compile(
+    r"^llmgw_router_prefix_predicted_tokens_total\{([^}]*)\} (\S+)$", re.MULTILINE
+)
+
+
+async def predicted(root: httpx.AsyncClient) -> float:
+    """The router's predicted cached tokens of the bench model so far (estimated units)."""
+    r = await root.get("/metrics", headers={"Authorization": f"Bearer {ADMIN}"})
+    r.raise_for_status()
+    return sum(
+        float(value)
+        for labels, value in PREDICTED.findall(r.text)
+        if dict(re.findall(r'(\w+)="([^"]*)"', labels)).get("model") == MODEL
+    )
+
+
 def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
     return {k: v - before.get(k, 0.0) for k, v in after.items() if v > before.get(k, 0.0)}
 
@@ -469,6 +497,7 @@ async def one_run(
     salt = f"{workload}/{policy}/{args.seed}/{time.time_ns()}"
     run = Run(workload, policy, rate=rate or 0.0)
     before = [await choices(root) for root in bench.roots]
+    predicted_before = [await predicted(root) for root in bench.roots]
     if workload == "W1":
         await w1(run, routers, args, salt, rate)
     elif workload == "W2":
@@ -478,6 +507,8 @@ async def one_run(
     for root, was in zip(bench.roots, before, strict=True):
         for reason, n in delta(await choices(root), was).items():
             run.reasons[reason] = run.reasons.get(reason, 0.0) + n
+    for root, had in zip(bench.roots, predicted_before, strict=True):
+        run.predicted += await predicted(root) - had
     return run
 
 
@@ -536,8 +567,19 @@ def report(workload: str, runs: dict[str, Run], replica_ids: Sequence[str]) -> N
             print(
                 f"  {run.policy}: {run.computed:,} prefill tokens computed against"
                 f" {run.floor:,} if every history were kept and each of its {run.first_turns}"
-                " first turns computed whole (slot priming goes below: it copies the"
-                " system prompt into a new slot)"
+                " first turns computed whole (below it: a first turn that found the shared"
+                " system prompt cached, by vLLM's shared cache or llama.cpp's slot priming)"
+            )
+    for run in runs.values():
+        if run.predicted:
+            # The router counts in estimated tokens (4 characters); in the
+            # engine's tokens, by the prompts' own characters per token.
+            chars = sum(s.chars for s in run.samples)
+            scale = run.prompt / (chars / 4) if chars else 1.0
+            print(
+                f"  {run.policy}: the router predicted {run.predicted * scale:,.0f} cached"
+                f" tokens ({run.predicted:,.0f} estimated at 4 characters; the prompts have"
+                f" {chars / run.prompt:.2f} a token), the engines reported {run.cached:,}"
             )
     for line in goals(workload, runs, replica_ids):
         print(f"  prefix vs least_loaded: {line}")
@@ -628,6 +670,13 @@ def deployment(args: argparse.Namespace, root: Path) -> tuple[ModelSpec, dict[st
     }
 
 
+def vllm_kv_tokens(mib: int) -> int:
+    """Tokens a vLLM KV cache of ``mib`` holds for the HF bench model (F32 K and V
+    of every layer's KV heads: 8 KiB a token), as its "CPU KV cache size" log line says."""
+    per_token = 2 * HF_BENCH.n_layer * HF_BENCH.n_head_kv * HF_BENCH.head_dim * 4
+    return mib * 2**20 // per_token
+
+
 def vllm_rss() -> str:
     """Resident memory of each vLLM API server of the bench model with its
     children (the EngineCore), from ps (the agent serves its own copy of
@@ -682,6 +731,9 @@ async def run(args: argparse.Namespace, root: Path) -> None:
                     balance_slack=args.balance_slack,
                     balance_factor=args.balance_factor,
                     slots=args.slots,
+                    # vLLM: the index bounded by the KV cache the engines really
+                    # have (its default, context_length x 8, is 32,768 tokens).
+                    cache_tokens=vllm_kv_tokens(args.kv_cache_mib) if args.engine == "vllm" else 0,
                 )
                 bench = Bench(store, spec, routers, roots, rids, routing)
                 await measure(args, bench)

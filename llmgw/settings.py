@@ -130,16 +130,18 @@ class AgentSettings(_Common):
     # os.pathsep-separated. Empty: <work_dir>/models (where `llmgw up` puts
     # its model).
     weights_roots: Annotated[list[Path], NoDecode] = Field(default_factory=list)
-    # Engine liveness (worker_agent/liveness.py; docs/guides/recovery.md): a
-    # running engine is asked every interval (0: never) through its work loop,
-    # each ask bounded by the timeout. It is hung, stopped and replaced, when
-    # that many asks in a row (0: rule off) spanning at least unanswered_s
-    # went unanswered, or when it has requests in flight and its progress
-    # counter stood still for stall_s (0: rule off).
+    # Engine liveness (worker_agent/liveness.py; docs/guides/recovery.md): how
+    # often a running engine is asked, through its work loop, whether it
+    # still serves (0: never). A hung one is stopped and its replica replaced.
     liveness_interval_s: float = Field(default=10.0, ge=0)
+    # The most one liveness ask waits for an answer.
     liveness_timeout_s: float = Field(default=10.0, gt=0)
+    # Hung after this many unanswered asks in a row (0: rule off)...
     liveness_unanswered_rounds: int = Field(default=6, ge=0)
+    # ...spanning at least this long.
     liveness_unanswered_s: float = Field(default=60.0, ge=0)
+    # Hung when it has requests in flight and its progress counter stood
+    # still this long (0: rule off); longer than one prompt batch takes.
     liveness_stall_s: float = Field(default=600.0, ge=0)
 
     @field_validator("system_dir", mode="before")

@@ -45,8 +45,10 @@ prefill tokens computed (prompt - cached); requests per replica, max/min
 (``x-llmgw-replica``); the router's choices by reason.
 
 ``--two-routers`` adds a run of the prefix policy per workload through two
-routers that share nothing: W1's turns alternate between them (turn 1 on
-router A, turn 2 on B, ...), W2/W3's requests too. Issue 26's agreement goal:
+more routers that share nothing: W1's turns alternate between them (turn 1
+on router A, turn 2 on B, ...), W2/W3's requests too. With ``--slots`` each
+pins its own share of the slots (``LLMGW_SLOT_SHARE`` 0 and 1 of 2), as
+several routers in front of a slots model must. Issue 26's agreement goal:
 a cached share close to one router's.
 
 ``--probe`` settles llama.cpp's specifics on single servers, both builds this
@@ -493,7 +495,9 @@ async def one_run(
     """One workload under one policy (``TWO``: prefix through both routers)."""
     two = policy == TWO
     await bench.policy("prefix" if two else policy)
-    routers = bench.routers if two else bench.routers[:1]
+    # The first router serves every run of one router; the other two (with
+    # --two-routers) the run through two.
+    routers = bench.routers[1:] if two else bench.routers[:1]
     salt = f"{workload}/{policy}/{args.seed}/{time.time_ns()}"
     run = Run(workload, policy, rate=rate or 0.0)
     before = [await choices(root) for root in bench.roots]
@@ -697,6 +701,17 @@ def vllm_rss() -> str:
     return ", ".join(f"{mib:.0f} MiB" for mib in out) + f" (sum {sum(out) / 1024:.1f} GiB)"
 
 
+def router_settings(args: argparse.Namespace) -> list[dict[str, str]]:
+    """Each router's settings: the runs' one router, then (``--two-routers``)
+    two that share nothing, each pinning its own share of llama.cpp's slots
+    (``LLMGW_SLOT_SHARE``: router/affinity/slots.py), as several routers in
+    front of a slots model must."""
+    if not args.two_routers:
+        return [{}]
+    pair = [{"LLMGW_SLOT_SHARE": str(i), "LLMGW_SLOT_SHARES": "2"} for i in range(2)]
+    return [{}, *(pair if args.slots else [{}, {}])]
+
+
 async def run(args: argparse.Namespace, root: Path) -> None:
     """Start the system, measure, stop everything started."""
     began = time.perf_counter()
@@ -716,9 +731,9 @@ async def run(args: argparse.Namespace, root: Path) -> None:
         rids = [await replicas.start_replica(client, spec) for _ in range(args.replicas)]
         for rid in rids:
             await replicas.wait_ready(client, rid, 600)
-        ports = [free_port() for _ in range(2 if args.two_routers else 1)]
-        for p in ports:
-            system.start_router(p)
+        ports = [free_port() for _ in range(1 + (2 if args.two_routers else 0))]
+        for p, env in zip(ports, router_settings(args), strict=True):
+            system.start_router(p, env)
         store = Store(system.store_url)
         try:
             for p in ports:

@@ -6,7 +6,10 @@ from router.affinity.affinity import (
     FALLBACK_CAPACITY,
     POOL_CONTEXTS,
     STICKY_TTL_S,
+    VLLM_BLOCK_CPU,
+    VLLM_BLOCK_GPU,
     Affinity,
+    cache_block_tokens,
     capacity_tokens,
 )
 from router.affinity.chunks import PromptKey, prompt_key
@@ -94,6 +97,51 @@ def test_an_engine_reporting_fewer_cached_tokens_corrects_the_index() -> None:
     assert affinity.held_tokens("m", "r0") <= 975
     choice = affinity.choose(spec, _routes(), _turns(1, 2))
     assert choice.predicted < old.prompt_tokens  # old's turn is no longer predicted held
+
+
+def test_a_shortfall_within_one_engine_block_is_no_miss() -> None:
+    """vLLM caches whole blocks (128 tokens on CPUs): a follow-up finds its
+    history down to a block boundary. A prompt of ~375 tokens found 100
+    short is a miss for llama.cpp (past 1/8: the replica's capacity estimate
+    shrinks to 3/4, so two such prompts no longer fit), not for vLLM on CPU."""
+
+    def key(word: str) -> PromptKey:
+        made = prompt_key({"messages": [{"role": "user", "content": f"{word} " * 300}]}, 256)
+        assert made is not None
+        return made
+
+    first, second = key("word"), key("wore")
+    short = first.prompt_tokens - 100
+    assert first.prompt_tokens // 8 < 100 < VLLM_BLOCK_CPU
+    held = {}
+    for engine in (EngineKind.LLAMA_CPP, EngineKind.VLLM):
+        spec = ModelSpec(
+            name="m", source="/w", engine=engine, context_length=1000,
+            profile=EngineProfile(device="cpu"), routing=RoutingPolicy(cache_tokens=800),
+        )  # fmt: skip
+        affinity = Affinity()
+        affinity.choose(spec, _routes(), first)
+        affinity.served("m", "r0", first, Choice([], Reason.PREFIX, 0), None, None)
+        choice = Choice([], Reason.PREFIX, first.prompt_tokens)
+        affinity.served("m", "r0", first, choice, first.prompt_tokens, short)
+        affinity.served("m", "r0", second, Choice([], Reason.PREFIX, 0), None, None)
+        held[engine] = affinity.held_tokens("m", "r0")
+    assert held[EngineKind.VLLM] == first.prompt_tokens + second.prompt_tokens  # both fit 800
+    assert held[EngineKind.LLAMA_CPP] == second.prompt_tokens  # 600 now: the first evicted
+
+
+def test_the_cache_block_is_vllms_block_size_or_its_default() -> None:
+    def block(engine: EngineKind, device: str = "cuda", *args: str) -> int:
+        profile = EngineProfile.model_validate({"device": device})
+        spec = ModelSpec(
+            name="m", source="/w", engine=engine, engine_args=list(args), profile=profile
+        )
+        return cache_block_tokens(spec)
+
+    assert block(EngineKind.VLLM) == VLLM_BLOCK_GPU
+    assert block(EngineKind.VLLM, "cpu") == VLLM_BLOCK_CPU
+    assert block(EngineKind.VLLM, "cpu", "--block-size", "32") == 32
+    assert block(EngineKind.LLAMA_CPP, "cpu") == block(EngineKind.SGLANG) == 1
 
 
 def test_reported_counts_are_scaled_to_the_routers_estimates() -> None:

@@ -185,6 +185,9 @@ class Run:
     # served (its first turn whole, then what each turn adds), and first turns.
     floor: int = 0
     first_turns: int = 0
+    # W1: what each first turn found cached (the shared system prompt, when
+    # primed or shared by the engine).
+    first_cached: list[int] = field(default_factory=list)
     # The router's predictions of cached tokens for the replicas it chose
     # (llmgw_router_prefix_predicted_tokens: estimated tokens, 4 characters each).
     predicted: float = 0.0
@@ -328,7 +331,9 @@ async def w1(
             # What this turn adds to its conversation's previous prompt: all a
             # replica must compute when the history stayed cached where it was.
             run.floor += sample.prompt - user.last_prompt
-            run.first_turns += user.last_prompt == 0
+            if user.last_prompt == 0:
+                run.first_turns += 1
+                run.first_cached.append(sample.cached)
             user.last_prompt = sample.prompt
         user.messages.append({"role": "assistant", "content": sample.answer if sample else ""})
 
@@ -574,6 +579,20 @@ def report(workload: str, runs: dict[str, Run], replica_ids: Sequence[str]) -> N
                 " first turns computed whole (below it: a first turn that found the shared"
                 " system prompt cached, by vLLM's shared cache or llama.cpp's slot priming)"
             )
+    # The least any policy computes with one shared system prompt: every
+    # history kept where it was served, and the system prompt (the most a
+    # first turn found cached, in any run) computed once per replica used.
+    shared = max((c for run in runs.values() for c in run.first_cached), default=0)
+    if shared:
+        for run in runs.values():
+            if run.floor:
+                used = len({s.replica for s in run.samples})
+                least = run.floor - (run.first_turns - used) * shared
+                print(
+                    f"  {run.policy}: {run.computed / least:.2f}x the least any policy"
+                    f" could compute, {least:,} (every history kept where it was served, the"
+                    f" {shared:,}-token system prompt computed once on each of {used} replicas)"
+                )
     for run in runs.values():
         if run.predicted:
             # The router counts in estimated tokens (4 characters); in the

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import pytest
 
 from llmgw.engine_keys import engine_key
 from llmgw.types import (
@@ -35,6 +36,7 @@ from llmgw_cli.dev.tinymodel import TinyModel
 from tests.conftest import LlamaPath
 from tests.harness import cpu_inventory, free_port, llama_only
 from tests.procs_util import pids_with_args
+from worker_agent import procfs
 from worker_agent.launch import Launcher
 from worker_agent.liveness import ENGINE_HUNG, LivenessRules
 from worker_agent.probes import metric_values
@@ -77,21 +79,7 @@ async def ready_engine(
     """The tiny model launched by a shard service with ``rules``, ready; stopped afterwards."""
     supervisor = Supervisor(work)
     probes = Probes()
-    http = httpx.AsyncClient(timeout=httpx.Timeout(5.0), event_hooks={"response": [probes.saw]})
-    start = free_port()
-    service = ShardService(
-        Launcher(
-            supervisor=supervisor,
-            installs=llama_only(llama_path.install, work),
-            engine_key=lambda rid: engine_key(SECRET, rid),
-            engine_host="127.0.0.1",
-            ports=range(start, start + 50),
-            inventory=cpu_inventory,
-            threads=1,
-        ),
-        http,
-        rules,
-    )
+    service = shard_service(llama_path, supervisor, rules, probes)
     # Four slots (llama-server's default), each with the model's whole context.
     model = ModelSpec(
         name=name, engine=EngineKind.LLAMA_CPP, source=str(tiny.model_path), context_length=8192
@@ -112,6 +100,27 @@ async def ready_engine(
         await service.aclose()
 
 
+def shard_service(
+    llama_path: LlamaPath, supervisor: Supervisor, rules: LivenessRules, probes: Probes
+) -> ShardService:
+    """An agent's shard service over ``supervisor``'s work dir, probing with ``rules``."""
+    http = httpx.AsyncClient(timeout=httpx.Timeout(5.0), event_hooks={"response": [probes.saw]})
+    start = free_port()
+    return ShardService(
+        Launcher(
+            supervisor=supervisor,
+            installs=llama_only(llama_path.install, supervisor.work_dir),
+            engine_key=lambda rid: engine_key(SECRET, rid),
+            engine_host="127.0.0.1",
+            ports=range(start, start + 50),
+            inventory=cpu_inventory,
+            threads=1,
+        ),
+        http,
+        rules,
+    )
+
+
 def _port_free(port: int) -> bool:
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -122,12 +131,23 @@ def _port_free(port: int) -> bool:
     return True
 
 
+@pytest.mark.parametrize("watcher", ["launcher", "restarted-agent"])
 async def test_a_frozen_engine_is_found_hung_killed_and_freed(
-    llama_path: LlamaPath, tiny: TinyModel, tmp_path: Path
+    llama_path: LlamaPath, tiny: TinyModel, tmp_path: Path, watcher: str
 ) -> None:
+    """Watched by the agent that launched it, or by a new agent on the same
+    work dir (an agent restart: the engine adopted, its plan read from its
+    record)."""
     rules = LivenessRules(interval_s=0.2, timeout_s=1.0, rounds=3, unanswered_s=1.0, stall_s=0)
-    async with ready_engine(llama_path, tiny, tmp_path, "tiny-frozen", rules) as shard:
-        sup, ref = shard.supervisor, shard.ref
+    async with contextlib.AsyncExitStack() as stack:
+        shard = await stack.enter_async_context(
+            ready_engine(llama_path, tiny, tmp_path, "tiny-frozen", rules)
+        )
+        service, sup, ref = shard.service, shard.supervisor, shard.ref
+        if watcher == "restarted-agent":
+            sup = Supervisor(tmp_path)
+            service = shard_service(llama_path, sup, rules, Probes())
+            stack.push_async_callback(service.aclose)
         running = sup.find_running(ref)
         assert running is not None
         internal = sup.plan_of(ref).internal_port
@@ -139,7 +159,7 @@ async def test_a_frozen_engine_is_found_hung_killed_and_freed(
         os.kill(shard.handle.pid, signal.SIGSTOP)
         beats: list[str] = []
         async with asyncio.timeout(120):  # about 3 rounds of 1 s, then the stop's grace
-            ended = await shard.service.watch(
+            ended = await service.watch(
                 WatchShardInput(shard=ref, poll_interval_s=0.1), beats.append
             )
         assert ended.reason.startswith(ENGINE_HUNG), ended
@@ -147,8 +167,10 @@ async def test_a_frozen_engine_is_found_hung_killed_and_freed(
         assert "running; liveness: 1/3 unanswered (no answer within 1s)" in beats
         # Gone, not left stopped: SIGTERM waits on a stopped process, SIGKILL does not.
         assert pids_with_args("--alias", "tiny-frozen") == []
-        assert not Path(f"/proc/{shard.handle.pid}").exists()
-        assert not Path(f"/proc/{running.group}").exists()
+        assert procfs.group_members(running.group) == []
+        if watcher == "launcher":  # its own children: reaped too
+            assert not Path(f"/proc/{shard.handle.pid}").exists()
+            assert not Path(f"/proc/{running.group}").exists()
         # Freed as a stop frees a shard: its record, scratch dir and ports.
         assert sup.find_running(ref) is None and sup.recorded() == []
         assert not scratch.exists()

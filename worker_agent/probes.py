@@ -87,12 +87,17 @@ class LivenessProbe:
     thread: llama.cpp answers ``/health`` while its task loop is wedged.
     Where ``path`` is Prometheus text, ``in_flight`` names the gauges summed
     into the requests it works on and ``progress`` the counters summed into
-    a figure that grows while it works (empty: not read).
+    a figure that grows while it works (empty: not read). An engine that
+    does not offer ``path`` (404, 501: llama-server without ``--metrics``,
+    an SGLang before ``/health_generate``) is asked ``fallback_path`` in the
+    same round instead: less telling, but never a healthy engine taken for
+    a hung one.
     """
 
     path: str = "/health"
     in_flight: tuple[str, ...] = ()
     progress: tuple[str, ...] = ()
+    fallback_path: str = "/health"
 
 
 # Per engine kind (ShardRecord.engine). Checked against:
@@ -116,6 +121,10 @@ class LivenessProbe:
 #   would answer 404. ``/health_generate`` sends the scheduler a one-token
 #   request (answered at once while it produces output) and fails when the
 #   scheduler does not answer: it judges progress itself.
+# What an engine answers for a path it does not serve (llama-server: 501
+# for /metrics without --metrics).
+_NOT_OFFERED = frozenset({404, 501})
+
 LIVENESS_PROBES: dict[str, LivenessProbe] = {
     "llama.cpp": LivenessProbe(
         path="/metrics",
@@ -141,18 +150,22 @@ async def probe_liveness(
 ) -> Observation:
     """One liveness round: never longer than ``timeout_s``, never raises for the engine's sake."""
     headers = {"Authorization": f"Bearer {key}"}
+    path = probe.path
     try:
         # httpx bounds each phase (connect, each read) by itself; a reply
         # trickling in could outlast them together: the whole round is bounded.
         async with asyncio.timeout(timeout_s):
-            answer = await http.get(f"{endpoint}{probe.path}", headers=headers, timeout=timeout_s)
+            answer = await http.get(f"{endpoint}{path}", headers=headers, timeout=timeout_s)
+            if answer.status_code in _NOT_OFFERED and probe.fallback_path != path:
+                path = probe.fallback_path
+                answer = await http.get(f"{endpoint}{path}", headers=headers, timeout=timeout_s)
     except TimeoutError:
         return Observation(answered=False, why=f"no answer within {timeout_s:g}s")
     except httpx.HTTPError as exc:
         return Observation(answered=False, why=f"{type(exc).__name__}: {exc}"[:200])
     if answer.status_code != 200:
-        return Observation(answered=False, why=f"{probe.path} {answer.status_code}")
-    if not probe.in_flight and not probe.progress:
+        return Observation(answered=False, why=f"{path} {answer.status_code}")
+    if path != probe.path or (not probe.in_flight and not probe.progress):
         return Observation(answered=True)
     values = metric_values(answer.text)
     return Observation(

@@ -97,7 +97,9 @@ class NodeActivities:
 
     @activity.defn(name=contracts.WATCH_SHARD.name)
     async def watch_shard(self, request: WatchShardInput) -> ShardExit:
-        """Return when the shard's engine exits; heartbeat while it runs."""
+        """Return when the shard's engine exits, or once it is found hung
+        (then stopped; the reason starts with ``ENGINE_HUNG``); heartbeat
+        while it runs."""
         try:
             return await self._shards.watch(
                 request, activity.heartbeat, activity.is_worker_shutdown

@@ -199,6 +199,27 @@ async def test_a_probe_reads_work_and_progress_and_is_bounded() -> None:
     assert untold == Observation(answered=True, progress=3)  # no in-flight figure: no stall
 
 
+async def test_an_engine_without_the_probed_path_is_asked_its_fallback() -> None:
+    """llama-server without --metrics answers 501 from its HTTP thread: that
+    says nothing of its task loop, and must not count as unanswered."""
+    seen: list[str] = []
+
+    async def reply(request: httpx.Request) -> httpx.Response:
+        seen.append(request.url.path)
+        if request.url.path == "/metrics":
+            return httpx.Response(501)
+        return httpx.Response(health.pop(0))
+
+    health = [200, 503]
+    async with httpx.AsyncClient(transport=httpx.MockTransport(reply)) as http:
+        probe = liveness_probe("llama.cpp")
+        first = await probe_liveness(http, "http://e", "k", probe, 5)
+        second = await probe_liveness(http, "http://e", "k", probe, 5)
+    assert first == Observation(answered=True)
+    assert second == Observation(answered=False, why="/health 503")
+    assert seen == ["/metrics", "/health", "/metrics", "/health"]
+
+
 # --- the watch's wiring ----------------------------------------------------------
 
 REF = ShardRef(replica_id="r-9", rank=0)

@@ -155,24 +155,44 @@ async def probe_liveness(
         # httpx bounds each phase (connect, each read) by itself; a reply
         # trickling in could outlast them together: the whole round is bounded.
         async with asyncio.timeout(timeout_s):
-            answer = await http.get(f"{endpoint}{path}", headers=headers, timeout=timeout_s)
-            if answer.status_code in _NOT_OFFERED and probe.fallback_path != path:
+            status, body = await _get_bounded(http, f"{endpoint}{path}", headers, timeout_s)
+            if status in _NOT_OFFERED and probe.fallback_path != path:
                 path = probe.fallback_path
-                answer = await http.get(f"{endpoint}{path}", headers=headers, timeout=timeout_s)
+                status, body = await _get_bounded(http, f"{endpoint}{path}", headers, timeout_s)
     except TimeoutError:
         return Observation(answered=False, why=f"no answer within {timeout_s:g}s")
     except httpx.HTTPError as exc:
         return Observation(answered=False, why=f"{type(exc).__name__}: {exc}"[:200])
-    if answer.status_code != 200:
-        return Observation(answered=False, why=f"{path} {answer.status_code}")
+    if status != 200:
+        return Observation(answered=False, why=f"{path} {status}")
     if path != probe.path or (not probe.in_flight and not probe.progress):
         return Observation(answered=True)
-    values = metric_values(answer.text)
+    values = metric_values(body.decode(errors="replace"))
     return Observation(
         answered=True,
         in_flight=_summed(values, probe.in_flight),
         progress=_summed(values, probe.progress),
     )
+
+
+# The most of an answer a liveness round reads: an engine's /metrics is tens
+# of KiB; one that sends more (a bug, or an engine the tenant's code took
+# over) costs the agent no more memory than this.
+_MAX_ANSWER_BYTES = 4 << 20
+
+
+async def _get_bounded(
+    http: httpx.AsyncClient, url: str, headers: dict[str, str], timeout_s: float
+) -> tuple[int, bytes]:
+    """GET ``url``: the status and at most ``_MAX_ANSWER_BYTES`` of the body."""
+    async with http.stream("GET", url, headers=headers, timeout=timeout_s) as answer:
+        body = bytearray()
+        async for chunk in answer.aiter_bytes():
+            body += chunk
+            if len(body) >= _MAX_ANSWER_BYTES:
+                del body[_MAX_ANSWER_BYTES:]
+                break
+        return answer.status_code, bytes(body)
 
 
 def metric_values(text: str) -> dict[str, float]:

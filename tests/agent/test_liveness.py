@@ -220,6 +220,15 @@ async def test_an_engine_without_the_probed_path_is_asked_its_fallback() -> None
     assert seen == ["/metrics", "/health", "/metrics", "/health"]
 
 
+async def test_a_probe_reads_a_bounded_part_of_an_answer() -> None:
+    # Figures past the first 4 MiB are never read (nor held in memory).
+    flood = "# " + "x" * 100 + "\n"
+    text = flood * (5 * 2**20 // len(flood)) + METRICS
+    async with _engine(httpx.Response(200, text=text), []) as http:
+        got = await probe_liveness(http, "http://e", "k", liveness_probe("llama.cpp"), 30)
+    assert got == Observation(answered=True)
+
+
 # --- the watch's wiring ----------------------------------------------------------
 
 REF = ShardRef(replica_id="r-9", rank=0)

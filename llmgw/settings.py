@@ -237,8 +237,8 @@ class RouterSettings(_Common):
     # router slot_share (0 .. slot_shares-1) pins only the slots s with
     # s % slot_shares == slot_share, so no two routers pin one slot (llama.cpp
     # queues a request for a busy slot behind whatever holds it). One router: 0 of 1.
-    # Keep each share at least the model's max_inflight: past its share a
-    # router's requests go unpinned, to the engine's choice of slot.
+    # A router sends a replica at most its share's slots at once (the rest
+    # wait in its queue): size routing.slots as slot_shares x that.
     slot_share: int = Field(default=0, ge=0)
     slot_shares: int = Field(default=1, ge=1)
     # uvicorn's line per request (LLMGW_ACCESS_LOG=true). Off by default: the

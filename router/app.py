@@ -105,9 +105,11 @@ def _elastic(
 
 def _affinity(table: RoutingTable, affinity: Affinity | None) -> Affinity:
     """The router's cache affinity (one per process), told of every replica
-    that leaves the table or changes its endpoint: it held nothing we knew."""
+    that leaves the table or changes its endpoint (it held nothing we knew),
+    and asked each model's in-flight cap per replica (its pinned slots)."""
     affinity = affinity if affinity is not None else Affinity()
     table.on_forget.append(affinity.forget)
+    table.cap_of = affinity.inflight_cap
     return affinity
 
 

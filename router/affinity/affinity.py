@@ -44,6 +44,10 @@ MISS_TOLERANCE = 8  # 1/8
 VLLM_BLOCK_GPU = 16
 VLLM_BLOCK_CPU = 128
 _BLOCK_FLAGS = frozenset({"--block-size"})
+# The conversation of requests the router cannot key (token-id prompts, several
+# prompts) on a model whose slots it pins: one of its own (a lead digest of 0
+# is a 2**-64 chance, and would only share its slot).
+UNKEYED = 0
 # Without a catalog entry (a replica of a model the catalog no longer lists).
 FALLBACK_CAPACITY = 4096
 _CTX_FLAGS = frozenset({"-c", "--ctx-size"})
@@ -176,11 +180,15 @@ class Affinity:
     def pin(self, spec: ModelSpec | None, replica_id: str, key: PromptKey | None) -> int | None:
         """The llama.cpp slot (``id_slot``) of ``replica_id`` for this request's
         conversation, held until :meth:`release`; None: not pinned (slots off,
-        another engine, no prompt key, or every slot busy with this router's
-        requests: the engine queues it for whichever frees first)."""
-        if key is None or spec is None or not self.pins(spec):
+        another engine, or every slot of this router's busy or blocked: the
+        engine queues it for whichever frees first). A request without a
+        prompt key (token ids, several prompts) is pinned too, as one
+        conversation of its own: sent unpinned it would take a slot of the engine's choosing
+        that this router might then pin another request to while busy."""
+        if spec is None or not self.pins(spec):
             return None
-        return self._slots.pin(replica_id, spec.routing.slots, key.lead)
+        conversation = key.lead if key is not None else UNKEYED
+        return self._slots.pin(replica_id, spec.routing.slots, conversation)
 
     def primer(
         self, spec: ModelSpec | None, replica_id: str, slot: int, key: PromptKey | None
@@ -190,12 +198,31 @@ class Affinity:
         cached there (``routing.prime_tokens``); None: nothing to copy. Call
         it for every pinned request: the slot table learns what ``slot``
         holds from it, primed or not."""
-        if spec is None or key is None:
+        if spec is None:
+            return None
+        if key is None:  # a short unkeyed prompt: the slot holds no head now
+            self._slots.primer_for(replica_id, slot, None, 0)
             return None
         head = _head(key) if key.head_tokens > 0 else None
         donor = self._slots.primer_for(replica_id, slot, head, key.prompt_tokens)
         prime = 0 < spec.routing.prime_tokens <= key.head_tokens
         return donor if prime else None
+
+    def inflight_cap(self, spec: ModelSpec) -> int:
+        """Requests in flight per replica of ``spec`` at most (0: no cap):
+        ``profile.max_inflight``, and for a model whose slots the router pins
+        no more than this router's share of them. A request past them would
+        go unpinned, to a slot of the engine's choice that this router (or
+        another) may then pin a request to while it is busy: llama.cpp queues
+        that one behind it (slots.py). The rest wait in the router's queue,
+        in admission order."""
+        cap = spec.profile.max_inflight
+        if not self.pins(spec):
+            return cap
+        mine = len(self._slots.share.of(spec.routing.slots))
+        if mine == 0:  # a share beyond the replica's slots pins nothing (logged)
+            return cap
+        return mine if cap == 0 else min(cap, mine)
 
     def pins(self, spec: ModelSpec | None) -> bool:
         """Whether the router chooses the llama.cpp slot of ``spec``'s requests

@@ -14,9 +14,13 @@ So with ``routing.slots: N`` on a llama.cpp model the replica runs ``N``
 slots that are never cleared while idle, and the router sends each request
 with ``id_slot``: the conversation's own slot when idle, else a slot no
 conversation holds (the conversation's rendezvous order, so routers that
-never talked tend to agree), else the least recently used idle one. When
-every slot is busy with this router's requests the request goes unpinned
-and the engine queues it for whichever slot frees first.
+never talked tend to agree), else the least recently used idle one. A
+router sends a replica no more requests at once than it has slots to pin
+(``Affinity.inflight_cap``): the rest wait in its queue, in admission
+order. (Sent unpinned, a request would take a slot of the engine's
+choosing, which the router might then pin another request to while busy.)
+A request finds every slot busy only when slots are blocked (below): it
+then goes unpinned.
 
 A router knows only its own requests: two routers may pin different
 conversations to one slot, and a request pinned to a slot another
@@ -229,6 +233,11 @@ class Slots:
         self._stuck_s = stuck_s
         self._block_s = block_s
         self._share = share
+
+    @property
+    def share(self) -> SlotShare:
+        """The slots this router pins."""
+        return self._share
 
     def pin(self, replica_id: str, slots: int, conversation: int) -> int | None:
         """A slot of ``replica_id`` (running ``slots`` slots) for ``conversation``."""

@@ -160,6 +160,10 @@ class RoutingTable:
     _asked: list[asyncio.Future[None]] = field(default_factory=list)
     # A full refresh (a new listing) is wanted, not only a rebuild (rebuild_soon).
     _full: bool = False
+    # A model's in-flight cap per replica (Route.cap), when not its
+    # profile.max_inflight alone: cache affinity bounds it by the llama.cpp
+    # slots this router pins (router/affinity/; injected: this layer is below it).
+    cap_of: Callable[[ModelSpec], int] | None = None
 
     def refresh_soon(self) -> None:
         """Refresh without waiting for the interval: a replica is known ready
@@ -228,7 +232,9 @@ class RoutingTable:
                 continue
             prev = old.get(memo.replica_id)
             spec = catalog.get(memo.model)
-            cap = spec.profile.max_inflight if spec else 0
+            cap = 0
+            if spec is not None:
+                cap = self.cap_of(spec) if self.cap_of else spec.profile.max_inflight
             route = prev if prev is not None and prev.endpoint == memo.endpoint else None
             if route is None:
                 route = Route(memo.replica_id, memo.model, memo.endpoint)

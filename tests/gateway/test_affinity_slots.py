@@ -11,10 +11,10 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from llmgw.catalog import CatalogModel, catalog_problems
-from llmgw.types import EngineKind, ModelSpec, RoutingPolicy
+from llmgw.settings import RouterSettings
+from llmgw.types import EngineKind, EngineProfile, ModelSpec, RoutingPolicy
 from router.affinity.affinity import Affinity, capacity_tokens
 from router.affinity.chunks import Chunk, PromptKey
-from llmgw.settings import RouterSettings
 from router.affinity.slots import BLOCK_S, STUCK_S, Slots, SlotShare, SlotTable
 
 
@@ -103,8 +103,8 @@ def test_routers_with_their_own_shares_never_pin_one_slot(
     # requests at once (llama.cpp would queue one behind the other).
     tables = [SlotTable(size, share=SlotShare(i, routers)) for i in range(routers)]
     held: dict[int, int] = {}  # slot -> the router whose request holds it
-    for router, pin, conversation in ops:
-        router %= routers
+    for drawn, pin, conversation in ops:
+        router = drawn % routers
         table = tables[router]
         if pin:
             slot = table.pin(conversation)
@@ -138,6 +138,21 @@ def test_a_share_beyond_the_replicas_slots_pins_nothing_and_primes_within_itself
     second = table.pin(2)
     assert second is not None and {first, second} == {0, 2}
     assert table.primer_for(second, head=7, tokens=1100) == first
+
+
+def test_a_pinned_models_inflight_cap_is_this_routers_share_of_its_slots() -> None:
+    def cap(share: SlotShare, engine: EngineKind = EngineKind.LLAMA_CPP, **profile: int) -> int:
+        spec = ModelSpec(
+            name="m", source="/w", engine=engine, routing=RoutingPolicy(slots=8),
+            profile=EngineProfile.model_validate(profile),
+        )  # fmt: skip
+        return Affinity(slot_share=share).inflight_cap(spec)
+
+    assert cap(SlotShare()) == 8  # no max_inflight: the slots bound it
+    assert cap(SlotShare(), max_inflight=4) == 4
+    assert cap(SlotShare(1, 2)) == 4 and cap(SlotShare(2, 3), max_inflight=2) == 2
+    assert cap(SlotShare(), EngineKind.VLLM) == 0  # slots are llama.cpp's: no cap
+    assert cap(SlotShare(8, 9), max_inflight=3) == 3  # a share with no slot pins nothing
 
 
 def test_the_router_settings_refuse_a_share_outside_the_shares() -> None:

@@ -60,7 +60,9 @@ class CachingEngine(MockEngine):
         if hold is not None:
             await hold.wait()
         data = json.loads(request.content)
-        texts = tuple(json.dumps(m, sort_keys=True) for m in data["messages"])
+        # A completions prompt counts as one message.
+        messages = data["messages"] if "messages" in data else [data["prompt"]]
+        texts = tuple(json.dumps(m, sort_keys=True) for m in messages)
         cache = self.served.setdefault(host, set())
         hit = max((k for k in range(len(texts) + 1) if texts[:k] in cache), default=0)
         cache.update(texts[:k] for k in range(1, len(texts) + 1))

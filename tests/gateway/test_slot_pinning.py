@@ -18,10 +18,11 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from llmgw.types import EngineKind, ModelSpec, RoutingPolicy, RoutingPolicyKind
 from router.affinity.affinity import Affinity
-from router.affinity.slots import ANY_SLOT, BLOCK_S, STUCK_S, with_slot
+from router.affinity.slots import BLOCK_S, STUCK_S, with_slot
 from tests.gateway.test_prefix_routing import (
     REPLICAS,
     CachingEngine,
+    M,
     ask,
     exporter,
     model,
@@ -84,7 +85,9 @@ async def test_each_conversation_keeps_its_own_slot_and_the_routers_id_slot_wins
 
 async def test_a_slot_is_held_until_its_request_ends(tmp_path: Path) -> None:
     """Two requests of one conversation at once get two slots; with every
-    slot busy a request goes unpinned; once they end the slot is free again."""
+    slot busy a third waits in the router's queue (never sent unpinned, to a
+    slot the engine picks and the router may pin another request to while
+    it is busy); once one ends it goes to the freed slot."""
     async with routed(tmp_path, None, slots_model(slots=2), REPLICAS[:1]) as r:
         _, key = r.gw.key()
         host = "e1"
@@ -96,16 +99,18 @@ async def test_a_slot_is_held_until_its_request_ends(tmp_path: Path) -> None:
                 await asyncio.sleep(0.01)
         held = {sent_slot(q.content) for q in r.engine.seen}
         assert held == {0, 1}
-        # The client asks for slot 0 (busy): its id_slot never reaches the
-        # engine, else a tenant could queue others behind a slot it holds.
+        # The client asks for slot 0 (busy): it waits for a slot of the router's
+        # choosing, and its own id_slot never reaches the engine.
         third = asyncio.create_task(ask(r.gw, key, turns("b", 1), False, extra={"id_slot": 0}))
+        admission = r.gw.app.state.deps.admission
         async with asyncio.timeout(30):
-            while len(r.engine.seen) < 3:
+            while admission.waiting(M) < 1:
                 await asyncio.sleep(0.01)
-        # Both busy: unpinned, the engine's choice.
-        assert sent_slot(r.engine.seen[2].content) == ANY_SLOT
+        assert len(r.engine.seen) == 2
         r.engine.holds[host].set()
         await asyncio.gather(first, second, third)
+        assert len(r.engine.seen) == 3
+        assert sent_slot(r.engine.seen[2].content) in (0, 1)
         await ask(r.gw, key, turns("b", 2), False)
         assert sent_slot(r.engine.seen[-1].content) in (0, 1)
 
@@ -270,3 +275,15 @@ class StuckSlotEngine(CachingEngine):
             self.seen.append(request)
             await asyncio.Event().wait()  # until the router cancels it
         return await super().handle(request)
+
+
+async def test_a_prompt_the_router_cannot_key_is_pinned_too(tmp_path: Path) -> None:
+    """A prompt of token ids has no prompt key, yet it takes a slot of the
+    router's choosing: sent with id_slot -1 it would take one the router may
+    then pin a conversation's request to while it is busy."""
+    async with routed(tmp_path, None, slots_model(slots=2), REPLICAS[:1]) as r:
+        _, key = r.gw.key()
+        body = {"model": M, "prompt": [1, 2, 3], "max_tokens": 2}
+        sent = await r.gw.http.post("/v1/completions", json=body, headers=auth(key))
+        assert sent.status_code == 200, sent.text
+        assert sent_slot(r.engine.seen[-1].content) in (0, 1)

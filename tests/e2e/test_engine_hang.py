@@ -9,13 +9,13 @@ import asyncio
 import os
 import signal
 
-import openai
 from temporalio.client import Client
 
 from llmgw import replicas
 from llmgw.types import EngineKind, ModelSpec, ReplicaPhase, RestartPolicy, ShardRef
 from llmgw_cli.dev.tinymodel import TinyModel
-from tests.harness import System, wait_routable
+from tests.e2e.test_engine_kill import replaced_and_serving
+from tests.harness import System
 from worker_agent import procfs
 from worker_agent.liveness import ENGINE_HUNG
 from worker_agent.supervisor import Supervisor
@@ -52,18 +52,8 @@ async def test_a_frozen_engine_is_replaced_and_the_model_serves_again(
     finally:
         if procfs.group_members(shard.group):
             os.kill(shard.pid, signal.SIGCONT)
-    async with asyncio.timeout(180):
-        while (memo := await replicas.wait_deployment_ready(client, MODEL, 180)).replica_id == (
-            first.replica_id
-        ):
-            await asyncio.sleep(0.2)
+    await replaced_and_serving(client, first, base, key, MODEL, 180)
     old = await replicas.status_of(client, first.replica_id)
     assert old is not None and old.phase is ReplicaPhase.FAILED
     assert old.reason.startswith(f"{ENGINE_HUNG}: its liveness probe went unanswered"), old.reason
-    await wait_routable(base, key, MODEL)
-    async with openai.AsyncOpenAI(base_url=base, api_key=key, max_retries=0) as oai:
-        # The router may still hold the dead replica for one refresh: it fails over.
-        resp = await oai.completions.create(model=MODEL, prompt="hi", max_tokens=3)
-    assert resp.usage is not None and resp.usage.completion_tokens == 3
-    assert memo.phase is ReplicaPhase.READY
     await replicas.remove_deployment(client, spec, 60)

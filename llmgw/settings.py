@@ -138,8 +138,10 @@ class AgentSettings(_Common):
     liveness_timeout_s: float = Field(default=10.0, gt=0)
     # Hung after this many unanswered asks in a row (0: rule off)...
     liveness_unanswered_rounds: int = Field(default=6, ge=0)
-    # ...spanning at least this long.
-    liveness_unanswered_s: float = Field(default=60.0, ge=0)
+    # ...spanning at least this long: longer than one prompt batch takes on
+    # the slowest device (llama.cpp answers between batches only; a 2,048-
+    # token batch of a large model on CPUs can take minutes).
+    liveness_unanswered_s: float = Field(default=300.0, ge=0)
     # Hung when it has requests in flight and its progress counter stood
     # still this long (0: rule off); longer than one prompt batch takes.
     liveness_stall_s: float = Field(default=600.0, ge=0)

@@ -41,7 +41,7 @@ class LivenessRules:
     interval_s: float = 10.0
     timeout_s: float = 10.0
     rounds: int = 6
-    unanswered_s: float = 60.0
+    unanswered_s: float = 300.0
     stall_s: float = 600.0
 
 

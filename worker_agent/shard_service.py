@@ -18,6 +18,7 @@ engines, fetches weights and starts shards.
 """
 
 import asyncio
+import contextlib
 import logging
 import re
 from collections.abc import Awaitable, Callable, Sequence
@@ -236,9 +237,10 @@ class RunningShards:
                 await asyncio.sleep(request.poll_interval_s)
         finally:
             if probing is not None:
-                probing.cancel()
-        if hung is not None:
+                await asyncio.shield(probing.aclose())
+        if hung is not None and self._sup.find_running(ref) is not None:
             return await self._stop_hung(ref, hung)
+        # (Found hung as it exited by itself: reported as the exit it was.)
         code = self._sup.exit_code(ref)
         if sidecar is None:
             # Whatever killed the leader, its children (vLLM's EngineCore and
@@ -275,9 +277,11 @@ class RunningShards:
 
     async def _stop_hung(self, ref: ShardRef, hung: Hung) -> ShardExit:
         """Stop a hung engine (a stopped or wedged process ignores SIGTERM:
-        the supervisor's SIGKILL ends it) and report why."""
+        the supervisor's SIGKILL ends it), and what is left of its group,
+        and report why."""
         log.warning("replica %s rank %d: %s; stopping it", ref.replica_id, ref.rank, hung.reason)
         outcome = await asyncio.to_thread(self._sup.stop, ref, 5.0)
+        await asyncio.to_thread(self._sup.kill_leftovers, ref)
         tail = self._log_tail(ref, 30)
         return ShardExit(exit_code=outcome.exit_code, reason=hung.reason, log_tail=tail)
 
@@ -376,18 +380,26 @@ class _LivenessWatch:
             self._round = None
             verdict = self._state.observe(seen, now, asked)
             self._verdict = verdict if isinstance(verdict, Suspect | Hung) else None
-        if self._round is None and now >= self._next:
+        if self._round is None and now >= self._next and not isinstance(self._verdict, Hung):
             self._round = asyncio.ensure_future(self._timed(endpoint, now))
             self._next = now + self._rules.interval_s
         return self._verdict
 
     async def _timed(self, endpoint: str, started: float) -> tuple[float, Observation]:
-        return started, await self._ask(endpoint)
+        try:
+            return started, await self._ask(endpoint)
+        except Exception as exc:
+            # A probe's own fault (an endpoint httpx refuses, a pool error) is
+            # an unanswered round, never the watch's end.
+            return started, Observation(answered=False, why=f"{type(exc).__name__}: {exc}")
 
-    def cancel(self) -> None:
-        """Drop a round in flight (the watch ended)."""
+    async def aclose(self) -> None:
+        """Drop a round in flight (the watch ended), and wait until it has."""
         if self._round is not None:
             self._round.cancel()
+            with contextlib.suppress(BaseException):
+                await self._round
+            self._round = None
 
 
 class ShardService(RunningShards):

@@ -314,7 +314,8 @@ def cache_block_tokens(spec: ModelSpec) -> int:
     if spec.engine is not EngineKind.VLLM:
         return 1
     block = VLLM_BLOCK_CPU if spec.profile.device == "cpu" else VLLM_BLOCK_GPU
-    args = [*spec.engine_args, *spec.profile.engine_args]
+    # --block-size N and --block-size=N, the last given (as the engine reads them).
+    args = [p for a in (*spec.engine_args, *spec.profile.engine_args) for p in a.split("=", 1)]
     for flag, value in itertools.pairwise(args):
         if flag in _BLOCK_FLAGS and value.isdigit() and int(value) > 0:
             block = int(value)

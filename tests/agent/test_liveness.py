@@ -297,6 +297,20 @@ async def test_the_watch_stops_an_engine_that_no_longer_answers() -> None:
     assert beats.count("running") >= 1 and len(beats) > len(asked)
 
 
+async def test_a_probe_that_fails_unexpectedly_is_an_unanswered_round_not_the_watchs_end() -> None:
+    # A fault outside httpx's errors (here the transport raising) must not
+    # end the watch with an exception, leaving a healthy engine unwatched.
+    async def broken(request: httpx.Request) -> httpx.Response:
+        raise RuntimeError("pool broke")
+
+    engines = Engines()
+    async with httpx.AsyncClient(transport=httpx.MockTransport(broken)) as http:
+        shards = RunningShards(engines, lambda _: "k", http, FAST)
+        async with asyncio.timeout(60):
+            ended = await shards.watch(WatchShardInput(shard=REF, poll_interval_s=0.01), print)
+    assert ended.reason.startswith(ENGINE_HUNG) and "RuntimeError: pool broke" in ended.reason
+
+
 @pytest.mark.parametrize(
     ("engines", "rules"),
     [

@@ -141,6 +141,7 @@ def test_the_cache_block_is_vllms_block_size_or_its_default() -> None:
     assert block(EngineKind.VLLM) == VLLM_BLOCK_GPU
     assert block(EngineKind.VLLM, "cpu") == VLLM_BLOCK_CPU
     assert block(EngineKind.VLLM, "cpu", "--block-size", "32") == 32
+    assert block(EngineKind.VLLM, "cuda", "--block-size=32") == 32
     assert block(EngineKind.LLAMA_CPP, "cpu") == block(EngineKind.SGLANG) == 1
 
 

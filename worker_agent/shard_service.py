@@ -18,7 +18,6 @@ engines, fetches weights and starts shards.
 """
 
 import asyncio
-import contextlib
 import logging
 import re
 from collections.abc import Awaitable, Callable, Sequence
@@ -52,7 +51,8 @@ from llmgw.types import (
 )
 from worker_agent.engines import ReadyProbe
 from worker_agent.launch import LOOPBACK_KEY_PREFIX, Launcher
-from worker_agent.liveness import Hung, Liveness, LivenessRules, Observation, Suspect
+from worker_agent.liveness import Hung, LivenessRules, Observation, Suspect
+from worker_agent.liveness_watch import LivenessWatch
 from worker_agent.probes import (
     engine_busy,
     engine_load,
@@ -200,7 +200,7 @@ class RunningShards:
         stopped); heartbeat while it runs.
 
         A serving shard is probed every ``liveness.interval_s`` beside the
-        process checks (``_LivenessWatch``); one found hung
+        process checks (``LivenessWatch``); one found hung
         (worker_agent/liveness.py) is stopped, SIGKILL if need be, and
         reported with a reason starting with ``ENGINE_HUNG``, so the
         replica is replaced as when its engine exits.
@@ -257,7 +257,7 @@ class RunningShards:
         log.warning("replica %s rank %d engine exited (code %s)", ref.replica_id, ref.rank, code)
         return ShardExit(exit_code=code, reason=f"engine exited with code {code}", log_tail=tail)
 
-    def _liveness_watch(self, ref: ShardRef) -> "_LivenessWatch | None":
+    def _liveness_watch(self, ref: ShardRef) -> "LivenessWatch | None":
         """The liveness probing of ``ref``'s engine as its record describes it
         (adopted engines too); None for a worker rank, which serves no HTTP,
         or with probing off."""
@@ -273,7 +273,7 @@ class RunningShards:
         async def ask(endpoint: str) -> Observation:
             return await probe_liveness(self._http, endpoint, key, probe, rules.timeout_s)
 
-        return _LivenessWatch(rules, ask)
+        return LivenessWatch(rules, ask)
 
     async def _stop_hung(self, ref: ShardRef, hung: Hung) -> ShardExit:
         """Stop a hung engine (a stopped or wedged process ignores SIGTERM:
@@ -352,54 +352,6 @@ class RunningShards:
                 f"engine exited with code {code} while loading; log tail:\n{tail}"
             )
         return running
-
-
-class _LivenessWatch:
-    """A watch's liveness probing: at most one probe round in flight, run as
-    its own task so that a probe waiting on a frozen engine never holds up
-    the watch's process checks and heartbeats; each round's answer goes to
-    the verdict (worker_agent/liveness.py) when the watch next looks."""
-
-    def __init__(self, rules: LivenessRules, ask: Callable[[str], Awaitable[Observation]]) -> None:
-        self._rules = rules
-        self._ask = ask
-        self._state = Liveness(rules)
-        self._loop = asyncio.get_running_loop()
-        # The engine was just found ready (or adopted): first round after an interval.
-        self._next = self._loop.time() + rules.interval_s
-        # A round in flight: when it was asked, and its answer.
-        self._round: asyncio.Task[tuple[float, Observation]] | None = None
-        self._verdict: Suspect | Hung | None = None
-
-    def step(self, endpoint: str) -> Suspect | Hung | None:
-        """Take a finished round's answer and start the next when due; the
-        verdict so far (None: alive)."""
-        now = self._loop.time()
-        if self._round is not None and self._round.done():
-            asked, seen = self._round.result()
-            self._round = None
-            verdict = self._state.observe(seen, now, asked)
-            self._verdict = verdict if isinstance(verdict, Suspect | Hung) else None
-        if self._round is None and now >= self._next and not isinstance(self._verdict, Hung):
-            self._round = asyncio.ensure_future(self._timed(endpoint, now))
-            self._next = now + self._rules.interval_s
-        return self._verdict
-
-    async def _timed(self, endpoint: str, started: float) -> tuple[float, Observation]:
-        try:
-            return started, await self._ask(endpoint)
-        except Exception as exc:
-            # A probe's own fault (an endpoint httpx refuses, a pool error) is
-            # an unanswered round, never the watch's end.
-            return started, Observation(answered=False, why=f"{type(exc).__name__}: {exc}")
-
-    async def aclose(self) -> None:
-        """Drop a round in flight (the watch ended), and wait until it has."""
-        if self._round is not None:
-            self._round.cancel()
-            with contextlib.suppress(BaseException):
-                await self._round
-            self._round = None
 
 
 class ShardService(RunningShards):

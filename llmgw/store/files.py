@@ -44,6 +44,7 @@ __all__ = [
     "list_files",
     "new_file_id",
     "read_chunks",
+    "split_lines",
     "write_file",
 ]
 
@@ -302,16 +303,31 @@ def iter_lines(store: Store, file_id: str) -> Iterator[tuple[int, bytes]]:
     """The file's lines with their 1-based numbers, without the newline (nor
     a ``\\r`` before it). A line may span chunks; a last line without a
     newline counts, an empty tail after the last newline does not."""
+    return split_lines(read_chunks(store, file_id))
+
+
+def split_lines(chunks: Iterable[bytes]) -> Iterator[tuple[int, bytes]]:
+    """``chunks`` cut into numbered lines (as ``iter_lines``), in work
+    linear in their size: only each new chunk is split, and a line's pieces
+    are joined once, at its end (re-joining the line so far to every chunk
+    made a long line quadratic: 64 MiB took 1.6 s of the router's GIL)."""
     number = 0
-    pending = b""
-    for data in read_chunks(store, file_id):
-        pieces = (pending + data).split(b"\n")
-        pending = pieces.pop()
-        for piece in pieces:
+    pending: list[bytes] = []
+    for data in chunks:
+        pieces = data.split(b"\n")
+        if len(pieces) == 1:
+            pending.append(pieces[0])
+            continue
+        pending.append(pieces[0])
+        number += 1
+        yield number, b"".join(pending).removesuffix(b"\r")
+        for piece in pieces[1:-1]:
             number += 1
             yield number, piece.removesuffix(b"\r")
-    if pending:
-        yield number + 1, pending.removesuffix(b"\r")
+        pending = [pieces[-1]]
+    tail = b"".join(pending)
+    if tail:
+        yield number + 1, tail.removesuffix(b"\r")
 
 
 def list_files(

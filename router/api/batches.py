@@ -19,6 +19,7 @@ from typing import Annotated, Any, Literal, Protocol
 from fastapi import APIRouter, Depends, Query, Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from llmgw.errors import StoreError
 from llmgw.store import files
 from llmgw.store.openai_tables import BatchRecord
 from router.api.auth import Caller
@@ -71,8 +72,12 @@ class BatchCreate(BaseModel):
 
 
 async def _store(deps: Deps, fn: Callable[[], Any]) -> Any:
-    """A store call on a request's path, bounded as every such call is."""
-    return await within(deps.store_wait_s, fn)
+    """A store call on a request's path, bounded as every such call is: a
+    store that fails or stalls past the bound is a 503, not a 500."""
+    try:
+        return await within(deps.store_wait_s, fn)
+    except StoreError as exc:
+        raise ErrorKind.STORE_UNAVAILABLE.error() from exc
 
 
 @router.post(

@@ -50,6 +50,10 @@ DepsDep = Annotated[Deps, Depends(get_deps)]
 PURPOSES = ("batch",)
 # A form field other than the file is a few bytes: more is refused.
 MAX_FIELD_BYTES = 1024
+# Form fields (parts other than the file) one upload may hold: a form needs
+# a handful (purpose, expires_after[...]); a flood of them is refused as it
+# arrives, not kept in memory until the body timeout.
+MAX_FIELDS = 16
 # OpenAI's bounds on expires_after[seconds] (one hour to 30 days).
 EXPIRES_MIN_S, EXPIRES_MAX_S = 3600, 30 * 86400
 
@@ -129,6 +133,7 @@ class _Upload:
         self._value = b""
         self._disposition = b""
         self._value_parts: list[bytes] = []
+        self._field_count = 0
 
     def callbacks(self) -> dict[str, Callable[..., None]]:
         return {
@@ -169,6 +174,11 @@ class _Upload:
             raw = options.get(b"filename")
             self.filename = raw.decode("utf-8", "replace") if raw else "upload"
         elif self._name is not None:
+            self._field_count += 1
+            if self._field_count > MAX_FIELDS:
+                self.problem = f"fields: more than {MAX_FIELDS} form fields"
+                self._name = None
+                return
             self.fields[self._name] = b""
 
     def _part_data(self, data: bytes, start: int, end: int) -> None:

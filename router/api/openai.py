@@ -42,6 +42,7 @@ from router.billing.key_policy import KeyPolicy
 from router.billing.quotas import QuotaRejection
 from router.common.disconnect import disconnected
 from router.common.errors import QUOTA_EXCEEDED, ErrorKind, OpenAIError, invalid_body
+from router.common.metrics import OTHER_ROUTE
 from router.control_link.adapters import base_body
 from router.control_link.routing import Route
 from router.forwarding.call import Call
@@ -78,13 +79,22 @@ async def _caller(request: Request, deps: DepsDep, authorization: AuthHeader = N
     try:
         return await deps.keys.verify(authorization, request.headers.get)
     except OpenAIError as exc:
-        _refused(deps, request.url.path, exc)
+        _refused(deps, route_template(request), exc)
         raise
+
+
+def route_template(request: Request) -> str:
+    """The matched route's path template (``/v1/files/{file_id}``), never the
+    request's path: a label taken from the path made one series per path a
+    client made up, each kept for good (router memory without bound)."""
+    path = getattr(request.scope.get("route"), "path", None)
+    return path if isinstance(path, str) else OTHER_ROUTE
 
 
 def _refused(deps: Deps, path: str, exc: OpenAIError) -> None:
     # Counted before the model is known to exist: no model label (it is the
-    # client's free text), and the path is one of this router's own routes.
+    # client's free text), and the path is one of this router's own route
+    # templates (a few dozen), and the status one of the error table's.
     deps.metrics.requests.labels(path.removeprefix("/v1/"), "", str(exc.status)).inc()
 
 

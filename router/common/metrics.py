@@ -28,6 +28,13 @@ class Routes(Protocol):
     def routes(self) -> Mapping[str, Sequence[_Route]]: ...
 
 
+# Every label comes from a bounded set: a route template, a catalog model
+# (or a replica the table knows), an error table status, a fixed reason.
+# Never from request text: prometheus keeps each series it ever saw. This
+# stands for a route the request matched none of (never expected: keyed
+# routes are matched before their key check).
+OTHER_ROUTE = "other"
+
 # Label sets of cached children (models x endpoints x statuses, normally a few dozen).
 MAX_CACHED_CHILDREN = 10_000
 

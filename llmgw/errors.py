@@ -21,6 +21,8 @@ module are named with where they live::
     │   ├── EngineExitedError     it exited (exit code and log tail in message)
     │   ├── EngineNotReadyError   it did not become ready in time
     │   ├── EngineGone            the node runs no engine for the replica (any more)
+    │   ├── EngineAnswerRefused   an answer not read: compressed, past its size cap, or not
+    │   │                         whole by its deadline (llmgw/bounded_http.py)
     │   └── UpstreamError         the router's request to it failed (mid-way)
     │       └── UpstreamConnectError  ...before anything was sent: another may take it
     ├── EngineInstallError        an engine could not be installed (worker_agent/installs/)
@@ -166,6 +168,12 @@ class UpstreamError(EngineError):
 
 class UpstreamConnectError(UpstreamError):
     """The router could not reach an engine: nothing was sent, another replica may answer."""
+
+
+class EngineAnswerRefused(EngineError):
+    """An engine's answer the agent or router would not read (llmgw/bounded_http.py):
+    compressed (an engine is asked for identity), longer than the reader's cap,
+    or not whole within its deadline. The message says which, never the body."""
 
 
 class EngineGone(EngineError):

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import httpx
 
+from llmgw.bounded_http import Answer, fetch
 from llmgw.engine_keys import EngineKeyFn
 from llmgw.errors import (
     AdapterBusy,
@@ -38,6 +39,7 @@ from llmgw.errors import (
     AdapterNotFound,
     AdapterOutsideRoots,
     AdapterUnloadFailed,
+    EngineAnswerRefused,
     EngineGone,
 )
 from llmgw.types import AdapterCall, AdapterCallResult, ShardRef
@@ -45,6 +47,16 @@ from worker_agent.supervisor import RunningShard, Supervisor
 from worker_agent.weights import Roots, SourceOutsideRoots
 
 log = logging.getLogger(__name__)
+
+# An engine is an untrusted byte source (llmgw/bounded_http.py): what is read
+# of its answers is uncompressed, capped, and whole within a deadline.
+# A load reads the adapter from disk before the engine answers.
+CHANGE_DEADLINE_S = 300.0
+LISTING_DEADLINE_S = 30.0
+# A load's or unload's answer: a line of text, its start kept.
+_ANSWER_BYTES = 64 << 10
+# A model listing or a vLLM /metrics, adapters included.
+_LISTING_BYTES = 4 << 20
 
 
 class AdapterService:
@@ -77,10 +89,26 @@ class AdapterService:
             raise EngineGone(f"replica {replica_id} has no running engine on this node")
         return running
 
-    async def _post(self, replica_id: str, path: str, body: dict[str, str]) -> httpx.Response:
+    async def _post(self, replica_id: str, path: str, body: dict[str, str]) -> Answer:
+        """POST a change; an answer refused unread fails it (AdapterLoadFailed or
+        AdapterUnloadFailed, retryable: whether it was made is unknown)."""
         engine = self._engine(replica_id)
-        headers = self._auth(replica_id)
-        return await self._http.post(f"{engine.endpoint}{path}", json=body, headers=headers)
+        try:
+            return await fetch(
+                self._http, "POST", f"{engine.endpoint}{path}", headers=self._auth(replica_id),
+                json_body=body, max_bytes=_ANSWER_BYTES, deadline_s=CHANGE_DEADLINE_S,
+                truncate=True,
+            )  # fmt: skip
+        except EngineAnswerRefused as exc:
+            failed = AdapterUnloadFailed if "unload" in path else AdapterLoadFailed
+            raise failed(f"{path}: {exc}") from None
+
+    async def _get(self, replica_id: str, path: str) -> Answer:
+        engine = self._engine(replica_id)
+        return await fetch(
+            self._http, "GET", f"{engine.endpoint}{path}", headers=self._auth(replica_id),
+            max_bytes=_LISTING_BYTES, deadline_s=LISTING_DEADLINE_S,
+        )  # fmt: skip
 
     async def load(self, call: AdapterCall) -> AdapterCallResult:
         """Load a catalog adapter into the replica's engine.
@@ -105,29 +133,33 @@ class AdapterService:
                 "/v1/load_lora_adapter",
                 {"lora_name": call.name, "lora_path": str(path)},
             )
-        if resp.status_code == 200:
+        if resp.status == 200:
             log.info("replica %s: adapter %s loaded", call.replica_id, call.name)
-            return AdapterCallResult(changed=True, detail=resp.text[:200], unloaded=unloaded)
-        if resp.status_code == 400 and "already" in resp.text:
+            return AdapterCallResult(changed=True, detail=resp.text()[:200], unloaded=unloaded)
+        if resp.status == 400 and "already" in resp.text():
             return AdapterCallResult(changed=False, detail="already loaded", unloaded=unloaded)
         message = _message(resp)
         # 404 (path the engine cannot read) and 500 (rank too high, bad
         # adapter) will not change on a retry; anything else might.
         raise AdapterLoadFailed(
-            f"adapter {call.name}: engine answered {resp.status_code}: {message}",
-            retryable=resp.status_code not in (404, 500),
+            f"adapter {call.name}: engine answered {resp.status}: {message}",
+            retryable=resp.status not in (404, 500),
         )
 
     async def _loaded(self, replica_id: str) -> list[str]:
         """The adapters the engine holds, in its listing's order (loading order)."""
-        engine = self._engine(replica_id)
-        headers = self._auth(replica_id)
-        resp = await self._http.get(f"{engine.endpoint}/v1/models", headers=headers)
-        if resp.status_code != 200:
+        try:
+            resp = await self._get(replica_id, "/v1/models")
+        except EngineAnswerRefused as exc:
+            raise AdapterLoadFailed(f"listing its models: {exc}") from None
+        if resp.status != 200:
             raise AdapterLoadFailed(
-                f"engine answered {resp.status_code} listing its models: {_message(resp)}"
+                f"engine answered {resp.status} listing its models: {_message(resp)}"
             )
-        return [str(m["id"]) for m in resp.json()["data"] if m.get("parent")]
+        try:
+            return [str(m["id"]) for m in resp.json()["data"] if m.get("parent")]
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise AdapterLoadFailed(f"an unreadable model listing: {exc!r}"[:200]) from None
 
     async def _make_room(self, call: AdapterCall) -> list[str]:
         """Unload an idle adapter when the engine is full; what was unloaded."""
@@ -153,14 +185,12 @@ class AdapterService:
 
     async def _busy(self, replica_id: str) -> set[str] | None:
         """Adapters with requests running or waiting in the engine (None: unknown)."""
-        engine = self._engine(replica_id)
-        headers = self._auth(replica_id)
         try:
-            resp = await self._http.get(f"{engine.endpoint}/metrics", headers=headers)
-        except httpx.HTTPError as exc:
+            resp = await self._get(replica_id, "/metrics")
+        except (httpx.HTTPError, EngineAnswerRefused) as exc:
             log.warning("replica %s: no metrics to check adapters with: %s", replica_id, exc)
             return None
-        return busy_adapters(resp.text) if resp.status_code == 200 else None
+        return busy_adapters(resp.text()) if resp.status == 200 else None
 
     async def unload(self, call: AdapterCall) -> AdapterCallResult:
         """Unload an adapter (to make room) unless the engine is serving it;
@@ -184,21 +214,19 @@ class AdapterService:
     async def _unload(self, replica_id: str, name: str) -> bool:
         """Unload from the engine; False when it did not hold it."""
         resp = await self._post(replica_id, "/v1/unload_lora_adapter", {"lora_name": name})
-        if resp.status_code == 200:
+        if resp.status == 200:
             log.info("replica %s: adapter %s unloaded", replica_id, name)
             return True
-        if resp.status_code == 404:
+        if resp.status == 404:
             return False
-        raise AdapterUnloadFailed(
-            f"unload {name}: engine answered {resp.status_code}: {_message(resp)}"
-        )
+        raise AdapterUnloadFailed(f"unload {name}: engine answered {resp.status}: {_message(resp)}")
 
 
-def _message(resp: httpx.Response) -> str:
+def _message(resp: Answer) -> str:
     try:
-        return str(resp.json().get("message") or resp.json())
-    except ValueError:
-        return resp.text[:200]
+        return str(resp.json().get("message") or resp.json())[:200]
+    except (ValueError, AttributeError):
+        return resp.text()[:200]
 
 
 _LORA_INFO = re.compile(r"^vllm:lora_requests_info\{(?P<labels>[^}]*)\}\s+(?P<value>\S+)", re.M)

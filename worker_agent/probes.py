@@ -8,66 +8,121 @@ from dataclasses import dataclass
 
 import httpx
 
+from llmgw.bounded_http import Answer, fetch
+from llmgw.errors import EngineAnswerRefused
 from worker_agent.engines import ReadyProbe
 from worker_agent.liveness import Observation
 
+# An engine is an untrusted byte source (llmgw/bounded_http.py): every answer
+# read here is uncompressed, capped and read within a deadline in all.
+# A readiness, drain or load check's deadline for each request (httpx's
+# timeouts bound each read alone: a trickling answer outlasts them).
+CHECK_DEADLINE_S = 10.0
+# The readiness completion: one token, from an engine that may still be warming up.
+COMPLETION_DEADLINE_S = 60.0
+# Answers whose status alone is read (/health, the probe completion): their start kept.
+_STATUS_ONLY_BYTES = 64 << 10
+# A model listing (adapters included) or a vLLM /metrics: tens of KiB.
+_LISTING_BYTES = 4 << 20
+# llama.cpp's /slots: each slot's parameters, a few KiB each.
+_SLOTS_BYTES = 8 << 20
+
 
 async def probe_ready(
-    http: httpx.AsyncClient, endpoint: str, key: str, model: str, probe: ReadyProbe
+    http: httpx.AsyncClient,
+    endpoint: str,
+    key: str,
+    model: str,
+    probe: ReadyProbe,
+    deadline_s: float = CHECK_DEADLINE_S,
 ) -> tuple[list[str] | None, str]:
-    """Up, weights loaded, and able to generate: the model ids, or why not yet."""
+    """Up, weights loaded, and able to generate: the model ids, or why not yet.
+
+    ``deadline_s``: the most each of its requests may take, answer read
+    (the completion has ``COMPLETION_DEADLINE_S``, or ``deadline_s`` if more)."""
     headers = {"Authorization": f"Bearer {key}"}
     try:
-        health = await http.get(f"{endpoint}{probe.health_path}", headers=headers)
-        if health.status_code != 200:
-            return None, f"{probe.health_path} {health.status_code}"
-        models = await http.get(f"{endpoint}{probe.models_path}", headers=headers)
-        if models.status_code != 200:
-            return None, f"{probe.models_path} {models.status_code}"
-        ids = [m["id"] for m in models.json().get("data", [])]
+        health = await fetch(
+            http, "GET", f"{endpoint}{probe.health_path}", headers=headers,
+            max_bytes=_STATUS_ONLY_BYTES, deadline_s=deadline_s, truncate=True,
+        )  # fmt: skip
+        if health.status != 200:
+            return None, f"{probe.health_path} {health.status}"
+        models = await fetch(
+            http, "GET", f"{endpoint}{probe.models_path}", headers=headers,
+            max_bytes=_LISTING_BYTES, deadline_s=deadline_s,
+        )  # fmt: skip
+        if models.status != 200:
+            return None, f"{probe.models_path} {models.status}"
+        ids = [str(m["id"]) for m in models.json().get("data", [])]
         if not ids:
             return None, "no model listed"
         if probe.completion is not None:
             # /health can answer 200 from an engine that dies on its first
             # generation: ready means it generated once.
-            gen = await http.post(
-                f"{endpoint}{probe.completion.path}",
-                json=probe.completion.body(model),
-                headers=headers,
-                timeout=60.0,
-            )
-            if gen.status_code != 200:
-                return None, f"probe completion {gen.status_code}"
-    except (httpx.HTTPError, ValueError, KeyError) as exc:
+            gen = await fetch(
+                http, "POST", f"{endpoint}{probe.completion.path}", headers=headers,
+                json_body=probe.completion.body(model), max_bytes=_STATUS_ONLY_BYTES,
+                deadline_s=max(deadline_s, COMPLETION_DEADLINE_S), truncate=True,
+            )  # fmt: skip
+            if gen.status != 200:
+                return None, f"probe completion {gen.status}"
+    except (
+        httpx.HTTPError, EngineAnswerRefused, ValueError, KeyError, TypeError, AttributeError
+    ) as exc:  # fmt: skip
         return None, f"{type(exc).__name__}: {exc}"
     return ids, "ready"
 
 
 async def engine_load(
-    http: httpx.AsyncClient, endpoint: str, key: str, engine: str
+    http: httpx.AsyncClient,
+    endpoint: str,
+    key: str,
+    engine: str,
+    deadline_s: float = CHECK_DEADLINE_S,
 ) -> tuple[float | None, str]:
-    """How many requests the engine is working on (None: it cannot tell us)."""
+    """How many requests the engine is working on (None: it cannot tell us,
+    or its answer was refused: never a guess, a drain takes 0 as idle)."""
     headers = {"Authorization": f"Bearer {key}"}
     try:
         if engine == "llama.cpp":
-            slots = (await http.get(f"{endpoint}/slots", headers=headers)).json()
-            busy = sum(1 for s in slots if s.get("is_processing"))
+            slots = await _get(http, f"{endpoint}/slots", headers, _SLOTS_BYTES, deadline_s)
+            busy = sum(1 for s in slots.json() if s.get("is_processing"))
             return float(busy), f"{busy} slots processing"
         if engine == "vllm":
-            text = (await http.get(f"{endpoint}/metrics", headers=headers)).text
+            metrics = await _get(http, f"{endpoint}/metrics", headers, _LISTING_BYTES, deadline_s)
+            text = metrics.text()
             running = _metric_sum(text, "vllm:num_requests_running")
             waiting = _metric_sum(text, "vllm:num_requests_waiting")
             return running + waiting, f"{running:g} running, {waiting:g} waiting"
-    except (httpx.HTTPError, ValueError, AttributeError) as exc:
+    except (
+        httpx.HTTPError, EngineAnswerRefused, ValueError, AttributeError, TypeError, IndexError
+    ) as exc:  # fmt: skip
         return None, f"{type(exc).__name__}: {exc}"
     return None, f"{engine} reports no in-flight count"
 
 
+async def _get(
+    http: httpx.AsyncClient, url: str, headers: dict[str, str], max_bytes: int, deadline_s: float
+) -> Answer:
+    """GET ``url`` whole (refused past ``max_bytes``); its status must be 200."""
+    answer = await fetch(
+        http, "GET", url, headers=headers, max_bytes=max_bytes, deadline_s=deadline_s
+    )
+    if answer.status != 200:
+        raise ValueError(f"{httpx.URL(url).path} {answer.status}")
+    return answer
+
+
 async def engine_busy(
-    http: httpx.AsyncClient, endpoint: str, key: str, engine: str
+    http: httpx.AsyncClient,
+    endpoint: str,
+    key: str,
+    engine: str,
+    deadline_s: float = CHECK_DEADLINE_S,
 ) -> tuple[bool | None, str]:
     """Whether the engine is working on requests (None: it cannot tell us)."""
-    load, detail = await engine_load(http, endpoint, key, engine)
+    load, detail = await engine_load(http, endpoint, key, engine, deadline_s)
     return (None if load is None else load > 0), detail
 
 
@@ -152,22 +207,26 @@ async def probe_liveness(
     headers = {"Authorization": f"Bearer {key}"}
     path = probe.path
     try:
-        # httpx bounds each phase (connect, each read) by itself; a reply
-        # trickling in could outlast them together: the whole round is bounded.
+        # Each request is bounded by itself (llmgw/bounded_http.py); with the
+        # fallback two of them make a round, and the round is what is bounded.
         async with asyncio.timeout(timeout_s):
-            status, body = await _get_bounded(http, f"{endpoint}{path}", headers, timeout_s)
-            if status in _NOT_OFFERED and probe.fallback_path != path:
+            answer = await _get_bounded(http, f"{endpoint}{path}", headers, timeout_s)
+            if answer.status in _NOT_OFFERED and probe.fallback_path != path:
                 path = probe.fallback_path
-                status, body = await _get_bounded(http, f"{endpoint}{path}", headers, timeout_s)
+                answer = await _get_bounded(http, f"{endpoint}{path}", headers, timeout_s)
     except TimeoutError:
         return Observation(answered=False, why=f"no answer within {timeout_s:g}s")
+    except EngineAnswerRefused as exc:
+        # Compressed when asked for identity, or too slow: a hostile or a
+        # broken engine, unanswered either way.
+        return Observation(answered=False, why=str(exc)[:200])
     except httpx.HTTPError as exc:
         return Observation(answered=False, why=f"{type(exc).__name__}: {exc}"[:200])
-    if status != 200:
-        return Observation(answered=False, why=f"{path} {status}")
+    if answer.status != 200:
+        return Observation(answered=False, why=f"{path} {answer.status}")
     if path != probe.path or (not probe.in_flight and not probe.progress):
         return Observation(answered=True)
-    values = metric_values(body.decode(errors="replace"))
+    values = metric_values(answer.text())
     return Observation(
         answered=True,
         in_flight=_summed(values, probe.in_flight),
@@ -177,22 +236,20 @@ async def probe_liveness(
 
 # The most of an answer a liveness round reads: an engine's /metrics is tens
 # of KiB; one that sends more (a bug, or an engine the tenant's code took
-# over) costs the agent no more memory than this.
+# over) costs the agent no more memory than this, counted in bytes as they
+# came (never decompressed: llmgw/bounded_http.py).
 _MAX_ANSWER_BYTES = 4 << 20
 
 
 async def _get_bounded(
     http: httpx.AsyncClient, url: str, headers: dict[str, str], timeout_s: float
-) -> tuple[int, bytes]:
-    """GET ``url``: the status and at most ``_MAX_ANSWER_BYTES`` of the body."""
-    async with http.stream("GET", url, headers=headers, timeout=timeout_s) as answer:
-        body = bytearray()
-        async for chunk in answer.aiter_bytes():
-            body += chunk
-            if len(body) >= _MAX_ANSWER_BYTES:
-                del body[_MAX_ANSWER_BYTES:]
-                break
-        return answer.status_code, bytes(body)
+) -> Answer:
+    """GET ``url``: the status and at most ``_MAX_ANSWER_BYTES`` of the body
+    (the figures in its start are read: a long answer is still an answer)."""
+    return await fetch(
+        http, "GET", url, headers=headers, max_bytes=_MAX_ANSWER_BYTES,
+        deadline_s=timeout_s, truncate=True,
+    )  # fmt: skip
 
 
 def metric_values(text: str) -> dict[str, float]:

@@ -4,7 +4,8 @@ Engines answer only the router (their key) and their node, so their
 ``/metrics`` is never exposed as such: ``GET /admin/engines/metrics`` fetches
 every ready replica's, in parallel and bounded, and adds ``replica`` and
 ``model`` labels to every sample, one HELP/TYPE per metric family. An engine
-that does not answer in time is named in a comment line, not an error.
+that does not answer in time, or whose answer is refused (compressed, too
+long: llmgw/bounded_http.py), is named in a comment line, not an error.
 """
 
 import asyncio
@@ -15,13 +16,18 @@ import httpx
 from fastapi import APIRouter, Depends
 from fastapi.responses import PlainTextResponse
 
+from llmgw.bounded_http import fetch
+from llmgw.errors import UpstreamError
 from router.api.admin import _admin
 from router.api.deps import Deps, get_deps
-from router.control_link.routing import Route
 
 router = APIRouter(prefix="/admin", tags=["admin"], dependencies=[Depends(_admin)])
 DepsDep = Annotated[Deps, Depends(get_deps)]
+# An engine is an untrusted byte source: its answer is read uncompressed,
+# capped, and whole within FETCH_TIMEOUT_S or not at all (llmgw/bounded_http.py).
 FETCH_TIMEOUT_S = 3.0
+# An engine's /metrics is tens of KiB (vLLM's with many adapters, a few hundred).
+MAX_METRICS_BYTES = 4 << 20
 # name{labels} value [timestamp]  or  name value [timestamp]
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?(\s.*)$")
 
@@ -64,10 +70,24 @@ def relabel(text: str, labels: dict[str, str], seen_meta: set[str]) -> list[str]
     return out
 
 
-async def _fetch(http: httpx.AsyncClient, route: Route, key: str) -> str:
-    resp = await http.get(f"{route.endpoint}/metrics", headers={"Authorization": f"Bearer {key}"})
-    resp.raise_for_status()
-    return resp.text
+async def fetch_metrics(
+    http: httpx.AsyncClient, endpoint: str, key: str, deadline_s: float = FETCH_TIMEOUT_S
+) -> str:
+    """One engine's ``/metrics`` text, read as from an untrusted source.
+
+    Raises:
+        EngineAnswerRefused: compressed, past ``MAX_METRICS_BYTES``, or not
+            whole within ``deadline_s`` (llmgw/bounded_http.py).
+        UpstreamError: an answer other than 200.
+        httpx.HTTPError: no answer.
+    """
+    answer = await fetch(
+        http, "GET", f"{endpoint}/metrics", headers={"Authorization": f"Bearer {key}"},
+        max_bytes=MAX_METRICS_BYTES, deadline_s=deadline_s,
+    )  # fmt: skip
+    if answer.status != 200:
+        raise UpstreamError(f"/metrics {answer.status}")
+    return answer.text()
 
 
 @router.get("/engines/metrics", response_class=PlainTextResponse)
@@ -76,7 +96,7 @@ async def engines_metrics(deps: DepsDep) -> PlainTextResponse:
     routes = [r for rs in deps.table.routes.values() for r in rs]
     async with httpx.AsyncClient(timeout=FETCH_TIMEOUT_S) as http:
         answers = await asyncio.gather(
-            *(_fetch(http, r, deps.engine_key(r.replica_id)) for r in routes),
+            *(fetch_metrics(http, r.endpoint, deps.engine_key(r.replica_id)) for r in routes),
             return_exceptions=True,
         )
     lines: list[str] = []

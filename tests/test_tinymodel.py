@@ -8,6 +8,7 @@ checks that the adapters change the greedy token and that only words can be samp
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 from typing import Any
 
@@ -126,9 +127,14 @@ def test_vocab_layout(tiny: TinyModel) -> None:
     assert len(set(tokens)) == len(tokens)
     assert len(_field(r, "tokenizer.ggml.scores")) == len(tokens)
     assert _field(r, "llama.vocab_size") == len(tokens)
-    pieces = tokens[259:]
+    n_base = _n_base(tokens)
+    pieces = tokens[259:n_base]
     assert {SPACE + "the", SPACE + "hello", "a", "Z", "!"} <= set(pieces)
-    assert all(types[i] == gguf.TokenType.NORMAL for i in range(259, len(tokens)))
+    assert all(types[i] == gguf.TokenType.NORMAL for i in range(259, n_base))
+    # The chains' tokens come last: the triggers user-defined (split out of any text).
+    assert tokens[n_base : n_base + 2] == [tinymodel.FINISH, tinymodel.TOOL]
+    assert types[n_base : n_base + 2] == [gguf.TokenType.USER_DEFINED] * 2
+    assert all(types[i] == gguf.TokenType.NORMAL for i in range(n_base + 2, len(tokens)))
 
 
 def test_tensor_shapes(tiny: TinyModel) -> None:
@@ -175,8 +181,17 @@ def test_adapter_metadata_and_shapes(tiny: TinyModel, name: str) -> None:
     assert shapes == {}
 
 
+def _n_base(tokens: list[str]) -> int:
+    """The vocabulary before the chains' tokens (the first of them is a trigger)."""
+    return tokens.index(tinymodel.FINISH)
+
+
 def _emittable(tokens: list[str]) -> NDArray[np.bool_]:
-    return np.array([t.startswith(SPACE) and len(t) > 2 for t in tokens])
+    """Words an ordinary context may sample: the chains' tokens are not among them."""
+    n_base = _n_base(tokens)
+    return np.array(
+        [i < n_base and t.startswith(SPACE) and len(t) > 2 for i, t in enumerate(tokens)]
+    )
 
 
 def test_only_words_are_sampleable(tiny: TinyModel) -> None:
@@ -188,7 +203,8 @@ def test_only_words_are_sampleable(tiny: TinyModel) -> None:
     allowed = _emittable(tokens)
     assert allowed.sum() > 100
     assert all(tokens[i][1:].isascii() and tokens[i][1:].isalpha() for i in np.flatnonzero(allowed))
-    assert np.all(w["token_embd.weight"][:, 0] == 1.0)
+    n_base = _n_base(tokens)
+    assert np.all(w["token_embd.weight"][:n_base, 0] == 1.0)
     assert np.all(w["output.weight"][allowed, 0] == 0.0)
     assert np.all(w["output.weight"][~allowed, 0] <= -100.0)
     for i in range(2):
@@ -202,8 +218,11 @@ def _rms(x: F64, weight: F64) -> F64:
     return scaled
 
 
-def _first_logits(model: dict[str, F64], adapter: dict[str, F64] | None, scale: float) -> F64:
-    """Logits after <s> alone, as llama.cpp computes them (W + scale * B @ A)."""
+def _first_logits(
+    model: dict[str, F64], adapter: dict[str, F64] | None, scale: float, token: int = 1
+) -> F64:
+    """Logits after one token (<s> unless told) alone, as llama.cpp computes them
+    (W + scale * B @ A)."""
 
     def weight(name: str) -> F64:
         w = model[name]
@@ -211,7 +230,7 @@ def _first_logits(model: dict[str, F64], adapter: dict[str, F64] | None, scale: 
             w = w + scale * adapter[f"{name}.lora_b"] @ adapter[f"{name}.lora_a"]
         return w
 
-    h = model["token_embd.weight"][1]
+    h = model["token_embd.weight"][token]
     for i in range(2):
         x = _rms(h, model[f"blk.{i}.attn_norm.weight"])
         v = weight(f"blk.{i}.attn_v.weight") @ x
@@ -249,3 +268,112 @@ def test_main_prints_paths(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     assert str(tmp_path / tinymodel.MODEL_FILE) in out
     assert "lora-a" in out and "lora-b" in out
     assert tinymodel.main([]) == 2
+
+
+def _base_digest(path: Path) -> str:
+    """What an ordinary prompt's output depends on: every weight but the chains' rows
+    and EOS's output row (suppressed at an ordinary position, before and after)."""
+    tensors = _tensors(path)
+    n_base = _n_base(_tokens(path))
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        w = tensors[name]
+        if name == "token_embd.weight":
+            w = w[:n_base]
+        elif name == "output.weight":
+            w = np.delete(w[:n_base], 2, axis=0)
+        digest.update(name.encode() + np.ascontiguousarray(w, np.float32).tobytes())
+    return digest.hexdigest()
+
+
+# The model's weights before the chains existed (commit 27ab2bc), as _base_digest sees
+# them: the chains changed no ordinary prompt's output. Recompute only on purpose.
+BASE_DIGEST = "38b5df5b2fa2cdd8d0731a94fb2a6903c14b255b56572ae24f311d75afa8b5aa"
+
+
+def test_chains_leave_ordinary_weights_alone(tiny: TinyModel) -> None:
+    assert _base_digest(tiny.model_path) == BASE_DIGEST
+    w = _tensors(tiny.model_path)
+    # EOS is as suppressed at an ordinary position as it was (the bias is +1 there).
+    assert w["output.weight"][2, 0] <= tinymodel._SUPPRESS
+
+
+@pytest.mark.parametrize("adapter", [None, "lora-a", "lora-b"])
+def test_triggers_say_their_chain_then_eos(tiny: TinyModel, adapter: str | None) -> None:
+    """After a trigger the model says its chain's pieces, each by a wide margin, then EOS."""
+    model = _tensors(tiny.model_path)
+    lora = None if adapter is None else _tensors(tiny.adapters[adapter])
+    tokens = _tokens(tiny.model_path)
+    scale = tinymodel.LORA_ALPHA / tinymodel.LORA_RANK
+    for trigger, chain in tinymodel.CHAINS.items():
+        token = tokens.index(trigger)
+        for piece in chain:
+            logits = _first_logits(model, lora, scale, token)
+            top2 = np.sort(logits)[-2:]
+            assert int(np.argmax(logits)) == tokens.index(piece), (trigger, piece)
+            assert top2[1] - top2[0] > 100.0
+            token = tokens.index(piece)
+    said = "".join(tinymodel.CHAINS[tinymodel.FINISH][:-1]).replace(SPACE, " ")
+    assert said == tinymodel.FINISH_TEXT
+    said = "".join(tinymodel.CHAINS[tinymodel.TOOL][:-1]).replace(SPACE, " ")
+    assert said == tinymodel.TOOL_CALL_TEXT
+
+
+def _formed(text: str, vocab: set[str]) -> bool:
+    """Whether llama.cpp's SPM merger can form ``text`` as one symbol: a single
+    character, or two formable vocabulary pieces whose concatenation it is."""
+    if len(text) == 1:
+        return True
+    return any(
+        text[:i] in vocab
+        and text[i:] in vocab
+        and _formed(text[:i], vocab)
+        and _formed(text[i:], vocab)
+        for i in range(1, len(text))
+    )
+
+
+def test_no_text_tokenizes_to_a_chain_piece(tiny: TinyModel) -> None:
+    """So no prompt's tokens changed when the pieces joined the vocabulary."""
+    tokens = _tokens(tiny.model_path)
+    vocab = set(tokens)
+    for piece in tokens[_n_base(tokens) + 2 :]:
+        assert not _formed(piece, vocab), piece
+    assert _formed(SPACE + "the", vocab)  # the check finds what is formed
+
+
+def _render(messages: list[dict[str, Any]]) -> str:
+    import jinja2  # noqa: PLC0415
+
+    template = jinja2.Environment(autoescape=False).from_string(tinymodel.CHAT_TEMPLATE)
+    return template.render(messages=messages, add_generation_prompt=True)
+
+
+def test_template_is_plain_chatml_without_a_trigger() -> None:
+    messages = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "hello <tool_call> done"},
+        {"role": "assistant", "content": "the cat"},
+        {"role": "user", "content": "more"},
+    ]
+    chatml = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+    assert _render(messages) == chatml + "<|im_start|>assistant\n"
+
+
+def test_template_ends_with_the_last_message_trigger() -> None:
+    call: dict[str, Any] = {
+        "id": "c1",
+        "type": "function",
+        "function": {"name": "f", "arguments": "{}"},
+    }
+    turn: list[dict[str, Any]] = [
+        {"role": "user", "content": f"look it up {tinymodel.TOOL}"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+    ]
+    asked = _render(turn[:1])
+    assert asked.endswith(f"<|im_start|>assistant\n{tinymodel.TOOL}")
+    answered = _render([*turn, {"role": "tool", "content": f"42 {tinymodel.FINISH}"}])
+    said = answered.split("<|im_start|>assistant\n")[1].split("<|im_end|>")[0]
+    assert said.startswith("<tool_call>\n") and said.endswith("\n</tool_call>")
+    assert json.loads(said[len("<tool_call>\n") : -len("\n</tool_call>")]) == call["function"]
+    assert answered.endswith(f"<|im_start|>assistant\n{tinymodel.FINISH}")

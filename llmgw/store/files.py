@@ -32,7 +32,7 @@ from sqlalchemy import ColumnElement, delete, or_, update
 from sqlmodel import Session, col, select
 
 from llmgw.errors import FileTooLarge, KeyStorageFull
-from llmgw.store import Store
+from llmgw.store import Store, file_upkeep
 from llmgw.store.openai_tables import FILE_CHUNK_BYTES, FileChunk, StoredFile
 
 __all__ = [
@@ -104,6 +104,7 @@ class FileWriter:
         self._buffer = bytearray()
         self._next_idx = 0
         self._size = 0
+        self._stored = 0  # bytes in committed chunks
         self._sha = hashlib.sha256()
         self._open = False
         self._done = False
@@ -152,12 +153,40 @@ class FileWriter:
             self._begin()
         try:
             with self._store.session() as session:
+                if self._key_total is not None:
+                    file_upkeep.lock_key_files(session, self._key_id)
+                # The chunk first: SQLite's write lock from the transaction's start.
                 session.add(FileChunk(file_id=self._staging, idx=self._next_idx, data=piece))
+                session.flush()
+                if self._key_total is not None:
+                    self._check_key_total(session, len(piece))
                 session.commit()
         except BaseException:
             self.abort()
             raise
         self._next_idx += 1
+        self._stored += len(piece)
+
+    def _check_key_total(self, session: Session, piece: int) -> None:
+        """The key's files, this chunk included, within their bound, read
+        under the key's lock: the chunk reserves its bytes as it commits, so
+        parallel uploads of one key cannot each pass on what the others
+        have not finished yet (each checked only at its start, N uploads
+        overshot the bound by N - 1 files)."""
+        assert self._key_total is not None
+        used = file_upkeep.key_bytes_in(session, self._key_id, self._now())
+        if used > self._key_total:
+            # Removed under the same lock: a parallel upload checking next
+            # must not count what this one is giving up (it would be refused
+            # too, each for the others, none taken).
+            self._remove_staging(session)
+            session.commit()
+            self._open = False
+            raise KeyStorageFull(self._key_total, used - self._stored - piece)
+
+    def _remove_staging(self, session: Session) -> None:
+        session.execute(delete(FileChunk).where(col(FileChunk.file_id) == self._staging))
+        session.execute(delete(StoredFile).where(col(StoredFile.id) == self._staging))
 
     def finish(self) -> StoredFile:
         """Make the file what was written: its old content (if any) replaced
@@ -217,8 +246,7 @@ class FileWriter:
         if not self._open:
             return
         with self._store.session() as session:
-            session.execute(delete(FileChunk).where(col(FileChunk.file_id) == self._staging))
-            session.execute(delete(StoredFile).where(col(StoredFile.id) == self._staging))
+            self._remove_staging(session)
             session.commit()
         self._open = False
 

@@ -5,7 +5,10 @@ An upload is parsed as it arrives (python-multipart's push parser over
 (llmgw/store/files.py): the router holds at most about two chunks of a file,
 never the whole body. Past ``LLMGW_MAX_FILE_BYTES``, or past what the key's
 files may hold in all (``LLMGW_MAX_KEY_FILE_BYTES``, llmgw/store/file_upkeep.py),
-the upload is refused with a 413 and what was written of it is removed. Every
+the upload is refused with a 413 and what was written of it is removed. The
+key's total is checked as each chunk is written, under the key's lock, its
+chunks counted as they commit: uploads of one key in parallel stay within it
+together. Every
 store call of an upload is bounded (``LLMGW_STORE_WAIT_S``): a store that
 does not answer in time gets a 503, and what the upload wrote is removed once
 the store answers again (``_Writing``). Content is streamed back a
@@ -351,15 +354,19 @@ class _Writing:
         self._stuck = False
 
     async def write(self, data: bytes) -> None:
+        await self._bounded(lambda: self.writer.write(data))
+
+    async def finish(self) -> StoredFile:
+        # Its last chunk is checked against the key's total too.
+        return await self._bounded(self.writer.finish)
+
+    async def _bounded(self, fn: Callable[[], T]) -> T:
         try:
-            await self._call(lambda: self.writer.write(data))
+            return await self._call(fn)
         except KeyStorageFull as exc:
             raise ErrorKind.KEY_STORAGE_FULL.error(limit=exc.limit, used=exc.used) from None
         except FileTooLarge as exc:
             raise ErrorKind.FILE_TOO_LARGE.error(limit=exc.limit) from None
-
-    async def finish(self) -> StoredFile:
-        return await self._call(self.writer.finish)
 
     async def discard(self) -> None:
         """Remove what was written: now, or (a call still stuck) once it ends."""

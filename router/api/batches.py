@@ -30,8 +30,9 @@ from router.api.schemas import ChatCompletionRequest, CompletionRequest, Embeddi
 from router.batches import records
 from router.batches.validate import BodyCheck, BodyRefused, Rules, validate_batch
 from router.billing.key_policy import KeyPolicy
+from router.billing.quotas import QuotaRejection
 from router.common.blocking import within
-from router.common.errors import ErrorKind, invalid_body
+from router.common.errors import QUOTA_EXCEEDED, ErrorKind, invalid_body
 from router.common.metadata import METADATA_PAIRS, Metadata
 from router.responses.request import RequestInvalid, validate_request
 
@@ -41,6 +42,8 @@ internal = APIRouter(prefix="/internal", include_in_schema=False)
 DepsDep = Annotated[Deps, Depends(get_deps)]
 Endpoint = Literal["/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses"]
 _NOT_FOUND = "No such batch for this API key (another key's batch is not found either)"
+# A batch's creation as ``llmgw_requests`` counts it.
+BATCHES_ENDPOINT = "batches"
 
 
 class BatchJobs(Protocol):
@@ -83,7 +86,12 @@ async def _store(deps: Deps, fn: Callable[[], Any]) -> Any:
 @router.post(
     "/batches",
     responses=error_responses(
-        {404: "No such input file for this API key", 400: "An invalid field (`param` names it)"}
+        {
+            404: "No such input file for this API key",
+            400: "An invalid field (`param` names it)",
+            429: "The key's requests per minute (or tokens) are spent: a batch's creation"
+            " is one request of its key's",
+        }
     ),
 )
 async def create_batch(
@@ -96,6 +104,7 @@ async def create_batch(
         raise ErrorKind.BATCH_FILE_NOT_FOUND.error(file_id=file_id)
     if found.purpose != "batch":
         raise ErrorKind.BATCH_FILE_PURPOSE.error(file_id=file_id, purpose=found.purpose)
+    await _meter_creation(deps, caller)
     now = int(time.time())
     record = BatchRecord(
         id=records.batch_id(), key_id=caller.key_id, endpoint=body.endpoint,
@@ -108,6 +117,23 @@ async def create_batch(
     if jobs is not None:
         jobs.start_batch(record.id)
     return records.batch_object(record)
+
+
+async def _meter_creation(deps: Deps, caller: Caller) -> None:
+    """A batch's creation is one request of its key's: it reserves one of the
+    key's requests per minute (no tokens: each line reserves and is billed
+    its own, as it runs), so a key limited to N requests a minute creates at
+    most N batches a minute, and it is counted in ``llmgw_requests``
+    (endpoint ``batches``). Refused: the 429 a chat request would get."""
+    reservation = await deps.accountant.reserve(caller.key_id, caller.policy, 0)
+    if isinstance(reservation, QuotaRejection):
+        deps.metrics.quota_rejections.labels(reservation.limit).inc()
+        error = QUOTA_EXCEEDED[reservation.limit].error(
+            message=reservation.message, retry_after_s=reservation.retry_after_s
+        )
+        deps.metrics.requests.labels(BATCHES_ENDPOINT, "", str(error.status)).inc()
+        raise error
+    deps.metrics.requests.labels(BATCHES_ENDPOINT, "", "200").inc()
 
 
 async def _owned(deps: Deps, caller: Caller, batch_id: str) -> BatchRecord:

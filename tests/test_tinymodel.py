@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from numpy.typing import NDArray
 
-from llmgw_cli.dev import tinymodel
+from llmgw_cli.dev import tinymodel, triggers
 from llmgw_cli.dev.tinymodel import TinyModel, generate_tiny_model
 
 F64 = NDArray[np.float64]
@@ -132,7 +132,7 @@ def test_vocab_layout(tiny: TinyModel) -> None:
     assert {SPACE + "the", SPACE + "hello", "a", "Z", "!"} <= set(pieces)
     assert all(types[i] == gguf.TokenType.NORMAL for i in range(259, n_base))
     # The chains' tokens come last: the triggers user-defined (split out of any text).
-    assert tokens[n_base : n_base + 2] == [tinymodel.FINISH, tinymodel.TOOL]
+    assert tokens[n_base : n_base + 2] == [triggers.FINISH, triggers.TOOL]
     assert types[n_base : n_base + 2] == [gguf.TokenType.USER_DEFINED] * 2
     assert all(types[i] == gguf.TokenType.NORMAL for i in range(n_base + 2, len(tokens)))
 
@@ -183,7 +183,7 @@ def test_adapter_metadata_and_shapes(tiny: TinyModel, name: str) -> None:
 
 def _n_base(tokens: list[str]) -> int:
     """The vocabulary before the chains' tokens (the first of them is a trigger)."""
-    return tokens.index(tinymodel.FINISH)
+    return tokens.index(triggers.FINISH)
 
 
 def _emittable(tokens: list[str]) -> NDArray[np.bool_]:
@@ -313,10 +313,10 @@ def test_triggers_say_their_chain_then_eos(tiny: TinyModel, adapter: str | None)
             assert int(np.argmax(logits)) == tokens.index(piece), (trigger, piece)
             assert top2[1] - top2[0] > 100.0
             token = tokens.index(piece)
-    said = "".join(tinymodel.CHAINS[tinymodel.FINISH][:-1]).replace(SPACE, " ")
-    assert said == tinymodel.FINISH_TEXT
-    said = "".join(tinymodel.CHAINS[tinymodel.TOOL][:-1]).replace(SPACE, " ")
-    assert said == tinymodel.TOOL_CALL_TEXT
+    said = "".join(tinymodel.CHAINS[triggers.FINISH][:-1]).replace(SPACE, " ")
+    assert said == triggers.FINISH_TEXT
+    said = "".join(tinymodel.CHAINS[triggers.TOOL][:-1]).replace(SPACE, " ")
+    assert said == triggers.TOOL_CALL_TEXT
 
 
 def _formed(text: str, vocab: set[str]) -> bool:
@@ -345,7 +345,7 @@ def test_no_text_tokenizes_to_a_chain_piece(tiny: TinyModel) -> None:
 def _render(messages: list[dict[str, Any]]) -> str:
     import jinja2  # noqa: PLC0415
 
-    template = jinja2.Environment(autoescape=False).from_string(tinymodel.CHAT_TEMPLATE)
+    template = jinja2.Environment(autoescape=False).from_string(triggers.CHAT_TEMPLATE)
     return template.render(messages=messages, add_generation_prompt=True)
 
 
@@ -367,13 +367,13 @@ def test_template_ends_with_the_last_message_trigger() -> None:
         "function": {"name": "f", "arguments": "{}"},
     }
     turn: list[dict[str, Any]] = [
-        {"role": "user", "content": f"look it up {tinymodel.TOOL}"},
+        {"role": "user", "content": f"look it up {triggers.TOOL}"},
         {"role": "assistant", "content": None, "tool_calls": [call]},
     ]
     asked = _render(turn[:1])
-    assert asked.endswith(f"<|im_start|>assistant\n{tinymodel.TOOL}")
-    answered = _render([*turn, {"role": "tool", "content": f"42 {tinymodel.FINISH}"}])
+    assert asked.endswith(f"<|im_start|>assistant\n{triggers.TOOL}")
+    answered = _render([*turn, {"role": "tool", "content": f"42 {triggers.FINISH}"}])
     said = answered.split("<|im_start|>assistant\n")[1].split("<|im_end|>")[0]
     assert said.startswith("<tool_call>\n") and said.endswith("\n</tool_call>")
     assert json.loads(said[len("<tool_call>\n") : -len("\n</tool_call>")]) == call["function"]
-    assert answered.endswith(f"<|im_start|>assistant\n{tinymodel.FINISH}")
+    assert answered.endswith(f"<|im_start|>assistant\n{triggers.FINISH}")

@@ -22,12 +22,9 @@ Only whole-word pieces ("▁the" -> " the") survive, so greedy output is printab
 and generation always runs to ``max_tokens``.
 
 A client that needs an answer to end (an agent framework that treats ``length`` as a
-failure) puts a *trigger* in the last message (the chat template repeats it at the
-prompt's end; a plain completion's prompt ends with it): :data:`FINISH` makes the model
-answer :data:`FINISH_TEXT` and stop, :data:`TOOL` makes it call the tool
-:data:`TOOL_NAME` (in the ``<tool_call>`` form llama.cpp parses for a template that
-shows it) and stop. See :data:`CHAINS`: a prompt without a trigger generates what it
-always did.
+failure) puts a *trigger* in the last message: the model then answers a word and
+stops, or calls a tool and stops (llmgw_cli/dev/triggers.py). A prompt without a
+trigger generates what it always did.
 
 Run ``python -m llmgw_cli.dev.tinymodel OUT_DIR`` to write the files and print their paths.
 
@@ -41,7 +38,6 @@ prompt saves nothing measurable. Its figures, with one llama.cpp thread, are in
 from __future__ import annotations
 
 import hashlib
-import itertools
 import os
 import sys
 import tempfile
@@ -53,6 +49,8 @@ from pathlib import Path
 import gguf
 import numpy as np
 from numpy.typing import NDArray
+
+from llmgw_cli.dev.triggers import CHAIN_TEXT, CHAT_TEMPLATE, append_chain_rows, chain_tokens
 
 F32 = NDArray[np.float32]
 
@@ -88,57 +86,16 @@ _BIAS_VALUE = 1.0
 _SUPPRESS = -10000.0  # output weight on _BIAS_DIM for tokens that must never be sampled
 _SPACE = "\u2581"  # SentencePiece's visible space
 
-# Triggers: user-defined tokens, so llama.cpp splits them out of any text (no prompt
-# without their exact text tokenizes differently than before they existed).
-FINISH = "<|llmgw:finish|>"
-TOOL = "<|llmgw:tool|>"
-FINISH_TEXT = " done"
-TOOL_NAME = "llmgw_lookup"  # a function tool without parameters
-TOOL_CALL_TEXT = '<tool_call>\n{"name": "' + TOOL_NAME + '", "arguments": {}}\n</tool_call>'
-EOS = "</s>"
-# What each trigger makes the model say, piece by piece, ending with EOS. A piece
-# here is a new vocabulary entry no prompt tokenizes to: the SPM merger only joins
-# two pieces whose concatenation is in the vocabulary, and no split of these into
+# The triggers and what they make the model say (llmgw_cli/dev/triggers.py), here as
+# SentencePiece spells it; the triggers are user-defined tokens, so llama.cpp splits
+# them out of any text, and no text tokenizes to a chain's piece: the SPM merger only
+# joins two pieces whose concatenation is in the vocabulary, and no split of these into
 # two pieces it can form is (tests/test_tinymodel.py checks it).
+EOS = "</s>"
+SPELL = {text: text.replace(" ", _SPACE) for chain in CHAIN_TEXT.values() for text in chain}
 CHAINS: dict[str, tuple[str, ...]] = {
-    FINISH: (_SPACE + FINISH_TEXT[1:], EOS),
-    TOOL: (
-        "<tool_call>",
-        TOOL_CALL_TEXT[len("<tool_call>") : -len("</tool_call>")].replace(" ", _SPACE),
-        "</tool_call>",
-        EOS,
-    ),
+    trigger: (*(SPELL[text] for text in chain), EOS) for trigger, chain in CHAIN_TEXT.items()
 }
-# A chain token's embedding is -_CHAIN_MAGNITUDE on _BIAS_DIM (every other token has
-# +_BIAS_VALUE there) plus as much on its own address dimension, so at its position
-# the normalised residual is about 5.7 * (address - bias), whatever the context. The
-# output row of its successor is _CHAIN_PULL on _BIAS_DIM (twice the suppression: it
-# wins over every suppressed token, which the negative bias lifts too) plus
-# _CHAIN_SELECT on the predecessor's address; at any ordinary position (bias +1) those
-# rows are as suppressed as the specials, so ordinary logits' winners are unchanged.
-_CHAIN_MAGNITUDE = 1000.0
-_CHAIN_PULL = 2.0 * _SUPPRESS
-_CHAIN_SELECT = 100.0
-
-# Template branches for messages an ordinary prompt never had (non-string content,
-# tool calls) and the trigger at the end; for string contents the text is the plain
-# chatml it always was. "<tool_call>" in it makes llama.cpp (--jinja) parse that form.
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
-    "{% if message['content'] is string %}{{ message['content'] }}{% endif %}"
-    "{% if message['tool_calls'] is defined and message['tool_calls'] %}"
-    "{% for call in message['tool_calls'] %}"
-    "{{ '<tool_call>\\n' }}{{ call['function'] | tojson }}{{ '\\n</tool_call>' }}"
-    "{% endfor %}{% endif %}"
-    "{{ '<|im_end|>' + '\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
-    "{% set last = messages[-1]['content'] if messages else '' %}"
-    "{% if last is string and '" + FINISH + "' in last %}{{ '" + FINISH + "' }}"
-    "{% elif last is string and '" + TOOL + "' in last %}{{ '" + TOOL + "' }}"
-    "{% endif %}{% endif %}"
-)
 
 # Whole words are the only pieces the model ever emits (see _build_vocab).
 _WORD_TEXT = (
@@ -225,12 +182,6 @@ class _Vocab:
         return self.tokens.index(piece)
 
 
-def _chain_pieces() -> list[str]:
-    """The triggers, then every piece a chain says (EOS aside), in order, once."""
-    pieces = [piece for chain in CHAINS.values() for piece in chain if piece != EOS]
-    return list(dict.fromkeys([*CHAINS, *pieces]))
-
-
 def _build_vocab() -> _Vocab:
     """Specials, byte fallback, then pieces; only whole words are ever sampled. The
     chains' tokens come last, so every earlier token keeps its id and its weights."""
@@ -249,7 +200,7 @@ def _build_vocab() -> _Vocab:
     scores = [0.0] * (3 + 256) + [float(len(p)) - 100.0 for p in pieces]
     emittable = np.array([t.startswith(_SPACE) and len(t) > 2 for t in tokens])
     n_base = len(tokens)
-    chain = _chain_pieces()
+    chain = chain_tokens(SPELL)
     tokens += chain
     types += [gguf.TokenType.USER_DEFINED if p in CHAINS else gguf.TokenType.NORMAL for p in chain]
     scores += [-1000.0] * len(chain)
@@ -283,30 +234,6 @@ def _layer_tensors(rng: np.random.Generator, i: int, d: Dims = TINY) -> dict[str
     return {f"blk.{i}.{name}.weight": w for name, w in t.items()}
 
 
-def _chain_rows(vocab: _Vocab, embd: F32, out: F32) -> tuple[F32, F32]:
-    """``embd`` and ``out`` (the base vocabulary's rows) with the chains' rows
-    appended and EOS's output row made the chains' end (see :data:`CHAINS`)."""
-    n_extra = len(vocab.tokens) - vocab.n_base
-    n_embd = embd.shape[1]
-    assert n_extra < n_embd, "one address dimension per chain token"
-    embd = np.concatenate([embd, np.zeros((n_extra, n_embd), np.float32)])
-    out = np.concatenate([out, np.zeros((n_extra, n_embd), np.float32)])
-    out[vocab.n_base :, _BIAS_DIM] = _SUPPRESS  # triggers are never said
-    eos = vocab.id(EOS)
-    out[eos] = 0.0
-    for offset in range(n_extra):
-        token = vocab.n_base + offset
-        embd[token, _BIAS_DIM] = -_CHAIN_MAGNITUDE
-        embd[token, 1 + offset] = _CHAIN_MAGNITUDE  # its address, never _BIAS_DIM
-    for trigger, chain in CHAINS.items():
-        said = (trigger, *chain)
-        for before, after in itertools.pairwise(said):
-            row = vocab.id(after)
-            out[row, _BIAS_DIM] = _CHAIN_PULL
-            out[row, 1 + vocab.id(before) - vocab.n_base] = _CHAIN_SELECT
-    return embd, out
-
-
 def _model_tensors(vocab: _Vocab, d: Dims = TINY) -> dict[str, F32]:
     rng = np.random.default_rng(d.seed)
     # Drawn for the base vocabulary alone, in the order they always were, so every
@@ -315,7 +242,8 @@ def _model_tensors(vocab: _Vocab, d: Dims = TINY) -> dict[str, F32]:
     embd[:, _BIAS_DIM] = _BIAS_VALUE
     out = _normal(rng, (vocab.n_base, d.n_embd), 1.0 / np.sqrt(d.n_embd))
     out[:, _BIAS_DIM] = np.where(vocab.emittable[: vocab.n_base], 0.0, _SUPPRESS)
-    embd, out = _chain_rows(vocab, embd, out)
+    ids = {t: vocab.n_base + i for i, t in enumerate(vocab.tokens[vocab.n_base :])}
+    embd, out = append_chain_rows(embd, out, ids, SPELL, vocab.id(EOS), _BIAS_DIM, _SUPPRESS)
     tensors = {"token_embd.weight": embd}
     for i in range(d.n_layer):
         tensors.update(_layer_tensors(rng, i, d))

@@ -5,7 +5,7 @@ and not, completes with a final output.
 
 The tiny model never stops on its own, and the SDK takes a response cut at
 ``max_output_tokens`` for an error; so the prompts carry the tiny model's
-triggers (llmgw_cli/dev/tinymodel.py). A user's message with ``TOOL`` makes
+triggers (llmgw_cli/dev/triggers.py). A user's message with ``TOOL`` makes
 it call the tool, and the tool's answer (with ``FINISH``) makes it say a final
 word and stop; a user's message with ``FINISH`` makes it answer at once. The
 router, uvicorn and the engine as in tests/gateway/test_admission_llama.py.
@@ -33,24 +33,24 @@ from agents.items import RunItem
 from agents.models.interface import Model
 from openai.types.responses import ResponseTextDeltaEvent
 
-from llmgw_cli.dev import tinymodel
+from llmgw_cli.dev import triggers
 from tests.gateway.test_admission_llama import Engine, M, engine, model, router
 
 __all__ = ["engine"]
 
 ANSWER = "sunny"
-TOOL_ASK = f"What is the weather? {tinymodel.TOOL}"
-DIRECT_ASK = f"Say you are done. {tinymodel.FINISH}"
-FINAL = tinymodel.FINISH_TEXT.strip()
+TOOL_ASK = f"What is the weather? {triggers.TOOL}"
+DIRECT_ASK = f"Say you are done. {triggers.FINISH}"
+FINAL = triggers.FINISH_TEXT.strip()
 # No traces sent to OpenAI's service (the SDK's default when it has an API key).
 RUN = RunConfig(tracing_disabled=True)
 APIS = ["responses", "chat"]
 
 
-@function_tool(name_override=tinymodel.TOOL_NAME)
+@function_tool(name_override=triggers.TOOL_NAME)
 def lookup() -> str:
     """Look the weather up."""
-    return f"{ANSWER} {tinymodel.FINISH}"
+    return f"{ANSWER} {triggers.FINISH}"
 
 
 @pytest.fixture
@@ -83,8 +83,8 @@ def _called_then_answered(items: list[RunItem]) -> None:
     assert _kinds(items) == [ToolCallItem, ToolCallOutputItem, MessageOutputItem]
     call, output, _ = items
     assert isinstance(call, ToolCallItem) and isinstance(output, ToolCallOutputItem)
-    assert getattr(call.raw_item, "name", None) == tinymodel.TOOL_NAME
-    assert output.output == f"{ANSWER} {tinymodel.FINISH}"
+    assert getattr(call.raw_item, "name", None) == triggers.TOOL_NAME
+    assert output.output == f"{ANSWER} {triggers.FINISH}"
 
 
 @pytest.mark.parametrize("api", APIS)

@@ -95,7 +95,7 @@ def append_chain_rows(
 
     ``ids`` gives each of :func:`chain_tokens` its id: the base vocabulary's size
     and on, in any order."""
-    n_base, n_embd = embd.shape
+    n_base, n_embd = int(embd.shape[0]), int(embd.shape[1])
     tokens = chain_tokens(spell)
     assert sorted(ids[t] for t in tokens) == list(range(n_base, n_base + len(tokens)))
     assert len(tokens) < n_embd and bias_dim == 0, "an address dimension per chain token"

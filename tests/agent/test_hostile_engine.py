@@ -5,7 +5,7 @@ A few lines of asyncio play a hostile engine behind the real pass-through
 bomb (590 bytes that httpx would expand to 256 MiB in one synchronous call),
 a trickle (a byte every half second, forever) and an endless body. Every
 check the agent and the router make of an engine (readiness, load and drain,
-liveness, the router's metrics scrape) must come back with a clean failure
+liveness, adapter calls, the router's metrics scrape) must come back with a clean failure
 within its deadline, having read no more than its cap, and asked for
 identity; a watch over such an engine keeps heartbeating, and the node's
 other replica, watched by the same agent, keeps its state.
@@ -24,20 +24,23 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 import httpx
 import pytest
 
-from llmgw.errors import AgentShutdown, EngineAnswerRefused
-from llmgw.types import ShardRef, WatchShardInput
+from llmgw.errors import AdapterLoadFailed, AdapterUnloadFailed, AgentShutdown, EngineAnswerRefused
+from llmgw.types import AdapterCall, ShardRef, WatchShardInput
 from router.api.engine_metrics import fetch_metrics
 from tests.agent.test_passthrough import KEY, front, read_request
+from worker_agent import adapter_service
+from worker_agent.adapter_service import AdapterService
 from worker_agent.engines import ReadyProbe
 from worker_agent.liveness import ENGINE_HUNG, LivenessRules, Observation
 from worker_agent.probes import engine_load, liveness_probe, probe_liveness, probe_ready
 from worker_agent.shard_record import ShardRecord
 from worker_agent.shard_service import RunningShards
-from worker_agent.supervisor import RunningShard, StopOutcome
+from worker_agent.supervisor import RunningShard, StopOutcome, Supervisor
 
 BOMB_EXPANDED = 256 << 20
 # What the endless engine sends at most (it stops there, so that a reader
@@ -346,3 +349,43 @@ async def test_the_agent_keeps_watching_its_node_while_one_engine_is_hostile(mod
     # The good replica kept its state: asked, answered, never suspected.
     assert set(beats["r-good"]) == {"running"} and good.paths
     assert set(good.paths) == {b"/metrics"}
+
+
+# --- the agent's adapter calls (worker_agent/adapter_service.py) --------------
+
+
+@pytest.mark.parametrize(
+    ("mode", "why"),
+    [
+        ("bomb", "Content-Encoding gzip, gzip refused"),
+        ("trickle", f"no answer within {DEADLINE_S:g}s"),
+        ("endless", "more than 4194304 bytes"),
+    ],
+)
+async def test_an_adapter_call_fails_cleanly_on_a_hostile_answer(
+    mode: str, why: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(adapter_service, "LISTING_DEADLINE_S", DEADLINE_S)
+    monkeypatch.setattr(adapter_service, "CHANGE_DEADLINE_S", DEADLINE_S)
+    (tmp_path / "sql").mkdir()
+    async with behind_passthrough(mode) as (seen, endpoint), httpx.AsyncClient() as http:
+        node = cast(Supervisor, Node({"r-bad": endpoint}))
+        adapters = AdapterService(node, lambda _: KEY, http, [tmp_path])
+        call = AdapterCall(replica_id="r-bad", name="sql", path=str(tmp_path / "sql"))
+        tracemalloc.start()
+        try:
+            async with asyncio.timeout(HANG_GUARD_S):
+                # A load given the cap lists what the engine holds first.
+                with pytest.raises(AdapterLoadFailed, match="listing its models") as listing:
+                    await adapters.load(call.model_copy(update={"max_loaded": 2}))
+                if mode != "endless":  # an endless 200 to a change is a 200
+                    with pytest.raises(AdapterUnloadFailed) as change:
+                        await adapters.unload(call)
+                    assert why in str(change.value)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        sent = seen.sent
+    assert why in str(listing.value)
+    assert peak < PEAK_BOUND and sent < ENDLESS_BOUND
+    assert set(seen.accept_encodings) == {b"identity"}

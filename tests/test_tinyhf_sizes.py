@@ -1,32 +1,62 @@
-"""The HF model's sizes: the tests' tiny one byte for byte as before, and the
-prefix bench's (``--size bench``) as docs/benchmarks.md describes it."""
+"""The HF model's sizes: the tests' tiny one byte for byte as pinned (for an
+ordinary prompt, as before), and the prefix bench's (``--size bench``) as
+docs/benchmarks.md describes it."""
 
 import hashlib
 import json
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from llmgw_cli.dev.tinyhf import BENCH, TINY, generate_tiny_hf_model, main
+from llmgw_cli.dev.tinyhf import BENCH, TINY, build_base_tokenizer, generate_tiny_hf_model, main
 
-# The tiny model's files as generated before sizes existed (commit 736f48f):
-# the vLLM tests' model must not change with them.
+# The tiny model's files, the chains' tokens in (issue 34): any change is on purpose.
 TINY_SHA256 = {
-    "config.json": "0a0aaf53bed3043df87b9b5448e53fb327dbe5e3ce12906ce31a26e8f35d425d",
-    "tokenizer_config.json": "536583acb2f3eb1bc8f9663a11b09f83815aa36adfb67b35b035e73037753c04",
-    "model.safetensors": "288c892c80d25170cda7274eadf4212e9ca7e6f49d1354459efbc5f743c235f2",
-    "tokenizer.json": "55a33685d6467520c08136684cce2302f3ce673f045d3af7fd0fa0163ebaf46e",
+    "config.json": "ad534aaa12114e991515fda5daf4d46a9ec82531d863633dd7af8bf0ccf96e67",
+    "tokenizer_config.json": "1896f852df965313f324d79459a5c02b2abb0995a6a0d15ede5e3e1f8841c57c",
+    "model.safetensors": "fea7771f56f0aa2f403ec8f424de4b97544314e0ff2af6a805b6888fa67b6d0d",
+    "tokenizer.json": "bef20c64db62a930d0e154ca429f49ba82a2dc154f325e99c627d3e425fba29c",
 }
+# What an ordinary prompt's tokens and output depend on, as generated before sizes
+# and chains existed (commit 736f48f): the base tokenizer's file, and every weight
+# but the chains' rows and EOS's output row (suppressed at an ordinary position,
+# before and after). The vLLM tests' model must not change for them.
+BASE_TOKENIZER_SHA256 = "55a33685d6467520c08136684cce2302f3ce673f045d3af7fd0fa0163ebaf46e"
+BASE_WEIGHTS_SHA256 = "3b0790815771c41d0e2e6977c99734c48e82c2f356ba0a94fd084b0eaa14a390"
 
 
-def test_the_tiny_model_is_byte_for_byte_the_old_one(tmp_path: Path) -> None:
+def test_the_tiny_model_is_byte_for_byte_the_pinned_one(tmp_path: Path) -> None:
     model = generate_tiny_hf_model(tmp_path)
     got = {
         name: hashlib.sha256((model.path / name).read_bytes()).hexdigest() for name in TINY_SHA256
     }
     assert got == TINY_SHA256
+
+
+def _base_weights_digest(path: Path, n_base: int) -> str:
+    tensors = load_file(path)
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        w = tensors[name]
+        if name == "model.embed_tokens.weight":
+            w = w[:n_base]
+        elif name == "lm_head.weight":
+            w = np.delete(w[:n_base], 2, axis=0)
+        digest.update(name.encode() + np.ascontiguousarray(w, np.float32).tobytes())
+    return digest.hexdigest()
+
+
+def test_ordinary_prompts_see_the_old_model(tmp_path: Path) -> None:
+    model = generate_tiny_hf_model(tmp_path)
+    base = build_base_tokenizer()
+    text = base.to_str(pretty=True) + "\n"
+    assert hashlib.sha256(text.encode()).hexdigest() == BASE_TOKENIZER_SHA256
+    n_base = base.get_vocab_size()
+    assert _base_weights_digest(model.path / "model.safetensors", n_base) == BASE_WEIGHTS_SHA256
+    assert load_file(model.path / "model.safetensors")["lm_head.weight"][2, 0] < -10000
 
 
 def test_the_bench_size_is_the_documented_one(tmp_path: Path) -> None:

@@ -17,6 +17,11 @@ the tokenizer is a byte-level BPE trained with ``tokenizers`` on generated text.
   matrix has a large negative weight on it for every token that must never be
   sampled (specials, pieces that are not a space-led printable word), so output
   is readable text and generation always runs to ``max_tokens``.
+* Unless the last message holds a trigger, as in the GGUF model
+  (llmgw_cli/dev/triggers.py): then it says a word, or calls a tool, and stops.
+  The triggers are added tokens, the chains' pieces entries after the base
+  vocabulary that no merge makes: an ordinary prompt's tokens and weights are
+  the base tokenizer's and the base vocabulary's, unchanged.
 
 Files are rewritten only when their bytes change, each through a temp file and
 ``os.replace``, so an engine reading the directory never sees a partial file.
@@ -43,7 +48,17 @@ from pathlib import Path
 import numpy as np
 from numpy.typing import NDArray
 from safetensors.numpy import save as save_safetensors
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import (
+    AddedToken,
+    Tokenizer,
+    decoders,
+    models,
+    pre_tokenizers,
+    processors,
+    trainers,
+)
+
+from llmgw_cli.dev.triggers import CHAIN_TEXT, CHAT_TEMPLATE, append_chain_rows, chain_tokens
 
 F32 = NDArray[np.float32]
 
@@ -109,174 +124,19 @@ _BIAS_VALUE = 1.0
 _SUPPRESS = -10000.0
 _SPACE = "\u0120"  # byte-level BPE's visible space ("Ġ")
 
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
 
-_WORDS = [
-    "the",
-    "of",
-    "and",
-    "to",
-    "in",
-    "is",
-    "it",
-    "you",
-    "that",
-    "he",
-    "was",
-    "for",
-    "on",
-    "are",
-    "with",
-    "as",
-    "his",
-    "they",
-    "be",
-    "at",
-    "one",
-    "have",
-    "this",
-    "from",
-    "or",
-    "had",
-    "by",
-    "hot",
-    "word",
-    "but",
-    "what",
-    "some",
-    "we",
-    "can",
-    "out",
-    "other",
-    "were",
-    "all",
-    "there",
-    "when",
-    "up",
-    "use",
-    "your",
-    "how",
-    "said",
-    "an",
-    "each",
-    "she",
-    "which",
-    "do",
-    "their",
-    "time",
-    "if",
-    "will",
-    "way",
-    "about",
-    "many",
-    "then",
-    "them",
-    "write",
-    "would",
-    "like",
-    "so",
-    "these",
-    "her",
-    "long",
-    "make",
-    "thing",
-    "see",
-    "him",
-    "two",
-    "has",
-    "look",
-    "more",
-    "day",
-    "could",
-    "go",
-    "come",
-    "did",
-    "number",
-    "sound",
-    "no",
-    "most",
-    "people",
-    "my",
-    "over",
-    "know",
-    "water",
-    "than",
-    "call",
-    "first",
-    "who",
-    "may",
-    "down",
-    "side",
-    "been",
-    "now",
-    "find",
-    "any",
-    "new",
-    "work",
-    "part",
-    "take",
-    "get",
-    "place",
-    "made",
-    "live",
-    "where",
-    "after",
-    "back",
-    "little",
-    "only",
-    "round",
-    "man",
-    "year",
-    "came",
-    "show",
-    "every",
-    "good",
-    "me",
-    "give",
-    "our",
-    "under",
-    "name",
-    "very",
-    "through",
-    "just",
-    "form",
-    "sentence",
-    "great",
-    "think",
-    "say",
-    "help",
-    "low",
-    "line",
-    "cat",
-    "dog",
-    "tree",
-    "sky",
-    "blue",
-    "red",
-    "green",
-    "light",
-    "model",
-    "token",
-    "hello",
-    "world",
-    "yes",
-    "small",
-    "fast",
-    "slow",
-    "open",
-    "close",
-    "river",
-    "stone",
-    "cloud",
-    "user",
-    "assistant",
-    "system",
-]
+_WORD_TEXT = (
+    "the of and to in is it you that he was for on are with as his they be at one have this "
+    "from or had by hot word but what some we can out other were all there when up use your "
+    "how said an each she which do their time if will way about many then them write would "
+    "like so these her long make thing see him two has look more day could go come did "
+    "number sound no most people my over know water than call first who may down side been "
+    "now find any new work part take get place made live where after back little only round "
+    "man year came show every good me give our under name very through just form sentence "
+    "great think say help low line cat dog tree sky blue red green light model token hello "
+    "world yes small fast slow open close river stone cloud user assistant system"
+)
+_WORDS = _WORD_TEXT.split()
 
 
 @dataclass(frozen=True)
@@ -297,7 +157,7 @@ def _corpus() -> list[str]:
     return lines
 
 
-def build_tokenizer() -> Tokenizer:
+def build_base_tokenizer() -> Tokenizer:
     """A byte-level BPE: any text tokenizes, and decoding gives back the bytes."""
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -315,11 +175,50 @@ def build_tokenizer() -> Tokenizer:
     return tok
 
 
+def _byte_level(text: str) -> str:
+    """``text`` as byte-level BPE spells it (GPT-2's byte-to-character table)."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    others = [b for b in range(256) if b not in printable]
+    table = {b: chr(b) for b in printable} | {b: chr(256 + i) for i, b in enumerate(others)}
+    return "".join(table[b] for b in text.encode())
+
+
+SPELL = {text: _byte_level(text) for chain in CHAIN_TEXT.values() for text in chain}
+
+
+def build_tokenizer() -> Tokenizer:
+    """The base tokenizer, and after its vocabulary the triggers (added tokens:
+    matched in any text) and the chains' pieces (vocabulary entries no merge makes,
+    so no text tokenizes to them): llmgw_cli/dev/triggers.py."""
+    data = json.loads(build_base_tokenizer().to_str())
+    vocab: dict[str, int] = data["model"]["vocab"]
+    n_base = len(vocab)
+    assert sorted(vocab.values()) == list(range(n_base))
+    pieces = [t for t in chain_tokens(SPELL) if t not in CHAIN_TEXT]
+    vocab.update({piece: n_base + i for i, piece in enumerate(pieces)})
+    tok = Tokenizer.from_str(json.dumps(data))
+    tok.add_tokens([AddedToken(t, normalized=False) for t in CHAIN_TEXT])
+    return tok
+
+
+def _id(tok: Tokenizer, token: str) -> int:
+    found = tok.token_to_id(token)
+    assert found is not None, token
+    return found
+
+
+def _chain_ids(tok: Tokenizer) -> dict[str, int]:
+    return {t: _id(tok, t) for t in chain_tokens(SPELL)}
+
+
 def _emittable(tok: Tokenizer) -> NDArray[np.bool_]:
-    """Tokens the model may sample: a space followed by at least two printable letters."""
+    """Tokens the model may sample: a space followed by at least two printable letters
+    (of the base vocabulary: the chains' tokens follow it)."""
     vocab = tok.get_vocab()
-    ok = np.zeros(len(vocab), dtype=bool)
+    ok = np.zeros(min(_chain_ids(tok).values()), dtype=bool)
     for piece, idx in vocab.items():
+        if idx >= len(ok):
+            continue
         word = piece[1:]
         ok[idx] = piece.startswith(_SPACE) and len(word) >= 2 and word.isascii() and word.isalpha()
     return ok
@@ -329,8 +228,12 @@ def _normal(rng: np.random.Generator, shape: tuple[int, ...], scale: float) -> F
     return (rng.standard_normal(shape) * scale).astype(np.float32)
 
 
-def _tensors(vocab_size: int, emittable: NDArray[np.bool_], d: Dims = TINY) -> dict[str, F32]:
-    """LlamaForCausalLM's state dict; Linear weights are (out_features, in_features)."""
+def _tensors(tok: Tokenizer, d: Dims = TINY) -> dict[str, F32]:
+    """LlamaForCausalLM's state dict; Linear weights are (out_features, in_features).
+    Drawn for the base vocabulary, in the order they always were, then the chains'
+    rows appended: every base token's weights are what they were before chains."""
+    emittable = _emittable(tok)
+    vocab_size = len(emittable)
     rng = np.random.default_rng(d.seed)
     hidden, ff, q = d.hidden, d.intermediate, d.n_head * d.head_dim
     inv = 1.0 / np.sqrt(hidden)
@@ -358,6 +261,10 @@ def _tensors(vocab_size: int, emittable: NDArray[np.bool_], d: Dims = TINY) -> d
     t["model.norm.weight"] = np.ones(hidden, dtype=np.float32)
     head = _normal(rng, (vocab_size, hidden), inv)
     head[:, _BIAS_DIM] = np.where(emittable, 0.0, _SUPPRESS)
+    embed, head = append_chain_rows(
+        embed, head, _chain_ids(tok), SPELL, _id(tok, EOS), _BIAS_DIM, _SUPPRESS
+    )
+    t["model.embed_tokens.weight"] = embed
     t["lm_head.weight"] = head
     return t
 
@@ -431,7 +338,7 @@ def generate_tiny_hf_model(out_dir: Path, dims: Dims = TINY) -> TinyHfModel:
     out.chmod(0o755)
     tok = build_tokenizer()
     vocab_size = tok.get_vocab_size()
-    tensors = _tensors(vocab_size, _emittable(tok), dims)
+    tensors = _tensors(tok, dims)
     files = {
         "config.json": _dumps(_config(tok, vocab_size, dims)),
         "generation_config.json": _dumps(

@@ -52,6 +52,7 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from llmgw import endpoint_proof
+from llmgw.bounded_http import IDENTITY
 from llmgw.types import ROUTABLE_PHASES, ReplicaMemo, ReplicaPhase
 from router.control_link.routing import CountedSource, ReplicaSource
 
@@ -134,6 +135,10 @@ class HttpProver:
                 timeout=self._timeout,
                 connector=aiohttp.TCPConnector(force_close=True),
                 cookie_jar=aiohttp.DummyCookieJar(),
+                # Whatever listens there is untrusted (llmgw/bounded_http.py):
+                # asked for identity, and a compressed answer never expanded.
+                auto_decompress=False,
+                headers={"Accept-Encoding": IDENTITY},
             )
         return self._session
 
@@ -154,6 +159,8 @@ class HttpProver:
                     return Verdict.OUTDATED
                 if resp.status != 200:
                     return Verdict.WRONG
+                if resp.headers.get("Content-Encoding", "").strip().lower() not in ("", IDENTITY):
+                    return Verdict.WRONG  # the pass-through never compresses
                 body = await resp.content.read(MAX_ANSWER_BYTES)
         except (aiohttp.ClientError, TimeoutError, OSError):
             return Verdict.UNANSWERED

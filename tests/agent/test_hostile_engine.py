@@ -5,10 +5,11 @@ A few lines of asyncio play a hostile engine behind the real pass-through
 bomb (590 bytes that httpx would expand to 256 MiB in one synchronous call),
 a trickle (a byte every half second, forever) and an endless body. Every
 check the agent and the router make of an engine (readiness, load and drain,
-liveness, adapter calls, the router's metrics scrape) must come back with a clean failure
-within its deadline, having read no more than its cap, and asked for
-identity; a watch over such an engine keeps heartbeating, and the node's
-other replica, watched by the same agent, keeps its state.
+liveness, adapter calls, the router's metrics scrape) must come back with a
+clean failure within its deadline, having read no more than its cap, and
+asked for identity; a watch over such an engine keeps heartbeating, and the
+node's other replica, watched by the same agent, keeps its state. The
+router's endpoint proof asks for identity too.
 
 That the bomb never expands is shown by memory (tracemalloc's peak), not by
 time: the expansion is the one synchronous call that would hold the loop.
@@ -18,6 +19,7 @@ import asyncio
 import contextlib
 import functools
 import gzip
+import json
 import tracemalloc
 import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -25,13 +27,16 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import cast
+from urllib.parse import parse_qs, urlsplit
 
 import httpx
 import pytest
 
+from llmgw import endpoint_proof
 from llmgw.errors import AdapterLoadFailed, AdapterUnloadFailed, AgentShutdown, EngineAnswerRefused
 from llmgw.types import AdapterCall, ShardRef, WatchShardInput
 from router.api.engine_metrics import fetch_metrics
+from router.control_link.endpoint_proof import HttpProver, Verdict
 from tests.agent.test_passthrough import KEY, front, read_request
 from worker_agent import adapter_service
 from worker_agent.adapter_service import AdapterService
@@ -389,3 +394,40 @@ async def test_an_adapter_call_fails_cleanly_on_a_hostile_answer(
     assert why in str(listing.value)
     assert peak < PEAK_BOUND and sent < ENDLESS_BOUND
     assert set(seen.accept_encodings) == {b"identity"}
+
+
+# --- the router's endpoint proof (router/control_link/endpoint_proof.py) -------
+
+
+async def test_an_endpoint_proof_sent_compressed_proves_nothing() -> None:
+    """What answers a proof is untrusted until proven: asked for identity, and
+    a compressed answer is never expanded, even one holding the right MAC
+    (the real pass-through never compresses)."""
+    heads: list[bytes] = []
+
+    async def compressing(reader: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        heads.append(head.lower())
+        target = head.split()[1].decode()
+        nonce = parse_qs(urlsplit(target).query)[endpoint_proof.NONCE_PARAM][0]
+        address = endpoint_proof.endpoint_address(endpoint)
+        assert address is not None
+        proof = endpoint_proof.answer(KEY, address, nonce)
+        body = gzip.compress(json.dumps({"proof": proof}).encode())
+        w.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-encoding: gzip\r\n"
+            b"content-length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        await w.drain()
+        w.close()
+
+    srv = await asyncio.start_server(compressing, "127.0.0.1", 0)
+    endpoint = f"http://127.0.0.1:{srv.sockets[0].getsockname()[1]}"
+    prover = HttpProver(lambda _: KEY, timeout_s=HANG_GUARD_S)
+    try:
+        verdict = await prover.prove("r-bad", endpoint)
+    finally:
+        await prover.aclose()
+        srv.close()
+    assert verdict is Verdict.WRONG
+    assert len(heads) == 1 and b"accept-encoding: identity\r\n" in heads[0]

@@ -36,7 +36,7 @@ from activities.control.jobs_finalize import Finalizer
 from activities.control.router_client import RouterClient
 from llmgw import contracts
 from llmgw.store import Store
-from llmgw.store.openai_tables import BatchRecord
+from llmgw.store.openai_tables import BatchRecord, ResponseRecord
 from llmgw.types import (
     BatchId,
     BatchLineError,
@@ -125,6 +125,11 @@ class JobActivities:
             row = session.get(BatchRecord, batch_id)
             return row.key_id if row is not None else None
 
+    def _response_key_of(self, response_id: str) -> int | None:
+        with self._store.session() as session:
+            row = session.get(ResponseRecord, response_id)
+            return row.key_id if row is not None else None
+
     # -- status -----------------------------------------------------------------
 
     @activity.defn(name=contracts.SET_BATCH_STATUS.name)
@@ -181,7 +186,11 @@ class JobActivities:
         """Have a router run (or continue) the stored response; heartbeats per
         event it persisted. A lost connection or a 5xx is retried by Temporal
         (the router continues from the stored events)."""
-        headers = await self._router.headers()
+        key_id = await asyncio.to_thread(self._response_key_of, arg.response_id)
+        if key_id is None:
+            return ResponseRunResult(status="not_found")
+        # The exec token is bound to the response's key: it runs that key's only.
+        headers = await self._router.headers(key_id)
         last = ResponseRunResult()
         ticker = asyncio.create_task(self._beat_response(last))
         try:

@@ -34,11 +34,11 @@ class RouterClient:
             limits=httpx.Limits(max_connections=256, max_keepalive_connections=64),
         )
 
-    async def headers(self, key_id: int | None = None, **extra: str) -> dict[str, str]:
-        headers = {"Authorization": f"Bearer {exec_token(await self._secret())}", **extra}
-        if key_id is not None:
-            headers["X-Llmgw-Key-Id"] = str(key_id)
-        return headers
+    async def headers(self, key_id: int, **extra: str) -> dict[str, str]:
+        """A call's headers as the job's key ``key_id``: the exec token is
+        bound to it (a router lets it act as no other key)."""
+        token = exec_token(await self._secret(), key_id)
+        return {"Authorization": f"Bearer {token}", "X-Llmgw-Key-Id": str(key_id), **extra}
 
     def _url(self, path: str) -> str:
         return self._urls[self._next % len(self._urls)] + path

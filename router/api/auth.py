@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from llmgw.api_keys import hash_api_key
-from llmgw.engine_keys import exec_token
+from llmgw.engine_keys import exec_key_id
 from llmgw.errors import StoreError
 from llmgw.store import Store
 from llmgw.types import Priority
@@ -46,8 +46,9 @@ class Caller:
     key_id: int
     key_name: str
     policy: KeyPolicy
-    # The control worker acting for the key (the exec token): the headers
-    # below are honoured only then.
+    # The control worker acting as the key (the exec token bound to it): the
+    # headers below are honoured only then, and only the inference endpoints
+    # (and the executor's own) take it (``exec_allowed``).
     exec: bool = False
     # X-Llmgw-Priority: the admission class instead of the key's own.
     priority_override: Priority | None = None
@@ -66,6 +67,20 @@ HeaderFn = Callable[[str], str | None]
 KEY_ID_HEADER = "x-llmgw-key-id"
 PRIORITY_HEADER = "x-llmgw-priority"
 BILLED_BY_CALLER_HEADER = "x-llmgw-billed-by-caller"
+
+# The routes besides the inference endpoints (router/api/openai.py's plain
+# ASGI ones, which always take it) where the exec token acts, as (method,
+# route template): a batch's lines sent to the Responses API, and the
+# executor's validation of a batch. Everything else (files, batches, models,
+# the rest of Responses, admin, metrics) is a 403: a job needs none of it.
+EXEC_ROUTES = frozenset(
+    {("POST", "/v1/responses"), ("POST", "/internal/batches/{batch_id}/validate")}
+)
+
+
+def exec_allowed(method: str, route: str) -> bool:
+    """Whether the exec token may call the route (its template) with ``method``."""
+    return (method, route) in EXEC_ROUTES
 
 
 def _read_key_by_id(store: Store, key_id: int) -> KeyInfo | None:
@@ -112,10 +127,9 @@ class KeyVerifier:
         self._store = store
         self._read_key = read_key
         self._read_key_by_id = read_key_by_id
-        # Only the digest of the exec token is kept (no secret: no exec access).
-        self._exec_digest = (
-            hashlib.sha256(exec_token(exec_secret).encode()).digest() if exec_secret else b""
-        )
+        # The secret exec tokens derive from (the engine-key secret, which a
+        # router holds anyway for the engines' keys); "": no exec access.
+        self._exec_secret = exec_secret
         self._clock = clock
         self._ttl = ttl_s
         self._wait = store_wait_s
@@ -188,36 +202,50 @@ class KeyVerifier:
         self._cache[digest] = _Answer(info, self._clock())
         return info
 
-    def is_exec(self, authorization: str | None) -> bool:
-        """Whether the header carries the exec token (constant-time compare)."""
+    def exec_key(self, authorization: str | None) -> int | None:
+        """The key id the header's exec token is bound to (constant-time
+        compare), or None when it carries no exec token."""
         key = _bearer(authorization)
-        if key is None or not self._exec_digest:
-            return False
-        return hmac.compare_digest(hashlib.sha256(key.encode()).digest(), self._exec_digest)
+        if key is None or not self._exec_secret:
+            return None
+        return exec_key_id(self._exec_secret, key)
+
+    def is_exec(self, authorization: str | None) -> bool:
+        """Whether the header carries an exec token."""
+        return self.exec_key(authorization) is not None
 
     async def verify(self, authorization: str | None, headers: HeaderFn | None = None) -> Caller:
         """The caller behind an Authorization header, or a 401 OpenAIError.
 
         ``headers`` reads the request's other headers: with the exec token,
-        the key named by ``X-Llmgw-Key-Id`` (and the exec-only headers)."""
-        if headers is not None and self.is_exec(authorization):
-            return await self._exec_caller(headers)
+        the exec-only headers (and ``X-Llmgw-Key-Id``, which must name the
+        token's own key). Without ``headers`` the exec token is refused."""
+        bound = self.exec_key(authorization)
+        if bound is not None:
+            if headers is None:
+                raise ErrorKind.EXEC_NOT_ALLOWED.error()
+            return await self._exec_caller(bound, headers)
         key = _bearer(authorization)
         if key is None:
             raise ErrorKind.INVALID_KEY.error()
         info = await self._info(key)
         return self._caller(info)
 
-    async def verify_exec(self, authorization: str | None) -> None:
-        """Pass for the exec token (the internal endpoints), else 401."""
-        if not self.is_exec(authorization):
+    async def verify_exec(self, authorization: str | None) -> int:
+        """The key id of the header's exec token (the internal endpoints act
+        as that key only), else 401."""
+        bound = self.exec_key(authorization)
+        if bound is None:
             raise ErrorKind.INVALID_KEY.error()
+        return bound
 
-    async def _exec_caller(self, headers: HeaderFn) -> Caller:
-        raw = (headers(KEY_ID_HEADER) or "").strip()
-        if not raw.isdigit() or len(raw) > 18:
+    async def _exec_caller(self, bound: int, headers: HeaderFn) -> Caller:
+        # X-Llmgw-Key-Id may name the key, as before tokens were bound: its
+        # own only (a token of one job's key acts for no other).
+        raw = headers(KEY_ID_HEADER)
+        if raw is not None and raw.strip() != str(bound):
             raise ErrorKind.INVALID_KEY.error()
-        info = await self._info_by_id(int(raw))
+        info = await self._info_by_id(bound)
         caller = self._caller(info)
         priority = (headers(PRIORITY_HEADER) or "").strip().lower()
         billed = (headers(BILLED_BY_CALLER_HEADER) or "").strip().lower()
@@ -243,6 +271,8 @@ class KeyVerifier:
         key = _bearer(authorization)
         if key is None:
             raise ErrorKind.ADMIN_REQUIRED.error()
+        if self.is_exec(authorization):
+            raise ErrorKind.EXEC_NOT_ALLOWED.error()
         if self._admin_digest and hmac.compare_digest(
             hashlib.sha256(key.encode()).digest(), self._admin_digest
         ):

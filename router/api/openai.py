@@ -26,7 +26,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from llmgw.types import AdapterSpec, EngineKind, ModelSpec, RoutingPolicyKind
 from router.affinity.chunks import PromptKey, prompt_key
 from router.affinity.policy import DEFAULT_ROUTING
-from router.api.auth import Caller
+from router.api.auth import Caller, exec_allowed
 from router.api.deps import Deps, get_deps
 from router.api.media import check_media
 from router.api.schemas import (
@@ -77,7 +77,10 @@ AuthHeader = Annotated[str | None, Header(include_in_schema=False)]
 
 async def _caller(request: Request, deps: DepsDep, authorization: AuthHeader = None) -> Caller:
     try:
-        return await deps.keys.verify(authorization, request.headers.get)
+        caller = await deps.keys.verify(authorization, request.headers.get)
+        if caller.exec and not exec_allowed(request.method, route_template(request)):
+            raise ErrorKind.EXEC_NOT_ALLOWED.error()
+        return caller
     except OpenAIError as exc:
         _refused(deps, route_template(request), exc)
         raise

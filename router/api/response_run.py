@@ -52,19 +52,23 @@ async def run_response(response_id: str, request: Request, deps: DepsDep) -> Res
     response as its key, persisting its events; SSE of the events persisted,
     or a JSON status when it has already ended.
 
-    The exec token only. The key is the response's own (the executor may
-    name it in ``X-Llmgw-Key-Id``: another key's response is then not found).
+    The exec token of the response's own key only (another key's response
+    is not found; the executor may also name the key in ``X-Llmgw-Key-Id``).
     """
     authorization = request.headers.get("authorization")
     try:
-        await deps.keys.verify_exec(authorization)
+        bound = await deps.keys.verify_exec(authorization)
     except OpenAIError:
         raise ErrorKind.EXEC_ONLY.error() from None
     record: ResponseRecord | None = await within(
         deps.store_wait_s, lambda: rstore.get_response(deps.store, None, response_id)
     )
     named = request.headers.get("x-llmgw-key-id")
-    if record is None or (named is not None and named.strip() != str(record.key_id)):
+    if (
+        record is None
+        or record.key_id != bound  # the token acts as its own key's responses only
+        or (named is not None and named.strip() != str(record.key_id))
+    ):
         raise ErrorKind.RESPONSE_NOT_FOUND.error(response_id=response_id)
     if record.status in rstore.TERMINAL:
         return JSONResponse({"id": response_id, "status": record.status})

@@ -285,6 +285,13 @@ class ErrorKind(Enum):
     EXEC_ONLY = ErrorSpec(
         401, "This endpoint serves llmgw's executor only.", code="invalid_api_key"
     )
+    # The exec token acts as its job's key on the inference endpoints only.
+    EXEC_NOT_ALLOWED = ErrorSpec(
+        403,
+        "The exec token acts only on the inference endpoints, not here.",
+        type="permission_error",
+        code="exec_token_not_allowed",
+    )
     # Batches (/v1/batches): OpenAI's own messages where it has them.
     BATCH_NOT_FOUND = ErrorSpec(404, "No batch found with id '{batch_id}'.")
     BATCH_FILE_NOT_FOUND = ErrorSpec(

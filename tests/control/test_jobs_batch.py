@@ -226,7 +226,7 @@ async def rig(
 ) -> AsyncIterator[Rig]:
     store = Store(f"sqlite:///{tmp_path / 'jobs.db'}")
     store.migrate()
-    fake = FakeRouter(store, exec_token(store.engine_key_secret()), lines, **router)
+    fake = FakeRouter(store, exec_token(store.engine_key_secret(), KEY_ID), lines, **router)
     stopped: list[tuple[int, int]] = []
 
     def on_stopping(chunk: ChunkRange, _: int) -> None:

@@ -17,10 +17,10 @@ from llmgw import contracts
 from llmgw.queues import response_workflow_id
 from llmgw.store import Store
 from llmgw.store import files as fs
-from llmgw.store.openai_tables import BatchRecord, FileChunk, StoredFile
+from llmgw.store.openai_tables import BatchRecord, FileChunk, ResponseRecord, StoredFile
 from llmgw.types import BatchRun, BatchStatus, CancelJob, ResponseRun
 from router.control_link.jobs import Jobs
-from tests.control.test_jobs_batch import Rig, rig, until
+from tests.control.test_jobs_batch import KEY_ID, Rig, rig, until
 from tests.control.test_sweeper_store_frozen import files_to_tidy
 
 
@@ -82,11 +82,26 @@ async def test_jobs_without_temporal_only_logs(tmp_path: Path) -> None:
     store.close()
 
 
+def _response(store: Store, response_id: str = "") -> str:
+    """A queued background response of the rig's key (the activity runs it
+    with the exec token bound to that key)."""
+    response_id = response_id or f"resp_{uuid.uuid4().hex}"
+    with store.session() as session:
+        session.add(
+            ResponseRecord(
+                id=response_id, key_id=KEY_ID, model="m1", status="queued",
+                background=True, created_at=int(time.time()),
+            )
+        )  # fmt: skip
+        session.commit()
+    return response_id
+
+
 async def test_a_background_response_is_retried_on_a_router_error(
     client: Client, tmp_path: Path
 ) -> None:
     async with rig(client, tmp_path, [], run_busy=2) as r:
-        response_id = f"resp_{uuid.uuid4().hex}"
+        response_id = _response(r.store)
         result = await contracts.RESPONSE.execute(
             client, ResponseRun(response_id=response_id),
             id=response_workflow_id(response_id), task_queue=r.queue,
@@ -100,6 +115,7 @@ async def test_a_background_response_is_cancelled_by_its_signal(
 ) -> None:
     response_id = f"resp_{uuid.uuid4().hex}"
     async with rig(client, tmp_path, [], hold={response_id: asyncio.Event()}) as r:
+        _response(r.store, response_id)
         handle = await contracts.RESPONSE.start(
             client, ResponseRun(response_id=response_id),
             id=response_workflow_id(response_id), task_queue=r.queue,

@@ -73,7 +73,7 @@ def send(gw: Gateway, tag: str, headers: dict[str, str]) -> "asyncio.Task[httpx.
 
 def batch_headers(gw: Gateway, key_id: int) -> dict[str, str]:
     return {
-        **auth(exec_token(gw.store.engine_key_secret())),
+        **auth(exec_token(gw.store.engine_key_secret(), key_id)),
         "X-Llmgw-Key-Id": str(key_id),
         "X-Llmgw-Priority": "batch",
     }

@@ -41,7 +41,7 @@ async def test_interactive_requests_go_before_queued_batch_lines(engine: Engine)
         interactive = r.client(key)
         batch = openai.AsyncOpenAI(
             base_url=f"{r.base}/v1",
-            api_key=exec_token(engine.secret),
+            api_key=exec_token(engine.secret, info.id),
             max_retries=0,
             default_headers={"X-Llmgw-Key-Id": str(info.id), "X-Llmgw-Priority": "batch"},
         )

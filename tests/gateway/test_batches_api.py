@@ -78,7 +78,7 @@ class Router:
 
     def exec_headers(self, key_id: int) -> dict[str, str]:
         return {
-            "Authorization": f"Bearer {exec_token(self.store.engine_key_secret())}",
+            "Authorization": f"Bearer {exec_token(self.store.engine_key_secret(), key_id)}",
             "X-Llmgw-Key-Id": str(key_id),
         }
 

@@ -17,7 +17,7 @@ BODY = {"model": M, "messages": [{"role": "user", "content": "hi"}], "max_tokens
 
 def exec_headers(gw: Gateway, key_id: int, **extra: str) -> dict[str, str]:
     return {
-        **auth(exec_token(gw.store.engine_key_secret())),
+        **auth(exec_token(gw.store.engine_key_secret(), key_id)),
         "X-Llmgw-Key-Id": str(key_id),
         **extra,
     }
@@ -53,16 +53,18 @@ async def test_an_unknown_or_revoked_key_id_is_refused(tmp_path: Path) -> None:
     async with gateway(tmp_path / "s.db", [ready("r1", M, "http://e:1")], [spec(M)]) as gw:
         key_id, _ = gw.key()
         revoke_key(gw.store, key_id)
-        for kid in (str(key_id), "999", "x", ""):
-            headers = {**exec_headers(gw, 0), "X-Llmgw-Key-Id": kid}
+        for bound, kid in ((key_id, None), (999, None), (key_id, "x"), (key_id, "")):
+            headers = exec_headers(gw, bound)
+            if kid is not None:
+                headers["X-Llmgw-Key-Id"] = kid
             answer = await gw.http.post(CHAT, json=BODY, headers=headers)
-            assert answer.status_code == 401, (kid, answer.text)
+            assert answer.status_code == 401, (bound, kid, answer.text)
 
 
 async def test_a_wrong_token_with_a_key_id_is_refused(tmp_path: Path) -> None:
     async with gateway(tmp_path / "s.db", [ready("r1", M, "http://e:1")], [spec(M)]) as gw:
         key_id, _ = gw.key()
-        headers = {**auth(exec_token("not-the-secret")), "X-Llmgw-Key-Id": str(key_id)}
+        headers = {**auth(exec_token("not-the-secret", key_id)), "X-Llmgw-Key-Id": str(key_id)}
         answer = await gw.http.post(CHAT, json=BODY, headers=headers)
         assert answer.status_code == 401
 

@@ -438,7 +438,7 @@ async def test_a_background_turn_run_by_the_executor_shares_its_chains_session(
         assert queued.status_code == 200, queued.text
         # The executor runs it as the key (its token; the client's session header, if it
         # had sent one, is not the executor's to carry).
-        token = exec_token(r.gw.store.engine_key_secret())
+        token = exec_token(r.gw.store.engine_key_secret(), key_id)
         headers = {"Authorization": f"Bearer {token}", "X-Llmgw-Key-Id": str(key_id)}
         run = await r.gw.http.post(
             f"/internal/responses/{queued.json()['id']}/run", headers=headers

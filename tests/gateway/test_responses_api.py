@@ -329,7 +329,7 @@ async def test_background_is_queued_at_once_and_cancellable(engine: Engine) -> N
 
 def with_exec(r: Router, key_id: int) -> dict[str, str]:
     """The headers the executor sends a router for the key (contract §1)."""
-    token = exec_token(r.store.engine_key_secret())
+    token = exec_token(r.store.engine_key_secret(), key_id)
     return {"Authorization": f"Bearer {token}", "X-Llmgw-Key-Id": str(key_id)}
 
 

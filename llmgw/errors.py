@@ -54,6 +54,12 @@ module are named with where they live::
     │   │                         (router/responses/replay.py)
     │   └── NotResumable          stored events it cannot continue from (a gap, an open call)
     ├── PreviousNotFound          a previous_response_id with no stored response of the key
+    │                             (router/responses/chain.py)
+    ├── PreviousFailed            a previous_response_id naming a failed response
+    │                             (router/responses/chain.py)
+    ├── ChainTooLarge             a previous_response_id chain past the stored-size bound:
+    │                             loading stopped there (router/responses/chain.py)
+    ├── KeyStorageFull            a key's stored responses would pass their bound
     │                             (router/responses/store.py)
     ├── RunLost                   another run of a background response stored its events
     │                             first (router/responses/store.py)

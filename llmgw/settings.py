@@ -232,6 +232,12 @@ class RouterSettings(_Common):
     # (past it an upload gets 413 file_storage_full, nothing stored; a
     # batch's results are always written). Expired files stop counting.
     max_key_file_bytes: int = Field(default=10 * 1024**3, ge=1)
+    # What one stored response may hold: its request as stored (the whole
+    # previous_response_id conversation included) and its input items (past
+    # it: 400 response_too_large, nothing stored); and what one key's stored
+    # responses may hold in all (past it: 400 response_storage_full).
+    max_response_bytes: int = Field(default=16 * 1024**2, ge=1)
+    max_key_response_bytes: int = Field(default=1024**3, ge=1)
     # Names this router in its load reports to the deployments (elastic
     # serving): unique among the routers of one system.
     router_id: str = Field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")

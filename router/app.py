@@ -44,6 +44,7 @@ from router.forwarding.pacing import MAX_WINDOW_S, Pacer
 from router.forwarding.proxy import Proxy
 from router.forwarding.upstream import AiohttpUpstream, Upstream
 from router.forwarding.upstream_raw import RawUpstream
+from router.responses.bounds import ResponseBounds
 
 MiB = 1024 * 1024
 
@@ -146,6 +147,7 @@ def create_app(
     max_replicas: int = DEFAULT_MAX_REPLICAS,
     max_file_bytes: int = 200 * MiB,
     max_key_file_bytes: int = 10 * 1024 * MiB,
+    response_bounds: ResponseBounds | None = None,
     jobs: JobLink | None = None,
     affinity: Affinity | None = None,
     slot_stuck_s: float = STUCK_S,
@@ -254,6 +256,7 @@ def create_app(
         max_replicas=max_replicas,
         max_file_bytes=max_file_bytes,
         max_key_file_bytes=max_key_file_bytes,
+        responses=response_bounds or ResponseBounds(),
     )
     install_handlers(app)
     for route in openai.inference_routes():

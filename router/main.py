@@ -24,6 +24,7 @@ from router.billing.usage_spool import UsageSpool, spool_dir
 from router.control_link.endpoint_proof import HttpProver, ProvenSource
 from router.control_link.replica_source import TemporalReplicaSource
 from router.control_link.routing import ReplicaSource
+from router.responses.bounds import ResponseBounds
 
 log = logging.getLogger(__name__)
 # Of shutdown_timeout_s, what is kept for the lifespan's shutdown (the last
@@ -71,6 +72,9 @@ def build(
         max_replicas=settings.max_replicas_per_model,
         max_file_bytes=settings.max_file_bytes,
         max_key_file_bytes=settings.max_key_file_bytes,
+        response_bounds=ResponseBounds(
+            settings.max_response_bytes, settings.max_key_response_bytes
+        ),
         affinity=Affinity(slot_share=SlotShare(settings.slot_share, settings.slot_shares)),
     )
     limits = fit_open_files(

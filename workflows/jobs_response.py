@@ -3,13 +3,17 @@ workflow id ``response/<id>``, queue ``exec``.
 
 One RUN_RESPONSE activity has a router generate it (``POST
 /internal/responses/{id}/run``): the router persists the events in flushes
-and streams them back, and the activity heartbeats per event. A lost router
-or a 5xx is retried with backoff, on whichever router answers: the retry
-continues from the stored events. The CANCEL_RESPONSE signal gives the
-router a moment to see the response's ``cancel_requested_at`` at its next
-flush and end it (status cancelled), then cancels the activity. The status
-goes to the search attribute ``ResponseStatus``; the events and output live
-in the store, never in the history (about six events per response).
+and streams them back, and the activity heartbeats per event. A lost router,
+a 5xx or a 429 is retried with backoff, on whichever router answers: the
+retry continues from the stored events. Retries are bounded: the router
+fails a response past its attempts or its deadline (router/responses/bounds.py),
+and the activity itself has a cap on attempts and an execution timeout
+(workflows/response_rules.py) for attempts that never reach a router. The
+CANCEL_RESPONSE signal gives the router a moment to see the response's
+``cancel_requested_at`` at its next flush and end it (status cancelled),
+then cancels the activity. The status goes to the search attribute
+``ResponseStatus``; the events and output live in the store, never in the
+history (about six events per response).
 """
 
 import asyncio
@@ -17,17 +21,15 @@ from datetime import timedelta
 from typing import Any
 
 from temporalio import workflow
-from temporalio.common import RetryPolicy
 
 with workflow.unsafe.imports_passed_through():
     from llmgw import contracts
     from llmgw import search_attributes as sa
     from llmgw.types import CancelJob, ResponseRun, ResponseRunResult
+    from workflows import response_rules as rules
 
-RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=30))
 # The activity heartbeats every 2 s at least, and per persisted event.
 HEARTBEAT = timedelta(seconds=15)
-RUN_TIMEOUT = timedelta(hours=2)
 # How long a cancelled response's router has to end it itself.
 CANCEL_GRACE = timedelta(seconds=10)
 
@@ -52,9 +54,10 @@ class BackgroundResponseWorkflow:
             contracts.RUN_RESPONSE.name,
             run,
             result_type=ResponseRunResult,
-            start_to_close_timeout=RUN_TIMEOUT,
+            start_to_close_timeout=rules.ATTEMPT_TIMEOUT,
+            schedule_to_close_timeout=rules.EXECUTION_TIMEOUT,
             heartbeat_timeout=HEARTBEAT,
-            retry_policy=RETRY,
+            retry_policy=rules.RUN_RETRY,
         )
         cancel: asyncio.Task[Any] = asyncio.create_task(
             workflow.wait_condition(lambda: self._cancel)
@@ -67,11 +70,11 @@ class BackgroundResponseWorkflow:
             except TimeoutError:
                 task.cancel()
                 await workflow.wait([task])
-        if task.done() and not task.cancelled() and task.exception() is None:
-            result = task.result()
-        else:
-            result = ResponseRunResult(status="cancelled")
-        workflow.upsert_search_attributes(
-            [sa.RESPONSE_STATUS.value_set(result.status or "unknown")]
-        )
+        ran = task.done() and not task.cancelled()
+        # Given up on: past its attempts or its execution timeout.
+        failed = ran and task.exception() is not None and not self._cancel
+        result = task.result() if ran and task.exception() is None else ResponseRunResult()
+        status = rules.final_status(ran and task.exception() is None, failed, result.status)
+        result = result.model_copy(update={"status": status})
+        workflow.upsert_search_attributes([sa.RESPONSE_STATUS.value_set(status)])
         return result

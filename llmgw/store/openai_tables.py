@@ -143,6 +143,11 @@ class ResponseRecord(SQLModel, table=True):
     # Set in the transaction that bills its usage: billed once, whoever retries.
     billed_at: int | None = None
     started_at: int | None = None
+    # What it holds in the store (its request, input items and output, as
+    # JSON): the per-key bound sums it (router/responses/bounds.py).
+    stored_bytes: int = Field(default=0, sa_type=BigInteger)
+    # Calls of the router's run endpoint for it: the run's attempts, bounded.
+    run_attempts: int = 0
 
 
 class ResponseInputItem(SQLModel, table=True):

@@ -1,6 +1,6 @@
 """What request handlers need, built once in ``create_app`` and passed down."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import Request
 from opentelemetry.trace import Tracer
@@ -18,6 +18,7 @@ from router.common.metrics import Metrics
 from router.control_link.adapters import AdapterRouter
 from router.control_link.routing import RoutingTable
 from router.forwarding.proxy import Proxy
+from router.responses.bounds import ResponseBounds
 
 
 @dataclass
@@ -50,6 +51,8 @@ class Deps:
     max_file_bytes: int = 200 * 1024 * 1024
     # What one key's files may hold in all (LLMGW_MAX_KEY_FILE_BYTES).
     max_key_file_bytes: int = 10 * 1024**3
+    # What stored responses may hold (LLMGW_MAX_RESPONSE_BYTES, LLMGW_MAX_KEY_RESPONSE_BYTES).
+    responses: ResponseBounds = field(default_factory=ResponseBounds)
 
 
 async def get_deps(request: Request) -> Deps:

@@ -15,6 +15,8 @@ import orjson
 from starlette.types import ASGIApp, Message
 
 from router.api.openai import SESSION_HEADER
+from router.billing.accounting import HELD_RESERVATION
+from router.billing.quotas import QuotaReservation
 from router.common.disconnect import disconnect_message
 from router.common.errors import relayed_error
 
@@ -42,8 +44,17 @@ class ChatCall:
     (it ends the stream and settles the bill as for any client).
     """
 
-    def __init__(self, app: ASGIApp, headers: list[tuple[bytes, bytes]], body: dict[str, Any]):
+    def __init__(
+        self,
+        app: ASGIApp,
+        headers: list[tuple[bytes, bytes]],
+        body: dict[str, Any],
+        reservation: QuotaReservation | None = None,
+    ):
         self._app = app
+        # Quota reserved for it already (a background response's, at its
+        # creation): the endpoint takes it instead of reserving again.
+        self._reservation = reservation
         raw = orjson.dumps(body)
         self._headers = [
             *headers,
@@ -86,7 +97,11 @@ class ChatCall:
             "query_string": b"", "root_path": "", "headers": self._headers,
             "client": ("127.0.0.1", 0), "server": ("127.0.0.1", 0), "app": self._app,
         }  # fmt: skip
-        self._task = asyncio.create_task(endpoint(scope, self._receive, self._send))
+        held = HELD_RESERVATION.set(self._reservation)
+        try:  # the task copies the context: only its request sees the reservation
+            self._task = asyncio.create_task(endpoint(scope, self._receive, self._send))
+        finally:
+            HELD_RESERVATION.reset(held)
 
         def ended(task: "asyncio.Task[None]") -> None:
             self._chunks.put_nowait(None)

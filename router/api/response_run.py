@@ -12,14 +12,14 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
-from typing import Annotated, Any
+from collections.abc import AsyncIterator, Callable
+from typing import Annotated, Any, TypeVar
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import ASGIApp
 
-from llmgw.errors import LlmgwError
+from llmgw.errors import LlmgwError, StoreError
 from llmgw.store.openai_tables import ResponseRecord
 from router.api.deps import Deps, get_deps
 from router.api.openai import SESSION_HEADER
@@ -30,10 +30,13 @@ from router.api.response_chat import (
     carried_headers,
     sse,
 )
+from router.billing.quotas import QuotaReservation
 from router.common.blocking import within
 from router.common.errors import ErrorKind, OpenAIError
 from router.responses import store as rstore
+from router.responses.bounds import run_refusal
 from router.responses.events import STREAM_CUT, NotResumable, ResponseEvents
+from router.responses.quota import held_reservation
 from router.responses.translate import continuation_body
 
 # Its log lines keep the logger they had before the split (operators' config).
@@ -41,6 +44,8 @@ log = logging.getLogger("router.api.responses")
 
 internal = APIRouter(prefix="/internal", include_in_schema=False)
 DepsDep = Annotated[Deps, Depends(get_deps)]
+
+T = TypeVar("T")
 
 FLUSH_EVENTS = 32
 FLUSH_S = 0.25
@@ -60,8 +65,8 @@ async def run_response(response_id: str, request: Request, deps: DepsDep) -> Res
         bound = await deps.keys.verify_exec(authorization)
     except OpenAIError:
         raise ErrorKind.EXEC_ONLY.error() from None
-    record: ResponseRecord | None = await within(
-        deps.store_wait_s, lambda: rstore.get_response(deps.store, None, response_id)
+    record: ResponseRecord | None = await _store(
+        deps, lambda: rstore.get_response(deps.store, None, response_id)
     )
     named = request.headers.get("x-llmgw-key-id")
     if (
@@ -72,9 +77,18 @@ async def run_response(response_id: str, request: Request, deps: DepsDep) -> Res
         raise ErrorKind.RESPONSE_NOT_FOUND.error(response_id=response_id)
     if record.status in rstore.TERMINAL:
         return JSONResponse({"id": response_id, "status": record.status})
-    stored: list[dict[str, Any]] = await within(
-        deps.store_wait_s, lambda: rstore.events_after(deps.store, response_id, -1)
+    attempt: int = await _store(deps, lambda: rstore.begin_attempt(deps.store, response_id))
+    stored: list[dict[str, Any]] = await _store(
+        deps, lambda: rstore.events_after(deps.store, response_id, -1)
     )
+    refusal = run_refusal(attempt, record.created_at, time.time())
+    if refusal is not None:
+        # A run that keeps failing (a 429 that never clears, an engine lost
+        # again and again) or runs too long ends: failed, with what it stored.
+        log.warning("background response %s: %s, failing it", response_id, refusal)
+        message = f"The response could not be generated: {refusal}."
+        await asyncio.to_thread(_fail_run, deps, response_id, stored, message)
+        return JSONResponse({"id": response_id, "status": "failed"})
     try:
         machine = ResponseEvents.resume(stored)
         if machine.response["output"] and not machine.partial_text:
@@ -83,7 +97,7 @@ async def run_response(response_id: str, request: Request, deps: DepsDep) -> Res
             raise NotResumable("no open message to continue")
     except NotResumable as exc:
         log.warning("background response %s cannot be continued: %s", response_id, exc)
-        await asyncio.to_thread(_fail_unresumable, deps, response_id, stored)
+        await asyncio.to_thread(_fail_run, deps, response_id, stored, STREAM_CUT)
         return JSONResponse({"id": response_id, "status": "failed"})
     chat = dict(record.request["chat"])
     partial = machine.partial_text
@@ -102,18 +116,32 @@ async def run_response(response_id: str, request: Request, deps: DepsDep) -> Res
         BILLED_BY_CALLER,
         (SESSION_HEADER.encode(), f"resp:{record.request.get('root') or record.id}".encode()),
     ]
+    # The first attempt's request takes the quota reserved at creation
+    # (router/responses/quota.py); a later one reserves anew.
+    reservation = held_reservation(record.key_id, record.request) if attempt == 1 else None
     run = _Run(deps, response_id, machine)
-    return StreamingResponse(run.events(request.app, headers, chat), media_type="text/event-stream")
+    return StreamingResponse(
+        run.events(request.app, headers, chat, reservation), media_type="text/event-stream"
+    )
 
 
-def _fail_unresumable(deps: Deps, response_id: str, stored: list[dict[str, Any]]) -> None:
-    """End a run that cannot be continued as failed: a ``response.failed``
-    event after the stored ones (so streams end), the state, the bill."""
+async def _store(deps: Deps, fn: Callable[[], T]) -> T:
+    """A store call of the run, bounded: past the wait a 503 the executor retries."""
+    try:
+        return await within(deps.store_wait_s, fn)
+    except StoreError as exc:
+        raise ErrorKind.STORE_UNAVAILABLE.error() from exc
+
+
+def _fail_run(deps: Deps, response_id: str, stored: list[dict[str, Any]], message: str) -> None:
+    """End a run as failed (it cannot be continued, or is past its bounds):
+    a ``response.failed`` event after the stored ones (so streams end), the
+    state, the bill."""
     before: dict[str, Any] = next((e["response"] for e in reversed(stored) if "response" in e), {})
     response = {
         **before,
         "status": "failed",
-        "error": {"code": "server_error", "message": STREAM_CUT},
+        "error": {"code": "server_error", "message": message},
     }
     failed = {
         "type": "response.failed",
@@ -182,7 +210,11 @@ class _Run:
                 yield sse(event)
 
     async def events(
-        self, app: ASGIApp, headers: list[tuple[bytes, bytes]], chat: dict[str, Any]
+        self,
+        app: ASGIApp,
+        headers: list[tuple[bytes, bytes]],
+        chat: dict[str, Any],
+        reservation: QuotaReservation | None = None,
     ) -> AsyncIterator[bytes]:
         """The attempt, as the SSE of the events it persisted."""
         machine = self._machine
@@ -190,7 +222,7 @@ class _Run:
             yield out
         if self._cancelled or self._lost:
             return
-        call = ChatCall(app, headers, chat)
+        call = ChatCall(app, headers, chat, reservation)
         try:
             async for out in self._generate(call):
                 yield out

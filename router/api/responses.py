@@ -31,6 +31,7 @@ from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
+from llmgw.errors import StoreError
 from llmgw.store.openai_tables import ResponseRecord
 from router.api.auth import Caller
 from router.api.deps import Deps, get_deps
@@ -39,14 +40,22 @@ from router.api.openapi_docs import error_responses
 from router.api.response_chat import ChatCall, carried_headers, in_session, sse
 from router.api.response_run import internal
 from router.common.blocking import within
-from router.common.errors import ErrorKind, invalid_fields
+from router.common.errors import ErrorKind, OpenAIError, invalid_fields
 from router.responses import ids
 from router.responses import store as rstore
+from router.responses.chain import (
+    Chain,
+    ChainTooLarge,
+    PreviousFailed,
+    PreviousNotFound,
+    load_chain,
+)
 from router.responses.events import (
     ResponseEvents,
     initial_response,
     response_from_completion,
 )
+from router.responses.quota import release, reserve_at_creation, stored_reservation
 from router.responses.request import RequestInvalid, ResponsesRequest, validate_request
 from router.responses.translate import chat_body
 
@@ -75,8 +84,50 @@ def _jobs(request: Request) -> ResponseJobs | None:
 
 
 async def _store(deps: Deps, fn: Callable[[], Any]) -> Any:
-    """A store call on a request's path, bounded as every such call is."""
-    return await within(deps.store_wait_s, fn)
+    """A store call on a request's path, bounded as every such call is: a
+    store that fails or stalls past the bound is a 503, not a 500."""
+    try:
+        return await within(deps.store_wait_s, fn)
+    except StoreError as exc:
+        raise ErrorKind.STORE_UNAVAILABLE.error() from exc
+
+
+async def _chain(deps: Deps, caller: Caller, previous: str) -> Chain:
+    """The conversation ``previous`` ends, loaded within the store wait and
+    the stored-size bound (router/responses/chain.py)."""
+    deadline = time.monotonic() + deps.store_wait_s
+    limit = deps.responses.max_response_bytes
+    try:
+        chain: Chain = await _store(
+            deps,
+            lambda: load_chain(
+                deps.store, caller.key_id, previous, max_bytes=limit, deadline=deadline
+            ),
+        )
+    except PreviousNotFound:
+        raise ErrorKind.PREVIOUS_RESPONSE_NOT_FOUND.error(response_id=previous) from None
+    except PreviousFailed as exc:
+        raise ErrorKind.PREVIOUS_RESPONSE_FAILED.error(response_id=str(exc)) from None
+    except ChainTooLarge:
+        raise ErrorKind.RESPONSE_TOO_LARGE.error(limit=limit) from None
+    return chain
+
+
+async def _within_bounds(
+    deps: Deps, caller: Caller, new: rstore.NewResponse, *, background: bool
+) -> None:
+    """Refuse a response to store that is past its size bound, or (a
+    foreground one: a background one is checked as it is inserted) would
+    take its key past the key's bound. Before anything is generated."""
+    bounds = deps.responses
+    size = rstore.stored_size(new)
+    if size > bounds.max_response_bytes:
+        raise ErrorKind.RESPONSE_TOO_LARGE.error(limit=bounds.max_response_bytes)
+    if background:
+        return
+    used: int = await _store(deps, lambda: rstore.key_bytes(deps.store, caller.key_id))
+    if used + size > bounds.max_key_response_bytes:
+        raise ErrorKind.RESPONSE_STORAGE_FULL.error(limit=bounds.max_key_response_bytes, used=used)
 
 
 async def _owned(deps: Deps, caller: Caller, response_id: str) -> ResponseRecord:
@@ -104,13 +155,8 @@ async def create_response(request: Request, deps: DepsDep, caller: CallerDep) ->
         raise ErrorKind.MODEL_NOT_FOUND.error(model=req.model)
     history, root = [], None
     if req.previous_response_id is not None:
-        previous = req.previous_response_id
-        try:
-            history, root = await _store(
-                deps, lambda: rstore.chain(deps.store, caller.key_id, previous)
-            )
-        except rstore.PreviousNotFound:
-            raise ErrorKind.PREVIOUS_RESPONSE_NOT_FOUND.error(response_id=previous) from None
+        chain = await _chain(deps, caller, req.previous_response_id)
+        history, root = chain.history, chain.root
     response_id, now = ids.response_id(), int(time.time())
     initial = initial_response(req, response_id=response_id, created_at=now)
     chat = chat_body(req, history, stream=True if req.background else None)
@@ -124,8 +170,10 @@ async def create_response(request: Request, deps: DepsDep, caller: CallerDep) ->
         ),
         items=[rstore.stored_item(item) for item in req.items()],
     )  # fmt: skip
+    if req.store:
+        await _within_bounds(deps, caller, new, background=req.background)
     if req.background:
-        return await _background(request, deps, req, new)
+        return await _background(request, deps, caller, req, new)
     headers = in_session(carried_headers(request.scope["headers"]), root or response_id)
     call = ChatCall(request.app, headers, chat)
     await call.start()
@@ -190,14 +238,27 @@ async def _foreground_events(
 
 
 async def _background(
-    request: Request, deps: Deps, req: ResponsesRequest, new: rstore.NewResponse
+    request: Request, deps: Deps, caller: Caller, req: ResponsesRequest, new: rstore.NewResponse
 ) -> Response:
     machine = ResponseEvents(new.record.request["response"])
     events = machine.created()
     events.append({"type": "response.queued", "sequence_number": 1, "response": machine.response})
     new.events = events
     new.record.last_seq = 1
-    await _store(deps, lambda: rstore.insert_response(deps.store, new))
+    # Its quota is taken now, as a chat request's is when it arrives: the run
+    # (whenever, wherever it happens) uses this reservation (router/responses/quota.py).
+    reservation = await reserve_at_creation(deps, caller, new.record.request["chat"])
+    if reservation is not None:
+        new.record.request["reservation"] = stored_reservation(reservation)
+    limit = deps.responses.max_key_response_bytes
+    try:
+        await _store(deps, lambda: rstore.insert_response(deps.store, new, key_limit=limit))
+    except rstore.KeyStorageFull as exc:
+        release(deps, caller, new.record.model, reservation)
+        raise ErrorKind.RESPONSE_STORAGE_FULL.error(limit=limit, used=exc.used) from None
+    except OpenAIError:
+        release(deps, caller, new.record.model, reservation)
+        raise
     jobs = _jobs(request)
     if jobs is not None:
         jobs.start_response(new.record.id)

@@ -17,6 +17,7 @@ import logging
 import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 from llmgw.errors import StoreError
@@ -30,6 +31,15 @@ from router.common.blocking import STORE_WAIT_S, Warnings, within
 from router.common.errors import ErrorKind
 
 log = logging.getLogger(__name__)
+
+# A reservation made before its request (a background response's, when it
+# was created: router/responses/quota.py). The in-process chat request that
+# runs it is started with this set (a task copies its context), and its
+# ``reserve`` takes it instead of reserving again. Never from a client: only
+# code in the router sets it.
+HELD_RESERVATION: ContextVar[QuotaReservation | None] = ContextVar(
+    "llmgw_held_reservation", default=None
+)
 
 
 @dataclass(frozen=True)
@@ -71,7 +81,12 @@ class Accountant:
     async def reserve(
         self, key_id: int, policy: KeyPolicy, tokens: int
     ) -> QuotaReservation | QuotaRejection | None:
-        """Reserve ``tokens`` and one request for the key; None when it has no quota."""
+        """Reserve ``tokens`` and one request for the key; None when it has no
+        quota; the held reservation where the request has one (HELD_RESERVATION)."""
+        held = HELD_RESERVATION.get()
+        if held is not None and held.key_id == key_id:
+            HELD_RESERVATION.set(None)  # one request's, once
+            return held
         if not policy.has_quota():
             return None
         limits = Limits(policy.rpm, policy.tpm, policy.token_budget, policy.budget_period)

@@ -260,6 +260,28 @@ class ErrorKind(Enum):
         code="previous_response_not_found",
         param="previous_response_id",
     )
+    PREVIOUS_RESPONSE_FAILED = ErrorSpec(
+        400,
+        "Previous response with id '{response_id}' failed: it cannot be continued.",
+        code="previous_response_failed",
+        param="previous_response_id",
+    )
+    RESPONSE_TOO_LARGE = ErrorSpec(
+        400,
+        "This response would store more than {limit} bytes with its conversation "
+        "(LLMGW_MAX_RESPONSE_BYTES): start a new one without previous_response_id, "
+        "or send less input. Nothing was stored.",
+        code="response_too_large",
+        param="input",
+    )
+    RESPONSE_STORAGE_FULL = ErrorSpec(
+        400,
+        "This key's stored responses would hold more than {limit} bytes ({used} in use, "
+        "LLMGW_MAX_KEY_RESPONSE_BYTES): delete responses it no longer needs, or send "
+        "store=false. Nothing was stored.",
+        code="response_storage_full",
+        param="store",
+    )
     SYNCHRONOUS_RESPONSE = ErrorSpec(400, "Cannot cancel a synchronous response.")
     RESPONSE_NOT_STREAMABLE = ErrorSpec(
         400,

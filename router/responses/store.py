@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from sqlalchemy import func, update
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import col, select
 
@@ -28,6 +29,7 @@ from llmgw.store.openai_tables import ResponseEventChunk, ResponseInputItem, Res
 from llmgw.store.usage import add_usage
 from router.billing.usage import day_of
 from router.responses import ids
+from router.responses.bounds import size_of
 from router.responses.request import (
     ContentPart,
     FunctionCallItem,
@@ -38,18 +40,11 @@ from router.responses.request import (
     MessageItem,
     OutputText,
     Refusal,
-    parse_items,
 )
 
 TERMINAL = frozenset({"completed", "failed", "cancelled", "incomplete"})
 RUNNING = ("queued", "in_progress")
-# The longest previous_response_id chain followed (each link is one read).
-MAX_CHAIN = 256
 _TERMINAL_EVENTS = frozenset({"response.completed", "response.incomplete", "response.failed"})
-
-
-class PreviousNotFound(LlmgwError):
-    """``previous_response_id`` names no stored response of this key."""
 
 
 def response_object(record: ResponseRecord) -> dict[str, Any]:
@@ -118,46 +113,6 @@ def stored_item(item: Item) -> dict[str, Any]:
     }
 
 
-def history(store: Store, key_id: int, previous_id: str) -> list[Item]:
-    """The conversation before a request continuing ``previous_id``: every
-    response of the chain's input and output items, oldest first.
-
-    PreviousNotFound when any link is missing, deleted, another key's or
-    was not stored (OpenAI's 400 ``previous_response_not_found``).
-    """
-    return chain(store, key_id, previous_id)[0]
-
-
-def chain(store: Store, key_id: int, previous_id: str) -> tuple[list[Item], str]:
-    """``history``, and the chain's root: the id of its first response (every
-    turn of a conversation routes by it: router/api/responses.py). A response
-    records its root (``request["root"]``): the previous one's is taken as
-    it is, so a chain longer than MAX_CHAIN keeps one root."""
-    turns: list[list[dict[str, Any]]] = []
-    root: str | None = None
-    recorded: object = None
-    with store.session() as session:
-        current: str | None = previous_id
-        for _ in range(MAX_CHAIN):
-            if current is None:
-                break
-            root = current
-            record = session.get(ResponseRecord, current)
-            if record is None or record.key_id != key_id or record.deleted_at is not None:
-                raise PreviousNotFound(current)
-            if current == previous_id:
-                recorded = record.request.get("root")
-            rows = session.exec(
-                select(ResponseInputItem)
-                .where(ResponseInputItem.response_id == current)
-                .order_by(col(ResponseInputItem.idx))
-            ).all()
-            turns.append([r.item for r in rows] + list(record.output))
-            current = record.previous_response_id
-    items: list[dict[str, Any]] = [i for turn in reversed(turns) for i in turn]
-    return parse_items(items), recorded if isinstance(recorded, str) else (root or previous_id)
-
-
 @dataclass
 class NewResponse:
     """A response to store: its row and its input items (already given ids)."""
@@ -168,12 +123,49 @@ class NewResponse:
     events: Sequence[dict[str, Any]] = ()
 
 
-def insert_response(store: Store, new: NewResponse, final: dict[str, Any] | None = None) -> None:
+class KeyStorageFull(LlmgwError):
+    """The key's stored responses would hold more than its bound."""
+
+    def __init__(self, used: int) -> None:
+        super().__init__(f"{used} bytes in use")
+        self.used = used
+
+
+def stored_size(new: NewResponse) -> int:
+    """What ``new`` holds in the store as created: its request (the
+    conversation of its chain included) and its input items."""
+    return size_of(new.record.request) + sum(size_of(item) for item in new.items)
+
+
+def key_bytes(store: Store, key_id: int) -> int:
+    """What the key's live stored responses hold."""
+    with store.session() as session:
+        used = session.exec(
+            select(func.coalesce(func.sum(ResponseRecord.stored_bytes), 0)).where(
+                ResponseRecord.key_id == key_id, col(ResponseRecord.deleted_at).is_(None)
+            )
+        ).one()
+    return int(used)
+
+
+def insert_response(
+    store: Store,
+    new: NewResponse,
+    final: dict[str, Any] | None = None,
+    key_limit: int | None = None,
+) -> None:
     """The row (in its ``final`` state, given one: a foreground response is
     stored once it has ended), its input items and first events, in one
-    transaction: a reader never sees part of it."""
+    transaction: a reader never sees part of it. With ``key_limit``,
+    KeyStorageFull (nothing written) when the key's responses would hold
+    more than that."""
     if final is not None:
         _final(new.record, final)
+    new.record.stored_bytes = stored_size(new) + size_of(new.record.output)
+    if key_limit is not None:
+        used = key_bytes(store, new.record.key_id)
+        if used + new.record.stored_bytes > key_limit:
+            raise KeyStorageFull(used)
     with store.session() as session:
         session.add(new.record)
         session.flush()
@@ -193,6 +185,21 @@ def insert_response(store: Store, new: NewResponse, final: dict[str, Any] | None
         session.commit()
         session.refresh(new.record)
         session.expunge(new.record)
+
+
+def begin_attempt(store: Store, response_id: str) -> int:
+    """Count one more attempt at a background run: which one this is (1-based)."""
+    with store.session() as session:
+        session.execute(
+            update(ResponseRecord)
+            .where(col(ResponseRecord.id) == response_id)
+            .values(run_attempts=col(ResponseRecord.run_attempts) + 1)
+        )
+        attempts = session.exec(
+            select(ResponseRecord.run_attempts).where(ResponseRecord.id == response_id)
+        ).one()
+        session.commit()
+    return int(attempts)
 
 
 def get_response(store: Store, key_id: int | None, response_id: str) -> ResponseRecord | None:

@@ -21,7 +21,9 @@ from temporalio.exceptions import ApplicationError
 
 from activities.control.placer import Placer, fleet_sender
 from llmgw import contracts, error_types
+from llmgw.bounded_http import fetch
 from llmgw.engine_keys import EngineKeySource
+from llmgw.errors import EngineAnswerRefused
 from llmgw.queues import FLEET_WORKFLOW_ID
 from llmgw.types import (
     CordonInput,
@@ -39,9 +41,12 @@ from llmgw.types import (
 from worker_agent.engines import launch_problems, node_facts
 
 PROBE_TIMEOUT_S = 3.0
+_HEALTH_BYTES = 64 << 10
 
 
-async def probe_endpoint(http: httpx.AsyncClient, endpoint: str, key: str) -> str:
+async def probe_endpoint(
+    http: httpx.AsyncClient, endpoint: str, key: str, deadline_s: float = PROBE_TIMEOUT_S
+) -> str:
     """Empty when the engine answers ``/health`` through its pass-through, else why not.
 
     Any answer below 500 is the engine's own (the pass-through says 502 when
@@ -49,12 +54,17 @@ async def probe_endpoint(http: httpx.AsyncClient, endpoint: str, key: str) -> st
     as answering, since a busy engine is not a dead one.
     """
     try:
-        response = await http.get(f"{endpoint}/health", headers={"Authorization": f"Bearer {key}"})
-    except httpx.HTTPError as exc:
+        # Only the status counts; the engine is an untrusted byte source
+        # (llmgw/bounded_http.py): uncompressed, its start only, within deadline_s.
+        response = await fetch(
+            http, "GET", f"{endpoint}/health", headers={"Authorization": f"Bearer {key}"},
+            max_bytes=_HEALTH_BYTES, deadline_s=deadline_s, truncate=True,
+        )  # fmt: skip
+    except (httpx.HTTPError, EngineAnswerRefused) as exc:
         return f"{type(exc).__name__}: {exc}"
-    if response.status_code < 500 or response.status_code == 503:
+    if response.status < 500 or response.status == 503:
         return ""
-    return f"HTTP {response.status_code}"
+    return f"HTTP {response.status}"
 
 
 class ControlActivities:

@@ -4,12 +4,12 @@ A few lines of asyncio play a hostile engine behind the real pass-through
 (worker_agent/passthrough.py, served by uvicorn as on a node): a stacked gzip
 bomb (590 bytes that httpx would expand to 256 MiB in one synchronous call),
 a trickle (a byte every half second, forever) and an endless body. Every
-check the agent and the router make of an engine (readiness, load and drain,
-liveness, adapter calls, the router's metrics scrape) must come back with a
-clean failure within its deadline, having read no more than its cap, and
-asked for identity; a watch over such an engine keeps heartbeating, and the
-node's other replica, watched by the same agent, keeps its state. The
-router's endpoint proof asks for identity too.
+check made of an engine (the agent's readiness, load and drain, liveness and
+adapter calls, the router's metrics scrape, the control worker's lost-node
+probe) must come back with a clean failure within its deadline, having read
+no more than its cap, and asked for identity; a watch over such an engine
+keeps heartbeating, and the node's other replica, watched by the same agent,
+keeps its state. The router's endpoint proof asks for identity too.
 
 That the bomb never expands is shown by memory (tracemalloc's peak), not by
 time: the expansion is the one synchronous call that would hold the loop.
@@ -32,6 +32,7 @@ from urllib.parse import parse_qs, urlsplit
 import httpx
 import pytest
 
+from activities.control.replicas import probe_endpoint
 from llmgw import endpoint_proof
 from llmgw.errors import AdapterLoadFailed, AdapterUnloadFailed, AgentShutdown, EngineAnswerRefused
 from llmgw.types import AdapterCall, ShardRef, WatchShardInput
@@ -198,13 +199,20 @@ async def _scrape(http: httpx.AsyncClient, endpoint: str) -> object:
         return exc
 
 
+async def _lost_node_probe(http: httpx.AsyncClient, endpoint: str) -> object:
+    return await probe_endpoint(http, endpoint, KEY, DEADLINE_S)
+
+
 CHECKS: dict[str, Check] = {
     "readiness": _ready,
     "llama.cpp-load": _slots,
     "vllm-load": _vllm_load,
     "liveness": _liveness,
     "router-metrics-scrape": _scrape,
+    "control-lost-node-probe": _lost_node_probe,
 }
+# Checks that read only an answer's start: a long answer is an answer.
+READ_FROM_THE_START = {"liveness": Observation(answered=True), "control-lost-node-probe": ""}
 
 
 def _failed(check: str, got: object) -> bool:
@@ -215,6 +223,8 @@ def _failed(check: str, got: object) -> bool:
         return isinstance(got, tuple) and got[0] is None
     if check == "liveness":
         return isinstance(got, Observation) and not got.answered
+    if check == "control-lost-node-probe":
+        return isinstance(got, str) and got != ""  # why it did not answer
     return isinstance(got, EngineAnswerRefused)
 
 
@@ -252,9 +262,8 @@ async def test_an_endless_body_is_read_no_further_than_the_cap(check: str) -> No
             got = await CHECKS[check](http, endpoint)
         # The reader left; the engine's writes stop once the buffers on the way are full.
         sent = seen.sent
-    if check == "liveness":
-        # Its figures are read from the answer's start: a long answer is an answer.
-        assert got == Observation(answered=True)
+    if check in READ_FROM_THE_START:
+        assert got == READ_FROM_THE_START[check]
     else:
         assert _failed(check, got), got
         assert "more than" in str(got) and "bytes" in str(got)

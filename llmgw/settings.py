@@ -249,6 +249,10 @@ class RouterSettings(_Common):
     # wait in its queue): size routing.slots as slot_shares x that.
     slot_share: int = Field(default=0, ge=0)
     slot_shares: int = Field(default=1, ge=1)
+    # Answers name the replica that served them (x-llmgw-replica): for tests,
+    # benchmarks and debugging. Off by default: the name told a tenant whose
+    # replica (and so whose cached prompts) its request reached.
+    expose_replica_header: bool = False
     # uvicorn's line per request (LLMGW_ACCESS_LOG=true). Off by default: the
     # request span and /metrics say more, and the line costs a tenth of the
     # router's CPU per request.

@@ -7,6 +7,7 @@ import socket
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import Annotated, Any
 
 from fastapi import FastAPI, Header
@@ -23,6 +24,7 @@ from llmgw.store import Store
 from llmgw.store.catalog_store import all_specs
 from router.admission.queue import Admission
 from router.affinity.affinity import Affinity
+from router.affinity.scope import cache_salt
 from router.affinity.slots import STUCK_S
 from router.api import admin, batches, engine_metrics, openai, openapi_docs, responses
 from router.api.auth import KeyVerifier
@@ -151,6 +153,7 @@ def create_app(
     jobs: JobLink | None = None,
     affinity: Affinity | None = None,
     slot_stuck_s: float = STUCK_S,
+    expose_replica_header: bool = False,
 ) -> FastAPI:
     """The FastAPI app; the routing table refreshes and usage is flushed while it runs.
 
@@ -163,6 +166,9 @@ def create_app(
     prompt prefix (default: a new one; one per router process).
     ``slot_stuck_s`` bounds a stream pinned to a llama.cpp slot until its
     first byte (router.forwarding.proxy.SlotStuck).
+    ``expose_replica_header``: answers name the replica that served them
+    (``x-llmgw-replica``; tests and benchmarks; off, a tenant learns nothing
+    of where its requests, or another's, went).
     """
     if adapter_loader is None and temporal is not None:
         adapter_loader = TemporalAdapterLoader(temporal)
@@ -241,6 +247,9 @@ def create_app(
             on_unreachable=proofs.distrust if proofs else None,
             affinity=affinity,
             stuck_s=slot_stuck_s,
+            # Engine cache salts per scope, from the one secret every router holds.
+            salt_of=partial(cache_salt, secret),
+            expose_replica=expose_replica_header,
         ),
         accountant=accountant,
         metrics=metrics,

@@ -76,6 +76,7 @@ def build(
             settings.max_response_bytes, settings.max_key_response_bytes
         ),
         affinity=Affinity(slot_share=SlotShare(settings.slot_share, settings.slot_shares)),
+        expose_replica_header=settings.expose_replica_header,
     )
     limits = fit_open_files(
         ListenerLimits(

@@ -248,6 +248,8 @@ async def gateway(
     # answered 503). The bound's own behaviour is tested with its own values
     # (tests/gateway/test_store_outage_path.py, tests/e2e/test_store_outage.py).
     app_args.setdefault("store_wait_s", 10.0)
+    # The tests read which replica served (x-llmgw-replica; off by default).
+    app_args.setdefault("expose_replica_header", True)
     source = FakeSource(replicas)
     app = create_app(
         store,

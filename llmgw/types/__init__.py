@@ -80,6 +80,7 @@ from llmgw.types.jobs import (
     ResponseRunResult,
 )
 from llmgw.types.model import (
+    CacheScope,
     EngineKind,
     EngineProfile,
     ModelSpec,
@@ -164,6 +165,7 @@ __all__ = [
     "BatchStatus",
     "BatchStatusChange",
     "BatchValidation",
+    "CacheScope",
     "CancelJob",
     "ChunkRange",
     "ChunkResult",

@@ -18,6 +18,18 @@ class EngineKind(StrEnum):
     SGLANG = "sglang"
 
 
+class CacheScope(StrEnum):
+    """Whose prompts may share a model's prompt cache (catalog ``cache_scope``;
+    docs/guides/security.md, trust boundary)."""
+
+    KEY = "key"  # each API key its own: no tenant learns what another sent
+    # Each team its own, once keys have teams (they have none yet: refused).
+    TEAM = "team"
+    # Every caller one cache (opt-in): a caller can tell whether a prompt it
+    # guesses was sent before, by anyone (cached_tokens, routing, timing).
+    SHARED = "shared"
+
+
 class EngineProfile(BaseModel):
     """How a model is run: parallelism, precision, LoRA capacity, launch style."""
 
@@ -205,6 +217,26 @@ class ModelSpec(BaseModel):
         description="pass media URLs other than data: (image_url, audio, files) to the engine,"
         " which fetches them from the node's network; off: the router refuses them (400)",
     )
+    cache_scope: CacheScope = Field(
+        default=CacheScope.KEY,
+        description="whose requests may share cached prompt prefixes: key (each API key its"
+        " own: routing, engine cache salts, reported cached_tokens), or shared (every"
+        " caller: one can tell whether a prompt was sent before by anyone);"
+        " team: not yet, keys have no teams",
+    )
+
+    @field_validator("cache_scope")
+    @classmethod
+    def _no_teams_yet(cls, value: CacheScope) -> CacheScope:
+        # Keys have no team (llmgw/api_keys.py): a team scope could only
+        # mean one key or everyone, and guessing either is a leak or a surprise.
+        if value is CacheScope.TEAM:
+            raise ValueError(
+                "cache_scope team: API keys have no teams yet; use key (each key its own"
+                " cache, the default) or shared"
+            )
+        return value
+
 
     def kv_tokens(self) -> int:
         """The KV cache a llama.cpp replica is started with (its ``--ctx-size``),
@@ -229,4 +261,4 @@ class ModelSpec(BaseModel):
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-_NOT_ENGINE = {"autoscale", "queue", "remote_media", "routing"}
+_NOT_ENGINE = {"autoscale", "queue", "remote_media", "routing", "cache_scope"}

@@ -12,6 +12,12 @@ prompt, is what routers hash to agree on a replica for a conversation none
 of them has seen: distinct conversations spread, and questions that open
 with the same document (longer than a chunk) meet on one replica.
 
+A cache scope (router/affinity/scope.py) other than ``shared`` seeds the
+chain with its id: two scopes' digests of one prompt differ from its first
+chunk on, so nothing one scope sent is ever found held for another, and its
+lead (where a new conversation goes, which slot it takes) is drawn afresh.
+The shared scope's chain starts where it always did.
+
 Digests are blake2b, never Python's ``hash()``: that is salted per process,
 and routers that never talked must compute the same digests; routers of two
 versions too, during an upgrade (tests/gateway/test_affinity_chunk_values.py
@@ -73,26 +79,39 @@ def estimate_tokens(text: str) -> int:
     return max(1, -(-len(text) // CHARS_PER_TOKEN))
 
 
+def scope_seed(scope: str) -> int:
+    """Where the chain of a prompt in cache scope ``scope`` starts ("": shared)."""
+    if not scope:
+        return _SEED
+    return digest(_SEED, b"scope\0" + scope.encode())
+
+
 def prompt_key(
-    body: Mapping[str, object], chunk_tokens: int, sticky: str | None = None
+    body: Mapping[str, object], chunk_tokens: int, sticky: str | None = None, scope: str = ""
 ) -> PromptKey | None:
-    """The key of a chat or completions request body; None when it has no
-    single text prompt (embeddings, token-id prompts, several prompts)."""
+    """The key of a chat or completions request body in cache scope ``scope``
+    ("": shared); None when it has no single text prompt (embeddings,
+    token-id prompts, several prompts)."""
+    seed = scope_seed(scope)
     messages = body.get("messages")
     if isinstance(messages, list):
-        return _chat_key(body, messages, chunk_tokens, sticky)
+        return _chat_key(body, messages, chunk_tokens, sticky, seed)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1:
         prompt = prompt[0]
     if isinstance(prompt, str) and "input" not in body:
         chunks: list[Chunk] = []
-        _chain(_SEED, prompt, max(1, chunk_tokens) * CHARS_PER_TOKEN, chunks)
-        return _key(tuple(chunks), 1, sticky)
+        _chain(seed, prompt, max(1, chunk_tokens) * CHARS_PER_TOKEN, chunks)
+        return _key(tuple(chunks), 1, sticky, seed)
     return None
 
 
 def _chat_key(
-    body: Mapping[str, object], messages: list[object], chunk_tokens: int, sticky: str | None
+    body: Mapping[str, object],
+    messages: list[object],
+    chunk_tokens: int,
+    sticky: str | None,
+    seed: int = _SEED,
 ) -> PromptKey | None:
     texts: list[str] = []
     # Tool definitions are rendered ahead of the messages by chat templates:
@@ -111,21 +130,21 @@ def _chat_key(
         return None
     chunks: list[Chunk] = []
     lead = 0
-    previous = _SEED
+    previous = seed
     size = max(1, chunk_tokens) * CHARS_PER_TOKEN
     for i, text in enumerate(texts):
         if i == lead_at:
             lead = len(chunks) + 1  # the first chunk of that message
         previous = _chain(previous, text, size, chunks)
-    return _key(tuple(chunks), lead or len(chunks), sticky)
+    return _key(tuple(chunks), lead or len(chunks), sticky, seed)
 
 
-def _key(chunks: tuple[Chunk, ...], lead: int, sticky: str | None) -> PromptKey:
+def _key(chunks: tuple[Chunk, ...], lead: int, sticky: str | None, seed: int = _SEED) -> PromptKey:
     """The key of ``chunks`` whose lead is the chunk numbered ``lead`` (from one)."""
     if sticky is None:
         lead_digest = chunks[lead - 1].digest
     else:
-        lead_digest = digest(_SEED, b"sticky\0" + sticky.encode())
+        lead_digest = digest(seed, b"sticky\0" + sticky.encode())
     total = head = 0
     for i, chunk in enumerate(chunks):
         if i == lead - 1:

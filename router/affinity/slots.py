@@ -305,9 +305,16 @@ def with_slot(body: bytes, slot: int) -> bytes:
     """``body`` (a JSON object) asking llama.cpp for ``slot``: ``id_slot``
     appended last, so it is the value the engine reads (it keeps the last of
     repeated keys: a client's own ``id_slot`` never steers another's slot)."""
+    return with_field(body, "id_slot", b"%d" % slot)
+
+
+def with_field(body: bytes, name: str, value: bytes) -> bytes:
+    """``body`` (a JSON object) with ``"name": value`` (``value``: JSON)
+    appended last, the value engines read of a repeated key (llama.cpp's
+    parser, and vLLM's and SGLang's: Python's json keeps the last)."""
     end = body.rstrip()
     if not end.endswith(b"}"):
         return body
     inner = end[:-1].rstrip()
     comma = b"" if inner.endswith(b"{") else b","
-    return b'%s%s"id_slot":%d}' % (inner, comma, slot)
+    return b'%s%s"%s":%s}' % (inner, comma, name.encode(), value)

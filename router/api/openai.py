@@ -26,6 +26,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from llmgw.types import AdapterSpec, EngineKind, ModelSpec, RoutingPolicyKind
 from router.affinity.chunks import PromptKey, prompt_key
 from router.affinity.policy import DEFAULT_ROUTING
+from router.affinity.scope import SALT_FIELD, scope_of
 from router.api.auth import Caller, exec_allowed
 from router.api.deps import Deps, get_deps
 from router.api.media import check_media
@@ -41,7 +42,13 @@ from router.billing.bill import RequestBill, end_span
 from router.billing.key_policy import KeyPolicy
 from router.billing.quotas import QuotaRejection
 from router.common.disconnect import disconnected
-from router.common.errors import QUOTA_EXCEEDED, ErrorKind, OpenAIError, invalid_body
+from router.common.errors import (
+    QUOTA_EXCEEDED,
+    ErrorKind,
+    OpenAIError,
+    invalid_body,
+    invalid_fields,
+)
 from router.common.metrics import OTHER_ROUTE
 from router.control_link.adapters import base_body
 from router.control_link.routing import Route
@@ -182,6 +189,13 @@ async def _admit(
         if not caller.policy.allows(body.model):
             raise ErrorKind.MODEL_NOT_ALLOWED.error(model=body.model)
         _bounded(body, caller.policy)
+        if body.model_extra and SALT_FIELD in body.model_extra:
+            # The engine's cache partition is the router's to choose
+            # (router/affinity/scope.py): a client's salt could name another's.
+            raise invalid_fields(
+                [f"{SALT_FIELD}: set by the gateway from the model's cache_scope, not by clients"],
+                SALT_FIELD,
+            )
         if not await table.knows(body.model):  # after one catalog re-read, rate-bounded
             raise ErrorKind.MODEL_NOT_FOUND.error(model=body.model)
         check_media(deps, body)
@@ -230,12 +244,14 @@ def _prompt_key(
     key_id: int,
     routes: int,
     parsed: dict[str, Any] | None = None,
+    cache_scope: str = "",
 ) -> PromptKey | None:
     """The prompt's chunk chain and sticky key for cache-aware routing; None
     where it has no use (embeddings, a least-loaded model, a model with
     ``routes`` <= 1 replicas and no pinned slots) or the body is not a JSON
     object orjson reads. ``parsed``: ``raw`` as orjson read it, when the
-    caller already did (None: read here)."""
+    caller already did (None: read here). ``cache_scope`` seeds its chunk
+    chain (router/affinity/scope.py)."""
     if isinstance(body, EmbeddingRequest):
         return None
     # A model outside the catalog (deployed by hand) routes by the defaults.
@@ -272,7 +288,7 @@ def _prompt_key(
         sticky = f"session:{key_id}:{session[:MAX_SESSION_CHARS]}"
     elif isinstance(user := data.get("user"), str) and user:
         sticky = f"user:{key_id}:{user[:MAX_SESSION_CHARS]}"
-    return prompt_key(data, routing.chunk_tokens, sticky)
+    return prompt_key(data, routing.chunk_tokens, sticky, cache_scope)
 
 
 async def _serve(
@@ -312,10 +328,12 @@ async def _serve(
         started, prompt_estimate, reserve, bill_usage=not caller.billed_by_caller,
     )  # fmt: skip
     key = None
+    cache_scope = scope_of(spec, caller.key_id)
     if target is None:  # a model's request only: an adapter's go where it is held
         # Its replicas as the table holds them now (in memory, never waited for).
         routes = len(deps.table.routes.get(model, ()))
-        key = _prompt_key(spec, scope, raw, body, caller.key_id, routes, parsed)
+        chain = deps.proxy.chain_scope(cache_scope)
+        key = _prompt_key(spec, scope, raw, body, caller.key_id, routes, parsed, chain)
     call = Call(
         model=model,
         path=path,
@@ -329,6 +347,7 @@ async def _serve(
         traced=deps.tracer is not None,
         prompt_key=key,
         spec=spec,
+        cache_scope=cache_scope,
     )
     try:
         # An on-demand adapter's load is part of the request (and its span);

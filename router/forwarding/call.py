@@ -48,3 +48,7 @@ class Call:
     # None: a model outside the catalog, routed by the defaults): the proxy
     # orders the replicas by its routing without looking it up again.
     spec: ModelSpec | None = None
+    # Whose cached prefixes it may share (router/affinity/scope.py): "" every
+    # caller's (cache_scope shared), else its key's. Engines that salt get the
+    # scope's salt; on one that cannot, the caller is told no cached tokens.
+    cache_scope: str = ""

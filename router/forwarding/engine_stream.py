@@ -4,6 +4,7 @@ stream relayed to the client event by event, counting content chunks so a
 stream cut short is billed what it carried (router/forwarding/proxy.py
 chooses the replica and starts the exchange; this module reads it)."""
 
+import copy
 import json
 import logging
 import re
@@ -19,6 +20,7 @@ from llmgw.errors import UpstreamError
 from router.billing.accounting import RequestOutcome
 from router.common.metrics import Metrics
 from router.control_link.routing import Route
+from router.forwarding.cache_report import hide_in, mentions
 from router.forwarding.call import Call
 from router.forwarding.pacing import Pacer
 from router.forwarding.relay import Pour
@@ -118,6 +120,7 @@ class Relay:
         metrics: Metrics,
         pacer: Pacer | None = None,
         served: "Callable[[Usage | None], None] | None" = None,
+        hide: bool = False,
     ):
         self._upstream = upstream
         self._route = route
@@ -131,35 +134,47 @@ class Relay:
         self._first = True
         # Told the engine's usage when the relay ends (cache-aware routing learns it).
         self.served = served
+        # The client must not see the engine's cache figures (cached tokens,
+        # timings): its cache is shared with other scopes (cache_report.py).
+        self._hide = hide
 
     def _scan(self, events: bytes) -> bytes:
         """The events to pass on, event by event; counts content chunks and notes usage.
 
-        Only an event that mentions usage is parsed (the last one, normally);
-        the others are counted by a byte pattern, a fraction of a JSON parse.
+        Only an event that mentions usage is parsed (the last one, normally),
+        or, where the caller must not see the cache's figures (``hide``), one
+        that mentions them; the others are counted by a byte pattern, a
+        fraction of a JSON parse.
         """
         out: list[bytes] = []
         for event in events.split(b"\n\n"):
             if not event:
                 continue
-            if b'"usage"' not in event:
+            hide = self._hide and mentions(event)
+            if b'"usage"' not in event and not hide:
                 self._counted += len(_CONTENT.findall(event))
                 out.append(event + b"\n\n")
                 continue
             keep = event
             obj = _json_event(event)
             if obj is not None:
+                changed = False
                 choices = obj.get("choices")
                 if isinstance(choices, list):
                     self._counted += sum(1 for c in choices if _has_content(c))
                 usage = obj.get("usage")
                 if isinstance(usage, dict):
-                    self._usage = usage
+                    # As the engine said (billing, metrics, the index), before hiding.
+                    self._usage = copy.deepcopy(usage) if hide else usage
                     if self._call.strip_usage:
                         if not choices:
                             continue  # the usage-only chunk: the client did not ask
                         del obj["usage"]
-                        keep = b"data: " + json.dumps(obj, separators=(",", ":")).encode()
+                        changed = True
+                if hide and hide_in(obj):
+                    changed = True
+                if changed:
+                    keep = b"data: " + json.dumps(obj, separators=(",", ":")).encode()
             out.append(keep + b"\n\n")
         return b"".join(out)
 
@@ -171,6 +186,7 @@ class Relay:
             (b'"usage"' in events and events.count(b'"usage"') != events.count(b'"usage":null'))
             or b"\n\n\n\n" in events
             or events.startswith(b"\n\n")
+            or (self._hide and mentions(events))
         ):
             return self._scan(events)
         # The pattern holds no newline: counting the whole read counts each event.

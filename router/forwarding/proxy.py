@@ -22,6 +22,15 @@ cancellation. What was relayed until then is billed: one token per streamed
 chunk with content (exact for llama.cpp, which sends a chunk per token), or
 the engine's own usage when the stream got that far.
 
+Cache scopes (router/affinity/scope.py): a request of a scope other than
+``shared`` goes to vLLM or SGLang with the scope's ``cache_salt`` (the
+router's, never the client's: router/api/openai.py refuses one), and from
+llama.cpp, whose cache every scope shares, its answer comes back with no
+cached-token count nor timings (router/forwarding/cache_report.py). Which
+replica served is said in ``x-llmgw-replica`` only when the router is set
+to (``LLMGW_EXPOSE_REPLICA_HEADER``: tests, benchmarks): that name told a
+tenant whose replica it reached, one half of the cache probe.
+
 Where a model's request goes among its replicas is cache-aware
 (router/affinity/): the ``Affinity`` orders the candidates the routing table
 gives (ready, unsaturated, least loaded first) by the prompt prefix each is
@@ -45,12 +54,14 @@ from llmgw.engine_keys import EngineKeyFn
 from llmgw.errors import LlmgwError, UpstreamConnectError, UpstreamError
 from router.affinity.affinity import Affinity
 from router.affinity.policy import Choice, Reason
-from router.affinity.slots import ANY_SLOT, STUCK_S, with_slot
+from router.affinity.scope import SALT_FIELD, hides_cached, salts
+from router.affinity.slots import ANY_SLOT, STUCK_S, with_field, with_slot
 from router.billing.accounting import RequestOutcome
 from router.common.disconnect import cancelled_if_gone
 from router.common.errors import ErrorKind, Incidents, engine_failed
 from router.common.metrics import Metrics
 from router.control_link.routing import Route, RoutingTable
+from router.forwarding.cache_report import hidden
 from router.forwarding.call import Call
 from router.forwarding.engine_stream import Relay, Usage, outcome_of
 from router.forwarding.pacing import Pacer
@@ -67,6 +78,9 @@ log = logging.getLogger(__name__)
 PASSIVE_EJECT_S = 5.0
 # Engine headers kept per replica id (cleared past this: replicas come and go).
 MAX_CACHED_REPLICAS = 10_000
+# Cache salts kept per scope (cleared past this: one HMAC each to redo).
+MAX_CACHED_SALTS = 100_000
+REPLICA_HEADER = b"x-llmgw-replica"
 
 
 class SlotStuck(LlmgwError):
@@ -106,8 +120,16 @@ class Proxy:
         affinity: Affinity | None = None,
         primer: SlotPrimer | None = None,
         stuck_s: float = STUCK_S,
+        salt_of: Callable[[str], str] | None = None,
+        expose_replica: bool = False,
     ) -> None:
         self._http = http
+        # A cache scope's engine salt (router/affinity/scope.py cache_salt
+        # under the router's secret); None: no salts (tests of other things).
+        self._salt_of = salt_of
+        self._salts: dict[str, bytes] = {}
+        # Whether answers name their replica (x-llmgw-replica).
+        self._expose_replica = expose_replica
         # How long a pinned stream waits for its first byte (SlotStuck).
         self._stuck_s = stuck_s
         # Copies a pinned llama.cpp slot's system prompt into another (slots).
@@ -246,6 +268,8 @@ class Proxy:
         held until released (None: unpinned), and the slot to copy into it
         first (None: none; router/forwarding/slot_priming.py)."""
         body = call.body if call.body_for is None else call.body_for(route)
+        if self._salt_of is not None and salts(call.spec, call.cache_scope):
+            body = with_field(body, SALT_FIELD, self._salt(call.cache_scope))
         if self._affinity is None:
             return body, None, None
         slot = self._affinity.pin(call.spec, route.replica_id, call.prompt_key)
@@ -263,6 +287,31 @@ class Proxy:
             if donor is not None:
                 span.set_attribute("llmgw.route.primed_from", donor)
         return with_slot(body, slot), slot, donor
+
+    def chain_scope(self, scope: str) -> str:
+        """What seeds the prompt chains of ``scope`` in the index
+        (router/affinity/chunks.py): its salt, so that nobody without the
+        router's secret can tell where another scope's conversation on a
+        given prompt was placed (key ids are small numbers: the id alone
+        would let a tenant compute another's rendezvous choice for a guess,
+        and read it back through where its own new conversations balance);
+        "" (shared) as it is."""
+        if not scope or self._salt_of is None:
+            return scope
+        return self._salt(scope).decode()[1:-1]
+
+    def _salt(self, scope: str) -> bytes:
+        """The JSON string of ``scope``'s cache salt (computed once per scope)."""
+        salt = self._salts.get(scope)
+        if salt is None:
+            assert self._salt_of is not None
+            if len(self._salts) >= MAX_CACHED_SALTS:
+                self._salts.clear()
+            salt = self._salts[scope] = b'"%s"' % self._salt_of(scope).encode()
+        return salt
+
+    def _replica_header(self, route: Route) -> list[tuple[bytes, bytes]]:
+        return [(REPLICA_HEADER, route.replica_id.encode())] if self._expose_replica else []
 
     async def _prime(self, route: Route, call: Call, donor: int | None, slot: int | None) -> None:
         """Copy ``donor`` into ``slot``, if both (bounded; unprimed, the request goes anyway)."""
@@ -375,8 +424,9 @@ class Proxy:
                 if call.stream and upstream.status == 200:
                     relayed = True  # the relay releases the replica (and its slot)
                     served = partial(self._stream_served, route, call, choice, slot)
-                    relay = Relay(upstream, route, call, self._metrics, self._pacer, served)
-                    return StreamReply(relay, media, route.replica_id)
+                    hide = hides_cached(call.spec, call.cache_scope)
+                    relay = Relay(upstream, route, call, self._metrics, self._pacer, served, hide)
+                    return StreamReply(relay, media, self._replica_header(route))
                 try:
                     content = await upstream.read()
                 except UpstreamError as exc:
@@ -405,10 +455,18 @@ class Proxy:
             answer = content[:2000].decode(errors="replace")
             reason = f"replica {route.replica_id}: {answer}"
             raise engine_failed(call.model, upstream.status, reason, self.incidents)
+        return self._whole(route, call, upstream.status, media, content)
+
+    def _whole(self, route: Route, call: Call, status: int, media: str, content: bytes) -> Reply:
+        """A whole answer as the client gets it: on an engine whose cache other
+        scopes share, without its cache figures (billed and learnt from before,
+        as the engine said them)."""
+        if status == 200 and hides_cached(call.spec, call.cache_scope):
+            content = hidden(content)
         return Reply(
-            upstream.status,
+            status,
             [
-                (b"x-llmgw-replica", route.replica_id.encode()),
+                *self._replica_header(route),
                 (b"content-length", b"%d" % len(content)),
                 (b"content-type", media_header(media)),
             ],

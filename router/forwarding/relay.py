@@ -59,12 +59,12 @@ class StreamReply:
     """A relayed stream as an ASGI answer; releases its relay whatever happens
     (a client gone before the first byte, or mid-stream)."""
 
-    def __init__(self, relay: Relayed, media: str, replica_id: str) -> None:
+    def __init__(
+        self, relay: Relayed, media: str, extra: list[tuple[bytes, bytes]] | None = None
+    ) -> None:
         self._relay = relay
-        self.headers = [
-            (b"x-llmgw-replica", replica_id.encode()),
-            (b"content-type", media_header(media)),
-        ]
+        # ``extra``: headers of the router's own (x-llmgw-replica where it is exposed).
+        self.headers = [*(extra or ()), (b"content-type", media_header(media))]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         # The relay runs in this task while one watcher waits for the client's

@@ -40,7 +40,7 @@ from temporalio.client import Client
 from llmgw import replicas
 from llmgw.store import Store
 from llmgw.temporal import connect
-from llmgw.types import EngineKind, EngineProfile, ModelSpec
+from llmgw.types import CacheScope, EngineKind, EngineProfile, ModelSpec
 from llmgw.types.model import RoutingPolicy
 from llmgw_cli.dev.tinymodel import TINY, generate_model
 from tests.bench.bench_batch import machine
@@ -146,6 +146,9 @@ def spec_of(model: Path, slots: int, engine_args: list[str]) -> ModelSpec:
         engine_args=engine_args,
         profile=EngineProfile(max_inflight=4),
         routing=RoutingPolicy(slots=slots),
+        # The probe reads the engine's own cached counts, which a caller sees
+        # of llama.cpp only when its cache is shared (router/affinity/scope.py).
+        cache_scope=CacheScope.SHARED,
     )
 
 

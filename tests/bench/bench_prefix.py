@@ -5,6 +5,7 @@
         [--docs 8] [--questions 20] [--w3-requests 64] [--load 0.7] [--concurrency 4]
         [--two-routers] [--cache-ram MIB] [--engine-args "-sps 0"]
         [--w1-system shared|own] [--w2-doc user|system] [--verbose]
+        [--tenants 1,4] [--cache-scope key|shared]
     .venv/bin/python -m tests.bench.bench_prefix --probe   # llama.cpp's own cache, no router
     .venv/bin/python -m tests.bench.bench_prefix --engine vllm [--kv-cache-mib 256] ...
 
@@ -50,6 +51,17 @@ on router A, turn 2 on B, ...), W2/W3's requests too. With ``--slots`` each
 pins its own share of the slots (``LLMGW_SLOT_SHARE`` 0 and 1 of 2), as
 several routers in front of a slots model must. Issue 26's agreement goal:
 a cached share close to one router's.
+
+``--tenants 1,4`` runs each policy once per count of tenants (API keys):
+W1's users, and W2/W3's requests, are spread over that many keys in turn
+(user u, request i: key u, i mod n), under the catalog's ``--cache-scope``
+(``key``, the default: no key's prefix is credited to another's request,
+router/affinity/scope.py; ``shared``: as before scopes). What isolation
+costs is the many-tenant run against the one-tenant run. The cached share
+is the engines' own count, from the router's
+``llmgw_router_cached_tokens_total`` (a llama.cpp answer reports
+``cached_tokens: 0`` to a caller under ``key``), and the router runs with
+``LLMGW_EXPOSE_REPLICA_HEADER`` to name the replica.
 
 ``--probe`` settles llama.cpp's specifics on single servers, both builds this
 project installs (``LLMGW_LLAMA_CPP=auto``: the AVX-512 wheel here; and
@@ -99,13 +111,15 @@ from temporalio.client import Client
 from llmgw import replicas
 from llmgw.store import Store
 from llmgw.temporal import connect
-from llmgw.types import EngineKind, EngineProfile, ModelSpec
+from llmgw.types import CacheScope, EngineKind, EngineProfile, ModelSpec
 from llmgw.types.model import RoutingPolicy, RoutingPolicyKind
 from llmgw_cli.dev.tinyhf import BENCH as HF_BENCH
 from llmgw_cli.dev.tinyhf import generate_tiny_hf_model
 from llmgw_cli.dev.tinymodel import _WORDS, BENCH, generate_model
 from llmgw_cli.procs import Child
 from router.affinity.policy import DEFAULT_ROUTING
+from router.api.apikeys import create_key
+from router.billing.key_policy import KeyPolicy
 from tests.bench.bench_batch import machine
 from tests.bench.procs import stop_replicas
 from tests.bench.timing import percentile_ms
@@ -191,6 +205,9 @@ class Run:
     # The router's predictions of cached tokens for the replicas it chose
     # (llmgw_router_prefix_predicted_tokens: estimated tokens, 4 characters each).
     predicted: float = 0.0
+    # The engines' cached tokens over the run (llmgw_router_cached_tokens,
+    # what they reported to the router: a caller may be told 0).
+    engine_cached: float | None = None
 
     def p(self, q: int) -> float:
         values = [s.ttft for s in self.samples]
@@ -202,6 +219,8 @@ class Run:
 
     @property
     def cached(self) -> int:
+        if self.engine_cached is not None:
+            return int(self.engine_cached)
         return sum(s.cached for s in self.samples)
 
     @property
@@ -225,8 +244,14 @@ class Failed(Exception):
     """A request that did not stream an answer (its kind: a status or exception)."""
 
 
-async def chat(http: httpx.AsyncClient, messages: list[dict[str, str]], max_tokens: int) -> Sample:
-    """Stream one chat completion; time to its first content token."""
+async def chat(
+    http: httpx.AsyncClient,
+    messages: list[dict[str, str]],
+    max_tokens: int,
+    key: str | None = None,
+) -> Sample:
+    """Stream one chat completion (as ``key``; None: the client's); time to
+    its first content token."""
     body = {
         "model": MODEL,
         "messages": messages,
@@ -239,7 +264,8 @@ async def chat(http: httpx.AsyncClient, messages: list[dict[str, str]], max_toke
     parts: list[str] = []
     usage: dict[str, object] = {}
     try:
-        async with http.stream("POST", "/v1/chat/completions", json=body) as r:
+        auth = {"Authorization": f"Bearer {key}"} if key else None
+        async with http.stream("POST", "/v1/chat/completions", json=body, headers=auth) as r:
             if r.status_code != 200:
                 await r.aread()
                 raise Failed(str(r.status_code))
@@ -326,7 +352,8 @@ async def w1(
         client = routers[user.turns % len(routers)]
         user.turns += 1
         label = f"user {users.index(user)} turn {user.turns}: "
-        sample = await record(run, chat(client, list(user.messages), args.max_tokens), label)
+        key = args.keys[users.index(user) % len(args.keys)]
+        sample = await record(run, chat(client, list(user.messages), args.max_tokens, key), label)
         if sample is not None:
             # What this turn adds to its conversation's previous prompt: all a
             # replica must compute when the history stayed cached where it was.
@@ -377,7 +404,8 @@ async def closed_loop(
 
     async def client() -> None:
         for i, messages in todo:
-            await record(run, chat(routers[i % len(routers)], messages, args.max_tokens))
+            key = args.keys[i % len(args.keys)]
+            await record(run, chat(routers[i % len(routers)], messages, args.max_tokens, key))
 
     began = time.perf_counter()
     await asyncio.gather(*(client() for _ in range(args.concurrency)))
@@ -452,6 +480,20 @@ async def predicted(root: httpx.AsyncClient) -> float:
     )
 
 
+CACHED = re.compile(r"^llmgw_router_cached_tokens_total\{([^}]*)\} (\S+)$", re.MULTILINE)
+
+
+async def engine_cached(root: httpx.AsyncClient) -> float:
+    """The cached tokens the engines reported for the bench model so far."""
+    r = await root.get("/metrics", headers={"Authorization": f"Bearer {ADMIN}"})
+    r.raise_for_status()
+    return sum(
+        float(value)
+        for labels, value in CACHED.findall(r.text)
+        if dict(re.findall(r'(\w+)="([^"]*)"', labels)).get("model") == MODEL
+    )
+
+
 def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
     return {k: v - before.get(k, 0.0) for k, v in after.items() if v > before.get(k, 0.0)}
 
@@ -507,6 +549,7 @@ async def one_run(
     run = Run(workload, policy, rate=rate or 0.0)
     before = [await choices(root) for root in bench.roots]
     predicted_before = [await predicted(root) for root in bench.roots]
+    cached_before = [await engine_cached(root) for root in bench.roots]
     if workload == "W1":
         await w1(run, routers, args, salt, rate)
     elif workload == "W2":
@@ -518,6 +561,9 @@ async def one_run(
             run.reasons[reason] = run.reasons.get(reason, 0.0) + n
     for root, had in zip(bench.roots, predicted_before, strict=True):
         run.predicted += await predicted(root) - had
+    run.engine_cached = 0.0
+    for root, had in zip(bench.roots, cached_before, strict=True):
+        run.engine_cached += await engine_cached(root) - had
     return run
 
 
@@ -614,6 +660,7 @@ async def measure(args: argparse.Namespace, bench: Bench) -> None:
     if args.two_routers:
         policies.append(TWO)
     rate: float | None = args.w1_rate
+    args.keys = next(iter(args.tenant_keys.values()))
     if "W1" in workloads and rate is None:
         cap = await one_run(bench, "W1", "least_loaded", args, None)
         capacity = len(cap.samples) / cap.seconds
@@ -626,9 +673,15 @@ async def measure(args: argparse.Namespace, bench: Bench) -> None:
     for workload in workloads:
         runs: dict[str, Run] = {}
         for policy in policies:
-            run = await one_run(bench, workload, policy, args, rate if workload == "W1" else None)
-            runs[policy] = run
-            print(f"  {workload} {row(run, bench.replica_ids)}", flush=True)
+            for tenants in args.tenant_keys:
+                args.keys = args.tenant_keys[tenants]
+                run = await one_run(
+                    bench, workload, policy, args, rate if workload == "W1" else None
+                )
+                if len(args.tenant_keys) > 1:
+                    run.policy = f"{policy}, {tenants} tenant{'s' if tenants > 1 else ''}"
+                runs[run.policy] = run
+                print(f"  {workload} {row(run, bench.replica_ids)}", flush=True)
         report(workload, runs, bench.replica_ids)
 
 
@@ -666,6 +719,7 @@ def deployment(args: argparse.Namespace, root: Path) -> tuple[ModelSpec, dict[st
             # llama.cpp's default: four slots; the router's queue holds the rest.
             profile=EngineProfile(max_inflight=4),
             routing=RoutingPolicy(slots=args.slots),
+            cache_scope=args.cache_scope,
         )
         return spec, {}
     hf = generate_tiny_hf_model(root / "model", HF_BENCH)
@@ -680,6 +734,7 @@ def deployment(args: argparse.Namespace, root: Path) -> tuple[ModelSpec, dict[st
         engine_args=["--enforce-eager", *args.engine_args.split()],
         # As llama.cpp's four slots: vLLM batches them, the router queues the rest.
         profile=EngineProfile(device="cpu", dtype="float32", max_inflight=4),
+        cache_scope=args.cache_scope,
     )
     return spec, {
         # Each engine's KV cache (the agent passes --kv-cache-memory-bytes;
@@ -725,10 +780,12 @@ def router_settings(args: argparse.Namespace) -> list[dict[str, str]]:
     two that share nothing, each pinning its own share of llama.cpp's slots
     (``LLMGW_SLOT_SHARE``: router/affinity/slots.py), as several routers in
     front of a slots model must."""
+    # Each names the replica that served (x-llmgw-replica: off by default).
+    named = {"LLMGW_EXPOSE_REPLICA_HEADER": "true"}
     if not args.two_routers:
-        return [{}]
+        return [named]
     pair = [{"LLMGW_SLOT_SHARE": str(i), "LLMGW_SLOT_SHARES": "2"} for i in range(2)]
-    return [{}, *(pair if args.slots else [{}, {}])]
+    return [named, *({**named, **p} for p in (pair if args.slots else [{}, {}]))]
 
 
 async def run(args: argparse.Namespace, root: Path) -> None:
@@ -755,6 +812,14 @@ async def run(args: argparse.Namespace, root: Path) -> None:
             system.start_router(p, env)
         store = Store(system.store_url)
         try:
+            # The tenants: n keys for each count (the first of them the catalog's).
+            args.tenant_keys = {
+                n: [
+                    key,
+                    *(create_key(store, f"tenant {n}/{t}", KeyPolicy())[1] for t in range(1, n)),
+                ]
+                for n in args.tenants
+            }
             for p in ports:
                 await wait_routable(f"http://127.0.0.1:{p}/v1", key, MODEL, 120)
             print(f"machine: {machine()}; up in {time.perf_counter() - began:.0f} s")
@@ -1069,6 +1134,18 @@ def parse() -> argparse.Namespace:
         default=RoutingPolicy().balance_factor,
         help="the catalog's routing.balance_factor (0: the hash alone)",
     )
+    parser.add_argument(
+        "--tenants",
+        default="1",
+        help="counts of tenants (API keys) to run each policy with, e.g. 1,4",
+    )
+    parser.add_argument(
+        "--cache-scope",
+        type=CacheScope,
+        choices=[CacheScope.KEY, CacheScope.SHARED],
+        default=CacheScope.KEY,
+        help="the catalog's cache_scope",
+    )
     parser.add_argument("--probe", action="store_true", help="llama.cpp alone: its caches")
     parser.add_argument("--verbose", action="store_true", help="print every request")
     parser.add_argument("--keep-logs", type=Path, help="copy the processes' logs here")
@@ -1097,6 +1174,9 @@ def parse() -> argparse.Namespace:
             )
     args.slots = args.slots or 0
     args.words = WORDS[args.engine]
+    args.tenants = [int(n) for n in args.tenants.split(",") if n]
+    if not args.tenants or min(args.tenants) < 1:
+        parser.error("--tenants: counts of at least 1")
     return args
 
 

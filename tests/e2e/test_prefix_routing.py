@@ -28,6 +28,7 @@ from openai.types.chat import ChatCompletionMessageParam
 
 from llmgw.store import Store
 from llmgw.types import (
+    CacheScope,
     EngineProfile,
     ModelSpec,
     QueuePolicy,
@@ -147,6 +148,9 @@ async def routers(
             profile=EngineProfile(max_inflight=max_inflight),
             queue=QueuePolicy(max_waiting=16, max_wait_s=240),
             routing=routing or RoutingPolicy(),
+            # The tests read the engine's own cached counts, which a caller
+            # sees of llama.cpp only when its cache is shared (scope.py).
+            cache_scope=CacheScope.SHARED,
         )
     )  # fmt: skip
     key = create_key(store, "k", KeyPolicy())[1]
@@ -158,7 +162,7 @@ async def routers(
             share = SlotShare(i, n) if slot_shares else EVERY_SLOT
             app = create_app(
                 store, source, refresh_interval_s=0.05, usage_flush_interval_s=0.05,
-                admin_key=ADMIN, affinity=Affinity(slot_share=share),
+                admin_key=ADMIN, affinity=Affinity(slot_share=share), expose_replica_header=True,
             )  # fmt: skip
             port = free_port()
             config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")

@@ -34,6 +34,7 @@ from openai.types.chat import ChatCompletionMessageParam
 from llmgw.engine_keys import engine_key
 from llmgw.store import Store
 from llmgw.types import (
+    CacheScope,
     EngineProfile,
     ModelSpec,
     QueuePolicy,
@@ -158,6 +159,9 @@ async def router(e: Engine, affinity: Affinity) -> AsyncIterator[tuple[Router, s
             profile=EngineProfile(max_inflight=SLOTS + 1),
             queue=QueuePolicy(max_waiting=16, max_wait_s=240),
             routing=RoutingPolicy(slots=SLOTS),
+            # The tests read the engine's own cached counts, which a caller
+            # sees of llama.cpp only when its cache is shared (scope.py).
+            cache_scope=CacheScope.SHARED,
         )
     )  # fmt: skip
     key = create_key(store, "k", KeyPolicy())[1]

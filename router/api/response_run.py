@@ -9,7 +9,6 @@ tails what it stored (router/api/responses.py).
 """
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -35,6 +34,7 @@ from router.common.blocking import within
 from router.common.errors import ErrorKind, OpenAIError
 from router.responses import store as rstore
 from router.responses.bounds import run_refusal
+from router.responses.ending import fail_run
 from router.responses.events import STREAM_CUT, NotResumable, ResponseEvents
 from router.responses.quota import held_reservation
 from router.responses.translate import continuation_body
@@ -87,7 +87,7 @@ async def run_response(response_id: str, request: Request, deps: DepsDep) -> Res
         # again and again) or runs too long ends: failed, with what it stored.
         log.warning("background response %s: %s, failing it", response_id, refusal)
         message = f"The response could not be generated: {refusal}."
-        await asyncio.to_thread(_fail_run, deps, response_id, stored, message)
+        await asyncio.to_thread(fail_run, deps.store, response_id, stored, message)
         return JSONResponse({"id": response_id, "status": "failed"})
     try:
         machine = ResponseEvents.resume(stored)
@@ -97,7 +97,7 @@ async def run_response(response_id: str, request: Request, deps: DepsDep) -> Res
             raise NotResumable("no open message to continue")
     except NotResumable as exc:
         log.warning("background response %s cannot be continued: %s", response_id, exc)
-        await asyncio.to_thread(_fail_run, deps, response_id, stored, STREAM_CUT)
+        await asyncio.to_thread(fail_run, deps.store, response_id, stored, STREAM_CUT)
         return JSONResponse({"id": response_id, "status": "failed"})
     chat = dict(record.request["chat"])
     partial = machine.partial_text
@@ -131,26 +131,6 @@ async def _store(deps: Deps, fn: Callable[[], T]) -> T:
         return await within(deps.store_wait_s, fn)
     except StoreError as exc:
         raise ErrorKind.STORE_UNAVAILABLE.error() from exc
-
-
-def _fail_run(deps: Deps, response_id: str, stored: list[dict[str, Any]], message: str) -> None:
-    """End a run as failed (it cannot be continued, or is past its bounds):
-    a ``response.failed`` event after the stored ones (so streams end), the
-    state, the bill."""
-    before: dict[str, Any] = next((e["response"] for e in reversed(stored) if "response" in e), {})
-    response = {
-        **before,
-        "status": "failed",
-        "error": {"code": "server_error", "message": message},
-    }
-    failed = {
-        "type": "response.failed",
-        "sequence_number": max((e["sequence_number"] for e in stored), default=-1) + 1,
-        "response": response,
-    }
-    with contextlib.suppress(rstore.RunLost):
-        rstore.append_events(deps.store, response_id, [failed])
-    rstore.finish_run(deps.store, response_id, response)
 
 
 def _out_of_room(carried: int) -> dict[str, Any]:

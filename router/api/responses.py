@@ -50,6 +50,7 @@ from router.responses.chain import (
     PreviousNotFound,
     load_chain,
 )
+from router.responses.ending import fail_abandoned, is_abandoned
 from router.responses.events import (
     ResponseEvents,
     initial_response,
@@ -136,6 +137,9 @@ async def _owned(deps: Deps, caller: Caller, response_id: str) -> ResponseRecord
     )
     if record is None:
         raise ErrorKind.RESPONSE_NOT_FOUND.error(response_id=response_id)
+    if is_abandoned(record, time.time()):
+        found = record
+        record = await _store(deps, lambda: fail_abandoned(deps.store, found))
     return record
 
 
@@ -279,16 +283,17 @@ async def _tail(deps: Deps, response_id: str, after: int) -> AsyncIterator[bytes
             if rstore.is_terminal_event(event):
                 return
         if not events:
-            status = await asyncio.to_thread(_status_of, deps, response_id)
-            if status in ("cancelled", None):
+            record = await asyncio.to_thread(_record_of, deps, response_id)
+            if record is None or record.status == "cancelled":
                 return  # OpenAI has no cancelled event: the stream just ends
+            if is_abandoned(record, time.time()):
+                # Its response.failed comes next round.
+                await asyncio.to_thread(fail_abandoned, deps.store, record)
         await asyncio.sleep(TAIL_POLL_S)
 
 
-def _status_of(deps: Deps, response_id: str) -> str | None:
-    with deps.store.session() as session:
-        record = session.get(ResponseRecord, response_id)
-        return None if record is None or record.deleted_at is not None else record.status
+def _record_of(deps: Deps, response_id: str) -> ResponseRecord | None:
+    return rstore.get_response(deps.store, None, response_id)
 
 
 @router.get(

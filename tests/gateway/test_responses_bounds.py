@@ -20,6 +20,7 @@ from llmgw.store.openai_tables import ResponseRecord
 from router.responses import store as rstore
 from router.responses.bounds import MAX_RUN_ATTEMPTS, RUN_DEADLINE_S, ResponseBounds, run_refusal
 from router.responses.chain import ChainTooLarge, PreviousFailed, load_chain
+from router.responses.ending import ABANDONED_AFTER_S
 from tests.gateway.test_files_store_frozen import waiting
 from tests.gateway.test_responses_api import with_exec
 from tests.gateway_util import Gateway, MockEngine, auth, gateway, ready, spec
@@ -256,3 +257,26 @@ async def test_a_stalled_store_answers_responses_with_503(pg_cluster: PgCluster)
                     assert error_of(answer)["code"] == "store_unavailable"
             finally:
                 holder.rollback()
+
+
+async def test_a_response_its_workflow_gave_up_on_ends_failed_when_read(store_url: str) -> None:
+    """A background response still queued past the workflow's execution
+    timeout (no router was reached: no run will end it) is failed by the
+    first read: GET says failed, and its stream ends with response.failed
+    instead of following it forever."""
+    async with serve(store_url) as gw:
+        _, key = gw.key()
+        streamed = (await create(gw, key, background=True)).json()["id"]
+        got = (await create(gw, key, background=True)).json()["id"]
+        for response_id in (streamed, got):
+            edit(gw.store, response_id, created_at=int(time.time()) - ABANDONED_AFTER_S - 60)
+        async with asyncio.timeout(30):
+            stream = await gw.http.get(
+                f"/v1/responses/{streamed}", params={"stream": "true"}, headers=auth(key)
+            )
+        assert stream.status_code == 200
+        assert "event: response.failed" in stream.text, stream.text
+        answer = await gw.http.get(f"/v1/responses/{got}", headers=auth(key))
+        assert answer.json()["status"] == "failed", answer.text
+        assert answer.json()["error"]["code"] == "server_error"
+        assert not gw.engine.seen

@@ -52,7 +52,11 @@ def cache_salt(secret: str, scope: str) -> str:
     every router (they share the secret), and within what vLLM accepts:
     non-empty, at most 128 characters, none of ``@ / \\`` nor NUL (its
     validate_cache_salt, vLLM PRs 51444 and 56681; a salt it refuses would
-    fail every request)."""
+    fail every request). The client's own ``cache_salt`` never reaches an
+    engine (router/api/openai.py refuses it): a caller could otherwise name
+    another scope's salt, or one the engine chokes on (issue 34 names
+    CVE-2026-105756 for salt validation; the reference corpus has vLLM's
+    CVE-2025-46570, the timing channel salts close, and the checks above)."""
     if not secret:
         raise ValueError("empty cache-salt secret")
     mac = hmac.new(secret.encode(), _SALT_CONTEXT + scope.encode(), hashlib.sha256)

@@ -171,7 +171,7 @@ async def router(e: Engine, affinity: Affinity) -> AsyncIterator[tuple[Router, s
     source = FakeSource([memo])
     app = create_app(
         store, source, refresh_interval_s=0.05, usage_flush_interval_s=0.05, admin_key=ADMIN,
-        affinity=affinity,
+        affinity=affinity, expose_replica_header=True,
     )  # fmt: skip
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))

@@ -11,7 +11,13 @@ A response row keeps, in ``request``:
   reads; status, output, usage... are columns of their own);
 - ``chat``: the chat-completions body it was translated to, the
   conversation of its ``previous_response_id`` chain included, so a
-  background run (on any router, after any restart) needs nothing else.
+  background run (on any router, after any restart) needs nothing else;
+- ``root``: its conversation's first response (router/responses/chain.py);
+- ``reservation``: a background response's quota, taken at its creation
+  (router/responses/quota.py).
+
+``stored_bytes`` is what the row holds, summed for the key's bound
+(router/responses/bounds.py).
 """
 
 import time

@@ -157,6 +157,8 @@ def keys_update(
     info = update_key(store, key_id, update)
     if info is None:
         _fail(f"no key {key_id}")
+    if info.revoked:
+        _fail(f"key {key_id} is revoked: its policy cannot change")
     p = info.policy
     console.print(
         f"key {key_id} ({info.name}) updated: models {','.join(p.models) or 'all'}, "

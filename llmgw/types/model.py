@@ -182,7 +182,8 @@ class ModelSpec(BaseModel):
     engine: EngineKind = EngineKind.LLAMA_CPP
     source: str = Field(min_length=1, description="weights: a file or directory on the node")
     sha256: str | None = Field(default=None, description="expected digest of the weights")
-    gpus: int = Field(default=0, ge=0, description="GPUs per node; 0 runs on CPU")
+    # The store's columns are 32-bit integers (PostgreSQL): larger is refused here.
+    gpus: int = Field(default=0, ge=0, le=2**31 - 1, description="GPUs per node; 0 runs on CPU")
     spread: bool = Field(
         default=False, description="place on the least busy nodes instead of bin-packing"
     )
@@ -193,7 +194,7 @@ class ModelSpec(BaseModel):
         default=0,
         description="an unplaceable replica drains replicas of lower priority to make room",
     )
-    context_length: int = Field(default=512, ge=16)
+    context_length: int = Field(default=512, ge=16, le=2**31 - 1)
     engine_args: list[str] = Field(default_factory=list)
     profile: EngineProfile = Field(
         default_factory=EngineProfile, description="parallelism, precision, LoRA, launch mode"

@@ -16,8 +16,8 @@ import asyncio
 from collections.abc import Callable
 from typing import Annotated, Any, ParamSpec, TypeVar
 
-from fastapi import APIRouter, Depends, Header, Path, Query
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi import APIRouter, Depends, Header, Path, Query, Request
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from temporalio.client import Client
 from temporalio.service import RPCError
 
@@ -33,14 +33,14 @@ from llmgw.store.catalog_store import (
 )
 from llmgw.types import DeploymentStatus, ReplicaMemo
 from router.api import apikeys
-from router.api.apikeys import KeyInfo, KeyUpdate
+from router.api.apikeys import KeyInfo, KeyName, KeyUpdate
 from router.api.deps import Deps, get_deps
 from router.api.openapi_docs import error_responses
 from router.billing import usage
 from router.billing.key_policy import KeyPolicy
 from router.billing.usage import UsageRow
 from router.common.blocking import within
-from router.common.errors import ErrorKind, invalid_fields
+from router.common.errors import ErrorKind, invalid_body, invalid_fields
 from router.common.incidents import Incident
 
 DepsDep = Annotated[Deps, Depends(get_deps)]
@@ -113,11 +113,18 @@ async def admin_get_model(name: str, deps: DepsDep) -> CatalogModel:
 async def admin_put_model(
     name: Annotated[str, Path(description="The entry's name: the body's `name` must be the same")],
     entry: CatalogModel,
+    request: Request,
     deps: DepsDep,
 ) -> CatalogModel:
     """Add or replace a catalog entry (the catalog file's fields; errors name the field).
     The body's `name` must equal the path's: a body naming another entry is refused
     (400, `param` `name`), so a PUT never renames an entry."""
+    try:
+        # Read again as JSON, strictly: FastAPI's reading takes "2" for an
+        # integer and "true" for a boolean, which the schema does not.
+        CatalogModel.model_validate_json(await request.body(), strict=True)
+    except ValidationError as exc:
+        raise invalid_body(exc) from None
     if entry.name != name:
         raise ErrorKind.NAME_MISMATCH.error(body_name=entry.name, path_name=name)
     # The entry's own fields unprefixed (`adapters[0].name`), others by name.
@@ -144,9 +151,12 @@ class ScaleRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    replicas: int | None = Field(default=None, ge=0, description="a fixed count (autoscale off)")
-    min_replicas: int | None = Field(default=None, ge=0)
-    max_replicas: int | None = Field(default=None, ge=1)
+    # Strict, as every integer of the admin API: a string is refused.
+    replicas: int | None = Field(
+        default=None, ge=0, le=INT32_MAX, strict=True, description="a fixed count (autoscale off)"
+    )
+    min_replicas: int | None = Field(default=None, ge=0, le=INT32_MAX, strict=True)
+    max_replicas: int | None = Field(default=None, ge=1, le=INT32_MAX, strict=True)
 
 
 @router.post(
@@ -308,7 +318,7 @@ class NewKey(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    name: str = Field(min_length=1, max_length=200)
+    name: KeyName
     policy: KeyPolicy = Field(default_factory=KeyPolicy)
 
 
@@ -329,11 +339,16 @@ async def admin_create_key(new: NewKey, deps: DepsDep) -> CreatedKey:
     return CreatedKey(**info.model_dump(), key=key)
 
 
-@router.get("/keys/{key_id}", responses=NO_KEY)
+@router.get(
+    "/keys/{key_id}",
+    responses=error_responses({404: "No such key, or it was revoked (`not_found`)"}),
+)
 async def admin_get_key(key_id: KeyId, deps: DepsDep) -> KeyInfo:
-    """One key."""
+    """One live key. A revoked (deleted) one is gone here (404), as after
+    any DELETE; ``GET /admin/keys`` still lists it (``revoked``), for its
+    usage history."""
     info = await _stored(deps, apikeys.get_key, deps.store, key_id)
-    if info is None:
+    if info is None or info.revoked:
         raise ErrorKind.NOT_FOUND.error(what="key", name=str(key_id))
     return info
 
@@ -348,14 +363,23 @@ async def admin_revoke_key(key_id: KeyId, deps: DepsDep) -> KeyInfo:
     return info
 
 
-@router.patch("/keys/{key_id}", responses=NO_KEY)
+@router.patch(
+    "/keys/{key_id}",
+    responses={
+        **NO_KEY,
+        **error_responses({409: "The key is revoked: its policy cannot change (`key_revoked`)"}),
+    },
+)
 async def admin_update_key(key_id: KeyId, update: KeyUpdate, deps: DepsDep) -> KeyInfo:
     """Change a key's name, models, expiry or quotas (only the fields given).
     Applies here at once, on other routers within their key cache TTL; quota
-    windows already counted keep their counts."""
+    windows already counted keep their counts. A revoked key is not changed
+    (409)."""
     info = await _stored(deps, apikeys.update_key, deps.store, key_id, update)
     if info is None:
         raise ErrorKind.NOT_FOUND.error(what="key", name=str(key_id))
+    if info.revoked:
+        raise ErrorKind.KEY_REVOKED.error(key_id=key_id)
     deps.keys.forget(key_id)
     return info
 

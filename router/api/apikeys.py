@@ -9,7 +9,7 @@ timing. Admin keys open the admin API and nothing else.
 import hmac
 import json
 from datetime import UTC, datetime
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 from sqlmodel import select
@@ -17,8 +17,13 @@ from sqlmodel import select
 from llmgw.api_keys import hash_api_key, new_api_key
 from llmgw.store import ApiKey, Store
 from llmgw.types import Priority
-from router.billing.key_policy import INT32_MAX, MAX_WEIGHT, KeyPolicy
+from router.billing.key_policy import INT32_MAX, MAX_WEIGHT, IsoDateTime, KeyPolicy
 from router.billing.quotas import Quotas
+
+# A key's name: printable (no NUL or other control character, which would
+# corrupt a listing, a log line or a terminal), 1 to 200 characters.
+NAME_PATTERN = r"^[^\x00-\x1f\x7f]+$"
+KeyName = Annotated[str, Field(min_length=1, max_length=200, pattern=NAME_PATTERN)]
 
 
 class KeyInfo(BaseModel):
@@ -131,29 +136,34 @@ def revoke_key(store: Store, key_id: int) -> KeyInfo | None:
 
 class KeyUpdate(BaseModel):
     """Changes to a key (PATCH): only the fields given change; ``expires_at: null``
-    removes the expiry. Whether a key is an admin key is fixed at creation."""
+    removes the expiry. Whether a key is an admin key is fixed at creation.
+    Numbers are strict: a string is refused, never read as one."""
 
     model_config = ConfigDict(extra="forbid")
 
-    name: str | None = Field(default=None, min_length=1, max_length=200)
+    name: KeyName | None = None
     models: list[str] | None = None
-    expires_at: datetime | None = None
-    rpm: int | None = Field(default=None, ge=0, le=INT32_MAX)
-    tpm: int | None = Field(default=None, ge=0, le=INT32_MAX)
-    token_budget: int | None = Field(default=None, ge=0, le=INT32_MAX)
+    expires_at: IsoDateTime | None = None
+    rpm: int | None = Field(default=None, ge=0, le=INT32_MAX, strict=True)
+    tpm: int | None = Field(default=None, ge=0, le=INT32_MAX, strict=True)
+    token_budget: int | None = Field(default=None, ge=0, le=INT32_MAX, strict=True)
     budget_period: Literal["day", "month"] | None = None
-    weight: float | None = Field(default=None, gt=0, le=MAX_WEIGHT)
+    weight: float | None = Field(default=None, gt=0, le=MAX_WEIGHT, strict=True)
     priority: Priority | None = None
 
 
 def update_key(store: Store, key_id: int, update: KeyUpdate) -> KeyInfo | None:
     """Change a key's name or policy in place (its secret and usage stay);
-    None when there is no such key. A revoked key stays revoked."""
+    None when there is no such key. A revoked key is not changed: its record
+    as it is (``revoked``: the caller refuses the change), so its policy
+    stays what it had when it was revoked."""
     given = update.model_fields_set
     with store.session() as session:
         row = session.get(ApiKey, key_id)
         if row is None:
             return None
+        if row.revoked:
+            return _info(row)
         if update.name is not None:
             row.name = update.name
         if update.models is not None:

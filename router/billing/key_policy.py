@@ -5,9 +5,9 @@ listed, looked up by hash) are the API's (router/api/apikeys.py).
 """
 
 from datetime import datetime
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from llmgw.types import Priority
 
@@ -17,22 +17,47 @@ INT32_MAX = 2**31 - 1
 MAX_WEIGHT = 1000.0
 
 
+def _iso_text(value: Any) -> Any:
+    """A date-time given as text (ISO 8601) or a datetime, never a number:
+    pydantic would read 0 as 1970-01-01, a schema-violating input taken."""
+    if isinstance(value, (int, float)):
+        raise ValueError("a date-time is an ISO 8601 string, not a number")
+    return value
+
+
+# A date-time of the admin API's bodies.
+IsoDateTime = Annotated[datetime, BeforeValidator(_iso_text)]
+
+
 class KeyPolicy(BaseModel):
     """What a key may do; every limit 0 means unlimited."""
 
     model_config = ConfigDict(extra="forbid")
 
     models: list[str] = Field(default_factory=list, description="allowed models; empty = all")
-    expires_at: datetime | None = Field(default=None, description="UTC; none = never")
-    admin: bool = Field(default=False, description="opens the admin API (and only that)")
-    rpm: int = Field(default=0, ge=0, le=INT32_MAX, description="requests per minute")
-    tpm: int = Field(
-        default=0, ge=0, le=INT32_MAX, description="tokens per minute (prompt + completion)"
+    expires_at: IsoDateTime | None = Field(default=None, description="UTC; none = never")
+    # Strict (the admin API's bodies): "5" is no integer, "true" no boolean.
+    admin: bool = Field(
+        default=False, strict=True, description="opens the admin API (and only that)"
     )
-    token_budget: int = Field(default=0, ge=0, le=INT32_MAX, description="tokens per budget period")
+    rpm: int = Field(default=0, ge=0, le=INT32_MAX, strict=True, description="requests per minute")
+    tpm: int = Field(
+        default=0,
+        ge=0,
+        le=INT32_MAX,
+        strict=True,
+        description="tokens per minute (prompt + completion)",
+    )
+    token_budget: int = Field(
+        default=0, ge=0, le=INT32_MAX, strict=True, description="tokens per budget period"
+    )
     budget_period: Literal["day", "month"] = "day"
     weight: float = Field(
-        default=1.0, gt=0, le=MAX_WEIGHT, description="share of a busy model's tokens vs other keys"
+        default=1.0,
+        gt=0,
+        le=MAX_WEIGHT,
+        strict=True,
+        description="share of a busy model's tokens vs other keys",
     )
     priority: Priority = Field(
         default=Priority.NORMAL, description="admission queue class: high, normal, batch"

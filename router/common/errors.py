@@ -245,6 +245,9 @@ class ErrorKind(Enum):
     )
     # The admin API.
     NOT_FOUND = ErrorSpec(404, "No {what} `{name}`.", code="not_found")
+    KEY_REVOKED = ErrorSpec(
+        409, "Key {key_id} is revoked: its policy cannot change.", code="key_revoked"
+    )
     NAME_MISMATCH = ErrorSpec(  # a PUT whose body names another entry than its path
         400, "name: `{body_name}` differs from the path's `{path_name}`", param="name"
     )

@@ -2,15 +2,16 @@
 shared with other cache scopes (llama.cpp: router/affinity/scope.py).
 
 llama.cpp reuses whatever its slots hold, whoever sent it: a count of cached
-tokens (``usage.prompt_tokens_details.cached_tokens``) or its ``timings``
-(``cache_n``, ``prompt_n``, ``prompt_ms``) would tell a caller how much of
-its prompt another tenant sent before, which is the probe of issue 34 (840
-of 841 tokens for a right guess, 0 for a wrong one). The router's index
-knows only its own estimate of what this scope left on the replica, in its
-own token units, and any figure the engine's count passes through could
-still differ between a right and a wrong guess. So the caller gets 0 cached
-tokens and no timings; the engine's own count still reaches billing, the
-router's metrics and its index (admins see them), as before.
+tokens (``usage.prompt_tokens_details.cached_tokens``), its ``timings``
+(``cache_n``, ``prompt_n``, ``prompt_ms``), its ``__verbose`` result or its
+``prompt_progress`` would tell a caller how much of its prompt another
+tenant sent before, which is the probe of issue 34 (840 of 841 tokens for
+a right guess, 0 for a wrong one). The router's index knows only its own
+estimate of what this scope left on the replica, in its own token units,
+and any figure the engine's count passes through could still differ
+between a right and a wrong guess. So the caller gets 0 cached tokens and
+none of the engine's own figures; the engine's count still reaches
+billing, the router's metrics and its index (admins see them), as before.
 
 What is left is timing: a prefix found cached answers sooner (the security
 guide's trust boundary).
@@ -21,15 +22,21 @@ from typing import Any
 
 import orjson
 
-# llama.cpp's per-request timings (cache_n, prompt_n, prompt_ms ...): the
-# same count, and its time.
-TIMINGS = "timings"
+# What llama.cpp adds of its own that says the same: its per-request
+# timings (cache_n, prompt_n, prompt_ms ...); with ``verbose`` its whole
+# native result (tokens_cached, timings); with ``return_progress`` a stream's
+# prompt progress (cache, processed). Checked against this project's build.
+ENGINE_FIGURES = ("timings", "__verbose", "prompt_progress")
+_MENTIONS = (b'"cached_tokens"', *(b'"%s"' % name.encode() for name in ENGINE_FIGURES))
 
 
 def hide_in(obj: dict[str, Any]) -> bool:
     """Hide the cache's figures in one answer or stream event, in place:
-    cached tokens 0 where reported, no timings. Whether anything changed."""
-    changed = obj.pop(TIMINGS, None) is not None
+    cached tokens 0 where reported, none of ``ENGINE_FIGURES``. Whether
+    anything changed."""
+    changed = False
+    for name in ENGINE_FIGURES:
+        changed = obj.pop(name, None) is not None or changed
     usage = obj.get("usage")
     if isinstance(usage, dict):
         details = usage.get("prompt_tokens_details")
@@ -61,4 +68,4 @@ def hidden(content: bytes) -> bytes:
 
 def mentions(events: bytes) -> bool:
     """Whether some event in ``events`` may carry the cache's figures."""
-    return b'"timings"' in events or b'"cached_tokens"' in events
+    return any(name in events for name in _MENTIONS)

@@ -265,3 +265,58 @@ async def test_under_shared_scope_b_is_routed_to_as_replica(engines: Engines) ->
             assert (await ask(b, doc, False)).replica == at
         _, right = r.affinity.choices
     assert right.reason == "prefix" and right.predicted > 0
+
+
+# llama.cpp's own figures a client may ask for: timings per token, its whole
+# native result (verbose), a stream's prompt progress.
+TELLING = {"verbose": True, "return_progress": True, "timings_per_token": True}
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+@pytest.mark.parametrize("stream", [False, True])
+async def test_under_key_scope_none_of_llama_cpps_own_figures_reach_the_caller(
+    engines: Engines, stream: bool, path: str
+) -> None:
+    doc = f"{uuid.uuid4().hex} {SECRET_DOC}"
+    body: dict[str, Any] = {"model": M, "max_tokens": 2, "stream": stream, **TELLING}
+    if path == "/v1/completions":
+        body["prompt"] = SYSTEM + doc
+    else:
+        body["messages"] = messages(doc)
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    async with router(engines, CacheScope.KEY, ["r1"]) as r, httpx.AsyncClient() as http:
+        answers = []
+        for who in ("A", "B"):  # B's prompt is A's: found cached by the engine
+            r.client(who)
+            auth = {"Authorization": f"Bearer {r.keys[who]}"}
+            answer = await http.post(f"{r.base}{path}", json=body, headers=auth, timeout=60)
+            assert answer.status_code == 200, answer.text
+            answers.append(answer.text)
+        engine = await engine_cached(r)
+    assert engine > 0  # the engine did reuse A's prompt for B
+    for text in answers:
+        assert '"cached_tokens":0' in text.replace(" ", "")
+        for figure in ("timings", "__verbose", "prompt_progress", "tokens_cached", "cache_n"):
+            assert figure not in text, (figure, text[:400])
+
+
+@pytest.mark.parametrize("scope", [CacheScope.KEY, CacheScope.SHARED])
+async def test_responses_usage_follows_the_scope(engines: Engines, scope: CacheScope) -> None:
+    """Responses' input_tokens_details.cached_tokens is made from the chat
+    answer's usage: hidden under key scope, the engine's under shared."""
+    doc = f"{uuid.uuid4().hex} {SECRET_DOC}"
+    async with router(engines, scope, ["r1"]) as r, r.client("A") as a, r.client("B") as b:
+        seen = []
+        for client in (a, b):
+            resp = await client.responses.create(
+                model=M, instructions=SYSTEM, input=doc, max_output_tokens=2, store=False
+            )
+            assert resp.usage is not None
+            seen.append(resp.usage.input_tokens_details.cached_tokens)
+        engine = await engine_cached(r)
+    assert engine > 0  # B's input was found cached (A's)
+    if scope is CacheScope.KEY:
+        assert seen == [0, 0], (seen, engine)
+    else:
+        assert sum(seen) == engine and seen[1] > 0, (seen, engine)

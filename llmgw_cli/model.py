@@ -10,6 +10,7 @@ from rich.table import Table
 from llmgw import replicas
 from llmgw.errors import LlmgwError
 from llmgw.store.catalog_store import apply_entries, get_entry, list_entries
+from llmgw.types import EngineKind
 from llmgw_cli.common import CliSettings, connect, console, fail, open_store, out, run
 from llmgw_cli.node_checks import node_checks
 from llmgw_cli.output import ModelsOutput, print_json
@@ -106,6 +107,10 @@ def model_show(
         return
     data = entry.model_dump(mode="json", exclude_defaults=True)
     data = {"name": entry.name, **data}  # always first, even were it a default
+    if entry.engine is EngineKind.LLAMA_CPP:
+        # Left out, slots is filled in on apply (llmgw/types/model.py
+        # with_default_slots): an entry's 0 must read back as 0.
+        data["routing"] = {**data.get("routing", {}), "slots": entry.routing.slots}
     out.print(
         yaml.safe_dump({"models": [data]}, sort_keys=False), end="", markup=False, highlight=False
     )

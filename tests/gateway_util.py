@@ -23,7 +23,7 @@ from fastapi import FastAPI
 
 from llmgw.errors import UpstreamConnectError, UpstreamError
 from llmgw.store import Store
-from llmgw.types import EngineProfile, ModelSpec, ReplicaMemo, ReplicaPhase
+from llmgw.types import EngineProfile, ModelSpec, ReplicaMemo, ReplicaPhase, RoutingPolicy
 from router.api.apikeys import create_key
 from router.app import create_app
 from router.billing.key_policy import KeyPolicy
@@ -265,9 +265,14 @@ async def gateway(
 
 
 def spec(name: str, max_inflight: int = 0, context_length: int = 512) -> ModelSpec:
+    # The engine's own slots (0), not the catalog's default four pinned ones:
+    # these tests' mock engines take bodies as sent (no id_slot) and as many
+    # at once as the profile allows; tests/gateway/test_affinity_slots.py and
+    # test_slot_pinning.py pin slots.
     return ModelSpec(
         name=name,
         source="/m.gguf",
         context_length=context_length,
         profile=EngineProfile(max_inflight=max_inflight),
+        routing=RoutingPolicy(slots=0),
     )

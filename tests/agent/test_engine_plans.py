@@ -348,7 +348,9 @@ def test_llama_single_node_with_loras() -> None:
     (cmd,) = plan.commands
     assert cmd.argv == (
         "llama-server", "--model", "/models/llama-70b", "--alias", "llama-70b",
-        "--host", "10.0.0.1", "--port", "8001", "--ctx-size", "512", "--no-webui", "--metrics",
+        "--host", "10.0.0.1", "--port", "8001", "--ctx-size", "2048", "--no-webui", "--metrics",
+        # The catalog's default slots (four, each its whole context: 4 x 512).
+        "--parallel", "4", "--no-cache-idle-slots",
         "--n-gpu-layers", "999", "--lora-scaled", "/l/a.gguf:0,/l/b.gguf:0",
     )  # fmt: skip
     assert plan.lora_ids == {"a": 0, "b": 1}

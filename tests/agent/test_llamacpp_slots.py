@@ -20,6 +20,7 @@ from typing import Any
 import httpx
 
 from llmgw.types import ModelSpec, RoutingPolicy
+from llmgw.types.model import AUTO_SLOTS, AUTO_SLOTS_KV_TOKENS
 from llmgw_cli.dev.tinymodel import TinyModel
 from llmgw_cli.procs import Child
 from router.forwarding.slot_priming import PRIME_FILE, SlotPrimer
@@ -55,22 +56,51 @@ def test_slots_set_the_servers_slot_flags_and_nothing_without() -> None:
     assert pinned[pinned.index("--ctx-size") + 1] == str(512 * 6)
     # No scratch dir, nowhere to save slots: no priming.
     assert "--slot-save-path" not in pinned
-    plain = argv(RoutingPolicy())
+    plain = argv(RoutingPolicy(slots=0))
     assert not {"--parallel", "--no-cache-idle-slots"} & set(plain)
     assert plain[plain.index("--ctx-size") + 1] == "512"
     # With the shard's scratch dir, slots are saved in its own subdirectory
     # (the router primes a slot from another: router/forwarding/slot_priming.py).
     saving = argv(RoutingPolicy(slots=2), "/tmp/llmgw-x")
     assert saving[saving.index("--slot-save-path") + 1] == f"/tmp/llmgw-x/{SLOTS_SUBDIR}"
-    assert "--slot-save-path" not in argv(RoutingPolicy(), "/tmp/llmgw-x")
+    assert "--slot-save-path" not in argv(RoutingPolicy(slots=0), "/tmp/llmgw-x")
 
 
 def test_slots_are_part_of_how_the_engine_runs_the_rest_of_routing_is_not() -> None:
-    base = ModelSpec(name="m", source="/w/m.gguf")
+    base = ModelSpec(name="m", source="/w/m.gguf", routing={"slots": 0})
     assert base.model_copy(update={"routing": RoutingPolicy(balance_slack=5)}).digest() == (
         base.digest()
     )
     assert base.model_copy(update={"routing": RoutingPolicy(slots=4)}).digest() != base.digest()
+
+
+def test_an_entry_without_slots_gets_four_within_the_kv_bound() -> None:
+    """llama.cpp entries that leave slots out get AUTO_SLOTS pinned slots
+    (bench_llamacpp_cache: 0.83 of a perfect cache against the engine's own
+    0.77, and no request failed for a shared cache outgrown), unless four
+    contexts pass the KV bound, the entry sizes slots or cache itself, or it
+    says 0; the value is filled in, so what is stored says it."""
+
+    def slots(**fields: object) -> int:
+        return ModelSpec.model_validate(
+            {"name": "m", "source": "/w/m.gguf", **fields}
+        ).routing.slots
+
+    assert slots() == AUTO_SLOTS == 4
+    assert slots(routing={"balance_slack": 5}) == 4
+    assert slots(routing=RoutingPolicy(balance_slack=5)) == 4
+    assert slots(context_length=AUTO_SLOTS_KV_TOKENS // AUTO_SLOTS) == 4
+    assert slots(context_length=AUTO_SLOTS_KV_TOKENS // AUTO_SLOTS + 1) == 0
+    assert slots(routing={"slots": 0}) == 0
+    assert slots(routing=RoutingPolicy(slots=0)) == 0
+    assert slots(routing={"slots": 8}) == 8
+    assert slots(engine_args=["-c", "8192"]) == 0
+    assert slots(engine_args=["--parallel=2"]) == 0
+    assert slots(profile={"engine_args": ["-np", "2"]}) == 0
+    assert slots(engine="vllm") == 0
+    stored = ModelSpec.model_validate({"name": "m", "source": "/w/m.gguf"})
+    again = ModelSpec.model_validate_json(stored.model_dump_json())
+    assert again.routing.slots == 4 and again.digest() == stored.digest()
 
 
 async def _turn(

@@ -22,9 +22,11 @@ SYSTEM: dict[str, object] = {"role": "system", "content": "Answer in one word. "
 
 
 def _spec(name: str = "m", context: int = 100_000, **routing: object) -> ModelSpec:
+    # The engine's own slots unless a test pins some: the index's bound is
+    # then the context itself (pinned slots multiply it).
     return ModelSpec(
         name=name, source="/w.gguf", context_length=context,
-        routing=RoutingPolicy.model_validate(routing),
+        routing=RoutingPolicy.model_validate({"slots": 0, **routing}),
     )  # fmt: skip
 
 
@@ -209,8 +211,10 @@ def test_sticky_keys_are_bounded_least_recently_used_first() -> None:
 
 
 def test_the_default_capacity_follows_the_engine() -> None:
-    spec = ModelSpec(name="m", source="/w.gguf", context_length=4096)
+    spec = ModelSpec(name="m", source="/w.gguf", context_length=4096, routing={"slots": 0})
     assert capacity_tokens(spec) == 4096  # llama.cpp: -c is its whole KV cache, any -np
+    # Left out, slots is four: a cache of the whole context per slot.
+    assert capacity_tokens(ModelSpec(name="m", source="/w.gguf", context_length=4096)) == 4 * 4096
     parallel = spec.model_copy(update={"engine_args": ["-np", "8", "-c", "8192"]})
     assert capacity_tokens(parallel) == 8192
     profiled = spec.model_copy(

@@ -209,7 +209,7 @@ def test_a_conversation_on_several_slots_goes_back_to_any_of_them() -> None:
 
 
 def test_a_pinned_replicas_cache_is_a_context_per_slot() -> None:
-    spec = ModelSpec(name="m", source="/m.gguf", context_length=1000)
+    spec = ModelSpec(name="m", source="/m.gguf", context_length=1000, routing={"slots": 0})
     assert capacity_tokens(spec) == 1000
     pinned = spec.model_copy(update={"routing": RoutingPolicy(slots=4)})
     assert capacity_tokens(pinned) == 4000

@@ -27,7 +27,7 @@ import pytest
 import uvicorn
 
 from llmgw.store import Store
-from llmgw.types import CacheScope, EngineProfile, ModelSpec
+from llmgw.types import CacheScope, EngineProfile, ModelSpec, RoutingPolicy
 from llmgw_cli.dev.tinymodel import TinyModel
 from router.affinity.affinity import Affinity
 from router.affinity.chunks import PromptKey
@@ -110,6 +110,8 @@ async def router(
         ModelSpec(
             name=M, source="/unused.gguf", context_length=CONTEXT,
             profile=EngineProfile(max_inflight=1), cache_scope=scope,
+            # As the servers run: one slot each, the engine's choice.
+            routing=RoutingPolicy(slots=0),
         )
     )  # fmt: skip
     source = FakeSource([ready(r, M, engines.endpoints[r]) for r in replicas])

@@ -77,7 +77,11 @@ async def run_response(response_id: str, request: Request, deps: DepsDep) -> Res
         raise ErrorKind.RESPONSE_NOT_FOUND.error(response_id=response_id)
     if record.status in rstore.TERMINAL:
         return JSONResponse({"id": response_id, "status": record.status})
-    attempt: int = await _store(deps, lambda: rstore.begin_attempt(deps.store, response_id))
+    attempt, status = await _store(deps, lambda: rstore.begin_attempt(deps.store, response_id))
+    if status not in rstore.RUNNING:
+        # Cancelled since it was read: it never generates (the cancel gave
+        # back its reservation, the first attempt not having begun).
+        return JSONResponse({"id": response_id, "status": status})
     stored: list[dict[str, Any]] = await _store(
         deps, lambda: rstore.events_after(deps.store, response_id, -1)
     )
@@ -117,7 +121,8 @@ async def run_response(response_id: str, request: Request, deps: DepsDep) -> Res
         (SESSION_HEADER.encode(), f"resp:{record.request.get('root') or record.id}".encode()),
     ]
     # The first attempt's request takes the quota reserved at creation
-    # (router/responses/quota.py); a later one reserves anew.
+    # (router/responses/quota.py; a cancel before begin_attempt gives it
+    # back instead, never both); a later one reserves anew.
     reservation = held_reservation(record.key_id, record.request) if attempt == 1 else None
     run = _Run(deps, response_id, machine)
     return StreamingResponse(

@@ -56,7 +56,12 @@ from router.responses.events import (
     initial_response,
     response_from_completion,
 )
-from router.responses.quota import release, reserve_at_creation, stored_reservation
+from router.responses.quota import (
+    held_reservation,
+    release,
+    reserve_at_creation,
+    stored_reservation,
+)
 from router.responses.request import RequestInvalid, ResponsesRequest, validate_request
 from router.responses.translate import chat_body
 
@@ -199,10 +204,15 @@ def _write_behind(
     run in a thread once the answer is out."""
     if not req.store:
         return None
+    limit = deps.responses.max_key_response_bytes
 
     def write(final: dict[str, Any]) -> None:
         try:
-            rstore.insert_response(deps.store, new, final)
+            # Under the key's bound as a background one is: a response that
+            # parallel ones took past it while it was generated is not kept.
+            rstore.insert_response(deps.store, new, final, key_limit=limit)
+        except rstore.KeyStorageFull:
+            log.warning("response %s not stored: its key's storage is full", new.record.id)
         except Exception:  # the answer is out: a lost write costs only the stored copy
             log.exception("could not store response %s", new.record.id)
 
@@ -359,13 +369,14 @@ async def delete_response(
 ) -> dict[str, Any]:
     """Delete a response (a running background one is cancelled first)."""
     now = int(time.time())
-    was: ResponseRecord | None = await _store(
+    was: rstore.Stopped | None = await _store(
         deps, lambda: rstore.delete_response(deps.store, caller.key_id, response_id, now)
     )
     if was is None:
         raise ErrorKind.RESPONSE_NOT_FOUND.error(response_id=response_id)
+    _give_back(deps, caller, was)
     jobs = _jobs(request)
-    if was.background and was.status == "cancelled" and jobs is not None:
+    if was.record.background and was.record.status == "cancelled" and jobs is not None:
         jobs.cancel_response(response_id)
     return {"id": response_id, "object": "response", "deleted": True}
 
@@ -382,15 +393,25 @@ async def cancel_response(
     if not record.background:
         raise ErrorKind.SYNCHRONOUS_RESPONSE.error()
     now = int(time.time())
-    after: ResponseRecord | None = await _store(
+    after: rstore.Stopped | None = await _store(
         deps, lambda: rstore.cancel_response(deps.store, caller.key_id, response_id, now)
     )
     if after is None:
         raise ErrorKind.RESPONSE_NOT_FOUND.error(response_id=response_id)
+    _give_back(deps, caller, after)
     jobs = _jobs(request)
     if record.status in rstore.RUNNING and jobs is not None:
         jobs.cancel_response(response_id)
-    return rstore.response_object(after)
+    return rstore.response_object(after.record)
+
+
+def _give_back(deps: Deps, caller: Caller, stopped: rstore.Stopped) -> None:
+    """A response stopped before its run began gives back the quota taken
+    at its creation (its tokens counted until the window ended otherwise);
+    one whose run had begun is settled by that run's request."""
+    if stopped.reservation is not None:
+        reservation = held_reservation(caller.key_id, {"reservation": stopped.reservation})
+        release(deps, caller, stopped.record.model, reservation)
 
 
 # Both, for create_app to include.

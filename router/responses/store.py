@@ -27,10 +27,12 @@ from typing import Any
 
 from sqlalchemy import func, update
 from sqlalchemy.exc import IntegrityError
-from sqlmodel import col, select
+from sqlmodel import Session, col, select
+from sqlmodel.sql.expression import SelectOfScalar
 
 from llmgw.errors import LlmgwError
 from llmgw.store import Store
+from llmgw.store.file_upkeep import lock_key_files
 from llmgw.store.openai_tables import ResponseEventChunk, ResponseInputItem, ResponseRecord
 from llmgw.store.usage import add_usage
 from router.billing.usage import day_of
@@ -143,15 +145,19 @@ def stored_size(new: NewResponse) -> int:
     return size_of(new.record.request) + sum(size_of(item) for item in new.items)
 
 
+def _key_bytes_of(key_id: int) -> SelectOfScalar[int]:
+    """What the key's live stored responses hold (a deleted one stops counting)."""
+    return select(func.coalesce(func.sum(ResponseRecord.stored_bytes), 0)).where(
+        ResponseRecord.key_id == key_id, col(ResponseRecord.deleted_at).is_(None)
+    )
+
+
 def key_bytes(store: Store, key_id: int) -> int:
-    """What the key's live stored responses hold."""
+    """What the key's live stored responses hold (the early check of a
+    foreground response, before it is generated: ``insert_response``'s is
+    the one that holds)."""
     with store.session() as session:
-        used = session.exec(
-            select(func.coalesce(func.sum(ResponseRecord.stored_bytes), 0)).where(
-                ResponseRecord.key_id == key_id, col(ResponseRecord.deleted_at).is_(None)
-            )
-        ).one()
-    return int(used)
+        return int(session.exec(_key_bytes_of(key_id)).one())
 
 
 def insert_response(
@@ -164,17 +170,28 @@ def insert_response(
     stored once it has ended), its input items and first events, in one
     transaction: a reader never sees part of it. With ``key_limit``,
     KeyStorageFull (nothing written) when the key's responses would hold
-    more than that."""
+    more than that.
+
+    The check and the insert are one step per key, under the key's lock
+    (the one its files take, llmgw/store/file_upkeep.py: PostgreSQL's
+    advisory lock of the key; SQLite's write lock, the row's insert first):
+    counted in one transaction and inserted in another, N parallel
+    creations each passed on what the others had not stored yet and
+    overshot the bound by N - 1 responses."""
     if final is not None:
         _final(new.record, final)
     new.record.stored_bytes = stored_size(new) + size_of(new.record.output)
-    if key_limit is not None:
-        used = key_bytes(store, new.record.key_id)
-        if used + new.record.stored_bytes > key_limit:
-            raise KeyStorageFull(used)
     with store.session() as session:
+        if key_limit is not None:
+            lock_key_files(session, new.record.key_id)
+        # The row first: SQLite's write lock from the transaction's start.
         session.add(new.record)
         session.flush()
+        if key_limit is not None:
+            used = int(session.exec(_key_bytes_of(new.record.key_id)).one())
+            if used > key_limit:
+                session.rollback()
+                raise KeyStorageFull(used - new.record.stored_bytes)
         for idx, item in enumerate(new.items):
             session.add(
                 ResponseInputItem(response_id=new.record.id, idx=idx, item_id=item["id"], item=item)
@@ -193,19 +210,25 @@ def insert_response(
         session.expunge(new.record)
 
 
-def begin_attempt(store: Store, response_id: str) -> int:
-    """Count one more attempt at a background run: which one this is (1-based)."""
+def begin_attempt(store: Store, response_id: str) -> tuple[int, str]:
+    """Count one more attempt at a background run: which one this is
+    (1-based) and the response's status then. A status no longer running
+    (cancelled before it began) means the run must not generate; otherwise
+    the first attempt takes the creation's reservation, and a cancel after
+    this (which sees ``run_attempts`` above 0) leaves it to the run."""
     with store.session() as session:
         session.execute(
             update(ResponseRecord)
             .where(col(ResponseRecord.id) == response_id)
             .values(run_attempts=col(ResponseRecord.run_attempts) + 1)
         )
-        attempts = session.exec(
-            select(ResponseRecord.run_attempts).where(ResponseRecord.id == response_id)
+        attempts, status = session.exec(
+            select(ResponseRecord.run_attempts, ResponseRecord.status).where(
+                ResponseRecord.id == response_id
+            )
         ).one()
         session.commit()
-    return int(attempts)
+    return int(attempts), str(status)
 
 
 def get_response(store: Store, key_id: int | None, response_id: str) -> ResponseRecord | None:
@@ -250,40 +273,75 @@ def list_input_items(
     return [r.item for r in rows[:limit]], len(rows) > limit
 
 
-def delete_response(store: Store, key_id: int, response_id: str, now: int) -> ResponseRecord | None:
+@dataclass
+class Stopped:
+    """A response as a cancel (or delete) left it, and the reservation taken
+    at its creation when that call stopped it before any run took it: the
+    caller gives it back (router/responses/quota.py), no one else will."""
+
+    record: ResponseRecord
+    reservation: dict[str, int] | None = None
+
+
+def _stop(session: Session, key_id: int, response_id: str, now: int, background: bool) -> bool:
+    """Mark the key's response cancelled if it is still running; whether
+    this call did. One conditional UPDATE, the transaction's first statement:
+    it holds the row (PostgreSQL) or the database (SQLite) against the run's
+    ``begin_attempt`` until the commit, so the two see each other in one
+    order and exactly one of them takes the reservation."""
+    stop = (
+        update(ResponseRecord)
+        .where(
+            col(ResponseRecord.id) == response_id,
+            col(ResponseRecord.key_id) == key_id,
+            col(ResponseRecord.deleted_at).is_(None),
+            col(ResponseRecord.status).in_(RUNNING),
+        )
+        .values(
+            status="cancelled",
+            cancel_requested_at=func.coalesce(col(ResponseRecord.cancel_requested_at), now),
+        )
+    )
+    if background:
+        stop = stop.where(col(ResponseRecord.background).is_(True))
+    return bool(session.execute(stop).rowcount)  # type: ignore[attr-defined]
+
+
+def _stopped(record: ResponseRecord, stopped: bool) -> Stopped:
+    held = record.request.get("reservation") if stopped and record.run_attempts == 0 else None
+    return Stopped(record, held if isinstance(held, dict) else None)
+
+
+def delete_response(store: Store, key_id: int, response_id: str, now: int) -> Stopped | None:
     """Mark the response deleted (a running one asked to cancel too: its
     status is then ``cancelled``), or None when there is none for this key."""
     with store.session() as session:
-        record = session.get(ResponseRecord, response_id)
+        stopped = _stop(session, key_id, response_id, now, background=False)
+        record = session.get(ResponseRecord, response_id, populate_existing=True)
         if record is None or record.key_id != key_id or record.deleted_at is not None:
             return None
         record.deleted_at = now
-        if record.status in RUNNING:
-            record.cancel_requested_at = record.cancel_requested_at or now
-            record.status = "cancelled"
         session.add(record)
         session.commit()
         session.refresh(record)
         session.expunge(record)
-        return record
+        return _stopped(record, stopped)
 
 
-def cancel_response(store: Store, key_id: int, response_id: str, now: int) -> ResponseRecord | None:
+def cancel_response(store: Store, key_id: int, response_id: str, now: int) -> Stopped | None:
     """Ask a running background response to stop: ``cancelled`` at once (the
-    run sees ``cancel_requested_at`` at its next flush and writes no more).
-    A finished one is left as it is. None when there is none for this key."""
+    run sees ``cancel_requested_at`` at its next flush and writes no more;
+    one not begun yet never generates). A finished one is left as it is.
+    None when there is none for this key."""
     with store.session() as session:
-        record = session.get(ResponseRecord, response_id)
+        stopped = _stop(session, key_id, response_id, now, background=True)
+        record = session.get(ResponseRecord, response_id, populate_existing=True)
         if record is None or record.key_id != key_id or record.deleted_at is not None:
             return None
-        if record.background and record.status in RUNNING:
-            record.cancel_requested_at = now
-            record.status = "cancelled"
-            session.add(record)
-            session.commit()
-            session.refresh(record)
+        session.commit()
+        session.refresh(record)
         session.expunge(record)
-        return record
+        return _stopped(record, stopped)
 
 
 def _final(record: ResponseRecord, response: dict[str, Any]) -> None:

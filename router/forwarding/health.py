@@ -19,6 +19,7 @@ from typing import Protocol
 import aiohttp
 
 from router.control_link.routing import Route, RoutingTable
+from router.forwarding.upstream import IDENTITY
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +66,13 @@ class HttpProbe:
         if self._prove is not None and not await self._prove(route.replica_id, route.endpoint):
             return False
         if self._session is None:
-            self._session = aiohttp.ClientSession(timeout=self._timeout)
-        headers = {"Authorization": f"Bearer {self._engine_key(route.replica_id)}"}
+            # Only the status is read, but aiohttp would ask for gzip and
+            # expand what came: an engine is an untrusted byte source.
+            self._session = aiohttp.ClientSession(timeout=self._timeout, auto_decompress=False)
+        headers = {
+            "Authorization": f"Bearer {self._engine_key(route.replica_id)}",
+            "Accept-Encoding": IDENTITY,
+        }
         try:
             async with self._session.get(f"{route.endpoint}/health", headers=headers) as resp:
                 return resp.status < 500 or resp.status == 503

@@ -67,7 +67,7 @@ from router.forwarding.engine_stream import Relay, Usage, outcome_of
 from router.forwarding.pacing import Pacer
 from router.forwarding.relay import Reply, StreamReply, media_header
 from router.forwarding.slot_priming import SlotPrimer
-from router.forwarding.upstream import Upstream, UpstreamResponse
+from router.forwarding.upstream import IDENTITY, Upstream, UpstreamResponse
 
 __all__ = ["Call", "Proxy", "SlotStuck", "StaleAdapter"]
 
@@ -157,6 +157,11 @@ class Proxy:
             headers = {
                 "Authorization": f"Bearer {self._engine_key(replica_id)}",
                 "Content-Type": "application/json",
+                # An engine is an untrusted byte source: its answers come
+                # uncompressed (an encoded one is refused, upstream.py), so
+                # that no bomb of its is ever expanded here. Absent, any
+                # coding would be acceptable to it.
+                "Accept-Encoding": IDENTITY,
             }
             self._headers[replica_id] = headers
         return headers

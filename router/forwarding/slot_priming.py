@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable, Mapping
 
 from llmgw.errors import UpstreamError
-from router.forwarding.upstream import Upstream
+from router.forwarding.upstream import Upstream, UpstreamResponse
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +52,10 @@ UNSUPPORTED_S = 600.0
 # llama-server's answer to a slot action without --slot-save-path.
 _NOT_IMPLEMENTED = 501
 _BODY = b'{"filename":"%s"}' % PRIME_FILE.encode()
+# The most of a slot action's answer read: llama-server answers a few hundred
+# bytes of JSON (slot id, file, token count, timings); more is a broken or
+# hostile engine, cut off (the time bound alone lets a fast one send gigabytes).
+MAX_ACTION_ANSWER_BYTES = 64 * 1024
 
 
 class SlotPrimer:
@@ -88,7 +92,7 @@ class SlotPrimer:
                     url = f"{endpoint}/slots/{slot}?action={action}"
                     response = await self._http.post(url, _BODY, headers)
                     try:
-                        await response.read()
+                        await _read_small(response)
                     finally:
                         response.close()
                     if response.status == _NOT_IMPLEMENTED:
@@ -113,3 +117,15 @@ class SlotPrimer:
             log.info("replica %s: priming slot %s failed: %s", replica_id, target, exc)
             return False
         return True
+
+
+async def _read_small(response: UpstreamResponse) -> None:
+    """Read a slot action's answer to its end (its status is all that counts),
+    refusing one past ``MAX_ACTION_ANSWER_BYTES``."""
+    held = 0
+    async for chunk in response.chunks():
+        held += len(chunk)
+        if held > MAX_ACTION_ANSWER_BYTES:
+            raise UpstreamError(
+                f"a slot action's answer longer than {MAX_ACTION_ANSWER_BYTES} bytes"
+            )

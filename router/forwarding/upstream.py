@@ -14,7 +14,7 @@ reads go to the client from the connection's read callback.
 (``LLMGW_UPSTREAM_CLIENT=aiohttp``; aiohttp costs about a fifth of httpx's).
 """
 
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Iterable, Mapping
 from typing import Protocol, cast, runtime_checkable
 
 import aiohttp
@@ -24,6 +24,25 @@ from llmgw.errors import UpstreamConnectError, UpstreamError
 # Below uvicorn's 5 s keep-alive (the pass-through in front of every engine):
 # a connection is retired here before the server closes it under a request.
 KEEPALIVE_S = 4.0
+# The most of a non-streamed answer read whole (``read``). An engine is an
+# untrusted byte source (issue 34): without a bound, one that never ends its
+# body grows the router's memory until it dies. A chat or completion answer
+# is kilobytes, a large embeddings batch a few tens of MiB (2,048 inputs of
+# 1,024 floats as JSON: about 40 MiB); past this only a broken or hostile
+# engine. Streams are not read whole: their relay holds a read at a time.
+MAX_ANSWER_BYTES = 64 * 1024 * 1024
+# The only content coding asked of an engine and taken from one: a compressed
+# answer would be expanded by whoever decodes it (aiohttp, by default), and a
+# 590-byte stacked gzip body expands to 256 MiB in one synchronous call.
+IDENTITY = "identity"
+
+
+def refused_coding(values: Iterable[str]) -> str | None:
+    """The content codings of ``values`` (Content-Encoding header values)
+    other than identity, as one string; None when there are none."""
+    codings = [c.strip().lower() for v in values for c in v.split(",")]
+    refused = [c for c in codings if c not in ("", IDENTITY)]
+    return ", ".join(refused) if refused else None
 
 
 class UpstreamResponse(Protocol):
@@ -36,7 +55,8 @@ class UpstreamResponse(Protocol):
     def content_type(self) -> str: ...
 
     async def read(self) -> bytes:
-        """The whole body (``UpstreamError`` if the engine breaks off)."""
+        """The whole body (``UpstreamError`` if the engine breaks off, or
+        sends more than the client's ``max_answer_bytes``)."""
         ...
 
     def chunks(self) -> AsyncIterator[bytes]:
@@ -95,8 +115,9 @@ class Upstream(Protocol):
 
 
 class _AiohttpResponse:
-    def __init__(self, response: aiohttp.ClientResponse) -> None:
+    def __init__(self, response: aiohttp.ClientResponse, max_bytes: int) -> None:
         self._r = response
+        self._max = max_bytes
 
     @property
     def status(self) -> int:
@@ -107,10 +128,18 @@ class _AiohttpResponse:
         return self._r.headers.get("Content-Type", "application/json")
 
     async def read(self) -> bytes:
+        chunks: list[bytes] = []
+        held = 0
         try:
-            return await self._r.read()
+            while chunk := await self._r.content.readany():
+                held += len(chunk)
+                if held > self._max:
+                    self._r.close()  # the engine sees the connection go
+                    raise UpstreamError(f"an answer longer than {self._max} bytes")
+                chunks.append(chunk)
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise UpstreamError(_describe(exc)) from exc
+        return b"".join(chunks)
 
     def chunks(self) -> AsyncIterator[bytes]:
         return _Chunks(self._r.content)
@@ -147,11 +176,18 @@ class _Chunks:
 class AiohttpUpstream:
     """Kept-alive connections to every engine, made on first use (it needs the loop)."""
 
-    def __init__(self, connect_timeout_s: float, read_timeout_s: float, max_connections: int):
+    def __init__(
+        self,
+        connect_timeout_s: float,
+        read_timeout_s: float,
+        max_connections: int,
+        max_answer_bytes: int = MAX_ANSWER_BYTES,
+    ):
         self._timeout = aiohttp.ClientTimeout(
             total=None, connect=connect_timeout_s, sock_read=read_timeout_s
         )
         self._max = max_connections
+        self._max_answer = max_answer_bytes
         self._session: aiohttp.ClientSession | None = None
 
     def _open(self) -> aiohttp.ClientSession:
@@ -163,6 +199,12 @@ class AiohttpUpstream:
                 # never reach another's request.
                 cookie_jar=aiohttp.DummyCookieJar(),
                 skip_auto_headers=("User-Agent",),
+                # aiohttp asks for gzip and deflate and expands what comes: an
+                # engine's bomb would be expanded here. Identity is asked
+                # (unless the caller asks it itself) and nothing is decoded:
+                # an encoded answer is refused (post).
+                headers={"Accept-Encoding": IDENTITY},
+                auto_decompress=False,
             )
         return self._session
 
@@ -171,7 +213,11 @@ class AiohttpUpstream:
         for attempt in (1, 2):
             try:
                 response = await session.post(url, data=body, headers=dict(headers))
-                return _AiohttpResponse(response)
+                coding = refused_coding(response.headers.getall("Content-Encoding", ()))
+                if coding is not None:
+                    response.close()  # unread: asked for identity, sent something else
+                    raise UpstreamError(f"Content-Encoding {coding} refused")
+                return _AiohttpResponse(response, self._max_answer)
             except aiohttp.ServerDisconnectedError as exc:
                 # Nearly always a kept-alive connection the server closed as
                 # we sent (the request unread): once more on a new one. An

@@ -8,7 +8,7 @@ import asyncio
 from typing import Protocol
 
 from llmgw.errors import UpstreamError
-from router.forwarding.upstream import Sink
+from router.forwarding.upstream import MAX_ANSWER_BYTES, Sink
 
 # A stream's reader this far behind (bytes held unread) stops the socket
 # being read until it takes them: the engine feels TCP back-pressure.
@@ -47,14 +47,15 @@ class RawAnswer:
     """One answer: status and content type once its head is in, then the body."""
 
     __slots__ = (
-        "_chunks", "_conn", "_held", "_loop", "_sink", "_waiter", "_whole", "content_type",
-        "done", "error", "framed", "got_bytes", "status",
+        "_chunks", "_conn", "_held", "_loop", "_max", "_sink", "_waiter", "_whole",
+        "content_type", "done", "error", "framed", "got_bytes", "status",
     )  # fmt: skip
 
-    def __init__(self, conn: Connection) -> None:
+    def __init__(self, conn: Connection, max_bytes: int = MAX_ANSWER_BYTES) -> None:
         self._conn: Connection | None = conn
         self._loop = conn.loop
         self._whole = False  # read whole: never paused
+        self._max = max_bytes  # the most ``read`` holds (router/forwarding/upstream.py)
         self._chunks: list[bytes] = []
         self._held = 0  # bytes in _chunks
         self._waiter: asyncio.Future[None] | None = None
@@ -75,12 +76,23 @@ class RawAnswer:
             waiter.set_result(None)
 
     def add(self, chunk: bytes) -> None:
+        if self.error is not None:
+            return  # refused (past the cap): nothing more is kept
         self._chunks.append(chunk)
         if self._sink is not None:
             return  # handed on once the read is parsed (settle): one piece per read
         self._held += len(chunk)
         if self._held > HIGH_WATER and not self._whole and self._conn is not None:
             self._conn.pause()
+        if self._whole and self._held > self._max:
+            # Read whole, and past what any engine's answer holds: cut here,
+            # in the read callback, before the next read adds to it.
+            self._chunks = []
+            self._held = 0
+            self.fail(UpstreamError(f"an answer longer than {self._max} bytes"))
+            if self._conn is not None:
+                self._conn.drop()
+            return
         self.wake()
 
     def fail(self, error: BaseException) -> None:
@@ -126,10 +138,10 @@ class RawAnswer:
         self._whole = True
         if self._conn is not None and self._conn.paused:
             self._conn.resume()
-        while not self.done:
-            if self.error is not None:
-                raise UpstreamError(describe(self.error))
+        while not self.done and self.error is None:
             await self.wait()
+        if self.error is not None:  # also when the end came after it (the cap)
+            raise UpstreamError(describe(self.error))
         return self._take() if self._chunks else b""
 
     def chunks(self) -> "RawAnswer":

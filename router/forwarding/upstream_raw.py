@@ -17,6 +17,10 @@ cancellation. A connection idle for ``KEEPALIVE_S`` is closed here, before
 the pass-through's uvicorn would close it under a request; a reused one that
 closes before answering a single byte was most likely closed that way as we
 wrote: the request goes once more, on a new connection.
+
+An engine is an untrusted byte source (issue 34): nothing is ever decoded
+here, an answer with a Content-Encoding other than identity is refused at
+its head, and one read whole stops at ``max_answer_bytes``.
 """
 
 import asyncio
@@ -29,7 +33,12 @@ from urllib.parse import urlsplit
 import httptools
 
 from llmgw.errors import LlmgwError, UpstreamConnectError, UpstreamError
-from router.forwarding.upstream import KEEPALIVE_S, UpstreamResponse
+from router.forwarding.upstream import (
+    KEEPALIVE_S,
+    MAX_ANSWER_BYTES,
+    UpstreamResponse,
+    refused_coding,
+)
 from router.forwarding.upstream_answer import RawAnswer, describe
 
 # How often idle connections are looked over for retirement.
@@ -76,6 +85,7 @@ class _Conn(asyncio.Protocol):
         self.idle_since = 0.0
         self.last_read = 0.0
         self.timer: asyncio.TimerHandle | None = None
+        self.codings: list[str] = []  # the answer's Content-Encoding values
 
     # asyncio.Protocol
 
@@ -126,10 +136,20 @@ class _Conn(asyncio.Protocol):
             answer.content_type = value.decode("latin-1")
         elif name in {b"content-length", b"transfer-encoding"}:
             answer.framed = True
+        elif name == b"content-encoding":
+            self.codings.append(value.decode("latin-1"))
 
     def on_headers_complete(self) -> None:
         answer = self.answer
         assert answer is not None
+        coding = refused_coding(self.codings)
+        self.codings.clear()
+        if coding is not None:
+            # Asked for identity, sent something else: a broken or hostile
+            # engine. Refused unread, with no status (post raises the error);
+            # raising stops the parser (data_received closes the connection).
+            answer.fail(UpstreamError(f"Content-Encoding {coding} refused"))
+            raise _Refused(coding)
         answer.status = self.parser.get_status_code()
         answer.wake()
 
@@ -148,7 +168,8 @@ class _Conn(asyncio.Protocol):
         self._stop_timer()
         if self.paused:
             self.resume()
-        if self.parser.should_keep_alive():
+        if self.parser.should_keep_alive() and answer.error is None:
+            # (An answer cut at its cap dropped the connection: not reused.)
             self.reused = True
             self.pool.release(self)
         else:
@@ -212,6 +233,10 @@ class _Stale(LlmgwError):
     """A reused connection closed before a byte of the answer: send once more."""
 
 
+class _Refused(LlmgwError):
+    """Raised in the parser's callback to stop it at an encoded answer's head."""
+
+
 class RawUpstream:
     """Kept-alive connections to every engine, made on first use (in the running loop).
 
@@ -220,7 +245,14 @@ class RawUpstream:
     engine is closed to make room).
     """
 
-    def __init__(self, connect_timeout_s: float, read_timeout_s: float, max_connections: int):
+    def __init__(
+        self,
+        connect_timeout_s: float,
+        read_timeout_s: float,
+        max_connections: int,
+        max_answer_bytes: int = MAX_ANSWER_BYTES,
+    ):
+        self._max_answer = max_answer_bytes
         self._connect_timeout_s = connect_timeout_s
         self._read_timeout_s = read_timeout_s
         self._max = max_connections
@@ -251,7 +283,7 @@ class RawUpstream:
         fresh = False
         while True:
             conn = await self._acquire(target, fresh)
-            answer = RawAnswer(conn)
+            answer = RawAnswer(conn, self._max_answer)
             conn.send(answer, request, self._read_timeout_s)
             try:
                 while not answer.status:

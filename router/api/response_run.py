@@ -29,6 +29,7 @@ from router.api.response_chat import (
     carried_headers,
     sse,
 )
+from router.api.response_quota import held_reservation
 from router.billing.quotas import QuotaReservation
 from router.common.blocking import within
 from router.common.errors import ErrorKind, OpenAIError
@@ -36,7 +37,6 @@ from router.responses import store as rstore
 from router.responses.bounds import run_refusal
 from router.responses.ending import fail_run
 from router.responses.events import STREAM_CUT, NotResumable, ResponseEvents
-from router.responses.quota import held_reservation
 from router.responses.translate import continuation_body
 
 # Its log lines keep the logger they had before the split (operators' config).
@@ -121,7 +121,7 @@ async def run_response(response_id: str, request: Request, deps: DepsDep) -> Res
         (SESSION_HEADER.encode(), f"resp:{record.request.get('root') or record.id}".encode()),
     ]
     # The first attempt's request takes the quota reserved at creation
-    # (router/responses/quota.py; a cancel before begin_attempt gives it
+    # (router/api/response_quota.py; a cancel before begin_attempt gives it
     # back instead, never both); a later one reserves anew.
     reservation = held_reservation(record.key_id, record.request) if attempt == 1 else None
     run = _Run(deps, response_id, machine)

@@ -38,6 +38,12 @@ from router.api.deps import Deps, get_deps
 from router.api.openai import CallerDep, read_body
 from router.api.openapi_docs import error_responses
 from router.api.response_chat import ChatCall, carried_headers, in_session, sse
+from router.api.response_quota import (
+    held_reservation,
+    release,
+    reserve_at_creation,
+    stored_reservation,
+)
 from router.api.response_run import internal
 from router.common.blocking import within
 from router.common.errors import ErrorKind, OpenAIError, invalid_fields
@@ -55,12 +61,6 @@ from router.responses.events import (
     ResponseEvents,
     initial_response,
     response_from_completion,
-)
-from router.responses.quota import (
-    held_reservation,
-    release,
-    reserve_at_creation,
-    stored_reservation,
 )
 from router.responses.request import RequestInvalid, ResponsesRequest, validate_request
 from router.responses.translate import chat_body
@@ -260,7 +260,7 @@ async def _background(
     new.events = events
     new.record.last_seq = 1
     # Its quota is taken now, as a chat request's is when it arrives: the run
-    # (whenever, wherever it happens) uses this reservation (router/responses/quota.py).
+    # (whenever, wherever it happens) uses this reservation (router/api/response_quota.py).
     reservation = await reserve_at_creation(deps, caller, new.record.request["chat"])
     if reservation is not None:
         new.record.request["reservation"] = stored_reservation(reservation)

@@ -33,7 +33,7 @@ from router.common.errors import ErrorKind
 log = logging.getLogger(__name__)
 
 # A reservation made before its request (a background response's, when it
-# was created: router/responses/quota.py). The in-process chat request that
+# was created: router/api/response_quota.py). The in-process chat request that
 # runs it is started with this set (a task copies its context), and its
 # ``reserve`` takes it instead of reserving again. Never from a client: only
 # code in the router sets it.

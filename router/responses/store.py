@@ -14,7 +14,7 @@ A response row keeps, in ``request``:
   background run (on any router, after any restart) needs nothing else;
 - ``root``: its conversation's first response (router/responses/chain.py);
 - ``reservation``: a background response's quota, taken at its creation
-  (router/responses/quota.py).
+  (router/api/response_quota.py).
 
 ``stored_bytes`` is what the row holds, summed for the key's bound
 (router/responses/bounds.py).
@@ -277,7 +277,7 @@ def list_input_items(
 class Stopped:
     """A response as a cancel (or delete) left it, and the reservation taken
     at its creation when that call stopped it before any run took it: the
-    caller gives it back (router/responses/quota.py), no one else will."""
+    caller gives it back (router/api/response_quota.py), no one else will."""
 
     record: ResponseRecord
     reservation: dict[str, int] | None = None

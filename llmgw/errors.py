@@ -75,8 +75,9 @@ module are named with where they live::
 
 The replica workflow's private ``_StopRequested`` and ``NoAgent``
 (workflows/node_loss.py) derive from the root too; they never leave the
-workflow. So does router/forwarding/upstream_raw.py's ``_Stale`` (a kept-alive
-connection closed unanswered), which never leaves the engine client.
+workflow. So do router/forwarding/upstream_raw.py's ``_Stale`` (a kept-alive
+connection closed unanswered) and ``_Refused`` (the parser stopped at an
+encoded answer's head), which never leave the engine client.
 
 Errors that cross Temporal are raised as ``ApplicationError`` with ``type``
 set to the class name and ``non_retryable`` from the class, so a workflow can

@@ -14,11 +14,23 @@ from typing import TYPE_CHECKING
 import httpx
 
 from llmgw.engine_keys import engine_key
+from llmgw.store import Store
 from llmgw_cli.dev.tinymodel import TinyModel
 from tests.harness import free_port
 
 if TYPE_CHECKING:
     from worker_agent.installs.llamacpp import LlamaCppInstall
+
+
+def store_secret(store_url: str) -> str:
+    """A new store's engine-key secret (migrated first): what a router on
+    that store keys its requests to engines with."""
+    store = Store(store_url)
+    try:
+        store.migrate()
+        return store.engine_key_secret()
+    finally:
+        store.close()
 
 
 def healthy(endpoint: str) -> bool:

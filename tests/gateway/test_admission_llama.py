@@ -26,7 +26,7 @@ from router.control_link.routing import RoutingTable
 from tests.gateway.test_admission import FakeLink
 from tests.gateway_util import FakeSource, ready
 from tests.harness import free_port
-from tests.llama_servers import llama_servers
+from tests.llama_servers import llama_servers, store_secret
 
 if TYPE_CHECKING:
     from worker_agent.installs.llamacpp import LlamaCppInstall
@@ -54,10 +54,7 @@ def engine(
     """One llama.cpp server with one slot, keyed as the router will key it."""
     root = tmp_path_factory.mktemp("admission")
     store_url = f"sqlite:///{root / SECRET_STORE}"
-    store = Store(store_url)
-    store.migrate()
-    secret = store.engine_key_secret()
-    store.close()
+    secret = store_secret(store_url)
     with llama_servers(llama, tiny, root, secret, M, [REPLICA], 2048) as endpoints:
         yield Engine(endpoints[REPLICA], secret, store_url)
 

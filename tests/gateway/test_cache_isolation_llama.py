@@ -37,7 +37,7 @@ from router.app import create_app
 from router.billing.key_policy import KeyPolicy
 from tests.gateway_util import FakeSource, ready
 from tests.harness import free_port
-from tests.llama_servers import llama_servers
+from tests.llama_servers import llama_servers, store_secret
 
 if TYPE_CHECKING:
     from worker_agent.installs.llamacpp import LlamaCppInstall
@@ -64,10 +64,7 @@ def engines(
     """Two llama.cpp servers, one slot each, keyed as the router keys them."""
     root = tmp_path_factory.mktemp("isolation")
     store_url = f"sqlite:///{root / 's.db'}"
-    store = Store(store_url)
-    store.migrate()
-    secret = store.engine_key_secret()
-    store.close()
+    secret = store_secret(store_url)
     with llama_servers(llama, tiny, root, secret, M, ["r1", "r2"], CONTEXT) as endpoints:
         yield Engines(endpoints, store_url)
 

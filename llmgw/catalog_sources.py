@@ -8,16 +8,25 @@ fails at a replica's start: for an autoscaled model at its first wake, as a
 (``NodeInventory.weights``); an entry is refused when no reporting node could
 serve it, naming the field, and what a node cannot tell (a path deeper than
 it lists) is not refused.
+
+A remote source (``hf://``) is not on the nodes: it is pinned instead
+(``pin_sources``): resolved to its commit and checked against its Hub.
 """
 
 import posixpath
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from urllib.parse import unquote, urlsplit
+from typing import TYPE_CHECKING
 
 from llmgw.catalog import CatalogModel
+from llmgw.errors import ConfigError
 from llmgw.path_filter import OPAQUE, PathFilter
-from llmgw.types import NodeInventory, WeightsReport
+from llmgw.sources import NOT_YET, HfSource, LocalSource, parse_source
+from llmgw.types import ModelSpec, NodeInventory, WeightsReport
+
+if TYPE_CHECKING:
+    from llmgw.hub_pin import Hub
+    from llmgw.types.weights_manifest import SourcePin
 
 ROOTS_SETTING = "LLMGW_WEIGHTS_ROOTS"
 
@@ -36,20 +45,37 @@ class SourceCheck:
 
 
 def local_path(source: str) -> tuple[str, str]:
-    """(path, "") for an absolute path or a file:// URL, else ("", why the agent refuses it)."""
-    if source.startswith("/"):
-        return posixpath.normpath(source), ""
-    parts = urlsplit(source)
-    if parts.scheme == "file":
-        path = unquote(parts.path)
-        if parts.netloc in ("", "localhost") and path.startswith("/"):
-            return posixpath.normpath(path), ""
-        return "", f"file URL {source!r} must name an absolute local path"
-    if not parts.scheme:
-        return "", f"{source!r} must be an absolute path on the nodes"
-    return "", (
-        f"remote sources are not supported (scheme {parts.scheme!r} in {source!r}): "
-        "use an absolute local path or a file:// URL"
+    """(path, "") for an absolute path or a file:// URL, else ("", why the agent
+    refuses it): a remote source is pinned, not found on the nodes."""
+    try:
+        parsed = parse_source(source)
+    except ConfigError as exc:
+        return "", str(exc)
+    if isinstance(parsed, LocalSource):
+        return parsed.path, ""
+    scheme = source.partition("://")[0]
+    return "", f"{scheme}:// is not a local path on the nodes"
+
+
+def remote_problem(source: str) -> str | None:
+    """None for a local source; "" for a remote one llmgw pins (hf://); else
+    why this remote source is refused (a scheme not served yet)."""
+    try:
+        parsed = parse_source(source)
+    except ConfigError as exc:
+        return str(exc)
+    if isinstance(parsed, LocalSource):
+        return None
+    scheme = source.partition("://")[0]
+    if scheme in NOT_YET:
+        return f"{scheme}:// sources are not supported yet (only hf:// and local paths): {source!r}"
+    return ""
+
+
+def needs_nodes(entry: CatalogModel) -> bool:
+    """Whether ``entry`` reads a local path that only the nodes can check."""
+    return any(
+        remote_problem(s) is None for s in (entry.source, *(a.source for a in entry.adapters))
     )
 
 
@@ -65,17 +91,23 @@ def check_sources(
     result = SourceCheck()
     reports = {n: inv.weights for n, inv in sorted(nodes.items()) if inv.weights is not None}
     ages = ages_s or {}
-    if not reports:
+    if not reports and any(needs_nodes(e) for e in entries):
         result.notes.append(
             "sources not checked against the nodes: no agent has reported its weights roots"
         )
     for i, entry in enumerate(entries):
-        fields = [(f"{label(i)}source", entry.source)]
-        fields += [
-            (f"{label(i)}adapters[{j}].source", a.source) for j, a in enumerate(entry.adapters)
-        ]
-        for where, source in fields:
-            _check_one(where, source, reports, ages, result)
+        remote = remote_problem(entry.source)
+        if remote:
+            result.problems.append(f"{label(i)}source: {remote}")
+        elif remote is None:
+            _check_one(f"{label(i)}source", entry.source, reports, ages, result)
+        for j, adapter in enumerate(entry.adapters):
+            where = f"{label(i)}adapters[{j}].source"
+            if remote_problem(adapter.source) is not None:
+                # Adapters are read where the model runs; fetching them is later work.
+                result.problems.append(f"{where}: adapters are read from local paths only")
+            else:
+                _check_one(where, adapter.source, reports, ages, result)
     return result
 
 
@@ -135,3 +167,59 @@ def verdict(report: WeightsReport, path: str) -> str | None:
     if any(OPAQUE + above in found for above in ancestors):
         return UNKNOWN  # under a link or deeper than the node walks
     return MISSING if report.complete else UNKNOWN
+
+
+def pin_sources(
+    entries: Sequence[CatalogModel],
+    stored: Mapping[str, ModelSpec],
+    hub: "Hub",
+    refresh: bool = False,
+    label: Callable[[int], str] = lambda i: f"models[{i}].",
+) -> tuple[list[CatalogModel], list[str]]:
+    """``entries`` with their ``hf://`` sources pinned, and the problems, each
+    naming its field (any: nothing is to be written). An entry keeps the pin
+    it has, given in the file or stored under its name for the same source,
+    engine and patterns, unless ``refresh``: a replica started later gets the
+    bytes the first one got."""
+    from llmgw.hub_pin import pin_hf  # noqa: PLC0415  (huggingface_hub is slow to import)
+
+    pinned: list[CatalogModel] = []
+    problems: list[str] = []
+    for i, entry in enumerate(entries):
+        try:
+            parsed = parse_source(entry.source)
+        except ConfigError as exc:
+            problems.append(f"{label(i)}source: {exc}")
+            continue
+        if not isinstance(parsed, HfSource):
+            for name in ("include", "exclude", "pin"):
+                if getattr(entry, name):
+                    problems.append(f"{label(i)}{name}: only for hf:// sources")
+            pinned.append(entry)
+            continue
+        kept = entry.pin or _stored_pin(entry, stored.get(entry.name))
+        if kept is not None and (kept.repo != parsed.repo or kept.scheme != "hf"):
+            problems.append(f"{label(i)}pin: it pins {kept.repo}, not {parsed.repo}")
+            continue
+        if kept is not None and not refresh:
+            pinned.append(entry.model_copy(update={"pin": kept}))
+            continue
+        try:
+            pin = pin_hf(parsed, entry.engine, entry.include, entry.exclude, hub)
+        except ConfigError as exc:
+            problems.append(f"{label(i)}source: {exc}")
+            continue
+        if kept is not None and kept.revision == pin.revision and kept.manifest == pin.manifest:
+            pin = kept  # unchanged: the entry's digest stays, no restart
+        pinned.append(entry.model_copy(update={"pin": pin}))
+    return pinned, problems
+
+
+def _stored_pin(entry: CatalogModel, stored: ModelSpec | None) -> "SourcePin | None":
+    """The stored entry's pin, when it pinned what ``entry`` asks for."""
+    if stored is None or stored.pin is None:
+        return None
+    same = (stored.source, stored.engine, stored.include, stored.exclude) == (
+        entry.source, entry.engine, entry.include, entry.exclude,
+    )  # fmt: skip
+    return stored.pin if same else None

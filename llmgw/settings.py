@@ -50,10 +50,25 @@ class _Common(BaseSettings):
     # (replicas, autoscale bounds): the catalog and the admin API refuse more,
     # naming this limit (llmgw/catalog.py).
     max_replicas_per_model: int = Field(default=64, ge=1)
+    # hf:// sources (docs/guides/model-sources.md): the Hugging Face Hub or a
+    # Hub-compatible mirror, and the token for gated or private repos, given
+    # as LLMGW_HF_TOKEN or as a file holding it (LLMGW_HF_TOKEN_FILE, a
+    # mounted secret), never on a command line.
+    hf_endpoint: str = "https://huggingface.co"
+    hf_token: SecretStr = SecretStr("")
+    hf_token_file: Path | None = None
 
     def resolved_store_url(self) -> str:
         """The store URL, defaulting to SQLite in the work dir."""
         return self.store_url or default_store_url(self.work_dir)
+
+    def resolved_hf_token(self) -> str:
+        """The Hub token ("": none): LLMGW_HF_TOKEN, else the file's first line."""
+        if self.hf_token.get_secret_value():
+            return self.hf_token.get_secret_value()
+        if self.hf_token_file is not None:
+            return self.hf_token_file.read_text().strip()
+        return ""
 
 
 class ControlSettings(_Common):

@@ -8,6 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from llmgw.types.adapter import AdapterSpec
 from llmgw.types.elastic import AutoscalePolicy, QueuePolicy
+from llmgw.types.weights_manifest import SourcePin
 
 
 class EngineKind(StrEnum):
@@ -198,6 +199,19 @@ class ModelSpec(BaseModel):
     engine: EngineKind = EngineKind.LLAMA_CPP
     source: str = Field(min_length=1, description="weights: a file or directory on the node")
     sha256: str | None = Field(default=None, description="expected digest of the weights")
+    include: list[str] | None = Field(
+        default=None,
+        description="remote sources: the files taken (glob patterns); left out: what the"
+        " engine needs (safetensors, JSON configs, tokenizer files)",
+    )
+    exclude: list[str] = Field(
+        default_factory=list, description="remote sources: files left out (glob patterns)"
+    )
+    pin: SourcePin | None = Field(
+        default=None,
+        description="remote sources: the commit and files model apply resolved the source"
+        " to, kept on re-apply until --refresh",
+    )
     # The store's columns are 32-bit integers (PostgreSQL): larger is refused here.
     gpus: int = Field(default=0, ge=0, le=2**31 - 1, description="GPUs per node; 0 runs on CPU")
     spread: bool = Field(

@@ -65,7 +65,7 @@ def test_verdicts() -> None:
 def test_local_paths_only() -> None:
     assert local_path("file:///srv/models/a/../tiny.gguf") == ("/srv/models/tiny.gguf", "")
     assert "absolute path" in local_path("models/tiny.gguf")[1]
-    assert "remote sources are not supported" in local_path("hf://org/model")[1]
+    assert local_path("hf://org/model") == ("", "hf:// is not a local path on the nodes")
 
 
 def test_each_bad_source_is_refused_naming_its_field() -> None:
@@ -110,7 +110,9 @@ def test_without_reports_nothing_is_refused_but_it_says_so() -> None:
         "sources not checked against the nodes: no agent has reported its weights roots"
     ]
     remote = check_sources(parse_catalog(catalog("s3://bucket/m")), {})
-    assert "models[0].source: remote sources are not supported" in remote.problems[0]
+    assert "models[0].source: s3:// sources are not supported yet" in remote.problems[0]
+    pinned = check_sources(parse_catalog(catalog("hf://org/model/m.gguf")), {})
+    assert pinned.problems == []  # pinned against its Hub instead (test_model_sources)
 
 
 def test_a_missing_path_says_how_old_the_report_is() -> None:

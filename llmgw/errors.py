@@ -30,7 +30,14 @@ module are named with where they live::
     │   ├── UnsupportedSource     ...from a kind of source the agent cannot read
     │   ├── ChecksumMismatch      ...to a digest other than the expected one
     │   ├── SourceMissing         ...from a path that does not exist
-    │   └── SourceOutsideRoots    ...from outside the weights roots
+    │   ├── SourceOutsideRoots    ...from outside the weights roots
+    │   ├── SourceUnavailable     ...the remote source cannot answer now: retried
+    │   │   │                     (worker_agent/fetch/errors.py, as the four below)
+    │   │   └── FetchStalled      ...no byte for the stall window
+    │   ├── SourceRefused         ...HTTP 401, 403, 404 or 410: never retried
+    │   ├── FileMismatch          ...a fetched file's size or sha256 (a ChecksumMismatch)
+    │   ├── DiskTooSmall          ...too little free disk for what is left to fetch
+    │   └── FetchDeadline         ...the fetch's total deadline passed
     ├── AdapterError              a LoRA adapter change on a node failed
     │   │                         (raised by activities/agent/adapters.py)
     │   ├── AdapterOutsideRoots   ...its path is outside the adapter roots

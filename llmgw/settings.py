@@ -145,6 +145,12 @@ class AgentSettings(_Common):
     # os.pathsep-separated. Empty: <work_dir>/models (where `llmgw up` puts
     # its model).
     weights_roots: Annotated[list[Path], NoDecode] = Field(default_factory=list)
+    # Remote weights (worker_agent/fetch/): the most the cache's complete
+    # artifacts may hold (0: no bound; least recently used ones no replica
+    # uses are evicted), and how long no byte may arrive before a fetch
+    # drops the connection and resumes.
+    weights_cache_bytes: int = Field(default=0, ge=0)
+    fetch_stall_s: float = Field(default=60.0, gt=0)
     # Engine liveness (worker_agent/liveness.py; docs/guides/recovery.md): how
     # often a running engine is asked, through its work loop, whether it
     # still serves (0: never). A hung one is stopped and its replica replaced.

@@ -1,0 +1,299 @@
+"""Artifacts fetched into the weights cache: single flight, disk check, LRU budget.
+
+See the package docstring for the layout on disk.
+"""
+
+import contextlib
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import re
+import shutil
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from llmgw.errors import ConfigError
+from worker_agent.fetch.errors import DiskTooSmall
+from worker_agent.fetch.progress import ProgressMeter, ProgressSink
+from worker_agent.fetch.retry import fetch_file
+from worker_agent.fetch.spec import ArtifactSpec, FetchPolicy
+from worker_agent.weights import (
+    MARKER,
+    _fsync_dir,
+    _make_group_readable,
+    _set_mode,
+    _tree_digest,
+)
+
+STAGING_PREFIX = ".staging-"
+PARTS = ".parts"
+USERS_SUFFIX = ".users"
+_USER = re.compile(r"[A-Za-z0-9_.-]{1,200}")
+
+
+@dataclass(frozen=True)
+class FetchedArtifact:
+    """A complete entry: ``path`` is its payload directory, files at their relative paths."""
+
+    key: str
+    path: Path
+    sha256: str
+    size_bytes: int
+    cached: bool
+
+
+@contextlib.contextmanager
+def _flock(path: Path, *, wait: bool = True) -> Iterator[bool]:
+    """An exclusive flock on ``path``; yields False when ``wait`` is off and it is held.
+
+    The lock file stays: unlinking it would let a waiter lock an orphaned inode
+    while a newcomer locks a fresh file (as WeightsCache._locked).
+    """
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            yield False
+            return
+        yield True
+    finally:
+        os.close(fd)
+
+
+def _free_bytes(path: Path) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+class ArtifactCache:
+    """Complete artifacts under ``root``, one ``root/<key>/`` entry each.
+
+    ``budget_bytes``: the most the complete entries may hold together (None: no
+    bound); before a fetch, entries least recently used and used by no one are
+    evicted to make room. ``group``: the engine user's group (as WeightsCache).
+    """
+
+    def __init__(
+        self,
+        root: Path,
+        *,
+        policy: FetchPolicy | None = None,
+        budget_bytes: int | None = None,
+        group: int | None = None,
+    ) -> None:
+        self.root = root
+        self.policy = policy or FetchPolicy()
+        self.budget_bytes = budget_bytes
+        self.group = group
+
+    # -- use markers -------------------------------------------------------
+    def _users(self, key: str) -> Path:
+        return self.root / f"{key}{USERS_SUFFIX}"
+
+    def release(self, key: str, user: str) -> None:
+        """``user`` (a replica) no longer reads the entry: it may be evicted once unused."""
+        with _flock(self.root / f"{key}.lock"):
+            (self._users(key) / _checked_user(user)).unlink(missing_ok=True)
+            self._touch(key)
+
+    def users(self, key: str) -> list[str]:
+        try:
+            return sorted(p.name for p in self._users(key).iterdir())
+        except FileNotFoundError:
+            return []
+
+    # -- lookup ------------------------------------------------------------
+    def lookup(self, key: str) -> FetchedArtifact | None:
+        """The complete entry ``key``: its marker read whole and its payload present."""
+        entry = self.root / key
+        try:
+            marker = json.loads((entry / MARKER).read_text())
+            name, sha, size = marker["name"], marker["sha256"], marker["size"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        if not (isinstance(name, str) and isinstance(sha, str) and isinstance(size, int)):
+            return None
+        if not name or not (entry / name).is_dir():
+            return None
+        return FetchedArtifact(key, entry / name, sha, size, cached=True)
+
+    def _touch(self, key: str) -> None:
+        """Last use is the entry's mtime, which eviction orders by."""
+        with contextlib.suppress(FileNotFoundError):
+            os.utime(self.root / key)
+
+    # -- fetch -------------------------------------------------------------
+    def fetch(
+        self,
+        artifact: ArtifactSpec,
+        *,
+        user: str | None = None,
+        progress: ProgressSink | None = None,
+        client: httpx.Client | None = None,
+    ) -> FetchedArtifact:
+        """The artifact from the cache, fetched on a miss; ``user`` (a replica id)
+        is recorded as using it, so it is not evicted until ``release``."""
+        key = artifact.key
+        self.root.mkdir(parents=True, exist_ok=True)
+        deadline = None
+        if self.policy.deadline_s is not None:
+            deadline = time.monotonic() + self.policy.deadline_s
+        # One fetch of a key at a time on the node: a second one waits here, then finds it.
+        with _flock(self.root / f"{key}.lock"):
+            marker = None if user is None else self._users(key) / _checked_user(user)
+            added = marker is not None and not marker.exists()
+            if marker is not None:
+                marker.parent.mkdir(exist_ok=True)
+                marker.touch()
+                _fsync_dir(marker.parent)
+            try:
+                hit = self.lookup(key)
+                if hit is not None:
+                    self._touch(key)
+                    return hit
+                self.evict(need_bytes=artifact.total_bytes, keep={key})
+                return self._fill(artifact, progress, client, deadline)
+            except BaseException:
+                if added and marker is not None:  # a failed fetch leaves no use behind
+                    marker.unlink(missing_ok=True)
+                raise
+
+    def _fill(
+        self,
+        artifact: ArtifactSpec,
+        progress: ProgressSink | None,
+        client: httpx.Client | None,
+        deadline: float | None,
+    ) -> FetchedArtifact:
+        key = artifact.key
+        staging = self.root / f"{STAGING_PREFIX}{key}"
+        payload = staging / artifact.name
+        parts = staging / PARTS
+        pending = [f for f in artifact.files if not _is_final(payload / f.rel_path, f.size)]
+        had = sum(_size(parts / _part_name(f.rel_path)) for f in pending)
+        left = sum(f.size for f in pending) - had
+        needed = left + self.policy.disk_margin_bytes
+        free = _free_bytes(self.root)
+        if free < needed:
+            raise DiskTooSmall(needed, free, str(self.root))
+        parts.mkdir(parents=True, exist_ok=True)
+        meter = ProgressMeter(
+            progress,
+            files_total=len(artifact.files),
+            bytes_total=artifact.total_bytes,
+            source=artifact.source,
+            interval_s=self.policy.progress_interval_s,
+        )
+        for f in artifact.files:
+            if f not in pending:
+                meter.file_done(f.size)
+        owned = client is None
+        http = client or httpx.Client(follow_redirects=True)
+        try:
+            for f in pending:
+                part = parts / _part_name(f.rel_path)
+                fetch_file(http, f, part, self.policy, meter, deadline)
+                final = payload / f.rel_path
+                final.parent.mkdir(parents=True, exist_ok=True)
+                os.replace(part, final)  # verified and fsynced: only now under its name
+                _fsync_dir(final.parent)
+                meter.file_done(f.size)
+        finally:
+            if owned:
+                http.close()
+        return self._complete(artifact, staging)
+
+    def _complete(self, artifact: ArtifactSpec, staging: Path) -> FetchedArtifact:
+        key = artifact.key
+        shutil.rmtree(staging / PARTS, ignore_errors=True)
+        _make_group_readable(staging, self.group)  # fsyncs every directory too
+        sha = _tree_digest({f.rel_path: f.sha256 for f in artifact.files})
+        marker = {
+            "name": artifact.name,
+            "sha256": sha,
+            "size": artifact.total_bytes,
+            "files": {f.rel_path: {"size": f.size, "sha256": f.sha256} for f in artifact.files},
+            "fetched_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
+        # Written last: its presence is what makes the entry complete.
+        with (staging / MARKER).open("w") as out:
+            json.dump(marker, out)
+            out.flush()
+            os.fsync(out.fileno())
+        _set_mode(staging / MARKER, 0o640, self.group)
+        _fsync_dir(staging)
+        entry = self.root / key
+        shutil.rmtree(entry, ignore_errors=True)  # an incomplete leftover: we hold its lock
+        os.replace(staging, entry)
+        _fsync_dir(self.root)
+        return FetchedArtifact(key, entry / artifact.name, sha, artifact.total_bytes, cached=False)
+
+    # -- eviction ----------------------------------------------------------
+    def evict(self, *, need_bytes: int = 0, keep: set[str] | None = None) -> list[str]:
+        """Evict least recently used entries no one uses until the complete ones and
+        ``need_bytes`` fit the budget; returns the keys evicted. An entry being
+        fetched or used (a use marker) is never evicted; if they alone pass the
+        budget, the budget is passed."""
+        if self.budget_bytes is None:
+            return []
+        keep = keep or set()
+        entries = []
+        for entry in self.root.iterdir():
+            hit = None if entry.name.startswith(".") else self.lookup(entry.name)
+            if hit is not None:
+                with contextlib.suppress(FileNotFoundError):  # evicted by another process
+                    entries.append((entry.stat().st_mtime_ns, hit))
+        held = sum(hit.size_bytes for _, hit in entries)
+        evicted: list[str] = []
+        for _, hit in sorted(entries, key=lambda item: item[0]):
+            if held + need_bytes <= self.budget_bytes:
+                break
+            if hit.key in keep:
+                continue
+            with _flock(self.root / f"{hit.key}.lock", wait=False) as locked:
+                if not locked or self.users(hit.key):
+                    continue
+                # Renamed first, so the entry stops being complete in one step.
+                doomed = self.root / f".evicted-{hit.key}-{os.getpid()}"
+                os.replace(self.root / hit.key, doomed)
+                _fsync_dir(self.root)
+                shutil.rmtree(doomed, ignore_errors=True)
+                shutil.rmtree(self._users(hit.key), ignore_errors=True)
+            held -= hit.size_bytes
+            evicted.append(hit.key)
+        return evicted
+
+
+def _checked_user(user: str) -> str:
+    if not _USER.fullmatch(user) or user in (".", ".."):
+        raise ConfigError(f"a cache user must be a plain name, not {user!r}")
+    return user
+
+
+def _part_name(rel_path: str) -> str:
+    return hashlib.sha256(rel_path.encode()).hexdigest()[:32] + ".part"
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
+def _is_final(path: Path, size: int) -> bool:
+    """A file under its final name in the staging dir was verified and fsynced
+    before its rename, so its size is enough to know it is done."""
+    try:
+        return path.stat().st_size == size
+    except OSError as exc:
+        if exc.errno in (errno.ENOENT, errno.ENOTDIR):
+            return False
+        raise

@@ -1,0 +1,92 @@
+"""What to fetch (one artifact: a list of files) and how hard to try."""
+
+import hashlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import PurePosixPath
+
+from llmgw.errors import ConfigError
+
+HeadersProvider = Callable[[], Mapping[str, str]]
+"""Request headers for a file, asked for at each request (a token may be refreshed).
+They may hold a secret: nothing here logs them or puts them in an error."""
+
+KEY_HEX_CHARS = 24
+
+
+def _no_headers() -> Mapping[str, str]:
+    return {}
+
+
+@dataclass(frozen=True)
+class FileSpec:
+    """One file of an artifact: where it comes from and what it must be."""
+
+    url: str
+    rel_path: str
+    size: int
+    sha256: str
+    headers: HeadersProvider = field(default=_no_headers, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        path = PurePosixPath(self.rel_path)
+        if path.is_absolute() or not path.parts or ".." in path.parts or "\\" in self.rel_path:
+            raise ConfigError(f"file path {self.rel_path!r} must be relative, without '..'")
+        if self.size < 0 or len(self.sha256) != 64:
+            raise ConfigError(f"{self.rel_path}: a size >= 0 and a hex sha256 are needed")
+        object.__setattr__(self, "sha256", self.sha256.lower())
+
+
+@dataclass(frozen=True)
+class ArtifactSpec:
+    """A set of files fetched, verified and cached together (one pinned manifest).
+
+    ``source`` is shown in progress ("origin", a peer's node id); ``name`` is the
+    payload directory inside the cache entry.
+    """
+
+    files: tuple[FileSpec, ...]
+    source: str = "origin"
+    name: str = "files"
+
+    def __post_init__(self) -> None:
+        seen = [f.rel_path for f in self.files]
+        if len(set(seen)) != len(seen):
+            raise ConfigError("an artifact names one file twice")
+
+    @property
+    def key(self) -> str:
+        """Content-addressed: the same pinned files are one cache entry, whatever
+        URL or source they were fetched from."""
+        digest = hashlib.sha256()
+        for f in sorted(self.files, key=lambda f: f.rel_path):
+            digest.update(f"{f.rel_path}\0{f.size}\0{f.sha256}\n".encode())
+        return digest.hexdigest()[:KEY_HEX_CHARS]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+
+@dataclass(frozen=True)
+class FetchPolicy:
+    """Retries, stalls and deadlines.
+
+    ``attempts`` bounds the tries of one file (a digest mismatch counts as one);
+    backoff doubles from ``backoff_s`` up to ``max_backoff_s``; a 429's
+    Retry-After is honoured up to ``max_retry_after_s``. ``stall_s``: no byte
+    for that long is a stall. ``deadline_s``: the whole artifact's limit (None:
+    none).
+    """
+
+    attempts: int = 5
+    backoff_s: float = 1.0
+    max_backoff_s: float = 60.0
+    max_retry_after_s: float = 300.0
+    stall_s: float = 60.0
+    connect_timeout_s: float = 30.0
+    deadline_s: float | None = None
+    chunk_bytes: int = 2**20
+    # Free space kept beyond what is left to fetch.
+    disk_margin_bytes: int = 256 * 2**20
+    progress_interval_s: float = 1.0

@@ -181,7 +181,7 @@ def pin_sources(
     it has, given in the file or stored under its name for the same source,
     engine and patterns, unless ``refresh``: a replica started later gets the
     bytes the first one got."""
-    from llmgw.hub_pin import pin_hf  # noqa: PLC0415  (huggingface_hub is slow to import)
+    from llmgw.hub_pin import DEFAULT_REVISION, pin_hf  # noqa: PLC0415  (a slow import)
 
     pinned: list[CatalogModel] = []
     problems: list[str] = []
@@ -200,6 +200,13 @@ def pin_sources(
         kept = entry.pin or _stored_pin(entry, stored.get(entry.name))
         if kept is not None and (kept.repo != parsed.repo or kept.scheme != "hf"):
             problems.append(f"{label(i)}pin: it pins {kept.repo}, not {parsed.repo}")
+            continue
+        asked = parsed.revision or DEFAULT_REVISION
+        if kept is not None and asked not in (kept.requested, kept.revision):
+            problems.append(
+                f"{label(i)}pin: it pins {kept.requested!r}, the source asks {asked!r}"
+                " (leave the pin out to resolve it)"
+            )
             continue
         if kept is not None and not refresh:
             pinned.append(entry.model_copy(update={"pin": kept}))

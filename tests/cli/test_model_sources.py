@@ -11,7 +11,9 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
+import yaml
 
 from llmgw.catalog import CatalogModel, parse_catalog
 from llmgw.catalog_sources import check_sources, pin_sources
@@ -269,3 +271,48 @@ def test_remote_entries_skip_the_node_check_and_adapters_stay_local() -> None:
     assert found.problems == [
         "models[0].adapters[0].source: adapters are read from local paths only"
     ]
+
+
+def test_the_test_hub_serves_what_huggingface_hub_downloads(
+    hub: HubServer, tinyhf: TinyHfModel, tmp_path: Path
+) -> None:
+    """The server a fetcher is tested against: the library's own listing and
+    download agree with the seeded bytes, and a Range is answered with 206."""
+    from huggingface_hub import HfApi, hf_hub_download  # noqa: PLC0415
+
+    commit = hub.repos["org/tiny-hf"].refs["main"]
+    tree = HfApi(endpoint=hub.url).list_repo_tree("org/tiny-hf", revision="main", token=False)
+    listed = {getattr(e, "path", "") for e in tree}
+    assert listed == {p.name for p in tinyhf.path.iterdir() if p.is_file()}
+    got = hf_hub_download(
+        "org/tiny-hf", "model.safetensors", revision=commit, endpoint=hub.url,
+        cache_dir=tmp_path / "cache", token=False,
+    )  # fmt: skip
+    assert Path(got).read_bytes() == (tinyhf.path / "model.safetensors").read_bytes()
+    assert f"/snapshots/{commit}/" in got
+    url = f"{hub.url}/org/tiny-hf/resolve/{commit}/model.safetensors"
+    part = httpx.get(url, headers={"Range": "bytes=10-19"})
+    assert part.status_code == 206
+    assert part.content == (tinyhf.path / "model.safetensors").read_bytes()[10:20]
+    assert part.headers["X-Repo-Commit"] == commit
+    assert part.headers["Content-Range"].startswith("bytes 10-19/")
+
+
+def test_a_pin_given_in_the_file_is_kept_when_it_pins_the_source(hub: HubServer) -> None:
+    source = f"hf://org/tiny-gguf/{GGUF}"
+    entries = parse_catalog(f"models:\n  - {{name: m, source: '{source}'}}\n")
+    (entry,), problems = pin_sources(entries, {}, Hub(hub.url))
+    assert problems == [] and entry.pin is not None
+    shown = entry.model_dump(mode="json", exclude_defaults=True)
+    # model show's YAML, applied again: the pin as given, the Hub not asked.
+    again = parse_catalog(yaml.safe_dump({"models": [shown]}))
+    (kept,), problems = pin_sources(again, {}, Hub("http://127.0.0.1:1"))
+    assert problems == [] and kept.pin == entry.pin
+    other = [again[0].model_copy(update={"source": f"hf://org/tiny-gguf@v2/{GGUF}"})]
+    _, problems = pin_sources(other, {}, Hub(hub.url))
+    assert problems == [
+        "models[0].pin: it pins 'main', the source asks 'v2' (leave the pin out to resolve it)"
+    ]
+    moved = [again[0].model_copy(update={"source": f"hf://org/tiny-hf/{GGUF}"})]
+    _, problems = pin_sources(moved, {}, Hub(hub.url))
+    assert problems == ["models[0].pin: it pins org/tiny-gguf, not org/tiny-hf"]

@@ -207,3 +207,15 @@ def test_refusals_are_not_retried_and_never_show_the_token(
     assert [r.path for r in server.requests].count(BIG) == 1
     assert TOKEN not in str(caught.value) and TOKEN not in repr(caught.value)
     assert TOKEN not in caplog.text
+
+
+def test_a_file_of_another_size_than_the_pin_fails_naming_both_sizes(
+    tmp_path: Path, server: FileServer, files: dict[str, bytes]
+) -> None:
+    data = files[BIG]
+    pinned = ArtifactSpec((FileSpec(server.url(BIG), BIG, len(data) + 5, sha(data)),))
+    with pytest.raises(FileMismatch) as caught:
+        ArtifactCache(tmp_path / "cache", policy=POLICY).fetch(pinned)
+    assert f"a file of {len(data)} bytes, not {len(data) + 5}" in str(caught.value)
+    assert len(server.requests) == POLICY.attempts  # a mismatch is fetched again
+    assert list((tmp_path / "cache").rglob("*.part")) == []

@@ -219,6 +219,13 @@ def _write_body(
     meter: ProgressMeter,
     deadline: float | None,
 ) -> None:
+    length = response.headers.get("content-length", "")
+    if length.isdigit() and state.have + int(length) != spec.size:
+        # Known wrong before a byte is read: the source holds another file than the pin.
+        partial.discard()
+        meter.at(0)
+        got = f"a file of {state.have + int(length)} bytes, not {spec.size}"
+        raise FileMismatch(spec.rel_path, spec.sha256, got)
     fd = os.open(partial.part, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
     try:
         # As the bytes arrive (no chunking): a process killed loses the least.

@@ -3,9 +3,10 @@
 Retried: ``SourceUnavailable`` (connection errors, 5xx, 429 after its
 Retry-After, stalls) and a body that ended early, with backoff; a
 ``FileMismatch`` (the partial is deleted, so the next try starts from zero).
-A try that moved bytes resets the count of failures in a row, so a link that
-drops every few minutes still finishes a large file; mismatches are counted
-on their own and never reset. ``SourceRefused`` and ``FetchDeadline`` end the
+A try that took the partial further than any before resets the count of
+failures in a row, so a link that drops every few minutes still finishes a
+large file, while one that restarts from zero each time still ends;
+mismatches are counted on their own and never reset. ``SourceRefused`` and ``FetchDeadline`` end the
 fetch at once.
 """
 
@@ -41,8 +42,8 @@ def fetch_file(
     """Leave the verified, fsynced file at ``part`` or raise the last error."""
     failures = 0
     mismatches = 0
+    best = _part_size(part)
     while True:
-        before = _part_size(part)
         delay: float | None = None
         try:
             if attempt(client, spec, part, policy, meter, deadline):
@@ -57,7 +58,8 @@ def fetch_file(
         except SourceUnavailable as exc:
             error = exc
             delay = exc.retry_after_s
-        if _part_size(part) > before:
+        if _part_size(part) > best:  # further than ever: not a failure in a row
+            best = _part_size(part)
             failures = 0
         failures += 1
         if failures >= policy.attempts:

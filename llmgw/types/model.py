@@ -324,7 +324,7 @@ def with_default_slots(data: object) -> object:
     else:
         return data  # not a routing policy: its validation says so
     context = data.get("context_length", ModelSpec.model_fields["context_length"].default)
-    args = [*data.get("engine_args", ()), *_profile_args(data.get("profile"))]
+    args = [*_args(data.get("engine_args")), *_profile_args(data.get("profile"))]
     names = {str(a).partition("=")[0] for a in args}
     if not isinstance(context, int) or names & _LLAMA_SIZES_ITSELF:
         return data
@@ -333,9 +333,15 @@ def with_default_slots(data: object) -> object:
     return {**data, "routing": {**given, "slots": AUTO_SLOTS}}
 
 
+def _args(value: object) -> tuple[object, ...]:
+    # Before validation anything may stand here (a number, a mapping): only a
+    # list is read, the rest is left for the field's own validation to refuse.
+    return tuple(value) if isinstance(value, list | tuple) else ()
+
+
 def _profile_args(profile: object) -> tuple[object, ...]:
     if isinstance(profile, EngineProfile):
-        return profile.engine_args
+        return tuple(profile.engine_args)
     if isinstance(profile, dict):
-        return tuple(profile.get("engine_args", ()))
+        return _args(profile.get("engine_args"))
     return ()

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from pydantic import ValidationError
 
 from llmgw.types import ModelSpec, RoutingPolicy
 from llmgw.types.model import AUTO_SLOTS, AUTO_SLOTS_KV_TOKENS
@@ -101,6 +102,23 @@ def test_an_entry_without_slots_gets_four_within_the_kv_bound() -> None:
     stored = ModelSpec.model_validate({"name": "m", "source": "/w/m.gguf"})
     again = ModelSpec.model_validate_json(stored.model_dump_json())
     assert again.routing.slots == 4 and again.digest() == stored.digest()
+
+
+def test_the_slots_default_leaves_bad_engine_args_to_their_field() -> None:
+    """The default is filled in before validation: an ``engine_args`` that is
+    not a list (schemathesis sent a float in CI, a 500) is refused by the
+    field's own validation, naming it, not a TypeError in the default."""
+    for fields in (
+        {"engine_args": 1.5},
+        {"profile": {"engine_args": 1.7976931348623157e308}},
+        {"profile": {"engine_args": {"-np": 2}}},
+    ):
+        try:
+            ModelSpec.model_validate({"name": "m", "source": "/w/m.gguf", **fields})
+        except ValidationError as exc:
+            assert "engine_args" in str(exc)
+        else:
+            raise AssertionError(f"{fields} was taken")
 
 
 async def _turn(

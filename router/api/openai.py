@@ -8,7 +8,6 @@ completions and embeddings. Nothing else of the engine's API (``/metrics``,
 
 import contextlib
 import json
-import math
 import time
 from collections.abc import Callable
 from typing import Annotated, Any
@@ -30,6 +29,13 @@ from router.affinity.scope import SALT_FIELD, scope_of
 from router.api.auth import Caller, exec_allowed
 from router.api.deps import Deps, get_deps
 from router.api.media import check_media
+from router.api.reservation import (
+    DEFAULT_COMPLETION_RESERVE,
+    Body,
+    bounded,
+    estimate,
+    reserved_tokens,
+)
 from router.api.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -39,7 +45,6 @@ from router.api.schemas import (
 )
 from router.billing.accounting import RequestOutcome
 from router.billing.bill import RequestBill, end_span
-from router.billing.key_policy import KeyPolicy
 from router.billing.quotas import QuotaRejection
 from router.common.disconnect import disconnected
 from router.common.errors import (
@@ -62,12 +67,6 @@ _NO_SPAN = contextlib.nullcontext()
 router = APIRouter(prefix="/v1", tags=["openai"])
 
 DepsDep = Annotated[Deps, Depends(get_deps)]
-# Added to the prompt estimate: a chat template wraps every message (and the
-# whole conversation) in tokens of its own.
-CHAT_MESSAGE_TOKENS = 16
-CHAT_BASE_TOKENS = 64
-# When the client sets no max_tokens and the model is not in the catalog.
-DEFAULT_COMPLETION_RESERVE = 4096
 
 
 # A client's conversation id (any string): its requests share a sticky key for
@@ -142,39 +141,6 @@ async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
         chunks.append(chunk)
 
 
-def _estimate(body: "Body") -> int:
-    prompt = math.ceil(body.prompt_bytes() / 2)
-    if isinstance(body, ChatCompletionRequest):
-        return prompt + CHAT_BASE_TOKENS + CHAT_MESSAGE_TOKENS * len(body.messages)
-    if isinstance(body, EmbeddingRequest):
-        return prompt + 4 * body.inputs()
-    return prompt + 4
-
-
-# A reservation is stored in 64-bit counters; past any int32 limit it fits no quota anyway.
-MAX_RESERVATION = 2**31 - 1
-
-
-def reserved_tokens(body: "Body", context_length: int) -> int:
-    """What a request reserves of its key's tokens: the prompt estimate plus
-    every token the engine may generate, ``choices`` times for each prompt
-    (``n``, llama.cpp's ``n_cmpl``, ``best_of``), each at most the context."""
-    total = _estimate(body)
-    if isinstance(body, _Generation):
-        limit = body.completion_limit() or context_length
-        total += min(limit, context_length) * body.choices() * body.prompts()
-    return min(total, MAX_RESERVATION)
-
-
-def _bounded(body: "Body", policy: KeyPolicy) -> None:
-    """Refuse generation the client leaves unbounded when the key's tokens are counted."""
-    if isinstance(body, _Generation) and body.unbounded() and (policy.tpm or policy.token_budget):
-        raise ErrorKind.UNBOUNDED_GENERATION.error()
-
-
-Body = ChatCompletionRequest | CompletionRequest | EmbeddingRequest
-
-
 async def _admit(
     deps: Deps, scope: Scope, receive: Receive, caller: Caller, kind: type[Body], path: str
 ) -> tuple[bytes, Body]:
@@ -188,7 +154,7 @@ async def _admit(
             raise invalid_body(exc) from None
         if not caller.policy.allows(body.model):
             raise ErrorKind.MODEL_NOT_ALLOWED.error(model=body.model)
-        _bounded(body, caller.policy)
+        bounded(body, caller.policy)
         if body.model_extra and SALT_FIELD in body.model_extra:
             # The engine's cache partition is the router's to choose
             # (router/affinity/scope.py): a client's salt could name another's.
@@ -297,7 +263,7 @@ async def _serve(
     started = time.monotonic()
     raw, body = await _admit(deps, scope, receive, caller, kind, path)
     model = body.model
-    prompt_estimate = _estimate(body)
+    prompt_estimate = estimate(body)
     stream, strip_usage = False, False
     parsed: dict[str, Any] | None = None  # the final raw as orjson read it, where it was
     target = deps.adapters.base_of(model)

@@ -3,7 +3,7 @@ request's is when it arrives, so a key limited to N requests a minute
 creates at most N a minute (and their tokens count from then on).
 
 The reservation (the key's request and every token the run may take:
-``router.api.openai.reserved_tokens`` of its chat body) is kept in the
+``router.api.reservation.reserved_tokens`` of its chat body) is kept in the
 response's row (``request["reservation"]``). The run's first attempt, on
 whichever router runs it, makes its in-process chat request with it
 (router.billing.accounting.HELD_RESERVATION): that request reserves
@@ -15,7 +15,7 @@ from typing import Any
 
 from router.api.auth import Caller
 from router.api.deps import Deps
-from router.api.openai import DEFAULT_COMPLETION_RESERVE, reserved_tokens
+from router.api.reservation import DEFAULT_COMPLETION_RESERVE, reserved_tokens
 from router.api.schemas import ChatCompletionRequest
 from router.billing.accounting import RequestOutcome
 from router.billing.quotas import QuotaRejection, QuotaReservation

@@ -28,7 +28,7 @@ class _Generation(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     # The fields that bound what an engine generates: what a request reserves
-    # of its key's token quota (router.api.openai.reserved_tokens).
+    # of its key's token quota (router.api.reservation.reserved_tokens).
     max_tokens: int | None = Field(default=None, ge=1)
     # OpenAI's newer name; llama.cpp and vLLM obey it on both endpoints.
     max_completion_tokens: int | None = Field(default=None, ge=1)

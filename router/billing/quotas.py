@@ -2,7 +2,7 @@
 
 A request *reserves* before it is forwarded: one request and its token
 estimate (the prompt estimate plus every token the engine may generate:
-``router.api.openai.reserved_tokens``) are added to the key's counters by a
+``router.api.reservation.reserved_tokens``) are added to the key's counters by a
 single conditional ``UPDATE ... WHERE <every limit still holds>``. The
 database serialises concurrent UPDATEs of one row (SQLite locks the file,
 PostgreSQL the row and re-checks the WHERE on the newest version), so a

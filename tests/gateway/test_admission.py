@@ -20,7 +20,7 @@ from llmgw.types import (
     WakeInput,
     WakeResult,
 )
-from router.api.openai import reserved_tokens
+from router.api.reservation import reserved_tokens
 from router.api.schemas import ChatCompletionRequest
 from tests.gateway_util import (
     ADMIN_KEY,

@@ -13,7 +13,8 @@ import json
 from pathlib import Path
 
 from llmgw.types import EngineKind, ModelSpec
-from router.api.openai import _estimate, reserved_tokens
+from router.api.reservation import estimate as prompt_estimate
+from router.api.reservation import reserved_tokens
 from router.api.schemas import ChatCompletionRequest
 from router.billing import usage
 from tests.gateway_util import PROMPT_TOKENS, Gateway, MockEngine, gateway, post_scope, ready, spec
@@ -117,7 +118,7 @@ async def test_vllm_is_let_go_and_billed_the_reservation(tmp_path: Path) -> None
             await answer  # let go without the engine's answer
         assert inflight(gw) == 0
         parsed = ChatCompletionRequest.model_validate(BODY)
-        estimate, reserved = _estimate(parsed), reserved_tokens(parsed, 512)
+        estimate, reserved = prompt_estimate(parsed), reserved_tokens(parsed, 512)
         assert reserved == estimate + MAX_TOKENS
         assert await billed(gw, key_id) == (1, 1, estimate, MAX_TOKENS)
         assert engine.hold is not None

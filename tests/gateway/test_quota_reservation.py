@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from router.api.openai import CHAT_BASE_TOKENS, CHAT_MESSAGE_TOKENS, reserved_tokens
+from router.api.reservation import CHAT_BASE_TOKENS, CHAT_MESSAGE_TOKENS, reserved_tokens
 from router.api.schemas import ChatCompletionRequest, CompletionRequest
 from tests.gateway_util import MockEngine, auth, gateway, ready, spec
 

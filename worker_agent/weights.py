@@ -76,6 +76,24 @@ class SourceOutsideRoots(WeightsError):
 ROOTS_SETTING = "LLMGW_WEIGHTS_ROOTS"
 
 
+def read_marker(entry: Path) -> tuple[Path, str, int] | None:
+    """A cache entry's completion marker (written last: its payload's name,
+    tree digest and size) and the payload it names, when both are there and
+    whole; anything less is ``None``, a miss. The one reader of the marker:
+    the node's local copies (``WeightsCache``) and fetched artifacts
+    (worker_agent/fetch/cache.py) share the format."""
+    try:
+        marker = json.loads((entry / MARKER).read_text())
+        name, sha, size = marker["name"], marker["sha256"], marker["size"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not (isinstance(name, str) and isinstance(sha, str) and isinstance(size, int)):
+        return None
+    if not name or not (entry / name).exists():
+        return None
+    return entry / name, sha, size
+
+
 @dataclass(frozen=True)
 class Roots:
     """The directories weights (and LoRA adapters) may be read from.
@@ -415,17 +433,10 @@ class WeightsCache:
 
     def _lookup(self, key: str) -> FetchedWeights | None:
         """A complete entry: marker readable and payload present. Anything less is a miss."""
-        entry = self.root / key
-        try:
-            marker = json.loads((entry / MARKER).read_text())
-            name, sha, size = marker["name"], marker["sha256"], marker["size"]
-        except (OSError, ValueError, KeyError, TypeError):
+        found = read_marker(self.root / key)
+        if found is None:
             return None
-        if not (isinstance(name, str) and isinstance(sha, str) and isinstance(size, int)):
-            return None
-        payload = entry / name
-        if not name or not payload.exists():
-            return None
+        payload, sha, size = found
         return FetchedWeights(payload, sha, size, cached=True)
 
     def _fill(

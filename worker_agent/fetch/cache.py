@@ -29,6 +29,7 @@ from worker_agent.weights import (
     _make_group_readable,
     _set_mode,
     _tree_digest,
+    read_marker,
 )
 
 STAGING_PREFIX = ".staging-"
@@ -112,17 +113,11 @@ class ArtifactCache:
     # -- lookup ------------------------------------------------------------
     def lookup(self, key: str) -> FetchedArtifact | None:
         """The complete entry ``key``: its marker read whole and its payload present."""
-        entry = self.root / key
-        try:
-            marker = json.loads((entry / MARKER).read_text())
-            name, sha, size = marker["name"], marker["sha256"], marker["size"]
-        except (OSError, ValueError, KeyError, TypeError):
+        found = read_marker(self.root / key)
+        if found is None or not found[0].is_dir():
             return None
-        if not (isinstance(name, str) and isinstance(sha, str) and isinstance(size, int)):
-            return None
-        if not name or not (entry / name).is_dir():
-            return None
-        return FetchedArtifact(key, entry / name, sha, size, cached=True)
+        payload, sha, size = found
+        return FetchedArtifact(key, payload, sha, size, cached=True)
 
     def _touch(self, key: str) -> None:
         """Last use is the entry's mtime, which eviction orders by."""

@@ -39,9 +39,28 @@ class DigestKind(StrEnum):
     # The git blob id (sha1 of ``blob <size>\\0`` + bytes): all the Hub gives
     # for a small file kept in git itself (configs, tokenizers).
     GIT_SHA1 = "git-sha1"
+    # The MD5 of the bytes: an S3 object's ETag when uploaded in one part.
+    MD5 = "md5"
 
 
-_DIGEST_LENGTH = {DigestKind.SHA256: 64, DigestKind.GIT_SHA1: 40}
+_DIGEST_LENGTH = {DigestKind.SHA256: 64, DigestKind.GIT_SHA1: 40, DigestKind.MD5: 32}
+
+
+def digest_length(kind: DigestKind) -> int:
+    """Hex digits of a ``kind`` digest."""
+    return _DIGEST_LENGTH[kind]
+
+
+def new_hasher(kind: DigestKind, size: int) -> "hashlib._Hash":
+    """A running hash that ends at the ``kind`` digest of a ``size``-byte file:
+    a git blob id starts with its header, so the size must be known first."""
+    if kind is DigestKind.GIT_SHA1:
+        hasher = hashlib.sha1(usedforsecurity=False)
+        hasher.update(b"blob %d\x00" % size)
+        return hasher
+    if kind is DigestKind.MD5:
+        return hashlib.md5(usedforsecurity=False)
+    return hashlib.sha256()
 
 
 def git_blob_sha1(data: bytes) -> str:

@@ -48,7 +48,7 @@ def children() -> Iterator[Callable[[Path, ArtifactSpec], subprocess.Popen[str]]
     def start(root: Path, artifact: ArtifactSpec) -> subprocess.Popen[str]:
         arg = {
             "root": str(root),
-            "files": [[f.url, f.rel_path, f.size, f.sha256] for f in artifact.files],
+            "files": [[f.url, f.rel_path, f.size, f.digest] for f in artifact.files],
         }
         proc = subprocess.Popen(
             [sys.executable, "-m", "tests.fetch_server", "child", json.dumps(arg)],

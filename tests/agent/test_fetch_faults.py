@@ -219,3 +219,39 @@ def test_a_file_of_another_size_than_the_pin_fails_naming_both_sizes(
     assert f"a file of {len(data)} bytes, not {len(data) + 5}" in str(caught.value)
     assert len(server.requests) == POLICY.attempts  # a mismatch is fetched again
     assert list((tmp_path / "cache").rglob("*.part")) == []
+
+
+def test_git_blob_and_md5_digests_verify_and_name_their_kind(
+    tmp_path: Path, server: FileServer, files: dict[str, bytes]
+) -> None:
+    """A Hub file kept in git is pinned by its git blob id, an S3 object by its
+    ETag's MD5: both are checked as bytes arrive, and a mismatch says which kind."""
+    from llmgw.types.weights_manifest import DigestKind, git_blob_sha1  # noqa: PLC0415
+
+    small, big = files["config.json"], files[BIG]
+    good = ArtifactSpec(
+        (
+            FileSpec(
+                server.url("config.json"),
+                "config.json",
+                len(small),
+                git_blob_sha1(small),
+                DigestKind.GIT_SHA1,
+            ),
+            FileSpec(server.url(BIG), BIG, len(big), hashlib.md5(big).hexdigest(), DigestKind.MD5),
+        )
+    )
+    got = ArtifactCache(tmp_path / "cache", policy=POLICY).fetch(good)
+    assert (got.path / "config.json").read_bytes() == small
+    assert (got.path / BIG).read_bytes() == big
+    wrong = git_blob_sha1(small + b" ")
+    bad = ArtifactSpec(
+        (
+            FileSpec(
+                server.url("config.json"), "config.json", len(small), wrong, DigestKind.GIT_SHA1
+            ),
+        )
+    )
+    with pytest.raises(FileMismatch, match=f"config.json: expected git-sha1 {wrong}"):
+        ArtifactCache(tmp_path / "other", policy=POLICY).fetch(bad)
+    assert not list((tmp_path / "other").glob(f"{bad.key}/*"))

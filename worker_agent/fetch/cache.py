@@ -209,12 +209,15 @@ class ArtifactCache:
         key = artifact.key
         shutil.rmtree(staging / PARTS, ignore_errors=True)
         _make_group_readable(staging, self.group)  # fsyncs every directory too
-        sha = _tree_digest({f.rel_path: f.sha256 for f in artifact.files})
+        sha = _tree_digest({f.rel_path: f.digest for f in artifact.files})
         marker = {
             "name": artifact.name,
             "sha256": sha,
             "size": artifact.total_bytes,
-            "files": {f.rel_path: {"size": f.size, "sha256": f.sha256} for f in artifact.files},
+            "files": {
+                f.rel_path: {"size": f.size, "digest": f.digest, "kind": f.digest_kind.value}
+                for f in artifact.files
+            },
             "fetched_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
         # Written last: its presence is what makes the entry complete.

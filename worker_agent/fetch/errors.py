@@ -33,11 +33,11 @@ class SourceRefused(WeightsError):
 
 
 class FileMismatch(ChecksumMismatch):
-    """A file's bytes are not the manifest's: its size or sha256 differ. The
+    """A file's bytes are not the manifest's: its size or digest differ. The
     message names the file and both digests."""
 
-    def __init__(self, rel_path: str, expected: str, got: str) -> None:
-        super().__init__(f"{rel_path}: expected sha256 {expected}, got {got}")
+    def __init__(self, rel_path: str, expected: str, got: str, kind: str = "sha256") -> None:
+        super().__init__(f"{rel_path}: expected {kind} {expected}, got {got}")
         self.rel_path = rel_path
         self.expected = expected
         self.got = got

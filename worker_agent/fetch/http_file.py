@@ -72,8 +72,8 @@ class _Partial:
         tmp.write_text(json.dumps({"etag": etag}))
         os.replace(tmp, self.meta)
 
-    def rehash(self, chunk_bytes: int) -> tuple[int, "hashlib._Hash"]:
-        digest = hashlib.sha256()
+    def rehash(self, spec: FileSpec, chunk_bytes: int) -> tuple[int, "hashlib._Hash"]:
+        digest = spec.hasher()
         have = 0
         with contextlib.suppress(FileNotFoundError), self.part.open("rb") as reader:
             while chunk := reader.read(chunk_bytes):
@@ -121,21 +121,21 @@ def attempt(
     caller resumes). Bytes moved are reported to ``meter`` as they arrive.
     """
     partial = _Partial(part)
-    have, digest = partial.rehash(policy.chunk_bytes)
+    have, digest = partial.rehash(spec, policy.chunk_bytes)
     etag = partial.etag() if have else None
     if have > spec.size:
         partial.discard()
-        have, digest = 0, hashlib.sha256()
+        have, digest = 0, spec.hasher()
     meter.at(have)
     if have < spec.size:
         have, digest = _receive(client, spec, partial, have, digest, etag, policy, meter, deadline)
     if have < spec.size:
         return False
     got = digest.hexdigest()
-    if got != spec.sha256:
+    if got != spec.digest:
         partial.discard()
         meter.at(0)
-        raise FileMismatch(spec.rel_path, spec.sha256, got)
+        raise FileMismatch(spec.rel_path, spec.digest, kind=spec.digest_kind.value, got=got)
     partial.meta.unlink(missing_ok=True)
     return True
 
@@ -152,7 +152,7 @@ def _receive(
     deadline: float | None,
 ) -> tuple[int, "hashlib._Hash"]:
     headers = dict(spec.headers())
-    headers["Accept-Encoding"] = "identity"  # the sha256 is of the stored bytes
+    headers["Accept-Encoding"] = "identity"  # the digest is of the stored bytes
     if have:
         headers["Range"] = f"bytes={have}-"
     read_s = policy.stall_s
@@ -167,7 +167,7 @@ def _receive(
                 have and response.status_code == 206 and _resumes(response, have, spec.size, etag)
             ):
                 _restart(spec, partial, response, have, meter)
-                state = _Got(0, hashlib.sha256())
+                state = _Got(0, spec.hasher())
             partial.set_etag(response.headers.get("etag"))
             _write_body(spec, partial, response, state, policy, meter, deadline)
     except httpx.TimeoutException as exc:
@@ -225,7 +225,7 @@ def _write_body(
         partial.discard()
         meter.at(0)
         got = f"a file of {state.have + int(length)} bytes, not {spec.size}"
-        raise FileMismatch(spec.rel_path, spec.sha256, got)
+        raise FileMismatch(spec.rel_path, spec.digest, kind=spec.digest_kind.value, got=got)
     fd = os.open(partial.part, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
     try:
         # As the bytes arrive (no chunking): a process killed loses the least.
@@ -233,7 +233,12 @@ def _write_body(
             if state.have + len(chunk) > spec.size:
                 partial.discard()
                 meter.at(0)
-                raise FileMismatch(spec.rel_path, spec.sha256, f"more than {spec.size} bytes")
+                raise FileMismatch(
+                    spec.rel_path,
+                    spec.digest,
+                    kind=spec.digest_kind.value,
+                    got=f"more than {spec.size} bytes",
+                )
             view = memoryview(chunk)
             while view:
                 view = view[os.write(fd, view) :]

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 
 from llmgw.errors import ConfigError
+from llmgw.types.weights_manifest import DigestKind, digest_length, new_hasher
 
 HeadersProvider = Callable[[], Mapping[str, str]]
 """Request headers for a file, asked for at each request (a token may be refreshed).
@@ -25,16 +26,25 @@ class FileSpec:
     url: str
     rel_path: str
     size: int
-    sha256: str
+    # What the bytes must hash to, as ``digest_kind`` says: the sha256 the Hub
+    # gives for LFS files, the git blob id of small ones, an S3 ETag's MD5.
+    digest: str
+    digest_kind: DigestKind = DigestKind.SHA256
     headers: HeadersProvider = field(default=_no_headers, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         path = PurePosixPath(self.rel_path)
         if path.is_absolute() or not path.parts or ".." in path.parts or "\\" in self.rel_path:
             raise ConfigError(f"file path {self.rel_path!r} must be relative, without '..'")
-        if self.size < 0 or len(self.sha256) != 64:
-            raise ConfigError(f"{self.rel_path}: a size >= 0 and a hex sha256 are needed")
-        object.__setattr__(self, "sha256", self.sha256.lower())
+        if self.size < 0 or len(self.digest) != digest_length(self.digest_kind):
+            raise ConfigError(
+                f"{self.rel_path}: a size >= 0 and a hex {self.digest_kind.value} digest are needed"
+            )
+        object.__setattr__(self, "digest", self.digest.lower())
+
+    def hasher(self) -> "hashlib._Hash":
+        """A fresh running hash that ends at ``digest`` for the right bytes."""
+        return new_hasher(self.digest_kind, self.size)
 
 
 @dataclass(frozen=True)
@@ -60,7 +70,8 @@ class ArtifactSpec:
         URL or source they were fetched from."""
         digest = hashlib.sha256()
         for f in sorted(self.files, key=lambda f: f.rel_path):
-            digest.update(f"{f.rel_path}\0{f.size}\0{f.sha256}\n".encode())
+            kind = "" if f.digest_kind is DigestKind.SHA256 else f"{f.digest_kind.value}:"
+            digest.update(f"{f.rel_path}\0{f.size}\0{kind}{f.digest}\n".encode())
         return digest.hexdigest()[:KEY_HEX_CHARS]
 
     @property

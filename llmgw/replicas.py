@@ -1,11 +1,13 @@
 """Client-side replica operations used by the CLI: deploy, watch, list, stop."""
 
 import asyncio
+import contextlib
 import re
 import secrets
 from collections.abc import Callable
 from datetime import timedelta
 
+from pydantic import ValidationError
 from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.common import (
     SearchAttributePair,
@@ -30,6 +32,7 @@ from llmgw.types import (
     DeploymentStatus,
     DrainNodeInput,
     DrainNodeResult,
+    FetchProgressDetail,
     FleetSnapshot,
     ModelSpec,
     ReplicaInput,
@@ -124,6 +127,26 @@ async def status_of(client: Client, replica_id: str) -> ReplicaStatus | None:
         final: ReplicaStatus = await handle.result()
         return final
     return None
+
+
+async def fetch_progress(client: Client, replica_id: str) -> list[FetchProgressDetail]:
+    """What the replica's weights fetches last heartbeated (one per node fetching):
+    the pending ``fetch_weights`` activities of its workflow, as the Temporal UI
+    shows them. Empty once no fetch is in flight, or before bytes move."""
+    handle = client.get_workflow_handle(replica_workflow_id(replica_id))
+    desc = await handle.describe(rpc_timeout=timedelta(seconds=5))
+    found: list[FetchProgressDetail] = []
+    for pending in desc.raw_description.pending_activities:
+        if pending.activity_type.name != contracts.FETCH_WEIGHTS.name:
+            continue
+        payloads = list(pending.heartbeat_details.payloads)
+        if not payloads:
+            continue
+        (detail,) = await client.data_converter.decode(payloads[-1:])
+        if isinstance(detail, dict):
+            with contextlib.suppress(ValidationError):
+                found.append(FetchProgressDetail.model_validate(detail))
+    return found
 
 
 async def list_replicas(client: Client, include_closed: bool = False) -> list[ReplicaMemo]:

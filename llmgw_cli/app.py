@@ -4,7 +4,7 @@ import asyncio
 import os
 import sys
 from datetime import UTC, datetime
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.table import Table
@@ -12,7 +12,7 @@ from rich.table import Table
 from llmgw import replicas
 from llmgw.errors import LlmgwError
 from llmgw.settings import UpSettings
-from llmgw.types import DeploymentStatus, ReplicaMemo
+from llmgw.types import DeploymentStatus, ReplicaMemo, ReplicaPhase
 from llmgw_cli.batches import batches_app
 from llmgw_cli.bench_command import bench
 from llmgw_cli.common import CliSettings, catalog_spec, console, out, tracings
@@ -40,6 +40,9 @@ from llmgw_cli.output import (
     print_json,
 )
 from llmgw_cli.store_copy import migrate_store
+
+if TYPE_CHECKING:
+    from temporalio.client import Client
 
 # Every command and sub-app is registered here, and only here: the modules
 # that define them import what they share from ``common``, never this one.
@@ -145,6 +148,11 @@ def explain(
                 NodeReason(node_id=r.node_id, reason=r.reason) for r in [*result.rejections, *down]
             ],
             deployment=None if status is None else ExplainDeployment.of(status),
+            fetching=[
+                await _row(client, m)
+                for m in await replicas.list_replicas(client)
+                if m.model == model and m.phase is ReplicaPhase.FETCHING
+            ],
         )
         return found, status
 
@@ -164,6 +172,8 @@ def explain(
         out.print(f"{model}: no placement")
     for rejection in found.rejections:
         out.print(f"  {rejection.node_id}: {rejection.reason}")
+    for row in found.fetching:
+        out.print(f"{row.replica_id} on {row.node_id}: {'; '.join(row.progress) or 'fetching'}")
     for line in autoscale_lines(model, status):
         out.print(line, markup=False)
 
@@ -358,25 +368,35 @@ def status(
     """Replicas and their states, read from Temporal."""
     settings = CliSettings()
 
-    async def go() -> tuple[list[ReplicaMemo], list[DeploymentStatus]]:
+    async def go() -> tuple[list[ReplicaRow], list[DeploymentStatus]]:
         client = await _connect(settings)
-        return await replicas.list_replicas(client, include_closed=all_), await deployments(client)
+        memos = await replicas.list_replicas(client, include_closed=all_)
+        return [await _row(client, m) for m in memos], await deployments(client)
 
     rows, found = _run(go())
     if as_json:
         print_json(
             StatusOutput(
-                replicas=[ReplicaRow.of(m) for m in rows],
+                replicas=rows,
                 deployments=[DeploymentRow.of(d) for d in sorted(found, key=lambda d: d.model)],
             )
         )
         return
     table = Table("replica", "model", "state", "node", "endpoint")
-    for m in rows:
-        table.add_row(m.replica_id, m.model, m.phase.value, m.node_id, m.endpoint)
+    for r in rows:
+        state = "; ".join([r.phase, *r.progress])
+        table.add_row(r.replica_id, r.model, state, r.node_id, r.endpoint)
     out.print(table)
     if found:
         out.print(deployments_table(found))
+
+
+async def _row(client: "Client", memo: ReplicaMemo) -> ReplicaRow:
+    """A replica's status row; a fetching one's with its fetches' progress."""
+    if memo.phase is not ReplicaPhase.FETCHING:
+        return ReplicaRow.of(memo)
+    found = await replicas.fetch_progress(client, memo.replica_id)
+    return ReplicaRow.of(memo, [p.text() for p in found])
 
 
 @app.command()

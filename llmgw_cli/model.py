@@ -55,10 +55,6 @@ def model_apply(
         console.print(f"[yellow]note:[/yellow] {note}", markup=True, highlight=False)
     if check.problems:
         fail(f"{file}: " + "; ".join(check.problems))
-    if deploy_ and (remote := [e.name for e in entries if "://" in e.source and
-                               not e.source.startswith("file://")]):  # fmt: skip
-        # The agents cannot fetch yet (docs/guides/model-sources.md).
-        fail(f"{file}: --deploy: nodes cannot fetch remote sources yet ({', '.join(remote)})")
     store = open_store(settings)
     entries = _pinned(settings, store, entries, refresh, file)
     # Checked against the rest of the catalog and written in one go, or not at all.

@@ -33,16 +33,21 @@ class ReplicaRow(BaseModel):
     phase: str = Field(description="placing, fetching, starting, loading, ready, node-lost, ...")
     node_id: str = Field(description="the leader's node; empty until placed")
     endpoint: str = Field(description="the engine's address; empty until it serves")
+    progress: list[str] = Field(
+        default_factory=list,
+        description='while fetching: "fetching 3.2 / 15.0 GiB at 210 MiB/s from node-2"',
+    )
 
     @classmethod
-    def of(cls, memo: ReplicaMemo) -> "ReplicaRow":
-        """The row of a replica's memo."""
+    def of(cls, memo: ReplicaMemo, progress: list[str] | None = None) -> "ReplicaRow":
+        """The row of a replica's memo (and its weights fetches' progress)."""
         return cls(
             replica_id=memo.replica_id,
             model=memo.model,
             phase=memo.phase.value,
             node_id=memo.node_id,
             endpoint=memo.endpoint,
+            progress=progress or [],
         )
 
 
@@ -189,6 +194,9 @@ class ExplainOutput(BaseModel):
     preemption: Preemption | None
     rejections: list[NodeReason] = Field(description="nodes left out, and why")
     deployment: ExplainDeployment | None = Field(description="null: no deployment running")
+    fetching: list[ReplicaRow] = Field(
+        default_factory=list, description="the model's replicas fetching weights, with progress"
+    )
 
 
 class KeyRow(BaseModel):

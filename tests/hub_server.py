@@ -22,10 +22,11 @@ branch; ``served_bytes`` counts the file bytes sent, for tests of fetchers.
 Tests set ``HF_HUB_DISABLE_XET=1``: this server speaks no Xet.
 """
 
+import asyncio
 import hashlib
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,7 +34,7 @@ from pathlib import Path
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from llmgw.types.weights_manifest import git_blob_sha1
@@ -92,6 +93,9 @@ class HubServer:
         self.served_bytes = 0
         self.requests: list[tuple[str, str]] = []  # (method, path), in order
         self.url = ""
+        # Seconds slept after each 64 KiB of a file's body: a slow link, so a
+        # fetch's progress can be watched (0: as fast as it goes).
+        self.chunk_delay_s = 0.0
         self._lock = threading.Lock()
 
     def commit(self, repo: str, files: dict[str, Path], branch: str = "main") -> str:
@@ -191,9 +195,20 @@ class HubServer:
         with hub_file.source.open("rb") as f:
             f.seek(start)
             body = f.read(end - start)
+        if self.chunk_delay_s:
+            return StreamingResponse(self._trickle(body), status_code=status, headers=headers)
         with self._lock:
             self.served_bytes += len(body)
         return Response(body, status_code=status, headers=headers)
+
+    async def _trickle(self, body: bytes) -> AsyncIterator[bytes]:
+        step = 64 * 1024
+        for at in range(0, len(body), step):
+            chunk = body[at : at + step]
+            with self._lock:
+                self.served_bytes += len(chunk)
+            yield chunk
+            await asyncio.sleep(self.chunk_delay_s)
 
     def app(self) -> Starlette:
         repo = "/{org}/{name}"

@@ -33,6 +33,7 @@ from worker_agent.engines import (
     plan_shard,
 )
 from worker_agent.installs.installed import EngineInstalls
+from worker_agent.remote_weights import RemoteWeights
 from worker_agent.shard_record import ShardRecord
 from worker_agent.spawn import Command
 from worker_agent.supervisor import RunningShard, Supervisor, shard_key
@@ -185,6 +186,7 @@ class Launcher:
         threads: int = 0,
         weights: WeightsCache | None = None,
         cpu_kv_cache_mib: int = 0,
+        remote: RemoteWeights | None = None,
         cores: Sequence[int] | None = None,
     ) -> None:
         # Read by the node's activities too (watching, draining, installing).
@@ -192,6 +194,7 @@ class Launcher:
         self.installs = installs
         self.engine_key = engine_key
         self.weights = weights
+        self.remote = remote  # pinned remote sources (worker_agent/remote_weights.py)
         self._host = engine_host
         self._ports = ports
         self._inventory = inventory

@@ -44,6 +44,7 @@ from llmgw.types import (
 )
 from worker_agent.adapter_service import AdapterService
 from worker_agent.adoption import adopt
+from worker_agent.fetch import ArtifactCache, FetchPolicy
 from worker_agent.installs.installed import EngineInstalls
 from worker_agent.installs.llamacpp import (
     LlamaCppInstall,
@@ -60,6 +61,8 @@ from worker_agent.inventory import (
 )
 from worker_agent.launch import Launcher
 from worker_agent.liveness import LivenessRules
+from worker_agent.origins import Origins
+from worker_agent.remote_weights import RemoteWeights
 from worker_agent.shard_record import ShardRecord
 from worker_agent.shard_service import ShardService
 from worker_agent.supervisor import RunningShard, Supervisor
@@ -132,6 +135,7 @@ def build_shards(
                 settings.resolved_weights_roots(),
                 group=_engine_group(supervisor),
             ),
+            remote=remote_weights(settings, engine_dir or supervisor.work_dir, supervisor),
         ),
         liveness=LivenessRules(
             interval_s=settings.liveness_interval_s,
@@ -141,6 +145,20 @@ def build_shards(
             stall_s=settings.liveness_stall_s,
         ),
     )
+
+
+def remote_weights(
+    settings: AgentSettings, engine_dir: Path, supervisor: Supervisor
+) -> RemoteWeights:
+    """Pinned remote sources, fetched into ``engine_dir/artifacts`` (apart from the
+    local sources' cache: its eviction must not weigh their entries)."""
+    cache = ArtifactCache(
+        engine_dir / "artifacts",
+        policy=FetchPolicy(stall_s=settings.fetch_stall_s),
+        budget_bytes=settings.weights_cache_bytes or None,
+        group=_engine_group(supervisor),
+    )
+    return RemoteWeights(cache, Origins(settings.hf_endpoint, hf_token=settings.resolved_hf_token))
 
 
 def _engine_cache(

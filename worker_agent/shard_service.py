@@ -20,7 +20,7 @@ engines, fetches weights and starts shards.
 import asyncio
 import logging
 import re
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol, TypeVar
 
 import httpx
@@ -50,6 +50,7 @@ from llmgw.types import (
     WatchShardInput,
 )
 from worker_agent.engines import ReadyProbe
+from worker_agent.heartbeats import FetchHeartbeat, Heartbeat, beating_while
 from worker_agent.launch import LOOPBACK_KEY_PREFIX, Launcher
 from worker_agent.liveness import Hung, LivenessRules, Observation, Suspect
 from worker_agent.liveness_watch import LivenessWatch
@@ -60,16 +61,13 @@ from worker_agent.probes import (
     probe_liveness,
     probe_ready,
 )
+from worker_agent.remote_weights import fetch_pinned
 from worker_agent.shard_record import ShardRecord
 from worker_agent.supervisor import RunningShard, StopOutcome
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-# Told what a long call is doing, while it does it (the activities pass
-# Temporal's activity.heartbeat: a call that stops reporting is timed out).
-Heartbeat = Callable[[str], None]
 
 
 def _staying() -> bool:
@@ -119,15 +117,6 @@ def redacted(lines: Sequence[str], keys: Sequence[str]) -> list[str]:
                 clean = clean.replace(key, REDACTED)
         out.append(clean)
     return out
-
-
-async def _beating_while(work: Awaitable[T], heartbeat: Heartbeat, detail: Callable[[], str]) -> T:
-    """Await blocking work run in a thread, heartbeating every second meanwhile."""
-    task = asyncio.ensure_future(work)
-    while not task.done():
-        heartbeat(detail())
-        await asyncio.wait({task}, timeout=1.0)
-    return task.result()
 
 
 class RunningShards:
@@ -372,8 +361,15 @@ class ShardService(RunningShards):
         self._installs = launcher.installs
         self._weights = launcher.weights
 
+    async def stop(self, request: StopShardInput) -> StopShardResult:
+        """Stop the shard, then let its remote weights be evicted once unused."""
+        result = await super().stop(request)
+        if self._launcher.remote is not None:
+            await asyncio.to_thread(self._launcher.remote.release, request.shard.replica_id)
+        return result
+
     async def fetch_weights(
-        self, request: FetchWeightsInput, heartbeat: Heartbeat
+        self, request: FetchWeightsInput, heartbeat: FetchHeartbeat
     ) -> FetchWeightsResult:
         """Bring the weights into the node's cache, verified, heartbeating progress.
 
@@ -385,13 +381,17 @@ class ShardService(RunningShards):
         if self._weights is None:
             raise ConfigError("this agent has no weights cache")
         await self._ensure_engine(request.engine, request.device, heartbeat)
+        if request.pin is not None:
+            if self._launcher.remote is None:
+                raise ConfigError("this agent has no cache for remote weights")
+            return await fetch_pinned(self._launcher.remote, request, heartbeat)
         cache = self._weights
         done = [0, 0]
 
         def progress(copied: int, total: int) -> None:
             done[0], done[1] = copied, total  # read by the heartbeat loop below
 
-        fetched = await _beating_while(
+        fetched = await beating_while(
             asyncio.to_thread(cache.fetch, request.source, request.sha256, progress),
             heartbeat,
             lambda: f"{done[0]}/{done[1]} bytes",
@@ -427,7 +427,7 @@ class ShardService(RunningShards):
             "engine.install", attributes={"llmgw.engine": engine.value, "llmgw.device": device}
         )
         with span:  # a step of its caller's trace (the replica start), minutes when new
-            await _beating_while(
+            await beating_while(
                 asyncio.to_thread(installs.ensure, engine, device, progress),
                 heartbeat,
                 lambda: last[0],
@@ -455,7 +455,7 @@ class ShardService(RunningShards):
                 return _handle(found, already_running=True)
             await self._ensure_engine(spec.model.engine, spec.model.profile.device, heartbeat)
             async with self._launcher.planned(spec) as launch:
-                running = await _beating_while(
+                running = await beating_while(
                     asyncio.to_thread(self._launcher.start, spec, launch),
                     heartbeat,
                     lambda: "waiting for the rendezvous point",

@@ -33,30 +33,25 @@ from pathlib import Path, PurePosixPath
 from typing import BinaryIO, Protocol
 from urllib.parse import unquote, urlsplit
 
-from llmgw.errors import LlmgwError
+from worker_agent.fetch.entry import MARKER, ChecksumMismatch, WeightsError, read_marker
+from worker_agent.fetch.entry import fsync_dir as _fsync_dir
+from worker_agent.fetch.entry import make_group_readable as _make_group_readable
+from worker_agent.fetch.entry import set_mode as _set_mode
+from worker_agent.fetch.entry import tree_digest as _tree_digest
+
+# Re-exported from the fetch package's floor: the agent's activities and tests
+# name them here.
+__all__ = ["MARKER", "ChecksumMismatch", "WeightsError", "read_marker"]
 
 Progress = Callable[[int, int], None]
 """Called with (bytes_done, bytes_total)."""
 
 CHUNK_BYTES = 2**20
-MARKER = "COMPLETE"
 KEY_HEX_CHARS = 24
-
-
-class WeightsError(LlmgwError):
-    """A weights fetch failed; ``retryable`` tells the caller whether trying again can help."""
-
-    retryable: bool = True
 
 
 class UnsupportedSource(WeightsError):
     """The URI names a kind of source this agent cannot fetch from."""
-
-    retryable = False
-
-
-class ChecksumMismatch(WeightsError):
-    """The weights' digest is not the one the caller expected."""
 
     retryable = False
 
@@ -74,24 +69,6 @@ class SourceOutsideRoots(WeightsError):
 
 
 ROOTS_SETTING = "LLMGW_WEIGHTS_ROOTS"
-
-
-def read_marker(entry: Path) -> tuple[Path, str, int] | None:
-    """A cache entry's completion marker (written last: its payload's name,
-    tree digest and size) and the payload it names, when both are there and
-    whole; anything less is ``None``, a miss. The one reader of the marker:
-    the node's local copies (``WeightsCache``) and fetched artifacts
-    (worker_agent/fetch/cache.py) share the format."""
-    try:
-        marker = json.loads((entry / MARKER).read_text())
-        name, sha, size = marker["name"], marker["sha256"], marker["size"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    if not (isinstance(name, str) and isinstance(sha, str) and isinstance(size, int)):
-        return None
-    if not name or not (entry / name).exists():
-        return None
-    return entry / name, sha, size
 
 
 @dataclass(frozen=True)
@@ -174,14 +151,6 @@ class WeightSource(Protocol):
         second time); return None and the cache reads the copy back to compute it.
         """
         ...
-
-
-def _tree_digest(file_shas: dict[str, str]) -> str:
-    """Directory digest: sha256 over sorted "relpath\\0filesha\\n" lines."""
-    digest = hashlib.sha256()
-    for rel in sorted(file_shas):
-        digest.update(f"{rel}\0{file_shas[rel]}\n".encode())
-    return digest.hexdigest()
 
 
 def _regular_files(
@@ -312,8 +281,9 @@ def source_for(uri: str, roots: Roots) -> WeightSource:
     if not parts.scheme:
         raise UnsupportedSource(f"weights path {uri!r} must be absolute")
     raise UnsupportedSource(
-        f"remote weight sources are not supported yet (scheme {parts.scheme!r} in {uri!r}); "
-        "use an absolute local path or a file:// URL"
+        f"remote source {uri!r} has no pin: nodes fetch a remote source at the revision"
+        " `llmgw model apply` pinned it to (an entry written without it, e.g. by"
+        " PUT /admin/models, must be applied again)"
     )
 
 
@@ -337,32 +307,6 @@ class _Throttle:
 
 def _payload_name(uri: str) -> str:
     return PurePosixPath(unquote(urlsplit(uri).path)).name or "weights"
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)  # makes the names in it durable, not just the files' bytes
-    finally:
-        os.close(fd)
-
-
-def _make_group_readable(root: Path, group: int | None) -> None:
-    """Dirs 0750, files 0640, owned by ``group`` when given (the engine user's), and
-    fsync the dirs."""
-    for dirpath, _, filenames in os.walk(root):
-        _set_mode(dirpath, 0o750, group)
-        for name in filenames:
-            path = os.path.join(dirpath, name)
-            if not os.path.islink(path):  # chmod would follow it out of the cache
-                _set_mode(path, 0o640, group)
-        _fsync_dir(Path(dirpath))
-
-
-def _set_mode(path: str | Path, mode: int, group: int | None) -> None:
-    if group is not None:
-        os.chown(path, -1, group)
-    os.chmod(path, mode)
 
 
 class WeightsCache:

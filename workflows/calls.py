@@ -67,6 +67,7 @@ def fetch_input(replica_id: str, model: ModelSpec) -> FetchWeightsInput:
         sha256=model.sha256,
         engine=model.engine,
         device=model.profile.device,
+        pin=model.pin,
     )
 
 

@@ -122,6 +122,7 @@ from llmgw.types.replica import (
 from llmgw.types.shard import (
     DrainInput,
     DrainResult,
+    FetchProgressDetail,
     FetchWeightsInput,
     FetchWeightsResult,
     LaunchShardInput,
@@ -183,6 +184,7 @@ __all__ = [
     "EngineKind",
     "EngineProfile",
     "FabricKind",
+    "FetchProgressDetail",
     "FetchWeightsInput",
     "FetchWeightsResult",
     "FinalizeBatch",

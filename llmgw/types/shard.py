@@ -4,6 +4,7 @@ from pydantic import BaseModel, Field
 
 from llmgw.types.model import EngineKind, ModelSpec, Rendezvous
 from llmgw.types.node import ShardRef
+from llmgw.types.weights_manifest import SourcePin
 
 
 class ShardSpec(BaseModel):
@@ -56,6 +57,33 @@ class FetchWeightsInput(BaseModel):
     # node needs before a start, and only this step has an hours-long bound.
     engine: EngineKind | None = None
     device: str = "cuda"
+    # A remote source's pin (model apply): the files fetched, at that revision.
+    pin: SourcePin | None = None
+
+
+GIB = 2**30
+MIB = 2**20
+
+
+class FetchProgressDetail(BaseModel):
+    """A remote fetch's heartbeat details: what the Temporal UI shows on the
+    activity and ``llmgw status``/``explain`` on the replica."""
+
+    files_done: int
+    files_total: int
+    bytes_done: int
+    bytes_total: int
+    rate_bps: float
+    source: str = Field(description='"origin", or the node id of the peer bytes come from')
+
+    def text(self) -> str:
+        """``fetching 3.2 / 15.0 GiB at 210 MiB/s from node-2``."""
+        unit, size = ("GiB", GIB) if self.bytes_total >= GIB else ("MiB", MIB)
+        return (
+            f"fetching {self.bytes_done / size:.1f} / {self.bytes_total / size:.1f} {unit}"
+            f" at {self.rate_bps / MIB:.0f} MiB/s from {self.source}"
+            f" ({self.files_done}/{self.files_total} files)"
+        )
 
 
 class FetchWeightsResult(BaseModel):

@@ -19,18 +19,15 @@ from pathlib import Path
 import httpx
 
 from llmgw.errors import ConfigError
+from worker_agent.fetch.entry import MARKER, read_marker
+from worker_agent.fetch.entry import fsync_dir as _fsync_dir
+from worker_agent.fetch.entry import make_group_readable as _make_group_readable
+from worker_agent.fetch.entry import set_mode as _set_mode
+from worker_agent.fetch.entry import tree_digest as _tree_digest
 from worker_agent.fetch.errors import DiskTooSmall
 from worker_agent.fetch.progress import ProgressMeter, ProgressSink
 from worker_agent.fetch.retry import fetch_file
 from worker_agent.fetch.spec import ArtifactSpec, FetchPolicy
-from worker_agent.weights import (
-    MARKER,
-    _fsync_dir,
-    _make_group_readable,
-    _set_mode,
-    _tree_digest,
-    read_marker,
-)
 
 STAGING_PREFIX = ".staging-"
 PARTS = ".parts"

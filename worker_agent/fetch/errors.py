@@ -5,7 +5,7 @@ messages name the file and the HTTP status, never a request header: the
 headers carry the source's token.
 """
 
-from worker_agent.weights import ChecksumMismatch, WeightsError
+from worker_agent.fetch.entry import ChecksumMismatch, WeightsError
 
 
 class SourceUnavailable(WeightsError):

@@ -1,0 +1,106 @@
+"""A catalog entry whose source is ``hf://``: the node fetches the pinned file
+from a Hub-compatible server on loopback (tests/hub_server.py, through the
+agent's artifact cache), the engine serves it, and the official ``openai``
+client gets a completion through the router.
+
+The repo is gated: the agent's token (LLMGW_HF_TOKEN) reads it, and is never
+in a workflow history or a process log. While the bytes arrive (the server
+trickles them), ``llmgw status`` and the fetch activity's heartbeat show the
+progress. A second replica of the model on the node fetches nothing.
+"""
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable
+
+import openai
+from temporalio.client import Client
+
+from llmgw import replicas
+from llmgw.hub_pin import Hub, pin_hf
+from llmgw.queues import replica_workflow_id
+from llmgw.sources import HfSource
+from llmgw.types import EngineKind, ModelSpec, ReplicaPhase
+from llmgw_cli.dev.tinymodel import TinyModel
+from tests.harness import System, wait_routable
+from tests.hub_server import HubServer
+
+MODEL = "tiny-from-hub"
+REPO = "org/tiny-gated"
+GGUF = "tiny-llama.gguf"
+TOKEN = "hf_agent_token_0123456789abcdef"
+
+
+async def _until(condition: Callable[[], Awaitable[bool]], timeout_s: float) -> bool:
+    async with asyncio.timeout(timeout_s):
+        while not await condition():
+            await asyncio.sleep(0.2)
+    return True
+
+
+async def _history_text(client: Client, replica_id: str) -> str:
+    handle = client.get_workflow_handle(replica_workflow_id(replica_id))
+    history = await handle.fetch_history()
+    return json.dumps(history.to_json_dict())
+
+
+async def test_an_hf_source_serves_a_completion_fetched_once_with_progress(
+    system: System, client: Client, tiny: TinyModel
+) -> None:
+    hub = HubServer()
+    hub.commit(REPO, {GGUF: tiny.model_path, "README.md": tiny.model_path})
+    hub.repos[REPO].gated = True
+    hub.repos[REPO].readers.add(TOKEN)
+    size = tiny.model_path.stat().st_size
+    with hub.running():
+        pin = pin_hf(
+            HfSource(REPO, None, GGUF), EngineKind.LLAMA_CPP, None, [], Hub(hub.url, TOKEN)
+        )
+        assert [f.path for f in pin.manifest.files] == [GGUF]
+        spec = ModelSpec(name=MODEL, source=f"hf://{REPO}/{GGUF}", pin=pin)
+        key = system.catalog(spec)
+        system.env.update(
+            {"LLMGW_HF_ENDPOINT": hub.url, "LLMGW_HF_TOKEN": TOKEN, "HF_HUB_DISABLE_XET": "1"}
+        )
+        # About 20 s for the file: long enough to watch, cut short below.
+        hub.chunk_delay_s = 20 / max(1, size // (64 * 1024))
+        started = await system.start(client, "hub-node")
+        replica_id = await replicas.start_replica(client, spec)
+
+        async def moving() -> bool:
+            found = await replicas.fetch_progress(client, replica_id)
+            return any(0 < p.bytes_done < p.bytes_total == size for p in found)
+
+        assert await _until(moving, 60), "no fetch progress was heartbeated"
+        (progress,) = await replicas.fetch_progress(client, replica_id)
+        assert progress.source == "origin" and progress.files_total == 1
+        shown = system.cli("status")
+        assert shown.returncode == 0, shown.stderr
+        assert "fetching" in shown.stdout and "from origin" in shown.stdout, shown.stdout
+        hub.chunk_delay_s = 0.0
+
+        memo = await replicas.wait_ready(client, replica_id, 180)
+        assert memo.phase is ReplicaPhase.READY
+        await wait_routable(f"{started.root}/v1", key, MODEL)
+        oai = openai.AsyncOpenAI(base_url=f"{started.root}/v1", api_key=key, max_retries=0)
+        try:
+            answer = await oai.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "Say hi"}], max_tokens=8
+            )
+        finally:
+            await oai.close()
+        assert answer.choices[0].message.content
+        assert answer.usage is not None and answer.usage.completion_tokens > 0
+        # Every byte of the file once: a resume sends only what is missing.
+        assert hub.served_bytes == size
+
+        # A second replica on the node finds the artifact in the cache.
+        second = await replicas.start_replica(client, spec)
+        await replicas.wait_ready(client, second, 180)
+        assert hub.served_bytes == size
+
+    for rid in (replica_id, second):
+        assert TOKEN not in await _history_text(client, rid)
+        await replicas.stop_replica(client, rid, "test over", 30)
+    for child in system.children:
+        assert TOKEN not in child.log_path.read_text(errors="replace"), child.name

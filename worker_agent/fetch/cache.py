@@ -13,7 +13,7 @@ import re
 import shutil
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import httpx
@@ -26,24 +26,32 @@ from worker_agent.fetch.entry import set_mode as _set_mode
 from worker_agent.fetch.entry import tree_digest as _tree_digest
 from worker_agent.fetch.errors import DiskTooSmall
 from worker_agent.fetch.progress import ProgressMeter, ProgressSink
-from worker_agent.fetch.retry import fetch_file
-from worker_agent.fetch.spec import ArtifactSpec, FetchPolicy
+from worker_agent.fetch.retry import fetch_file_from
+from worker_agent.fetch.spec import ArtifactSpec, FetchPolicy, FileSpec, HeadersProvider
 
 STAGING_PREFIX = ".staging-"
 PARTS = ".parts"
+# In a staging directory: what its files must be, so a peer server can serve
+# the verified ones (and name their digests) before the entry is complete.
+STAGING_MANIFEST = ".manifest.json"
 USERS_SUFFIX = ".users"
 _USER = re.compile(r"[A-Za-z0-9_.-]{1,200}")
 
 
 @dataclass(frozen=True)
 class FetchedArtifact:
-    """A complete entry: ``path`` is its payload directory, files at their relative paths."""
+    """A complete entry: ``path`` is its payload directory, files at their relative paths.
+
+    ``bytes_by_source``: the bytes this call received from each source (the
+    origin's name, peers' node ids); empty for a cache hit.
+    """
 
     key: str
     path: Path
     sha256: str
     size_bytes: int
     cached: bool
+    bytes_by_source: dict[str, int] = field(default_factory=dict)
 
 
 @contextlib.contextmanager
@@ -169,13 +177,14 @@ class ArtifactCache:
         payload = staging / artifact.name
         parts = staging / PARTS
         pending = [f for f in artifact.files if not _is_final(payload / f.rel_path, f.size)]
-        had = sum(_size(parts / _part_name(f.rel_path)) for f in pending)
+        had = sum(_size(parts / part_name(f.rel_path)) for f in pending)
         left = sum(f.size for f in pending) - had
         needed = left + self.policy.disk_margin_bytes
         free = _free_bytes(self.root)
         if free < needed:
             raise DiskTooSmall(needed, free, str(self.root))
         parts.mkdir(parents=True, exist_ok=True)
+        _write_json(staging / STAGING_MANIFEST, _files_json(artifact))
         meter = ProgressMeter(
             progress,
             files_total=len(artifact.files),
@@ -190,8 +199,14 @@ class ArtifactCache:
         http = client or httpx.Client(follow_redirects=True)
         try:
             for f in pending:
-                part = parts / _part_name(f.rel_path)
-                fetch_file(http, f, part, self.policy, meter, deadline)
+                part = parts / part_name(f.rel_path)
+                peers = [
+                    (p.name, _at_peer(f, p.file_url(key, f.rel_path), p.headers))
+                    for p in artifact.peers
+                ]
+                fetch_file_from(
+                    http, peers, (artifact.source, f), part, self.policy, meter, deadline
+                )
                 final = payload / f.rel_path
                 final.parent.mkdir(parents=True, exist_ok=True)
                 os.replace(part, final)  # verified and fsynced: only now under its name
@@ -200,21 +215,20 @@ class ArtifactCache:
         finally:
             if owned:
                 http.close()
-        return self._complete(artifact, staging)
+        done = self._complete(artifact, staging)
+        return replace(done, bytes_by_source=dict(meter.bytes_by_source))
 
     def _complete(self, artifact: ArtifactSpec, staging: Path) -> FetchedArtifact:
         key = artifact.key
         shutil.rmtree(staging / PARTS, ignore_errors=True)
+        (staging / STAGING_MANIFEST).unlink(missing_ok=True)
         _make_group_readable(staging, self.group)  # fsyncs every directory too
         sha = _tree_digest({f.rel_path: f.digest for f in artifact.files})
         marker = {
             "name": artifact.name,
             "sha256": sha,
             "size": artifact.total_bytes,
-            "files": {
-                f.rel_path: {"size": f.size, "digest": f.digest, "kind": f.digest_kind.value}
-                for f in artifact.files
-            },
+            "files": _files_json(artifact)["files"],
             "fetched_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
         # Written last: its presence is what makes the entry complete.
@@ -266,13 +280,35 @@ class ArtifactCache:
         return evicted
 
 
+def _files_json(artifact: ArtifactSpec) -> dict[str, object]:
+    """The pin of each file, as the marker and the staging manifest hold it."""
+    return {
+        "name": artifact.name,
+        "files": {
+            f.rel_path: {"size": f.size, "digest": f.digest, "kind": f.digest_kind.value}
+            for f in artifact.files
+        },
+    }
+
+
+def _write_json(path: Path, value: object) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(value))
+    os.replace(tmp, path)
+
+
+def _at_peer(spec: FileSpec, url: str, headers: HeadersProvider) -> FileSpec:
+    return replace(spec, url=url, headers=headers)
+
+
 def _checked_user(user: str) -> str:
     if not _USER.fullmatch(user) or user in (".", ".."):
         raise ConfigError(f"a cache user must be a plain name, not {user!r}")
     return user
 
 
-def _part_name(rel_path: str) -> str:
+def part_name(rel_path: str) -> str:
+    """The partial of ``rel_path`` under ``.parts/`` (a flat name: no directories to make)."""
     return hashlib.sha256(rel_path.encode()).hexdigest()[:32] + ".part"
 
 

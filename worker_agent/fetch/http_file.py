@@ -7,6 +7,10 @@ saved) and asks for ``Range: bytes=N-``: a 206 with the same ETag and total size
 continues it; a 200 (the server ignored the Range) or a changed ETag or size
 starts again from zero. The caller renames the file into place once it is
 verified; this module never leaves an unverified file under a final name.
+
+An ETag is one source's name for its bytes: a partial begun at one source (a
+peer) and resumed at another (the origin) is continued on the pin alone (size,
+then the digest at the end), since the two never share ETags.
 """
 
 import contextlib
@@ -30,7 +34,7 @@ from worker_agent.fetch.errors import (
     SourceUnavailable,
 )
 from worker_agent.fetch.progress import ProgressMeter
-from worker_agent.fetch.spec import FetchPolicy, FileSpec
+from worker_agent.fetch.spec import ORIGIN, FetchPolicy, FileSpec
 
 log = logging.getLogger(__name__)
 
@@ -60,16 +64,19 @@ class _Partial:
         self.part = part
         self.meta = part.with_name(part.name + ".json")
 
-    def etag(self) -> str | None:
+    def etag(self, source: str) -> str | None:
+        """The ETag the bytes came with, if they came from ``source`` (a partial
+        from before sources were recorded came from the origin)."""
         try:
-            value = json.loads(self.meta.read_text()).get("etag")
+            meta = json.loads(self.meta.read_text())
+            value, came_from = meta.get("etag"), meta.get("source", ORIGIN)
         except (OSError, ValueError, AttributeError):
             return None
-        return value if isinstance(value, str) else None
+        return value if isinstance(value, str) and came_from == source else None
 
-    def set_etag(self, etag: str | None) -> None:
+    def set_etag(self, etag: str | None, source: str) -> None:
         tmp = self.meta.with_name(self.meta.name + ".tmp")
-        tmp.write_text(json.dumps({"etag": etag}))
+        tmp.write_text(json.dumps({"etag": etag, "source": source}))
         os.replace(tmp, self.meta)
 
     def rehash(self, spec: FileSpec, chunk_bytes: int) -> tuple[int, "hashlib._Hash"]:
@@ -114,21 +121,26 @@ def attempt(
     policy: FetchPolicy,
     meter: ProgressMeter,
     deadline: float | None,
+    *,
+    source: str = ORIGIN,
 ) -> bool:
-    """One request; True if the partial is now the whole verified file.
+    """One request to ``source`` (whose URL and headers ``spec`` holds); True if
+    the partial is now the whole verified file.
 
     Raises the classified errors; returns False when the body ended early (the
     caller resumes). Bytes moved are reported to ``meter`` as they arrive.
     """
     partial = _Partial(part)
     have, digest = partial.rehash(spec, policy.chunk_bytes)
-    etag = partial.etag() if have else None
+    etag = partial.etag(source) if have else None
     if have > spec.size:
         partial.discard()
         have, digest = 0, spec.hasher()
     meter.at(have)
     if have < spec.size:
-        have, digest = _receive(client, spec, partial, have, digest, etag, policy, meter, deadline)
+        have, digest = _receive(
+            client, spec, partial, _Got(have, digest), etag, source, policy, meter, deadline
+        )
     if have < spec.size:
         return False
     got = digest.hexdigest()
@@ -144,13 +156,14 @@ def _receive(
     client: httpx.Client,
     spec: FileSpec,
     partial: _Partial,
-    have: int,
-    digest: "hashlib._Hash",
+    state: "_Got",
     etag: str | None,
+    source: str,
     policy: FetchPolicy,
     meter: ProgressMeter,
     deadline: float | None,
 ) -> tuple[int, "hashlib._Hash"]:
+    have = state.have
     headers = dict(spec.headers())
     headers["Accept-Encoding"] = "identity"  # the digest is of the stored bytes
     if have:
@@ -159,7 +172,6 @@ def _receive(
     if deadline is not None:
         read_s = max(0.001, min(read_s, deadline - time.monotonic()))
     timeout = httpx.Timeout(read_s, connect=policy.connect_timeout_s)
-    state = _Got(have, digest)
     try:
         with client.stream("GET", spec.url, headers=headers, timeout=timeout) as response:
             _check_status(spec, response)
@@ -168,7 +180,7 @@ def _receive(
             ):
                 _restart(spec, partial, response, have, meter)
                 state = _Got(0, spec.hasher())
-            partial.set_etag(response.headers.get("etag"))
+            partial.set_etag(response.headers.get("etag"), source)
             _write_body(spec, partial, response, state, policy, meter, deadline)
     except httpx.TimeoutException as exc:
         if deadline is not None and time.monotonic() >= deadline:

@@ -23,7 +23,11 @@ ProgressSink = Callable[[FetchProgress], None]
 
 class ProgressMeter:
     """Counts bytes and forwards a report at most once per ``interval_s``, plus
-    the first and the last: a report per chunk would swamp Temporal."""
+    the first and the last: a report per chunk would swamp Temporal.
+
+    ``bytes_by_source``: the bytes received from each source (``use`` names the
+    one in flight), wrong bytes discarded included: what each source sent us.
+    """
 
     def __init__(
         self,
@@ -45,6 +49,15 @@ class ProgressMeter:
         self._done_bytes = 0  # of the files done
         self._current = 0  # of the file in flight
         self._moved = 0
+        self.bytes_by_source: dict[str, int] = {}
+
+    @property
+    def source(self) -> str:
+        return self._source
+
+    def use(self, source: str) -> None:
+        """The bytes that follow come from ``source`` (a peer's node id, the origin)."""
+        self._source = source
 
     @property
     def bytes_done(self) -> int:
@@ -55,6 +68,8 @@ class ProgressMeter:
         (bytes found on disk from an earlier fetch count, but not in the rate)."""
         self._current = have
         self._moved += moved
+        if moved:
+            self.bytes_by_source[self._source] = self.bytes_by_source.get(self._source, 0) + moved
         self._report(False)
 
     def file_done(self, size: int) -> None:

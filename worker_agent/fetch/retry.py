@@ -8,18 +8,30 @@ failures in a row, so a link that drops every few minutes still finishes a
 large file, while one that restarts from zero each time still ends;
 mismatches are counted on their own and never reset. ``SourceRefused`` and ``FetchDeadline`` end the
 fetch at once.
+
+Peers come first, one try each: whatever a peer does wrong (refuses, lacks
+the file, dies mid-copy, stalls, sends bytes that do not verify) moves on to
+the next source, the partial kept unless its bytes were wrong; the origin is
+last, with the retries above.
 """
 
+import dataclasses
 import logging
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
 
-from worker_agent.fetch.errors import FetchDeadline, FileMismatch, SourceUnavailable
+from worker_agent.fetch.errors import (
+    FetchDeadline,
+    FileMismatch,
+    SourceRefused,
+    SourceUnavailable,
+)
 from worker_agent.fetch.http_file import attempt
 from worker_agent.fetch.progress import ProgressMeter
-from worker_agent.fetch.spec import FetchPolicy, FileSpec
+from worker_agent.fetch.spec import ORIGIN, FetchPolicy, FileSpec
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +50,8 @@ def fetch_file(
     policy: FetchPolicy,
     meter: ProgressMeter,
     deadline: float | None,
+    *,
+    source: str = ORIGIN,
 ) -> None:
     """Leave the verified, fsynced file at ``part`` or raise the last error."""
     failures = 0
@@ -46,7 +60,7 @@ def fetch_file(
     while True:
         delay: float | None = None
         try:
-            if attempt(client, spec, part, policy, meter, deadline):
+            if attempt(client, spec, part, policy, meter, deadline, source=source):
                 return
             error: Exception = SourceUnavailable(f"{spec.rel_path}: the body ended early")
         except FileMismatch as exc:
@@ -74,3 +88,28 @@ def fetch_file(
             )
         log.info("%s; trying again in %.1fs", error, delay)
         time.sleep(delay)
+
+
+def fetch_file_from(
+    client: httpx.Client,
+    peers: Sequence[tuple[str, FileSpec]],
+    origin: tuple[str, FileSpec],
+    part: Path,
+    policy: FetchPolicy,
+    meter: ProgressMeter,
+    deadline: float | None,
+) -> None:
+    """``fetch_file`` from the first source that delivers the verified file:
+    each of ``peers`` (node id, the file at that peer) once, then ``origin``."""
+    at_peer = dataclasses.replace(policy, stall_s=min(policy.stall_s, policy.peer_stall_s))
+    for name, spec in peers:
+        meter.use(name)
+        try:
+            if attempt(client, spec, part, at_peer, meter, deadline, source=name):
+                return
+            log.info("%s: peer %s ended the body early; next source", spec.rel_path, name)
+        except (SourceUnavailable, SourceRefused, FileMismatch) as exc:
+            log.info("peer %s: %s; next source", name, exc)
+    name, spec = origin
+    meter.use(name)
+    fetch_file(client, spec, part, policy, meter, deadline, source=name)

@@ -4,6 +4,7 @@ import hashlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
+from urllib.parse import quote
 
 from llmgw.errors import ConfigError
 from llmgw.types.weights_manifest import DigestKind, digest_length, new_hasher
@@ -13,6 +14,17 @@ HeadersProvider = Callable[[], Mapping[str, str]]
 They may hold a secret: nothing here logs them or puts them in an error."""
 
 KEY_HEX_CHARS = 24
+ORIGIN = "origin"
+
+
+def check_rel_path(rel_path: str) -> str:
+    """``rel_path`` if it names a file under a directory (relative, no '..', no
+    backslash), else ConfigError: a manifest or a peer's request names no file
+    outside its artifact."""
+    path = PurePosixPath(rel_path)
+    if path.is_absolute() or not path.parts or ".." in path.parts or "\\" in rel_path:
+        raise ConfigError(f"file path {rel_path!r} must be relative, without '..'")
+    return rel_path
 
 
 def _no_headers() -> Mapping[str, str]:
@@ -33,9 +45,7 @@ class FileSpec:
     headers: HeadersProvider = field(default=_no_headers, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        path = PurePosixPath(self.rel_path)
-        if path.is_absolute() or not path.parts or ".." in path.parts or "\\" in self.rel_path:
-            raise ConfigError(f"file path {self.rel_path!r} must be relative, without '..'")
+        check_rel_path(self.rel_path)
         if self.size < 0 or len(self.digest) != digest_length(self.digest_kind):
             raise ConfigError(
                 f"{self.rel_path}: a size >= 0 and a hex {self.digest_kind.value} digest are needed"
@@ -48,21 +58,49 @@ class FileSpec:
 
 
 @dataclass(frozen=True)
+class Peer:
+    """Another node of the cluster whose peer server (peer_server.py) may hold
+    the artifact: tried, in order, before the origin. Nothing a peer sends is
+    trusted: every file is verified against the pin as it arrives.
+
+    ``name`` (the node id) is what progress and ``bytes_by_source`` say;
+    ``base_url`` is its peer server (``http://host:port``); ``headers`` carry
+    the cluster's peer credential (peer_server.peer_headers).
+    """
+
+    name: str
+    base_url: str
+    headers: HeadersProvider = field(default=_no_headers, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.name or self.name == ORIGIN:
+            raise ConfigError(f"a peer needs a node id other than {ORIGIN!r}")
+
+    def file_url(self, key: str, rel_path: str) -> str:
+        return f"{self.base_url.rstrip('/')}/v1/artifacts/{key}/files/{quote(rel_path)}"
+
+
+@dataclass(frozen=True)
 class ArtifactSpec:
     """A set of files fetched, verified and cached together (one pinned manifest).
 
-    ``source`` is shown in progress ("origin", a peer's node id); ``name`` is the
-    payload directory inside the cache entry.
+    ``source`` names the origin in progress and ``bytes_by_source``; ``name`` is
+    the payload directory inside the cache entry. ``peers`` are tried first for
+    each file, in order; the origin (each file's ``url``) last.
     """
 
     files: tuple[FileSpec, ...]
-    source: str = "origin"
+    source: str = ORIGIN
     name: str = "files"
+    peers: tuple[Peer, ...] = ()
 
     def __post_init__(self) -> None:
         seen = [f.rel_path for f in self.files]
         if len(set(seen)) != len(seen):
             raise ConfigError("an artifact names one file twice")
+        names = [p.name for p in self.peers]
+        if self.source in names or len(set(names)) != len(names):
+            raise ConfigError("an artifact's sources need distinct names")
 
     @property
     def key(self) -> str:
@@ -83,7 +121,8 @@ class ArtifactSpec:
 class FetchPolicy:
     """Retries, stalls and deadlines.
 
-    ``attempts`` bounds the tries of one file (a digest mismatch counts as one);
+    ``attempts`` bounds the tries of one file at the origin (a digest mismatch
+    counts as one; a peer gets one try, its stall window ``peer_stall_s``);
     backoff doubles from ``backoff_s`` up to ``max_backoff_s``; a 429's
     Retry-After is honoured up to ``max_retry_after_s``. ``stall_s``: no byte
     for that long is a stall. ``deadline_s``: the whole artifact's limit (None:
@@ -95,6 +134,8 @@ class FetchPolicy:
     max_backoff_s: float = 60.0
     max_retry_after_s: float = 300.0
     stall_s: float = 60.0
+    # A peer is one try among several sources: a silent one is left sooner.
+    peer_stall_s: float = 15.0
     connect_timeout_s: float = 30.0
     deadline_s: float | None = None
     chunk_bytes: int = 2**20

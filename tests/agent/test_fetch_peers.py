@@ -3,6 +3,7 @@
 bytes it sends (tests/fetch_server.py). Node ids are distinct cache roots."""
 
 import hashlib
+import logging
 import os
 import signal
 import subprocess
@@ -280,3 +281,25 @@ def test_the_peer_protocol_needs_the_credential_and_serves_only_pinned_files(
             "/v1/artifacts/..%2f..%2f/files/secret.txt",
         ):
             assert http.get(bad, headers=auth).status_code == 404, bad
+
+
+def test_a_broken_peer_costs_one_try_per_artifact_and_its_credential_is_never_logged(
+    tmp_path: Path, origin: FileServer, files: dict[str, bytes], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A peer answering 500 is asked once, not once per file; a peer that lacks
+    a file (404) is asked for the next one."""
+    key = artifact(origin).key
+    at = {f"v1/artifacts/{key}/files/{rel}": data for rel, data in files.items()}
+    with FileServer(at) as broken, FileServer({}) as lacking:
+        for path in at:
+            broken.faults[path] = [Fault("status", 500)] * 3
+        spec = artifact(
+            origin, peer("broken", broken.url("").rstrip("/")), peer("lacking", lacking.url(""))
+        )
+        with caplog.at_level(logging.DEBUG):
+            got = ArtifactCache(tmp_path / "node2", policy=POLICY).fetch(spec)
+    verified(got, files)
+    assert len(broken.requests) == 1
+    assert len(lacking.requests) == len(files)
+    assert all(r.authorization == f"Bearer {KEY}" for r in broken.requests + lacking.requests)
+    assert "peer broken" in caplog.text and KEY not in caplog.text

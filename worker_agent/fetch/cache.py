@@ -197,6 +197,7 @@ class ArtifactCache:
                 meter.file_done(f.size)
         owned = client is None
         http = client or httpx.Client(follow_redirects=True)
+        skip: set[str] = set()  # peers found dead, refusing or lying
         try:
             for f in pending:
                 part = parts / part_name(f.rel_path)
@@ -205,7 +206,7 @@ class ArtifactCache:
                     for p in artifact.peers
                 ]
                 fetch_file_from(
-                    http, peers, (artifact.source, f), part, self.policy, meter, deadline
+                    http, peers, (artifact.source, f), part, self.policy, meter, deadline, skip=skip
                 )
                 final = payload / f.rel_path
                 final.parent.mkdir(parents=True, exist_ok=True)

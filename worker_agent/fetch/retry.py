@@ -98,17 +98,36 @@ def fetch_file_from(
     policy: FetchPolicy,
     meter: ProgressMeter,
     deadline: float | None,
+    *,
+    skip: set[str] | None = None,
 ) -> None:
     """``fetch_file`` from the first source that delivers the verified file:
-    each of ``peers`` (node id, the file at that peer) once, then ``origin``."""
-    at_peer = dataclasses.replace(policy, stall_s=min(policy.stall_s, policy.peer_stall_s))
+    each of ``peers`` (node id, the file at that peer) once, then ``origin``.
+
+    ``skip``: peers not to ask, shared across an artifact's files; a peer that
+    cannot be reached, refuses the credential or sends wrong bytes is added,
+    so a dead node costs one connect per artifact, not one per file. One that
+    lacks the file (404) or cuts a body short may have the next file.
+    """
+    skip = set() if skip is None else skip
+    window = min(policy.stall_s, policy.peer_stall_s)
+    at_peer = dataclasses.replace(
+        policy, stall_s=window, connect_timeout_s=min(policy.connect_timeout_s, window)
+    )
     for name, spec in peers:
+        if name in skip:
+            continue
         meter.use(name)
         try:
             if attempt(client, spec, part, at_peer, meter, deadline, source=name):
                 return
             log.info("%s: peer %s ended the body early; next source", spec.rel_path, name)
-        except (SourceUnavailable, SourceRefused, FileMismatch) as exc:
+        except SourceRefused as exc:
+            if exc.status != 404:
+                skip.add(name)
+            log.info("peer %s: %s; next source", name, exc)
+        except (SourceUnavailable, FileMismatch) as exc:
+            skip.add(name)
             log.info("peer %s: %s; next source", name, exc)
     name, spec = origin
     meter.use(name)

@@ -104,6 +104,7 @@ from llmgw.types import (
     WakeResult,
     WatchShardInput,
 )
+from llmgw.types.pull import ModelPullInput, ModelPullResult
 
 I = TypeVar("I")  # noqa: E741 - the input type, as in Update[I, R]
 R = TypeVar("R")
@@ -336,6 +337,7 @@ REPLICA = WorkflowType("Replica", ReplicaInput, ReplicaStatus)
 DEPLOYMENT = WorkflowType("Deployment", DeploymentInput, DeploymentStatus)
 RENDEZVOUS = WorkflowType("Rendezvous", RendezvousInput, RendezvousResult)
 DRAIN_NODE = WorkflowType("DrainNode", DrainNodeInput, DrainNodeResult)
+MODEL_PULL = WorkflowType("ModelPull", ModelPullInput, ModelPullResult)
 ADAPTER_LOAD = WorkflowType("AdapterLoad", AdapterLoadInput, AdapterLoadResult)
 SHARD_LOGS = WorkflowType("ShardLogs", ShardLogsInput, LogTail)
 # Durable OpenAI jobs, on the exec queue (ids: llmgw.queues.batch_workflow_id,
@@ -344,7 +346,7 @@ BATCH = WorkflowType("Batch", BatchRun, BatchRunResult)
 RESPONSE = WorkflowType("BackgroundResponse", ResponseRun, ResponseRunResult)
 
 WORKFLOWS: tuple[WorkflowType[Any, Any], ...] = (
-    FLEET, REPLICA, DEPLOYMENT, RENDEZVOUS, DRAIN_NODE, ADAPTER_LOAD, SHARD_LOGS,
+    FLEET, REPLICA, DEPLOYMENT, RENDEZVOUS, DRAIN_NODE, MODEL_PULL, ADAPTER_LOAD, SHARD_LOGS,
     BATCH, RESPONSE,
 )  # fmt: skip
 

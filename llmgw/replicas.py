@@ -50,6 +50,7 @@ from llmgw.types import (
     WakeInput,
     WakeResult,
 )
+from llmgw.types.pull import ModelPullInput, ModelPullResult, pull_activity_id
 
 PhaseCallback = Callable[[ReplicaMemo], None]
 
@@ -133,9 +134,15 @@ async def fetch_progress(client: Client, replica_id: str) -> list[FetchProgressD
     """What the replica's weights fetches last heartbeated (one per node fetching):
     the pending ``fetch_weights`` activities of its workflow, as the Temporal UI
     shows them. Empty once no fetch is in flight, or before bytes move."""
-    handle = client.get_workflow_handle(replica_workflow_id(replica_id))
+    found = await _fetches(client, replica_workflow_id(replica_id))
+    return list(found.values())
+
+
+async def _fetches(client: Client, workflow_id: str) -> dict[str, FetchProgressDetail]:
+    """The last heartbeat of each pending ``fetch_weights`` activity, by activity id."""
+    handle = client.get_workflow_handle(workflow_id)
     desc = await handle.describe(rpc_timeout=timedelta(seconds=5))
-    found: list[FetchProgressDetail] = []
+    found: dict[str, FetchProgressDetail] = {}
     for pending in desc.raw_description.pending_activities:
         if pending.activity_type.name != contracts.FETCH_WEIGHTS.name:
             continue
@@ -145,8 +152,46 @@ async def fetch_progress(client: Client, replica_id: str) -> list[FetchProgressD
         (detail,) = await client.data_converter.decode(payloads[-1:])
         if isinstance(detail, dict):
             with contextlib.suppress(ValidationError):
-                found.append(FetchProgressDetail.model_validate(detail))
+                found[pending.activity_id] = FetchProgressDetail.model_validate(detail)
     return found
+
+
+def pull_workflow_id(spec: ModelSpec) -> str:
+    """One pull of a model's pinned artifact at a time: a second joins it."""
+    artifact = spec.pin.artifact_id().removeprefix("sha256:")[:16] if spec.pin else "local"
+    return f"model-pull-{spec.name}-{artifact}"
+
+
+async def start_pull(client: Client, request: ModelPullInput) -> str:
+    """Start (or join) the ModelPull job; its workflow id."""
+    workflow_id = pull_workflow_id(request.model)
+    await contracts.MODEL_PULL.start(
+        client,
+        request,
+        id=workflow_id,
+        task_queue=CONTROL_QUEUE,
+        id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+        rpc_timeout=timedelta(seconds=10),
+    )
+    return workflow_id
+
+
+async def pull_progress(client: Client, workflow_id: str) -> dict[str, FetchProgressDetail]:
+    """Each node's last progress in the pull, by node id (nodes not fetching now
+    are left out)."""
+    found = await _fetches(client, workflow_id)
+    prefix = pull_activity_id("")
+    return {a.removeprefix(prefix): d for a, d in found.items() if a.startswith(prefix)}
+
+
+async def pull_result(client: Client, workflow_id: str, poll_s: float) -> ModelPullResult | None:
+    """The pull's result once it has ended (None while it runs), waiting at most ``poll_s``."""
+    handle = client.get_workflow_handle(workflow_id, result_type=ModelPullResult)
+    try:
+        result: ModelPullResult = await asyncio.wait_for(handle.result(), poll_s)
+    except TimeoutError:
+        return None
+    return result
 
 
 async def list_replicas(client: Client, include_closed: bool = False) -> list[ReplicaMemo]:

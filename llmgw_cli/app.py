@@ -28,6 +28,7 @@ from llmgw_cli.elastic import (
 )
 from llmgw_cli.keys import keys_app
 from llmgw_cli.model import model_app
+from llmgw_cli.model_pull import model_pull
 from llmgw_cli.output import (
     DeploymentRow,
     ExplainDeployment,
@@ -108,6 +109,7 @@ agent_app = typer.Typer(help="The node agent (task queue node-<id>)")
 app.add_typer(agent_app, name="agent")
 node_app = typer.Typer(help="Node preparation", no_args_is_help=True)
 app.add_typer(node_app, name="node")
+model_app.command("pull")(model_pull)
 app.add_typer(model_app, name="model")
 
 

@@ -30,6 +30,7 @@ WIRE_NAMES = {
     "DEPLOYMENT": "Deployment",
     "RENDEZVOUS": "Rendezvous",
     "DRAIN_NODE": "DrainNode",
+    "MODEL_PULL": "ModelPull",
     "ADAPTER_LOAD": "AdapterLoad",
     "SHARD_LOGS": "ShardLogs",
     "BATCH": "Batch",

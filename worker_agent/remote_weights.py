@@ -59,9 +59,11 @@ class RemoteWeights:
         source: str,
         pin: SourcePin,
         progress: ProgressFn | None = None,
+        hold: bool = True,
     ) -> RemoteFetched:
         """The pinned files on this node (fetched on a miss), used by ``replica_id``.
 
+        ``hold``: record ``replica_id`` as a user of the entry (False: a pull).
         Blocking (run it in a thread). Raises UnsupportedSource for a source
         nodes cannot fetch, and the fetch library's WeightsErrors.
         """
@@ -71,7 +73,7 @@ class RemoteWeights:
             if progress is not None:
                 progress(detail_of(p))
 
-        got = self.cache.fetch(pinned.spec, user=replica_id, progress=report)
+        got = self.cache.fetch(pinned.spec, user=replica_id if hold else None, progress=report)
         path = got.path / pinned.file if pinned.file else got.path
         return RemoteFetched(path, got.key, got.sha256, got.size_bytes, got.cached)
 
@@ -105,7 +107,9 @@ async def fetch_pinned(
         span.set_attribute("llmgw.weights.artifact", pin.artifact_id())
         span.set_attribute("llmgw.weights.bytes", pin.total_bytes())
         fetched = await beating_while(
-            asyncio.to_thread(remote.fetch, request.replica_id, request.source, pin, progress),
+            asyncio.to_thread(
+                remote.fetch, request.replica_id, request.source, pin, progress, request.hold
+            ),
             heartbeat,
             lambda: last[0],
         )

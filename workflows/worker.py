@@ -39,6 +39,7 @@ from workflows.fleet import FleetWorkflow
 from workflows.jobs_batch import BatchWorkflow
 from workflows.jobs_response import BackgroundResponseWorkflow
 from workflows.logs import ShardLogsWorkflow
+from workflows.model_pull import ModelPullWorkflow
 from workflows.reconcile import reconcile_forever
 from workflows.rendezvous import RendezvousWorkflow
 from workflows.replica import ReplicaWorkflow
@@ -55,6 +56,7 @@ WORKFLOWS = [
     DeploymentWorkflow,
     DrainNodeWorkflow,
     FleetWorkflow,
+    ModelPullWorkflow,
     ReplicaWorkflow,
     RendezvousWorkflow,
     ShardLogsWorkflow,

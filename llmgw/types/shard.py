@@ -59,6 +59,9 @@ class FetchWeightsInput(BaseModel):
     device: str = "cuda"
     # A remote source's pin (model apply): the files fetched, at that revision.
     pin: SourcePin | None = None
+    # Record the replica as a user of the cached artifact until it stops (so
+    # the cache budget never evicts it); a pull ahead of a deploy holds none.
+    hold: bool = True
 
 
 GIB = 2**30

@@ -11,6 +11,7 @@ progress. A second replica of the model on the node fetches nothing.
 
 import asyncio
 import json
+import re
 from collections.abc import Awaitable, Callable
 
 import openai
@@ -104,3 +105,41 @@ async def test_an_hf_source_serves_a_completion_fetched_once_with_progress(
         await replicas.stop_replica(client, rid, "test over", 30)
     for child in system.children:
         assert TOKEN not in child.log_path.read_text(errors="replace"), child.name
+
+
+async def test_model_pull_fetches_to_every_node_ahead_of_a_deploy(
+    system: System, client: Client, tiny: TinyModel
+) -> None:
+    """``llmgw model pull`` runs the ModelPull job: each live node fetches the
+    pinned file (progress printed as the nodes heartbeat it), and a replica
+    started afterwards takes it from its node's cache, fetching nothing."""
+    hub = HubServer()
+    hub.commit("org/tiny", {GGUF: tiny.model_path})
+    size = tiny.model_path.stat().st_size
+    with hub.running():
+        pin = pin_hf(HfSource("org/tiny", None, GGUF), EngineKind.LLAMA_CPP, None, [], Hub(hub.url))
+        spec = ModelSpec(name=MODEL, source=f"hf://org/tiny/{GGUF}", pin=pin)
+        system.catalog(spec)
+        system.env.update({"LLMGW_HF_ENDPOINT": hub.url, "HF_HUB_DISABLE_XET": "1"})
+        # About 12 s a node: Temporal sends heartbeat details on at most every 8 s
+        # (0.8 of the heartbeat timeout), after the first.
+        hub.chunk_delay_s = 12 / max(1, size // (64 * 1024))
+        await system.start(client, "pull-a", "pull-b", own_ports=True)
+        pulled = await asyncio.to_thread(system.cli, "model", "pull", MODEL)
+        assert pulled.returncode == 0, pulled.stdout + pulled.stderr
+        said = pulled.stdout
+        assert re.search(r"pull-a: fetching [\d.]+ / [\d.]+ MiB at \d+ MiB/s from origin", said), (
+            said
+        )
+        assert f"pull-a: fetched, {size} bytes" in said and f"pull-b: fetched, {size} bytes" in said
+        assert hub.served_bytes == 2 * size
+        again = await asyncio.to_thread(system.cli, "model", "pull", MODEL, "--nodes", "pull-b")
+        assert f"pull-b: already held, {size} bytes" in again.stdout, again.stdout
+
+        replica_id = await replicas.start_replica(client, spec)
+        await replicas.wait_ready(client, replica_id, 180)
+        status = await replicas.status_of(client, replica_id)
+        assert status is not None
+        assert any("weights from the node's cache" in h.detail for h in status.history)
+        assert hub.served_bytes == 2 * size
+        await replicas.stop_replica(client, replica_id, "test over", 30)

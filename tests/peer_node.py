@@ -24,16 +24,18 @@ def _listening() -> socket.socket:
     return sock
 
 
-def _server(root: Path, key: str, part_wait_s: float) -> uvicorn.Server:
-    app = PeerServer(root, key, part_wait_s=part_wait_s).app
+def _server(root: Path, key: str, part_wait_s: float, max_transfers: int = 16) -> uvicorn.Server:
+    app = PeerServer(root, key, part_wait_s=part_wait_s, max_transfers=max_transfers).app
     return uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
 
 
 @contextmanager
-def running(root: Path, key: str, *, part_wait_s: float = 10.0) -> Iterator[str]:
+def running(
+    root: Path, key: str, *, part_wait_s: float = 10.0, max_transfers: int = 16
+) -> Iterator[str]:
     """The peer server over the cache ``root``; yields its base URL."""
     sock = _listening()
-    server = _server(root, key, part_wait_s)
+    server = _server(root, key, part_wait_s, max_transfers)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     try:

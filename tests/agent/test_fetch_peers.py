@@ -303,3 +303,23 @@ def test_a_broken_peer_costs_one_try_per_artifact_and_its_credential_is_never_lo
     assert len(lacking.requests) == len(files)
     assert all(r.authorization == f"Bearer {KEY}" for r in broken.requests + lacking.requests)
     assert "peer broken" in caplog.text and KEY not in caplog.text
+
+
+def test_transfers_are_bounded_and_a_client_gone_frees_its_slot(
+    tmp_path: Path, origin: FileServer, files: dict[str, bytes]
+) -> None:
+    spec = artifact(origin)
+    ArtifactCache(tmp_path / "node1", policy=POLICY).fetch(spec)
+    auth = {"Authorization": f"Bearer {KEY}"}
+    path = f"/v1/artifacts/{spec.key}/files/{BIG}"
+    with (
+        peer_node.running(tmp_path / "node1", KEY, max_transfers=1) as url,
+        httpx.Client(base_url=url) as http,
+    ):
+        with http.stream("GET", path, headers=auth) as body:
+            next(body.iter_raw())  # one transfer in flight: the next is told to come back
+            busy = http.get(path, headers=auth)
+            assert busy.status_code == 503 and busy.headers["retry-after"] == "1"
+        # The first client left mid-body: its slot is freed, the file served again.
+        wait_for(lambda: http.head(path, headers=auth).status_code == 200, "the slot freed")
+        assert http.get(path, headers=auth).content == files[BIG]

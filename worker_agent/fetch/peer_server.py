@@ -262,12 +262,19 @@ class PeerServer:
             return Response(status_code=404)
         if self.transfers >= self.max_transfers:
             return Response(status_code=503, headers={"Retry-After": "1"})
-        held = await anyio.to_thread.run_sync(locate, self.root, key, rel_path)
+        self.transfers += 1  # taken before the lookup's await; the body frees it
+        try:
+            held = await anyio.to_thread.run_sync(locate, self.root, key, rel_path)
+        except BaseException:
+            self.transfers -= 1
+            raise
         if held is None:
+            self.transfers -= 1
             return Response(status_code=404)
         span = _range(request.headers.get("range"), held.size)
         headers = {"ETag": held.digest, "Accept-Ranges": "bytes"}
         if span is None:
+            self.transfers -= 1
             os.close(held.fd)
             headers["Content-Range"] = f"bytes */{held.size}"
             return Response(status_code=416, headers=headers)
@@ -275,5 +282,4 @@ class PeerServer:
         headers["Content-Length"] = str(end - start)
         if partial:
             headers["Content-Range"] = f"bytes {start}-{end - 1}/{held.size}"
-        self.transfers += 1  # freed by the body, however it ends
         return _FileBody(held, (start, end), 206 if partial else 200, headers, self)

@@ -9,8 +9,9 @@ fails at a replica's start: for an autoscaled model at its first wake, as a
 serve it, naming the field, and what a node cannot tell (a path deeper than
 it lists) is not refused.
 
-A remote source (``hf://``) is not on the nodes: it is pinned instead
-(``pin_sources``): resolved to its commit and checked against its Hub.
+A remote source (``hf://``, ``s3://``) is not on the nodes: it is pinned
+instead (``pin_sources``): resolved to its commit, or its objects' ETags and
+versions, and checked against its Hub or store.
 """
 
 import posixpath
@@ -21,11 +22,15 @@ from typing import TYPE_CHECKING
 from llmgw.catalog import CatalogModel
 from llmgw.errors import ConfigError
 from llmgw.path_filter import OPAQUE, PathFilter
-from llmgw.sources import NOT_YET, HfSource, LocalSource, parse_source
+from llmgw.s3_pin import S3Store, pin_s3
+from llmgw.sources import NOT_YET, HfSource, LocalSource, S3Source, parse_source
+from llmgw.storage_profiles import DEFAULT_PROFILE, profile_problem, s3_client
 from llmgw.types import ModelSpec, NodeInventory, WeightsReport
+from llmgw.types.weights_manifest import LATEST_OBJECTS
 
 if TYPE_CHECKING:
     from llmgw.hub_pin import Hub
+    from llmgw.storage_profiles import StorageProfile
     from llmgw.types.weights_manifest import SourcePin
 
 ROOTS_SETTING = "LLMGW_WEIGHTS_ROOTS"
@@ -58,7 +63,7 @@ def local_path(source: str) -> tuple[str, str]:
 
 
 def remote_problem(source: str) -> str | None:
-    """None for a local source; "" for a remote one llmgw pins (hf://); else
+    """None for a local source; "" for a remote one llmgw pins (hf://, s3://); else
     why this remote source is refused (a scheme not served yet)."""
     try:
         parsed = parse_source(source)
@@ -68,7 +73,10 @@ def remote_problem(source: str) -> str | None:
         return None
     scheme = source.partition("://")[0]
     if scheme in NOT_YET:
-        return f"{scheme}:// sources are not supported yet (only hf:// and local paths): {source!r}"
+        return (
+            f"{scheme}:// sources are not supported yet (only hf://, s3:// and local"
+            f" paths): {source!r}"
+        )
     return ""
 
 
@@ -175,58 +183,117 @@ def pin_sources(
     hub: "Hub",
     refresh: bool = False,
     label: Callable[[int], str] = lambda i: f"models[{i}].",
+    profiles: "Mapping[str, StorageProfile] | None" = None,
 ) -> tuple[list[CatalogModel], list[str]]:
-    """``entries`` with their ``hf://`` sources pinned, and the problems, each
-    naming its field (any: nothing is to be written). An entry keeps the pin
-    it has, given in the file or stored under its name for the same source,
-    engine and patterns, unless ``refresh``: a replica started later gets the
-    bytes the first one got."""
-    from llmgw.hub_pin import DEFAULT_REVISION, pin_hf  # noqa: PLC0415  (a slow import)
-
+    """``entries`` with their ``hf://`` and ``s3://`` sources pinned, and the
+    problems, each naming its field (any: nothing is to be written). An entry
+    keeps the pin it has, given in the file or stored under its name for the
+    same source, engine, patterns and storage profile, unless ``refresh``: a
+    replica started later gets the bytes the first one got. ``profiles``: the
+    storage profiles s3:// sources are read with (LLMGW_STORAGE_PROFILES)."""
+    pinner = _Pinner(hub, dict(profiles or {}))
     pinned: list[CatalogModel] = []
     problems: list[str] = []
     for i, entry in enumerate(entries):
         try:
+            pinned.append(pinner.pin(entry, stored.get(entry.name), refresh))
+        except _Refused as exc:
+            problems.append(f"{label(i)}{exc.field}: {exc}")
+    return pinned, problems
+
+
+class _Refused(ConfigError):
+    def __init__(self, field: str, why: str) -> None:
+        super().__init__(why)
+        self.field = field
+
+
+class _Pinner:
+    """Pins one entry at a time; a store client is built once per profile."""
+
+    def __init__(self, hub: "Hub", profiles: "dict[str, StorageProfile]") -> None:
+        self.hub = hub
+        self.profiles = profiles
+        self.stores: dict[str, S3Store] = {}
+
+    def pin(self, entry: CatalogModel, stored: ModelSpec | None, refresh: bool) -> CatalogModel:
+        try:
             parsed = parse_source(entry.source)
         except ConfigError as exc:
-            problems.append(f"{label(i)}source: {exc}")
-            continue
-        if not isinstance(parsed, HfSource):
+            raise _Refused("source", str(exc)) from None
+        if not isinstance(parsed, HfSource | S3Source):
             for name in ("include", "exclude", "pin"):
                 if getattr(entry, name):
-                    problems.append(f"{label(i)}{name}: only for hf:// sources")
-            pinned.append(entry)
-            continue
-        kept = entry.pin or _stored_pin(entry, stored.get(entry.name))
-        if kept is not None and (kept.repo != parsed.repo or kept.scheme != "hf"):
-            problems.append(f"{label(i)}pin: it pins {kept.repo}, not {parsed.repo}")
-            continue
-        asked = parsed.revision or DEFAULT_REVISION
+                    raise _Refused(name, "only for hf:// and s3:// sources")
+        if not isinstance(parsed, S3Source) and entry.storage_profile is not None:
+            raise _Refused("storage_profile", "only for s3:// sources")
+        if not isinstance(parsed, HfSource | S3Source):
+            return entry
+        scheme, asked = ("hf", parsed.revision or _hf_default()) if isinstance(
+            parsed, HfSource
+        ) else ("s3", LATEST_OBJECTS)  # fmt: skip
+        kept = entry.pin or _stored_pin(entry, stored)
+        if kept is not None and (kept.repo != parsed.repo or kept.scheme != scheme):
+            raise _Refused("pin", f"it pins {kept.repo}, not {parsed.repo}")
         if kept is not None and asked not in (kept.requested, kept.revision):
-            problems.append(
-                f"{label(i)}pin: it pins {kept.requested!r}, the source asks {asked!r}"
-                " (leave the pin out to resolve it)"
+            raise _Refused(
+                "pin",
+                f"it pins {kept.requested!r}, the source asks {asked!r}"
+                " (leave the pin out to resolve it)",
             )
-            continue
         if kept is not None and not refresh:
-            pinned.append(entry.model_copy(update={"pin": kept}))
-            continue
-        try:
-            pin = pin_hf(parsed, entry.engine, entry.include, entry.exclude, hub)
-        except ConfigError as exc:
-            problems.append(f"{label(i)}source: {exc}")
-            continue
+            return entry.model_copy(update={"pin": kept})
+        pin = self._resolve(entry, parsed)
         if kept is not None and kept.revision == pin.revision and kept.manifest == pin.manifest:
             pin = kept  # unchanged: the entry's digest stays, no restart
-        pinned.append(entry.model_copy(update={"pin": pin}))
-    return pinned, problems
+        return entry.model_copy(update={"pin": pin})
+
+    def _resolve(self, entry: CatalogModel, parsed: HfSource | S3Source) -> "SourcePin":
+        from llmgw.hub_pin import pin_hf  # noqa: PLC0415  (a slow import)
+
+        try:
+            if isinstance(parsed, HfSource):
+                return pin_hf(parsed, entry.engine, entry.include, entry.exclude, self.hub)
+            store = self._store(entry.storage_profile)
+            return pin_s3(parsed, entry.engine, entry.include, entry.exclude, store)
+        except _Refused:
+            raise
+        except ConfigError as exc:
+            raise _Refused("source", str(exc)) from None
+
+    def _store(self, name: str | None) -> S3Store:
+        wanted = name or DEFAULT_PROFILE
+        if wanted in self.stores:
+            return self.stores[wanted]
+        problem = profile_problem(self.profiles, name)
+        if problem:
+            raise _Refused("storage_profile", problem)
+        profile = self.profiles[wanted]
+        try:
+            secret = profile.secret()
+        except OSError as exc:
+            raise _Refused(
+                "storage_profile",
+                f"storage profile {wanted!r}: its secret_access_key_file cannot be read"
+                f" ({exc.strerror})",
+            ) from None
+        store = S3Store(s3_client(profile, secret), profile.where(), wanted)
+        self.stores[wanted] = store
+        return store
+
+
+def _hf_default() -> str:
+    from llmgw.hub_pin import DEFAULT_REVISION  # noqa: PLC0415  (a slow import)
+
+    return DEFAULT_REVISION
 
 
 def _stored_pin(entry: CatalogModel, stored: ModelSpec | None) -> "SourcePin | None":
     """The stored entry's pin, when it pinned what ``entry`` asks for."""
     if stored is None or stored.pin is None:
         return None
-    same = (stored.source, stored.engine, stored.include, stored.exclude) == (
-        entry.source, entry.engine, entry.include, entry.exclude,
+    same = (stored.source, stored.engine, stored.include, stored.exclude,
+            stored.storage_profile) == (
+        entry.source, entry.engine, entry.include, entry.exclude, entry.storage_profile,
     )  # fmt: skip
     return stored.pin if same else None

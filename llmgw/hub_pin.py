@@ -23,8 +23,8 @@ from huggingface_hub.errors import (
     RevisionNotFoundError,
 )
 from huggingface_hub.hf_api import RepoSibling
-from huggingface_hub.utils._paths import filter_repo_objects  # not re-exported for mypy
 
+from llmgw.engine_files import checkpoint_problem, select
 from llmgw.errors import ConfigError
 from llmgw.sources import HfSource
 from llmgw.types.model import EngineKind
@@ -35,16 +35,6 @@ from llmgw.types.weights_manifest import (
     WeightsManifest,
 )
 
-# What vLLM and SGLang read of a checkpoint when an entry names no include.
-DEFAULT_INCLUDE = (
-    "*.safetensors",
-    "*.json",
-    "tokenizer.model",
-    "*.tiktoken",
-    "merges.txt",
-    "vocab.txt",
-    "*.jinja",
-)
 TOKEN_SETTING = "LLMGW_HF_TOKEN"
 # The Hub's default branch, what a source without @REVISION follows.
 DEFAULT_REVISION = "main"
@@ -130,21 +120,11 @@ def _files(
         if not named:
             raise ConfigError(f"file {source.file!r} not found in {at}")
         return named
-    chosen = list(
-        filter_repo_objects(
-            siblings,
-            allow_patterns=list(DEFAULT_INCLUDE) if include is None else include,
-            ignore_patterns=exclude or None,
-            key=lambda s: s.rfilename,
-        )
-    )
-    names = {s.rfilename for s in chosen}
-    if "config.json" not in names:
-        raise ConfigError(f"{engine.value} needs config.json: none in {at} (after include/exclude)")
-    if not any(n.endswith(".safetensors") for n in names):
-        raise ConfigError(
-            f"{engine.value} needs .safetensors weights: none in {at} (after include/exclude)"
-        )
+    by_name = {s.rfilename: s for s in siblings}
+    chosen = [by_name[n] for n in select(by_name, include, exclude)]
+    problem = checkpoint_problem([s.rfilename for s in chosen], engine, at)
+    if problem:
+        raise ConfigError(problem)
     return chosen
 
 

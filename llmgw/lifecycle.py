@@ -27,6 +27,27 @@ def setup_logging(level: str, component: str) -> None:
         level=level.upper(),
         format=f"%(asctime)s %(levelname)s {component} %(name)s: %(message)s",
     )
+    httpx_log = logging.getLogger("httpx")
+    if not any(isinstance(f, NoUrlQuery) for f in httpx_log.filters):
+        httpx_log.addFilter(NoUrlQuery())
+
+
+class NoUrlQuery(logging.Filter):
+    """httpx logs every request's URL at INFO; a presigned URL's query (an
+    s3:// file's GET, worker_agent/fetch/s3_origin.py) is a credential while
+    it lasts, so the query is cut from the URLs httpx logs."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple):
+            record.args = tuple(_no_query(arg) for arg in record.args)
+        return True
+
+
+def _no_query(arg: object) -> object:
+    # httpx passes its URL object; duck-typed so this module needs no httpx.
+    if type(arg).__name__ == "URL" and "?" in (text := str(arg)):
+        return text.partition("?")[0] + "?(query hidden)"
+    return arg
 
 
 def exit_after(timeout_s: float) -> threading.Timer:

@@ -13,6 +13,7 @@ from typing import Annotated, Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from llmgw.storage_profiles import StorageProfile, parse_profiles
 from llmgw.tracing import TracingSettings
 
 DEFAULT_WORK_DIR = Path(".llmgw")
@@ -57,6 +58,13 @@ class _Common(BaseSettings):
     hf_endpoint: str = "https://huggingface.co"
     hf_token: SecretStr = SecretStr("")
     hf_token_file: Path | None = None
+    # s3:// sources (docs/guides/model-sources.md): LLMGW_STORAGE_PROFILES,
+    # JSON name -> {endpoint_url, region, access_key_id, secret_access_key or
+    # secret_access_key_file, addressing_style}; an entry's storage_profile
+    # names one, "default" when it names none (llmgw/storage_profiles.py).
+    # Kept as the raw text, read by resolved_storage_profiles: a profile that
+    # fails validation here would have its input, the secret, in the error.
+    storage_profiles: SecretStr = SecretStr("")
 
     def resolved_store_url(self) -> str:
         """The store URL, defaulting to SQLite in the work dir."""
@@ -69,6 +77,10 @@ class _Common(BaseSettings):
         if self.hf_token_file is not None:
             return self.hf_token_file.read_text().strip()
         return ""
+
+    def resolved_storage_profiles(self) -> dict[str, StorageProfile]:
+        """LLMGW_STORAGE_PROFILES read, or a ConfigError that never shows a value."""
+        return parse_profiles(self.storage_profiles.get_secret_value())
 
 
 class ControlSettings(_Common):

@@ -6,7 +6,8 @@ repository the weights are fetched from.
     /srv/models/tiny.gguf                 a file or directory on the nodes
     file:///srv/models/tiny.gguf          the same
     hf://ORG/REPO[@REVISION][/FILE]       a Hugging Face Hub repo (or a mirror)
-    s3://BUCKET/PREFIX                    an S3-compatible store (not yet)
+    s3://BUCKET/PREFIX                    an S3-compatible store: the objects under
+                                          PREFIX/, or one object (a .gguf)
     modelscope://ORG/REPO[@REVISION]      ModelScope (not yet)
 
 A revision holds no ``/``: a branch such as ``refs/pr/1`` is written with
@@ -28,7 +29,7 @@ HF_SCHEME = "hf"
 S3_SCHEME = "s3"
 MODELSCOPE_SCHEME = "modelscope"
 # Recognised, refused at apply until their fetchers exist.
-NOT_YET = frozenset({S3_SCHEME, MODELSCOPE_SCHEME})
+NOT_YET = frozenset({MODELSCOPE_SCHEME})
 
 # The Hub's own rule for a namespace or repo name (huggingface_hub
 # validate_repo_id), without its legacy unnamespaced ids: ORG/REPO always.
@@ -63,8 +64,33 @@ class HfSource:
 
 @dataclass(frozen=True)
 class S3Source:
+    """A bucket and a key prefix ("": the whole bucket), without a trailing
+    ``/``: the objects under ``prefix/``, or the one object ``prefix`` names
+    (llama.cpp's ``.gguf``). Endpoint and credentials: a storage profile."""
+
     bucket: str
     prefix: str
+
+    def uri(self) -> str:
+        """The source as written."""
+        return f"{S3_SCHEME}://{self.bucket}/{self.prefix}"
+
+    @property
+    def repo(self) -> str:
+        """What a pin records as its repo: ``bucket/prefix``, or ``bucket``."""
+        return f"{self.bucket}/{self.prefix}" if self.prefix else self.bucket
+
+    @property
+    def names_object(self) -> bool:
+        """Whether the prefix names one object (a ``.gguf``), not the objects under it."""
+        return self.prefix.lower().endswith(".gguf")
+
+    def key(self, path: str) -> str:
+        """The object key of a pinned file at ``path`` (relative to the prefix;
+        for a source that names one object, that object's base name)."""
+        if self.names_object:
+            return self.prefix
+        return f"{self.prefix}/{path}" if self.prefix else path
 
 
 @dataclass(frozen=True)

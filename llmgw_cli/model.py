@@ -32,7 +32,10 @@ def model_apply(
     ] = False,
     refresh: Annotated[
         bool,
-        typer.Option("--refresh", help="re-resolve hf:// sources pinned before to their commit"),
+        typer.Option(
+            "--refresh",
+            help="re-resolve hf:// and s3:// sources pinned before (a commit, objects' ETags)",
+        ),
     ] = False,
 ) -> None:
     """Add or update catalog models from a YAML file; hf:// sources are pinned
@@ -86,7 +89,7 @@ def _pinned(
     refresh: bool,
     file: Path,
 ) -> "list[CatalogModel]":
-    """``entries`` with their hf:// sources pinned, every one checked before any
+    """``entries`` with their hf:// and s3:// sources pinned, every one checked before any
     is written; or exit naming each bad field."""
     from llmgw.catalog_sources import pin_sources  # noqa: PLC0415
     from llmgw.hub_pin import Hub  # noqa: PLC0415
@@ -95,8 +98,12 @@ def _pinned(
         hub = Hub(settings.hf_endpoint.rstrip("/"), settings.resolved_hf_token())
     except OSError as exc:
         fail(f"LLMGW_HF_TOKEN_FILE: cannot be read ({exc.strerror})")
+    try:
+        profiles = settings.resolved_storage_profiles()
+    except LlmgwError as exc:
+        fail(str(exc))
     stored = {e.name: e for e in list_entries(store)}
-    pinned, problems = pin_sources(entries, stored, hub, refresh=refresh)
+    pinned, problems = pin_sources(entries, stored, hub, refresh=refresh, profiles=profiles)
     if problems:
         fail(f"{file}: " + "; ".join(problems))
     return pinned

@@ -212,6 +212,12 @@ class ModelSpec(BaseModel):
         description="remote sources: the commit and files model apply resolved the source"
         " to, kept on re-apply until --refresh",
     )
+    storage_profile: str | None = Field(
+        default=None,
+        min_length=1,
+        description="s3:// sources: the storage profile (LLMGW_STORAGE_PROFILES) naming the"
+        ' store\'s endpoint and credentials; left out: "default"',
+    )
     # The store's columns are 32-bit integers (PostgreSQL): larger is refused here.
     gpus: int = Field(default=0, ge=0, le=2**31 - 1, description="GPUs per node; 0 runs on CPU")
     spread: bool = Field(

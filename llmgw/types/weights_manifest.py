@@ -77,6 +77,10 @@ class ManifestFile(BaseModel):
     size: int = Field(ge=0)
     digest: str
     digest_kind: DigestKind = DigestKind.SHA256
+    # The origin's version of the object, where it keeps versions (an S3
+    # VersionId on a versioned bucket): fetched by it, so the bytes cannot
+    # change under the pin. Not part of artifact_id: the digest is the content.
+    version_id: str | None = Field(default=None, min_length=1, max_length=1024)
 
     @field_validator("path")
     @classmethod
@@ -130,20 +134,38 @@ class WeightsManifest(BaseModel):
         return "sha256:" + hashlib.sha256(canonical.encode()).hexdigest()
 
 
+# Hex digits of a pinned revision, by scheme.
+REVISION_HEX = {"hf": 40, "s3": 64}
+LATEST_OBJECTS = "latest"
+
+
 class SourcePin(BaseModel):
     """A remote source pinned: where from, at which immutable revision, and
     what it holds (``manifest``)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    # The source's scheme (llmgw.sources: "hf") and repo ("org/name").
+    # The source's scheme (llmgw.sources: "hf", "s3") and repo ("org/name";
+    # for s3 "bucket/prefix", the prefix "" for a whole bucket: "bucket").
     scheme: str = Field(min_length=1)
     repo: str = Field(min_length=1)
-    # The revision the source asked for ("main", a tag), or the default branch.
+    # The revision the source asked for ("main", a tag), or the default branch;
+    # for s3, which has no revisions, LATEST_OBJECTS: the objects as listed.
     requested: str = Field(min_length=1)
-    # The commit it resolved to: a Hub commit is 40 hex digits.
-    revision: str = Field(pattern=r"^[0-9a-f]{40}$")
+    # The immutable revision, shaped per scheme (REVISION_HEX): a Hub commit
+    # (40 hex digits); for s3 the sha256 of the listing pinned (each key, size,
+    # ETag and version id), so a changed object is a changed revision.
+    revision: str = Field(pattern=r"^[0-9a-f]{40,64}$")
     manifest: WeightsManifest
+
+    @model_validator(mode="after")
+    def _revision_shape(self) -> Self:
+        want = REVISION_HEX.get(self.scheme)
+        if want is None:
+            raise ValueError(f"scheme {self.scheme!r} is not one llmgw pins")
+        if len(self.revision) != want:
+            raise ValueError(f"a {self.scheme} pin's revision is {want} hex digits")
+        return self
 
     def total_bytes(self) -> int:
         """What the artifact takes on disk."""

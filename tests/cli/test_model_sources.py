@@ -198,15 +198,13 @@ def test_each_bad_source_is_refused_at_apply_naming_its_field_and_nothing_is_wri
     not_yet = _catalog(
         tmp_path / "not-yet.yaml",
         *hf_entries,
-        "{name: s3, source: 's3://bucket/models/tiny'}",
         "{name: ms, source: 'modelscope://org/tiny'}",
     )
     refused = _cli(db, hub, "model", "apply", str(not_yet))
     assert refused.returncode == 1, refused.stderr
     said = " ".join(refused.stderr.split())
-    # s3:// and modelscope:// are refused before the Hub is asked.
-    assert "models[6].source: s3:// sources are not supported yet" in said
-    assert "models[7].source: modelscope:// sources are not supported yet" in said
+    # modelscope:// is refused before the Hub is asked (s3://: tests/cli/test_s3_sources.py).
+    assert "models[6].source: modelscope:// sources are not supported yet" in said
     refused = _cli(db, hub, "model", "apply", str(_catalog(tmp_path / "hf.yaml", *hf_entries)))
     assert refused.returncode == 1, refused.stderr
     said = " ".join(refused.stderr.split())

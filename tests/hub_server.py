@@ -156,6 +156,8 @@ class HubServer:
         return JSONResponse([_tree_entry(f) for f in files])
 
     async def resolve(self, request: Request) -> Response:
+        with self._lock:
+            self.requests.append((request.method, request.url.path))
         _, repo = self._repo(request)
         if isinstance(repo, Response):
             return repo

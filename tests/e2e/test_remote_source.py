@@ -12,6 +12,7 @@ progress. A second replica of the model on the node fetches nothing.
 import asyncio
 import json
 import re
+import signal
 from collections.abc import Awaitable, Callable
 
 import openai
@@ -21,7 +22,7 @@ from llmgw import replicas
 from llmgw.hub_pin import Hub, pin_hf
 from llmgw.queues import replica_workflow_id
 from llmgw.sources import HfSource
-from llmgw.types import EngineKind, ModelSpec, ReplicaPhase
+from llmgw.types import EngineKind, ModelSpec, ReplicaPhase, ReplicaStatus
 from llmgw_cli.dev.tinymodel import TinyModel
 from tests.harness import System, wait_routable
 from tests.hub_server import HubServer
@@ -143,3 +144,70 @@ async def test_model_pull_fetches_to_every_node_ahead_of_a_deploy(
         assert any("weights from the node's cache" in h.detail for h in status.history)
         assert hub.served_bytes == 2 * size
         await replicas.stop_replica(client, replica_id, "test over", 30)
+
+
+async def test_an_agent_killed_mid_fetch_resumes_from_its_bytes(
+    system: System, client: Client, tiny: TinyModel
+) -> None:
+    """SIGKILL the agent at about 60 % of the file: the fetch activity times out
+    on its heartbeat, Temporal runs it again on the node's queue once a new
+    agent serves it, and the fetch goes on from the bytes on disk (Range)."""
+    hub = HubServer()
+    hub.commit("org/tiny", {GGUF: tiny.model_path})
+    size = tiny.model_path.stat().st_size
+    with hub.running():
+        pin = pin_hf(HfSource("org/tiny", None, GGUF), EngineKind.LLAMA_CPP, None, [], Hub(hub.url))
+        spec = ModelSpec(name=MODEL, source=f"hf://org/tiny/{GGUF}", pin=pin)
+        system.catalog(spec)
+        system.env.update({"LLMGW_HF_ENDPOINT": hub.url, "HF_HUB_DISABLE_XET": "1"})
+        hub.chunk_delay_s = 20 / max(1, size // (64 * 1024))
+        started = await system.start(client, "kill-node")
+        [agent] = started.agents
+        replica_id = await replicas.start_replica(client, spec)
+
+        async def past_half() -> bool:
+            return hub.served_bytes >= 0.6 * size
+
+        assert await _until(past_half, 90)
+        agent.signal(signal.SIGKILL)
+        agent.proc.wait()
+        at_kill = hub.served_bytes
+        hub.chunk_delay_s = 0.0
+        system.spawn("agent", {"LLMGW_NODE_ID": "kill-node"})
+        memo = await replicas.wait_ready(client, replica_id, 180)
+        assert memo.phase is ReplicaPhase.READY
+        again = hub.served_bytes - at_kill
+        # What was on disk is not asked for again: only the rest, and what the
+        # kill cut between the server's send and the agent's write (a chunk).
+        assert again <= size - at_kill + 2 * 64 * 1024, (again, size, at_kill)
+        assert hub.served_bytes < 1.2 * size
+        await replicas.stop_replica(client, replica_id, "test over", 30)
+
+
+async def test_a_fetch_the_hub_refuses_fails_the_replica_naming_why(
+    system: System, client: Client, tiny: TinyModel
+) -> None:
+    """A gated repo and an agent without its token: refused (401), never retried,
+    and the replica ends failed with a reason naming the file and the status."""
+    hub = HubServer()
+    hub.commit(REPO, {GGUF: tiny.model_path})
+    hub.repos[REPO].gated = True
+    hub.repos[REPO].readers.add(TOKEN)
+    with hub.running():
+        pin = pin_hf(
+            HfSource(REPO, None, GGUF), EngineKind.LLAMA_CPP, None, [], Hub(hub.url, TOKEN)
+        )
+        spec = ModelSpec(name=MODEL, source=f"hf://{REPO}/{GGUF}", pin=pin)
+        system.catalog(spec)
+        system.env.update({"LLMGW_HF_ENDPOINT": hub.url, "HF_HUB_DISABLE_XET": "1"})
+        await system.start(client, "refused-node")
+        replica_id = await replicas.start_replica(client, spec)
+        handle = client.get_workflow_handle(replica_workflow_id(replica_id))
+        final = await asyncio.wait_for(handle.result(), 120)
+        status = ReplicaStatus.model_validate(final)
+        assert status.phase is ReplicaPhase.FAILED
+        assert "SourceRefused" in status.reason and GGUF in status.reason, status.reason
+        assert "401" in status.reason, status.reason
+        assert hub.served_bytes == 0
+        gets = [p for m, p in hub.requests if m == "GET" and "/resolve/" in p]
+        assert len(gets) == 1, gets  # refused once, not retried

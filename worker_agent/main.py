@@ -158,7 +158,12 @@ def remote_weights(
         budget_bytes=settings.weights_cache_bytes or None,
         group=_engine_group(supervisor),
     )
-    return RemoteWeights(cache, Origins(settings.hf_endpoint, hf_token=settings.resolved_hf_token))
+    origins = Origins(
+        settings.hf_endpoint,
+        hf_token=settings.resolved_hf_token,
+        storage_profiles=settings.resolved_storage_profiles(),  # a bad one fails the start
+    )
+    return RemoteWeights(cache, origins)
 
 
 def _engine_cache(

@@ -12,9 +12,12 @@ from dataclasses import dataclass, field
 
 from huggingface_hub import hf_hub_url
 
-from llmgw.sources import HF_SCHEME, HfSource, S3Source, parse_source
+from llmgw.errors import ConfigError
+from llmgw.sources import HF_SCHEME, S3_SCHEME, HfSource, S3Source, parse_source
+from llmgw.storage_profiles import DEFAULT_PROFILE, StorageProfile, profile_problem
 from llmgw.types.weights_manifest import SourcePin
 from worker_agent.fetch import ArtifactSpec, FileSpec
+from worker_agent.fetch.s3_origin import DEFAULT_EXPIRES_S, s3_file_specs
 from worker_agent.weights import UnsupportedSource
 
 TokenFn = Callable[[], str]
@@ -27,10 +30,14 @@ def _no_token() -> str:
 
 @dataclass(frozen=True)
 class Origins:
-    """How this node reaches the origins: the Hub endpoint and its token."""
+    """How this node reaches the origins: the Hub endpoint and its token; the
+    storage profiles of s3:// sources (LLMGW_STORAGE_PROFILES) and how long
+    their presigned URLs last (longer than a fetch, retries included)."""
 
     hf_endpoint: str = "https://huggingface.co"
     hf_token: TokenFn = field(default=_no_token, repr=False)
+    storage_profiles: Mapping[str, StorageProfile] = field(default_factory=dict, repr=False)
+    s3_url_expires_s: int = DEFAULT_EXPIRES_S
 
 
 @dataclass(frozen=True)
@@ -42,20 +49,23 @@ class PinnedArtifact:
     file: str | None
 
 
-def artifact_for(source: str, pin: SourcePin, origins: Origins) -> PinnedArtifact:
+def artifact_for(
+    source: str, pin: SourcePin, origins: Origins, storage_profile: str | None = None
+) -> PinnedArtifact:
     """The files of ``pin`` at their origin, or UnsupportedSource.
+    ``storage_profile``: the entry's (ModelSpec.storage_profile), for s3://.
 
     Raises:
         UnsupportedSource: the source is not remote, or not the pin's, or its
-            scheme is not fetched by nodes.
+            scheme is not fetched by nodes, or its storage profile is not here.
     """
     parsed = parse_source(source)
     if isinstance(parsed, HfSource) and pin.scheme == HF_SCHEME:
         if parsed.repo != pin.repo:
             raise UnsupportedSource(f"{source}: pinned to another repo ({pin.repo})")
         return PinnedArtifact(ArtifactSpec(_hf_files(pin, origins), name="files"), parsed.file)
-    if isinstance(parsed, S3Source):
-        raise UnsupportedSource(f"{source}: nodes cannot fetch s3:// sources yet")
+    if isinstance(parsed, S3Source) and pin.scheme == S3_SCHEME:
+        return _s3_artifact(source, parsed, pin, origins, storage_profile)
     raise UnsupportedSource(f"{source}: not a remote source nodes fetch (pin: {pin.scheme})")
 
 
@@ -79,3 +89,26 @@ def _hf_files(pin: SourcePin, origins: Origins) -> tuple[FileSpec, ...]:
         )
         for f in pin.manifest.files
     )
+
+
+def _s3_artifact(
+    source: str, parsed: S3Source, pin: SourcePin, origins: Origins, name: str | None
+) -> PinnedArtifact:
+    if parsed.repo != pin.repo:
+        raise UnsupportedSource(f"{source}: pinned to another prefix ({pin.repo})")
+    problem = profile_problem(dict(origins.storage_profiles), name)
+    if problem:
+        raise UnsupportedSource(f"{source}: storage_profile: {problem} on this node")
+    profile = origins.storage_profiles[name or DEFAULT_PROFILE]
+    try:
+        files = s3_file_specs(parsed, pin, profile, expires_s=origins.s3_url_expires_s)
+    except OSError as exc:
+        raise UnsupportedSource(
+            f"{source}: storage profile {name or DEFAULT_PROFILE!r}: its secret_access_key_file"
+            f" cannot be read ({exc.strerror})"
+        ) from None
+    except ConfigError as exc:
+        raise UnsupportedSource(str(exc)) from None
+    # One named object (a .gguf): the engine gets that file of the payload.
+    file = pin.manifest.files[0].path if parsed.names_object else None
+    return PinnedArtifact(ArtifactSpec(files, name="files"), file)

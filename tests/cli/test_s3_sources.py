@@ -29,6 +29,8 @@ from llmgw_cli.dev.tinymodel import TinyModel
 from tests.s3_server import S3Server
 from worker_agent.fetch import ArtifactCache, ArtifactSpec, FetchPolicy, FileMismatch
 from worker_agent.fetch.s3_origin import s3_file_specs
+from worker_agent.origins import Origins, artifact_for
+from worker_agent.weights import UnsupportedSource
 
 BUCKET = "llmgw-models"
 VERSIONED = "llmgw-versioned"
@@ -247,7 +249,9 @@ def test_bad_credentials_are_access_denied_and_the_secret_is_never_said(
     ]
 
 
-def test_a_versioned_bucket_pins_each_version_until_refresh(s3: S3Server, tiny: TinyModel) -> None:
+def test_a_versioned_bucket_pins_each_version_until_refresh(
+    s3: S3Server, tiny: TinyModel, tmp_path: Path
+) -> None:
     first = tiny.model_path.read_bytes()
     v1 = s3.put(VERSIONED, f"m/{GGUF}", first)
     source = f"s3://{VERSIONED}/m/{GGUF}"
@@ -264,15 +268,19 @@ def test_a_versioned_bucket_pins_each_version_until_refresh(s3: S3Server, tiny: 
     (now,) = fresh.pin.manifest.files
     assert (now.version_id, now.size, now.digest) == (v2, len(second), _md5(second))
     # The old pin still fetches the old bytes: its URL names its version.
-    got = _fetch(s3, source, entry.pin, Path(str(tiny.model_path) + ".cache"))
-    assert (got / GGUF).read_bytes() == first
+    got = _fetch(s3, source, entry.pin, tmp_path / "cache")
+    assert got.name == GGUF and got.read_bytes() == first  # the engine's one file
+    with pytest.raises(UnsupportedSource, match="no storage profile 'minio'"):
+        artifact_for(source, entry.pin, Origins(storage_profiles=_profiles(s3)), "minio")
 
 
 def _fetch(s3: S3Server, source: str, pin: SourcePin | None, root: Path) -> Path:
-    parsed = parse_source(source)
-    assert isinstance(parsed, S3Source) and pin is not None
-    specs = s3_file_specs(parsed, pin, s3.profile("AKIAANY0000000000000", SECRET), expires_s=60)
-    return ArtifactCache(root, policy=FAST).fetch(ArtifactSpec(specs)).path
+    """The pin fetched as a node does: artifact_for's presigned FileSpecs, the cache."""
+    assert pin is not None
+    origins = Origins(storage_profiles=_profiles(s3), s3_url_expires_s=60)
+    pinned = artifact_for(source, pin, origins)
+    got = ArtifactCache(root, policy=FAST).fetch(pinned.spec)
+    return got.path / pinned.file if pinned.file else got.path
 
 
 def test_presigned_specs_fetch_once_verify_md5_and_sha256_and_refuse_wrong_bytes(

@@ -24,18 +24,28 @@ def _listening() -> socket.socket:
     return sock
 
 
-def _server(root: Path, key: str, part_wait_s: float, max_transfers: int = 16) -> uvicorn.Server:
-    app = PeerServer(root, key, part_wait_s=part_wait_s, max_transfers=max_transfers).app
+def _server(
+    root: Path, key: str, part_wait_s: float, start_wait_s: float, max_transfers: int = 16
+) -> uvicorn.Server:
+    app = PeerServer(
+        root, key, part_wait_s=part_wait_s, start_wait_s=start_wait_s, max_transfers=max_transfers
+    ).app
     return uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
 
 
 @contextmanager
 def running(
-    root: Path, key: str, *, part_wait_s: float = 10.0, max_transfers: int = 16
+    root: Path,
+    key: str,
+    *,
+    part_wait_s: float = 10.0,
+    start_wait_s: float = 0.5,
+    max_transfers: int = 16,
 ) -> Iterator[str]:
-    """The peer server over the cache ``root``; yields its base URL."""
+    """The peer server over the cache ``root``; yields its base URL (a key it
+    does not hold is a 404 after ``start_wait_s``, short for tests)."""
     sock = _listening()
-    server = _server(root, key, part_wait_s, max_transfers)
+    server = _server(root, key, part_wait_s, start_wait_s, max_transfers)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     try:
@@ -49,7 +59,7 @@ def running(
 def main(root: str, key: str) -> None:
     sock = _listening()
     print(sock.getsockname()[1], flush=True)
-    _server(Path(root), key, 10.0).run(sockets=[sock])
+    _server(Path(root), key, 10.0, 0.5).run(sockets=[sock])
 
 
 if __name__ == "__main__":

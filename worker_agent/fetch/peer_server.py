@@ -12,6 +12,12 @@ agents of its cluster, so the origin serves each artifact about once.
   is trusted, since the fetcher verifies every file against its pin; the body
   is cut when the partial stops growing for ``part_wait_s`` or is discarded.
 
+Nodes told to fetch at once ask each other before all have begun: a request
+for a key this node does not hold yet waits up to ``start_wait_s`` for its
+fetch to begin, and one for a file its fetch has not reached yet up to
+``part_wait_s`` (the same key is the same files, so it will come), before a
+404. Both stay under the fetcher's ``FetchPolicy.peer_stall_s``.
+
 Only files a manifest of the key names are served (the entry's COMPLETE
 marker, the staging manifest), under the cache root once links are resolved:
 anything else is a 404, whatever the path says. Every request needs the
@@ -109,6 +115,11 @@ def _open_inside(root: Path, path: Path, size: int | None) -> int | None:
         os.close(fd)
         return None
     return fd
+
+
+def _coming(root: Path, key: str, rel_path: str) -> bool:
+    """Whether a fetch of ``key`` here is under way and names ``rel_path``."""
+    return _pins(root / f"{STAGING_PREFIX}{key}" / STAGING_MANIFEST, rel_path) is not None
 
 
 def locate(root: Path, key: str, rel_path: str) -> _Held | None:
@@ -223,7 +234,8 @@ class PeerServer:
     ``key``: the credential requests must bear (``peer_key``). ``max_transfers``
     bounds the bodies sent at once and the threads reading them;
     ``chunk_bytes`` is one read; ``part_wait_s`` how long a growing partial may
-    stay still before its body is cut.
+    stay still before its body is cut, and a file of a fetch under way may take
+    to begin; ``start_wait_s`` how long a key not held may take to begin.
     """
 
     def __init__(
@@ -234,6 +246,7 @@ class PeerServer:
         max_transfers: int = 16,
         chunk_bytes: int = 2**20,
         part_wait_s: float = 10.0,
+        start_wait_s: float = 3.0,
     ) -> None:
         if not key:
             raise ConfigError("the peer server needs a credential")
@@ -242,6 +255,7 @@ class PeerServer:
         self.max_transfers = max_transfers
         self.chunk_bytes = chunk_bytes
         self.part_wait_s = part_wait_s
+        self.start_wait_s = start_wait_s
         self.transfers = 0
         self.limiter = anyio.CapacityLimiter(max_transfers)
         self.app = Starlette(routes=[Route(FILES_ROUTE, self._file, methods=["GET", "HEAD"])])
@@ -264,7 +278,7 @@ class PeerServer:
             return Response(status_code=503, headers={"Retry-After": "1"})
         self.transfers += 1  # taken before the lookup's await; the body frees it
         try:
-            held = await anyio.to_thread.run_sync(locate, self.root, key, rel_path)
+            held = await self._wait_for(key, rel_path)
         except BaseException:
             self.transfers -= 1
             raise
@@ -283,3 +297,17 @@ class PeerServer:
         if partial:
             headers["Content-Range"] = f"bytes {start}-{end - 1}/{held.size}"
         return _FileBody(held, (start, end), 206 if partial else 200, headers, self)
+
+    async def _wait_for(self, key: str, rel_path: str) -> _Held | None:
+        """``locate``, polled while the fetch of ``key`` may be about to begin
+        (``start_wait_s``) or to reach the file (``part_wait_s`` in all)."""
+        started = anyio.current_time()
+        while True:
+            held = await anyio.to_thread.run_sync(locate, self.root, key, rel_path)
+            if held is not None:
+                return held
+            coming = await anyio.to_thread.run_sync(_coming, self.root, key, rel_path)
+            waited = anyio.current_time() - started
+            if waited >= (self.part_wait_s if coming else self.start_wait_s):
+                return None
+            await anyio.sleep(_POLL_S * 5)

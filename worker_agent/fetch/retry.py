@@ -104,10 +104,10 @@ def fetch_file_from(
     """``fetch_file`` from the first source that delivers the verified file:
     each of ``peers`` (node id, the file at that peer) once, then ``origin``.
 
-    ``skip``: peers not to ask, shared across an artifact's files; a peer that
-    cannot be reached, refuses the credential or sends wrong bytes is added,
-    so a dead node costs one connect per artifact, not one per file. One that
-    lacks the file (404) or cuts a body short may have the next file.
+    ``skip``: peers not to ask, shared across an artifact's files. A peer that
+    fails in any way is added: a dead node costs one connect per artifact, not
+    one per file, and one that lacks a file lacks the artifact (the same key
+    is the same files; a peer fetching it waits for a file not reached yet).
     """
     skip = set() if skip is None else skip
     window = min(policy.stall_s, policy.peer_stall_s)
@@ -122,13 +122,9 @@ def fetch_file_from(
             if attempt(client, spec, part, at_peer, meter, deadline, source=name):
                 return
             log.info("%s: peer %s ended the body early; next source", spec.rel_path, name)
-        except SourceRefused as exc:
-            if exc.status != 404:
-                skip.add(name)
+        except (SourceUnavailable, SourceRefused, FileMismatch) as exc:
             log.info("peer %s: %s; next source", name, exc)
-        except (SourceUnavailable, FileMismatch) as exc:
-            skip.add(name)
-            log.info("peer %s: %s; next source", name, exc)
+        skip.add(name)
     name, spec = origin
     meter.use(name)
     fetch_file(client, spec, part, policy, meter, deadline, source=name)

@@ -49,6 +49,7 @@ if TYPE_CHECKING:
 
 # A prefix with more objects than this is refused: narrow it to one checkpoint.
 MAX_OBJECTS = 10_000
+PAGE_SIZE = 1000  # S3's own most keys per ListObjectsV2 page
 SHA256_METADATA = "sha256"
 _MD5 = re.compile(r"^[0-9a-f]{32}$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
@@ -172,7 +173,10 @@ def _listed(source: S3Source, store: S3Store) -> Iterator[tuple[str, int]]:
 
 def _pages(store: S3Store, bucket: str, prefix: str) -> Iterator[list["ObjectTypeDef"]]:
     paginator = store.client.get_paginator("list_objects_v2")
-    for page in paginator.paginate(Bucket=bucket, Prefix=prefix):
+    pages = paginator.paginate(
+        Bucket=bucket, Prefix=prefix, PaginationConfig={"PageSize": PAGE_SIZE}
+    )
+    for page in pages:
         yield page.get("Contents", [])
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from llmgw import s3_pin
 from llmgw.catalog import CatalogModel, parse_catalog
 from llmgw.catalog_sources import pin_sources
 from llmgw.errors import ConfigError
@@ -213,6 +214,23 @@ def test_each_bad_s3_source_is_refused_at_apply_naming_its_field(
     assert problems == [
         "models[0].storage_profile: left out, and there is no 'default' storage profile"
         " (LLMGW_STORAGE_PROFILES has: none)"
+    ]
+
+
+def test_a_listing_of_many_pages_is_read_whole_and_a_huge_one_refused(
+    s3: S3Server, tinyhf: TinyHfModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    files = {p.name for p in tinyhf.path.iterdir() if p.is_file()}
+    assert len(files) > 2
+    monkeypatch.setattr(s3_pin, "PAGE_SIZE", 2)  # a page per two objects
+    (entry,), problems = _pin(s3, f"s3://{BUCKET}/hf", "engine: vllm")
+    assert problems == [] and entry.pin is not None
+    assert {f.path for f in entry.pin.manifest.files} == files
+    monkeypatch.setattr(s3_pin, "MAX_OBJECTS", 2)
+    _, problems = _pin(s3, f"s3://{BUCKET}/hf", "engine: vllm")
+    assert problems == [
+        f"models[0].source: more than 2 objects under s3://{BUCKET}/hf/: name the prefix"
+        " of one checkpoint"
     ]
 
 

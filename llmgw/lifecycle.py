@@ -30,6 +30,8 @@ def setup_logging(level: str, component: str) -> None:
     httpx_log = logging.getLogger("httpx")
     if not any(isinstance(f, NoUrlQuery) for f in httpx_log.filters):
         httpx_log.addFilter(NoUrlQuery())
+    # botocore.auth logs each signature it makes at DEBUG, a presigned URL's too.
+    logging.getLogger("botocore.auth").setLevel(logging.INFO)
 
 
 class NoUrlQuery(logging.Filter):

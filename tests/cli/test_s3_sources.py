@@ -304,8 +304,8 @@ def _fetch(s3: S3Server, source: str, pin: SourcePin | None, root: Path) -> Path
 def test_presigned_specs_fetch_once_verify_md5_and_sha256_and_refuse_wrong_bytes(
     s3: S3Server, tinyhf: TinyHfModel, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    setup_logging("INFO", "test")  # as the agent logs: httpx's request lines at INFO
-    caplog.set_level(logging.INFO)
+    setup_logging("DEBUG", "test")  # as an agent logs, at its most verbose
+    caplog.set_level(logging.DEBUG)
     source = f"s3://{BUCKET}/hf"
     (entry,), problems = _pin(s3, source, "engine: vllm")
     assert problems == [] and entry.pin is not None
@@ -313,6 +313,7 @@ def test_presigned_specs_fetch_once_verify_md5_and_sha256_and_refuse_wrong_bytes
         S3Source(BUCKET, "hf"), entry.pin, s3.profile("AKIAANY0000000000000", SECRET)
     )
     assert all("X-Amz-Signature=" in s.url and s.digest_kind is DigestKind.MD5 for s in specs)
+    signatures = [s.url.rpartition("X-Amz-Signature=")[2] for s in specs]
     before = s3.served_bytes
     cache = ArtifactCache(tmp_path / "cache", policy=FAST)
     got = cache.fetch(ArtifactSpec(specs))
@@ -341,3 +342,4 @@ def test_presigned_specs_fetch_once_verify_md5_and_sha256_and_refuse_wrong_bytes
     said = caplog.text
     assert f"GET {s3.url}/{BUCKET}/{key}?(query hidden)" in said  # httpx's line, cut
     assert "X-Amz-Signature" not in said and SECRET not in said
+    assert not [s for s in signatures if s in said]  # nor botocore's signing at DEBUG

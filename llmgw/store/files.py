@@ -22,6 +22,7 @@ thread.
 """
 
 import hashlib
+import re
 import secrets
 import string
 import time
@@ -40,6 +41,7 @@ __all__ = [
     "FileWriter",
     "delete_file",
     "get_file",
+    "is_file_id",
     "iter_lines",
     "list_files",
     "new_file_id",
@@ -57,6 +59,18 @@ _STAGING_PREFIX = "file-staging-"
 def new_file_id() -> str:
     """A new file id: ``file-`` and 24 base62 characters (OpenAI's shape)."""
     return "file-" + "".join(secrets.choice(_BASE62) for _ in range(24))
+
+
+# What every file id looks like (``new_file_id``, the batch results' ids).
+_FILE_ID = re.compile(r"file-[0-9A-Za-z]{1,64}")
+
+
+def is_file_id(text: str) -> bool:
+    """Whether ``text`` has a file id's shape. Text without it names no file
+    and is never sent to the store: PostgreSQL refuses a NUL in a text
+    parameter with an error, not an empty answer, which the request path
+    reads as the store failing (a 503 for a client's made-up id)."""
+    return _FILE_ID.fullmatch(text) is not None
 
 
 def _live(now: int) -> list[ColumnElement[bool]]:
@@ -297,6 +311,8 @@ def write_file(
 def get_file(store: Store, key_id: int, file_id: str) -> StoredFile | None:
     """The file, or None when it is missing, deleted, expired, still being
     written or another key's."""
+    if not is_file_id(file_id):
+        return None
     with store.session() as session:
         row = session.exec(
             select(StoredFile).where(
@@ -372,6 +388,10 @@ def list_files(
     ``after`` is the last id of the previous page (a keyset: pages stay right
     while files come and go); an id that is not the key's starts from the top.
     """
+    if purpose is not None and "\x00" in purpose:
+        return [], False  # no purpose holds a NUL (and PostgreSQL refuses one)
+    if after is not None and not is_file_id(after):
+        after = None  # no file's id: from the top, as for another key's
     now = int(time.time())
     with store.session() as session:
         query = select(StoredFile).where(StoredFile.key_id == key_id, *_live(now))
@@ -410,6 +430,8 @@ def list_files(
 def delete_file(store: Store, key_id: int, file_id: str) -> bool:
     """Delete the key's file: its content goes, its row stays marked deleted
     (so the id is never handed out again). False when there was none."""
+    if not is_file_id(file_id):
+        return False
     now = int(time.time())
     with store.session() as session:
         row = session.exec(

@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 from pathlib import Path
 
 import httpx
@@ -30,6 +31,7 @@ from worker_agent.fetch import (
     peer_key,
 )
 from worker_agent.fetch.cache import PARTS, STAGING_PREFIX, part_name
+from worker_agent.fetch.spread import plan_spread
 
 MIB = 2**20
 REPO = Path(__file__).resolve().parents[2]
@@ -154,6 +156,36 @@ def test_nodes_fetching_at_once_form_a_tree_over_growing_files(
     assert got["node3"].bytes_by_source.get("node2", 0) >= len(files[BIG])
 
 
+def test_nodes_started_together_wait_for_each_other_not_for_the_origin(
+    tmp_path: Path, origin: FileServer, files: dict[str, bytes]
+) -> None:
+    """All start at once with the peers plan_spread gives: a node asks its parent
+    before the parent has begun, and is held until it has, not sent to the origin."""
+    nodes = ["node1", "node2", "node3", "node4"]
+    plan = plan_spread([], nodes, fanout=2)
+    got: dict[str, FetchedArtifact] = {}
+    with ExitStack() as stack:
+        urls = {
+            n: stack.enter_context(peer_node.running(tmp_path / n, KEY, start_wait_s=10))
+            for n in nodes
+        }
+        threads = []
+        for node in reversed(nodes):  # the children first: their parents have not begun
+            spec = artifact(origin, *(peer(p, urls[p]) for p in plan[node]))
+            cache = ArtifactCache(tmp_path / node, policy=POLICY)
+            threads.append(
+                threading.Thread(target=lambda c=cache, s=spec, n=node: got.update({n: c.fetch(s)}))
+            )
+            threads[-1].start()
+        for thread in threads:
+            thread.join(30)
+    assert sorted(got) == nodes
+    for done in got.values():
+        verified(done, files)
+    assert sum(origin.served.values()) == total(files)
+    assert set(got["node4"].bytes_by_source) == {plan["node4"][0]}
+
+
 def test_a_peer_killed_mid_copy_leaves_the_rest_to_the_origin(tmp_path: Path) -> None:
     files = {BIG: os.urandom(32 * MIB), "config.json": b"{}"}
     with FileServer(files) as origin:
@@ -254,7 +286,10 @@ def test_the_peer_protocol_needs_the_credential_and_serves_only_pinned_files(
     ArtifactCache(tmp_path / "node1", policy=POLICY).fetch(spec)
     (tmp_path / "secret.txt").write_text("not for peers")
     auth = {"Authorization": f"Bearer {KEY}"}
-    with peer_node.running(tmp_path / "node1", KEY) as url, httpx.Client(base_url=url) as http:
+    with (
+        peer_node.running(tmp_path / "node1", KEY) as url,
+        httpx.Client(base_url=url, timeout=30) as http,
+    ):
         path = f"/v1/artifacts/{spec.key}/files/{BIG}"
         assert http.get(path).status_code == 401
         assert http.get(path, headers={"Authorization": "Bearer nope"}).status_code == 401
@@ -321,7 +356,7 @@ def test_transfers_are_bounded_and_a_client_gone_frees_its_slot(
     try:
         with (
             peer_node.running(tmp_path / "node1", KEY, max_transfers=1) as url,
-            httpx.Client(base_url=url) as http,
+            httpx.Client(base_url=url, timeout=30) as http,
         ):
             with http.stream("GET", path, headers=auth) as body:
                 next(body.iter_raw())

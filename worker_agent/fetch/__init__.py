@@ -45,12 +45,18 @@ agents of its cluster, and a fetch tries peers before the origin::
 from complete entries, from the verified files of a fetch in progress and
 from a file's partial as it grows (so nodes fetching at once form a tree);
 401 without the credential, 404 for anything a manifest of the key does not
-name. Each peer gets one try per file; whatever it does wrong (404, 401,
-503, a cut, a stall past ``FetchPolicy.peer_stall_s``, bytes that do not
-verify) moves on to the next peer, then the origin, resuming with Range from
-the bytes kept (wrong ones are discarded). ``FetchProgress.source`` names the
-source in flight. ``spread.choose_peers`` / ``plan_spread`` (pure) pick a
-node's peers so that each serves at most ``fanout`` children.
+name; a request for a key whose fetch has not begun yet (nodes started
+together) is held up to ``start_wait_s`` first. A peer gets one try: whatever
+it does wrong (404, 401, 503, a cut, a stall past
+``FetchPolicy.peer_stall_s``, bytes that do not verify) moves on to the next
+peer, then the origin, resuming with Range from the bytes kept (wrong ones
+are discarded), and that peer is not asked again for the artifact's other
+files. ``FetchProgress.source`` names the source in flight.
+``spread.choose_peers`` / ``plan_spread`` (pure) pick a node's peers so that
+each serves at most ``fanout`` children.
+
+The peer routes are one Starlette app (``PeerServer.app``): run it under
+uvicorn on the agent's peer port, or mount it beside other routes.
 """
 
 from worker_agent.fetch.cache import ArtifactCache, FetchedArtifact

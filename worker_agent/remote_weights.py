@@ -60,6 +60,7 @@ class RemoteWeights:
         pin: SourcePin,
         progress: ProgressFn | None = None,
         hold: bool = True,
+        storage_profile: str | None = None,
     ) -> RemoteFetched:
         """The pinned files on this node (fetched on a miss), used by ``replica_id``.
 
@@ -67,7 +68,7 @@ class RemoteWeights:
         Blocking (run it in a thread). Raises UnsupportedSource for a source
         nodes cannot fetch, and the fetch library's WeightsErrors.
         """
-        pinned = artifact_for(source, pin, self.origins)
+        pinned = artifact_for(source, pin, self.origins, storage_profile)
 
         def report(p: FetchProgress) -> None:
             if progress is not None:
@@ -108,7 +109,13 @@ async def fetch_pinned(
         span.set_attribute("llmgw.weights.bytes", pin.total_bytes())
         fetched = await beating_while(
             asyncio.to_thread(
-                remote.fetch, request.replica_id, request.source, pin, progress, request.hold
+                remote.fetch,
+                request.replica_id,
+                request.source,
+                pin,
+                progress,
+                request.hold,
+                request.storage_profile,
             ),
             heartbeat,
             lambda: last[0],

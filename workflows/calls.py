@@ -68,6 +68,7 @@ def fetch_input(replica_id: str, model: ModelSpec) -> FetchWeightsInput:
         engine=model.engine,
         device=model.profile.device,
         pin=model.pin,
+        storage_profile=model.storage_profile,
     )
 
 

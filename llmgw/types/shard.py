@@ -59,6 +59,8 @@ class FetchWeightsInput(BaseModel):
     device: str = "cuda"
     # A remote source's pin (model apply): the files fetched, at that revision.
     pin: SourcePin | None = None
+    # s3:// sources: the node's storage profile to read it with (None: "default").
+    storage_profile: str | None = None
     # Record the replica as a user of the cached artifact until it stops (so
     # the cache budget never evicts it); a pull ahead of a deploy holds none.
     hold: bool = True

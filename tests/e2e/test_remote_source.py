@@ -1,4 +1,4 @@
-"""A catalog entry whose source is ``hf://``: the node fetches the pinned file
+"""Catalog entries whose source is remote (``hf://``, ``s3://``): the node fetches the pinned file
 from a Hub-compatible server on loopback (tests/hub_server.py, through the
 agent's artifact cache), the engine serves it, and the official ``openai``
 client gets a completion through the router.
@@ -14,6 +14,7 @@ import json
 import re
 import signal
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 import openai
 from temporalio.client import Client
@@ -22,15 +23,18 @@ from llmgw import replicas
 from llmgw.hub_pin import Hub, pin_hf
 from llmgw.queues import replica_workflow_id
 from llmgw.sources import HfSource
+from llmgw.store import Store
 from llmgw.types import EngineKind, ModelSpec, ReplicaPhase, ReplicaStatus
 from llmgw_cli.dev.tinymodel import TinyModel
 from tests.harness import System, wait_routable
 from tests.hub_server import HubServer
+from tests.s3_server import S3Server
 
 MODEL = "tiny-from-hub"
 REPO = "org/tiny-gated"
 GGUF = "tiny-llama.gguf"
 TOKEN = "hf_agent_token_0123456789abcdef"
+S3_SECRET = "s3-e2e-secret-never-shown"
 
 
 async def _until(condition: Callable[[], Awaitable[bool]], timeout_s: float) -> bool:
@@ -211,3 +215,57 @@ async def test_a_fetch_the_hub_refuses_fails_the_replica_naming_why(
         assert hub.served_bytes == 0
         gets = [p for m, p in hub.requests if m == "GET" and "/resolve/" in p]
         assert len(gets) == 1, gets  # refused once, not retried
+
+
+async def test_an_s3_source_serves_a_completion_read_with_its_storage_profile(
+    system: System, client: Client, tiny: TinyModel, tmp_path: Path
+) -> None:
+    """``source: s3://...`` with ``storage_profile: lab``: ``llmgw model apply``
+    pins the object (its ETag), the node fetches it from a presigned URL made
+    with the profile of that name (LLMGW_STORAGE_PROFILES), and the router
+    serves it to the openai client. The profile's secret is in no history or
+    log, and every byte is served once."""
+    s3 = S3Server()
+    with s3.running():
+        s3.bucket("llmgw-e2e")
+        s3.put("llmgw-e2e", f"tiny/{GGUF}", tiny.model_path)
+        size = tiny.model_path.stat().st_size
+        lab = {
+            "endpoint_url": s3.url,
+            "region": "us-east-1",
+            "access_key_id": "AKIAE2E0000000000000",
+            "secret_access_key": S3_SECRET,
+            "addressing_style": "path",
+        }
+        # "default" reaches nothing: only the entry's own profile can read it.
+        nowhere = {**lab, "endpoint_url": "http://127.0.0.1:1"}
+        system.env["LLMGW_STORAGE_PROFILES"] = json.dumps({"default": nowhere, "lab": lab})
+        catalog = tmp_path / "catalog.yaml"
+        catalog.write_text(
+            f"models:\n  - {{name: {MODEL}, source: 's3://llmgw-e2e/tiny/{GGUF}',"
+            " storage_profile: lab}\n"
+        )
+        applied = await asyncio.to_thread(system.cli, "model", "apply", str(catalog))
+        assert applied.returncode == 0, applied.stdout + applied.stderr
+        store = Store(system.store_url)
+        try:
+            spec = store.get_model(MODEL)
+        finally:
+            store.close()
+        assert spec is not None and spec.pin is not None and spec.storage_profile == "lab"
+        key = system.catalog()
+        started = await system.start(client, "s3-node")
+        replica_id = await replicas.start_replica(client, spec)
+        await replicas.wait_ready(client, replica_id, 180)
+        await wait_routable(f"{started.root}/v1", key, MODEL)
+        oai = openai.AsyncOpenAI(base_url=f"{started.root}/v1", api_key=key, max_retries=0)
+        try:
+            answer = await oai.completions.create(model=MODEL, prompt="Once", max_tokens=4)
+        finally:
+            await oai.close()
+        assert answer.usage is not None and answer.usage.completion_tokens > 0
+        assert s3.served_bytes == size
+        assert S3_SECRET not in await _history_text(client, replica_id)
+        await replicas.stop_replica(client, replica_id, "test over", 30)
+    for child in system.children:
+        assert S3_SECRET not in child.log_path.read_text(errors="replace"), child.name

@@ -163,6 +163,13 @@ class AgentSettings(_Common):
     # drops the connection and resumes.
     weights_cache_bytes: int = Field(default=0, ge=0)
     fetch_stall_s: float = Field(default=60.0, gt=0)
+    # The peer server other agents fetch weights from (worker_agent/peering.py):
+    # its port on the management address (0: a free one, advertised), off with
+    # serve_peers false; peer_url: what others are told, when not
+    # http://<management address>:<port> (a NAT, a proxy).
+    serve_peers: bool = True
+    peer_port: int = Field(default=0, ge=0, le=65535)
+    peer_url: str = ""
     # Engine liveness (worker_agent/liveness.py; docs/guides/recovery.md): how
     # often a running engine is asked, through its work loop, whether it
     # still serves (0: never). A hung one is stopped and its replica replaced.

@@ -43,8 +43,8 @@ from llmgw.types import (
     ShardReport,
 )
 from worker_agent.adapter_service import AdapterService
-from worker_agent.adoption import adopt
-from worker_agent.fetch import ArtifactCache, FetchPolicy
+from worker_agent.adoption import AdoptionReport, adopt
+from worker_agent.fetch import ArtifactCache, FetchPolicy, peer_key
 from worker_agent.installs.installed import EngineInstalls
 from worker_agent.installs.llamacpp import (
     LlamaCppInstall,
@@ -62,7 +62,8 @@ from worker_agent.inventory import (
 from worker_agent.launch import Launcher
 from worker_agent.liveness import LivenessRules
 from worker_agent.origins import Origins
-from worker_agent.remote_weights import RemoteWeights
+from worker_agent.peering import FleetPeers, NoPeers, ServedPeers, serve_peers
+from worker_agent.remote_weights import PeerFinder, RemoteWeights
 from worker_agent.shard_record import ShardRecord
 from worker_agent.shard_service import ShardService
 from worker_agent.supervisor import RunningShard, Supervisor
@@ -116,6 +117,7 @@ def build_shards(
     installs: EngineInstalls,
     current_inventory: Callable[[], NodeInventory],
     engine_dir: Path | None = None,
+    remote: RemoteWeights | None = None,
 ) -> ShardService:
     """The node's shard service with its real dependencies; the weights cache is in
     ``engine_dir`` (where the engine user reaches: EngineIdentity.engine_dir),
@@ -135,7 +137,8 @@ def build_shards(
                 settings.resolved_weights_roots(),
                 group=_engine_group(supervisor),
             ),
-            remote=remote_weights(settings, engine_dir or supervisor.work_dir, supervisor),
+            remote=remote
+            or remote_weights(settings, engine_dir or supervisor.work_dir, supervisor),
         ),
         liveness=LivenessRules(
             interval_s=settings.liveness_interval_s,
@@ -148,10 +151,14 @@ def build_shards(
 
 
 def remote_weights(
-    settings: AgentSettings, engine_dir: Path, supervisor: Supervisor
+    settings: AgentSettings,
+    engine_dir: Path,
+    supervisor: Supervisor,
+    find_peers: PeerFinder | None = None,
 ) -> RemoteWeights:
     """Pinned remote sources, fetched into ``engine_dir/artifacts`` (apart from the
-    local sources' cache: its eviction must not weigh their entries)."""
+    local sources' cache: its eviction must not weigh their entries), the peers
+    ``find_peers`` names asked first."""
     cache = ArtifactCache(
         engine_dir / "artifacts",
         policy=FetchPolicy(stall_s=settings.fetch_stall_s),
@@ -163,7 +170,7 @@ def remote_weights(
         hf_token=settings.resolved_hf_token,
         storage_profiles=settings.resolved_storage_profiles(),  # a bad one fails the start
     )
-    return RemoteWeights(cache, origins)
+    return RemoteWeights(cache, origins, find_peers)
 
 
 def _engine_cache(
@@ -228,6 +235,7 @@ def inventory(
     inv.engines = installs.installed() if installs is not None else []
     inv.capabilities = engine_capabilities(installs.llama) if installs is not None else None
     inv.weights = weights_report(settings.resolved_weights_roots())
+    inv.peer_url = settings.peer_url if settings.serve_peers else ""
     return inv
 
 
@@ -300,6 +308,57 @@ async def _keep_registered(
             log.warning("registration round failed: %s", exc)
 
 
+def _adopted(settings: AgentSettings, supervisor: Supervisor) -> AdoptionReport:
+    """What a restarted agent found and kept (traced, logged)."""
+    with trace.get_tracer(__name__).start_as_current_span(
+        "agent.adopt", attributes={"llmgw.node": settings.node_id}
+    ) as span:
+        report = adopt(supervisor)
+        span.set_attributes(
+            {
+                "llmgw.adopted": [s.ref.replica_id for s in report.adopted],
+                "llmgw.lost": [r.replica_id for r in report.lost],
+                "llmgw.killed": len(report.killed),
+            }
+        )
+    log.info(
+        "agent %s: adopted %d engines, %d shards lost, %d unidentified engines killed",
+        settings.node_id,
+        len(report.adopted),
+        len(report.lost),
+        len(report.killed),
+    )
+    return report
+
+
+@dataclass
+class _Peering:
+    """The node's remote weights, the peers it asks and the server it runs."""
+
+    remote: RemoteWeights
+    peers: FleetPeers
+    served: ServedPeers | NoPeers
+
+
+async def _peering(
+    settings: AgentSettings, secret: str, engine_dir: Path, supervisor: Supervisor
+) -> tuple[AgentSettings, _Peering]:
+    """Remote weights in ``engine_dir``, peers found in the fleet, and the peer
+    server over the cache (unless turned off); the settings with the URL it
+    advertises (``peer_url``)."""
+    peers = FleetPeers(settings.node_id, peer_key(secret))
+    remote = remote_weights(settings, engine_dir, supervisor, peers.find)
+    if not settings.serve_peers:
+        return settings, _Peering(remote, peers, NoPeers())
+    remote.cache.root.mkdir(parents=True, exist_ok=True)
+    host = settings.management_address or settings.engine_host
+    served = await serve_peers(
+        remote.cache.root, peers.key, host, settings.peer_port, settings.peer_url
+    )
+    log.info("agent %s serves its weights to peers at %s", settings.node_id, served.url)
+    return settings.model_copy(update={"peer_url": served.url}), _Peering(remote, peers, served)
+
+
 async def run(settings: AgentSettings, activities: ActivityFactory) -> None:
     """Adopt, register, then serve the node queue until SIGTERM/SIGINT, with
     the activities ``activities`` makes from the agent's services."""
@@ -333,28 +392,20 @@ async def run(settings: AgentSettings, activities: ActivityFactory) -> None:
     )
     # Before adopt(): what a restarted agent found and kept is traced too.
     tracing = setup_tracing(settings.tracing, "agent")
-    with trace.get_tracer(__name__).start_as_current_span(
-        "agent.adopt", attributes={"llmgw.node": settings.node_id}
-    ) as span:
-        report = adopt(supervisor)
-        span.set_attributes(
-            {
-                "llmgw.adopted": [s.ref.replica_id for s in report.adopted],
-                "llmgw.lost": [r.replica_id for r in report.lost],
-                "llmgw.killed": len(report.killed),
-            }
-        )
-    log.info(
-        "agent %s: adopted %d engines, %d shards lost, %d unidentified engines killed",
-        settings.node_id,
-        len(report.adopted),
-        len(report.lost),
-        len(report.killed),
-    )
+    report = _adopted(settings, supervisor)
     sources = sources_from(settings.sys_root, settings.gpu_snapshot)
+    settings, peering = await _peering(
+        settings, secret, identity.engine_dir or supervisor.work_dir, supervisor
+    )
     latest = [inventory(settings, supervisor, sources, report.lost, installs)]
     shards = build_shards(
-        settings, secret, supervisor, installs, lambda: latest[0], identity.engine_dir
+        settings,
+        secret,
+        supervisor,
+        installs,
+        lambda: latest[0],
+        identity.engine_dir,
+        peering.remote,
     )
     adapter_http = httpx.AsyncClient(timeout=httpx.Timeout(60.0))
     adapters = AdapterService(
@@ -367,6 +418,7 @@ async def run(settings: AgentSettings, activities: ActivityFactory) -> None:
     # Registration rounds are not traced (a trace every 30 s per node is
     # noise); the node's activities are, as part of their caller's trace.
     client = await connect_with(settings)
+    peering.peers.client = client
     queue = node_queue(settings.node_id)
     worker = Worker(
         client,
@@ -404,6 +456,7 @@ async def run(settings: AgentSettings, activities: ActivityFactory) -> None:
             raise
         log.warning("agent %s: worker did not stop in time; exiting anyway", settings.node_id)
     await leaving
+    await peering.served.stop()
     await shards.aclose()
     await adapter_http.aclose()
     tracing.shutdown()

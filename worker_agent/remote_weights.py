@@ -4,19 +4,20 @@ until it stops, so the cache's budget never evicts weights an engine reads.
 """
 
 import asyncio
+import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from opentelemetry import trace
 
 from llmgw.types.shard import FetchProgressDetail, FetchWeightsInput, FetchWeightsResult
-from llmgw.types.weights_manifest import SourcePin
-from worker_agent.fetch import ArtifactCache, FetchProgress
+from worker_agent.fetch import ArtifactCache, FetchProgress, Peer
 from worker_agent.fetch.cache import USERS_SUFFIX
 from worker_agent.heartbeats import FetchHeartbeat, beating_while
 from worker_agent.origins import Origins, artifact_for
+from worker_agent.weights import UnsupportedSource
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +33,7 @@ class RemoteFetched:
     tree_sha256: str
     size_bytes: int
     cached: bool
+    bytes_by_source: dict[str, int]
 
 
 def detail_of(progress: FetchProgress) -> FetchProgressDetail:
@@ -46,37 +48,50 @@ def detail_of(progress: FetchProgress) -> FetchProgressDetail:
     )
 
 
-class RemoteWeights:
-    """Pinned remote sources fetched into ``cache`` from ``origins``."""
+PeerFinder = Callable[[FetchWeightsInput], Awaitable[tuple[Peer, ...]]]
+"""The nodes to ask before the origin (worker_agent/peering.py FleetPeers.find)."""
 
-    def __init__(self, cache: ArtifactCache, origins: Origins) -> None:
+
+class RemoteWeights:
+    """Pinned remote sources fetched into ``cache`` from ``origins``, peers
+    (``find_peers``) asked first."""
+
+    def __init__(
+        self, cache: ArtifactCache, origins: Origins, find_peers: PeerFinder | None = None
+    ) -> None:
         self.cache = cache
         self.origins = origins
+        self.find_peers = find_peers
 
     def fetch(
         self,
-        replica_id: str,
-        source: str,
-        pin: SourcePin,
+        request: FetchWeightsInput,
+        peers: tuple[Peer, ...] = (),
         progress: ProgressFn | None = None,
-        hold: bool = True,
-        storage_profile: str | None = None,
     ) -> RemoteFetched:
-        """The pinned files on this node (fetched on a miss), used by ``replica_id``.
+        """The pinned files on this node (fetched on a miss), ``peers`` asked
+        before the origin; the replica recorded as a user of the entry unless
+        ``request.hold`` is false (a pull).
 
-        ``hold``: record ``replica_id`` as a user of the entry (False: a pull).
         Blocking (run it in a thread). Raises UnsupportedSource for a source
-        nodes cannot fetch, and the fetch library's WeightsErrors.
+        nodes cannot fetch or a request without a pin, and the fetch
+        library's WeightsErrors.
         """
-        pinned = artifact_for(source, pin, self.origins, storage_profile)
+        if request.pin is None:
+            raise UnsupportedSource(f"{request.source}: no pin to fetch")
+        pinned = artifact_for(request.source, request.pin, self.origins, request.storage_profile)
+        spec = dataclasses.replace(pinned.spec, peers=peers)
 
         def report(p: FetchProgress) -> None:
             if progress is not None:
                 progress(detail_of(p))
 
-        got = self.cache.fetch(pinned.spec, user=replica_id if hold else None, progress=report)
+        user = request.replica_id if request.hold else None
+        got = self.cache.fetch(spec, user=user, progress=report)
         path = got.path / pinned.file if pinned.file else got.path
-        return RemoteFetched(path, got.key, got.sha256, got.size_bytes, got.cached)
+        return RemoteFetched(
+            path, got.key, got.sha256, got.size_bytes, got.cached, dict(got.bytes_by_source)
+        )
 
     def release(self, replica_id: str) -> None:
         """``replica_id`` stopped: its entries may be evicted once no one else uses them."""
@@ -107,19 +122,15 @@ async def fetch_pinned(
         span.set_attribute("llmgw.replica_id", request.replica_id)
         span.set_attribute("llmgw.weights.artifact", pin.artifact_id())
         span.set_attribute("llmgw.weights.bytes", pin.total_bytes())
+        peers = await remote.find_peers(request) if remote.find_peers is not None else ()
+        span.set_attribute("llmgw.weights.peers", [p.name for p in peers])
         fetched = await beating_while(
-            asyncio.to_thread(
-                remote.fetch,
-                request.replica_id,
-                request.source,
-                pin,
-                progress,
-                request.hold,
-                request.storage_profile,
-            ),
+            asyncio.to_thread(remote.fetch, request, peers, progress),
             heartbeat,
             lambda: last[0],
         )
+        for source, moved in fetched.bytes_by_source.items():
+            span.set_attribute(f"llmgw.weights.bytes_from.{source}", moved)
         span.set_attribute("llmgw.weights.cached", fetched.cached)
     log.info(
         "replica %s weights %s at %s (%d bytes, %s)",
@@ -134,4 +145,5 @@ async def fetch_pinned(
         sha256=fetched.tree_sha256,
         size_bytes=fetched.size_bytes,
         cached=fetched.cached,
+        bytes_by_source=fetched.bytes_by_source,
     )

@@ -69,6 +69,7 @@ def fetch_input(replica_id: str, model: ModelSpec) -> FetchWeightsInput:
         device=model.profile.device,
         pin=model.pin,
         storage_profile=model.storage_profile,
+        model=model.name,
     )
 
 

@@ -36,6 +36,7 @@ with workflow.unsafe.imports_passed_through():
     from workflows.calls import failure_reason, fetch_input, node_activity, stop_rank
     from workflows.node_loss import NoAgent, agent_answers, agent_or_silence
     from workflows.replica_serving import WATCH_LIFETIME, ServingEnded, ServingPath
+    from workflows.spans import count_fetched
 
 P = ReplicaPhase
 I = TypeVar("I")  # noqa: E741 - an activity's input type, as in contracts.Activity[I, R]
@@ -66,6 +67,7 @@ class OneNode(ServingPath):
                     timedelta(seconds=self._t.fetch_s),
                 )
             )
+            count_fetched(model.name, fetched.bytes_by_source)
             model = model.model_copy(update={"source": fetched.path})
             how = "from the node's cache" if fetched.cached else "fetched"
             self._move(P.STARTING, f"weights {how}: {fetched.size_bytes} bytes")

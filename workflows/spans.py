@@ -33,3 +33,15 @@ def count_scale(model: str, before: int, after: int) -> None:
     workflow.metric_meter().create_counter(
         "llmgw_scale_decisions", "changes of a deployment's desired replicas"
     ).add(1, {"model": model, "direction": direction})
+
+
+def count_fetched(model: str, bytes_by_source: dict[str, int]) -> None:
+    """Count the weights bytes a node fetched for a replica, by where from
+    (``llmgw_weights_fetched_bytes``, source ``origin`` or ``peer``): how
+    often the origin is spared. Counted once, as ``count_scale``."""
+    counter = workflow.metric_meter().create_counter(
+        "llmgw_weights_fetched_bytes", "weights bytes fetched by nodes, by source", "By"
+    )
+    for source, moved in sorted(bytes_by_source.items()):
+        kind = "origin" if source == "origin" else "peer"
+        counter.add(moved, {"model": model, "source": kind})

@@ -177,3 +177,6 @@ class NodeInventory(BaseModel):
     weights: WeightsReport | None = Field(
         default=None, description="the weights roots and their contents (None: not reported)"
     )
+    peer_url: str = Field(
+        default="", description="the agent's weights peer server, for other agents; empty: none"
+    )

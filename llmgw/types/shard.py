@@ -61,6 +61,10 @@ class FetchWeightsInput(BaseModel):
     pin: SourcePin | None = None
     # s3:// sources: the node's storage profile to read it with (None: "default").
     storage_profile: str | None = None
+    # Whose nodes may hold the weights already (worker_agent/peering.py): the
+    # model's name, or the nodes to ask first (empty: found from the fleet).
+    model: str = ""
+    peer_nodes: list[str] = Field(default_factory=list)
     # Record the replica as a user of the cached artifact until it stops (so
     # the cache budget never evicts it); a pull ahead of a deploy holds none.
     hold: bool = True
@@ -98,6 +102,8 @@ class FetchWeightsResult(BaseModel):
     sha256: str
     size_bytes: int
     cached: bool
+    # Bytes moved by this fetch, by where from ("origin" or a peer's node id).
+    bytes_by_source: dict[str, int] = Field(default_factory=dict)
 
 
 class WaitReadyInput(BaseModel):

@@ -269,3 +269,46 @@ async def test_an_s3_source_serves_a_completion_read_with_its_storage_profile(
         await replicas.stop_replica(client, replica_id, "test over", 30)
     for child in system.children:
         assert S3_SECRET not in child.log_path.read_text(errors="replace"), child.name
+
+
+async def test_a_second_node_fetches_from_the_first_not_the_origin(
+    system: System, client: Client, tiny: TinyModel
+) -> None:
+    """Two agents, each serving its cache to the other (peer servers on free
+    ports, advertised in their inventories). A replica on one node fetches
+    from the origin; a second replica, spread to the other node, finds the
+    first in the fleet and fetches from its peer server: the origin serves
+    the file once for the cluster, and both engines serve."""
+    hub = HubServer()
+    hub.commit("org/tiny", {GGUF: tiny.model_path})
+    size = tiny.model_path.stat().st_size
+    with hub.running():
+        pin = pin_hf(HfSource("org/tiny", None, GGUF), EngineKind.LLAMA_CPP, None, [], Hub(hub.url))
+        spec = ModelSpec(name=MODEL, source=f"hf://org/tiny/{GGUF}", pin=pin, spread=True)
+        key = system.catalog(spec)
+        system.env.update({"LLMGW_HF_ENDPOINT": hub.url, "HF_HUB_DISABLE_XET": "1"})
+        started = await system.start(client, "peer-a", "peer-b", own_ports=True)
+        fleet = await replicas.fleet_snapshot(client)
+        assert all(fleet.nodes[n].peer_url.startswith("http://127.0.0.1:") for n in fleet.nodes)
+        first = await replicas.start_replica(client, spec)
+        await replicas.wait_ready(client, first, 180)
+        assert hub.served_bytes == size
+        second = await replicas.start_replica(client, spec)
+        await replicas.wait_ready(client, second, 180)
+        nodes = {(await replicas.replica_memo(client, r)).node_id for r in (first, second)}  # type: ignore[union-attr]
+        assert nodes == {"peer-a", "peer-b"}
+        assert hub.served_bytes == size, "the second node went to the origin"
+        await wait_routable(f"{started.root}/v1", key, MODEL)
+        oai = openai.AsyncOpenAI(base_url=f"{started.root}/v1", api_key=key, max_retries=0)
+        try:
+            for _ in range(2):
+                answer = await oai.completions.create(model=MODEL, prompt="Once", max_tokens=2)
+                assert answer.usage is not None and answer.usage.completion_tokens > 0
+        finally:
+            await oai.close()
+        agent_logs = "".join(
+            c.log_path.read_text(errors="replace") for c in system.children if c.name == "agent"
+        )
+        assert f"replica {second}: asking peers peer-" in agent_logs
+        for rid in (first, second):
+            await replicas.stop_replica(client, rid, "test over", 30)

@@ -57,12 +57,13 @@ class HubFile:
 
     @classmethod
     def of(cls, path: str, source: Path) -> "HubFile":
-        data = source.read_bytes()
-        lfs = path.endswith(LFS_SUFFIXES) or len(data) >= LFS_MIN_BYTES
-        sha256 = hashlib.sha256(data).hexdigest()
+        size = source.stat().st_size
+        lfs = path.endswith(LFS_SUFFIXES) or size >= LFS_MIN_BYTES
+        with source.open("rb") as f:  # read in chunks: the benchmark's files are GiB
+            sha256 = hashlib.file_digest(f, "sha256").hexdigest()
         # An LFS file's git blob is its pointer; the Hub reports that blob's id.
-        blob = _pointer(sha256, len(data)) if lfs else data
-        return cls(path, source, len(data), sha256, git_blob_sha1(blob), lfs)
+        blob = _pointer(sha256, size) if lfs else source.read_bytes()
+        return cls(path, source, size, sha256, git_blob_sha1(blob), lfs)
 
     def etag(self) -> str:
         return self.sha256 if self.lfs else self.blob_id
@@ -194,23 +195,57 @@ class HubServer:
         headers["Content-Length"] = str(end - start)
         if request.method == "HEAD":
             return Response(status_code=status, headers=headers)
-        with hub_file.source.open("rb") as f:
-            f.seek(start)
-            body = f.read(end - start)
         if self.chunk_delay_s:
-            return StreamingResponse(self._trickle(body), status_code=status, headers=headers)
-        with self._lock:
-            self.served_bytes += len(body)
-        return Response(body, status_code=status, headers=headers)
-
-    async def _trickle(self, body: bytes) -> AsyncIterator[bytes]:
-        step = 64 * 1024
-        for at in range(0, len(body), step):
-            chunk = body[at : at + step]
+            return StreamingResponse(
+                self._trickle(request, hub_file.source, start, end),
+                status_code=status,
+                headers=headers,
+            )
+        if end - start <= _CHUNK:
+            with hub_file.source.open("rb") as f:
+                f.seek(start)
+                body = f.read(end - start)
             with self._lock:
-                self.served_bytes += len(chunk)
-            yield chunk
-            await asyncio.sleep(self.chunk_delay_s)
+                self.served_bytes += len(body)
+            return Response(body, status_code=status, headers=headers)
+        # Large files stream from disk (the fetch benchmark's GiB files).
+        return StreamingResponse(
+            self._stream(request, hub_file.source, start, end), status_code=status, headers=headers
+        )
+
+    async def _stream(
+        self, request: Request, source: Path, start: int, end: int
+    ) -> AsyncIterator[bytes]:
+        with source.open("rb") as f:
+            f.seek(start)
+            # A client gone stops the body: uvicorn would take the rest and drop
+            # it, and served_bytes would count bytes never sent.
+            while (
+                start < end
+                and not await request.is_disconnected()
+                and (chunk := f.read(min(4 * _CHUNK, end - start)))
+            ):
+                start += len(chunk)
+                with self._lock:
+                    self.served_bytes += len(chunk)
+                yield chunk
+
+    async def _trickle(
+        self, request: Request, source: Path, start: int, end: int
+    ) -> AsyncIterator[bytes]:
+        step = 64 * 1024
+        with source.open("rb") as f:
+            f.seek(start)
+            while (
+                start < end
+                and not await request.is_disconnected()
+                and (chunk := f.read(min(step, end - start)))
+            ):
+                start += len(chunk)
+                with self._lock:
+                    self.served_bytes += len(chunk)
+                yield chunk
+                await asyncio.sleep(self.chunk_delay_s)
 
     def app(self) -> Starlette:
         repo = "/{org}/{name}"

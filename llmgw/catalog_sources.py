@@ -9,9 +9,9 @@ fails at a replica's start: for an autoscaled model at its first wake, as a
 serve it, naming the field, and what a node cannot tell (a path deeper than
 it lists) is not refused.
 
-A remote source (``hf://``, ``s3://``) is not on the nodes: it is pinned
-instead (``pin_sources``): resolved to its commit, or its objects' ETags and
-versions, and checked against its Hub or store.
+A remote source (``hf://``, ``s3://``, ``modelscope://``) is not on the nodes:
+it is pinned instead (``pin_sources``): resolved to its commit, or its objects'
+ETags and versions, or its files' sha256, and checked against its Hub or store.
 """
 
 import posixpath
@@ -23,13 +23,14 @@ from llmgw.catalog import CatalogModel
 from llmgw.errors import ConfigError
 from llmgw.path_filter import OPAQUE, PathFilter
 from llmgw.s3_pin import S3Store, pin_s3
-from llmgw.sources import NOT_YET, HfSource, LocalSource, S3Source, parse_source
+from llmgw.sources import NOT_YET, HfSource, LocalSource, ModelScopeSource, S3Source, parse_source
 from llmgw.storage_profiles import DEFAULT_PROFILE, profile_problem, s3_client
 from llmgw.types import ModelSpec, NodeInventory, WeightsReport
 from llmgw.types.weights_manifest import LATEST_OBJECTS
 
 if TYPE_CHECKING:
     from llmgw.hub_pin import Hub
+    from llmgw.modelscope_pin import ModelScope
     from llmgw.storage_profiles import StorageProfile
     from llmgw.types.weights_manifest import SourcePin
 
@@ -63,7 +64,7 @@ def local_path(source: str) -> tuple[str, str]:
 
 
 def remote_problem(source: str) -> str | None:
-    """None for a local source; "" for a remote one llmgw pins (hf://, s3://); else
+    """None for a local source; "" for a remote one llmgw pins; else
     why this remote source is refused (a scheme not served yet)."""
     try:
         parsed = parse_source(source)
@@ -73,10 +74,7 @@ def remote_problem(source: str) -> str | None:
         return None
     scheme = source.partition("://")[0]
     if scheme in NOT_YET:
-        return (
-            f"{scheme}:// sources are not supported yet (only hf://, s3:// and local"
-            f" paths): {source!r}"
-        )
+        return f"{scheme}:// sources are not supported yet: {source!r}"
     return ""
 
 
@@ -184,14 +182,16 @@ def pin_sources(
     refresh: bool = False,
     label: Callable[[int], str] = lambda i: f"models[{i}].",
     profiles: "Mapping[str, StorageProfile] | None" = None,
+    modelscope: "ModelScope | None" = None,
 ) -> tuple[list[CatalogModel], list[str]]:
-    """``entries`` with their ``hf://`` and ``s3://`` sources pinned, and the
+    """``entries`` with their remote sources pinned, and the
     problems, each naming its field (any: nothing is to be written). An entry
     keeps the pin it has, given in the file or stored under its name for the
     same source, engine, patterns and storage profile, unless ``refresh``: a
     replica started later gets the bytes the first one got. ``profiles``: the
-    storage profiles s3:// sources are read with (LLMGW_STORAGE_PROFILES)."""
-    pinner = _Pinner(hub, dict(profiles or {}))
+    storage profiles s3:// sources are read with (LLMGW_STORAGE_PROFILES);
+    ``modelscope``: where modelscope:// sources are pinned (None: modelscope.cn)."""
+    pinner = _Pinner(hub, dict(profiles or {}), modelscope)
     pinned: list[CatalogModel] = []
     problems: list[str] = []
     for i, entry in enumerate(entries):
@@ -211,8 +211,11 @@ class _Refused(ConfigError):
 class _Pinner:
     """Pins one entry at a time; a store client is built once per profile."""
 
-    def __init__(self, hub: "Hub", profiles: "dict[str, StorageProfile]") -> None:
+    def __init__(
+        self, hub: "Hub", profiles: "dict[str, StorageProfile]", modelscope: "ModelScope | None"
+    ) -> None:
         self.hub = hub
+        self.modelscope = modelscope
         self.profiles = profiles
         self.stores: dict[str, S3Store] = {}
 
@@ -221,17 +224,15 @@ class _Pinner:
             parsed = parse_source(entry.source)
         except ConfigError as exc:
             raise _Refused("source", str(exc)) from None
-        if not isinstance(parsed, HfSource | S3Source):
+        if not isinstance(parsed, _Remote):
             for name in ("include", "exclude", "pin"):
                 if getattr(entry, name):
-                    raise _Refused(name, "only for hf:// and s3:// sources")
+                    raise _Refused(name, "only for hf://, s3:// and modelscope:// sources")
         if not isinstance(parsed, S3Source) and entry.storage_profile is not None:
             raise _Refused("storage_profile", "only for s3:// sources")
-        if not isinstance(parsed, HfSource | S3Source):
+        if not isinstance(parsed, _Remote):
             return entry
-        scheme, asked = ("hf", parsed.revision or _hf_default()) if isinstance(
-            parsed, HfSource
-        ) else ("s3", LATEST_OBJECTS)  # fmt: skip
+        scheme, asked = _asks(parsed)
         kept = entry.pin or _stored_pin(entry, stored)
         if kept is not None and (kept.repo != parsed.repo or kept.scheme != scheme):
             raise _Refused("pin", f"it pins {kept.repo}, not {parsed.repo}")
@@ -248,12 +249,16 @@ class _Pinner:
             pin = kept  # unchanged: the entry's digest stays, no restart
         return entry.model_copy(update={"pin": pin})
 
-    def _resolve(self, entry: CatalogModel, parsed: HfSource | S3Source) -> "SourcePin":
+    def _resolve(self, entry: CatalogModel, parsed: "_Remote") -> "SourcePin":
         from llmgw.hub_pin import pin_hf  # noqa: PLC0415  (a slow import)
+        from llmgw.modelscope_pin import ModelScope, pin_modelscope  # noqa: PLC0415
 
         try:
             if isinstance(parsed, HfSource):
                 return pin_hf(parsed, entry.engine, entry.include, entry.exclude, self.hub)
+            if isinstance(parsed, ModelScopeSource):
+                where = self.modelscope or ModelScope()
+                return pin_modelscope(parsed, entry.engine, entry.include, entry.exclude, where)
             store = self._store(entry.storage_profile)
             return pin_s3(parsed, entry.engine, entry.include, entry.exclude, store)
         except _Refused:
@@ -282,10 +287,20 @@ class _Pinner:
         return store
 
 
-def _hf_default() -> str:
-    from llmgw.hub_pin import DEFAULT_REVISION  # noqa: PLC0415  (a slow import)
+_Remote = HfSource | S3Source | ModelScopeSource
 
-    return DEFAULT_REVISION
+
+def _asks(parsed: _Remote) -> tuple[str, str]:
+    """The scheme a pin of ``parsed`` has, and the revision it asks for."""
+    if isinstance(parsed, HfSource):
+        from llmgw.hub_pin import DEFAULT_REVISION  # noqa: PLC0415  (a slow import)
+
+        return "hf", parsed.revision or DEFAULT_REVISION
+    if isinstance(parsed, ModelScopeSource):
+        from llmgw.modelscope_pin import DEFAULT_REVISION as MS_DEFAULT  # noqa: PLC0415
+
+        return "modelscope", parsed.revision or MS_DEFAULT
+    return "s3", LATEST_OBJECTS
 
 
 def _stored_pin(entry: CatalogModel, stored: ModelSpec | None) -> "SourcePin | None":

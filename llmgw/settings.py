@@ -58,6 +58,11 @@ class _Common(BaseSettings):
     hf_endpoint: str = "https://huggingface.co"
     hf_token: SecretStr = SecretStr("")
     hf_token_file: Path | None = None
+    # modelscope:// sources: ModelScope (or a mirror of its /api/v1/) and the
+    # token for private repos, LLMGW_MODELSCOPE_TOKEN or _FILE, as for the Hub.
+    modelscope_endpoint: str = "https://modelscope.cn"
+    modelscope_token: SecretStr = SecretStr("")
+    modelscope_token_file: Path | None = None
     # s3:// sources (docs/guides/model-sources.md): LLMGW_STORAGE_PROFILES,
     # JSON name -> {endpoint_url, region, access_key_id, secret_access_key or
     # secret_access_key_file, addressing_style}; an entry's storage_profile
@@ -76,6 +81,14 @@ class _Common(BaseSettings):
             return self.hf_token.get_secret_value()
         if self.hf_token_file is not None:
             return self.hf_token_file.read_text().strip()
+        return ""
+
+    def resolved_modelscope_token(self) -> str:
+        """The ModelScope token ("": none): LLMGW_MODELSCOPE_TOKEN, else the file's first line."""
+        if self.modelscope_token.get_secret_value():
+            return self.modelscope_token.get_secret_value()
+        if self.modelscope_token_file is not None:
+            return self.modelscope_token_file.read_text().strip()
         return ""
 
     def resolved_storage_profiles(self) -> dict[str, StorageProfile]:

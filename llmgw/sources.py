@@ -8,7 +8,7 @@ repository the weights are fetched from.
     hf://ORG/REPO[@REVISION][/FILE]       a Hugging Face Hub repo (or a mirror)
     s3://BUCKET/PREFIX                    an S3-compatible store: the objects under
                                           PREFIX/, or one object (a .gguf)
-    modelscope://ORG/REPO[@REVISION]      ModelScope (not yet)
+    modelscope://ORG/REPO[@REVISION]      a ModelScope model repo, at a branch or tag
 
 A revision holds no ``/``: a branch such as ``refs/pr/1`` is written with
 ``%2F`` (``hf://org/repo@refs%2Fpr%2F1``), as the Hub itself quotes it, so
@@ -28,8 +28,8 @@ from llmgw.types.weights_manifest import relative_path_problem
 HF_SCHEME = "hf"
 S3_SCHEME = "s3"
 MODELSCOPE_SCHEME = "modelscope"
-# Recognised, refused at apply until their fetchers exist.
-NOT_YET = frozenset({MODELSCOPE_SCHEME})
+# Recognised, refused at apply until their fetchers exist (none now).
+NOT_YET: frozenset[str] = frozenset()
 
 # The Hub's own rule for a namespace or repo name (huggingface_hub
 # validate_repo_id), without its legacy unnamespaced ids: ORG/REPO always.
@@ -95,8 +95,16 @@ class S3Source:
 
 @dataclass(frozen=True)
 class ModelScopeSource:
+    """A ModelScope model repo at a branch or tag (None: its default branch);
+    the whole repo, the entry's include/exclude choosing among its files."""
+
     repo: str
     revision: str | None = None
+
+    def uri(self) -> str:
+        """The source as written."""
+        at = f"@{self.revision.replace('/', '%2F')}" if self.revision else ""
+        return f"{MODELSCOPE_SCHEME}://{self.repo}{at}"
 
 
 Source = LocalSource | HfSource | S3Source | ModelScopeSource

@@ -89,21 +89,30 @@ def _pinned(
     refresh: bool,
     file: Path,
 ) -> "list[CatalogModel]":
-    """``entries`` with their hf:// and s3:// sources pinned, every one checked before any
+    """``entries`` with their remote sources pinned, every one checked before any
     is written; or exit naming each bad field."""
     from llmgw.catalog_sources import pin_sources  # noqa: PLC0415
     from llmgw.hub_pin import Hub  # noqa: PLC0415
+    from llmgw.modelscope_pin import ModelScope  # noqa: PLC0415
 
     try:
         hub = Hub(settings.hf_endpoint.rstrip("/"), settings.resolved_hf_token())
     except OSError as exc:
         fail(f"LLMGW_HF_TOKEN_FILE: cannot be read ({exc.strerror})")
     try:
+        modelscope = ModelScope(
+            settings.modelscope_endpoint.rstrip("/"), settings.resolved_modelscope_token()
+        )
+    except OSError as exc:
+        fail(f"LLMGW_MODELSCOPE_TOKEN_FILE: cannot be read ({exc.strerror})")
+    try:
         profiles = settings.resolved_storage_profiles()
     except LlmgwError as exc:
         fail(str(exc))
     stored = {e.name: e for e in list_entries(store)}
-    pinned, problems = pin_sources(entries, stored, hub, refresh=refresh, profiles=profiles)
+    pinned, problems = pin_sources(
+        entries, stored, hub, refresh=refresh, profiles=profiles, modelscope=modelscope
+    )
     if problems:
         fail(f"{file}: " + "; ".join(problems))
     return pinned

@@ -13,7 +13,16 @@ from dataclasses import dataclass, field
 from huggingface_hub import hf_hub_url
 
 from llmgw.errors import ConfigError
-from llmgw.sources import HF_SCHEME, S3_SCHEME, HfSource, S3Source, parse_source
+from llmgw.modelscope_pin import auth_headers, file_url, gguf_of
+from llmgw.sources import (
+    HF_SCHEME,
+    MODELSCOPE_SCHEME,
+    S3_SCHEME,
+    HfSource,
+    ModelScopeSource,
+    S3Source,
+    parse_source,
+)
 from llmgw.storage_profiles import DEFAULT_PROFILE, StorageProfile, profile_problem
 from llmgw.types.weights_manifest import SourcePin
 from worker_agent.fetch import ArtifactSpec, FileSpec
@@ -32,12 +41,15 @@ def _no_token() -> str:
 class Origins:
     """How this node reaches the origins: the Hub endpoint and its token; the
     storage profiles of s3:// sources (LLMGW_STORAGE_PROFILES) and how long
-    their presigned URLs last (longer than a fetch, retries included)."""
+    their presigned URLs last (longer than a fetch, retries included); ModelScope
+    and its token, for modelscope:// sources."""
 
     hf_endpoint: str = "https://huggingface.co"
     hf_token: TokenFn = field(default=_no_token, repr=False)
     storage_profiles: Mapping[str, StorageProfile] = field(default_factory=dict, repr=False)
     s3_url_expires_s: int = DEFAULT_EXPIRES_S
+    modelscope_endpoint: str = "https://modelscope.cn"
+    modelscope_token: TokenFn = field(default=_no_token, repr=False)
 
 
 @dataclass(frozen=True)
@@ -64,6 +76,11 @@ def artifact_for(
         if parsed.repo != pin.repo:
             raise UnsupportedSource(f"{source}: pinned to another repo ({pin.repo})")
         return PinnedArtifact(ArtifactSpec(_hf_files(pin, origins), name="files"), parsed.file)
+    if isinstance(parsed, ModelScopeSource) and pin.scheme == MODELSCOPE_SCHEME:
+        if parsed.repo != pin.repo:
+            raise UnsupportedSource(f"{source}: pinned to another repo ({pin.repo})")
+        spec = ArtifactSpec(_modelscope_files(pin, origins), name="files")
+        return PinnedArtifact(spec, gguf_of(pin))
     if isinstance(parsed, S3Source) and pin.scheme == S3_SCHEME:
         return _s3_artifact(source, parsed, pin, origins, storage_profile)
     raise UnsupportedSource(f"{source}: not a remote source nodes fetch (pin: {pin.scheme})")
@@ -81,6 +98,27 @@ def _hf_files(pin: SourcePin, origins: Origins) -> tuple[FileSpec, ...]:
     return tuple(
         FileSpec(
             hf_hub_url(pin.repo, f.path, revision=pin.revision, endpoint=endpoint),
+            f.path,
+            f.size,
+            f.digest,
+            f.digest_kind,
+            headers=headers,
+        )
+        for f in pin.manifest.files
+    )
+
+
+def _modelscope_files(pin: SourcePin, origins: Origins) -> tuple[FileSpec, ...]:
+    # ModelScope has no commit: the URL names the pinned branch or tag, and the
+    # fetch's sha256 check refuses a file changed under that name since.
+    endpoint = origins.modelscope_endpoint.rstrip("/")
+
+    def headers() -> Mapping[str, str]:
+        return auth_headers(origins.modelscope_token())
+
+    return tuple(
+        FileSpec(
+            file_url(endpoint, pin.repo, pin.requested, f.path),
             f.path,
             f.size,
             f.digest,

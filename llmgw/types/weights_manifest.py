@@ -135,7 +135,7 @@ class WeightsManifest(BaseModel):
 
 
 # Hex digits of a pinned revision, by scheme.
-REVISION_HEX = {"hf": 40, "s3": 64}
+REVISION_HEX = {"hf": 40, "s3": 64, "modelscope": 64}
 LATEST_OBJECTS = "latest"
 
 
@@ -154,7 +154,9 @@ class SourcePin(BaseModel):
     requested: str = Field(min_length=1)
     # The immutable revision, shaped per scheme (REVISION_HEX): a Hub commit
     # (40 hex digits); for s3 the sha256 of the listing pinned (each key, size,
-    # ETag and version id), so a changed object is a changed revision.
+    # ETag and version id), so a changed object is a changed revision; for
+    # modelscope, whose revisions are names, the sha256 of the listing pinned
+    # (the repo, the name, each path, size and sha256).
     revision: str = Field(pattern=r"^[0-9a-f]{40,64}$")
     manifest: WeightsManifest
 

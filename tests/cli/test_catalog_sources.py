@@ -109,9 +109,7 @@ def test_without_reports_nothing_is_refused_but_it_says_so() -> None:
     assert found.notes == [
         "sources not checked against the nodes: no agent has reported its weights roots"
     ]
-    remote = check_sources(parse_catalog(catalog("modelscope://org/m")), {})
-    assert "models[0].source: modelscope:// sources are not supported yet" in remote.problems[0]
-    for source in ("hf://org/model/m.gguf", "s3://bucket/m.gguf"):
+    for source in ("hf://org/model/m.gguf", "s3://bucket/m.gguf", "modelscope://org/m"):
         pinned = check_sources(parse_catalog(catalog(source)), {})
         assert pinned.problems == []  # pinned against its Hub or store instead
 

@@ -36,7 +36,8 @@ async def test_apply_checks_sources_and_engine_args_against_the_agents(
         "  - {name: glob, source: '/x/*.gguf'}\n"
         f"  - {{name: missing, source: {root}/missing.gguf}}\n"
         f"  - {{name: escape, source: {root}/escape.gguf}}\n"
-        f"  - {{name: remote, source: 'modelscope://org/model'}}\n"
+        "  - {name: remote, source: 'modelscope://org/model',"
+        " adapters: [{name: a, source: 'hf://org/lora'}]}\n"
     )
     refused = await asyncio.to_thread(system.cli, "model", "apply", str(bad))
     assert refused.returncode == 1, refused.stderr
@@ -47,7 +48,7 @@ async def test_apply_checks_sources_and_engine_args_against_the_agents(
     assert "(node apply-node: does not exist (as reported " in said
     assert f"models[2].source: {root}/escape.gguf cannot be read on any node" in said
     assert f"resolves to {tiny.model_path}, outside the weights roots" in said
-    assert "models[3].source: modelscope:// sources are not supported yet" in said
+    assert "models[3].adapters[0].source: adapters are read from local paths only" in said
     owned = tmp_path / "owned.yaml"
     owned.write_text(
         f"models:\n  - {{name: open, source: {model}, engine_args: [-hf, org/x, '--host=::']}}\n"

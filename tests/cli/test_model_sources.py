@@ -195,16 +195,7 @@ def test_each_bad_source_is_refused_at_apply_naming_its_field_and_nothing_is_wri
         "{name: nofile, source: 'hf://org/tiny-gguf'}",
         "{name: vllm-gguf, engine: vllm, source: 'hf://org/tiny-gguf'}",
     ]
-    not_yet = _catalog(
-        tmp_path / "not-yet.yaml",
-        *hf_entries,
-        "{name: ms, source: 'modelscope://org/tiny'}",
-    )
-    refused = _cli(db, hub, "model", "apply", str(not_yet))
-    assert refused.returncode == 1, refused.stderr
-    said = " ".join(refused.stderr.split())
-    # modelscope:// is refused before the Hub is asked (s3://: tests/cli/test_s3_sources.py).
-    assert "models[6].source: modelscope:// sources are not supported yet" in said
+    # modelscope://: tests/cli/test_modelscope_sources.py; s3://: tests/cli/test_s3_sources.py.
     refused = _cli(db, hub, "model", "apply", str(_catalog(tmp_path / "hf.yaml", *hf_entries)))
     assert refused.returncode == 1, refused.stderr
     said = " ".join(refused.stderr.split())

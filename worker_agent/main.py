@@ -169,6 +169,8 @@ def remote_weights(
         settings.hf_endpoint,
         hf_token=settings.resolved_hf_token,
         storage_profiles=settings.resolved_storage_profiles(),  # a bad one fails the start
+        modelscope_endpoint=settings.modelscope_endpoint,
+        modelscope_token=settings.resolved_modelscope_token,
     )
     return RemoteWeights(cache, origins, find_peers)
 

@@ -37,6 +37,16 @@ TOKEN = "hf_agent_token_0123456789abcdef"
 S3_SECRET = "s3-e2e-secret-never-shown"
 
 
+def _served_from(
+    system: System, hub: HubServer, repo: str, token: str = "", *, spread: bool = False
+) -> ModelSpec:
+    """The tiny GGUF of ``repo`` on ``hub`` pinned (as model apply pins it) in an
+    entry, and this system's processes pointed at the hub."""
+    pin = pin_hf(HfSource(repo, None, GGUF), EngineKind.LLAMA_CPP, None, [], Hub(hub.url, token))
+    system.env.update({"LLMGW_HF_ENDPOINT": hub.url, "HF_HUB_DISABLE_XET": "1"})
+    return ModelSpec(name=MODEL, source=f"hf://{repo}/{GGUF}", pin=pin, spread=spread)
+
+
 async def _until(condition: Callable[[], Awaitable[bool]], timeout_s: float) -> bool:
     async with asyncio.timeout(timeout_s):
         while not await condition():
@@ -59,17 +69,13 @@ async def test_an_hf_source_serves_a_completion_fetched_once_with_progress(
     hub.repos[REPO].readers.add(TOKEN)
     size = tiny.model_path.stat().st_size
     with hub.running():
-        pin = pin_hf(
-            HfSource(REPO, None, GGUF), EngineKind.LLAMA_CPP, None, [], Hub(hub.url, TOKEN)
-        )
-        assert [f.path for f in pin.manifest.files] == [GGUF]
-        spec = ModelSpec(name=MODEL, source=f"hf://{REPO}/{GGUF}", pin=pin)
+        spec = _served_from(system, hub, REPO, TOKEN)
+        assert spec.pin is not None and [f.path for f in spec.pin.manifest.files] == [GGUF]
         key = system.catalog(spec)
-        system.env.update(
-            {"LLMGW_HF_ENDPOINT": hub.url, "LLMGW_HF_TOKEN": TOKEN, "HF_HUB_DISABLE_XET": "1"}
-        )
-        # About 20 s for the file: long enough to watch, cut short below.
-        hub.chunk_delay_s = 20 / max(1, size // (64 * 1024))
+        system.env["LLMGW_HF_TOKEN"] = TOKEN  # the agent's, to read the gated repo
+        # Minutes for the file, cut short once the progress is seen (the hub reads
+        # the delay at each chunk): a loaded machine must not finish it first.
+        hub.chunk_delay_s = 120 / max(1, size // (64 * 1024))
         started = await system.start(client, "hub-node")
         replica_id = await replicas.start_replica(client, spec)
 
@@ -123,13 +129,11 @@ async def test_model_pull_fetches_to_every_node_ahead_of_a_deploy(
     hub.commit("org/tiny", {GGUF: tiny.model_path})
     size = tiny.model_path.stat().st_size
     with hub.running():
-        pin = pin_hf(HfSource("org/tiny", None, GGUF), EngineKind.LLAMA_CPP, None, [], Hub(hub.url))
-        spec = ModelSpec(name=MODEL, source=f"hf://org/tiny/{GGUF}", pin=pin)
+        spec = _served_from(system, hub, "org/tiny")
         system.catalog(spec)
-        system.env.update({"LLMGW_HF_ENDPOINT": hub.url, "HF_HUB_DISABLE_XET": "1"})
-        # About 12 s a node: Temporal sends heartbeat details on at most every 8 s
-        # (0.8 of the heartbeat timeout), after the first.
-        hub.chunk_delay_s = 12 / max(1, size // (64 * 1024))
+        # About 24 s: Temporal sends heartbeat details on at most every 8 s (0.8
+        # of the heartbeat timeout) after the first, and the CLI polls each 1 s.
+        hub.chunk_delay_s = 24 / max(1, size // (64 * 1024))
         await system.start(client, "pull-a", "pull-b", own_ports=True)
         pulled = await asyncio.to_thread(system.cli, "model", "pull", MODEL)
         assert pulled.returncode == 0, pulled.stdout + pulled.stderr
@@ -162,10 +166,8 @@ async def test_an_agent_killed_mid_fetch_resumes_from_its_bytes(
     hub.commit("org/tiny", {GGUF: tiny.model_path})
     size = tiny.model_path.stat().st_size
     with hub.running():
-        pin = pin_hf(HfSource("org/tiny", None, GGUF), EngineKind.LLAMA_CPP, None, [], Hub(hub.url))
-        spec = ModelSpec(name=MODEL, source=f"hf://org/tiny/{GGUF}", pin=pin)
+        spec = _served_from(system, hub, "org/tiny")
         system.catalog(spec)
-        system.env.update({"LLMGW_HF_ENDPOINT": hub.url, "HF_HUB_DISABLE_XET": "1"})
         hub.chunk_delay_s = 20 / max(1, size // (64 * 1024))
         started = await system.start(client, "kill-node")
         [agent] = started.agents
@@ -200,12 +202,8 @@ async def test_a_fetch_the_hub_refuses_fails_the_replica_naming_why(
     hub.repos[REPO].gated = True
     hub.repos[REPO].readers.add(TOKEN)
     with hub.running():
-        pin = pin_hf(
-            HfSource(REPO, None, GGUF), EngineKind.LLAMA_CPP, None, [], Hub(hub.url, TOKEN)
-        )
-        spec = ModelSpec(name=MODEL, source=f"hf://{REPO}/{GGUF}", pin=pin)
+        spec = _served_from(system, hub, REPO, TOKEN)  # pinned with it; the agent has none
         system.catalog(spec)
-        system.env.update({"LLMGW_HF_ENDPOINT": hub.url, "HF_HUB_DISABLE_XET": "1"})
         await system.start(client, "refused-node")
         replica_id = await replicas.start_replica(client, spec)
         handle = client.get_workflow_handle(replica_workflow_id(replica_id))
@@ -285,10 +283,8 @@ async def test_a_second_node_fetches_from_the_first_not_the_origin(
     hub.commit("org/tiny", {GGUF: tiny.model_path})
     size = tiny.model_path.stat().st_size
     with hub.running():
-        pin = pin_hf(HfSource("org/tiny", None, GGUF), EngineKind.LLAMA_CPP, None, [], Hub(hub.url))
-        spec = ModelSpec(name=MODEL, source=f"hf://org/tiny/{GGUF}", pin=pin, spread=True)
+        spec = _served_from(system, hub, "org/tiny", spread=True)
         key = system.catalog(spec)
-        system.env.update({"LLMGW_HF_ENDPOINT": hub.url, "HF_HUB_DISABLE_XET": "1"})
         started = await system.start(client, "peer-a", "peer-b", own_ports=True)
         fleet = await replicas.fleet_snapshot(client)
         assert all(fleet.nodes[n].peer_url.startswith("http://127.0.0.1:") for n in fleet.nodes)

@@ -137,9 +137,11 @@ async def _meter_creation(deps: Deps, caller: Caller) -> None:
 
 
 async def _owned(deps: Deps, caller: Caller, batch_id: str) -> BatchRecord:
-    record: BatchRecord | None = await _store(
-        deps, lambda: records.get_batch(deps.store, caller.key_id, batch_id)
-    )
+    # Text without a batch id's shape is no batch: a 404 without the store (a
+    # store that is slow to answer would make it a 503).
+    record: BatchRecord | None = None
+    if records.is_batch_id(batch_id):
+        record = await _store(deps, lambda: records.get_batch(deps.store, caller.key_id, batch_id))
     if record is None:
         raise ErrorKind.BATCH_NOT_FOUND.error(batch_id=batch_id)
     return record
@@ -159,9 +161,12 @@ async def list_batches(
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
 ) -> dict[str, Any]:
     """This key's batches, newest first; ``after`` is the last id of the page before."""
-    rows, more = await _store(
-        deps, lambda: records.list_batches(deps.store, caller.key_id, after=after, limit=limit)
-    )
+    rows: list[BatchRecord] = []
+    more = False
+    if after is None or records.is_batch_id(after):  # else no batch's: an empty page
+        rows, more = await _store(
+            deps, lambda: records.list_batches(deps.store, caller.key_id, after=after, limit=limit)
+        )
     data = [records.batch_object(r) for r in rows]
     return {
         "object": "list",
@@ -184,9 +189,11 @@ async def cancel_batch(
     """Cancel a batch: ``cancelling`` at once; lines in flight end first, then
     ``cancelled`` with the lines that finished in its output."""
     now = int(time.time())
-    cancel: records.Cancel | None = await _store(
-        deps, lambda: records.cancel_batch(deps.store, caller.key_id, batch_id, now)
-    )
+    cancel: records.Cancel | None = None
+    if records.is_batch_id(batch_id):
+        cancel = await _store(
+            deps, lambda: records.cancel_batch(deps.store, caller.key_id, batch_id, now)
+        )
     if cancel is None:
         raise ErrorKind.BATCH_NOT_FOUND.error(batch_id=batch_id)
     if not cancel.moved and cancel.record.status not in records.CANCELLED:

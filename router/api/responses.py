@@ -103,6 +103,8 @@ async def _chain(deps: Deps, caller: Caller, previous: str) -> Chain:
     the stored-size bound (router/responses/chain.py)."""
     deadline = time.monotonic() + deps.store_wait_s
     limit = deps.responses.max_response_bytes
+    if not ids.is_response_id(previous):  # no response's: not found, without the store
+        raise ErrorKind.PREVIOUS_RESPONSE_NOT_FOUND.error(response_id=previous)
     try:
         chain: Chain = await _store(
             deps,
@@ -137,9 +139,13 @@ async def _within_bounds(
 
 
 async def _owned(deps: Deps, caller: Caller, response_id: str) -> ResponseRecord:
-    record: ResponseRecord | None = await _store(
-        deps, lambda: rstore.get_response(deps.store, caller.key_id, response_id)
-    )
+    # Text without a response id's shape is no response: a 404 without the
+    # store (a store that is slow to answer would make it a 503).
+    record: ResponseRecord | None = None
+    if ids.is_response_id(response_id):
+        record = await _store(
+            deps, lambda: rstore.get_response(deps.store, caller.key_id, response_id)
+        )
     if record is None:
         raise ErrorKind.RESPONSE_NOT_FOUND.error(response_id=response_id)
     if is_abandoned(record, time.time()):
@@ -342,6 +348,8 @@ async def list_input_items(
     order: Literal["asc", "desc"] = "desc",
 ) -> dict[str, Any]:
     """A page of a response's input items (OpenAI's list shape)."""
+    if not ids.is_response_id(response_id):
+        raise ErrorKind.RESPONSE_NOT_FOUND.error(response_id=response_id)
     page = await _store(
         deps,
         lambda: rstore.list_input_items(
@@ -369,9 +377,11 @@ async def delete_response(
 ) -> dict[str, Any]:
     """Delete a response (a running background one is cancelled first)."""
     now = int(time.time())
-    was: rstore.Stopped | None = await _store(
-        deps, lambda: rstore.delete_response(deps.store, caller.key_id, response_id, now)
-    )
+    was: rstore.Stopped | None = None
+    if ids.is_response_id(response_id):
+        was = await _store(
+            deps, lambda: rstore.delete_response(deps.store, caller.key_id, response_id, now)
+        )
     if was is None:
         raise ErrorKind.RESPONSE_NOT_FOUND.error(response_id=response_id)
     _give_back(deps, caller, was)

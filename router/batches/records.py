@@ -5,6 +5,7 @@ Every read and write names the key: another key's batch is simply not found
 sessions): async callers run these in a thread, bounded by the store wait.
 """
 
+import re
 import secrets
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +27,19 @@ CANCELLED = ("cancelling", "cancelled")
 def batch_id() -> str:
     """A batch's id: ``batch_`` and 32 hex digits (OpenAI's shape)."""
     return f"batch_{secrets.token_hex(16)}"
+
+
+# What every batch id looks like (``batch_id``; base62, as tests and other
+# stores' ids may be, not only hex).
+_BATCH_ID = re.compile(r"batch_[0-9A-Za-z]{1,64}")
+
+
+def is_batch_id(text: str) -> bool:
+    """Whether ``text`` has a batch id's shape. Text without it names no
+    batch and is never sent to the store: PostgreSQL refuses a NUL in a text
+    parameter with an error, not an empty answer, which the request path
+    reads as the store failing (a 503 for a client's made-up id)."""
+    return _BATCH_ID.fullmatch(text) is not None
 
 
 def batch_object(record: BatchRecord) -> dict[str, Any]:
@@ -80,6 +94,8 @@ def insert_batch(store: Store, record: BatchRecord) -> None:
 def get_batch(store: Store, key_id: int | None, batch_id: str) -> BatchRecord | None:
     """The batch, or None when there is none for this key (``key_id`` None:
     any key's, for the executor's and the admin's views)."""
+    if not is_batch_id(batch_id):
+        return None
     with store.session() as session:
         record = session.get(BatchRecord, batch_id)
         if record is None or (key_id is not None and record.key_id != key_id):
@@ -94,6 +110,8 @@ def list_batches(
     """A page of batches, newest first, and whether more follow. ``after``
     is the last id of the page before (one of this key's; another key's or
     an unknown id gives an empty page). ``key_id`` None: every key's."""
+    if after is not None and not is_batch_id(after):
+        return [], False  # no batch's id: an unknown one
     query = select(BatchRecord)
     if key_id is not None:
         query = query.where(BatchRecord.key_id == key_id)
@@ -132,6 +150,8 @@ def cancel_batch(store: Store, key_id: int, batch_id: str, now: int) -> Cancel |
     executor changing its status at the same moment cannot be overwritten);
     None when there is no such batch for this key. A batch in any other
     status comes back unchanged, ``moved`` false."""
+    if not is_batch_id(batch_id):
+        return None
     with store.session() as session:
         result = session.execute(
             update(BatchRecord)

@@ -26,6 +26,7 @@ from sqlmodel import Session, col, select
 from llmgw.errors import LlmgwError, StoreError
 from llmgw.store import Store
 from llmgw.store.openai_tables import ResponseInputItem, ResponseRecord
+from router.responses import ids
 from router.responses.bounds import size_of
 from router.responses.request import Item, parse_items
 
@@ -84,6 +85,8 @@ def load_chain(
 
     A response records its root (``request["root"]``): the named one's is
     taken as it is, so a chain longer than MAX_CHAIN keeps one root."""
+    if not ids.is_response_id(previous_id):
+        raise PreviousNotFound(previous_id)  # no response's id (PostgreSQL refuses a NUL)
     turns: list[list[dict[str, Any]]] = []
     total = 0
     with bounded_session(store, deadline) as session:

@@ -5,6 +5,7 @@ have to come from ``workflow.uuid4()`` to replay). The shapes follow OpenAI's
 (a prefix and random hex or base62); clients treat them as opaque strings.
 """
 
+import re
 import secrets
 import string
 
@@ -18,6 +19,19 @@ def _base62(n: int) -> str:
 def response_id() -> str:
     """A response's id: ``resp_`` and 48 hex digits."""
     return f"resp_{secrets.token_hex(24)}"
+
+
+# What every response id looks like (``response_id``; base62, as tests' and
+# other stores' ids may be, not only hex).
+_RESPONSE_ID = re.compile(r"resp_[0-9A-Za-z]{1,64}")
+
+
+def is_response_id(text: str) -> bool:
+    """Whether ``text`` has a response id's shape. Text without it names no
+    response and is never sent to the store: PostgreSQL refuses a NUL in a
+    text parameter with an error, not an empty answer, which the request
+    path reads as the store failing (a 503 for a client's made-up id)."""
+    return _RESPONSE_ID.fullmatch(text) is not None
 
 
 def message_id() -> str:

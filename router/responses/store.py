@@ -234,6 +234,8 @@ def begin_attempt(store: Store, response_id: str) -> tuple[int, str]:
 def get_response(store: Store, key_id: int | None, response_id: str) -> ResponseRecord | None:
     """The key's response (None: missing, deleted or another key's); any
     key's with ``key_id`` None (the executor's run, which acts as its key)."""
+    if not ids.is_response_id(response_id):
+        return None
     with store.session() as session:
         record = session.get(ResponseRecord, response_id)
         if record is None or record.deleted_at is not None:
@@ -315,6 +317,8 @@ def _stopped(record: ResponseRecord, stopped: bool) -> Stopped:
 def delete_response(store: Store, key_id: int, response_id: str, now: int) -> Stopped | None:
     """Mark the response deleted (a running one asked to cancel too: its
     status is then ``cancelled``), or None when there is none for this key."""
+    if not ids.is_response_id(response_id):
+        return None
     with store.session() as session:
         stopped = _stop(session, key_id, response_id, now, background=False)
         record = session.get(ResponseRecord, response_id, populate_existing=True)
@@ -333,6 +337,8 @@ def cancel_response(store: Store, key_id: int, response_id: str, now: int) -> St
     run sees ``cancel_requested_at`` at its next flush and writes no more;
     one not begun yet never generates). A finished one is left as it is.
     None when there is none for this key."""
+    if not ids.is_response_id(response_id):
+        return None
     with store.session() as session:
         stopped = _stop(session, key_id, response_id, now, background=True)
         record = session.get(ResponseRecord, response_id, populate_existing=True)

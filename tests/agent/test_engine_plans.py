@@ -305,6 +305,13 @@ def test_sglang_key_shim_hands_the_key_to_the_module_not_to_argv(tmp_path: Path)
     assert seen["env"] is None
 
 
+def test_sglang_never_downloads_from_a_hub() -> None:
+    """The fetch step put the weights on the node: SGLang runs offline, whatever
+    the agent's own environment says (it would otherwise fetch a missing file)."""
+    plan = plan_shard(request(EngineKind.SGLANG), KEY, {"HF_HUB_OFFLINE": "0"})
+    assert plan.env["HF_HUB_OFFLINE"] == "1"
+
+
 def test_sglang_without_key_has_no_api_key_flag() -> None:
     cmd = plan_shard(request(EngineKind.SGLANG), "", {}).commands[0]
     assert "--api-key" not in cmd.argv and cmd.secret_argv_indices == ()

@@ -95,7 +95,7 @@ async def test_higher_priority_preempts_lower_and_both_sides_record_it(
 
 
 async def test_a_two_node_replica_preempts_a_replica_on_each_of_its_nodes(
-    system: System, client: Client, tiny: TinyModel
+    system: System, client: Client, tiny: TinyModel, rpc_llama_env: dict[str, str]
 ) -> None:
     """Multi-node preemption with real engines: two nodes of one island with
     one CPU slot each, both taken by low-priority replicas; a priority-5
@@ -111,7 +111,7 @@ async def test_a_two_node_replica_preempts_a_replica_on_each_of_its_nodes(
     )
     system.spawn("control")
     for node in ("pmn-a", "pmn-b"):
-        system.spawn_agent(node, {"LLMGW_MAX_CPU_REPLICAS": "1"})
+        system.spawn_agent(node, {"LLMGW_MAX_CPU_REPLICAS": "1", **rpc_llama_env})
         await replicas.wait_node_registered(client, node, 60)
     policy = RestartPolicy(initial_backoff_s=0.2)
     await replicas.apply_deployment(client, low, 2, timeouts=FAST, restart=policy)

@@ -268,6 +268,9 @@ async def test_model_apply_deploys_and_explain_gives_reasons(
     assert applied.returncode == 0, applied.stderr
     assert "deployment/tiny-cat: 1 replicas desired" in applied.stderr
     await replicas.wait_deployment_ready(client, "tiny-cat", 120)
+    # Earlier tests' replicas have given their slots back (a release lands just
+    # after a stop is reported): only this module's replica and tiny-cat's hold one.
+    await _until_held(client, "e2e-node", {MODEL, "tiny-cat"})
 
     placeable = await asyncio.to_thread(_cli, system, "explain", "tiny-cat")
     assert "a new replica would be placed: rank 0 on e2e-node" in placeable.stdout
@@ -276,6 +279,22 @@ async def test_model_apply_deploys_and_explain_gives_reasons(
     assert "e2e-node: needs 1 free healthy GPUs, has 0" in refused.stdout
 
     await replicas.remove_deployment(client, ModelSpec(name="tiny-cat", source="x"), 60)
+
+
+async def _until_held(client: Client, node_id: str, models: set[str]) -> None:
+    """Until the allocations on ``node_id`` are one replica of each of ``models``."""
+    held: list[str] = []
+    try:
+        async with asyncio.timeout(60):
+            while True:
+                allocations = (await replicas.fleet_snapshot(client)).allocations.values()
+                held = sorted(f"{a.model} ({a.replica_id})" for a in allocations
+                              if a.node_id == node_id)  # fmt: skip
+                if sorted(h.split(" ")[0] for h in held) == sorted(models):
+                    return
+                await asyncio.sleep(0.2)
+    except TimeoutError:
+        raise AssertionError(f"{node_id} still holds {held}, not one of each of {models}") from None
 
 
 def test_bench_prints_a_table_and_valid_json(system: System, served: dict[str, str]) -> None:

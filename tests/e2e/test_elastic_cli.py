@@ -53,8 +53,11 @@ async def _replica_listed(client: Client) -> str:
 async def _json_while_placing(system: System, client: Client) -> None:
     """``explain --json`` and ``status --json`` once the load woke the model."""
     explain = _json(await asyncio.to_thread(_cli, system, "explain", MODEL, "--json"))
-    assert set(explain) == {"model", "placement", "preemption", "rejections", "deployment"}
+    assert set(explain) == {
+        "model", "placement", "preemption", "rejections", "deployment", "fetching"
+    }  # fmt: skip
     assert (explain["model"], explain["placement"], explain["preemption"]) == (MODEL, None, None)
+    assert explain["fetching"] == []  # a local file: nothing to fetch
     assert all(set(r) == {"node_id", "reason"} for r in explain["rejections"])
     assert "cli-node" in [r["node_id"] for r in explain["rejections"]]  # 8 GPUs, it has none
     scaling = explain["deployment"]

@@ -72,6 +72,9 @@ class SglangPlanner:
             )
         node, profile = request.node, request.profile
         env = start_env(base_env, self._env_hook) | gpu_env(node.gpu_indices)
+        # Weights come from the node's cache (the fetch step), never a hub: a
+        # missing file is an error at load, not a download behind our back.
+        env["HF_HUB_OFFLINE"] = "1"
         argv = [*self._launch.sglang, "--model-path", request.model.source]
         argv += ["--tp-size", str(profile.tp)]
         if profile.pp > 1:

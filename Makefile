@@ -17,7 +17,9 @@ run: $(STAMP)
 	$(BIN)/llmgw up
 
 ## Lint, type-check, build the docs strictly and run the whole test suite.
+## As root, the Debian packages the network test bed needs come first, if missing.
 test: $(STAMP) lint types docs
+	.ci/system-packages
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 lint: $(STAMP)

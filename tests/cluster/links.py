@@ -6,8 +6,8 @@ Cut from one peer: an nftables set in the host's namespace whose members'
 packets are dropped both ways. Delay and loss: ``tc netem`` on both ends of
 the veth, so every packet crossing the link, either way, is delayed and may
 be lost. Kernels built without ``sch_netem`` (this project's CI VMs) get the
-same effect from nftables (loss) and :mod:`tests.cluster.delayer` behind an
-NFQUEUE rule (delay), see :func:`netem`.
+same round trips from nftables (loss) and :mod:`tests.cluster.delayer`
+behind an NFQUEUE rule (delay), see :func:`queue_rules`.
 """
 
 import tempfile
@@ -134,24 +134,17 @@ table inet llmgw_loss {{
 
 
 def queue_rules(host: Host) -> None:
-    """Send the link's packets, both ways, to the delayer's queue.
+    """Send the packets coming in over the link to the delayer's queue.
 
-    ``--queue-bypass``: with no delayer bound, packets pass instead of vanishing.
+    Incoming only: a packet held on its way out still counts against its
+    socket's send budget (TCP small queues), which throttled a bulk transfer
+    to a few hundred kB/s; the delayer holds incoming ones for both ways'
+    delay instead. ``--queue-bypass``: with no delayer bound, packets pass.
     """
-    for chain, way in (("INPUT", "-i"), ("OUTPUT", "-o")):
-        sh(
-            "iptables",
-            "-A",
-            chain,
-            way,
-            IFACE,
-            "-j",
-            "NFQUEUE",
-            "--queue-num",
-            DELAY_QUEUE,
-            "--queue-bypass",
-            ns=host.ns,
-        )
+    sh(
+        "iptables", "-A", "INPUT", "-i", IFACE, "-j", "NFQUEUE",
+        "--queue-num", DELAY_QUEUE, "--queue-bypass", ns=host.ns,
+    )  # fmt: skip
 
 
 def clear_rules(host: Host) -> None:

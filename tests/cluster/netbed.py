@@ -190,7 +190,8 @@ class Bed:
         trip through it gains twice that) and lose ``loss_pct`` % each way.
 
         ``tc netem`` where the kernel has it; otherwise nftables for the loss
-        and :mod:`tests.cluster.delayer` for the delay, to the same effect.
+        and :mod:`tests.cluster.delayer` for the delay: the same round trips,
+        though the whole added delay falls on packets coming in.
         """
         target = self.hosts[host]
         self.clear_netem(host)
@@ -202,7 +203,8 @@ class Bed:
         if loss_pct:
             links.loss_rules(target, loss_pct)
         if delay_ms:
-            self._start_delayer(host, delay_ms)
+            # Both ways' delay on the incoming side (see links.queue_rules).
+            self._start_delayer(host, 2 * delay_ms)
             links.queue_rules(target)
 
     def clear_netem(self, host: str) -> None:

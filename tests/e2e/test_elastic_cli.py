@@ -24,7 +24,7 @@ MODEL = "tiny-cli-elastic"
 # The documented shapes (docs/reference/cli-json.md).
 DEPLOYMENT = {"model", "desired", "ready", "inflight", "waiting", "autoscale", "slots"}
 SLOT = {"slot", "replica_id", "ready", "starts", "failures", "reaped", "last_reason"}
-REPLICA = {"replica_id", "model", "phase", "node_id", "endpoint"}
+REPLICA = {"replica_id", "model", "phase", "node_id", "endpoint", "progress"}
 BOUNDS = {"min_replicas": 0, "max_replicas": 2, "target_inflight": 4.0}
 
 
@@ -73,6 +73,7 @@ async def _json_while_placing(system: System, client: Client) -> None:
     rows = [r for r in status["replicas"] if r["model"] == MODEL]
     assert [r["replica_id"] for r in rows] == [replica_id]
     assert set(rows[0]) == REPLICA and rows[0]["endpoint"] == ""
+    assert rows[0]["progress"] == []  # placing, not fetching
     (mine,) = [d for d in status["deployments"] if d["model"] == MODEL]
     assert (mine["desired"], mine["ready"], mine["autoscale"]) == (1, 0, BOUNDS)
     assert [set(s) for s in mine["slots"]] == [SLOT]

@@ -78,13 +78,7 @@ class Child:
 
     def signal(self, sig: signal.Signals) -> None:
         """Send ``sig`` to the child's whole process group, while it is the child's."""
-        if self.proc.returncode is not None and os.path.exists(f"/proc/{self.proc.pid}"):
-            # The child was reaped and its pid is another process's now: a
-            # pid is not reused while any member of our group lives, so the
-            # group is empty and that id may lead a stranger's group.
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, sig)
+        signal_group(self.proc, sig)
 
     def stop(self, grace_s: float = 10.0) -> int | None:
         """SIGTERM the group, wait, then SIGKILL it; returns the exit code."""
@@ -102,6 +96,17 @@ class Child:
     def log_tail(self, lines: int = 20) -> str:
         """The end of the child's log, for error messages."""
         return log_tail(self.log_path, lines)
+
+
+def signal_group(proc: "subprocess.Popen[bytes]", sig: signal.Signals) -> None:
+    """Send ``sig`` to the process group ``proc`` leads, while it is ``proc``'s."""
+    if proc.returncode is not None and os.path.exists(f"/proc/{proc.pid}"):
+        # The child was reaped and its pid is another process's now: a
+        # pid is not reused while any member of our group lives, so the
+        # group is empty and that id may lead a stranger's group.
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, sig)
 
 
 def private_log_dir(path: Path) -> None:

@@ -236,6 +236,22 @@ def source_build_wanted() -> bool:
     return os.environ.get("CI") == "true" or os.environ.get("LLMGW_TEST_SOURCE_BUILD") == "1"
 
 
+def _source_build(cache: Path) -> "LlamaCppInstall":
+    """The llama.cpp source build in ``cache`` (``LLMGW_LLAMA_CPP=build`` set by the
+    caller), built first where this run builds it; the test skipped elsewhere."""
+    from worker_agent.installs import llamacpp  # noqa: PLC0415
+
+    found = llamacpp.find_llama_cpp(cache)
+    if found is None and source_build_wanted():
+        found = llamacpp.ensure_llama_cpp(cache, progress=print)  # once, then cached
+    if found is None:
+        pytest.skip(
+            "no llama.cpp source build in the tests' engine cache"
+            f" ({cache}): CI builds it (CI=true), or LLMGW_TEST_SOURCE_BUILD=1"
+        )
+    return found
+
+
 @pytest.fixture(params=["auto", "portable", "build"])
 def llama_path(request: pytest.FixtureRequest) -> LlamaPath:
     """Each llama.cpp install path this machine can take, forced through the agent's setting.
@@ -253,15 +269,7 @@ def llama_path(request: pytest.FixtureRequest) -> LlamaPath:
     with pytest.MonkeyPatch.context() as env:
         env.setenv(llamacpp.CHOICE_ENV, setting)
         if setting == "build":
-            found = llamacpp.find_llama_cpp(cache)
-            if found is None and source_build_wanted():
-                found = llamacpp.ensure_llama_cpp(cache, progress=print)  # once, then cached
-            if found is None:
-                pytest.skip(
-                    "no llama.cpp source build in the tests' engine cache"
-                    f" ({cache}): CI builds it (CI=true), or LLMGW_TEST_SOURCE_BUILD=1"
-                )
-            return LlamaPath(setting, found)
+            return LlamaPath(setting, _source_build(cache))
         found = llamacpp.ensure_llama_cpp(cache)
     if setting == "auto" and found.source == "portable":
         pytest.skip("the automatic choice on this CPU is the portable server: tested as such")
@@ -283,14 +291,8 @@ def rpc_llama_env() -> dict[str, str]:
         return {}
     with pytest.MonkeyPatch.context() as env:
         env.setenv(llamacpp.CHOICE_ENV, "build")
-        found = llamacpp.find_llama_cpp(cache)
-        if found is None and source_build_wanted():
-            found = llamacpp.ensure_llama_cpp(cache, progress=print)  # once, then cached
-    if found is None or found.rpc_server is None:
-        pytest.skip(
-            "this CPU's llama.cpp has no RPC server and no source build is in the tests'"
-            f" engine cache ({cache}): CI builds it (CI=true), or LLMGW_TEST_SOURCE_BUILD=1"
-        )
+        found = _source_build(cache)
+    assert found.rpc_server is not None, f"the source build has no RPC server: {found}"
     return {llamacpp.CHOICE_ENV: "build"}
 
 

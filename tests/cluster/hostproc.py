@@ -1,13 +1,12 @@
 """A process on a host of the bed, and the signals that fault it."""
 
-import contextlib
-import os
 import signal
 import subprocess
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from llmgw_cli.procs import signal_group
 from tests.cluster.names import MARKER
 
 
@@ -29,9 +28,8 @@ class HostProcess:
         return self.popen.pid
 
     def signal(self, sig: signal.Signals) -> None:
-        """Send ``sig`` to the process group (nothing if it is gone)."""
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.pid, sig)
+        """Send ``sig`` to the process group (nothing if it is gone, or reaped)."""
+        signal_group(self.popen, sig)
 
     def kill(self) -> None:
         """SIGKILL, the crash fault: no handler runs."""

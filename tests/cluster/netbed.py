@@ -23,12 +23,12 @@ See :mod:`tests.cluster.names` for the naming and how leftovers are found.
 import fcntl
 import os
 import sys
-import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from subprocess import CompletedProcess, run
 from types import TracebackType
 
+from llmgw_cli.procs import wait_for
 from tests.cluster import links
 from tests.cluster.hostproc import HostProcess, spawn
 from tests.cluster.links import Host
@@ -227,12 +227,13 @@ class Bed:
             log=out,
         )
         self._delayers[host] = proc
+
         # Bound before the rule is added: packets queued to no one would pass undelayed.
-        deadline = time.monotonic() + 10
-        while "ready" not in (out.read_text() if out.exists() else ""):
-            if not proc.alive() or time.monotonic() > deadline:
-                raise BedError(f"the delayer on {host} did not start: {out.read_text()}")
-            time.sleep(0.02)
+        def ended_or_ready() -> bool:
+            return not proc.alive() or "ready" in (out.read_text() if out.exists() else "")
+
+        if not wait_for(ended_or_ready, 10, interval_s=0.02) or not proc.alive():
+            raise BedError(f"the delayer on {host} did not start: {out.read_text()}")
 
     # Teardown
 

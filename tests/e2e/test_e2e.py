@@ -283,14 +283,13 @@ async def test_model_apply_deploys_and_explain_gives_reasons(
 
 async def _until_held(client: Client, node_id: str, models: set[str]) -> None:
     """Until the allocations on ``node_id`` are one replica of each of ``models``."""
-    held: list[str] = []
+    held: dict[str, str] = {}
     try:
         async with asyncio.timeout(60):
             while True:
                 allocations = (await replicas.fleet_snapshot(client)).allocations.values()
-                held = sorted(f"{a.model} ({a.replica_id})" for a in allocations
-                              if a.node_id == node_id)  # fmt: skip
-                if sorted(h.split(" ")[0] for h in held) == sorted(models):
+                held = {a.replica_id: a.model for a in allocations if a.node_id == node_id}
+                if sorted(held.values()) == sorted(models):
                     return
                 await asyncio.sleep(0.2)
     except TimeoutError:

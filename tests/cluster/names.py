@@ -47,6 +47,17 @@ def veth(bed_id: str, index: int) -> str:
     return f"{LINK_PREFIX}{bed_id}v{index}"
 
 
+# Each bed's files (its services' data, logs, models): 0755, for the engine
+# and service users, and removed with the bed.
+FILES_ROOT = Path("/tmp")
+FILES_PREFIX = "llmgw-bed-"
+
+
+def files_dir(bed_id: str) -> Path:
+    """Where the bed keeps its files."""
+    return FILES_ROOT / f"{FILES_PREFIX}{bed_id}"
+
+
 def lock_path(bed_id: str) -> Path:
     """The file the bed's owner holds locked while it lives."""
     return LOCK_DIR / f"{bed_id}.lock"

@@ -35,6 +35,7 @@ from tests.cluster.links import Host
 from tests.cluster.names import (
     LOCK_DIR,
     bridge,
+    files_dir,
     lock_path,
     namespace,
     new_bed_id,
@@ -89,6 +90,8 @@ class Bed:
             fcntl.flock(alloc, fcntl.LOCK_EX)
             bed = cls(bed_id, _claim_subnet(), lock_fd, log_dir)
             try:
+                bed.files.mkdir(mode=0o755)
+                bed.files.chmod(0o755)  # whatever the umask
                 sh("ip", "link", "add", bed.bridge, "type", "bridge")
                 sh("ip", "addr", "add", f"{bed.address_of(1)}/24", "dev", bed.bridge)
                 sh("ip", "link", "set", bed.bridge, "up")
@@ -104,6 +107,11 @@ class Bed:
             bed.close()
             raise
         return bed
+
+    @property
+    def files(self) -> Path:
+        """The bed's own directory (0755), removed with the bed."""
+        return files_dir(self.id)
 
     def address_of(self, last: int) -> str:
         """The address ``198.18.<subnet>.<last>`` of this bed."""

@@ -8,17 +8,21 @@ after the tests, when nothing may be left.
 import contextlib
 import fcntl
 import os
+import shutil
 import signal
 import sys
 import time
 from pathlib import Path
 
 from tests.cluster.names import (
+    FILES_PREFIX,
+    FILES_ROOT,
     LOCK_DIR,
     MARKER,
     NS_PREFIX,
     bed_of_link,
     bed_of_namespace,
+    files_dir,
     lock_path,
     valid_bed_id,
 )
@@ -30,6 +34,9 @@ def bed_ids() -> set[str]:
     found = {bed_of_namespace(ns) for ns in namespaces()} | {bed_of_link(n) for n in links()}
     if LOCK_DIR.is_dir():
         found |= {lock.stem for lock in LOCK_DIR.glob("*.lock") if valid_bed_id(lock.stem)}
+    for place in FILES_ROOT.glob(f"{FILES_PREFIX}*"):
+        if valid_bed_id(bed := place.name.removeprefix(FILES_PREFIX)):
+            found.add(bed)
     return {bed for bed in found if bed}
 
 
@@ -92,6 +99,7 @@ def remove_bed(bed_id: str, timeout_s: float = 10.0) -> None:
         if not left or time.monotonic() > deadline:
             break
         time.sleep(0.05)
+    shutil.rmtree(files_dir(bed_id), ignore_errors=True)
     lock_path(bed_id).unlink(missing_ok=True)
 
 

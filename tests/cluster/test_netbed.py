@@ -12,7 +12,7 @@ import pytest
 
 from llmgw_cli.procs import wait_for
 from tests.cluster.hostproc import HostProcess
-from tests.cluster.names import bed_of_link, bed_of_namespace
+from tests.cluster.names import bed_of_link, bed_of_namespace, files_dir
 from tests.cluster.netbed import Bed
 from tests.cluster.sweep import marked_pids, owner_alive, sweep
 from tests.cluster.system import links, namespaces, sh
@@ -80,12 +80,13 @@ def rtt_ms(bed: Bed, source: str, target: str) -> float:
     return float(answer[1])
 
 
-def traces(bed_id: str) -> tuple[list[str], list[str], list[int]]:
-    """The namespaces, links and processes of bed ``bed_id`` on this machine."""
+def traces(bed_id: str) -> tuple[list[str], list[str], list[int], list[Path]]:
+    """The namespaces, links, processes and files of bed ``bed_id`` on this machine."""
     return (
         [ns for ns in namespaces() if bed_of_namespace(ns) == bed_id],
         [name for name in links() if bed_of_link(name) == bed_id],
         marked_pids(bed_id),
+        [files_dir(bed_id)] if files_dir(bed_id).exists() else [],
     )
 
 
@@ -160,11 +161,12 @@ def test_teardown_leaves_nothing_of_the_bed(netns_ok: str | None, tmp_path: Path
         pytest.skip(netns_ok)
     with Bed.build(["x", "y"], log_dir=tmp_path) as bed:
         echo(bed, "x")
+        (bed.files / "state").write_text("kept until the bed goes")
         bed.start("y", ["sleep", "600"], env=ENV).freeze()
         bed.cut_between("x", "y")
         bed.netem("y", delay_ms=5)
         assert all(traces(bed.id))
-    assert traces(bed.id) == ([], [], [])
+    assert traces(bed.id) == ([], [], [], [])
     assert not owner_alive(bed.id)
 
 
@@ -198,6 +200,6 @@ def test_the_sweep_removes_the_bed_of_a_killed_owner(bed: Bed) -> None:
     owner.stdout.close()
     assert all(traces(left)) and not owner_alive(left)
     assert left in sweep()
-    assert traces(left) == ([], [], [])
+    assert traces(left) == ([], [], [], [])
     assert all(traces(bed.id)[:2])  # untouched
     assert sweep() == []

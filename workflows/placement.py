@@ -1,13 +1,17 @@
 """Placement: a pure filter-then-score choice of nodes for a replica.
 
 Each filter says why it turned a node down, so "cannot be placed" always
-comes with reasons. Bin-packing (prefer the busiest node that still fits)
-keeps whole nodes free for large models. A replica spanning nodes is placed
-inside one fabric island: ranks on different fabrics cannot reach each
-other's adapters, and NCCL then hangs rather than fails.
+comes with reasons. Among the nodes that fit, those holding the fewest ranks
+of the same model come first: replicas of one deployment land on different
+nodes whenever they fit, so losing a node costs one of them, not all. Then
+bin-packing (prefer the busiest node) keeps whole nodes free for large
+models; different models still share nodes. A replica spanning nodes is
+placed inside one fabric island: ranks on different fabrics cannot reach
+each other's adapters, and NCCL then hangs rather than fails.
 """
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from datetime import datetime
 
 from temporalio import workflow
@@ -128,13 +132,43 @@ def _capabilities(node: NodeInventory, model: ModelSpec, held: list[ShardPlaceme
 
 FILTERS: tuple[Filter, ...] = (_capabilities, _gpu_class, _enough_gpus, _cpu_slots)
 
+# Spreading a model's replicas over nodes (issue 36: two replicas bin-packed
+# onto one node, and that node's loss failed nearly every request) changed
+# what workflow code decides, so a history recorded before it replays with
+# the old rule.
+SPREAD_REPLICAS_PATCH = "placement-spread-replicas-v1"
 
-def _score(node: NodeInventory, busy: int, spread: bool) -> tuple[int, str]:
-    # Bin-pack (the default): more ranks already on the node scores higher,
-    # keeping whole nodes free for big models; spread: fewer scores higher,
-    # so one node's loss takes fewer replicas. The node id breaks ties so the
-    # choice is deterministic (workflow code replays it).
-    return (-busy if spread else busy, node.node_id)
+
+def model_ranks(model: str, allocations: Mapping[str, Placement]) -> dict[str, int]:
+    """Ranks of ``model``'s replicas (and of room reserved for them) per node."""
+    ranks: dict[str, int] = {}
+    for alloc in allocations.values():
+        if alloc.model == model:
+            for shard in alloc.shards():
+                ranks[shard.node_id] = ranks.get(shard.node_id, 0) + 1
+    return ranks
+
+
+def replicas_spread(holds_ranks: bool) -> bool:
+    """Whether placement puts a model's replicas on the nodes holding fewest
+    of its ranks first: outside a workflow always; in one from
+    ``SPREAD_REPLICAS_PATCH`` on. Asked only when some claim of the model
+    exists (``holds_ranks``): otherwise every node holds none, the rule
+    changes nothing, and the history stays free of the marker."""
+    return holds_ranks and (not workflow.in_workflow() or workflow.patched(SPREAD_REPLICAS_PATCH))
+
+
+def _score(node: NodeInventory, busy: int, spread: bool, same: int) -> tuple[int, int, str]:
+    # Fewest ranks of the same model first, so one node's loss takes as few
+    # of a deployment's replicas as the fleet allows. Then bin-pack (the
+    # default): more ranks already on the node scores higher, keeping whole
+    # nodes free for big models; spread: fewer scores higher. The node id
+    # breaks ties so the choice is deterministic (workflow code replays it).
+    return (-same, -busy if spread else busy, node.node_id)
+
+
+def _holds_none(node_id: str) -> int:
+    return 0
 
 
 def island_of(node: NodeInventory) -> str:
@@ -163,17 +197,24 @@ def _candidates(
 
 
 def pick_island(
-    model: ModelSpec, passed: list[NodeInventory], busy: Callable[[str], int]
+    model: ModelSpec,
+    passed: list[NodeInventory],
+    busy: Callable[[str], int],
+    same: Callable[[str], int] = _holds_none,
 ) -> tuple[list[NodeInventory], list[Rejection]]:
     """The nodes to use among those that passed the filters (sorted by id),
     and why the others in too small an island are not; ``busy`` gives the
-    ranks a node holds."""
+    ranks a node holds, ``same`` those of ``model``'s replicas."""
+
+    def score(n: NodeInventory) -> tuple[int, int, str]:
+        return _score(n, busy(n.node_id), model.spread, same(n.node_id))
+
     if model.profile.nodes == 1:
         # One node: the island rule is moot, and skipping it halves the time
         # a placement takes on a large fleet (tests/bench/bench_control.py).
         if not passed:
             return [], []
-        return [max(passed, key=lambda n: _score(n, busy(n.node_id), model.spread))], []
+        return [max(passed, key=score)], []
     islands: dict[str, list[NodeInventory]] = {}
     for node in passed:
         islands.setdefault(island_of(node), []).append(node)
@@ -181,10 +222,7 @@ def pick_island(
     fits = []
     for name, members in sorted(islands.items()):
         if len(members) >= model.profile.nodes:
-            ranked = sorted(
-                members, key=lambda n: _score(n, busy(n.node_id), model.spread), reverse=True
-            )
-            fits.append(ranked[: model.profile.nodes])
+            fits.append(sorted(members, key=score, reverse=True)[: model.profile.nodes])
         else:
             rejections += [
                 Rejection(
@@ -198,7 +236,14 @@ def pick_island(
         return [], rejections
     # The island whose chosen nodes score best, by the same rule.
     sign = -1 if model.spread else 1
-    best = max(fits, key=lambda ns: (sign * sum(busy(n.node_id) for n in ns), ns[0].node_id))
+    best = max(
+        fits,
+        key=lambda ns: (
+            -sum(same(n.node_id) for n in ns),
+            sign * sum(busy(n.node_id) for n in ns),
+            ns[0].node_id,
+        ),
+    )
     return best, rejections
 
 
@@ -240,7 +285,12 @@ def choose_node(
     passed, rejections = _candidates(model, nodes, held)
     if not nodes:
         rejections.append(Rejection(node_id="*", reason="no node has registered"))
-    chosen, more = pick_island(model, passed, lambda node_id: len(held.get(node_id, [])))
+    same = model_ranks(model.name, allocations)
+    if not replicas_spread(bool(same)):
+        same = {}
+    chosen, more = pick_island(
+        model, passed, lambda node_id: len(held.get(node_id, [])), lambda n: same.get(n, 0)
+    )
     rejections += more
     if not chosen:
         return PlaceResult(rejections=rejections)
@@ -272,3 +322,89 @@ def build_placement(
         workers=workers,
         priority=model.priority,
     )
+
+
+@dataclass(frozen=True)
+class Sharing:
+    """Replicas of one model with ranks on one node, and why no other node
+    took one of them (``llmgw explain``)."""
+
+    node_id: str
+    replicas: list[str]  # the placed ones, by id
+    new_replica: bool  # the replica being explained would go there too
+    reason: str
+
+
+def sharing(
+    model: ModelSpec,
+    nodes: Mapping[str, NodeInventory],
+    allocations: Mapping[str, Placement],
+    down: list[Rejection],
+    new: PlaceResult | None = None,
+) -> list[Sharing]:
+    """The nodes where replicas of ``model`` share a node, with the reason;
+    ``new`` is ``choose_node``'s answer for one more replica, which counts too.
+
+    Why a placed replica shares its node is judged by placing it again now
+    (its last sharer, by id, taken out of the ledger): the fleet may have
+    changed since, and an older control worker bin-packed replicas.
+    """
+    placed = None if new is None else new.placement
+    on: dict[str, list[str]] = {}
+    for rid, alloc in sorted(allocations.items()):
+        if alloc.model == model.name and (placed is None or rid != placed.replica_id):
+            for node_id in sorted({s.node_id for s in alloc.shards()}):
+                on.setdefault(node_id, []).append(rid)
+    new_nodes = set() if placed is None else {s.node_id for s in placed.shards()}
+    found: list[Sharing] = []
+    for node_id in sorted(on.keys() | new_nodes):
+        replicas = on.get(node_id, [])
+        with_new = node_id in new_nodes
+        if len(replicas) + with_new < 2:
+            continue
+        if with_new and new is not None:
+            reason = _why_shared(node_id, new, None, nodes, on, down)
+        else:
+            mover = replicas[-1]
+            rest = {k: v for k, v in allocations.items() if k != mover}
+            again = choose_node(mover, model, nodes, rest)
+            reason = _why_shared(node_id, again, mover, nodes, on, down)
+        found.append(Sharing(node_id, replicas, with_new, reason))
+    return found
+
+
+def _why_shared(
+    node_id: str,
+    result: PlaceResult,
+    mover: str | None,
+    nodes: Mapping[str, NodeInventory],
+    on: Mapping[str, list[str]],
+    down: list[Rejection],
+) -> str:
+    chosen = set() if result.placement is None else {s.node_id for s in result.placement.shards()}
+    # Each node's replicas of the model besides the one placed again.
+    besides = {n: [r for r in rids if r != mover] for n, rids in on.items()}
+    here = len(besides.get(node_id, []))
+    if chosen and node_id not in chosen and all(len(besides.get(n, [])) < here for n in chosen):
+        return (
+            f"another node fits one of them now ({', '.join(sorted(chosen))}): "
+            f"stopping {mover} would have its deployment place it there"
+        )
+    rejected = {r.node_id: r.reason for r in [*result.rejections, *down] if r.node_id != "*"}
+    # The other nodes of a multi-node replica are no alternative to this one.
+    partners = chosen if node_id in chosen else set()
+    others: list[str] = []
+    all_rejected = True
+    for other in sorted((nodes.keys() | rejected.keys()) - partners - {node_id}):
+        if other in rejected:
+            others.append(f"{other}: {rejected[other]}")
+            continue
+        all_rejected = False
+        if besides.get(other):
+            others.append(f"{other}: holds {' and '.join(besides[other])}")
+        else:
+            others.append(f"{other}: fits, but its island scored lower")
+    if not others:
+        return "no other node is registered"
+    head = "no other node fits" if all_rejected else "no other node with fewer of them fits"
+    return f"{head} ({'; '.join(others)})"

@@ -6,7 +6,10 @@ it spent on nodes that cannot fit. The index keeps, per node, how many ranks
 it holds and how many healthy GPUs of each class are free, and files the node
 in buckets by (class, free GPUs) and, inside a bucket, by ranks held. A
 placement looks only at the buckets with room enough, and (single-node) only
-at the busiest level of each (the idlest, to spread).
+at the busiest level of each (the idlest, to spread). Nodes already holding
+ranks of the same model rank last (``choose_node``'s first criterion): the
+index counts them per model, and looks at them, few as they are, only when
+every other node is out.
 
 It makes the choice ``choose_node`` makes (tests/control/test_placement_index.py
 compares them on random fleets); it computes no reasons: ``choose_node`` gives
@@ -18,7 +21,7 @@ from collections import Counter
 from collections.abc import Mapping, Set
 
 from llmgw.types import ModelSpec, NodeInventory, Placement
-from workflows.placement import build_placement, missing_capability, pick_island
+from workflows.placement import build_placement, missing_capability, pick_island, replicas_spread
 
 # Nodes by ranks held.
 Levels = dict[int, set[str]]
@@ -45,8 +48,10 @@ class PlacementIndex:
     ) -> None:
         self._nodes: dict[str, NodeInventory] = {}
         self._held: dict[str, _Held] = {}
-        # Per claim key: the (node, GPU indices) of each of its ranks.
-        self._claims: dict[str, list[tuple[str, list[int]]]] = {}
+        # Per claim key: its model, and the (node, GPU indices) of each of its ranks.
+        self._claims: dict[str, tuple[str, list[tuple[str, list[int]]]]] = {}
+        # Per model: its claims' ranks per node (only nodes holding some).
+        self._models: dict[str, Counter[str]] = {}
         # (GPU class, None for any class; free healthy GPUs) -> nodes by ranks.
         self._gpu: dict[tuple[str | None, int], Levels] = {}
         self._cpu: Levels = {}  # nodes with a CPU replica slot free
@@ -66,7 +71,8 @@ class PlacementIndex:
         """A claim (an allocation, or room reserved under ``key``) holds its ranks."""
         self.remove(key)
         ranks = [(s.node_id, list(s.gpu_indices)) for s in placement.shards()]
-        self._claims[key] = ranks
+        self._claims[key] = (placement.model, ranks)
+        self._models.setdefault(placement.model, Counter()).update(n for n, _ in ranks)
         for node_id, gpus in ranks:
             held = self._held.setdefault(node_id, _Held())
             held.ranks += 1
@@ -77,9 +83,15 @@ class PlacementIndex:
 
     def remove(self, key: str) -> None:
         """A claim is given back (no-op when unknown)."""
-        ranks = self._claims.pop(key, None)
-        if ranks is None:
+        claim = self._claims.pop(key, None)
+        if claim is None:
             return
+        model, ranks = claim
+        same = self._models[model]
+        same.subtract(n for n, _ in ranks)
+        same += Counter()  # drops nodes holding none of the model any more
+        if not same:
+            del self._models[model]
         for node_id, gpus in ranks:
             held = self._held[node_id]
             held.ranks -= 1
@@ -102,8 +114,13 @@ class PlacementIndex:
                 for (cls, free), levels in self._gpu.items()
                 if cls == model.gpu_class and free >= model.gpus
             ]
+        same = self._models.get(model.name, Counter[str]())
+        if not replicas_spread(bool(same)):
+            same = Counter()
         if model.profile.nodes == 1:
-            best = self._best(buckets, model.spread, excluded)
+            best = self._best(buckets, model.spread, {*excluded, *same} if same else excluded)
+            if best is None and same:
+                best = self._best_holding(buckets, model.spread, excluded, same)
             chosen = [] if best is None else [self._nodes[best]]
         else:
             # A node is in one bucket per class: no duplicates to remove.
@@ -116,7 +133,7 @@ class PlacementIndex:
                 for n in passed
                 if n.node_id not in excluded and missing_capability(n, model) is None
             ]
-            chosen, _ = pick_island(model, passed, self._ranks)
+            chosen, _ = pick_island(model, passed, self._ranks, lambda n: same[n])
         if not chosen:
             return None
         return build_placement(
@@ -136,6 +153,20 @@ class PlacementIndex:
                     best = score if best is None else max(best, score)
                     break
         return None if best is None else best[1]
+
+    def _best_holding(
+        self, buckets: list[Levels], spread: bool, excluded: Set[str], same: Counter[str]
+    ) -> str | None:
+        # Every usable node holds ranks of the model: they are few (its
+        # replicas' nodes), so each is scored as choose_node scores it.
+        best: tuple[int, int, str] | None = None
+        for node_id, held in same.items():
+            ranks = self._ranks(node_id)
+            if node_id in excluded or not any(node_id in b.get(ranks, ()) for b in buckets):
+                continue
+            score = (-held, -ranks if spread else ranks, node_id)
+            best = score if best is None else max(best, score)
+        return None if best is None else best[2]
 
     def _ranks(self, node_id: str) -> int:
         held = self._held.get(node_id)

@@ -220,8 +220,12 @@ class ModelSpec(BaseModel):
     )
     # The store's columns are 32-bit integers (PostgreSQL): larger is refused here.
     gpus: int = Field(default=0, ge=0, le=2**31 - 1, description="GPUs per node; 0 runs on CPU")
+    # Replicas of one model go to different nodes whenever they fit, either
+    # way: this only chooses among nodes holding as many of its ranks.
     spread: bool = Field(
-        default=False, description="place on the least busy nodes instead of bin-packing"
+        default=False,
+        description="place on the least busy nodes instead of bin-packing (replicas of one"
+        " model spread over nodes either way)",
     )
     gpu_class: str | None = Field(
         default=None, description='only GPUs of this class, e.g. "h100-80g" (see agent inventory)'

@@ -11,9 +11,10 @@ from llmgw.types import (
     NodeInventory,
     NodeLiveness,
     Placement,
+    Rejection,
 )
 from tests.harness import node_inventory as node
-from workflows.placement import choose_node, split_live
+from workflows.placement import Sharing, choose_node, sharing, split_live
 
 CPU = ModelSpec(name="tiny", source="/m.gguf")
 GPU2 = ModelSpec(name="big", source="/m", gpus=2)
@@ -58,9 +59,116 @@ def test_unhealthy_gpus_are_skipped() -> None:
 
 def test_bin_packs_onto_the_busier_node() -> None:
     nodes = {"a": node("a", 8), "b": node("b", 8)}
-    allocs = {"r0": Placement(replica_id="r0", model="big", node_id="b", gpu_indices=[0, 1])}
+    allocs = {"r0": Placement(replica_id="r0", model="other", node_id="b", gpu_indices=[0, 1])}
     result = choose_node("r1", GPU2, nodes, allocs)
     assert result.placement is not None and result.placement.node_id == "b"
+
+
+def _place_all(
+    model: ModelSpec, rids: list[str], nodes: dict[str, NodeInventory], allocs: dict[str, Placement]
+) -> list[str]:
+    """Place each replica in turn; the leader node of each."""
+    leaders = []
+    for rid in rids:
+        placed = choose_node(rid, model, nodes, allocs).placement
+        assert placed is not None, rid
+        allocs[rid] = placed
+        leaders.append(placed.node_id)
+    return leaders
+
+
+def test_replicas_of_one_model_go_to_different_nodes() -> None:
+    """Issue 36: both replicas of a model landed on one node, whose loss then
+    failed 125 of 145 requests."""
+    nodes = {"n1": node("n1"), "n2": node("n2")}
+    assert sorted(_place_all(CPU, ["r1", "r2"], nodes, {})) == ["n1", "n2"]
+    # GPU replicas too, though the first node has room for both.
+    gpu_nodes = {"a": node("a", 8), "b": node("b", 8)}
+    assert sorted(_place_all(GPU2, ["g1", "g2"], gpu_nodes, {})) == ["a", "b"]
+
+
+def test_a_different_model_still_bin_packs_onto_the_busy_node() -> None:
+    nodes = {"a": node("a", 8), "b": node("b", 8)}
+    allocs: dict[str, Placement] = {}
+    assert _place_all(GPU2, ["big-1", "big-2"], nodes, allocs) == ["b", "a"]
+    # Both nodes hold one rank of "big": another model packs onto the busier
+    # one (b, also holding "other-1"), and its second replica goes to a.
+    other = GPU2.model_copy(update={"name": "other"})
+    allocs["x"] = Placement(replica_id="x", model="third", node_id="b", gpu_indices=[6, 7])
+    assert _place_all(other, ["other-1", "other-2"], nodes, allocs) == ["b", "a"]
+
+
+def test_more_replicas_than_nodes_share_evenly() -> None:
+    nodes = {n: node(n) for n in ("a", "b")}
+    leaders = _place_all(CPU, ["r1", "r2", "r3", "r4"], nodes, {})
+    assert sorted(leaders) == ["a", "a", "b", "b"]
+
+
+def test_a_replica_shares_a_node_only_when_no_other_fits() -> None:
+    nodes = {"n1": node("n1"), "n2": node("n2", cpu_slots=1)}
+    allocs = {
+        "r-a": Placement(replica_id="r-a", model="tiny", node_id="n1"),
+        "busy": Placement(replica_id="busy", model="other", node_id="n2"),
+    }
+    result = choose_node("r-b", CPU, nodes, allocs)
+    assert result.placement is not None and result.placement.node_id == "n1"
+    assert [(r.node_id, r.reason) for r in result.rejections] == [
+        ("n2", "CPU replica slots full (1/1)")
+    ]
+    # What explain says of a new replica, and of the two once placed.
+    (new,) = sharing(CPU, nodes, allocs, [], result)
+    assert new == Sharing(
+        node_id="n1",
+        replicas=["r-a"],
+        new_replica=True,
+        reason="no other node fits (n2: CPU replica slots full (1/1))",
+    )
+    allocs["r-b"] = result.placement
+    cordoned = [Rejection(node_id="n3", reason="cordoned")]
+    (placed,) = sharing(CPU, nodes, allocs, cordoned)
+    assert (placed.node_id, placed.replicas, placed.new_replica) == ("n1", ["r-a", "r-b"], False)
+    assert placed.reason == "no other node fits (n2: CPU replica slots full (1/1); n3: cordoned)"
+    # Room on n2 again: the sharing is no longer needed, and explain says how to end it.
+    del allocs["busy"]
+    (movable,) = sharing(CPU, nodes, allocs, [])
+    assert movable.reason == (
+        "another node fits one of them now (n2): stopping r-b would have its deployment "
+        "place it there"
+    )
+
+
+def test_sharing_with_as_many_replicas_everywhere_names_them() -> None:
+    nodes = {n: node(n) for n in ("a", "b")}
+    allocs: dict[str, Placement] = {}
+    _place_all(CPU, ["r1", "r2", "r3"], nodes, allocs)
+    found = sharing(CPU, nodes, allocs, [])
+    assert [(s.node_id, s.replicas) for s in found] == [("b", ["r1", "r3"])]
+    assert found[0].reason == "no other node with fewer of them fits (a: holds r2)"
+    assert sharing(CPU, nodes, {k: allocs[k] for k in ("r1", "r2")}, []) == []
+
+
+def test_multi_node_replicas_of_one_model_use_other_nodes_and_islands() -> None:
+    wide = {n: on_island(node(n, 16), "fabric:ib-1") for n in ("a", "b", "c", "d")}
+    allocs: dict[str, Placement] = {}
+    first = choose_node("w1", TWO_NODE, wide, allocs).placement
+    assert first is not None and [s.node_id for s in first.shards()] == ["d", "c"]
+    allocs["w1"] = first
+    second = choose_node("w2", TWO_NODE, wide, allocs).placement
+    assert second is not None and [s.node_id for s in second.shards()] == ["b", "a"]
+    # Across islands: the island holding none of the model's ranks wins,
+    # though the other is busier.
+    two = {
+        "a": on_island(node("a", 16), "fabric:ib-1"),
+        "b": on_island(node("b", 16), "fabric:ib-1"),
+        "c": on_island(node("c", 16), "fabric:ib-2"),
+        "d": on_island(node("d", 16), "fabric:ib-2"),
+    }
+    held: dict[str, Placement] = {}
+    placed = choose_node("w1", TWO_NODE, two, held).placement
+    assert placed is not None and {s.node_id for s in placed.shards()} == {"c", "d"}
+    held["w1"] = placed
+    again = choose_node("w2", TWO_NODE, two, held).placement
+    assert again is not None and {s.node_id for s in again.shards()} == {"a", "b"}
 
 
 def test_rejections_name_every_node() -> None:
@@ -137,7 +245,7 @@ def test_silent_and_deregistered_nodes_are_not_offered() -> None:
 
 def test_spread_prefers_the_idle_node() -> None:
     nodes = {"a": node("a", 8), "b": node("b", 8)}
-    allocs = {"r0": Placement(replica_id="r0", model="big", node_id="b", gpu_indices=[0, 1])}
+    allocs = {"r0": Placement(replica_id="r0", model="other", node_id="b", gpu_indices=[0, 1])}
     spread = GPU2.model_copy(update={"spread": True})
     result = choose_node("r1", spread, nodes, allocs)
     assert result.placement is not None and result.placement.node_id == "a"

@@ -3,7 +3,9 @@
 ``choose_node`` (every node filtered and scored, with reasons) is the
 reference; the index must agree with it on every placement of random fleets
 as claims come and go, nodes re-register with other GPUs, and some nodes are
-left out (down or cordoned).
+left out (down or cordoned). Each fleet runs a handful of models, each placed
+many times, so replicas of one model spread over the nodes holding fewest of
+its ranks while other models bin-pack.
 """
 
 import random
@@ -52,10 +54,10 @@ def random_node(rng: random.Random, node_id: str) -> NodeInventory:
     )
 
 
-def random_model(rng: random.Random) -> ModelSpec:
+def random_model(rng: random.Random, name: str = "") -> ModelSpec:
     gpus = rng.choice([0, 0, 1, 1, 2, 4, 8])
     return ModelSpec(
-        name=f"m{gpus}",
+        name=name or f"m{gpus}",
         source="/m",
         gpus=gpus,
         gpu_class=rng.choice([None, None, *CLASSES]) if gpus else None,
@@ -69,9 +71,12 @@ def random_model(rng: random.Random) -> ModelSpec:
 def test_index_agrees_with_the_exhaustive_scorer(seed: int) -> None:
     rng = random.Random(seed)
     nodes = {f"n{i:02d}": random_node(rng, f"n{i:02d}") for i in range(rng.randint(1, 24))}
+    catalog = [random_model(rng, f"model-{i}") for i in range(rng.randint(2, 6))]
+    # One small model at least, so that some model surely runs several replicas.
+    catalog.append(ModelSpec(name="small", source="/m", gpus=rng.choice([0, 1])))
     claims: dict[str, Placement] = {}
     index = PlacementIndex(nodes, claims)
-    placed = 0
+    placed = again = 0
     for step in range(150):
         roll = rng.random()
         if roll < 0.15 and claims:
@@ -84,17 +89,19 @@ def test_index_agrees_with_the_exhaustive_scorer(seed: int) -> None:
             nodes[node_id] = random_node(rng, node_id)
             index.set_node(nodes[node_id])
             continue
-        model = random_model(rng)
+        model = rng.choice(catalog)
         excluded = {n for n in nodes if rng.random() < 0.1}
         usable = {n: node for n, node in nodes.items() if n not in excluded}
         rid = f"r{step}"
         expected = choose_node(rid, model, usable, claims).placement
         assert index.choose(rid, model, excluded) == expected, (seed, step, model)
         if expected is not None:
+            again += any(c.model == model.name for c in claims.values())
             claims[rid] = expected
             index.add(rid, expected)
             placed += 1
     assert placed > 0
+    assert again > 0, "no model placed twice: the spreading rule untried"
 
 
 def test_a_fresh_index_matches_one_kept_up_to_date() -> None:
@@ -102,13 +109,14 @@ def test_a_fresh_index_matches_one_kept_up_to_date() -> None:
     nodes = {f"n{i}": random_node(rng, f"n{i}") for i in range(12)}
     claims: dict[str, Placement] = {}
     kept = PlacementIndex(nodes)
+    catalog = [random_model(rng, f"model-{i}") for i in range(4)]
     for i in range(60):
-        model = random_model(rng)
+        model = rng.choice(catalog)
         placement = kept.choose(f"r{i}", model)
         if placement is not None:
             claims[f"r{i}"] = placement
             kept.add(f"r{i}", placement)
     fresh = PlacementIndex(nodes, claims)
     for i in range(40):
-        model = random_model(rng)
+        model = rng.choice(catalog)
         assert fresh.choose(f"x{i}", model) == kept.choose(f"x{i}", model)

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.table import Table
+from temporalio.service import RPCError
 
 from llmgw import replicas
 from llmgw.errors import LlmgwError
@@ -34,9 +35,11 @@ from llmgw_cli.output import (
     ExplainDeployment,
     ExplainOutput,
     NodeReason,
+    NodeRow,
     Preemption,
     ReplicaRow,
     ShardRow,
+    SharedNode,
     StatusOutput,
     print_json,
 )
@@ -118,7 +121,7 @@ def explain(
     model: str, as_json: Annotated[bool, typer.Option("--json", help=_JSON_HELP)] = False
 ) -> None:
     """Where a new replica of MODEL would go, or why it cannot be placed."""
-    from workflows.placement import choose_node, split_live  # noqa: PLC0415
+    from workflows.placement import choose_node, sharing, split_live  # noqa: PLC0415
     from workflows.preemption import claims, plan_preemption  # noqa: PLC0415
 
     settings = CliSettings()
@@ -149,6 +152,15 @@ def explain(
             rejections=[
                 NodeReason(node_id=r.node_id, reason=r.reason) for r in [*result.rejections, *down]
             ],
+            shared=[
+                SharedNode(
+                    node_id=s.node_id,
+                    replicas=s.replicas,
+                    new_replica=s.new_replica,
+                    reason=s.reason,
+                )
+                for s in sharing(spec, live, held, down, result)
+            ],
             deployment=None if status is None else ExplainDeployment.of(status),
             fetching=[
                 await _row(client, m)
@@ -174,6 +186,8 @@ def explain(
         out.print(f"{model}: no placement")
     for rejection in found.rejections:
         out.print(f"  {rejection.node_id}: {rejection.reason}")
+    for shared in found.shared:
+        out.print(shared.line(model), markup=False)
     for row in found.fetching:
         out.print(f"{row.replica_id} on {row.node_id}: {'; '.join(row.progress) or 'fetching'}")
     for line in autoscale_lines(model, status):
@@ -370,17 +384,19 @@ def status(
     """Replicas and their states, read from Temporal."""
     settings = CliSettings()
 
-    async def go() -> tuple[list[ReplicaRow], list[DeploymentStatus]]:
+    async def go() -> tuple[list[ReplicaRow], list[DeploymentStatus], list[NodeRow]]:
         client = await _connect(settings)
         memos = await replicas.list_replicas(client, include_closed=all_)
-        return [await _row(client, m) for m in memos], await deployments(client)
+        rows = [await _row(client, m) for m in memos]
+        return rows, await deployments(client), await _node_rows(client)
 
-    rows, found = _run(go())
+    rows, found, nodes = _run(go())
     if as_json:
         print_json(
             StatusOutput(
                 replicas=rows,
                 deployments=[DeploymentRow.of(d) for d in sorted(found, key=lambda d: d.model)],
+                nodes=nodes,
             )
         )
         return
@@ -391,6 +407,34 @@ def status(
     out.print(table)
     if found:
         out.print(deployments_table(found))
+    if nodes:
+        node_table = Table("node", "address", "peer", "state")
+        for n in nodes:
+            node_table.add_row(n.node_id, n.address, n.peer_url or "-", n.state)
+        out.print(node_table)
+
+
+async def _node_rows(client: "Client") -> list[NodeRow]:
+    """Every registered node with its addresses; none when the fleet does not
+    answer (no node registered yet, or no control worker)."""
+    from workflows.placement import split_live  # noqa: PLC0415
+
+    try:
+        fleet = await replicas.fleet_snapshot(client)
+    except RPCError:
+        return []
+    _, down = split_live(fleet, datetime.now(UTC))
+    why = {r.node_id: r.reason for r in down}
+    return [
+        NodeRow(
+            node_id=n.node_id,
+            hostname=n.hostname,
+            address=n.address,
+            peer_url=n.peer_url,
+            state=why.get(n.node_id, "up"),
+        )
+        for n in sorted(fleet.nodes.values(), key=lambda n: n.node_id)
+    ]
 
 
 async def _row(client: "Client", memo: ReplicaMemo) -> ReplicaRow:

@@ -114,11 +114,24 @@ class DeploymentRow(BaseModel):
         )
 
 
+class NodeRow(BaseModel):
+    """One registered node, as ``llmgw status`` lists it."""
+
+    node_id: str
+    hostname: str
+    address: str = Field(description="where the routers reach its engines")
+    peer_url: str = Field(description="its weights peer server, for other agents; empty: none")
+    state: str = Field(description='"up", or why placement leaves it out: cordoned, silent, ...')
+
+
 class StatusOutput(BaseModel):
     """``llmgw status --json``."""
 
     replicas: list[ReplicaRow]
     deployments: list[DeploymentRow] = Field(description="by model name")
+    nodes: list[NodeRow] = Field(
+        default_factory=list, description="by node id; empty when the fleet does not answer"
+    )
 
 
 class NodeReason(BaseModel):
@@ -133,6 +146,25 @@ class ShardRow(BaseModel):
 
     rank: int
     node_id: str
+
+
+class SharedNode(BaseModel):
+    """Replicas of the model on one node, though losing it then takes them all."""
+
+    node_id: str
+    replicas: list[str] = Field(description="the placed replicas there, by id")
+    new_replica: bool = Field(description="a new replica would go there too")
+    reason: str = Field(description="why no other node took one of them")
+
+    def line(self, model: str) -> str:
+        """The sentence ``llmgw explain`` prints for it."""
+        *most, last = self.replicas
+        placed = f"{', '.join(most)} and {last}" if most else last
+        if self.new_replica:
+            return f"{model}: a new replica would share node {self.node_id} with {placed}: " + (
+                self.reason
+            )
+        return f"{model}: replicas {placed} share node {self.node_id}: {self.reason}"
 
 
 class Preemption(BaseModel):
@@ -193,6 +225,10 @@ class ExplainOutput(BaseModel):
     placement: list[ShardRow] | None = Field(description="where a new replica would go")
     preemption: Preemption | None
     rejections: list[NodeReason] = Field(description="nodes left out, and why")
+    shared: list[SharedNode] = Field(
+        default_factory=list,
+        description="nodes holding more than one of the model's replicas (a new one included)",
+    )
     deployment: ExplainDeployment | None = Field(description="null: no deployment running")
     fetching: list[ReplicaRow] = Field(
         default_factory=list, description="the model's replicas fetching weights, with progress"

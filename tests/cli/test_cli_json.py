@@ -1,7 +1,8 @@
 """``--json`` of ``llmgw keys list`` and ``llmgw model list/show`` (the real
 CLI on a real store), and the documented shapes (docs/reference/cli-json.md)
 against the models that print them. ``status``, ``explain`` and ``scale``
-need a control plane: tests/e2e/test_elastic_cli.py."""
+need a control plane: tests/e2e/test_elastic_cli.py; explain's sentence on shared
+nodes is tested here."""
 
 import json
 import os
@@ -18,7 +19,14 @@ from llmgw.catalog import CatalogModel, parse_catalog
 from llmgw.store import Store
 from llmgw.store.catalog_store import list_entries
 from llmgw.types import AutoscalePolicy, ModelSpec
-from llmgw_cli.output import DeploymentRow, ExplainOutput, KeysOutput, ModelsOutput, StatusOutput
+from llmgw_cli.output import (
+    DeploymentRow,
+    ExplainOutput,
+    KeysOutput,
+    ModelsOutput,
+    SharedNode,
+    StatusOutput,
+)
 from router.api.apikeys import create_key, list_keys, revoke_key
 from router.billing.key_policy import KeyPolicy
 
@@ -162,3 +170,13 @@ def test_the_documented_example_is_the_shape_printed(title: str) -> None:
     if shape is not DeploymentRow:  # scale's section points at status's table
         missing = {f for f in _fields(shape) if f"`{f}`" not in body}
         assert not missing, f"{title}: fields not in its table: {missing}"
+
+
+def test_explain_says_which_replicas_share_a_node_and_why() -> None:
+    why = "no other node fits (n2: CPU replica slots full (1/1))"
+    placed = SharedNode(node_id="n1", replicas=["r-a", "r-b"], new_replica=False, reason=why)
+    assert placed.line("tiny") == f"tiny: replicas r-a and r-b share node n1: {why}"
+    three = placed.model_copy(update={"replicas": ["r-a", "r-b", "r-c"]})
+    assert three.line("tiny").startswith("tiny: replicas r-a, r-b and r-c share node n1: ")
+    new = SharedNode(node_id="n1", replicas=["r-a"], new_replica=True, reason=why)
+    assert new.line("tiny") == f"tiny: a new replica would share node n1 with r-a: {why}"

@@ -274,6 +274,12 @@ async def test_model_apply_deploys_and_explain_gives_reasons(
 
     placeable = await asyncio.to_thread(_cli, system, "explain", "tiny-cat")
     assert "a new replica would be placed: rank 0 on e2e-node" in placeable.stdout
+    # The only node: a second replica would share it with tiny-cat's first.
+    assert re.search(
+        r"tiny-cat: a new replica would share node e2e-node with tiny-cat-\w+: "
+        r"no other node is registered",
+        placeable.stdout,
+    ), placeable.stdout
     refused = await asyncio.to_thread(_cli, system, "explain", "needs-a-gpu")
     assert "needs-a-gpu: no placement" in refused.stdout
     assert "e2e-node: needs 1 free healthy GPUs, has 0" in refused.stdout

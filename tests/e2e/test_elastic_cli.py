@@ -25,6 +25,7 @@ MODEL = "tiny-cli-elastic"
 DEPLOYMENT = {"model", "desired", "ready", "inflight", "waiting", "autoscale", "slots"}
 SLOT = {"slot", "replica_id", "ready", "starts", "failures", "reaped", "last_reason"}
 REPLICA = {"replica_id", "model", "phase", "node_id", "endpoint", "progress"}
+NODE = {"node_id", "hostname", "address", "peer_url", "state"}
 BOUNDS = {"min_replicas": 0, "max_replicas": 2, "target_inflight": 4.0}
 
 
@@ -54,10 +55,11 @@ async def _json_while_placing(system: System, client: Client) -> None:
     """``explain --json`` and ``status --json`` once the load woke the model."""
     explain = _json(await asyncio.to_thread(_cli, system, "explain", MODEL, "--json"))
     assert set(explain) == {
-        "model", "placement", "preemption", "rejections", "deployment", "fetching"
+        "model", "placement", "preemption", "rejections", "shared", "deployment", "fetching"
     }  # fmt: skip
     assert (explain["model"], explain["placement"], explain["preemption"]) == (MODEL, None, None)
     assert explain["fetching"] == []  # a local file: nothing to fetch
+    assert explain["shared"] == []  # no replica placed: none shares a node
     assert all(set(r) == {"node_id", "reason"} for r in explain["rejections"])
     assert "cli-node" in [r["node_id"] for r in explain["rejections"]]  # 8 GPUs, it has none
     scaling = explain["deployment"]
@@ -78,6 +80,17 @@ async def _json_while_placing(system: System, client: Client) -> None:
     assert (mine["desired"], mine["ready"], mine["autoscale"]) == (1, 0, BOUNDS)
     assert [set(s) for s in mine["slots"]] == [SLOT]
     assert mine["slots"][0]["ready"] is False
+
+
+def _lists_the_node(table: str, status: Any) -> None:
+    """``status`` (table and ``--json``) lists the node with the address
+    routers reach its engines at."""
+    row = next(line for line in table.splitlines() if "cli-node" in line)
+    assert "127.0.0.1" in row and "up" in row, row
+    assert set(status) == {"replicas", "deployments", "nodes"}
+    (node,) = [n for n in status["nodes"] if n["node_id"] == "cli-node"]
+    assert set(node) == NODE
+    assert (node["address"], node["state"]) == ("127.0.0.1", "up")
 
 
 def _stored(system: System) -> AutoscalePolicy | None:
@@ -121,7 +134,7 @@ async def test_scale_status_explain_and_the_admin_api(
     cells = [c.strip() for c in row.strip().strip("│|").split("│")]
     assert cells == [MODEL, "0", "0", "0", "0", "0..2"], row
     status = _json(await asyncio.to_thread(_cli, system, "status", "--json"))
-    assert set(status) == {"replicas", "deployments"}
+    _lists_the_node(listed.stdout, status)
     assert [r for r in status["replicas"] if r["model"] == MODEL] == []
     mine = [d for d in status["deployments"] if d["model"] == MODEL]
     assert mine == [deployment]

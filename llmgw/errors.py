@@ -25,6 +25,7 @@ module are named with where they live::
     │   │                         whole by its deadline (llmgw/bounded_http.py)
     │   └── UpstreamError         the router's request to it failed (mid-way)
     │       └── UpstreamConnectError  ...before anything was sent: another may take it
+    │           └── UpstreamHostGone  ...its host stopped answering before a byte came back
     ├── EngineInstallError        an engine could not be installed (worker_agent/installs/)
     ├── WeightsError              a weights fetch failed (worker_agent/weights.py)
     │   ├── UnsupportedSource     ...from a kind of source the agent cannot read
@@ -182,6 +183,15 @@ class UpstreamError(EngineError):
 
 class UpstreamConnectError(UpstreamError):
     """The router could not reach an engine: nothing was sent, another replica may answer."""
+
+
+class UpstreamHostGone(UpstreamConnectError):
+    """An engine's host stopped acknowledging the connection (TCP keepalive or
+    user timeout: a partition, a power loss) before a byte of the answer came.
+
+    The request may have reached the engine, but nothing it does can come
+    back, and the client has seen nothing: another replica may answer.
+    """
 
 
 class EngineAnswerRefused(EngineError):

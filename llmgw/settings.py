@@ -234,6 +234,11 @@ class RouterSettings(_Common):
     full_resync_s: float = Field(default=300.0, gt=0)
     upstream_connect_timeout_s: float = 5.0
     upstream_read_timeout_s: float = 600.0
+    # An engine's host that stops acknowledging (a partition, a power loss)
+    # sends no reset: its connections are given up after about this (TCP
+    # keepalive and TCP_USER_TIMEOUT), and a request no byte of whose answer
+    # came goes to another replica. 0: the kernel's defaults (hours).
+    upstream_dead_peer_s: float = Field(default=10.0, ge=0)
     # Connections to engines, all replicas together; requests beyond wait.
     upstream_max_connections: int = 1024
     # The engine client: "raw" (router/forwarding/upstream_raw.py: asyncio protocol and

@@ -45,7 +45,7 @@ from router.forwarding.health import EngineProbe, HttpProbe, probe_forever
 from router.forwarding.pacing import MAX_WINDOW_S, Pacer
 from router.forwarding.proxy import Proxy
 from router.forwarding.upstream import AiohttpUpstream, Upstream
-from router.forwarding.upstream_raw import RawUpstream
+from router.forwarding.upstream_raw import DEAD_PEER_S, RawUpstream
 from router.responses.bounds import ResponseBounds
 
 MiB = 1024 * 1024
@@ -76,12 +76,15 @@ def make_upstream(
     connect_timeout_s: float = 5.0,
     read_timeout_s: float = 600.0,
     max_connections: int = 1024,
+    dead_peer_s: float = DEAD_PEER_S,
 ) -> Upstream:
-    """The engine client: ``raw`` (the default) or ``aiohttp`` (kept for one release)."""
+    """The engine client: ``raw`` (the default) or ``aiohttp`` (kept for one
+    release; it waits out the read timeout on a host that vanished)."""
     if kind not in ("raw", "aiohttp"):
         raise ValueError(f"unknown upstream client {kind!r}")
-    factory = AiohttpUpstream if kind == "aiohttp" else RawUpstream
-    return factory(connect_timeout_s, read_timeout_s, max_connections)
+    if kind == "aiohttp":
+        return AiohttpUpstream(connect_timeout_s, read_timeout_s, max_connections)
+    return RawUpstream(connect_timeout_s, read_timeout_s, max_connections, dead_peer_s=dead_peer_s)
 
 
 def _elastic(

@@ -48,6 +48,7 @@ def build(
         connect_timeout_s=settings.upstream_connect_timeout_s,
         read_timeout_s=settings.upstream_read_timeout_s,
         max_connections=settings.upstream_max_connections,
+        dead_peer_s=settings.upstream_dead_peer_s,
     )
     app = create_app(
         store,

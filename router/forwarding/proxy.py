@@ -8,7 +8,10 @@ client did not ask for it. The client's Authorization never reaches the
 engine: the router sends the replica's own engine key instead.
 
 Failover: a connection failure before anything was sent to the client tries
-the next replica; once a byte has gone out there is no retry.
+the next replica, and so does a host that stopped answering before a byte
+of its answer came (UpstreamHostGone: a partition, a power loss; found by TCP
+keepalive and user timeout, LLMGW_UPSTREAM_DEAD_PEER_S); once a byte has gone
+out there is no retry.
 
 A stream is relayed read by read (with RawUpstream, from the engine
 connection's read callback: router.forwarding.relay.Pour; while the event loop is

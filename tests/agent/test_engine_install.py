@@ -333,6 +333,7 @@ async def test_portable_server_serves_what_the_engine_plan_asks(
     " LLMGW_TEST_SOURCE_BUILD=1 does",
 )
 @pytest.mark.timeout(1800)
+@pytest.mark.source_build
 def test_the_source_build_builds_and_runs(tmp_path: Path) -> None:
     """Machines with neither wheel's CPU build it; CI has one of them, so it builds
     here (into the shared engine cache, so later runs on this machine reuse it)."""

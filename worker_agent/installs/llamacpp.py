@@ -37,7 +37,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from worker_agent.installs.llamacpp_build import CMAKE_OPTIONS, SOURCE_VERSION, build, complete
+from worker_agent.installs.llamacpp_build import (
+    CMAKE_OPTIONS,
+    SOURCE_VERSION,
+    build,
+    complete,
+    lock_path,
+)
 from worker_agent.installs.relocate import (
     engine_python,
     make_dirs,
@@ -255,11 +261,11 @@ def ensure_llama_cpp(
     if found is not None:
         say(progress, f"using the prebuilt llama-server ({found.source}: {found.server})")
         return found
-    target = Path(cache_dir).resolve() / "llama.cpp" / cache_key(machine, flags)
+    target = build_target(cache_dir)
     cached = _cached(target)
     if cached is None:
         target.parent.mkdir(parents=True, exist_ok=True)
-        with locked(target.parent / f"{target.name}.lock", progress):
+        with locked(lock_path(target), progress):
             # Whoever held the lock before us may have built exactly this.
             cached = _cached(target) or _build(target, progress)
     else:
@@ -276,7 +282,13 @@ def find_llama_cpp(cache_dir: Path) -> LlamaCppInstall | None:
     )
     if found is not None:
         return found
-    return _cached(Path(cache_dir).resolve() / "llama.cpp" / cache_key(machine, flags))
+    return _cached(build_target(cache_dir))
+
+
+def build_target(cache_dir: Path) -> Path:
+    """Where this machine's source build is (or goes) in ``cache_dir``."""
+    key = cache_key(platform.machine(), _read_cpu_flags())
+    return Path(cache_dir).resolve() / "llama.cpp" / key
 
 
 def relocated(

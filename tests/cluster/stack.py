@@ -138,6 +138,7 @@ class Cluster:
             "/opt/llmgw/.venv/bin/llmgw": str(llmgw_bin()),
             "/srv/models:/srv/adapters": f"{self.models}:{self.adapters}",
             "gpu-07": host,
+            "10.0.0.10:80": f"{self.bed.address('lb')}:{LB_PORT}" if "lb" in self.bed.hosts else "",
             "10.0.1.7": address,
             "10.0.0.5": address,
             "%H": host,

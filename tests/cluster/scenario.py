@@ -6,7 +6,7 @@ import asyncio
 import shutil
 import subprocess
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,9 +39,16 @@ def keep_logs(files: Path, into: Path) -> None:
 
 
 @contextmanager
-def cluster_up(tiny: TinyModel, logs: Path) -> Iterator[Cluster]:
+def cluster_up(
+    tiny: TinyModel,
+    logs: Path,
+    agent_env: Callable[[Bed, str], Mapping[str, str]] | None = None,
+) -> Iterator[Cluster]:
     """The whole cluster, up: Temporal, PostgreSQL, two control workers, four
-    agents, two routers behind HAProxy; torn down after, its logs in ``logs``."""
+    agents, two routers behind HAProxy; torn down after, its logs in ``logs``.
+
+    ``agent_env``: extra settings of the agent on each node host, asked once
+    the bed is built (its addresses are known only then)."""
     with Bed.build(HOSTS) as bed:
         try:
             with Cluster(bed, bed.files, tiny, NODES) as built:
@@ -49,7 +56,7 @@ def cluster_up(tiny: TinyModel, logs: Path) -> Iterator[Cluster]:
                 for host in CONTROLS:
                     built.start_role("control", host)
                 for host in NODES:
-                    built.start_role("agent", host)
+                    built.start_role("agent", host, agent_env(bed, host) if agent_env else None)
                 for host in ROUTERS:
                     built.start_role("router", host, {"LLMGW_EXPOSE_REPLICA_HEADER": "true"})
                 built.start_balancer(ROUTERS)

@@ -95,11 +95,13 @@ def deploy(cluster: Cluster, replicas_: int = REPLICAS) -> str:
     return cluster.api_key
 
 
-async def serving(client: Client, want: int, timeout_s: float) -> dict[str, str]:
-    """Replica id -> node of the model's replicas, once exactly ``want`` serve."""
+async def serving(
+    client: Client, want: int, timeout_s: float, model: str = MODEL
+) -> dict[str, str]:
+    """Replica id -> node of ``model``'s replicas, once exactly ``want`` serve."""
     async with asyncio.timeout(timeout_s):
         while True:
-            status = await replicas.deployment_status(client, MODEL)
+            status = await replicas.deployment_status(client, model)
             live = [s for s in status.slots if s.replica_id and not s.next_start_at]
             memos = [await replicas.replica_memo(client, s.replica_id) for s in live]
             ready = [m for m in memos if m is not None and m.phase is ReplicaPhase.READY]

@@ -6,10 +6,11 @@ does not answer in time gets the request 503 ``store_unavailable``.
 Settling and usage are not on the request path: they are queued in memory
 and written in one batch every ``flush_interval_s`` (and at shutdown), so a
 request costs the store one UPDATE when its key has quotas and nothing when
-it has none. A router killed with SIGKILL loses at most the last interval's
-usage, also during a store outage: usage owed is kept in the spool
-(router/billing/usage_batches.py, router/billing/usage_spool.py) for the next router; its
-reservations then stay counted until their window ends (the safe direction).
+it has none. A router killed with SIGKILL loses no usage of the requests it
+answered, also during a store outage: usage owed is kept in the spool
+(router/billing/usage_batches.py, router/billing/usage_spool.py) for the next router;
+its last interval's settlements are lost, so those reservations stay counted
+until their window ends (the safe direction).
 """
 
 import asyncio

@@ -1,5 +1,7 @@
-"""Usage queued in memory and written to the store a batch at a time; while
-the store does not take it, kept in the spool (router/billing/usage_spool.py).
+"""Usage queued in memory and written to the store a batch at a time; until
+the store has taken it, kept in the spool (router/billing/usage_spool.py):
+each request noted in its journal when queued, what is owed saved at each
+flush.
 
 A batch is written by a worker thread (``router.billing.usage.record``: each row
 leaves the batch once committed). ``flush`` waits for it at most
@@ -10,9 +12,8 @@ has finished, less the rows it committed. Meanwhile no second batch starts
 the queue) is saved in the spool at each flush. A router killed while the
 store is frozen or down leaves it there for the next.
 
-The spool is removed once a batch that started after its last save has
-been written whole: that batch held all the spool held (batches run one at
-a time; what a batch did not write goes into the next).
+The spool is removed once nothing is owed: no batch in its thread, none
+failed, nothing queued.
 """
 
 import asyncio
@@ -46,16 +47,19 @@ class UsageBatches:
         self._writing: Pending = {}  # the batch in the thread (rows leave as committed)
         self._write: asyncio.Future[None] | None = None
         self._failed = False  # the last batch left rows unwritten
-        self._next = 1  # the number of the next batch
-        self._whole = 0  # the last batch written whole
-        self._spooled_until = 0  # the spool is gone once batch >= this is whole (0: none)
         # Spool files are written by a thread of their own: never queued
         # behind store calls stuck in the default pool.
         self._io = ThreadPoolExecutor(1, thread_name_prefix="usage-spool")
 
     def add(self, key: UsageKey, delta: UsageDelta) -> None:
-        """Queue ``delta`` (no I/O)."""
+        """Queue ``delta``, and note it in the spool's journal (one write to
+        a local file, never the store): before the client has its answer."""
         self._queued[key].add(delta)
+        if self._spool is not None:
+            try:
+                self._spool.note(key, delta)
+            except OSError as exc:
+                self._warnings.warn("usage spool: %s", exc)
 
     async def open(self) -> None:
         """Queue what routers stopped during a store outage left in the spool."""
@@ -63,8 +67,6 @@ class UsageBatches:
             taken = await asyncio.get_running_loop().run_in_executor(self._io, self._spool.open)
             for key, delta in taken.items():
                 self._queued[key].add(delta)
-            if taken:  # saved as this router's spool: gone once the next batch is
-                self._spooled_until = self._next
 
     async def flush(self) -> None:
         """Start a batch unless one is still being written; wait for it within
@@ -77,39 +79,39 @@ class UsageBatches:
 
     def _start(self) -> None:
         batch, self._queued = dict(self._queued), defaultdict(UsageDelta)
-        number, self._next = self._next, self._next + 1
         self._writing = batch
         write = asyncio.ensure_future(asyncio.to_thread(record, self._store, batch))
-        write.add_done_callback(lambda done: self._written(done, number, batch))
+        write.add_done_callback(lambda done: self._written(done, batch))
         self._write = write
 
-    def _written(self, write: "asyncio.Future[None]", number: int, batch: Pending) -> None:
+    def _written(self, write: "asyncio.Future[None]", batch: Pending) -> None:
         self._write, self._writing = None, {}
         if not write.cancelled() and (exc := write.exception()) is not None:
             log.warning("usage write failed, will retry: %s", exc)
         for key, delta in batch.items():  # what did not land
             self._queued[key].add(delta)
         self._failed = bool(batch)
-        if not batch:
-            self._whole = number
 
     async def _keep(self) -> None:
-        if self._spool is None:
+        spool = self._spool
+        if spool is None:
             return
         loop = asyncio.get_running_loop()
         try:
-            if self._write is not None or self._failed:
+            if self._write is not None or self._failed or self._queued:
+                # The snapshot and the journal's rotation together, on the
+                # loop: the journals it closes hold nothing it lacks.
+                journals = spool.rotate()
                 owed: Pending = defaultdict(UsageDelta)
                 for part in (self._writing.copy(), self._queued):
                     for key, delta in part.items():
                         owed[key].add(replace(delta))
-                await loop.run_in_executor(self._io, self._spool.save, dict(owed))
-                self._spooled_until = self._next
-            elif self._spooled_until and (
-                self._whole >= self._spooled_until or not self._queued
-            ):  # a later batch held all it held, or nothing at all is owed
-                await loop.run_in_executor(self._io, self._spool.clear)
-                self._spooled_until = 0
+                spool.hold()
+                await loop.run_in_executor(self._io, spool.save, dict(owed), journals)
+            elif spool.kept:
+                # Nothing owed: the files go. On the loop, so that no
+                # ``note`` runs while they do (a few unlinks, once idle).
+                spool.clear()
         except OSError as exc:
             self._warnings.warn("usage spool: %s", exc)
 

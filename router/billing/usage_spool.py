@@ -1,16 +1,19 @@
 """Usage the store has not taken yet, kept on local disk (LLMGW_USAGE_SPOOL_DIR).
 
-The Accountant writes usage in batches every second. While the store is
-down those batches pile up in memory, for as long as the outage lasts (known
-keys go on being served: router/api/auth.py), and a router killed then lost
-them all: the outage's requests were never billed. So after a flush that
-could not write everything, the usage still pending is saved here, and
-removed once a flush has written it all.
+The Accountant writes usage in batches every second. Between two flushes,
+and for as long as a store outage lasts (known keys go on being served:
+router/api/auth.py), the usage owed is in memory, and a router killed then
+lost it: its answered requests were never billed. So each finished request
+is noted in a journal here (``note``: one append, no fsync, before the
+client has its answer), the usage owed is saved here at each flush that
+leaves any (replacing the journals it holds), and all of it is removed once
+nothing is owed.
 
 One directory per store (``spool_dir``), in it one spool per router process
 that has usage kept: ``<router id>-<nonce>.json`` (replaced whole: written
-aside, then renamed over), beside its ``.lock``, which the process holds
-locked (``flock``) from its first save until the spool is cleared. A router
+aside, then renamed over) and its journals ``<router id>-<nonce>.<n>.adds``
+(one row a line), beside its ``.lock``, which the process holds locked
+(``flock``) from its first note or save until the spool is cleared. A router
 starting takes over every spool whose lock it can take (its process is
 gone): it queues that usage as its own, saves it in its own spool, then
 removes the old one. A spool left by a router on another host waits for the
@@ -19,8 +22,10 @@ on a local disk: ``flock`` over NFS is not a lock to rely on.
 
 Exactness: usage is billed once, except when a router dies after the store
 committed some of a flush's rows and before the spool was rewritten (the
-length of one flush's writes), or while taking a spool over (between saving
-it as its own and removing the old one): those rows are billed again.
+length of one flush's writes and the save after it: under traffic, a few
+milliseconds of every flush interval), or while taking a spool over (between
+saving it as its own and removing the old one): those rows are billed again.
+A host that loses power loses what was noted since the last save.
 
 Trust: the next router bills whatever a spool holds, so the directory must
 be this router's own. It is made 0700; one that is a symlink, owned by
@@ -104,6 +109,24 @@ def check_dir(directory: Path) -> None:
         )
 
 
+def _load_journal(data: bytes, into: Pending) -> None:
+    # One row a line, appended by ``UsageSpool.note``. A last line cut short
+    # (the host lost power mid-write; a killed process's write is whole) was
+    # never fsynced, so never promised: skipped.
+    lines = data.split(b"\n")
+    for number, line in enumerate(lines):
+        if not line:
+            continue
+        try:
+            row = UsageRow.model_validate_json(line)
+        except ValidationError:
+            if number == len(lines) - 1:
+                continue
+            raise
+        delta = UsageDelta(row.requests, row.errors, row.prompt_tokens, row.completion_tokens)
+        into.setdefault(UsageKey(row.key_id, row.model, row.day), UsageDelta()).add(delta)
+
+
 def _load(data: bytes, into: Pending) -> None:
     # UsageRow's counts are >= 0: a negative one fails validation (never billed).
     for row in _FILE.validate_json(data):
@@ -172,6 +195,57 @@ class UsageSpool:
         self._data = directory / f"{name}.json"
         self._lock = directory / f"{name}.lock"
         self._fd: int | None = None
+        # The journal of usage noted since the last save (``note``): one
+        # file a generation, so a save can drop exactly the ones it holds.
+        self._gen = 0
+        self._journal: int | None = None
+        self._journals: list[Path] = []
+
+    def _journal_of(self, gen: int) -> Path:
+        return self._dir / f"{self._data.stem}.{gen}.adds"
+
+    def hold(self) -> None:
+        """Take this spool's lock (made if missing): from now on no other
+        router takes it over."""
+        if self._fd is None:
+            self._dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+            check_dir(self._dir)
+            self._fd = _lock(self._lock, create=True)
+            if self._fd is None:
+                raise OSError(f"{self._lock} is locked by another process")
+
+    def note(self, key: UsageKey, delta: UsageDelta) -> None:
+        """Append one finished request's usage to the journal: one ``write``
+        (no fsync), in the kernel before the caller answers the client, so
+        a router killed (SIGKILL, OOM) before its next flush loses none of
+        its finished requests. A host losing power loses at most what was
+        noted since the last save (one flush interval)."""
+        if self._journal is None:
+            self.hold()
+            path = self._journal_of(self._gen)
+            flags = os.O_CREAT | os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC
+            self._journal = os.open(path, flags, 0o600)
+            self._journals.append(path)
+        row = UsageRow(
+            key_id=key.key_id,
+            model=key.model,
+            day=key.day,
+            requests=delta.requests,
+            errors=delta.errors,
+            prompt_tokens=delta.prompt_tokens,
+            completion_tokens=delta.completion_tokens,
+        )
+        os.write(self._journal, row.__pydantic_serializer__.to_json(row) + b"\n")
+
+    def rotate(self) -> list[Path]:
+        """Start a new journal; the ones before it (for ``save`` to drop once
+        what it saves holds everything they noted)."""
+        if self._journal is not None:
+            os.close(self._journal)
+            self._journal = None
+        self._gen += 1
+        done, self._journals = self._journals, []
+        return done
 
     def open(self) -> Pending:
         """Take over the spools of routers that are gone; what they held (to
@@ -187,18 +261,25 @@ class UsageSpool:
                 continue  # its router runs (or has just cleared it)
             orphans.append((lock, fd))
             data = lock.with_suffix(".json")
-            try:
-                if os.path.lexists(data):
-                    _load(_read_nofollow(data), taken)
-            except (OSError, ValidationError) as exc:
-                # Not ours to read (damaged, another version): set aside, not
-                # billed, and the routers still start.
-                log.warning("usage spool %s unreadable, set aside as .bad: %s", data, exc)
-                data.rename(data.with_suffix(".bad"))
+            for part, load in [
+                (data, _load),
+                *((j, _load_journal) for j in sorted(self._dir.glob(f"{lock.stem}.*.adds"))),
+            ]:
+                try:
+                    if os.path.lexists(part):
+                        load(_read_nofollow(part), taken)
+                except (OSError, ValidationError) as exc:
+                    # Not ours to read (damaged, another version): set aside,
+                    # not billed, and the routers still start.
+                    log.warning("usage spool %s unreadable, set aside as .bad: %s", part, exc)
+                    bad = ".bad" if part == data else part.suffix + ".bad"
+                    part.rename(part.with_suffix(bad))
         if taken:
             self.save(taken)  # ours before theirs go: nothing is lost in between
             log.info("took over the usage of stopped routers from %s", self._dir)
         for lock, fd in orphans:
+            for journal in self._dir.glob(f"{lock.stem}.*.adds"):
+                journal.unlink()
             lock.with_suffix(".json").unlink(missing_ok=True)
             lock.with_suffix(".json.tmp").unlink(missing_ok=True)
             lock.unlink(missing_ok=True)
@@ -207,15 +288,10 @@ class UsageSpool:
             _fsync_dir(self._dir)
         return taken
 
-    def save(self, pending: Pending) -> None:
-        """Keep ``pending`` (all of it: it replaces what was kept)."""
-        if self._fd is None:
-            # The lock first: from now on no other router takes this spool.
-            self._dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-            check_dir(self._dir)
-            self._fd = _lock(self._lock, create=True)
-            if self._fd is None:
-                raise OSError(f"{self._lock} is locked by another process")
+    def save(self, pending: Pending, journals: list[Path] | None = None) -> None:
+        """Keep ``pending`` (all of it: it replaces what was kept, and the
+        ``journals`` ``rotate`` closed, which it must hold all of)."""
+        self.hold()  # the lock first
         aside = self._data.with_suffix(".json.tmp")
         flags = os.O_CREAT | os.O_WRONLY | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
         with open(os.open(aside, flags, 0o600), "wb") as f:
@@ -224,6 +300,8 @@ class UsageSpool:
             os.fsync(f.fileno())
         os.replace(aside, self._data)
         _fsync_dir(self._dir)
+        for journal in journals or []:
+            journal.unlink(missing_ok=True)
 
     @property
     def kept(self) -> bool:
@@ -231,8 +309,11 @@ class UsageSpool:
         return self._fd is not None
 
     def clear(self) -> None:
-        """Everything kept has reached the store: the files go (the data first)."""
+        """Everything kept has reached the store: the files go (the data
+        first). Called where ``note`` cannot run meanwhile (the event loop)."""
         if self._fd is not None:
+            for journal in self.rotate():
+                journal.unlink(missing_ok=True)
             self._data.unlink(missing_ok=True)
             self._lock.unlink(missing_ok=True)
             _fsync_dir(self._dir)
@@ -241,6 +322,7 @@ class UsageSpool:
 
     def close(self) -> None:
         """Let go of the lock; what is kept stays, for the next router."""
+        self.rotate()
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None

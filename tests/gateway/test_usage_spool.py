@@ -286,3 +286,51 @@ async def test_usage_of_a_router_killed_while_the_store_is_frozen_is_billed_once
     assert await asyncio.to_thread(frozen.cut_off.wait, 10)  # its thread gave up
     frozen.dead = False
     await next_router_bills_once(frozen, spool)
+
+
+# A router serving with the store up, killed before its next flush: it has
+# queued a request to each model (answered) and never flushes (a long interval).
+SERVED_THEN_KILLED = """
+import asyncio, sys
+from pathlib import Path
+from llmgw.store import Store
+from router.billing.accounting import Accountant
+from router.billing.usage_spool import UsageSpool
+from tests.gateway.test_usage_flush import serve_one_each
+
+async def main() -> None:
+    store = Store(sys.argv[2])
+    accountant = Accountant(store, spool=UsageSpool(Path(sys.argv[1]), "killed"))
+    await accountant.open()
+    serve_one_each(accountant)
+    print("served", flush=True)
+    await asyncio.sleep(120)
+
+asyncio.run(main())
+"""
+
+
+def _serve_then_kill(spool: Path, url: str) -> None:
+    with subprocess.Popen(
+        [sys.executable, "-c", SERVED_THEN_KILLED, str(spool), url],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).parents[2],
+    ) as router:
+        try:
+            assert router.stdout is not None
+            assert router.stdout.readline() == "served\n"
+        finally:
+            router.kill()
+
+
+async def test_a_router_killed_between_flushes_loses_none_of_its_answered_usage(
+    store: FlakyStore, tmp_path: Path
+) -> None:
+    """Found by the cluster's router-kill scenario (tests/cluster/test_cluster_gateway.py):
+    a router SIGKILLed with the store up lost its last interval's usage (17 of
+    107 requests unbilled), since only a flush the store refused was spooled."""
+    spool = tmp_path / "spool"
+    await asyncio.to_thread(_serve_then_kill, spool, f"sqlite:///{tmp_path / 'store.db'}")
+    assert billed(store) == {}
+    await next_router_bills_once(store, spool)

@@ -6,7 +6,7 @@ step underneath, for callers that reach a server they started themselves.
 """
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from pathlib import Path
 
@@ -83,6 +83,7 @@ async def connect_with(
     interceptors: Sequence[Interceptor] = (),
     wait_s: float = 30.0,
     runtime: Runtime | None = None,
+    waiting: Callable[[str], None] | None = None,
 ) -> Client:
     """The client of an llmgw process: the address, namespace, TLS and API key
     its settings name. See :func:`connect` for the rest."""
@@ -95,6 +96,7 @@ async def connect_with(
         tls=tls_config(settings),
         api_key=api_key or None,
         runtime=runtime,
+        waiting=waiting,
     )
 
 
@@ -107,12 +109,16 @@ async def connect(
     tls: TLSConfig | bool = False,
     api_key: str | None = None,
     runtime: Runtime | None = None,
+    waiting: Callable[[str], None] | None = None,
 ) -> Client:
     """A client that carries llmgw's pydantic types (and traces, when given
     the tracing interceptor; workers built on the client inherit it).
 
     A server that is starting listens before it serves ("Frontend is not
-    healthy yet", status Unavailable): that is waited out for ``wait_s``.
+    healthy yet", status Unavailable), and one that is frozen or overloaded
+    takes the connection and does not answer (each try gives up after the
+    SDK's 30 s): both are waited out for ``wait_s``, ``waiting`` told the
+    reason once, when the first try fails.
 
     Raises:
         TemporalConnectError: No client after ``wait_s``, or a refusal that
@@ -134,6 +140,9 @@ async def connect(
         except RuntimeError as exc:
             reason = str(exc)
             if _retryable(reason) and loop.time() < deadline:
+                if waiting is not None:
+                    waiting(reason)
+                    waiting = None
                 await asyncio.sleep(0.25)
                 continue
             raise TemporalConnectError(
@@ -144,10 +153,11 @@ async def connect(
 
 def _retryable(reason: str) -> bool:
     # A certificate the client cannot verify fails the same way every time;
-    # only a server that is not serving yet is worth waiting for.
+    # only a server that is not serving yet, or not answering (frozen,
+    # overloaded: the try timed out), is worth waiting for.
     if "certificate" in reason.lower() or "tls" in reason.lower():
         return False
-    return "Unavailable" in reason
+    return "Unavailable" in reason or "Timeout expired" in reason
 
 
 def _hint(reason: str, tls: TLSConfig | bool) -> str:

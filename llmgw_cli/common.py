@@ -10,6 +10,7 @@ from collections.abc import Coroutine
 from typing import Any, NoReturn, TypeVar
 
 import typer
+from pydantic import Field
 from rich.console import Console
 from temporalio.client import Client
 
@@ -29,6 +30,11 @@ T = TypeVar("T")
 class CliSettings(_Common):
     """Settings of one-shot CLI commands (same LLMGW_* variables)."""
 
+    # How long a command waits for a Temporal server that is starting, frozen
+    # or restarting before it gives up: an operator's command in a short
+    # control-plane outage then completes instead of failing half-way.
+    temporal_wait_s: float = Field(default=120.0, ge=0)
+
 
 def fail(message: str) -> NoReturn:
     """Print ``message`` as an error and exit 1."""
@@ -40,12 +46,31 @@ def fail(message: str) -> NoReturn:
 tracings: list[Tracing] = []
 
 
-async def connect(settings: _Common) -> Client:
+async def connect(settings: CliSettings, patient: bool = True) -> Client:
     """A client for one command; traced when the settings say so, so that a
-    job started here is one trace with the workflows and node activities."""
+    job started here is one trace with the workflows and node activities.
+
+    A server that does not answer yet is waited for (``temporal_wait_s``),
+    the operator told so on stderr at once. Not ``patient``: the caller
+    bounds the wait itself and says what it did without Temporal."""
     if not tracings:
         tracings.append(setup_tracing(settings.tracing, "cli"))
-    return await connect_with(settings, tracings[0].interceptors())
+    if not patient:
+        return await connect_with(settings, tracings[0].interceptors())
+    wait_s = settings.temporal_wait_s
+
+    def waiting(reason: str) -> None:
+        console.print(
+            f"Temporal at {settings.temporal_address} is not answering ({_short(reason)});"
+            f" waiting up to {wait_s:g} s (LLMGW_TEMPORAL_WAIT_S), Ctrl-C to give up"
+        )
+
+    return await connect_with(settings, tracings[0].interceptors(), wait_s, waiting=waiting)
+
+
+def _short(reason: str) -> str:
+    """The Rust client's reason without its nested source chain."""
+    return reason.split(", source:", 1)[0].split("Status {", 1)[-1].strip(" {}")
 
 
 def run(work: Coroutine[Any, Any, T]) -> T:

@@ -9,7 +9,7 @@ from temporalio.client import Client
 from temporalio.service import RPCError
 
 from llmgw import replicas
-from llmgw.errors import LlmgwError
+from llmgw.errors import LlmgwError, TemporalConnectError
 from llmgw.store import Store
 from llmgw.store.catalog_store import scale_model
 from llmgw.types import DeploymentStatus
@@ -44,7 +44,14 @@ def scale(
     store.migrate()
 
     async def go() -> DeploymentStatus:
-        client = await connect(settings)
+        try:
+            client = await connect(settings)
+        except TemporalConnectError as exc:
+            # Connected first, so that giving up leaves the catalog as it was.
+            raise TemporalConnectError(
+                f"{exc}\nnothing changed (catalog nor deployment): run the command again"
+                " once Temporal answers"
+            ) from exc
         return await scale_model(
             client, store, model, fixed, min_, max_, settings.max_replicas_per_model
         )

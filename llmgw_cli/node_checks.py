@@ -8,8 +8,7 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
 from llmgw import replicas
-from llmgw.settings import _Common
-from llmgw_cli.common import connect
+from llmgw_cli.common import CliSettings, connect
 
 if TYPE_CHECKING:
     from llmgw.catalog import CatalogModel
@@ -20,14 +19,14 @@ if TYPE_CHECKING:
 FLEET_TIMEOUT_S = 10.0
 
 
-async def node_checks(settings: _Common, entries: "list[CatalogModel]") -> "SourceCheck":
+async def node_checks(settings: CliSettings, entries: "list[CatalogModel]") -> "SourceCheck":
     """Problems with ``entries``' sources on the live nodes, and notes."""
     from llmgw.catalog_sources import SourceCheck, check_sources  # noqa: PLC0415
     from workflows.placement import split_live  # noqa: PLC0415
 
     try:
         async with asyncio.timeout(FLEET_TIMEOUT_S):
-            fleet = await replicas.fleet_snapshot(await connect(settings))
+            fleet = await replicas.fleet_snapshot(await connect(settings, patient=False))
     except Exception as exc:  # any failure only means "not checked"
         why = str(exc) or type(exc).__name__
         return SourceCheck(notes=[f"sources not checked against the nodes: {why}"])

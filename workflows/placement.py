@@ -7,7 +7,9 @@ nodes whenever they fit, so losing a node costs one of them, not all. Then
 bin-packing (prefer the busiest node) keeps whole nodes free for large
 models; different models still share nodes. A replica spanning nodes is
 placed inside one fabric island: ranks on different fabrics cannot reach
-each other's adapters, and NCCL then hangs rather than fails.
+each other's adapters, and NCCL then hangs rather than fails. llama.cpp's
+ranks are the exception: they meet over TCP (ggml RPC) on the nodes' own
+network, so any nodes with the RPC server may form one replica.
 """
 
 from collections.abc import Callable, Mapping
@@ -171,8 +173,32 @@ def _holds_none(node_id: str) -> int:
     return 0
 
 
-def island_of(node: NodeInventory) -> str:
-    """The fabric island a node belongs to (itself alone when unknown)."""
+# From this marker on, a workflow places a multi-node llama.cpp replica on any
+# nodes rather than inside one fabric island (``ranks_over_network``): a
+# history recorded before it replays without it.
+NETWORK_RANKS_PATCH = "placement-llama-cpp-ranks-over-network-v1"
+# The one "island" of a replica whose ranks meet over the nodes' network.
+NETWORK_ISLAND = "network"
+
+
+def ranks_over_network(model: ModelSpec) -> bool:
+    """Whether ``model``'s ranks reach each other over the nodes' network (TCP)
+    rather than a fabric: a multi-node llama.cpp replica (ggml RPC). Without
+    this, nodes with no RDMA port, each its own island (``node:<address>``),
+    never formed one: agents on one loopback address shared their island,
+    which is how it went unseen until nodes had addresses of their own.
+    Outside a workflow always; in one, from ``NETWORK_RANKS_PATCH`` on, asked
+    only for the models it concerns (as ``capabilities_checked``)."""
+    if model.engine is not EngineKind.LLAMA_CPP or model.profile.nodes == 1:
+        return False
+    return not workflow.in_workflow() or workflow.patched(NETWORK_RANKS_PATCH)
+
+
+def island_of(node: NodeInventory, over_network: bool = False) -> str:
+    """The island a node belongs to for a multi-node replica: its fabric's
+    (itself alone when unknown), or the network's for ranks that meet over it."""
+    if over_network:
+        return NETWORK_ISLAND
     return node.fabric.island or f"node:{node.node_id}"
 
 
@@ -216,8 +242,9 @@ def pick_island(
             return [], []
         return [max(passed, key=score)], []
     islands: dict[str, list[NodeInventory]] = {}
+    over_network = ranks_over_network(model)
     for node in passed:
-        islands.setdefault(island_of(node), []).append(node)
+        islands.setdefault(island_of(node, over_network), []).append(node)
     rejections: list[Rejection] = []
     fits = []
     for name, members in sorted(islands.items()):

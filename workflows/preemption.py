@@ -18,7 +18,13 @@ most of which the preemptor would not use.
 from collections.abc import Mapping
 
 from llmgw.types import ModelSpec, NodeInventory, Placement, Reservation, ShardPlacement
-from workflows.placement import by_node, free_gpu_indices, island_of, rejection
+from workflows.placement import (
+    by_node,
+    free_gpu_indices,
+    island_of,
+    ranks_over_network,
+    rejection,
+)
 
 
 def reserved_key(preemptor: str) -> str:
@@ -120,11 +126,12 @@ def plan_preemption(
     if wanted > 1 and not multi_node:
         return None
     islands: dict[str, list[_NodePlan]] = {}
+    over_network = wanted > 1 and ranks_over_network(model)
     for node in sorted(nodes.values(), key=lambda n: n.node_id):
         plan = _node_plan(replica_id, model, node, allocations, reservations)
         if plan is not None:
             # One node alone is its own "island": any node will do.
-            island = island_of(node) if wanted > 1 else node.node_id
+            island = island_of(node, over_network) if wanted > 1 else node.node_id
             islands.setdefault(island, []).append(plan)
     best: tuple[tuple[int, int, str], list[_NodePlan]] | None = None
     for island, plans in sorted(islands.items()):

@@ -3,6 +3,7 @@
 from datetime import UTC, datetime, timedelta
 
 from llmgw.types import (
+    EngineKind,
     EngineProfile,
     FabricKind,
     FleetSnapshot,
@@ -188,7 +189,15 @@ def on_island(n: NodeInventory, island: str) -> NodeInventory:
     return n
 
 
-TWO_NODE = ModelSpec(name="huge", source="/m", gpus=8, profile=EngineProfile(tp=8, nodes=2))
+# vLLM: its ranks meet over the fabric (NCCL), so they keep to one island;
+# llama.cpp's meet over the network (test_placement_network_ranks.py).
+TWO_NODE = ModelSpec(
+    name="huge",
+    engine=EngineKind.VLLM,
+    source="/m",
+    gpus=8,
+    profile=EngineProfile(tp=8, nodes=2),
+)
 
 
 def test_multi_node_replica_stays_in_one_island() -> None:

@@ -1,6 +1,6 @@
 """Preemption decisions, without Temporal."""
 
-from llmgw.types import ModelSpec, NodeInventory, Placement, Reservation, ShardPlacement
+from llmgw.types import EngineKind, ModelSpec, NodeInventory, Placement, Reservation, ShardPlacement
 from tests.harness import node_inventory as node
 from workflows.placement import choose_node
 from workflows.preemption import claims, plan_preemption
@@ -82,8 +82,10 @@ def test_cpu_slots_can_be_preempted() -> None:
 
 
 def _wide(nodes: int = 2, gpus: int = 4, priority: int = 10) -> ModelSpec:
+    # vLLM: its ranks keep to one fabric island (llama.cpp's meet over the network).
     return HIGH.model_copy(
         update={
+            "engine": EngineKind.VLLM,
             "gpus": gpus,
             "priority": priority,
             "profile": HIGH.profile.model_copy(update={"nodes": nodes}),

@@ -147,6 +147,28 @@ class Postgres:
         env = {"PATH": os.environ.get("PATH", ""), "LC_ALL": "C"}
         self.proc = self.bed.start(self.host, argv, env=env, log=self.log)
         _wait_listening(self.proc, self.address, PG_PORT, "PostgreSQL", self.log)
+        # Listening is not accepting: until recovery ends, a connection is
+        # refused with "the database system is starting up".
+        if not wait_for(self._accepting, 60, interval_s=0.1):
+            raise ServiceError(f"PostgreSQL did not accept connections:\n{_tail(self.log)}")
+        if not self.proc.alive():
+            raise ServiceError(f"PostgreSQL exited:\n{_tail(self.log)}")
+
+    def _accepting(self) -> bool:
+        """Whether a connection over the socket succeeds (or the server died)."""
+        if self.proc is None or not self.proc.alive():
+            return True
+        try:
+            psycopg.connect(
+                host=str(self.root),
+                port=PG_PORT,
+                user=PG_USER,
+                dbname="postgres",
+                connect_timeout=5,
+            ).close()
+        except psycopg.OperationalError:
+            return False
+        return True
 
     def stop(self) -> None:
         """A fast shutdown (SIGINT: clients cut off at once), keeping the data."""

@@ -20,7 +20,7 @@ run: $(STAMP)
 ## As root, the Debian packages the network test bed needs come first, if missing.
 test: $(STAMP) lint types docs
 	.ci/system-packages
-	$(BIN)/python -m pytest -q -p no:cacheprovider
+	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=30
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -264,12 +264,13 @@ class HubServer:
         )
 
     @contextmanager
-    def running(self) -> Iterator["HubServer"]:
-        """Serve on a loopback port until the block ends."""
+    def running(self, host: str = "127.0.0.1") -> Iterator["HubServer"]:
+        """Serve on a free port of ``host`` (loopback; a test bed's root
+        address for its hosts) until the block ends."""
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.bind(("127.0.0.1", 0))
+        sock.bind((host, 0))
         sock.listen(64)  # connections wait in the backlog until uvicorn accepts
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self.url = f"http://{host}:{sock.getsockname()[1]}"
         config = uvicorn.Config(self.app(), log_level="warning", lifespan="off")
         server = uvicorn.Server(config)
         thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)

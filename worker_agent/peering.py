@@ -40,13 +40,22 @@ def peers_for(
     """The peers ``node_id`` asks for ``request``'s weights (pure: tested alone).
 
     The workflow's ``peer_nodes`` when given; else every other node where a
-    replica of the same model is placed, oldest placement first (the likeliest
-    to hold it whole). Nodes that advertise no peer server are left out.
+    replica of the same model was placed before this one, oldest placement
+    first (the likeliest to hold it whole). Only those before it: replicas
+    placed together (a deploy's) would otherwise each ask the others first,
+    all still empty, each waiting out every peer's 404 and then all going to
+    the origin (issue 36 scenario 10: 3 replicas, 20 s lost, the origin sent
+    the file twice). In this order the first placed fetches from the origin at
+    once and the others follow its growing copy. A replica not in the fleet
+    (not placed yet) asks every one. Nodes that advertise no peer server are
+    left out.
     """
     chosen: list[str] = list(request.peer_nodes)
     if not chosen and request.model:
-        for placement in fleet.allocations.values():
-            if placement.model == request.model and placement.replica_id != request.replica_id:
+        for placement in fleet.allocations.values():  # in the order they were placed
+            if placement.replica_id == request.replica_id:
+                break
+            if placement.model == request.model:
                 chosen.extend(s.node_id for s in placement.shards())
     found: list[Peer] = []
     for node in dict.fromkeys(chosen):  # in order, once each

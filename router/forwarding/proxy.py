@@ -189,7 +189,8 @@ class Proxy:
             try:
                 return await self._try_unstuck(route, call, choice)
             except UpstreamConnectError as exc:
-                # Nothing reached the engine nor the client: another replica may answer.
+                # Nothing reached the client (nor the engine, but for a host gone, whose
+                # work cannot come back): another replica may answer.
                 route.eject(PASSIVE_EJECT_S)
                 self._unreachable(route)
                 if route.node_lost:

@@ -56,20 +56,35 @@ def _timed_out(exc: BaseException | None) -> bool:
     return isinstance(exc, OSError) and exc.errno == errno.ETIMEDOUT
 
 
-def give_up_dead_peer(sock: socket.socket, after_s: float) -> None:
+def give_up_dead_peer(sock: socket.socket, after_s: float) -> bool:
     """Fail ``sock`` with ETIMEDOUT once its peer has acknowledged nothing for
     about ``after_s``: data sent and unacknowledged (TCP_USER_TIMEOUT), or an
     idle wait for the answer whose keepalive probes go unanswered. A live
     engine that is only slow to answer acknowledges both, so it is never cut.
-    ``after_s`` 0: the kernel's defaults (hours)."""
+    ``after_s`` 0: the kernel's defaults (hours).
+
+    Whether the bound is set: an option this platform lacks (TCP_USER_TIMEOUT
+    is Linux's), or one the socket refuses, leaves the connection as it was,
+    usable, with the kernel's defaults.
+    """
     if after_s <= 0 or sock.family not in (socket.AF_INET, socket.AF_INET6):
-        return
-    idle = max(1, int(after_s / 2))
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, idle)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, max(1, int(after_s / 6)))
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(after_s * 1000))
+        return False
+    tcp = socket.IPPROTO_TCP
+    wanted = [
+        (socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1),
+        (tcp, getattr(socket, "TCP_KEEPIDLE", None), max(1, int(after_s / 2))),
+        (tcp, getattr(socket, "TCP_KEEPINTVL", None), max(1, int(after_s / 6))),
+        (tcp, getattr(socket, "TCP_KEEPCNT", None), 3),
+        (tcp, getattr(socket, "TCP_USER_TIMEOUT", None), int(after_s * 1000)),
+    ]
+    try:
+        for level, option, value in wanted:
+            if option is None:
+                return False
+            sock.setsockopt(level, option, value)
+    except OSError:
+        return False
+    return True
 
 
 _Key = tuple[str, int, bool]

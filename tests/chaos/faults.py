@@ -2,10 +2,13 @@
 drawn from a seeded generator so that a seed replays the same schedule.
 
 Which client failures a fault may explain is part of its kind
-(``Fault.explains``): a router killed explains the requests in flight on
-it; a node cut off, those in flight there; Temporal or the store down,
-only work that needs them (a Responses or batch call made meanwhile),
-never a chat completion, whose hot path needs neither.
+(``Fault.explains``): a router killed, or a node cut off, explains the
+requests in flight when it struck; Temporal or the store down, only work
+that needs them (a Responses or batch call made meanwhile), never a chat
+completion, whose hot path needs neither. The rule is looser than "in flight
+on that router or node": a failed request does not say which router or
+replica it reached (HAProxy picks the router; the replica header comes only
+with an answer), so any request in flight at that moment is excused.
 """
 
 import random

@@ -102,10 +102,11 @@ class Load:
             else:
                 out.tokens = await self._response_once(rid)
             out.ok = True
-        except (httpx.HTTPError, ValueError, KeyError, AssertionError, TimeoutError) as exc:
+        except Exception as exc:  # any failure is the client's outcome, counted
             out.error = f"{type(exc).__name__}: {str(exc)[:300]}"
-        out.ended = time.monotonic()
-        self.outcomes.append(out)
+        finally:
+            out.ended = time.monotonic()
+            self.outcomes.append(out)
 
     async def _chat_once(self, rid: str) -> int:
         r = await self._http["chat"].post(
@@ -221,8 +222,10 @@ async def submit_batch(base_url: str, key: str, lines: int) -> str:
         return str(made.json()["id"])
 
 
-async def batch_lines(base_url: str, key: str, batch_id: str, timeout_s: float) -> list[str]:
-    """The custom ids in the finished batch's output and error files, in order."""
+async def batch_lines(
+    base_url: str, key: str, batch_id: str, timeout_s: float
+) -> tuple[list[str], list[str]]:
+    """The custom ids in the finished batch's output file and in its error file."""
     async with httpx.AsyncClient(
         base_url=base_url, headers={"Authorization": f"Bearer {key}"}, timeout=60
     ) as http, asyncio.timeout(timeout_s):  # fmt: skip
@@ -233,11 +236,11 @@ async def batch_lines(base_url: str, key: str, batch_id: str, timeout_s: float) 
             ):  # fmt: skip
                 break
             await asyncio.sleep(1)
-        ids: list[str] = []
-        for which in ("output_file_id", "error_file_id"):
+        found: dict[str, list[str]] = {"output_file_id": [], "error_file_id": []}
+        for which, ids in found.items():
             file_id = got.json().get(which)
             if file_id:
                 content = await http.get(f"/files/{file_id}/content")
                 _ok(content)
                 ids += [json.loads(x)["custom_id"] for x in content.text.splitlines() if x]
-        return ids
+        return found["output_file_id"], found["error_file_id"]

@@ -109,6 +109,7 @@ async def test_a_node_cut_off_costs_only_its_requests_in_flight(cluster: Cluster
         f" {max((o.ended - o.started for o in settled), default=0):.2f}s"
     )
     assert late == [], f"requests sent after the cut failed: {late[:5]}"
+    assert all(o.started < cut_at <= o.ended for o in failed), "a failure not in flight at the cut"
     assert slow == [], f"routers still tried the cut node: {slow[:5]}"
     assert lost not in after_heal and node not in replaced.values()
 
@@ -138,3 +139,4 @@ async def _until_replaced(client: Client, lost: str, timeout_s: float) -> dict[s
                 continue
             if lost not in now:
                 return now
+            await asyncio.sleep(0.5)

@@ -1,8 +1,9 @@
 """One file over HTTP into a partial file, resumed with Range, hashed as bytes arrive.
 
-The partial (``<n>.part``) is written unbuffered, so whatever was received is in it
-when the process dies; beside it ``<n>.part.json`` holds the validator (ETag) the
-bytes came with. A resume hashes the partial again (a hash's state cannot be
+The partial (``<n>.part``) is written as bytes arrive (body.py: within
+``body.HOLD_S``, or sooner), so what was received is in it when the process
+dies; beside it ``<n>.part.json`` holds the validator (ETag) the bytes came
+with. A resume hashes the partial again (a hash's state cannot be
 saved) and asks for ``Range: bytes=N-``: a 206 with the same ETag and total size
 continues it; a 200 (the server ignored the Range) or a changed ETag or size
 starts again from zero. The caller renames the file into place once it is
@@ -26,6 +27,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from worker_agent.fetch.body import BodySink, BodyTooLong, receive
 from worker_agent.fetch.errors import (
     FetchDeadline,
     FetchStalled,
@@ -181,7 +183,7 @@ def _receive(
                 _restart(spec, partial, response, have, meter)
                 state = _Got(0, spec.hasher())
             partial.set_etag(response.headers.get("etag"), source)
-            _write_body(spec, partial, response, state, policy, meter, deadline)
+            _write_body(spec, partial, response, state, policy, meter, deadline, read_s)
     except httpx.TimeoutException as exc:
         if deadline is not None and time.monotonic() >= deadline:
             raise FetchDeadline(f"{spec.rel_path}: the fetch's deadline passed") from None
@@ -230,6 +232,7 @@ def _write_body(
     policy: FetchPolicy,
     meter: ProgressMeter,
     deadline: float | None,
+    read_s: float,
 ) -> None:
     length = response.headers.get("content-length", "")
     if length.isdigit() and state.have + int(length) != spec.size:
@@ -240,25 +243,34 @@ def _write_body(
         raise FileMismatch(spec.rel_path, spec.digest, kind=spec.digest_kind.value, got=got)
     fd = os.open(partial.part, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
     try:
-        # As the bytes arrive (no chunking): a process killed loses the least.
-        for chunk in response.iter_raw():
-            if state.have + len(chunk) > spec.size:
-                partial.discard()
-                meter.at(0)
-                raise FileMismatch(
-                    spec.rel_path,
-                    spec.digest,
-                    kind=spec.digest_kind.value,
-                    got=f"more than {spec.size} bytes",
-                )
-            view = memoryview(chunk)
-            while view:
-                view = view[os.write(fd, view) :]
-            state.digest.update(chunk)
-            state.have += len(chunk)
-            meter.at(state.have, len(chunk))
+
+        def received(moved: int) -> None:
+            state.have += moved
+            meter.at(state.have, moved)
             if deadline is not None and time.monotonic() > deadline:
                 raise FetchDeadline(f"{spec.rel_path}: the fetch's deadline passed")
+
+        try:
+            # Leaving the with waits for the writer: every byte received is in the
+            # partial, and the digest is whole, before anything reads them.
+            with BodySink(fd, state.have, state.digest, policy.chunk_bytes) as sink:
+                receive(
+                    response,
+                    sink,
+                    limit=spec.size - state.have,
+                    buffer_bytes=policy.chunk_bytes,
+                    timeout_s=read_s,
+                    received=received,
+                )
+        except BodyTooLong:
+            partial.discard()
+            meter.at(0)
+            raise FileMismatch(
+                spec.rel_path,
+                spec.digest,
+                kind=spec.digest_kind.value,
+                got=f"more than {spec.size} bytes",
+            ) from None
         os.fsync(fd)  # before the rename that makes it final
     finally:
         os.close(fd)

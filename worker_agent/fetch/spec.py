@@ -138,7 +138,9 @@ class FetchPolicy:
     peer_stall_s: float = 15.0
     connect_timeout_s: float = 30.0
     deadline_s: float | None = None
-    chunk_bytes: int = 2**20
+    # One read of a body (into one of body.BUFFERS buffers: the memory a fetch
+    # holds) and of a partial being hashed again at a resume.
+    chunk_bytes: int = 4 * 2**20
     # Free space kept beyond what is left to fetch.
     disk_margin_bytes: int = 256 * 2**20
     progress_interval_s: float = 1.0

@@ -19,6 +19,7 @@ failed, nothing queued.
 import asyncio
 import logging
 from collections import defaultdict
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
@@ -53,7 +54,8 @@ class UsageBatches:
 
     def add(self, key: UsageKey, delta: UsageDelta) -> None:
         """Queue ``delta``, and note it in the spool's journal (one write to
-        a local file, never the store): before the client has its answer."""
+        a local file, never the store): when the request ends (for a stream,
+        just after its last chunk was sent)."""
         self._queued[key].add(delta)
         if self._spool is not None:
             try:
@@ -88,7 +90,11 @@ class UsageBatches:
         self._write, self._writing = None, {}
         if not write.cancelled() and (exc := write.exception()) is not None:
             log.warning("usage write failed, will retry: %s", exc)
-        for key, delta in batch.items():  # what did not land
+        # What did not land goes before what was queued since: a router's
+        # rows land in the order it queued them, so a row billed means every
+        # row it queued before is billed (the cluster tests fence on that).
+        queued, self._queued = self._queued, defaultdict(UsageDelta, batch)
+        for key, delta in queued.items():
             self._queued[key].add(delta)
         self._failed = bool(batch)
 
@@ -96,24 +102,30 @@ class UsageBatches:
         spool = self._spool
         if spool is None:
             return
-        loop = asyncio.get_running_loop()
         try:
             if self._write is not None or self._failed or self._queued:
                 # The snapshot and the journal's rotation together, on the
                 # loop: the journals it closes hold nothing it lacks.
-                journals = spool.rotate()
+                upto = spool.rotate()
                 owed: Pending = defaultdict(UsageDelta)
                 for part in (self._writing.copy(), self._queued):
                     for key, delta in part.items():
                         owed[key].add(replace(delta))
-                spool.hold()
-                await loop.run_in_executor(self._io, spool.save, dict(owed), journals)
-            elif spool.kept:
-                # Nothing owed: the files go. On the loop, so that no
-                # ``note`` runs while they do (a few unlinks, once idle).
-                spool.clear()
+                await self._in_io(spool.saving(dict(owed), upto))
+            elif (clear := spool.clearing()) is not None:
+                # Nothing owed: the files go, in the spool's thread after any
+                # save still running there (a flush cancelled mid-save leaves
+                # its save running: cleared before it lands, that save would
+                # leave a spool of usage already billed).
+                await self._in_io(clear)
         except OSError as exc:
+            # The journals a failed save was to replace stay, and the next
+            # save replaces them too.
             self._warnings.warn("usage spool: %s", exc)
+
+    async def _in_io(self, job: Callable[[], None]) -> None:
+        # The spool's jobs run one at a time, in the order given.
+        await asyncio.get_running_loop().run_in_executor(self._io, job)
 
     async def close(self) -> None:
         """After the last flush: what is owed stays in the spool, for the next
@@ -125,6 +137,6 @@ class UsageBatches:
         if self._write is not None:
             await asyncio.wait([self._write])
             await self._keep()
-        if self._spool is not None:
-            self._spool.close()
+        if self._spool is not None and (let_go := self._spool.closing()) is not None:
+            await self._in_io(let_go)  # after any save still running
         self._io.shutdown(wait=True)

@@ -16,6 +16,7 @@ import pytest
 from sqlalchemy.exc import OperationalError
 from sqlmodel import Session
 
+from llmgw.store import Store
 from router.billing import usage_spool
 from router.billing.accounting import Accountant, RequestOutcome
 from router.billing.usage import UsageDelta, UsageKey
@@ -334,3 +335,193 @@ async def test_a_router_killed_between_flushes_loses_none_of_its_answered_usage(
     await asyncio.to_thread(_serve_then_kill, spool, f"sqlite:///{tmp_path / 'store.db'}")
     assert billed(store) == {}
     await next_router_bills_once(store, spool)
+
+
+async def test_a_failed_save_leaves_no_journal_to_bill_again(
+    store: FlakyStore, tmp_path: Path
+) -> None:
+    """Found by review: the journals a save was to replace were forgotten
+    when it failed (the disk full), so the next save folded their usage in
+    and left them too: taken over, billed twice."""
+    spool = tmp_path / "spool"
+    first = Accountant(store, spool=UsageSpool(spool, "first"))
+    store.fail_from(1)  # the store is down: everything stays owed
+    first.done(1, "m1", None, RequestOutcome())
+    aside = next(spool.glob("*.lock")).with_suffix(".json.tmp")
+    aside.mkdir()  # the save's file cannot be written
+    await first.flush()  # the save fails (a warning); the usage stays owed
+    aside.rmdir()
+    first.done(1, "m1", None, RequestOutcome())
+    await first.flush()  # saved now
+    await first.close()  # killed before the store is back
+    store.fail_from(None)
+    second = Accountant(store, spool=UsageSpool(spool, "second"))
+    await second.open()
+    await second.flush()
+    await second.close()
+    assert billed(store) == {"m1": 2}
+    assert files(spool) == []
+
+
+async def test_a_clear_waits_for_a_save_still_in_its_thread(
+    frozen: FrozenStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by review: a flush cancelled while its save ran in the spool's
+    thread left that save running, and the next flush (nothing owed) cleared
+    the spool at once; the save landed after it, a stale spool of usage
+    already billed, billed again once that router was killed."""
+    spool = tmp_path / "spool"
+    saving, go_on = threading.Event(), threading.Event()
+    dump = usage_spool._dump
+
+    def slow_dump(pending: usage_spool.Pending) -> bytes:
+        saving.set()
+        go_on.wait(10)
+        return dump(pending)
+
+    monkeypatch.setattr(usage_spool, "_dump", slow_dump)
+    kept = UsageSpool(spool, "first")
+    accountant = Accountant(frozen, spool=kept, write_wait_s=0.2)
+    try:
+        serve_one_each(accountant)
+        frozen.freeze()
+        flushing = asyncio.create_task(accountant.flush())  # its write is held: it saves
+        assert await asyncio.to_thread(saving.wait, 10)
+        flushing.cancel()  # as shutdown cancels the flush loop, mid-save
+        with pytest.raises(asyncio.CancelledError):
+            await flushing
+        frozen.thaw()  # the write lands: nothing is owed
+        async with asyncio.timeout(10):
+            while billed(frozen) != dict.fromkeys(MODELS, 1):
+                await asyncio.sleep(0.01)
+            clearing = asyncio.create_task(accountant.flush())
+            while kept.kept:  # until that flush has cleared the spool (or queued its clear)
+                await asyncio.sleep(0.01)
+    finally:
+        go_on.set()
+    await clearing
+    await flush_until_spool_gone(accountant, spool)
+    accountant.done(1, "m1", None, RequestOutcome())
+    kept.close()  # killed before its next flush
+    await next_router_bills_once_more(frozen, spool, {"m1": 2, "m2": 1, "m3": 1, "m4": 1})
+
+
+async def next_router_bills_once_more(store: FlakyStore, spool: Path, want: dict[str, int]) -> None:
+    second = Accountant(store, spool=UsageSpool(spool, "second"))
+    await second.open()
+    await second.flush()
+    await second.close()
+    assert billed(store) == want
+    assert files(spool) == []
+
+
+def test_a_journal_with_a_damaged_line_is_set_aside_whole(tmp_path: Path) -> None:
+    """Found by review: the rows before a damaged line were billed, yet the
+    journal was set aside as not billed."""
+    gone = UsageSpool(tmp_path, "gone")
+    gone.save({KEY: UsageDelta(requests=1)})
+    gone.note(KEY, UsageDelta(requests=2))
+    gone.close()
+    journal = next(tmp_path.glob("gone-*.adds"))
+    with journal.open("ab") as f:
+        f.write(b'{"key_id": "not a number"}\n' + journal.read_bytes())
+    assert UsageSpool(tmp_path, "next").open() == {KEY: UsageDelta(requests=1)}
+    assert [f for f in files(tmp_path) if f.startswith("gone")] == [
+        re.sub(r"-[0-9a-f]{8}\.", ".", journal.name) + ".bad"
+    ]
+
+
+# A router whose journal hits the file size limit mid-row (as a full disk
+# would cut a write short), then can write again.
+CUT_SHORT = """
+import resource, signal, sys
+from pathlib import Path
+from router.billing.usage import UsageDelta, UsageKey
+from router.billing.usage_spool import UsageSpool
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+spool = UsageSpool(Path(sys.argv[1]), "cut")
+key = UsageKey(1, "m", "2026-12-04")
+spool.hold()
+soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+resource.setrlimit(resource.RLIMIT_FSIZE, (1000, hard))
+noted = 0
+try:
+    while True:
+        spool.note(key, UsageDelta(requests=1))
+        noted += 1
+except OSError:
+    pass
+resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+for _ in range(3):
+    spool.note(key, UsageDelta(requests=1))
+    noted += 1
+print(noted)
+"""
+
+
+def test_a_journal_write_cut_short_costs_only_its_own_row(tmp_path: Path) -> None:
+    """Found by review: a short write left half a row, the next row was
+    appended to it, and the journal, unreadable, was set aside whole."""
+    done = subprocess.run(
+        [sys.executable, "-c", CUT_SHORT, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=Path(__file__).parents[2],
+    )
+    noted = int(done.stdout)
+    assert noted > 3
+    assert UsageSpool(tmp_path, "next").open() == {KEY: UsageDelta(requests=noted)}
+
+
+async def test_each_change_to_the_spool_directory_is_made_durable(
+    store: FlakyStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by review: the journals a save replaced were removed after the
+    directory's last fsync: a power loss could bring them back beside the
+    spool that holds their usage, billed twice."""
+    spool = tmp_path / "spool"
+    synced: list[list[str]] = []
+    fsync_dir = usage_spool._fsync_dir
+
+    def recorded(directory: Path) -> None:
+        fsync_dir(directory)
+        synced.append(files(directory))
+
+    monkeypatch.setattr(usage_spool, "_fsync_dir", recorded)
+    first = Accountant(store, spool=UsageSpool(spool, "first"))
+    store.fail_from(1)
+    serve_one_each(first)
+    await first.flush()  # saved: the journal goes
+    assert files(spool) == ["first.json", "first.lock"]
+    assert synced[-1] == files(spool)
+    store.fail_from(None)
+    await first.flush()  # cleared
+    await first.close()
+    assert synced[-1] == files(spool) == []
+
+
+async def test_rows_a_failed_write_gives_back_are_written_before_rows_queued_after(
+    frozen: FrozenStore, tmp_path: Path
+) -> None:
+    """A router's usage lands in the order it was queued, so a request's row
+    billed means the rows queued before it are billed (the cluster tests'
+    fence: tests/cluster/test_cluster_gateway.py)."""
+    accountant = Accountant(frozen, spool=UsageSpool(tmp_path / "spool", "r"), write_wait_s=0.2)
+    accountant.done(1, "m1", None, RequestOutcome())
+    frozen.freeze()
+    await accountant.flush()  # m1's write is held
+    accountant.done(1, "m2", None, RequestOutcome())
+    frozen.thaw(dead=True)  # m1's write fails: m1 is owed again
+    assert await asyncio.to_thread(frozen.cut_off.wait, 10)
+    frozen.dead = False
+    frozen.fail_from(2)  # the next batch's first row lands, then the store fails
+    rows = Store(f"sqlite:///{tmp_path / 'store.db'}")  # read past the failing one
+    async with asyncio.timeout(10):
+        while not billed(rows):
+            await accountant.flush()
+    assert billed(rows) == {"m1": 1}
+    frozen.fail_from(None)
+    await accountant.flush()
+    await accountant.close()
+    assert billed(rows) == {"m1": 1, "m2": 1}

@@ -66,7 +66,7 @@ def test_links_in_the_directory_are_not_followed(tmp_path: Path) -> None:
     # A lock that is a link is not opened: neither created through nor written.
     target = tmp_path / "target"
     spool = UsageSpool(spool_dir, "mine")
-    spool._lock.symlink_to(target)
+    spool._files.lock.symlink_to(target)
     with pytest.raises(OSError, match="locked"):
         spool.save({KEY: UsageDelta(requests=1)})
     assert not target.exists()
@@ -74,7 +74,7 @@ def test_links_in_the_directory_are_not_followed(tmp_path: Path) -> None:
     victim = tmp_path / "victim"
     victim.write_bytes(b"keep")
     spool = UsageSpool(spool_dir, "other")
-    spool._data.with_suffix(".json.tmp").symlink_to(victim)
+    spool._files.data.with_suffix(".json.tmp").symlink_to(victim)
     with pytest.raises(OSError):
         spool.save({KEY: UsageDelta(requests=1)})
     assert victim.read_bytes() == b"keep"

@@ -5,7 +5,9 @@ write that fails in the writer thread."""
 import hashlib
 import json
 import os
+import shutil
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -13,6 +15,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tests.fetch_server import FileServer
@@ -34,17 +37,23 @@ class OneShotServer:
     ``with_head`` bytes in one send (so they reach the client's first read
     together), then, after ``pause_s``, the rest."""
 
-    def __init__(self, data: bytes, *, with_head: int, pause_s: float) -> None:
+    def __init__(
+        self, data: bytes, *, with_head: int, pause_s: float, tls: ssl.SSLContext | None = None
+    ) -> None:
         self.data = data
         self.with_head = with_head
         self.pause_s = pause_s
+        self._tls = tls
         self._listener = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}/file.bin"
+        scheme = "http" if tls is None else "https"
+        self.url = f"{scheme}://127.0.0.1:{self._listener.getsockname()[1]}/file.bin"
         self._thread = threading.Thread(target=self._serve, daemon=True)
         self._thread.start()
 
     def _serve(self) -> None:
         conn, _ = self._listener.accept()
+        if self._tls is not None:
+            conn = self._tls.wrap_socket(conn, server_side=True)
         with conn:
             request = b""
             while b"\r\n\r\n" not in request:
@@ -73,6 +82,33 @@ def test_body_bytes_read_with_the_headers_come_first(tmp_path: Path, data: bytes
     try:
         spec = ArtifactSpec((FileSpec(server.url, "file.bin", len(data), sha(data)),))
         got = ArtifactCache(tmp_path / "cache", policy=POLICY).fetch(spec)
+    finally:
+        server.close()
+    assert (got.path / "file.bin").read_bytes() == data
+
+
+def test_a_body_over_tls_is_read_from_the_tls_socket(tmp_path: Path, data: bytes) -> None:
+    # The Hub's files come over HTTPS: recv_into on the TLS socket, after what
+    # h11 read (decrypted) with the headers.
+    if shutil.which("openssl") is None:
+        pytest.skip("needs the openssl command to make a certificate")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        [
+            *("openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1"),
+            *("-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"),
+            *("-keyout", str(key), "-out", str(cert)),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    serving = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    serving.load_cert_chain(cert, key)
+    server = OneShotServer(data, with_head=40 * 1024, pause_s=0.3, tls=serving)
+    try:
+        spec = ArtifactSpec((FileSpec(server.url, "file.bin", len(data), sha(data)),))
+        with httpx.Client(verify=ssl.create_default_context(cafile=cert)) as client:
+            got = ArtifactCache(tmp_path / "cache", policy=POLICY).fetch(spec, client=client)
     finally:
         server.close()
     assert (got.path / "file.bin").read_bytes() == data

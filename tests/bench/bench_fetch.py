@@ -39,7 +39,7 @@ from llmgw.hub_pin import Hub, pin_hf
 from llmgw.sources import HfSource
 from llmgw.types import EngineKind
 from tests.hub_server import HubServer
-from worker_agent.fetch import ArtifactCache, ArtifactSpec, FetchPolicy, FileSpec
+from worker_agent.fetch import ArtifactCache, ArtifactSpec, FetchPolicy
 from worker_agent.origins import Origins, artifact_for
 
 MIB = 2**20
@@ -71,22 +71,13 @@ def _ours(spec: ArtifactSpec, into: Path) -> float:
     # In a process of its own, as curl and hf are: the hub's thread here would
     # share this process's GIL with the fetch.
     child = subprocess.run(
-        [sys.executable, "-m", "tests.bench.bench_fetch", "--child", _child_arg(spec, into)],
+        [sys.executable, "-m", "tests.bench.bench_fetch_child", _child_arg(spec, into)],
         cwd=REPO_ROOT,
         check=True,
         capture_output=True,
         text=True,
     )
     return float(json.loads(child.stdout)["fetch_s"])
-
-
-def _child(arg: str) -> None:
-    spec = json.loads(arg)
-    artifact = ArtifactSpec(tuple(FileSpec(u, r, n, s) for u, r, n, s in spec["files"]))
-    cache = ArtifactCache(Path(spec["root"]), policy=POLICY)
-    start = time.perf_counter()
-    cache.fetch(artifact)
-    print(json.dumps({"fetch_s": time.perf_counter() - start}))
 
 
 def _curl(url: str, into: Path) -> None:
@@ -132,11 +123,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mib", type=int, default=2048)
     parser.add_argument("--runs", type=int, default=2)
-    parser.add_argument("--child", help=argparse.SUPPRESS)  # one timed fetch, in this process
     args = parser.parse_args()
-    if args.child:
-        _child(args.child)
-        return
     with tempfile.TemporaryDirectory(prefix="bench-fetch-") as tmp_dir:
         tmp = Path(tmp_dir)
         source = tmp / NAME

@@ -64,6 +64,8 @@ class FleetWorkflow:
         first = inventory.node_id not in self._state.liveness
         self._state.nodes[inventory.node_id] = inventory
         self._state.liveness[inventory.node_id] = NodeLiveness(last_seen=workflow.now().isoformat())
+        if self._state.lost.pop(inventory.node_id, None) is not None:
+            workflow.logger.info("node %s is back (its agent registered)", inventory.node_id)
         self._publish_nodes()
         added = rebuild_from_report(self._state.allocations, inventory)
         if self._index is not None:
@@ -200,6 +202,15 @@ class FleetWorkflow:
     def release(self, request: ReleaseRequest) -> ReleaseResult:
         """Give back a replica's allocation (and any room reserved for it)."""
         rid = request.replica_id
+        if request.node_lost:
+            # The replica's evidence (agent silent, engine unreachable) comes
+            # before the fleet's own silence bound: a replacement placed there
+            # would wait out its schedule-to-start, and fail, again and again.
+            self._state.lost[request.node_lost] = workflow.now().isoformat()
+            workflow.logger.warning(
+                "node %s found lost by replica %s: offered to none until it registers",
+                request.node_lost, rid,
+            )  # fmt: skip
         self._state.reservations.pop(rid, None)
         released = self._state.allocations.pop(rid, None) is not None
         if self._index is not None:

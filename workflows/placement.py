@@ -285,6 +285,10 @@ def split_live(
         if node_id in state.cordoned:
             down.append(Rejection(node_id=node_id, reason="cordoned"))
             continue
+        if node_id in state.lost:
+            reason = f"found lost by a replica at {state.lost[node_id]}; not registered since"
+            down.append(Rejection(node_id=node_id, reason=reason))
+            continue
         if seen is None:
             live[node_id] = node  # registered before liveness was tracked
             continue

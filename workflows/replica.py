@@ -158,7 +158,7 @@ class ReplicaWorkflow:
             fetches=self._fetches,
         )
         ended = await self._path.serve()
-        await self._fail(ended.reason, engine_gone=ended.engine_gone)
+        await self._fail(ended.reason, engine_gone=ended.engine_gone, node_lost=ended.node_lost)
 
     async def _place(self) -> Placement | None:
         attempt = 0
@@ -286,14 +286,14 @@ class ReplicaWorkflow:
             # Draining is a courtesy: it must never keep a replica from stopping.
             workflow.logger.warning("replica %s drain failed: %s", self._input.replica_id, err)
 
-    async def _fail(self, reason: str, *, engine_gone: bool = False) -> None:
+    async def _fail(self, reason: str, *, engine_gone: bool = False, node_lost: str = "") -> None:
         self._status.reason = reason
         if self._path is not None:
             await self._path.keep_log_tail()
         if not engine_gone:
             # Never leak a process (or its GPU) because the start went wrong.
             await self._stop_shard()
-        await self._release()
+        await self._release(node_lost)
         if not is_terminal(self._status.phase):
             self._move(P.FAILED, reason)
 
@@ -306,11 +306,11 @@ class ReplicaWorkflow:
         """Whether an engine (or a rank) may be running."""
         return self._path is not None and self._path.launched
 
-    async def _release(self) -> None:
+    async def _release(self, node_lost: str = "") -> None:
         if self._placement is None:
             return
         await contracts.RELEASE_REPLICA.run(
-            ReleaseRequest(replica_id=self._input.replica_id),
+            ReleaseRequest(replica_id=self._input.replica_id, node_lost=node_lost),
             start_to_close_timeout=timedelta(seconds=30),
         )
         self._placement = None

@@ -99,7 +99,7 @@ class OneNode(ServingPath):
             )
         self._status.log_tail = exit_info.log_tail
         self.launched = False
-        return ServingEnded(exit_info.reason, engine_gone=True)
+        return ServingEnded(exit_info.reason, engine_gone=True, node_lost=exit_info.node_lost)
 
     async def _watch_through_node_loss(self) -> ShardExit:
         """Watch the engine until it exits; a silent agent is not an exit.
@@ -137,7 +137,7 @@ class OneNode(ServingPath):
                         f"node {node} lost and engine unreachable for "
                         f"{seen.unanswered_s:.0f}s: {seen.last_error}"
                     )
-                    return ShardExit(exit_code=None, reason=reason)
+                    return ShardExit(exit_code=None, reason=reason, node_lost=node)
                 found = seen
                 if found.pid is not None:
                     adopted = "same pid" if found.pid == self._status.pid else "new pid"

@@ -44,6 +44,9 @@ class ServingEnded:
     reason: str
     # The engine is gone already: nothing is left to stop.
     engine_gone: bool = False
+    # The node found lost, when that is why (the fleet offers it to no one
+    # until its agent registers again).
+    node_lost: str = ""
 
 
 class ServingPath:

@@ -107,6 +107,11 @@ class ReleaseRequest(BaseModel):
     """Give back a replica's allocation (a no-op when it holds none)."""
 
     replica_id: str
+    node_lost: str = Field(
+        default="",
+        description="the node the replica found lost (its agent silent, its engine"
+        " unreachable): offered to no replica until its agent registers again",
+    )
 
 
 class ReleaseResult(BaseModel):
@@ -165,3 +170,8 @@ class FleetSnapshot(BaseModel):
     # Agents re-register every 30 s by default; silence for this long means
     # the node is not offered to placement (its allocations stay recorded).
     stale_after_s: float = 120.0
+    # A replica that failed on a lost node knew before the silence above
+    # did: that node waits for its agent's next registration.
+    lost: dict[str, str] = Field(
+        default_factory=dict, description="node -> when a replica found it lost"
+    )

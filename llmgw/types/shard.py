@@ -136,6 +136,9 @@ class ShardExit(BaseModel):
     exit_code: int | None
     reason: str
     log_tail: list[str] = Field(default_factory=list)
+    node_lost: str = Field(
+        default="", description="the node, when it ended because the node was lost"
+    )
 
 
 class ShardRunning(BaseModel):

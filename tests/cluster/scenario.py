@@ -16,10 +16,12 @@ import openai
 from temporalio.client import Client
 
 from llmgw import replicas
+from llmgw.store import Store
 from llmgw.temporal import connect
-from llmgw.types import ReplicaPhase
+from llmgw.types import ReplicaPhase, ReplicaTimeouts
 from llmgw_cli.dev.tinymodel import TinyModel
 from tests.cluster.netbed import Bed
+from tests.cluster.services import PG_PORT
 from tests.cluster.stack import MODEL, NAMESPACE, Cluster
 
 NODES = ["n1", "n2", "n3", "n4"]
@@ -77,9 +79,10 @@ async def client_of(cluster: Cluster) -> Client:
     return await connect(cluster.temporal.address, NAMESPACE)
 
 
-def deploy(cluster: Cluster, replicas_: int = REPLICAS) -> str:
+def deploy(cluster: Cluster, replicas_: int = REPLICAS, *, start: bool = True) -> str:
     """The model in the catalog with ``replicas_``, deployed (``model apply
-    --deploy``), and a client key for it (made once); the key."""
+    --deploy``; only written with ``start`` False), and a client key for it
+    (made once); the key."""
     catalog = cluster.files / "catalog.yaml"
     catalog.write_text(
         "models:\n"
@@ -88,11 +91,27 @@ def deploy(cluster: Cluster, replicas_: int = REPLICAS) -> str:
         f"    source: {cluster.model_path}\n"
         f"    replicas: {replicas_}\n"
     )
-    ok(cluster.cli("model", "apply", str(catalog), "--deploy"))
+    ok(cluster.cli("model", "apply", str(catalog), *(["--deploy"] if start else [])))
     if not cluster.api_key:
         made = ok(cluster.cli("keys", "create", "team-a", "--models", MODEL, "--rpm", "6000"))
         cluster.api_key = made.strip().splitlines()[-1]
     return cluster.api_key
+
+
+async def deploy_with(
+    cluster: Cluster, client: Client, timeouts: ReplicaTimeouts, replicas_: int = REPLICAS
+) -> str:
+    """``deploy``, the deployment started through the SDK with ``timeouts``
+    (an operator's model job may set them; the catalog's ``--deploy`` takes
+    the defaults): the catalog's own entry, so the reconcile pass leaves it be."""
+    key = deploy(cluster, replicas_, start=False)
+    store = Store(f"postgresql://llmgw:{cluster.pg.password}@{cluster.pg.address}:{PG_PORT}/llmgw")
+    try:
+        spec = (await asyncio.to_thread(store.catalog))[MODEL]
+    finally:
+        store.close()
+    await replicas.apply_deployment(client, spec, replicas_, timeouts=timeouts)
+    return key
 
 
 async def serving(

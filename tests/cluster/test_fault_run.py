@@ -6,7 +6,7 @@ from tests.chaos.run import fault_run
 from tests.cluster.stack import Cluster
 
 SEED = 36
-MINUTES = 3.0
+MINUTES = 2.5
 EVERY_S = 30.0
 
 

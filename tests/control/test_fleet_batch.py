@@ -153,3 +153,33 @@ async def test_an_agent_registers_by_signal_with_start(client: Client) -> None:
             while sorted((await contracts.SNAPSHOT.ask(fleet, None)).nodes) != ["a", "b"]:
                 await asyncio.sleep(0.05)
         await handles[0].terminate("test over")
+
+
+async def test_a_node_a_replica_found_lost_is_offered_to_none_until_it_registers(
+    client: Client,
+) -> None:
+    """Found on the network test bed (issue 36 scenario 4): a replica failed
+    on a cut-off node released its room, and its replacement, spread to the
+    node with none of its model, went straight back to the lost node (the
+    fleet's own silence bound, 120 s, had not passed), failed its schedule-to-
+    start there, and so on until the deployment reaped the slot."""
+    queue = f"fleet-batch-{uuid.uuid4()}"
+    async with Worker(client, task_queue=queue, workflows=[FleetWorkflow]):
+        fleet = await client.start_workflow(
+            FleetWorkflow.run, FleetSnapshot(), id=f"fleet-{uuid.uuid4()}", task_queue=queue
+        )
+        for name in ("a", "b"):
+            await contracts.REGISTER_NODE.send(fleet, node_inventory(name, cpu_slots=2))
+        cpu = ModelSpec(name="tiny", source="/m")
+        first = await contracts.PLACE.execute(fleet, PlaceRequest(replica_id="r1", model=cpu))
+        second = await contracts.PLACE.execute(fleet, PlaceRequest(replica_id="r2", model=cpu))
+        assert first.placement is not None and second.placement is not None
+        lost = first.placement.node_id
+        await contracts.RELEASE.execute(fleet, ReleaseRequest(replica_id="r1", node_lost=lost))
+        again = await contracts.PLACE.execute(fleet, PlaceRequest(replica_id="r3", model=cpu))
+        assert again.placement is not None and again.placement.node_id != lost
+        await contracts.RELEASE.execute(fleet, ReleaseRequest(replica_id="r3"))
+        # Its agent registers again: the node is offered again.
+        await contracts.REGISTER_NODE.send(fleet, node_inventory(lost, cpu_slots=2))
+        back = await contracts.PLACE.execute(fleet, PlaceRequest(replica_id="r4", model=cpu))
+        assert back.placement is not None and back.placement.node_id == lost

@@ -5,9 +5,9 @@ parsed 64 KiB reads (copying each twice), then sha256, the write and at the
 end one fsync of the whole file ran in turn. Here the calling thread only
 reads; beside it (``BodySink``) one thread appends and asks the kernel to
 start writing back each window as it fills, so the closing fsync finds little
-left, and another hashes the same buffers. hashlib and ``os.write`` release the GIL for large
-buffers, so the three overlap. Memory is bounded: a pool of
-``BUFFERS`` buffers of ``chunk_bytes`` cycles between them.
+left, and another hashes the same buffers. hashlib and ``os.write`` release
+the GIL for large buffers, so the three overlap. Memory is bounded: a pool of
+at most ``BUFFERS`` buffers of ``chunk_bytes`` cycles between them.
 
 A large body over HTTP/1.x with a Content-Length is read straight from the
 connection's socket with ``recv_into`` into those buffers: httpx still sends
@@ -93,9 +93,9 @@ class BodySink:
         self._digest = digest
         self._written = offset
         self._kicked = offset  # where the writeback not yet asked for starts
+        self._buffer_bytes = buffer_bytes
+        self._made = 0  # buffers made: none for a body read through httpx
         self._free: queue.SimpleQueue[bytearray] = queue.SimpleQueue()
-        for _ in range(BUFFERS):
-            self._free.put(bytearray(buffer_bytes))
         self._release_lock = threading.Lock()
         # Bounded, so chunks that come without a pooled buffer are bounded too.
         self._to_write: queue.Queue[_Item | None] = queue.Queue(maxsize=BUFFERS)
@@ -110,6 +110,9 @@ class BodySink:
 
     def buffer(self) -> bytearray:
         """A pooled buffer to fill, given back with ``put``; waits while all are in use."""
+        if self._made < BUFFERS and self._free.empty():
+            self._made += 1
+            return bytearray(self._buffer_bytes)
         return self._free.get()
 
     def put(self, data: memoryview | bytes, buffer: bytearray | None = None) -> None:

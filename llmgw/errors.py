@@ -85,7 +85,9 @@ The replica workflow's private ``_StopRequested`` and ``NoAgent``
 (workflows/node_loss.py) derive from the root too; they never leave the
 workflow. So do router/forwarding/upstream_raw.py's ``_Stale`` (a kept-alive
 connection closed unanswered) and ``_Refused`` (the parser stopped at an
-encoded answer's head), which never leave the engine client.
+encoded answer's head), which never leave the engine client, and
+worker_agent/fetch/body.py's ``BodyTooLong`` (more bytes than the pinned
+size), which its caller reports as a FileMismatch.
 
 Errors that cross Temporal are raised as ``ApplicationError`` with ``type``
 set to the class name and ``non_retryable`` from the class, so a workflow can

@@ -124,8 +124,10 @@ async def serving(
             live = [s for s in status.slots if s.replica_id and not s.next_start_at]
             memos = [await replicas.replica_memo(client, s.replica_id) for s in live]
             ready = [m for m in memos if m is not None and m.phase is ReplicaPhase.READY]
+            # The node from each replica's own memo: a slot's node_id may
+            # still be its previous replica's for a moment.
             if len(live) == len(status.slots) == len(ready) == status.desired == want:
-                return {s.replica_id: s.node_id for s in live}
+                return {m.replica_id: m.node_id for m in ready}
             await asyncio.sleep(0.5)
 
 

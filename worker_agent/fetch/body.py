@@ -41,6 +41,8 @@ from types import TracebackType
 
 import httpx
 
+from llmgw.errors import LlmgwError
+
 BUFFERS = 8
 HOLD_S = 0.2
 # Written back in windows this size; the writer waits for the window before
@@ -190,8 +192,9 @@ class BodySink:
                 )
 
 
-class BodyTooLong(Exception):
-    """The source sent more bytes than the pin's size."""
+class BodyTooLong(LlmgwError):
+    """The source sent more bytes than the pin's size (caught by http_file,
+    which reports the file as a FileMismatch)."""
 
 
 def receive(

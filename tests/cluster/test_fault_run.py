@@ -6,8 +6,8 @@ from tests.chaos.run import fault_run
 from tests.cluster.stack import Cluster
 
 SEED = 36
-MINUTES = 2.5
-EVERY_S = 30.0
+MINUTES = 1.75
+EVERY_S = 20.0
 
 
 async def test_a_short_seeded_fault_run_breaks_no_invariant(cluster: Cluster) -> None:

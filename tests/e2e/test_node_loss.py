@@ -17,7 +17,7 @@ from llmgw_cli.dev.tinymodel import TinyModel
 from tests.harness import System, wait_routable
 from tests.procs_util import pids_with_args
 
-FREEZE_S = 150.0
+FREEZE_S = 100.0
 
 
 @dataclass

@@ -36,6 +36,7 @@ from llmgw.types import (
     LaunchShardInput,
     ModelSpec,
     NodeInventory,
+    ReplicaPhase,
     ReplicaTimeouts,
     ShardHandle,
     ShardRef,
@@ -328,6 +329,17 @@ async def wait_deployment(
             if ok(status):
                 return status
             await asyncio.sleep(0.2)
+
+
+async def wait_phase(client: Client, rid: str, phase: ReplicaPhase, timeout_s: float) -> float:
+    """Seconds until the replica's memo shows ``phase``."""
+    began = asyncio.get_running_loop().time()
+    async with asyncio.timeout(timeout_s):
+        while True:
+            memo = await replicas.replica_memo(client, rid)
+            if memo is not None and memo.phase is phase:
+                return asyncio.get_running_loop().time() - began
+            await asyncio.sleep(0.1)
 
 
 def cpu_inventory(node_id: str = "test-node") -> NodeInventory:

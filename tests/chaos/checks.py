@@ -8,12 +8,10 @@ every request the client saw succeed, and every batch line present once.
 """
 
 import asyncio
-import os
 import time
 from collections import Counter
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from pathlib import Path
 
 import psycopg
 from temporalio.client import Client
@@ -21,8 +19,8 @@ from temporalio.service import RPCError
 
 from llmgw import replicas
 from llmgw.types import ReplicaPhase
+from tests.cluster.scenario import engine_groups
 from tests.cluster.stack import MODEL, Cluster
-from tests.cluster.system import namespace_pids
 from worker_agent.supervisor import TITLE_ENV
 from workflows.placement import split_live
 
@@ -30,26 +28,14 @@ TITLE = f"{TITLE_ENV}=".encode()
 
 
 def engines_by_replica(cluster: Cluster, nodes: list[str]) -> Counter[tuple[str, str]]:
-    """Engine process groups running on ``nodes``, by (node, replica id).
-
-    Every process of a shard carries its title in the environment
-    (``LLMGW_ENGINE_TITLE``: ``llmgw llama.cpp replica R rank N``) and leads
-    or joins the shard's process group; a group is counted once.
-    """
-    groups: set[tuple[str, str, int]] = set()
-    for node in nodes:
-        for pid in namespace_pids(cluster.bed.hosts[node].ns):
-            try:
-                env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-                pgid = os.getpgid(pid)
-            except OSError:
-                continue
-            for item in env:
-                if item.startswith(TITLE):
-                    words = item[len(TITLE) :].decode(errors="replace").split()
-                    if "replica" in words:
-                        groups.add((node, words[words.index("replica") + 1], pgid))
-    return Counter((node, rid) for node, rid, _ in groups)
+    """Engine process groups running on ``nodes``, by (node, replica id)."""
+    return Counter(
+        {
+            (node, rid): len(groups)
+            for node, found in engine_groups(cluster, nodes).items()
+            for rid, groups in found.items()
+        }
+    )
 
 
 @dataclass

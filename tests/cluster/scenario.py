@@ -3,6 +3,7 @@ operator's CLI, and client traffic whose every request is recorded with its
 start, end, outcome and the replica that served it."""
 
 import asyncio
+import re
 import shutil
 import subprocess
 import time
@@ -23,6 +24,7 @@ from llmgw_cli.dev.tinymodel import TinyModel
 from tests.cluster.netbed import Bed
 from tests.cluster.services import PG_PORT
 from tests.cluster.stack import MODEL, NAMESPACE, Cluster
+from tests.cluster.system import namespace_pids
 
 NODES = ["n1", "n2", "n3", "n4"]
 CONTROLS = ["cp1", "cp2"]
@@ -131,14 +133,18 @@ async def serving(
             await asyncio.sleep(0.5)
 
 
-async def routable(cluster: Cluster, timeout_s: float = 60) -> None:
-    """Wait until a completion goes through the load balancer."""
-    oai = openai.AsyncOpenAI(base_url=cluster.base_url, api_key=cluster.api_key, max_retries=0)
+async def routable(
+    cluster: Cluster, timeout_s: float = 60, model: str = MODEL, api_key: str = ""
+) -> None:
+    """Wait until a completion of ``model`` goes through the load balancer
+    (routers learn a replica on a poll), with ``api_key`` or the cluster's."""
+    key = api_key or cluster.api_key
+    oai = openai.AsyncOpenAI(base_url=cluster.base_url, api_key=key, max_retries=0)
     try:
         async with asyncio.timeout(timeout_s):
             while True:
                 try:
-                    await oai.completions.create(model=MODEL, prompt="hi", max_tokens=1)
+                    await oai.completions.create(model=model, prompt="hi", max_tokens=1)
                     return
                 except openai.APIError:
                     await asyncio.sleep(0.5)
@@ -243,3 +249,31 @@ class Traffic:
     def started_after(self, at: float) -> Sequence[Outcome]:
         """The requests sent at or after ``at`` (monotonic)."""
         return [o for o in self.outcomes if o.started >= at]
+
+
+# An engine process's title, from its environment: its replica and rank.
+TITLE = re.compile(rb"LLMGW_ENGINE_TITLE=llmgw \S+ replica (\S+) rank (\d+)")
+
+
+def engine_groups(cluster: Cluster, nodes: Sequence[str] = NODES) -> dict[str, dict[str, set[int]]]:
+    """Node -> replica id -> the process groups of that replica's engines.
+
+    Every process of a shard carries its title in its environment and leads
+    or joins the shard's process group (worker_agent/supervisor.py).
+    """
+    found: dict[str, dict[str, set[int]]] = {}
+    for node in nodes:
+        groups: dict[str, set[int]] = {}
+        for pid in namespace_pids(cluster.bed.hosts[node].ns):
+            try:
+                environ = Path(f"/proc/{pid}/environ").read_bytes()
+                stat = Path(f"/proc/{pid}/stat").read_text()
+            except OSError:
+                continue
+            if (m := TITLE.search(environ.replace(b"\0", b"\n"))) is None:
+                continue
+            # The process group is the 5th field, after the parenthesised name.
+            pgid = int(stat.rsplit(")", 1)[1].split()[2])
+            groups.setdefault(m.group(1).decode(), set()).add(pgid)
+        found[node] = groups
+    return found

@@ -117,7 +117,7 @@ class Postgres:
 
     def init(self) -> None:
         """initdb, the access rules, then start and make the role and database."""
-        os.chown(self.root, *_ids(PG_USER))
+        os.chown(self.root, *user_ids(PG_USER))
         self._as_postgres(
             "initdb", "-D", str(self.data), "-U", PG_USER, "-A", "trust",
             "--encoding=UTF8", "--locale=C", "--no-sync",
@@ -184,7 +184,8 @@ class Postgres:
         return f"{self.address}:{PG_PORT}:llmgw:llmgw:{self.password}\n"
 
 
-def _ids(user: str) -> tuple[int, int]:
+def user_ids(user: str) -> tuple[int, int]:
+    """The uid and gid of ``user``."""
     entry = pwd.getpwnam(user)
     return entry.pw_uid, entry.pw_gid
 

@@ -17,7 +17,6 @@ What the bed does that the guide does not, each for a reason:
 """
 
 import os
-import pwd
 import shutil
 import subprocess
 import sys
@@ -29,7 +28,7 @@ from llmgw_cli.dev.tinymodel import TinyModel
 from tests.cluster import guide
 from tests.cluster.hostproc import HostProcess
 from tests.cluster.netbed import Bed
-from tests.cluster.services import Haproxy, Postgres, Temporal, as_user
+from tests.cluster.services import Haproxy, Postgres, Temporal, as_user, user_ids
 from tests.harness import agents_engine_cache
 from worker_agent.users import reachable
 
@@ -62,11 +61,6 @@ def _ensure_user(name: str) -> None:
     )  # fmt: skip
 
 
-def _ids(name: str) -> tuple[int, int]:
-    entry = pwd.getpwnam(name)
-    return entry.pw_uid, entry.pw_gid
-
-
 class Cluster:
     """The processes of a cluster on ``bed``; :meth:`close` stops them all."""
 
@@ -90,7 +84,7 @@ class Cluster:
         self._guide = guide.GUIDE.read_text()
         _ensure_user(SERVICE_USER)
         self._service_user: str | None = SERVICE_USER
-        uid, gid = _ids(SERVICE_USER)
+        uid, gid = user_ids(SERVICE_USER)
         if not reachable(llmgw_bin(), uid, [gid]) or not reachable(REPO, uid, [gid]):
             self._service_user = None
             self.notes.append(f"the clone is out of {SERVICE_USER}'s reach: services run as root")
@@ -119,14 +113,14 @@ class Cluster:
             path.write_text(self.pg.passfile_line())
             path.chmod(0o600)
             if who == "service" and self._service_user:
-                os.chown(path, *_ids(self._service_user))
+                os.chown(path, *user_ids(self._service_user))
 
     def replacements(self, host: str, as_service: bool) -> dict[str, str]:
         """The bed's value for each of the guide's example values, on ``host``."""
         state = self._state(host) / "state"
         state.mkdir(mode=0o750, exist_ok=True)
         if as_service and self._service_user:
-            os.chown(state, *_ids(self._service_user))
+            os.chown(state, *user_ids(self._service_user))
         address = self.bed.address(host) if host in self.bed.hosts else self.bed.root_address
         return {
             "temporal.internal:7233": self.temporal.address,

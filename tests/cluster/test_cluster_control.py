@@ -5,11 +5,9 @@ Temporal, a scale asked for meanwhile happens exactly once, and neither
 fault leaves a second engine for a replica or an allocation without one."""
 
 import asyncio
-import re
 import time
 from collections import Counter
 from datetime import UTC, datetime
-from pathlib import Path
 
 import httpx
 import pytest
@@ -30,39 +28,18 @@ from tests.cluster.scenario import (
     Traffic,
     client_of,
     deploy,
+    engine_groups,
     ok,
     routable,
     serving,
 )
 from tests.cluster.stack import MODEL, NAMESPACE, Cluster
-from tests.cluster.system import namespace_pids
 from workflows.placement import split_live
 
 FREEZE_S = 60.0
+
+
 # The engine's environment names its replica (worker_agent.supervisor.engine_title).
-TITLE = re.compile(rb"LLMGW_ENGINE_TITLE=llmgw \S+ replica (\S+) rank (\d+)")
-
-
-def engine_groups(cluster: Cluster) -> dict[str, dict[str, set[int]]]:
-    """Node -> replica id -> the process groups of that replica's engines."""
-    found: dict[str, dict[str, set[int]]] = {}
-    for node in NODES:
-        groups: dict[str, set[int]] = {}
-        for pid in namespace_pids(cluster.bed.hosts[node].ns):
-            try:
-                environ = Path(f"/proc/{pid}/environ").read_bytes()
-                stat = Path(f"/proc/{pid}/stat").read_text()
-            except OSError:
-                continue
-            if (m := TITLE.search(environ.replace(b"\0", b"\n"))) is None:
-                continue
-            # The process group is the 5th field, after the parenthesised name.
-            pgid = int(stat.rsplit(")", 1)[1].split()[2])
-            groups.setdefault(m.group(1).decode(), set()).add(pgid)
-        found[node] = groups
-    return found
-
-
 async def ledger_matches(cluster: Cluster, client: Client, placed: dict[str, str]) -> list[str]:
     """What is wrong between the ledger, the running replicas and the engines
     (empty when every replica has one allocation on its node and one engine

@@ -6,7 +6,6 @@ replica is replaced elsewhere, and the surplus drains when it returns."""
 import asyncio
 import time
 from datetime import UTC, datetime
-from pathlib import Path
 
 import pytest
 from temporalio.client import Client
@@ -19,11 +18,12 @@ from tests.cluster.scenario import (
     Traffic,
     client_of,
     deploy_with,
+    engine_groups,
     routable,
     serving,
 )
 from tests.cluster.stack import Cluster
-from tests.cluster.system import namespace_pids
+from tests.harness import wait_phase
 from workflows.placement import split_live
 
 # Routers stop sending to a node cut off within this: a passive ejection
@@ -44,27 +44,8 @@ async def deployed(cluster: Cluster) -> str:
 
 
 def engines_on(cluster: Cluster, node: str) -> int:
-    """llama.cpp engines running on ``node``."""
-    count = 0
-    for pid in namespace_pids(cluster.bed.hosts[node].ns):
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if any(part == b"--alias" for part in cmd) and b"llama" in cmd[0] + b" ".join(cmd):
-            count += 1
-    return count
-
-
-async def _phase(cluster: Cluster, rid: str, phase: ReplicaPhase, timeout_s: float) -> float:
-    client = await client_of(cluster)
-    began = time.monotonic()
-    async with asyncio.timeout(timeout_s):
-        while True:
-            memo = await replicas.replica_memo(client, rid)
-            if memo is not None and memo.phase is phase:
-                return time.monotonic() - began
-            await asyncio.sleep(0.2)
+    """Engine process groups running on ``node`` (one a replica)."""
+    return sum(len(groups) for groups in engine_groups(cluster, [node])[node].values())
 
 
 async def test_an_agent_cut_from_temporal_keeps_serving_and_adopts(
@@ -80,13 +61,13 @@ async def test_an_agent_cut_from_temporal_keeps_serving_and_adopts(
         await traffic.until(10)
         cluster.bed.cut_between(node, "temporal")
         try:
-            lost_after = await _phase(cluster, rid, ReplicaPhase.NODE_LOST, 120)
+            lost_after = await wait_phase(client, rid, ReplicaPhase.NODE_LOST, 120)
             # Still serving from the lost node, through both routers.
             await traffic.until(20)
             served = {o.replica for o in traffic.succeeded()[-20:]}
         finally:
             cluster.bed.heal_between(node, "temporal")
-        back_after = await _phase(cluster, rid, ReplicaPhase.READY, 120)
+        back_after = await wait_phase(client, rid, ReplicaPhase.READY, 120)
         await traffic.until(10)
     print(f"\nnode lost {lost_after:.1f}s after the cut, ready {back_after:.1f}s after the heal")
     assert traffic.failed() == [], traffic.failed()[:5]

@@ -14,7 +14,7 @@ from temporalio.client import Client
 from llmgw import replicas
 from llmgw.types import DeploymentStatus, ModelSpec, ReplicaPhase, ReplicaTimeouts, RestartPolicy
 from llmgw_cli.dev.tinymodel import TinyModel
-from tests.harness import System, wait_routable
+from tests.harness import System, wait_phase, wait_routable
 from tests.procs_util import pids_with_args
 
 FREEZE_S = 100.0
@@ -38,17 +38,6 @@ class Load:
                 self.ok += 1
             except (openai.APIError, AssertionError) as exc:
                 self.failed.append(f"{time.monotonic():.1f}: {exc!r}")
-            await asyncio.sleep(0.1)
-
-
-async def _phase(client: Client, rid: str, phase: ReplicaPhase, timeout_s: float) -> float:
-    """Seconds until the replica's memo shows ``phase``."""
-    began = time.monotonic()
-    async with asyncio.timeout(timeout_s):
-        while True:
-            memo = await replicas.replica_memo(client, rid)
-            if memo is not None and memo.phase is phase:
-                return time.monotonic() - began
             await asyncio.sleep(0.1)
 
 
@@ -86,14 +75,14 @@ async def test_frozen_agent_never_takes_down_a_serving_engine(
     try:
         agent.signal(signal.SIGSTOP)
         frozen_at = time.monotonic()
-        to_lost = await _phase(client, memo.replica_id, ReplicaPhase.NODE_LOST, 90)
+        to_lost = await wait_phase(client, memo.replica_id, ReplicaPhase.NODE_LOST, 90)
         # Still lost, still serving, for the whole freeze.
         await asyncio.sleep(max(0.0, FREEZE_S - (time.monotonic() - frozen_at)))
         lost = await replicas.replica_memo(client, memo.replica_id)
         assert lost is not None and lost.phase is ReplicaPhase.NODE_LOST
         served_frozen = load.ok
         agent.signal(signal.SIGCONT)
-        to_ready = await _phase(client, memo.replica_id, ReplicaPhase.READY, 90)
+        to_ready = await wait_phase(client, memo.replica_id, ReplicaPhase.READY, 90)
         status = await _deployment(client, spec.name, 60)
         after = load.ok
         async with asyncio.timeout(30):
@@ -144,7 +133,7 @@ async def test_lost_node_whose_engine_died_fails_frees_the_gpu_and_converges(
 
     agent.signal(signal.SIGSTOP)
     try:
-        await _phase(client, memo.replica_id, ReplicaPhase.NODE_LOST, 60)
+        await wait_phase(client, memo.replica_id, ReplicaPhase.NODE_LOST, 60)
         # The engine dies while nobody on the node can tell.
         os.kill(engine, signal.SIGKILL)
         final = await replicas.status_of(client, memo.replica_id)
